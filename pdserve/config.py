@@ -1,0 +1,122 @@
+"""Engine configuration: frozen dataclasses, one per layer, each field documented.
+
+The field docs (``doc(...)``) are also the command line's ``--help``; unknown keys are an
+error, so a typo in ``LLM(..., gpu_memory_utilisation=0.9)`` fails loudly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def doc(default: Any, help: str, **kwargs) -> Any:
+    """A dataclass field whose help text the CLI reads."""
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = doc("tiny", "Preset name (tiny, tiny-qwen2, llama3-8b, codellama-34b, "
+                     "llama3.1-70b) or a Hugging Face checkpoint folder.")
+    dtype: str = doc("auto", "Weights and activations: auto (bfloat16 on GPU, float32 on CPU), "
+                     "bfloat16, float16, float32.")
+    load_format: str = doc("auto", "auto (safetensors for a folder, dummy for a preset), "
+                           "safetensors, or dummy (random weights on the real shapes).")
+    tokenizer: str | None = doc(None, "Tokenizer folder; defaults to the model folder, "
+                                "or a byte-level tokenizer when there is none.")
+    max_model_len: int | None = doc(None, "Longest context (prompt + output) accepted; "
+                                    "defaults to the model's own limit.")
+    seed: int = doc(0, "Seed for dummy weights and for requests that give no seed.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = doc(16, "Tokens per KV page.")
+    gpu_memory_utilization: float = doc(0.85, "Share of the GPU's memory the engine may use "
+                                        "(weights, KV pool, activations, CUDA graphs).")
+    num_blocks: int | None = doc(None, "Force the KV pool to this many pages (tests).")
+    cpu_kv_cache_gb: float = doc(0.5, "KV pool size on CPU, in GiB.")
+    enable_prefix_caching: bool = doc(True, "Reuse KV pages of identical prompt prefixes.")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    schedule: str = doc("chunked", "prefill-first | chunked | multiplex.")
+    max_num_seqs: int = doc(256, "Most requests running at once.")
+    max_num_batched_tokens: int = doc(8192, "prefill-first: most new tokens in one step.")
+    chunk_size: int = doc(512, "chunked: token budget per step, decodes included "
+                          "(Sarathi-Serve).")
+    max_waiting: int = doc(4096, "Requests queued beyond this are refused (HTTP 429).")
+    itl_slo_ms: float = doc(60.0, "multiplex: inter-token latency target.")
+    ttft_slo_ms: float | None = doc(None, "multiplex: time-to-first-token target, if any.")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = doc("auto", "auto (cuda when present), cuda, or cpu.")
+    attention_backend: str = doc("auto", "auto (triton on GPU, torch on CPU), triton, torch.")
+    enforce_eager: bool = doc(False, "Never use CUDA graphs.")
+    cuda_graph_max_batch: int = doc(256, "Largest decode batch captured as a CUDA graph.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @classmethod
+    def from_flat(cls, **kwargs: Any) -> EngineConfig:
+        """Builds the layered config from flat keys (``dtype=..., block_size=...``)."""
+        parts = {}
+        for part in dataclasses.fields(cls):
+            part_cls = part.default_factory
+            names = {f.name for f in dataclasses.fields(part_cls)}
+            parts[part.name] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        if kwargs:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
+        return cls(**parts)
+
+    def flat(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for part in dataclasses.fields(self):
+            out.update(dataclasses.asdict(getattr(self, part.name)))
+        return out
+
+
+def add_cli_args(parser: argparse.ArgumentParser, config_cls: type, skip: tuple = ()) -> None:
+    """Adds one ``--flag`` per field of ``config_cls``, help text from the field docs."""
+    for f in dataclasses.fields(config_cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=help_text)
+            continue
+        parser.add_argument(flag, type=_cli_type(f), default=f.default,
+                            help=f"{help_text} (default: {f.default})")
+
+
+def _cli_type(f: dataclasses.Field):
+    text = str(f.type)
+    if "float" in text:
+        return float
+    if "int" in text:
+        return int
+    return str
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = set()
+    for part in dataclasses.fields(EngineConfig):
+        names |= {f.name for f in dataclasses.fields(part.default_factory)}
+    return EngineConfig.from_flat(**{k: v for k, v in vars(args).items() if k in names})
+
+
+ENGINE_CONFIG_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig)

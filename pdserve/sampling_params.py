@@ -1,0 +1,67 @@
+"""Per-request sampling settings, validated on construction (vLLM's field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; the message names the problem (served as HTTP 400)."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    """Most tokens to generate."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 or 0 keeps all."""
+    seed: int | None = None
+    """Per-request seed: the same seed and prompt give the same tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end generation; the stop string is not included in the output text."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation, in addition to the model's EOS."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks use this to fix the output length)."""
+    logprobs: bool = False
+    """Return the log-probability of each sampled token."""
+    min_tokens: int = 0
+    """EOS and stop tokens are ignored until this many tokens are generated."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be an integer >= 1")
+        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature must be >= 0")
+        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k must be -1, 0 or a positive integer")
+        _check(self.seed is None or _is_int(self.seed), "seed must be an integer")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ints >= 0")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message)
