@@ -1,0 +1,115 @@
+"""The offline API, shaped like vLLM's: ``LLM(model, ...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.config import EngineConfig
+from pdserve.engine.core import EngineCore, RequestUpdate
+from pdserve.model.tokenizer import IncrementalDetokenizer
+from pdserve.sampling_params import InvalidRequestError, SamplingParams
+
+Prompt = str | dict[str, Any]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finished: bool = False
+
+
+class LLM:
+    """Runs the engine in this process; ``generate`` blocks until every prompt is done."""
+
+    def __init__(self, model: str = "tiny", **engine_options: Any):
+        self.config = EngineConfig.from_flat(model=model, **engine_options)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = _broadcast(sampling_params, len(prompts))
+        pending = [self._submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        by_id = {out.request_id: (out, detok) for out, detok in pending}
+        progress = _progress(len(pending), use_tqdm)
+        while any(not out.finished for out, _ in pending):
+            for update in self.engine.step():
+                if self._apply(update, *by_id[update.request_id]):
+                    progress.update(1)
+        progress.close()
+        return [out for out, _ in pending]
+
+    def _submit(self, prompt: Prompt, params: SamplingParams):
+        text, token_ids = self._tokenize(prompt)
+        request_id = str(next(self._ids))
+        self.engine.add_request(request_id, token_ids, params)
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        completion = CompletionOutput(0, "", [], [] if params.logprobs else None, None)
+        return RequestOutput(request_id, text, token_ids, [completion]), detok
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return None, list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise InvalidRequestError("a prompt is a string, {'prompt': str} or "
+                                  "{'prompt_token_ids': [int, ...]}")
+
+    def _apply(self, update: RequestUpdate, out: RequestOutput, detok) -> bool:
+        """Folds one update into the output; True when the request just finished."""
+        if out.finished:  # the abort that follows a stop-string hit
+            return False
+        completion = out.outputs[0]
+        completion.token_ids += update.new_token_ids
+        if completion.logprobs is not None and update.new_logprobs:
+            completion.logprobs += update.new_logprobs
+        completion.text += detok.push(update.new_token_ids)
+        out.num_cached_tokens = update.num_cached_tokens
+        if detok.stopped and not update.finished:
+            self.engine.abort_request(out.request_id)
+            completion.finish_reason = "stop"
+            out.finished = True
+            return True
+        if update.finished:
+            if not detok.stopped:
+                completion.text += detok.flush()
+            completion.finish_reason = "stop" if detok.stopped else update.finish_reason
+            out.finished = True
+            return True
+        return False
+
+
+def _broadcast(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise InvalidRequestError(f"{len(params)} sampling params for {count} prompts")
+    return list(params)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", disable=not enabled)

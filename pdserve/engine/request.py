@@ -1,0 +1,90 @@
+"""A request, tracked by token counters rather than a phase flag.
+
+``num_computed`` counts tokens whose KV is in the cache; ``num_tokens`` counts prompt and
+output tokens. Prefill, a chunk of it, a prefix-cache hit, recompute after preemption and KV
+received from another instance all reduce to "advance num_computed towards num_tokens".
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    token_ids: list[int] = field(init=False)
+    num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    # Hash of each full block of token_ids, filled lazily by the block manager.
+    block_hashes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float | None) -> None:
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+    def check_stop(self, max_model_len: int) -> str | None:
+        """Finish reason after the last appended token, or None to continue."""
+        params, last = self.params, self.token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return "stop"
+            if last in params.stop_token_ids:
+                return "stop"
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None

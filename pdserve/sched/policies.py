@@ -1,0 +1,88 @@
+"""Baseline policies: prefill-first continuous batching, and chunked prefill (Sarathi-Serve)."""
+
+from __future__ import annotations
+
+from pdserve.sched.base import Plan, Scheduler
+
+
+class PrefillFirstScheduler(Scheduler):
+    """Whole prompts first, decodes paused while a prefill step runs (vLLM's classic policy)."""
+
+    name = "prefill-first"
+
+    def schedule(self) -> Plan:
+        plan = self._schedule_prefills()
+        return plan if not plan.is_empty() else self._schedule_decodes()
+
+    def _schedule_prefills(self) -> Plan:
+        plan = Plan()
+        budget = self.config.max_num_batched_tokens
+        # A prompt longer than the budget is prefilled in budget-sized steps, which bounds
+        # activation memory; decodes still wait until no prefill work is left.
+        for request in [r for r in self.running if r.num_uncomputed > 1]:
+            num_new = min(request.num_uncomputed, budget)
+            if budget <= 0 or not self._grow_or_preempt(request, request.num_computed + num_new, plan):
+                break
+            plan.add(request, num_new)
+            budget -= num_new
+        while budget > 0 and not plan.preempted:
+            admitted = self._try_admit(budget)
+            if admitted is None:
+                break
+            request, num_new = admitted
+            plan.add(request, num_new)
+            budget -= num_new
+        return plan
+
+    def _schedule_decodes(self) -> Plan:
+        plan = Plan()
+        for request in list(self.running):
+            if request not in self.running:  # preempted while making room for an earlier one
+                continue
+            if self._grow_or_preempt(request, request.num_tokens, plan):
+                plan.add(request, request.num_uncomputed)
+        return plan
+
+
+class ChunkedPrefillScheduler(Scheduler):
+    """A fixed token budget per step: running decodes first, then prefill chunks fill the rest."""
+
+    name = "chunked"
+
+    def schedule(self) -> Plan:
+        plan = Plan()
+        budget = self._schedule_running(plan, self.config.chunk_size)
+        while budget > 0 and not plan.preempted:
+            admitted = self._try_admit(budget)
+            if admitted is None:
+                break
+            request, num_new = admitted
+            plan.add(request, num_new)
+            budget -= num_new
+        return plan
+
+    def _schedule_running(self, plan: Plan, budget: int) -> int:
+        # Decodes before unfinished prefills, so a long prompt never delays an output token.
+        ordered = sorted(self.running, key=lambda r: r.num_uncomputed > 1)
+        for request in ordered:
+            if budget <= 0:
+                break
+            if request not in self.running:
+                continue
+            num_new = min(request.num_uncomputed, budget)
+            if self._grow_or_preempt(request, request.num_computed + num_new, plan):
+                plan.add(request, num_new)
+                budget -= num_new
+        return budget
+
+
+SCHEDULERS = {cls.name: cls for cls in (PrefillFirstScheduler, ChunkedPrefillScheduler)}
+
+
+def make_scheduler(config, block_manager, max_model_len) -> Scheduler:
+    try:
+        cls = SCHEDULERS[config.schedule]
+    except KeyError:
+        raise ValueError(f"unknown schedule {config.schedule!r}; choose from "
+                         f"{', '.join(SCHEDULERS)}") from None
+    return cls(config, block_manager, max_model_len)

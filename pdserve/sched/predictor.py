@@ -1,0 +1,304 @@
+"""Latency predictor: (phase, tokens, context, batch, SMs, co-running) -> milliseconds.
+
+Fitted by least squares from profile rows the engine records, one linear model per
+(phase, SM count, co-running) on features that follow the physics:
+
+- GEMMs: flat while reading the weights dominates, linear in tokens past the ridge
+  point. A hinge ``max(0, tokens - knee)`` models that bend; the knee is searched
+  per group, because it moves with the SM count (bandwidth and FLOP rate scale apart).
+- Attention: decode reads the KV of every context token (linear in the context sum);
+  prefill computes ``tokens * (prefix + tokens / 2) / batch`` query-key pairs (exact for
+  equal requests) and reads the prefix KV.
+- Prefill pieces run ``num_layers`` of the model: every per-layer cost scales with the
+  share of layers run, one launch overhead does not.
+
+Rows are weighted by 1 / latency, so the fit minimises relative error, which is what
+the planner's SLO margins are in. Co-running groups are fitted on their own rows
+(interference is not symmetric and depends on the split, DESIGN.md §2); a co-running
+group with too few rows falls back to the alone model times a contention factor from
+whatever co-running rows exist. SM counts between profiled ones interpolate linearly in
+1 / SMs (time ~ work / rate); outside the profiled range the nearest count is used.
+
+Saved as JSON keyed by (GPU name, model name); loading a file for another key fails.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import random
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_VERSION = 1
+PHASES = ("decode", "prefill")
+KNEES = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
+_TOKENS = 1e-3  # features in thousands of tokens keep the normal equations well scaled
+_PAIRS = 1e-6
+
+
+@dataclass(frozen=True)
+class ProfileRecord:
+    """One timed launch, as the engine's profiler records it."""
+
+    phase: str  # decode | prefill | mixed (a whole-GPU step carrying both)
+    num_tokens: int  # tokens computed: one per request for decode, new tokens for prefill
+    context_tokens: int  # decode: sum of the requests' contexts; prefill: sum of prefixes
+    batch_size: int
+    sms: int  # SMs the phase ran on
+    co_running: bool  # the other phase ran at the same time on the other SMs
+    latency_ms: float
+    num_layers: int | None = None  # prefill piece: layers run (None: all)
+    decode_batch: int = 0  # mixed steps only
+    decode_context: int = 0  # mixed steps only
+
+    @classmethod
+    def of(cls, row: ProfileRecord | Mapping) -> ProfileRecord:
+        if isinstance(row, ProfileRecord):
+            return row
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in row.items() if k in names})
+
+
+@dataclass(frozen=True)
+class _Fit:
+    coef: tuple[float, ...]
+    knee: float
+
+    def predict(self, features: np.ndarray) -> float:
+        return float(features @ np.asarray(self.coef))
+
+
+def _features(phase: str, tokens: float, context: float, batch: float, layer_share: float,
+              knee: float) -> np.ndarray:
+    t, b = tokens * _TOKENS, max(batch, 1.0)
+    bend = max(0.0, tokens - knee) * _TOKENS
+    if phase == "decode":
+        return np.array([1.0, t, bend, context * _TOKENS, b])
+    pairs = tokens * (context + tokens / 2) / b * _PAIRS
+    per_layer = np.array([1.0, t, bend, context * _TOKENS, pairs, b])
+    return np.concatenate(([1.0], layer_share * per_layer))
+
+
+def _n_features(phase: str) -> int:
+    return 5 if phase == "decode" else 7
+
+
+def _fit_group(phase: str, rows: Sequence[ProfileRecord], num_layers: int) -> _Fit:
+    target = np.array([r.latency_ms for r in rows])
+    best: tuple[float, _Fit] | None = None
+    for knee in KNEES:
+        x = np.stack([_row_features(r, num_layers, knee) for r in rows])
+        weighted = x / target[:, None]  # relative error: (x @ c - y) / y
+        coef, *_ = np.linalg.lstsq(weighted, np.ones(len(rows)), rcond=None)
+        err = float(np.sum((weighted @ coef - 1.0) ** 2))
+        if best is None or err < best[0]:
+            best = (err, _Fit(tuple(float(c) for c in coef), float(knee)))
+    return best[1]
+
+
+def _row_features(r: ProfileRecord, num_layers: int, knee: float) -> np.ndarray:
+    share = (r.num_layers or num_layers) / num_layers
+    return _features(r.phase, r.num_tokens, r.context_tokens, r.batch_size, share, knee)
+
+
+class LatencyPredictor:
+    """Fitted latency model of one model on one GPU. Build with ``fit`` or ``load``."""
+
+    def __init__(self, gpu_name: str, model_name: str, num_layers: int, total_sms: int,
+                 fits: dict[tuple[str, int, bool], _Fit] | None = None,
+                 contention: dict[tuple[str, int], float] | None = None,
+                 mixed_factor: float = 1.0):
+        self.gpu_name = gpu_name
+        self.model_name = model_name
+        self.num_layers = num_layers
+        self.total_sms = total_sms
+        self._fits = dict(fits or {})
+        self._contention = dict(contention or {})
+        self.mixed_factor = mixed_factor
+
+    # ------------------------------------------------------------------ fitting
+
+    @classmethod
+    def fit(cls, rows: Iterable[ProfileRecord | Mapping], *, gpu_name: str, model_name: str,
+            num_layers: int, total_sms: int | None = None) -> LatencyPredictor:
+        records = [ProfileRecord.of(r) for r in rows]
+        total = total_sms or max(r.sms for r in records)
+        groups: dict[tuple[str, int, bool], list[ProfileRecord]] = defaultdict(list)
+        for r in records:
+            if r.phase in PHASES:
+                groups[(r.phase, r.sms, bool(r.co_running and r.sms < total))].append(r)
+        fits = {key: _fit_group(key[0], rows_, num_layers) for key, rows_ in groups.items()
+                if len(rows_) >= _n_features(key[0]) + 2}
+        pred = cls(gpu_name, model_name, num_layers, total, fits)
+        pred._contention = pred._fit_contention(groups)
+        mixed = [r for r in records if r.phase == "mixed"]
+        if mixed:
+            pred.mixed_factor = 1.0
+            pred.mixed_factor = _geo_mean([r.latency_ms / pred._mixed_row(r) for r in mixed])
+        return pred
+
+    def _fit_contention(self, groups: Mapping[tuple[str, int, bool], list[ProfileRecord]]
+                        ) -> dict[tuple[str, int], float]:
+        """Co-running slowdown per (phase, SMs): observed co-running over predicted alone."""
+        factors = {}
+        for (phase, sms, co), rows in groups.items():
+            if co and (phase, sms, False) in self._fits:
+                alone = self._fits[(phase, sms, False)]
+                ratios = [r.latency_ms / alone.predict(_row_features(r, self.num_layers,
+                                                                     alone.knee))
+                          for r in rows]
+                factors[(phase, sms)] = _geo_mean(ratios)
+        return factors
+
+    # --------------------------------------------------------------- predicting
+
+    def predict(self, phase: str, num_tokens: int, context_tokens: int, batch_size: int,
+                sms: int, co_running: bool = False, num_layers: int | None = None) -> float:
+        """Milliseconds for one decode step or one prefill piece of ``num_layers`` layers."""
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, not {phase!r}")
+        co = bool(co_running and sms < self.total_sms)
+        share = (num_layers or self.num_layers) / self.num_layers
+        known = self.profiled_sms(phase, co)
+        if not known:
+            raise LookupError(f"no profile for {phase} (co_running={co})")
+        at = lambda s: self._predict_at(phase, num_tokens, context_tokens, batch_size, share,
+                                        s, co)
+        i = bisect.bisect_left(known, sms)
+        if i < len(known) and known[i] == sms:
+            return at(sms)
+        if i == 0 or i == len(known):
+            return at(known[min(i, len(known) - 1)])
+        lo, hi = known[i - 1], known[i]
+        w = (1 / sms - 1 / hi) / (1 / lo - 1 / hi)
+        return w * at(lo) + (1 - w) * at(hi)
+
+    def predict_mixed(self, prefill_tokens: int, prefill_context: int, prefill_batch: int,
+                      decode_batch: int, decode_context: int, sms: int | None = None) -> float:
+        """A whole-GPU step carrying a prefill chunk and the decode batch together.
+
+        Decode tokens ride in prefill's GEMMs (one weight read for both), so the step is a
+        prefill of ``prefill_tokens + decode_batch`` tokens plus decode's attention (the
+        context-dependent part of a decode step), scaled by a factor fitted on mixed rows.
+        """
+        sms = sms or self.total_sms
+        if prefill_tokens <= 0:
+            return self.predict("decode", decode_batch, decode_context, decode_batch, sms)
+        gemms = self.predict("prefill", prefill_tokens + decode_batch, prefill_context,
+                             max(prefill_batch, 1), sms)
+        attention = (self.predict("decode", decode_batch, decode_context, decode_batch, sms)
+                     - self.predict("decode", decode_batch, 0, decode_batch, sms))
+        return self.mixed_factor * (gemms + max(attention, 0.0))
+
+    def profiled_sms(self, phase: str, co_running: bool) -> list[int]:
+        """SM counts this predictor can answer for directly (others interpolate)."""
+        own = {s for (p, s, co) in self._fits if p == phase and co == co_running}
+        if co_running:
+            own |= {s for (p, s, co) in self._fits if p == phase and not co
+                    and s < self.total_sms and self._contention_at(phase, s) is not None}
+        return sorted(own)
+
+    def _predict_at(self, phase: str, tokens: int, context: int, batch: int, share: float,
+                    sms: int, co: bool) -> float:
+        fit = self._fits.get((phase, sms, co))
+        factor = 1.0
+        if fit is None:  # co-running without its own fit: alone x contention
+            fit, factor = self._fits[(phase, sms, False)], self._contention_at(phase, sms)
+        x = _features(phase, tokens, context, batch, share, fit.knee)
+        return factor * max(fit.predict(x), 1e-3)
+
+    def _contention_at(self, phase: str, sms: int) -> float | None:
+        if (phase, sms) in self._contention:
+            return self._contention[(phase, sms)]
+        near = sorted((abs(s - sms), f) for (p, s), f in self._contention.items() if p == phase)
+        return near[0][1] if near else None
+
+    def _mixed_row(self, r: ProfileRecord) -> float:
+        return self.predict_mixed(r.num_tokens, r.context_tokens, r.batch_size,
+                                  r.decode_batch, r.decode_context, r.sms)
+
+    def predict_row(self, row: ProfileRecord | Mapping) -> float:
+        r = ProfileRecord.of(row)
+        if r.phase == "mixed":
+            return self._mixed_row(r)
+        return self.predict(r.phase, r.num_tokens, r.context_tokens, r.batch_size, r.sms,
+                            r.co_running, r.num_layers)
+
+    # --------------------------------------------------------------- evaluating
+
+    def evaluate(self, rows: Iterable[ProfileRecord | Mapping]) -> dict[str, float]:
+        """Relative error |predicted - measured| / measured over ``rows``."""
+        records = [ProfileRecord.of(r) for r in rows]
+        errs = np.array([abs(self.predict_row(r) - r.latency_ms) / r.latency_ms
+                         for r in records])
+        if errs.size == 0:
+            return {"n": 0, "median_rel_err": math.nan, "p95_rel_err": math.nan,
+                    "max_rel_err": math.nan}
+        return {"n": int(errs.size), "median_rel_err": float(np.median(errs)),
+                "p95_rel_err": float(np.percentile(errs, 95)), "max_rel_err": float(errs.max())}
+
+    # ----------------------------------------------------------------- storing
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT_VERSION, "gpu": self.gpu_name, "model": self.model_name,
+            "num_layers": self.num_layers, "total_sms": self.total_sms,
+            "mixed_factor": self.mixed_factor,
+            "fits": [{"phase": p, "sms": s, "co_running": co, **asdict(f)}
+                     for (p, s, co), f in sorted(self._fits.items())],
+            "contention": [{"phase": p, "sms": s, "factor": f}
+                           for (p, s), f in sorted(self._contention.items())],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> LatencyPredictor:
+        if data.get("format") != FORMAT_VERSION:
+            raise ValueError(f"predictor format {data.get('format')}, expected {FORMAT_VERSION}")
+        fits = {(f["phase"], f["sms"], f["co_running"]): _Fit(tuple(f["coef"]), f["knee"])
+                for f in data["fits"]}
+        contention = {(c["phase"], c["sms"]): c["factor"] for c in data["contention"]}
+        return cls(data["gpu"], data["model"], data["num_layers"], data["total_sms"], fits,
+                   contention, data.get("mixed_factor", 1.0))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, gpu_name: str | None = None,
+             model_name: str | None = None) -> LatencyPredictor:
+        """Loads a saved predictor; with names given, refuses one fitted elsewhere."""
+        pred = cls.from_json(json.loads(Path(path).read_text()))
+        for want, got, what in ((gpu_name, pred.gpu_name, "GPU"),
+                                (model_name, pred.model_name, "model")):
+            if want is not None and want != got:
+                raise ValueError(f"{path}: fitted for {what} {got!r}, not {want!r}")
+        return pred
+
+
+def predictor_path(directory: str | Path, gpu_name: str, model_name: str) -> Path:
+    """Where the predictor of (GPU, model) lives under ``directory``."""
+    slug = lambda s: re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_").lower()
+    return Path(directory) / f"{slug(gpu_name)}__{slug(model_name)}.json"
+
+
+def train_test_split(rows: Sequence, test_fraction: float = 0.2, seed: int = 0
+                     ) -> tuple[list, list]:
+    """Shuffled (train, test) lists for held-out evaluation."""
+    order = list(rows)
+    random.Random(seed).shuffle(order)
+    cut = int(round(len(order) * (1 - test_fraction)))
+    return order[:cut], order[cut:]
+
+
+def _geo_mean(values: Sequence[float]) -> float:
+    return float(math.exp(sum(math.log(v) for v in values) / len(values)))
