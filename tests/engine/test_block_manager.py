@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+from pdserve.cache.block_manager import BlockManager
+from tests.engine.factories import make_request
+
+
+def test_grow_allocates_whole_blocks_and_free_returns_them():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    request = make_request(9)
+    assert blocks.grow(request, 9)
+    assert len(request.block_ids) == 3 and blocks.num_free_blocks == 5
+    assert not blocks.grow(make_request(40), 40), "needs 10 blocks, 5 free"
+    blocks.free(request)
+    assert blocks.num_free_blocks == 8
+    blocks.check_integrity([])
+
+
+def test_prefix_hit_shares_blocks_with_ref_counts():
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    first, second = make_request(10), make_request(10)
+    blocks.admit(first)
+    blocks.grow(first, 10)
+    first.num_computed = 10
+    blocks.commit(first)
+    blocks.admit(second)
+    assert second.num_computed == 8  # two full blocks; the partial third is not shared
+    assert second.block_ids == first.block_ids[:2]
+    assert blocks.blocks[first.block_ids[0]].ref_count == 2
+    blocks.check_integrity([first, second])
+    blocks.free(first)
+    blocks.free(second)
+    blocks.check_integrity([])
+
+
+def test_whole_prompt_hit_still_recomputes_last_token():
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    first, second = make_request(8), make_request(8)
+    blocks.admit(first)
+    blocks.grow(first, 8)
+    first.num_computed = 8
+    blocks.commit(first)
+    blocks.free(first)
+    blocks.admit(second)
+    assert second.num_computed == 4, "the last prompt token must run to give logits"
+
+
+def test_freed_cached_blocks_are_hits_until_recycled():
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    first = make_request(8)
+    blocks.admit(first)
+    blocks.grow(first, 8)
+    first.num_computed = 8
+    blocks.commit(first)
+    blocks.free(first)
+    other = make_request(16, first_token=100)
+    blocks.admit(other)
+    assert other.num_computed == 0
+    assert blocks.grow(other, 16), "cached-but-free blocks are recycled under pressure"
+    assert not blocks.cached, "recycled blocks forget their hashes"
+    blocks.check_integrity([other])
+
+
+def test_different_tokens_do_not_hit():
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    first, second = make_request(9, first_token=10), make_request(9, first_token=11)
+    blocks.admit(first)
+    blocks.grow(first, 9)
+    first.num_computed = 9
+    blocks.commit(first)
+    blocks.admit(second)
+    assert second.num_computed == 0
