@@ -56,6 +56,7 @@ class BlockManager:
         for block_id in hits:
             self._take(block_id)
         request.block_ids = hits
+        request.num_committed_blocks = len(hits)
         request.num_computed = len(hits) * self.block_size
         request.num_cached_tokens = request.num_computed
         self.prefix_queries += request.num_tokens
@@ -88,16 +89,20 @@ class BlockManager:
         return True
 
     def commit(self, request: Request) -> None:
-        """Registers hashes of the request's blocks that are now full and computed."""
+        """Registers hashes of the request's blocks that became full and computed."""
         if not self.enable_prefix_caching:
             return
+        num_full = request.num_computed // self.block_size
+        if num_full <= request.num_committed_blocks:
+            return  # the common decode step: nothing new, O(1)
         hashes = self._hash_chain(request)
-        for i in range(min(len(hashes), request.num_computed // self.block_size)):
+        for i in range(request.num_committed_blocks, min(len(hashes), num_full)):
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is None and hashes[i] not in self.cached:
                 block.block_hash = hashes[i]
                 block.token_ids = self._tokens_of(request, i)
                 self.cached[hashes[i]] = block.block_id
+        request.num_committed_blocks = num_full
 
     def free(self, request: Request) -> None:
         # Tail blocks first: they are the least likely to be shared, so they are recycled first.
@@ -107,6 +112,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
         request.block_ids = []
+        request.num_committed_blocks = 0
 
     def _take(self, block_id: int) -> int:
         """Adds a reference to a block, keeping its contents (a prefix hit)."""

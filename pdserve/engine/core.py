@@ -62,8 +62,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.arch = get_arch(config.model)
-        self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings,
-                                 self.arch.max_position_embeddings)
+        self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
+        if self.max_model_len > self.arch.max_position_embeddings:
+            log.warning("max_model_len %d is past the %d positions the model was trained on",
+                        self.max_model_len, self.arch.max_position_embeddings)
         self.model_name = config.model.model
         tokenizer_path = config.model.tokenizer or (
             config.model.model if is_checkpoint_dir(config.model.model) else None)

@@ -42,6 +42,7 @@ class Request:
     first_token_time: float | None = None
     # Hash of each full block of token_ids, filled lazily by the block manager.
     block_hashes: list[int] = field(default_factory=list)
+    num_committed_blocks: int = 0  # leading blocks already offered to the prefix cache
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

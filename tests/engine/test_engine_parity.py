@@ -68,3 +68,53 @@ def test_prefix_hit_reuses_blocks_and_matches(hf_llama):
     second = llm.generate({"prompt_token_ids": prompt}, params)[0]
     assert second.num_cached_tokens == 56  # 7 full blocks; the last token is recomputed
     assert first.outputs[0].token_ids == second.outputs[0].token_ids == hf_greedy(model, prompt, 5)
+
+
+@pytest.fixture(scope="module")
+def hf_llama_gpu(tmp_path_factory):
+    """A larger random Llama on the GPU (head_dim 64, GQA 4:1) for the Triton path."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.1)
+    folder = tmp_path_factory.mktemp("gpu-llama")
+    model.save_pretrained(folder, safe_serialization=True)
+    return str(folder), model.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["prefill-first", "chunked-64", "preempting"])
+def test_triton_engine_matches_transformers_on_gpu(hf_llama_gpu, name):
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    folder, model = hf_llama_gpu
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 1000) for _ in range(300)]
+    prompts = [(shared if i % 2 else []) + [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 700))]
+               for i in range(12)]
+    want = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=MAX_NEW,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 min_new_tokens=MAX_NEW)
+        want.append(out[0, len(prompt):].tolist())
+    options = dict(CONFIGS[name])
+    if name == "preempting":
+        options.update(num_blocks=120, block_size=16)
+    llm = LLM(folder, dtype="float32", device="cuda", attention_backend="triton", **options)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in
+           llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == want
+    llm.engine.check_integrity()

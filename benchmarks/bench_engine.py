@@ -1,0 +1,228 @@
+"""Engine speed on one GPU: decode step time and prefill throughput beside their rooflines.
+
+Decode: requests with a given context are placed straight into the running set (their KV
+pages hold whatever the pool holds; the kernels read every byte all the same), then the real
+engine loop (schedule -> CUDA-graph step -> sample -> update) is timed. Roofline: weight bytes
+plus KV bytes read, over the measured copy bandwidth. Prefill: one prompt through the real
+loop; roofline: FLOPs over the measured bf16 GEMM rate. Also reports the host-side share of a
+decode step and the KV pool size at the configured memory fraction.
+
+    python benchmarks/bench_engine.py --models llama3-8b codellama-34b --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.core import EngineCore
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.sampling_params import SamplingParams
+
+DECODE_BATCHES = (1, 16, 64, 256)
+DECODE_CONTEXTS = (1024, 8192)
+PREFILL_LENGTHS = (1024, 8192, 32768)
+
+
+def measure_ceilings() -> dict:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = _time_ms(lambda: dst.copy_(src), repeats=20)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    gemm_ms = _time_ms(lambda: a @ a, repeats=20)
+    del src, dst, a
+    torch.cuda.empty_cache()
+    return {"copy_bandwidth_gbs": 2 * (1 << 30) / copy_ms / 1e6,  # read + write
+            "bf16_gemm_tflops": 2 * 8192**3 / gemm_ms / 1e9}
+
+
+def _time_ms(fn, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def weight_bytes(engine: EngineCore) -> int:
+    # The embedding table is gathered, not streamed: only the LM head's copy is read per step.
+    model = engine.runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    if not engine.arch.tie_word_embeddings:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def kv_bytes_per_token(engine: EngineCore) -> int:
+    arch = engine.arch
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * engine.runner.dtype.itemsize
+
+
+def place_decoding_requests(engine: EngineCore, batch: int, context: int) -> list[Request] | None:
+    blocks_each = engine.blocks.blocks_needed(context + 64)
+    if blocks_each * batch > engine.blocks.num_free_blocks:
+        return None
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    requests = []
+    for i in range(batch):
+        request = Request(f"d{batch}-{context}-{i}", [i % 1000 + 3] * context, params)
+        engine.blocks.grow(request, context)
+        request.num_computed = context - 1
+        request.status = RequestStatus.RUNNING
+        engine.requests[request.request_id] = request
+        engine.scheduler.running.append(request)
+        requests.append(request)
+    return requests
+
+
+def time_decode(engine: EngineCore, batch: int, context: int, steps: int = 12) -> dict | None:
+    requests = place_decoding_requests(engine, batch, context)
+    if requests is None:
+        return None
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    host = _HostTimer(engine)
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - started) * 1e3 / steps
+    for request in requests:
+        engine.abort_request(request.request_id)
+    engine.step()
+    host.restore()
+    return {"step_ms": step_ms, "host_ms": host.total_ms / steps}
+
+
+class _HostTimer:
+    """Times the scheduler's host work per step (schedule + batch build + update)."""
+
+    def __init__(self, engine: EngineCore):
+        import pdserve.engine.model_runner as runner_module
+
+        self.engine, self.total_ms = engine, 0.0
+        self._module = runner_module
+        self._schedule, self._update = engine.scheduler.schedule, engine.scheduler.update
+        self._build = runner_module.build_host_batch
+        engine.scheduler.schedule = self._timed(self._schedule)
+        engine.scheduler.update = self._timed(self._update)
+        runner_module.build_host_batch = self._timed(self._build)
+
+    def _timed(self, fn):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            result = fn(*args, **kwargs)
+            self.total_ms += (time.perf_counter() - started) * 1e3
+            return result
+        return wrapper
+
+    def restore(self) -> None:
+        self.engine.scheduler.schedule, self.engine.scheduler.update = self._schedule, self._update
+        self._module.build_host_batch = self._build
+
+
+def time_prefill(engine: EngineCore, length: int) -> dict | None:
+    if length + 1 > engine.max_model_len:
+        return None
+    prompt = [(i * 7919) % 30000 + 3 for i in range(length)]
+    timings = []
+    for attempt in range(2):  # the first run warms up kernels for these shapes
+        engine.add_request(f"p{length}-{attempt}", prompt, SamplingParams(max_tokens=1))
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        torch.cuda.synchronize()
+        timings.append(time.perf_counter() - started)
+        prompt = [t + 1 for t in prompt]  # no prefix-cache hit on the second run
+    seconds = timings[-1]
+    return {"seconds": seconds, "tokens_per_s": length / seconds}
+
+
+def prefill_flops(engine: EngineCore, length: int) -> float:
+    arch = engine.arch
+    layer_params = sum(p.numel() for p in engine.runner.model.model.layers.parameters())
+    head_params = engine.runner.model.lm_head.weight.numel()
+    linear = 2 * length * layer_params + 2 * head_params  # logits for the last token only
+    attention = 2 * arch.num_layers * arch.num_heads * arch.head_dim * length * length  # causal
+    return linear + attention
+
+
+def bench_model(model: str, memory_fraction: float, ceilings: dict) -> dict:
+    config = EngineConfig.from_flat(model=model, load_format="dummy", schedule="prefill-first",
+                                    gpu_memory_utilization=memory_fraction,
+                                    max_model_len=max(PREFILL_LENGTHS) + 1, max_num_seqs=256)
+    started = time.perf_counter()
+    engine = EngineCore(config)
+    result = {"model": model, "startup_s": time.perf_counter() - started,
+              "kv_pool_tokens": engine.blocks.num_blocks * engine.blocks.block_size,
+              "memory_fraction": memory_fraction, "decode": [], "prefill": []}
+    weights, kv_token = weight_bytes(engine), kv_bytes_per_token(engine)
+    bandwidth = ceilings["copy_bandwidth_gbs"] * 1e9
+    for context in DECODE_CONTEXTS:
+        for batch in DECODE_BATCHES:
+            timing = time_decode(engine, batch, context)
+            row = {"batch": batch, "context": context}
+            if timing is None:
+                row["skipped"] = "KV pool too small for this batch and context"
+            else:
+                roofline_ms = (weights + batch * context * kv_token) / bandwidth * 1e3
+                row.update(timing, roofline_ms=roofline_ms,
+                           fraction_of_roofline=roofline_ms / timing["step_ms"])
+            result["decode"].append(row)
+            print(json.dumps(row), flush=True)
+    for length in PREFILL_LENGTHS:
+        timing = time_prefill(engine, length)
+        row = {"tokens": length}
+        if timing is None:
+            row["skipped"] = "longer than max_model_len"
+        else:
+            ideal_s = prefill_flops(engine, length) / (ceilings["bf16_gemm_tflops"] * 1e12)
+            row.update(timing, roofline_s=ideal_s, fraction_of_roofline=ideal_s / timing["seconds"])
+        result["prefill"].append(row)
+        print(json.dumps(row), flush=True)
+    del engine
+    torch.cuda.empty_cache()
+    return result
+
+
+def git_revision() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["llama3-8b", "codellama-34b"])
+    parser.add_argument("--memory-fraction", type=float, default=0.85)
+    parser.add_argument("--out", default="bench_engine.json")
+    args = parser.parse_args()
+    ceilings = measure_ceilings()
+    print(json.dumps(ceilings), flush=True)
+    report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "python": platform.python_version(), "ceilings": ceilings, "models": []}
+    for model in args.models:
+        report["models"].append(bench_model(model, args.memory_fraction, ceilings))
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
