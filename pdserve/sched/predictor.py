@@ -71,19 +71,21 @@ class _Fit:
     coef: tuple[float, ...]
     knee: float
 
-    def predict(self, features: np.ndarray) -> float:
-        return float(features @ np.asarray(self.coef))
+    def predict(self, features: Sequence[float]) -> float:
+        # Plain Python: the planner asks dozens of times per step; numpy's call overhead
+        # costs more than these seven multiplications.
+        return sum(c * x for c, x in zip(self.coef, features, strict=True))
 
 
 def _features(phase: str, tokens: float, context: float, batch: float, layer_share: float,
-              knee: float) -> np.ndarray:
+              knee: float) -> tuple[float, ...]:
     t, b = tokens * _TOKENS, max(batch, 1.0)
     bend = max(0.0, tokens - knee) * _TOKENS
     if phase == "decode":
-        return np.array([1.0, t, bend, context * _TOKENS, b])
+        return (1.0, t, bend, context * _TOKENS, b)
     pairs = tokens * (context + tokens / 2) / b * _PAIRS
-    per_layer = np.array([1.0, t, bend, context * _TOKENS, pairs, b])
-    return np.concatenate(([1.0], layer_share * per_layer))
+    s = layer_share
+    return (1.0, s, s * t, s * bend, s * context * _TOKENS, s * pairs, s * b)
 
 
 def _n_features(phase: str) -> int:
@@ -94,7 +96,7 @@ def _fit_group(phase: str, rows: Sequence[ProfileRecord], num_layers: int) -> _F
     target = np.array([r.latency_ms for r in rows])
     best: tuple[float, _Fit] | None = None
     for knee in KNEES:
-        x = np.stack([_row_features(r, num_layers, knee) for r in rows])
+        x = np.array([_row_features(r, num_layers, knee) for r in rows])
         weighted = x / target[:, None]  # relative error: (x @ c - y) / y
         coef, *_ = np.linalg.lstsq(weighted, np.ones(len(rows)), rcond=None)
         err = float(np.sum((weighted @ coef - 1.0) ** 2))
@@ -103,7 +105,7 @@ def _fit_group(phase: str, rows: Sequence[ProfileRecord], num_layers: int) -> _F
     return best[1]
 
 
-def _row_features(r: ProfileRecord, num_layers: int, knee: float) -> np.ndarray:
+def _row_features(r: ProfileRecord, num_layers: int, knee: float) -> tuple[float, ...]:
     share = (r.num_layers or num_layers) / num_layers
     return _features(r.phase, r.num_tokens, r.context_tokens, r.batch_size, share, knee)
 
@@ -122,6 +124,7 @@ class LatencyPredictor:
         self._fits = dict(fits or {})
         self._contention = dict(contention or {})
         self.mixed_factor = mixed_factor
+        self._known = self._index()
 
     # ------------------------------------------------------------------ fitting
 
@@ -138,6 +141,7 @@ class LatencyPredictor:
                 if len(rows_) >= _n_features(key[0]) + 2}
         pred = cls(gpu_name, model_name, num_layers, total, fits)
         pred._contention = pred._fit_contention(groups)
+        pred._known = pred._index()
         mixed = [r for r in records if r.phase == "mixed"]
         if mixed:
             pred.mixed_factor = 1.0
@@ -199,6 +203,13 @@ class LatencyPredictor:
 
     def profiled_sms(self, phase: str, co_running: bool) -> list[int]:
         """SM counts this predictor can answer for directly (others interpolate)."""
+        return self._known.get((phase, co_running), [])
+
+    def _index(self) -> dict[tuple[str, bool], list[int]]:
+        return {(phase, co): self._answerable(phase, co) for phase in PHASES
+                for co in (False, True)}
+
+    def _answerable(self, phase: str, co_running: bool) -> list[int]:
         own = {s for (p, s, co) in self._fits if p == phase and co == co_running}
         if co_running:
             own |= {s for (p, s, co) in self._fits if p == phase and not co

@@ -11,8 +11,9 @@ ground truth that tests generate synthetic profiles from.
 Calibration (CodeLlama-34B-shaped GEMMs, one H200):
 - bandwidth reached with s SMs: ``peak_bw * (1 - exp(-s / bw_sms_scale))``: 16 SMs read
   the 66 GB of weights in 36 ms, 32 in 24 ms, 64 in 17.5 ms, 132 in 16.3 ms;
-- FLOP rate: ``peak_flops * (s / total) ** flops_exponent``: 699 TFLOP/s on 132 SMs,
-  ~580 on 116, ~430 on 68;
+- FLOP rate: ``peak_flops * (s / total) ** flops_exponent``: ~700 TFLOP/s on 132 SMs,
+  ~580 on 116, ~430 on 68, times ``M / (M + gemm_half_tokens)`` for GEMMs of M tokens
+  (short GEMMs fill few tiles);
 - co-running: decode slows by ``1.2 + 0.003 * decode_sms`` (x1.22 on 16 SMs, x1.39 on
   64), prefill by ``1 + 0.0085 * other_sms`` (x1.14 beside 16 decode SMs, x1.54 beside 64).
 """
@@ -54,8 +55,9 @@ class GpuCost:
     total_sms: int = 132
     peak_bw: float = 4.1e12  # bytes/s
     bw_sms_scale: float = 27.6
-    peak_flops: float = 7.0e14
+    peak_flops: float = 7.4e14
     flops_exponent: float = 0.72
+    gemm_half_tokens: float = 128.0  # GEMMs this short reach half the FLOP rate (tiling)
     step_overhead_ms: float = 0.4  # per launch (decode step or prefill piece)
     per_seq_ms: float = 0.01  # per request in a batch (metadata, sampling)
     decode_contention: tuple[float, float] = (1.2, 0.003)
@@ -64,8 +66,11 @@ class GpuCost:
     def bandwidth(self, sms: int) -> float:
         return self.peak_bw * (1.0 - math.exp(-sms / self.bw_sms_scale))
 
-    def flop_rate(self, sms: int) -> float:
-        return self.peak_flops * (sms / self.total_sms) ** self.flops_exponent
+    def flop_rate(self, sms: int, tokens: float | None = None) -> float:
+        rate = self.peak_flops * (sms / self.total_sms) ** self.flops_exponent
+        if tokens is None:
+            return rate
+        return rate * tokens / (tokens + self.gemm_half_tokens)
 
     def contention(self, phase: str, sms: int) -> float:
         if sms >= self.total_sms:
@@ -112,7 +117,7 @@ class RooflinePredictor:
         """All layers' GEMMs: weights read once, or compute-bound past the ridge point."""
         m, gpu = self.model, self.gpu
         return 1e3 * max(m.weight_bytes / gpu.bandwidth(sms),
-                         tokens * m.flops_per_token / gpu.flop_rate(sms))
+                         tokens * m.flops_per_token / gpu.flop_rate(sms, max(tokens, 1)))
 
     def _attention(self, kv_tokens: int, pairs: float, sms: int) -> float:
         """Attention kernels run apart from the GEMMs: their own roofline, added."""

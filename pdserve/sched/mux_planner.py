@@ -1,0 +1,368 @@
+"""Per-step planning for PD-multiplexing: how to share the GPU between decode and prefill.
+
+Pure logic over a latency predictor (no torch). At every decode step the engine asks
+``MuxPlanner.plan`` and gets a ``MuxPlan``:
+
+- SPATIAL: decode on its own green-context partition, prefill on the rest, at the same
+  time. Decode gets the *smallest* partition whose predicted co-running step fits the
+  ITL budget; prefill gets a piece (tokens x layers) predicted to last about one decode
+  step, so the scheduler can re-plan at every step and neither stream idles.
+- TEMPORAL: one whole-GPU mixed step; decode tokens ride along in a prefill chunk's GEMMs
+  (chunked prefill), with the largest chunk whose predicted step fits the ITL budget.
+- PREFILL_ONLY: no decode running; prefill takes the whole GPU and runs every remaining
+  layer of its batch in one piece (no layer-by-layer crawl when nobody needs the SMs).
+- DECODE_ONLY: nothing to prefill, or prefill paused because no option meets the SLO.
+- IDLE: nothing to do.
+
+Decision rule, with budget = ITL SLO x safety margin:
+1. SPATIAL and TEMPORAL are each feasible when their predicted decode latency (the
+   co-running decode step; the mixed step) is within the budget.
+2. Among feasible options, pick the higher predicted prefill progress, in prompt tokens
+   per second (a piece of T tokens through k of L layers counts T x k / L). A tie goes
+   to TEMPORAL: one stream, no partition switch to drain.
+3. If neither is feasible, pick the lowest predicted decode latency among SPATIAL on the
+   largest decode partition and DECODE_ONLY on the whole GPU (prefill waits a step).
+
+A prefill batch that is part-way through its layers (started in spatial pieces) must
+finish its layers before a mixed step can take new prompt tokens, so while one is in
+flight TEMPORAL is not offered.
+
+With a TTFT SLO, a new prefill batch is capped so that its predicted time through all
+layers fits the oldest waiting request's remaining TTFT (never below that request's own
+tokens): batching more prompts behind it would only delay its first token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+
+class LatencyModel(Protocol):
+    """What the planner needs from a predictor (``LatencyPredictor``, ``RooflinePredictor``)."""
+
+    num_layers: int
+    total_sms: int
+
+    def predict(self, phase: str, num_tokens: int, context_tokens: int, batch_size: int,
+                sms: int, co_running: bool = False, num_layers: int | None = None) -> float: ...
+
+    def predict_mixed(self, prefill_tokens: int, prefill_context: int, prefill_batch: int,
+                      decode_batch: int, decode_context: int, sms: int | None = None
+                      ) -> float: ...
+
+
+class MuxMode(StrEnum):
+    SPATIAL = "spatial"
+    TEMPORAL = "temporal"
+    PREFILL_ONLY = "prefill_only"
+    DECODE_ONLY = "decode_only"
+    IDLE = "idle"
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    batch_size: int
+    context_tokens: int  # sum over the batch of each request's context
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """A request waiting for (more) prefill."""
+
+    tokens_remaining: int
+    prefix_tokens: int = 0  # already in the KV cache: prefix hit plus earlier chunks
+    waited_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class InFlightPrefill:
+    """A prefill batch part-way through the model's layers."""
+
+    num_tokens: int
+    context_tokens: int  # sum of the batch's prefixes
+    batch_size: int
+    layers_done: int
+
+
+@dataclass(frozen=True)
+class PrefillPiece:
+    """Prefill work to launch: ``num_tokens`` tokens through layers [start, start + n).
+
+    ``chunks`` lists (index into the waiting list, tokens taken) when this piece starts a
+    new batch; it is empty when the piece continues the batch in flight.
+    """
+
+    chunks: tuple[tuple[int, int], ...]
+    num_tokens: int
+    context_tokens: int
+    batch_size: int
+    start_layer: int
+    num_layers: int
+    predicted_ms: float
+
+    @property
+    def end_layer(self) -> int:
+        return self.start_layer + self.num_layers
+
+
+@dataclass(frozen=True)
+class MuxPlan:
+    mode: MuxMode
+    decode_sms: int  # both counts are the device's SMs in the whole-GPU modes, so
+    prefill_sms: int  # ``PartitionSet.get(plan.decode_sms)`` is the partition to run on
+    prefill: PrefillPiece | None
+    decode_ms: float  # predicted decode step (the mixed step in TEMPORAL; 0 without decode)
+    prefill_tokens_per_s: float  # predicted prefill progress (see the module's rule 2)
+    meets_slo: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class MuxPlannerConfig:
+    itl_slo_ms: float
+    ttft_slo_ms: float | None = None
+    safety_margin: float = 0.9  # plan to this share of the ITL SLO: predictor error, jitter
+    max_prefill_tokens: int = 8192  # most prompt tokens in one prefill batch
+    min_chunk_tokens: int = 64  # smallest mixed-step chunk or spatial batch worth launching
+    token_align: int = 64  # chunk sizes are multiples of this (GEMM tiles, graph buckets)
+    spatial: bool = True
+    temporal: bool = True
+
+    @property
+    def budget_ms(self) -> float:
+        return self.itl_slo_ms * self.safety_margin
+
+
+class MuxPlanner:
+    """``partitions``: (decode SMs, prefill SMs) of each spatial split, any order."""
+
+    def __init__(self, predictor: LatencyModel, partitions: Sequence[tuple[int, int]],
+                 config: MuxPlannerConfig, total_sms: int | None = None):
+        self.predictor = predictor
+        self.partitions = sorted(partitions)
+        self.config = config
+        self.total_sms = total_sms or predictor.total_sms
+        self.num_layers = predictor.num_layers
+
+    def plan(self, decode: DecodeLoad | None, waiting: Sequence[PrefillRequest] = (),
+             in_flight: InFlightPrefill | None = None) -> MuxPlan:
+        has_decode = decode is not None and decode.batch_size > 0
+        has_prefill = in_flight is not None or any(r.tokens_remaining > 0 for r in waiting)
+        if not has_decode:
+            return self._prefill_only(waiting, in_flight) if has_prefill else self._idle()
+        if not has_prefill:
+            return self._decode_only(decode, "no prefill work")
+        options = [p for p in (self._spatial(decode, waiting, in_flight),
+                               self._temporal(decode, waiting, in_flight)) if p is not None]
+        feasible = [p for p in options if p.meets_slo]
+        if feasible:
+            # max() keeps the first of equals: TEMPORAL is listed first on purpose.
+            feasible.sort(key=lambda p: p.mode != MuxMode.TEMPORAL)
+            return max(feasible, key=lambda p: p.prefill_tokens_per_s)
+        fallback = [p for p in options if p.mode == MuxMode.SPATIAL]
+        fallback.append(self._decode_only(decode, "no option meets the ITL SLO"))
+        return min(fallback, key=lambda p: p.decode_ms)
+
+    # ------------------------------------------------------------------ options
+
+    def _idle(self) -> MuxPlan:
+        return MuxPlan(MuxMode.IDLE, self.total_sms, self.total_sms, None, 0.0, 0.0, True,
+                       "nothing to run")
+
+    def _decode_only(self, decode: DecodeLoad, reason: str) -> MuxPlan:
+        ms = self._decode_ms(decode, self.total_sms, co_running=False)
+        return MuxPlan(MuxMode.DECODE_ONLY, self.total_sms, self.total_sms, None, ms, 0.0,
+                       ms <= self.config.itl_slo_ms, reason)
+
+    def _prefill_only(self, waiting: Sequence[PrefillRequest],
+                      in_flight: InFlightPrefill | None) -> MuxPlan:
+        sms = self.total_sms
+        if in_flight is not None:
+            piece = self._continue(in_flight, sms, co_running=False,
+                                   layers=self.num_layers - in_flight.layers_done)
+        else:
+            chunks = self._gather(waiting, self._token_budget(waiting, sms, False))
+            piece = self._piece(waiting, chunks, 0, self.num_layers, sms, False)
+        return MuxPlan(MuxMode.PREFILL_ONLY, sms, sms, piece, 0.0, self._rate(piece), True,
+                       "no decode running: whole GPU, all remaining layers")
+
+    def _spatial(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
+                 in_flight: InFlightPrefill | None) -> MuxPlan | None:
+        if not (self.config.spatial and self.partitions):
+            return None
+        step = lambda i: self._decode_ms(decode, self.partitions[i][0], co_running=True)
+        lo, hi = 0, len(self.partitions) - 1
+        while lo < hi:  # decode time falls as its SMs grow: bisect for the smallest that fits
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if step(mid) <= self.config.budget_ms else (mid + 1, hi)
+        decode_sms, prefill_sms = self.partitions[lo]
+        decode_ms = step(lo)
+        fits = decode_ms <= self.config.budget_ms
+        piece = self._spatial_piece(waiting, in_flight, prefill_sms, target_ms=decode_ms)
+        reason = (f"smallest decode partition meeting the ITL budget: {decode_sms} SMs"
+                  if fits else "no partition meets the ITL budget: largest decode partition")
+        return MuxPlan(MuxMode.SPATIAL, decode_sms, prefill_sms, piece, decode_ms,
+                       self._rate(piece, decode_ms), fits, reason)
+
+    def _temporal(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
+                  in_flight: InFlightPrefill | None) -> MuxPlan | None:
+        if not self.config.temporal or in_flight is not None:
+            return None
+        cfg, available = self.config, sum(r.tokens_remaining for r in waiting)
+        step = lambda tokens: self._mixed_ms(decode, waiting, tokens)
+        smallest = min(available, cfg.min_chunk_tokens)
+        if step(smallest) > cfg.budget_ms:
+            return None
+        largest = min(available, cfg.max_prefill_tokens)
+        chunk = _largest_fitting(step, smallest, largest, cfg.token_align, cfg.budget_ms)
+        chunks = self._gather(waiting, chunk)
+        ms = step(chunk)
+        piece = PrefillPiece(tuple(chunks), chunk, _prefix_sum(waiting, chunks), len(chunks), 0,
+                             self.num_layers, ms)
+        return MuxPlan(MuxMode.TEMPORAL, self.total_sms, self.total_sms, piece, ms,
+                       1e3 * chunk / ms, True, f"mixed step with a {chunk}-token chunk")
+
+    # ------------------------------------------------------------------- pieces
+
+    def _spatial_piece(self, waiting: Sequence[PrefillRequest],
+                       in_flight: InFlightPrefill | None, sms: int, target_ms: float
+                       ) -> PrefillPiece:
+        """About one decode step of prefill work (``target_ms``).
+
+        A piece continuing the batch in flight keeps its tokens and takes as many layers as
+        fit. A new batch weighs a few layer counts around the most that fit with every
+        token, each with the most tokens that fit, and keeps the one that advances prefill
+        fastest per decode step; a piece that is too short leaves the prefill SMs idle
+        until the next step, one that is too long delays the next re-plan.
+        """
+        if in_flight is not None:
+            left = self.num_layers - in_flight.layers_done
+            layers = self._layers_fitting(in_flight.num_tokens, in_flight.context_tokens,
+                                          in_flight.batch_size, sms, target_ms, left)
+            return self._continue(in_flight, sms, co_running=True, layers=layers)
+        chunks = self._gather(waiting, self._token_budget(waiting, sms, True))
+        most = sum(t for _, t in chunks)
+        fit_all = self._layers_fitting(most, _prefix_sum(waiting, chunks), len(chunks), sms,
+                                       target_ms, self.num_layers)
+        pieces = []
+        for layers in range(fit_all, min(fit_all + 3, self.num_layers + 1)):
+            cost = lambda tokens, k=layers: self._piece(waiting, self._gather(waiting, tokens),
+                                                        0, k, sms, True).predicted_ms
+            floor = min(most, self.config.min_chunk_tokens)
+            if cost(floor) > target_ms and layers > 1:
+                break
+            tokens = _largest_fitting(cost, floor, most, self.config.token_align, target_ms)
+            pieces.append(self._piece(waiting, self._gather(waiting, tokens), 0, layers, sms,
+                                      True))
+        return max(pieces, key=lambda p: self._rate(p, target_ms))
+
+    def _layers_fitting(self, tokens: int, context: int, batch: int, sms: int,
+                        target_ms: float, most: int) -> int:
+        fits = lambda k: self._prefill_ms(tokens, context, batch, sms, True, k) <= target_ms
+        lo, hi = 1, most
+        while lo < hi:  # largest k in [1, most] that fits; 1 if none does
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+    def _continue(self, flight: InFlightPrefill, sms: int, co_running: bool, layers: int
+                  ) -> PrefillPiece:
+        ms = self._prefill_ms(flight.num_tokens, flight.context_tokens, flight.batch_size, sms,
+                              co_running, layers)
+        return PrefillPiece((), flight.num_tokens, flight.context_tokens, flight.batch_size,
+                            flight.layers_done, layers, ms)
+
+    def _piece(self, waiting: Sequence[PrefillRequest], chunks: list[tuple[int, int]],
+               start: int, layers: int, sms: int, co_running: bool) -> PrefillPiece:
+        tokens, context = sum(t for _, t in chunks), _prefix_sum(waiting, chunks)
+        ms = self._prefill_ms(tokens, context, len(chunks), sms, co_running, layers)
+        return PrefillPiece(tuple(chunks), tokens, context, len(chunks), start, layers, ms)
+
+    def _token_budget(self, waiting: Sequence[PrefillRequest], sms: int, co_running: bool
+                      ) -> int:
+        """Tokens for a new batch: the configured maximum, capped by the TTFT SLO."""
+        cfg = self.config
+        budget = cfg.max_prefill_tokens
+        live = [r for r in waiting if r.tokens_remaining > 0]
+        if cfg.ttft_slo_ms is None or not live:
+            return budget
+        oldest = max(live, key=lambda r: r.waited_ms)
+        floor = min(budget, oldest.tokens_remaining)
+        slack = cfg.ttft_slo_ms - oldest.waited_ms
+
+        def whole_batch_ms(tokens: int) -> float:
+            chunks = self._gather(waiting, tokens)
+            return self._prefill_ms(sum(t for _, t in chunks), _prefix_sum(waiting, chunks),
+                                    len(chunks), sms, co_running, self.num_layers)
+
+        if whole_batch_ms(budget) <= slack:
+            return budget
+        if whole_batch_ms(floor) > slack:
+            return floor
+        return _largest_fitting(whole_batch_ms, floor, budget, cfg.token_align, slack)
+
+    @staticmethod
+    def _gather(waiting: Sequence[PrefillRequest], tokens: int) -> list[tuple[int, int]]:
+        """First come, first served: (index, tokens) until ``tokens`` are taken."""
+        chunks, left = [], tokens
+        for i, request in enumerate(waiting):
+            if left <= 0:
+                break
+            take = min(request.tokens_remaining, left)
+            if take > 0:
+                chunks.append((i, take))
+                left -= take
+        return chunks
+
+    # -------------------------------------------------------------- predictions
+
+    def _decode_ms(self, decode: DecodeLoad, sms: int, co_running: bool) -> float:
+        return self.predictor.predict("decode", decode.batch_size, decode.context_tokens,
+                                      decode.batch_size, sms, co_running)
+
+    def _prefill_ms(self, tokens: int, context: int, batch: int, sms: int, co_running: bool,
+                    layers: int) -> float:
+        return self.predictor.predict("prefill", tokens, context, max(batch, 1), sms,
+                                      co_running, layers)
+
+    def _mixed_ms(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest], tokens: int
+                  ) -> float:
+        chunks = self._gather(waiting, tokens)
+        return self.predictor.predict_mixed(sum(t for _, t in chunks),
+                                            _prefix_sum(waiting, chunks), len(chunks),
+                                            decode.batch_size, decode.context_tokens,
+                                            self.total_sms)
+
+    def _rate(self, piece: PrefillPiece | None, step_ms: float = 0.0) -> float:
+        """Prompt tokens per second a stream of such pieces advances (a share of the layers
+        counts pro rata). Pieces start at decode-step boundaries (every ``step_ms``), so a
+        piece occupies a whole number of steps."""
+        if piece is None or piece.predicted_ms <= 0:
+            return 0.0
+        period = piece.predicted_ms
+        if step_ms > 0:
+            period = max(1, math.ceil(piece.predicted_ms / step_ms - 1e-6)) * step_ms
+        return 1e3 * piece.num_tokens * piece.num_layers / self.num_layers / period
+
+
+def _prefix_sum(waiting: Sequence[PrefillRequest], chunks: Sequence[tuple[int, int]]) -> int:
+    return sum(waiting[i].prefix_tokens for i, _ in chunks)
+
+
+def _largest_fitting(cost, lo: int, hi: int, align: int, limit: float) -> int:
+    """Largest n in [lo, hi] (``hi`` itself or a multiple of ``align``) with cost(n) <= limit,
+    assuming cost grows with n and cost(lo) <= limit."""
+    if cost(hi) <= limit:
+        return hi
+    best, a, b = lo, -(-lo // align), hi // align
+    while a <= b:
+        mid = (a + b) // 2
+        if mid * align >= lo and cost(mid * align) <= limit:
+            best, a = mid * align, mid + 1
+        else:
+            b = mid - 1
+    return best

@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+from pdserve.sched.mux_planner import (
+    DecodeLoad,
+    InFlightPrefill,
+    MuxMode,
+    MuxPlanner,
+    MuxPlannerConfig,
+    PrefillRequest,
+)
+
+LAYERS, SMS = 10, 100
+PARTITIONS = [(d, SMS - d) for d in range(10, 100, 10)]
+
+
+class HandModel:
+    """A GPU of 100 SMs in round numbers. Whole-GPU prefill: 5 ms + 0.1 ms per token;
+    decode: 5 ms + 0.1 ms per request + 0.1 ms per 1K context tokens; a mixed step reads
+    the weights once for both. Co-running costs decode x1.15 and prefill x1.2."""
+
+    num_layers, total_sms = LAYERS, SMS
+
+    def predict(self, phase, num_tokens, context_tokens, batch_size, sms, co_running=False,
+                num_layers=None):
+        if phase == "decode":
+            ms = (5 + 0.1 * batch_size + context_tokens / 1e4) * (SMS / sms) ** 0.3
+            return ms * (1.15 if co_running and sms < SMS else 1.0)
+        share = (num_layers or LAYERS) / LAYERS
+        ms = share * (5 + 0.1 * num_tokens) * SMS / sms
+        return ms * (1.2 if co_running and sms < SMS else 1.0)
+
+    def predict_mixed(self, prefill_tokens, prefill_context, prefill_batch, decode_batch,
+                      decode_context, sms=None):
+        return 5 + 0.1 * (prefill_tokens + decode_batch) + decode_context / 1e4
+
+
+def planner(itl=50.0, **kw) -> MuxPlanner:
+    config = MuxPlannerConfig(itl_slo_ms=itl, token_align=8, min_chunk_tokens=16, **kw)
+    return MuxPlanner(HandModel(), PARTITIONS, config)
+
+
+HEAVY = DecodeLoad(batch_size=32, context_tokens=32 * 6000)
+LIGHT = DecodeLoad(batch_size=4, context_tokens=4 * 500)
+PROMPTS = [PrefillRequest(6000), PrefillRequest(3000, prefix_tokens=1000)]
+
+
+def test_heavy_decode_goes_spatial_on_the_smallest_partition_that_meets_the_slo():
+    plan = planner().plan(HEAVY, PROMPTS)
+    model, budget = HandModel(), 50.0 * 0.9
+    assert plan.mode == MuxMode.SPATIAL and plan.meets_slo
+    fits = [d for d, _ in PARTITIONS
+            if model.predict("decode", 32, HEAVY.context_tokens, 32, d, True) <= budget]
+    assert plan.decode_sms == fits[0] == 40
+    assert plan.prefill_sms == SMS - plan.decode_sms
+    assert plan.decode_ms <= budget
+
+
+def test_spatial_piece_lasts_about_one_decode_step():
+    plan = planner().plan(HEAVY, PROMPTS)
+    piece = plan.prefill
+    assert piece.start_layer == 0 and 1 <= piece.num_layers <= LAYERS
+    assert 0.8 * plan.decode_ms <= piece.predicted_ms <= plan.decode_ms
+    assert piece.chunks[0] == (0, min(6000, piece.num_tokens))  # first come, first served
+
+
+def test_light_decode_goes_temporal_with_the_largest_chunk_that_fits():
+    plan = planner().plan(LIGHT, PROMPTS)
+    model, budget = HandModel(), 45.0
+    assert plan.mode == MuxMode.TEMPORAL and plan.meets_slo
+    assert plan.decode_sms == plan.prefill_sms == SMS
+    chunk = plan.prefill.num_tokens
+    assert model.predict_mixed(chunk, 0, 1, 4, 2000) <= budget
+    assert model.predict_mixed(chunk + 8, 0, 1, 4, 2000) > budget
+    assert plan.prefill.num_layers == LAYERS
+
+
+def test_choice_follows_predicted_prefill_progress():
+    tp = planner(spatial=False).plan(LIGHT, PROMPTS)
+    sp = planner(temporal=False).plan(LIGHT, PROMPTS)
+    best = planner().plan(LIGHT, PROMPTS)
+    assert best.prefill_tokens_per_s == max(tp.prefill_tokens_per_s, sp.prefill_tokens_per_s)
+
+
+def test_no_decode_gives_prefill_the_whole_gpu_in_one_big_piece():
+    plan = planner().plan(None, PROMPTS)
+    assert plan.mode == MuxMode.PREFILL_ONLY
+    assert plan.prefill_sms == SMS
+    assert plan.prefill.num_layers == LAYERS  # all layers at once, no crawl
+    assert plan.prefill.num_tokens == 8192  # the batch is as large as allowed
+    assert plan.prefill.chunks == ((0, 6000), (1, 2192))
+
+
+def test_no_decode_finishes_an_in_flight_batch_at_once():
+    flight = InFlightPrefill(num_tokens=4096, context_tokens=0, batch_size=1, layers_done=3)
+    plan = planner().plan(DecodeLoad(0, 0), PROMPTS, in_flight=flight)
+    assert plan.mode == MuxMode.PREFILL_ONLY
+    assert (plan.prefill.start_layer, plan.prefill.num_layers) == (3, LAYERS - 3)
+    assert plan.prefill.chunks == ()
+
+
+def test_in_flight_batch_continues_spatially_with_the_layers_that_fit():
+    flight = InFlightPrefill(num_tokens=2000, context_tokens=0, batch_size=1, layers_done=8)
+    plan = planner().plan(LIGHT, PROMPTS, in_flight=flight)
+    assert plan.mode == MuxMode.SPATIAL  # a mixed step cannot resume a batch mid-model
+    piece = plan.prefill
+    assert piece.start_layer == 8 and 1 <= piece.num_layers <= 2
+    model = HandModel()
+    longer = model.predict("prefill", 2000, 0, 1, plan.prefill_sms, True, piece.num_layers + 1)
+    assert piece.num_layers == 2 or longer > plan.decode_ms
+
+
+def test_when_nothing_meets_the_slo_the_lowest_decode_latency_wins():
+    huge = DecodeLoad(batch_size=64, context_tokens=64 * 30000)
+    plan = planner(itl=20.0).plan(huge, PROMPTS)
+    assert not plan.meets_slo
+    assert plan.mode == MuxMode.DECODE_ONLY and plan.prefill is None
+    spatial = planner(itl=20.0, temporal=False).plan(huge, PROMPTS)
+    assert plan.decode_ms <= spatial.decode_ms
+
+
+def test_decode_alone_and_idle():
+    assert planner().plan(LIGHT, []).mode == MuxMode.DECODE_ONLY
+    assert planner().plan(None, []).mode == MuxMode.IDLE
+    assert planner().plan(None, [PrefillRequest(0)]).mode == MuxMode.IDLE
+
+
+def test_ttft_slo_caps_the_batch_behind_an_old_request():
+    waiting = [PrefillRequest(2000, waited_ms=900), PrefillRequest(6000)]
+    plan = planner(ttft_slo_ms=1200).plan(None, waiting)
+    # 300 ms of slack left: 5 + 0.1 * 2944 fits, the 8000 tokens waiting (805 ms) do not.
+    assert plan.prefill.num_tokens == 2944
+    relaxed = planner().plan(None, waiting)
+    assert relaxed.prefill.num_tokens == 8000
