@@ -40,13 +40,16 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be an integer >= 1")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+               "max_tokens must be an integer >= 1")
         _check(_is_num(self.temperature) and self.temperature >= 0, "temperature must be >= 0")
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k must be -1, 0 or a positive integer")
+        _check(_is_int(self.top_k) and self.top_k >= -1,
+               "top_k must be -1, 0 or a positive integer")
         _check(self.seed is None or _is_int(self.seed), "seed must be an integer")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ints >= 0")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be integers >= 0")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be >= 0")
 
     @property

@@ -34,7 +34,8 @@ class HostBatch:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    def metadata(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def metadata(self, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         def put(array):
             tensor = torch.from_numpy(array)
             if device.type == "cuda":

@@ -91,7 +91,8 @@ class Scheduler:
 
     def update(self, plan: Plan, output: StepOutput) -> list[Request]:
         """Advances counters, appends sampled tokens; returns requests that finished."""
-        sampled = iter(zip(output.token_ids, output.logprobs or [None] * len(output.token_ids)))
+        logprobs = output.logprobs or [None] * len(output.token_ids)
+        sampled = iter(zip(output.token_ids, logprobs, strict=True))
         finished = []
         for item in plan.scheduled:
             request = item.request

@@ -21,7 +21,9 @@ class PrefillFirstScheduler(Scheduler):
         # activation memory; decodes still wait until no prefill work is left.
         for request in [r for r in self.running if r.num_uncomputed > 1]:
             num_new = min(request.num_uncomputed, budget)
-            if budget <= 0 or not self._grow_or_preempt(request, request.num_computed + num_new, plan):
+            if budget <= 0:
+                break
+            if not self._grow_or_preempt(request, request.num_computed + num_new, plan):
                 break
             plan.add(request, num_new)
             budget -= num_new

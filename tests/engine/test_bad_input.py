@@ -28,7 +28,8 @@ def test_bad_requests_are_refused_with_a_message(llm, prompt, params, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
+    (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=2.5), "max_tokens"),
 ])
 def test_bad_sampling_values_name_the_field(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -72,6 +73,7 @@ def test_a_failing_step_fails_only_its_requests(llm, monkeypatch):
     engine.add_request("doomed", [5, 6, 7], SamplingParams(max_tokens=3))
     updates = engine.step()
     assert [(u.request_id, u.finish_reason) for u in updates] == [("doomed", "error")]
-    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)
     assert len(out[0].outputs[0].token_ids) == 3
     engine.check_integrity()

@@ -100,8 +100,8 @@ def test_triton_engine_matches_transformers_on_gpu(hf_llama_gpu, name):
     folder, model = hf_llama_gpu
     rng = random.Random(1)
     shared = [rng.randrange(3, 1000) for _ in range(300)]
-    prompts = [(shared if i % 2 else []) + [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 700))]
-               for i in range(12)]
+    own = [[rng.randrange(3, 1000) for _ in range(rng.randrange(1, 700))] for _ in range(12)]
+    prompts = [(shared if i % 2 else []) + tokens for i, tokens in enumerate(own)]
     want = []
     for prompt in prompts:
         with torch.no_grad():

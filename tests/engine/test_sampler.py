@@ -17,7 +17,8 @@ def _batch(params: list[SamplingParams], vocab: int) -> SamplingBatch:
 
 def test_greedy_is_argmax_and_logprobs_are_log_softmax():
     logits = torch.randn(3, 50)
-    tokens, logprobs = sample(logits, _batch([SamplingParams(temperature=0, logprobs=True)] * 3, 50))
+    greedy = SamplingParams(temperature=0, logprobs=True)
+    tokens, logprobs = sample(logits, _batch([greedy] * 3, 50))
     assert tokens.tolist() == logits.argmax(-1).tolist()
     want = logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
     torch.testing.assert_close(logprobs, want)
