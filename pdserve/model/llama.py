@@ -1,0 +1,211 @@
+"""Llama-family decoder (Llama 2/3/3.1, CodeLlama, Mistral, Qwen2) over a paged KV cache.
+
+The batch (``AttentionMetadata``) and the KV caches are arguments of every call: a decode
+batch and a prefill piece may run through the same model at the same time. The forward has
+no host syncs and no data-dependent Python branches, so a decode step can be captured as a
+CUDA graph. Fused ops go through ``pdserve.ops.dispatch`` (Triton on CUDA, torch on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from pdserve.model.arch import ModelArch
+from pdserve.ops import dispatch
+from pdserve.ops.metadata import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class AttentionBackend(Protocol):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """Inverse frequencies exactly as Hugging Face computes them (float32, on the CPU)."""
+    dim = arch.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (arch.rope_theta ** exponents)
+    scaling = arch.rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slowed by ``factor``, short ones kept, the middle blended."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin_cache(arch: ModelArch, max_positions: int, device: torch.device) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos in the first half, sin in the second."""
+    inv_freq = rope_inv_freq(arch).to(device)
+    positions = torch.arange(max_positions, dtype=torch.int64, device=device).float()
+    freqs = positions[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, arch: ModelArch, max_positions: int) -> None:
+        super().__init__()
+        self.arch, self.max_positions = arch, max_positions
+        device = torch.empty(0).device  # honours an enclosing ``with torch.device(...)``
+        self.register_buffer("cos_sin_cache", self._build(device), persistent=False)
+
+    def _build(self, device: torch.device) -> torch.Tensor:
+        if device.type == "meta":
+            return torch.empty(self.max_positions, self.arch.head_dim, device=device)
+        return rope_cos_sin_cache(self.arch, self.max_positions, device)
+
+    def reset_cache(self, device: torch.device | str) -> None:
+        """Recomputes the table (float32) after the module moved off the meta device."""
+        self.cos_sin_cache = self._build(torch.device(device))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.backend = backend
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.scale = arch.head_dim ** -0.5
+        # One GEMM for q, k and v: rows [q | k | v], filled from three HF tensors.
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = dispatch.apply_rope(q, k, positions, cos_sin_cache)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        # One GEMM for gate and up: rows [gate | up], as silu_and_mul expects.
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(dispatch.silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, backend)
+        self.mlp = LlamaMLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
+                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add is fused into the next norm; before layer 0 there is none yet.
+        # ``residual is None`` depends on the layer index only, never on data.
+        norm = self.input_layernorm
+        if residual is None:
+            residual = hidden
+            hidden = dispatch.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            hidden, residual = dispatch.fused_add_rms_norm(hidden, residual, norm.weight,
+                                                           norm.eps)
+        hidden = self.self_attn(hidden, positions, meta, kv_cache, cos_sin_cache)
+        norm = self.post_attention_layernorm
+        hidden, residual = dispatch.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, backend) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow Hugging Face's, with q/k/v and gate/up fused."""
+
+    def __init__(self, arch: ModelArch, attn_backend: AttentionBackend,
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        self.attn_backend = attn_backend
+        self.model = LlamaModel(arch, attn_backend)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(arch, max_positions or arch.max_position_embeddings)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Shares the embedding with the LM head; re-run after moving off the meta device."""
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_layers(self) -> int:
+        return self.arch.num_layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward_layers(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                       positions: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[KVCache], start: int, end: int,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Runs layers [start, end). Pass ``residual=None`` before layer 0 (fresh embedding)."""
+        cos_sin = self.rotary.cos_sin_cache
+        for i in range(start, end):
+            layer = self.model.layers[i]
+            hidden, residual = layer(hidden, residual, positions, meta, kv_caches[i], cos_sin)
+        return hidden, residual
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        norm = self.model.norm
+        if residual is None:
+            return dispatch.rms_norm(hidden, norm.weight, norm.eps)
+        return dispatch.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
+        """[T] token ids -> [T, hidden] after the final norm."""
+        hidden = self.embed(input_ids)
+        hidden, residual = self.forward_layers(hidden, None, positions, meta, kv_caches, 0,
+                                               self.num_layers)
+        return self.final_norm(hidden, residual)
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 [N, vocab]; pass only the rows that will be sampled."""
+        return self.lm_head(hidden_rows).float()

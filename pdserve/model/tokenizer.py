@@ -1,0 +1,271 @@
+"""Tokenizers (Hugging Face ``tokenizer.json`` or a byte-level fallback) and streaming decode.
+
+The byte-level fallback lets presets and checkpoints without a tokenizer run end to end:
+ids 0-255 are raw UTF-8 bytes, then BOS and EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pdserve.model.arch import ModelArch
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class Tokenizer:
+    """Common surface of every tokenizer; subclasses implement encode/decode."""
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int]
+    vocab_size: int
+    chat_template: str | None = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        """The checkpoint's Jinja chat template (or a plain default) rendered to a prompt.
+
+        The result may already start with the BOS text; encode it with
+        ``add_special_tokens=False`` in that case to avoid a second BOS.
+        """
+        template = _compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def starts_with_bos(self, text: str) -> bool:
+        return bool(self.bos_token) and text.startswith(self.bos_token)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # Same environment settings as Hugging Face, so checkpoint templates render identically.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent,
+                                                                  ensure_ascii=False)
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(source)
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as tokens 0-255, BOS = 256, EOS = 257; special texts in input are parsed."""
+
+    BOS, EOS = 256, 257
+
+    def __init__(self, chat_template: str | None = None) -> None:
+        self.bos_token, self.eos_token = "<s>", "</s>"
+        self.bos_token_id = self.BOS
+        self.eos_token_ids = [self.EOS]
+        self.vocab_size = 258
+        self.chat_template = chat_template
+        self._specials = {self.bos_token: self.BOS, self.eos_token: self.EOS}
+        self._special_re = re.compile("(" + "|".join(map(re.escape, self._specials)) + ")")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self.BOS] if add_special_tokens else []
+        for piece in self._special_re.split(text):
+            if piece in self._specials:
+                ids.append(self._specials[piece])
+            else:
+                ids.extend(piece.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        # Ids past the byte range (a dummy model's vocab is larger) decode to nothing.
+        out, run = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            if not skip_special_tokens and i in (self.BOS, self.EOS):
+                out.append(run.decode("utf-8", errors="replace"))
+                out.append(self.bos_token if i == self.BOS else self.eos_token)
+                run = bytearray()
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class HFTokenizer(Tokenizer):
+    """A ``tokenizers`` tokenizer.json with the special tokens of tokenizer_config.json."""
+
+    def __init__(self, folder: str, arch: ModelArch | None = None) -> None:
+        from tokenizers import Tokenizer as _RustTokenizer
+
+        self._tok = _RustTokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = self._id_of(self.bos_token)
+        if self.bos_token_id is None and arch is not None:
+            self.bos_token_id = arch.bos_token_id
+        self.eos_token_ids = _eos_ids(self._id_of(self.eos_token), folder, arch)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.chat_template = _pick_template(config.get("chat_template"), folder)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _token_text(token: str | dict | None) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _eos_ids(tokenizer_eos: int | None, folder: str, arch: ModelArch | None) -> list[int]:
+    """Union of every EOS the checkpoint declares (Llama 3.1 instruct has three)."""
+    ids: list[int] = [] if tokenizer_eos is None else [tokenizer_eos]
+    gen = _read_json(os.path.join(folder, "generation_config.json")).get("eos_token_id")
+    extra = list(arch.eos_token_ids) if arch is not None else []
+    extra += gen if isinstance(gen, list) else ([gen] if gen is not None else [])
+    for i in extra:
+        if i not in ids:
+            ids.append(i)
+    return ids
+
+
+def _pick_template(template: str | list | None, folder: str) -> str | None:
+    # Newer checkpoints keep the template in its own file; some list several by name.
+    if isinstance(template, list):
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    jinja_path = os.path.join(folder, "chat_template.jinja")
+    if template is None and os.path.isfile(jinja_path):
+        with open(jinja_path) as f:
+            template = f.read()
+    return template
+
+
+def load_tokenizer(path: str | None, arch: ModelArch | None = None) -> Tokenizer:
+    """tokenizer.json from ``path`` when there is one, else the byte-level fallback."""
+    if path and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return HFTokenizer(path, arch)
+    template = None
+    if path and os.path.isdir(path):
+        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        template = _pick_template(config.get("chat_template"), path)
+    return ByteTokenizer(template)
+
+
+class IncrementalDetokenizer:
+    """Streams the text of generated tokens: each ``push`` returns only text that is final.
+
+    Text is decoded over a short window of tokens (vLLM's prefix/read offsets) so that a
+    push costs O(new tokens), and a token that merges with its neighbours (SentencePiece
+    spaces, a UTF-8 character split over byte tokens) is emitted only once complete. A tail
+    that could still grow into a stop string is held back until it cannot.
+    """
+
+    # Decode this many prompt tokens as left context so the first output token is spaced
+    # as it would be inside the full text.
+    PROMPT_CONTEXT = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 stop: list[str] | str | None = None, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        stop = [stop] if isinstance(stop, str) else (stop or [])
+        self.stop = [s for s in stop if s]
+        self._max_hold = max((len(s) for s in self.stop), default=1) - 1
+        self._ids = list(prompt_token_ids[-self.PROMPT_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._held = ""  # final text not yet returned: it might begin a stop string
+        self.stopped = False
+        self.stop_reason: str | None = None
+
+    def push(self, new_token_ids: list[int]) -> str:
+        """Newly final text for ``new_token_ids``; "" once a stop string was hit."""
+        if self.stopped:
+            return ""
+        self._ids.extend(new_token_ids)
+        self._held += self._decode_tail(final=False)
+        return self._release()
+
+    def flush(self) -> str:
+        """At the end of generation: the held-back tail (and any never-completed character)."""
+        if self.stopped:
+            return ""
+        text = self._held + self._decode_tail(final=True)
+        self._held = ""
+        return text
+
+    def _decode_tail(self, final: bool) -> str:
+        decode = self.tokenizer.decode
+        window = self._ids[self._prefix_offset:]
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset],
+                             self.skip_special_tokens)
+        full_text = decode(window, self.skip_special_tokens)
+        if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
+            return ""  # nothing new yet, or a multi-byte character is still incomplete
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._trim()
+        return full_text[len(prefix_text):]
+
+    def _trim(self) -> None:
+        # Ids before the prefix window are never decoded again; dropping them keeps every
+        # push independent of how long the output already is.
+        if self._prefix_offset > 0:
+            del self._ids[:self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+
+    def _release(self) -> str:
+        hit = self._find_stop()
+        if hit is not None:
+            index, stop = hit
+            self.stopped, self.stop_reason = True, stop
+            text, self._held = self._held[:index], ""
+            return text
+        keep = self._hold_length()
+        text = self._held[:len(self._held) - keep]
+        self._held = self._held[len(self._held) - keep:]
+        return text
+
+    def _find_stop(self) -> tuple[int, str] | None:
+        # ``_held`` never holds more than the longest stop minus one char of old text, so
+        # any stop string that ends in the new text starts inside ``_held``.
+        hits = [(self._held.find(s), s) for s in self.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        return min(hits) if hits else None
+
+    def _hold_length(self) -> int:
+        """Length of the longest tail of ``_held`` that is a proper prefix of a stop string."""
+        for k in range(min(self._max_hold, len(self._held)), 0, -1):
+            tail = self._held[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
