@@ -1,0 +1,148 @@
+"""Per-request timing records and the summary users of vLLM / SGLang benches expect.
+
+Definitions (all latencies from the moment the request was sent):
+
+- TTFT: first streamed token.
+- ITL: every gap between two consecutive streamed tokens. When one stream chunk carries
+  k > 1 tokens, its gap is split into k equal gaps, so ITL is per token, not per chunk.
+- TPOT: per request, ``(E2E - TTFT) / (output tokens - 1)``; requests with one token have none.
+- E2E: until the stream closed.
+- SLO attainment: share of *all* sent requests (failures count as misses) with
+  TTFT <= TTFT SLO and TPOT <= ITL SLO (DistServe / DESIGN.md §4); the P99 of all ITL
+  gaps is reported beside it because a TPOT mean hides stalls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestRecord:
+    prompt_len: int
+    output_len: int
+    """Tokens asked for."""
+    send_time: float
+    """Absolute ``time.perf_counter()`` seconds."""
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    end_time: float | None = None
+    output_tokens: int | None = None
+    """Tokens generated as the server counted them (usage); defaults to the streamed count."""
+    success: bool = False
+    error: str = ""
+
+    def add_chunk(self, t: float, num_tokens: int = 1) -> None:
+        self.chunk_times.append(t)
+        self.chunk_tokens.append(num_tokens)
+
+    @property
+    def num_output_tokens(self) -> int:
+        if self.output_tokens is not None:
+            return self.output_tokens
+        return sum(self.chunk_tokens)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.send_time if self.chunk_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.end_time is None else self.end_time - self.send_time
+
+    @property
+    def itls(self) -> list[float]:
+        gaps = []
+        for i in range(1, len(self.chunk_times)):
+            gap = self.chunk_times[i] - self.chunk_times[i - 1]
+            count = max(1, self.chunk_tokens[i])
+            gaps.extend([gap / count] * count)
+        return gaps
+
+    @property
+    def tpot(self) -> float | None:
+        n = self.num_output_tokens
+        if not self.success or n < 2 or self.ttft is None or self.e2e is None:
+            return None
+        return (self.e2e - self.ttft) / (n - 1)
+
+    def meets_slo(self, ttft_slo_s: float | None, itl_slo_s: float | None) -> bool:
+        if not self.success or self.ttft is None:
+            return False
+        if ttft_slo_s is not None and self.ttft > ttft_slo_s:
+            return False
+        tpot = self.tpot
+        return itl_slo_s is None or tpot is None or tpot <= itl_slo_s
+
+
+def stats_ms(values_s: list[float]) -> dict[str, float | None]:
+    """mean / std / min / max / p50 / p90 / p99 in milliseconds (None when empty)."""
+    keys = ["mean", "std", "min", "max"] + [f"p{p}" for p in PERCENTILES]
+    if not values_s:
+        return dict.fromkeys(keys)
+    ms = np.asarray(values_s, dtype=np.float64) * 1000.0
+    out = {"mean": ms.mean(), "std": ms.std(), "min": ms.min(), "max": ms.max()}
+    for p in PERCENTILES:
+        out[f"p{p}"] = np.percentile(ms, p)
+    return {k: float(out[k]) for k in keys}
+
+
+def slo_attainment(records: list[RequestRecord], ttft_slo_ms: float | None,
+                   itl_slo_ms: float | None) -> float | None:
+    if not records or (ttft_slo_ms is None and itl_slo_ms is None):
+        return None
+    ttft_s = None if ttft_slo_ms is None else ttft_slo_ms / 1000.0
+    itl_s = None if itl_slo_ms is None else itl_slo_ms / 1000.0
+    return sum(r.meets_slo(ttft_s, itl_s) for r in records) / len(records)
+
+
+def summarize(records: list[RequestRecord], duration_s: float,
+              ttft_slo_ms: float | None = None, itl_slo_ms: float | None = None) -> dict:
+    """The run's metrics; top-level keys follow ``vllm bench serve`` where one exists."""
+    done = [r for r in records if r.success]
+    output_tokens = sum(r.num_output_tokens for r in done)
+    input_tokens = sum(r.prompt_len for r in done)
+    duration_s = max(duration_s, 1e-9)
+    attainment = slo_attainment(records, ttft_slo_ms, itl_slo_ms)
+    return {
+        "num_requests": len(records),
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "duration_s": duration_s,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration_s,
+        "output_token_throughput": output_tokens / duration_s,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
+        "ttft_ms": stats_ms([r.ttft for r in done if r.ttft is not None]),
+        "itl_ms": stats_ms([gap for r in done for gap in r.itls]),
+        "tpot_ms": stats_ms([r.tpot for r in done if r.tpot is not None]),
+        "e2e_ms": stats_ms([r.e2e for r in done if r.e2e is not None]),
+        "slo": {"ttft_ms": ttft_slo_ms, "itl_ms": itl_slo_ms},
+        "slo_attainment": attainment,
+        # Requests meeting the SLO per second of this run (vLLM's "request goodput").
+        "slo_request_throughput": None if attainment is None
+        else attainment * len(records) / duration_s,
+    }
+
+
+def request_samples(records: list[RequestRecord], t0: float) -> list[dict]:
+    """Per-request samples for the JSON result, times relative to the run start ``t0``."""
+    out = []
+    for r in records:
+        out.append({
+            "prompt_len": r.prompt_len, "output_len": r.output_len,
+            "output_tokens": r.num_output_tokens, "success": r.success, "error": r.error,
+            "send_s": round(r.send_time - t0, 6),
+            "ttft_ms": _ms(r.ttft), "tpot_ms": _ms(r.tpot), "e2e_ms": _ms(r.e2e),
+            "itl_ms": [round(g * 1000.0, 3) for g in r.itls],
+        })
+    return out
+
+
+def _ms(value_s: float | None) -> float | None:
+    return None if value_s is None else round(value_s * 1000.0, 3)

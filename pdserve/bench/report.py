@@ -1,0 +1,169 @@
+"""Result records (JSON) and the human report (markdown table) of a benchmark."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+RESULT_VERSION = 1
+HEADER_KEYS = ("version", "created", "command", "git_revision", "device", "config", "model")
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str:
+    try:
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def git_revision() -> str:
+    """HEAD of the checkout this package runs from, ``+dirty`` when it has local changes;
+    ``PDSERVE_GIT_REVISION`` names it where the tree was copied without its ``.git``."""
+    if os.environ.get("PDSERVE_GIT_REVISION"):
+        return os.environ["PDSERVE_GIT_REVISION"]
+    root = Path(__file__).resolve().parents[2]
+    rev = _run(["git", "rev-parse", "HEAD"], root)
+    if not rev:
+        return "unknown"
+    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], root)
+    return rev + ("+dirty" if dirty else "")
+
+
+def device_info() -> dict:
+    """The GPUs of this host (servers started by ``compare`` run here), without importing torch."""
+    gpus = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                 "--format=csv,noheader"])
+    return {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "gpus": [line.strip() for line in gpus.splitlines() if line.strip()]}
+
+
+def result_header(config: dict) -> dict:
+    return {
+        "version": RESULT_VERSION,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "git_revision": git_revision(),
+        "device": device_info(),
+        "config": config,
+    }
+
+
+def _clean(value):
+    """JSON has no inf / nan: write them as strings rather than emit invalid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_clean(result), indent=1) + "\n")
+
+
+def load_json(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+# --- text report ------------------------------------------------------------------------------
+
+COLUMNS = (
+    ("config", lambda r: r.get("name", "-")),
+    ("workload", lambda r: r["workload"].get("label") or r["workload"]["dataset"]),
+    ("rate", lambda r: _fmt(r.get("request_rate"))),
+    ("req/s", lambda r: _fmt(r["request_throughput"])),
+    ("out tok/s", lambda r: _fmt(r["output_token_throughput"])),
+    ("TTFT p50", lambda r: _fmt(r["ttft_ms"]["p50"])),
+    ("TTFT p99", lambda r: _fmt(r["ttft_ms"]["p99"])),
+    ("ITL p50", lambda r: _fmt(r["itl_ms"]["p50"])),
+    ("ITL p99", lambda r: _fmt(r["itl_ms"]["p99"])),
+    ("TPOT p99", lambda r: _fmt(r["tpot_ms"]["p99"])),
+    ("E2E p99", lambda r: _fmt(r["e2e_ms"]["p99"])),
+    ("SLO", lambda r: f"{_fmt((r.get('slo') or {}).get('ttft_ms'))} / "
+                      f"{_fmt((r.get('slo') or {}).get('itl_ms'))}"),
+    ("SLO att.", lambda r: _pct(r.get("slo_attainment"))),
+    ("goodput", lambda r: _fmt(r.get("goodput_rps"))),
+    ("failed", lambda r: str(r.get("failed", 0))),
+)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def runs_of(result: dict) -> list[dict]:
+    """Every run record of a result: a compare result's ``runs``, or the single run itself."""
+    if "runs" in result:
+        return result["runs"]
+    return [{"name": result.get("config", {}).get("name", "run"), **result}]
+
+
+def merge_results(results: list[dict]) -> dict:
+    """One result holding every run of ``results`` (the header of the first)."""
+    if len(results) == 1:
+        return results[0]
+    head = {k: v for k, v in results[0].items() if k in HEADER_KEYS}
+    head["merged_from"] = [{k: r.get(k) for k in ("created", "git_revision", "command")}
+                           for r in results]
+    return {**head, "runs": [run for r in results for run in runs_of(r)]}
+
+
+def markdown_report(result: dict) -> str:
+    lines = [f"# Benchmark ({result.get('created', '')}, rev {result.get('git_revision', '?')})",
+             "", f"Device: {', '.join(result.get('device', {}).get('gpus') or ['cpu'])}. "
+             "Latencies in ms; SLO = TTFT / TPOT limits; attainment counts failures as misses.",
+             ""]
+    lines.append("| " + " | ".join(name for name, _ in COLUMNS) + " |")
+    lines.append("|" + "---|" * len(COLUMNS))
+    for run in runs_of(result):
+        lines.append(_row(run))
+    return "\n".join(lines) + "\n"
+
+
+def _row(run: dict) -> str:
+    if "error" in run:
+        workload = run["workload"].get("label") or run["workload"]["dataset"]
+        return f"| {run.get('name', '-')} | {workload} | failed: {run['error'][:120]} |"
+    return "| " + " | ".join(get(run) for _, get in COLUMNS) + " |"
+
+
+def measured_runs(result: dict) -> list[dict]:
+    """The runs that produced metrics (a configuration whose server failed has none)."""
+    return [run for run in runs_of(result) if "error" not in run]
+
+
+def print_summary(run: dict, title: str = "") -> None:
+    """A ``vllm bench serve``-style block on stdout."""
+    print(f"{'=' * 20} {title or 'Serving Benchmark Result'} {'=' * 20}")
+    rows = [("Successful requests", run["completed"]), ("Failed requests", run["failed"]),
+            ("Benchmark duration (s)", run["duration_s"]),
+            ("Request throughput (req/s)", run["request_throughput"]),
+            ("Output token throughput (tok/s)", run["output_token_throughput"])]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        for stat in ("mean", "p50", "p90", "p99"):
+            rows.append((f"{stat.upper()} {key[:-3].upper()} (ms)", run[key][stat]))
+    rows.append(("SLO attainment", _pct(run.get("slo_attainment"))))
+    if run.get("goodput_rps") is not None:
+        rows.append(("Goodput (req/s at >= 90% attainment)", run["goodput_rps"]))
+    for label, value in rows:
+        print(f"{label:<44}{_fmt(value) if not isinstance(value, int) else value:>12}")
