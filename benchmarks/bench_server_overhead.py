@@ -1,0 +1,240 @@
+"""How much latency the HTTP server adds on top of the engine.
+
+N concurrent streaming clients (closed loop) ask a ``pdserve serve`` process on this host
+for completions with the ``return_engine_timing`` extension, so every SSE chunk carries the
+engine-side time of its tokens. Both sides read the host's monotonic clock, so per request
+and per token we get:
+
+- TTFT overhead = client TTFT (send -> first chunk received) - engine TTFT (engine received
+  the request -> first token ready), split into inbound (send -> engine received) and
+  outbound (first token ready -> first chunk received);
+- ITL overhead = client gap between two chunks - engine gap between their tokens;
+- delivery delay = chunk received - its tokens ready in the engine.
+
+Usage (starts its own server on the tiny model unless --url is given):
+
+    python benchmarks/bench_server_overhead.py --concurrency 64 --requests-per-client 4 \\
+        --max-tokens 64 --client-processes 4 [--out FILE.json] [-- SERVE FLAGS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Trace:
+    send: float
+    recv: list[float] = field(default_factory=list)
+    engine: list[float] = field(default_factory=list)
+    engine_arrival: float | None = None
+    server_arrival: float | None = None
+
+
+async def one_request(session, url: str, prompt: str, max_tokens: int) -> Trace:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0, "return_engine_timing": True}
+    trace = Trace(send=time.monotonic())
+    async with session.post(url, json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            now = time.monotonic()
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("engine_time") is None:
+                continue
+            trace.recv.append(now)
+            trace.engine.append(chunk["engine_time"])
+            if "engine_arrival_time" in chunk:
+                trace.engine_arrival = chunk["engine_arrival_time"]
+                trace.server_arrival = chunk["server_arrival_time"]
+    return trace
+
+
+async def client_loop(session, url: str, rounds: int, max_tokens: int, rng: random.Random
+                      ) -> list[Trace]:
+    traces = []
+    for _ in range(rounds):
+        prompt = "".join(rng.choice("abcdefghij ") for _ in range(rng.randint(32, 128)))
+        traces.append(await one_request(session, url, prompt, max_tokens))
+    return traces
+
+
+async def run_load(base: str, concurrency: int, rounds: int, max_tokens: int,
+                   first_seed: int = 0) -> list[Trace]:
+    import aiohttp
+
+    url = base + "/v1/completions"
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        loops = [client_loop(session, url, rounds, max_tokens, random.Random(first_seed + i))
+                 for i in range(concurrency)]
+        results = await asyncio.gather(*loops)
+    return [t for traces in results for t in traces]
+
+
+def _load_in_process(base: str, concurrency: int, rounds: int, max_tokens: int,
+                     first_seed: int) -> list[Trace]:
+    return asyncio.run(run_load(base, concurrency, rounds, max_tokens, first_seed))
+
+
+def run_clients(base: str, args: argparse.Namespace) -> list[Trace]:
+    """Spreads the clients over processes: one Python process parsing every chunk of 64
+    streams would itself add milliseconds and be counted as server overhead."""
+    shares = [args.concurrency // args.client_processes] * args.client_processes
+    for i in range(args.concurrency % args.client_processes):
+        shares[i] += 1
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(len(shares), mp_context=ctx) as pool:
+        futures = [pool.submit(_load_in_process, base, share, args.requests_per_client,
+                               args.max_tokens, sum(shares[:i]))
+                   for i, share in enumerate(shares) if share]
+        return [t for f in futures for t in f.result()]
+
+
+def overheads(traces: list[Trace]) -> dict[str, list[float]]:
+    """Milliseconds, one list per measure."""
+    out: dict[str, list[float]] = {k: [] for k in (
+        "client_ttft", "engine_ttft", "ttft_overhead", "ttft_inbound", "ttft_outbound",
+        "client_itl", "engine_itl", "itl_overhead", "delivery_delay")}
+    for t in traces:
+        if not t.recv or t.engine_arrival is None:
+            continue
+        ms = lambda x: x * 1e3
+        out["client_ttft"].append(ms(t.recv[0] - t.send))
+        out["engine_ttft"].append(ms(t.engine[0] - t.engine_arrival))
+        out["ttft_overhead"].append(out["client_ttft"][-1] - out["engine_ttft"][-1])
+        out["ttft_inbound"].append(ms(t.engine_arrival - t.send))
+        out["ttft_outbound"].append(ms(t.recv[0] - t.engine[0]))
+        for i in range(1, len(t.recv)):
+            client_gap, engine_gap = t.recv[i] - t.recv[i - 1], t.engine[i] - t.engine[i - 1]
+            out["client_itl"].append(ms(client_gap))
+            out["engine_itl"].append(ms(engine_gap))
+            out["itl_overhead"].append(ms(client_gap - engine_gap))
+        out["delivery_delay"] += [ms(r - e) for r, e in zip(t.recv, t.engine, strict=True)]
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def summarize(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    return {name: {"mean": statistics.fmean(v) if v else float("nan"),
+                   "p50": percentile(v, 50), "p90": percentile(v, 90),
+                   "p99": percentile(v, 99), "count": len(v)}
+            for name, v in samples.items()}
+
+
+def print_table(summary: dict[str, dict[str, float]]) -> None:
+    print(f"{'measure (ms)':<16}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'n':>8}")
+    for name, s in summary.items():
+        print(f"{name:<16}{s['mean']:>10.2f}{s['p50']:>10.2f}{s['p90']:>10.2f}"
+              f"{s['p99']:>10.2f}{s['count']:>8}")
+
+
+# ---- server process -----------------------------------------------------------------------
+
+
+def start_server(serve_flags: list[str]) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "pdserve", "serve", "--host", "127.0.0.1", "--port", str(port),
+           *serve_flags]
+    process = subprocess.Popen(cmd)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return process, base
+        except OSError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise SystemExit("server did not start")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def git_revision() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="Use a running server on this host instead of starting "
+                        "one (it must share this host's clock).")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--client-processes", type=int, default=4)
+    parser.add_argument("--out", help="Write the summary and the command here as JSON.")
+    parser.add_argument("--label", default="", help="Free text saved with --out (the device).")
+    parser.add_argument("serve_flags", nargs="*", help="After --: flags for pdserve serve "
+                        "(default: tiny).")
+    args = parser.parse_args(argv)
+    args.serve_flags = args.serve_flags or ["tiny"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    process, base = (None, args.url) if args.url else start_server(args.serve_flags)
+    try:
+        # One unmeasured round at full concurrency: kernel compilation, graph capture and
+        # allocator growth happen on first use and are no part of the server's overhead.
+        asyncio.run(run_load(base, args.concurrency, 1, args.max_tokens, first_seed=10**6))
+        start = time.monotonic()
+        traces = run_clients(base, args)
+        wall = time.monotonic() - start
+    finally:
+        if process is not None:
+            stop_server(process)
+    summary = summarize(overheads(traces))
+    print(f"{len(traces)} requests, {args.concurrency} concurrent, {wall:.1f} s")
+    print_table(summary)
+    if args.out:
+        record = {"command": " ".join([sys.executable, *sys.argv]), "git": git_revision(),
+                  "label": args.label, "wall_s": wall, "args": vars(args),
+                  "summary": summary, "first_trace": asdict(traces[0]) if traces else None}
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

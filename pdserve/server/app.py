@@ -1,0 +1,208 @@
+"""The HTTP server: routes, middlewares (errors, API key, draining) and the process's life
+from start-up to a clean SIGTERM shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.server import protocol as P
+from pdserve.server.client import EngineClient
+from pdserve.server.config import ServerConfig
+from pdserve.server.engine_process import DEFAULT_CORE
+from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from pdserve.server.serving import OpenAIServing
+
+logger = logging.getLogger("pdserve.server")
+
+STATE_KEY = web.AppKey("state", object)
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    config: ServerConfig
+    model_name: str
+    metrics: ServerMetrics
+    created: int = field(default_factory=P.now_s)
+    draining: bool = False
+    active: int = 0  # /v1 requests being answered
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def healthy(self) -> bool:
+        return self.client.alive and not self.draining
+
+
+def build_app(client: EngineClient, config: ServerConfig) -> web.Application:
+    model_name = config.served_model_name or client.model_name
+    metrics = ServerMetrics(lambda: client.stats)
+    state = ServerState(client, config, model_name, metrics)
+    state.idle.set()
+    serving = OpenAIServing(client, client.tokenizer, model_name, metrics, config.log_requests)
+    app = web.Application(client_max_size=config.max_request_bytes,
+                          middlewares=[_errors, _api_key, _admission])
+    app[STATE_KEY] = state
+    app.router.add_post("/v1/completions", serving.completions)
+    app.router.add_post("/v1/chat/completions", serving.chat)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+def _state(request: web.Request) -> ServerState:
+    return request.app[STATE_KEY]
+
+
+# ---- middlewares --------------------------------------------------------------------------
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure leaves in the OpenAI error shape; none escapes as a bare 500 page."""
+    try:
+        return await handler(request)
+    except P.APIError as exc:
+        return _error_response(request, exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error_response(request, P.APIError(exc.status, exc.reason))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - log it, answer 500, keep serving
+        logger.exception("unhandled error on %s", request.path)
+        return _error_response(request, P.APIError(500, f"internal error: {exc}"))
+
+
+def _error_response(request: web.Request, exc: P.APIError) -> web.Response:
+    state = _state(request)
+    state.metrics.count_error(exc.status)
+    headers = dict(exc.headers)
+    if exc.status in (429, 503):
+        headers.setdefault("Retry-After", str(state.config.retry_after))
+    return web.Response(status=exc.status, body=P.dumps(exc.body()),
+                        content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def _api_key(request: web.Request, handler) -> web.StreamResponse:
+    key = _state(request).config.api_key
+    if key and request.path.startswith("/v1"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise P.APIError(401, "invalid or missing API key", code="invalid_api_key")
+    return await handler(request)
+
+
+@web.middleware
+async def _admission(request: web.Request, handler) -> web.StreamResponse:
+    """Refuses new work while draining or without an engine; counts what is in flight."""
+    state = _state(request)
+    if request.method != "POST" or not request.path.startswith("/v1"):
+        return await handler(request)
+    if state.draining:
+        raise P.APIError(503, "the server is shutting down")
+    if not state.client.alive:
+        raise P.APIError(503, "the engine is not running")
+    state.active += 1
+    state.idle.clear()
+    try:
+        return await handler(request)
+    finally:
+        state.active -= 1
+        if state.active == 0:
+            state.idle.set()
+
+
+# ---- small routes -------------------------------------------------------------------------
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = _state(request)
+    body = P.models_list(state.model_name, state.client.max_model_len, state.created)
+    return web.Response(body=P.dumps(body), content_type="application/json")
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(status=200 if _state(request).healthy else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = _state(request).metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+# ---- process life -------------------------------------------------------------------------
+
+
+def serve(engine_config: Any, config: ServerConfig, core_factory: str = DEFAULT_CORE) -> None:
+    """Runs the server until SIGTERM or SIGINT; returns once the engine process is gone."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    if uvloop is not None:
+        uvloop.run(_serve(engine_config, config, core_factory))
+    else:
+        asyncio.run(_serve(engine_config, config, core_factory))
+
+
+async def _serve(engine_config: Any, config: ServerConfig, core_factory: str) -> None:
+    logger.info("starting the engine process")
+    client = await EngineClient.start(engine_config, core_factory, config.engine_start_timeout)
+    app = build_app(client, config)
+    state = app[STATE_KEY]
+    # handler_cancellation: a client that hangs up cancels its handler, whose cleanup
+    # aborts the request and frees its KV blocks at once.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    logger.info("serving '%s' on http://%s:%d (max_model_len %d)", state.model_name,
+                config.host, config.port, client.max_model_len)
+    stop, force = _install_signals()
+    await stop.wait()
+    await _drain(state, config.shutdown_timeout, force)
+    await runner.cleanup()
+    await client.shutdown()
+    logger.info("stopped")
+
+
+def _install_signals() -> tuple[asyncio.Event, asyncio.Event]:
+    """First SIGTERM/SIGINT starts draining; a second one cuts the drain short."""
+    loop = asyncio.get_running_loop()
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (force if stop.is_set() else stop).set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    return stop, force
+
+
+async def _drain(state: ServerState, timeout: float, force: asyncio.Event) -> None:
+    state.draining = True
+    logger.info("draining %d request(s) for up to %.0f s", state.active, timeout)
+    start = time.monotonic()
+    idle = asyncio.ensure_future(state.idle.wait())
+    forced = asyncio.ensure_future(force.wait())
+    await asyncio.wait([idle, forced], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    forced.cancel()
+    if not state.idle.is_set():
+        logger.warning("aborting %d request(s) after %.1f s", state.active,
+                       time.monotonic() - start)
+        state.client.abort_all("the server is shutting down")
+        # Let the aborted handlers write their error answers before connections close.
+        await asyncio.wait([idle], timeout=5.0)
+    idle.cancel()

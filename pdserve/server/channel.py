@@ -1,0 +1,192 @@
+"""Both ends of the message channel between the HTTP process and the engine process.
+
+Two one-way OS pipes carry pickled lists of ``messages``, framed as
+``multiprocessing.connection`` frames (a 4-byte big-endian length; -1 then an 8-byte length
+for huge ones), so the engine side can use ``Connection.recv_bytes``/``send_bytes``.
+
+Neither side ever blocks on the other:
+- the server end lives on the event loop: non-blocking pipe transports that buffer what
+  the pipe cannot take yet;
+- the engine end has a receiver thread (which also stamps when each message arrived, even
+  while the engine is busy in a long step) and a sender thread, so the engine loop only
+  touches in-memory queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import queue
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+_EOF = object()
+_CLOSE = object()
+
+# A thread waiting for the GIL gets it after at most this long (Python's default is 5 ms);
+# the engine's helper threads must not add that to every token's delivery.
+ENGINE_SWITCH_INTERVAL_S = 0.0005
+
+
+def frame(payload: bytes) -> bytes:
+    if len(payload) > 0x7FFFFFFF:
+        return struct.pack("!iQ", -1, len(payload)) + payload
+    return struct.pack("!i", len(payload)) + payload
+
+
+def encode(batch: list[Any]) -> bytes:
+    return frame(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+# ---- engine end ---------------------------------------------------------------------------
+
+
+class EngineChannel:
+    """The engine process's end: ``take`` and ``send`` never wait on the server."""
+
+    def __init__(self, reader: Connection, writer: Connection) -> None:
+        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
+        self._reader = reader
+        self._writer = writer
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._recv_loop, name="engine-recv", daemon=True),
+                         threading.Thread(target=self._send_loop, name="engine-send", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def send(self, message: Any) -> None:
+        self._outbox.put(message)
+
+    def take(self, timeout: float | None) -> list[tuple[float, Any]]:
+        """(arrival time, message) pairs; waits up to ``timeout`` for the first one.
+
+        Raises EOFError once the server is gone and everything it sent was taken.
+        """
+        try:
+            first = self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return []
+        out: list[tuple[float, Any]] = []
+        item = first
+        while True:
+            if item is _EOF:
+                self._inbox.put(_EOF)  # stays visible to the next call
+                if out:
+                    return out
+                raise EOFError
+            arrived, batch = item
+            out += [(arrived, message) for message in batch]
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Sends what is queued, then closes the pipes."""
+        self._outbox.put(_CLOSE)
+        self._threads[1].join(timeout)
+        self._reader.close()
+
+    def _recv_loop(self) -> None:
+        while True:
+            try:
+                data = self._reader.recv_bytes()
+            except (EOFError, OSError):
+                self._inbox.put(_EOF)
+                return
+            self._inbox.put((time.monotonic(), pickle.loads(data)))
+
+    def _send_loop(self) -> None:
+        while True:
+            batch = [self._outbox.get()]
+            # Whatever queued up while the last send ran goes out as one pickle.
+            while not self._outbox.empty():
+                batch.append(self._outbox.get())
+            closing = any(m is _CLOSE for m in batch)
+            batch = [m for m in batch if m is not _CLOSE]
+            if batch and not self._write(batch):
+                closing = True
+            if closing:
+                self._writer.close()
+                return
+
+    def _write(self, batch: list[Any]) -> bool:
+        try:
+            self._writer.send_bytes(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+            return True
+        except (OSError, ValueError):  # the server is gone; nothing left to tell it
+            return False
+
+
+# ---- server end ---------------------------------------------------------------------------
+
+
+class ServerChannel:
+    """The HTTP process's end, on the event loop."""
+
+    def __init__(self, read_transport: asyncio.ReadTransport,
+                 write_transport: asyncio.WriteTransport) -> None:
+        self._read_transport = read_transport
+        self._write_transport = write_transport
+
+    @classmethod
+    async def open(cls, reader: Connection, writer: Connection,
+                   on_batch: Callable[[list[Any]], None],
+                   on_eof: Callable[[], None]) -> ServerChannel:
+        loop = asyncio.get_running_loop()
+        read_transport, _ = await loop.connect_read_pipe(
+            lambda: _FrameReader(on_batch, on_eof), reader)
+        write_transport, _ = await loop.connect_write_pipe(asyncio.BaseProtocol, writer)
+        return cls(read_transport, write_transport)
+
+    def send(self, message: Any) -> None:
+        if not self._write_transport.is_closing():
+            self._write_transport.write(encode([message]))
+
+    def close(self) -> None:
+        self._write_transport.close()
+        self._read_transport.close()
+
+
+class _FrameReader(asyncio.Protocol):
+    def __init__(self, on_batch: Callable[[list[Any]], None], on_eof: Callable[[], None]) -> None:
+        self._on_batch = on_batch
+        self._on_eof = on_eof
+        self._buffer = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        used = 0
+        while (parsed := self._next_frame(used)) is not None:
+            start, end = parsed
+            self._on_batch(pickle.loads(self._buffer[start:end]))
+            used = end
+        if used:
+            del self._buffer[:used]
+
+    def _next_frame(self, offset: int) -> tuple[int, int] | None:
+        buffer = self._buffer
+        if len(buffer) - offset < 4:
+            return None
+        (size,) = struct.unpack_from("!i", buffer, offset)
+        start = offset + 4
+        if size == -1:
+            if len(buffer) - offset < 12:
+                return None
+            (size,) = struct.unpack_from("!Q", buffer, start)
+            start += 8
+        end = start + size
+        return (start, end) if len(buffer) >= end else None
+
+    def eof_received(self) -> bool:
+        self._on_eof()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_eof()

@@ -1,0 +1,229 @@
+"""The engine as the HTTP process sees it: start the engine process, submit and abort
+requests, receive their token deltas. Reading the channel happens on the event loop (a
+reader callback on the pipe), so the server never blocks on the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pdserve.sampling_params import SamplingParams
+from pdserve.server.channel import ServerChannel
+from pdserve.server.engine_process import DEFAULT_CORE, run_engine_process
+from pdserve.server.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineReady,
+    RequestRejected,
+    Shutdown,
+    StatsSnapshot,
+    StepOutputs,
+    TokenDelta,
+)
+from pdserve.server.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """Deltas of one request, buffered until its handler runs.
+
+    A handler that falls behind gets everything that arrived since its last wake-up in one
+    ``get()``, so a slow client costs one chunk with several tokens, not a growing backlog.
+    """
+
+    __slots__ = ("request_id", "arrival_time", "finished", "_items", "_error", "_waiter")
+
+    def __init__(self, request_id: str, arrival_time: float) -> None:
+        self.request_id = request_id
+        self.arrival_time = arrival_time
+        self.finished = False  # the engine has let go of the request
+        self._items: list[tuple[TokenDelta, float]] = []
+        self._error: APIError | None = None
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, delta: TokenDelta, step_time: float) -> None:
+        self._items.append((delta, step_time))
+        self.finished = self.finished or delta.finished
+        self._wake()
+
+    def fail(self, error: APIError) -> None:
+        self._error = error
+        self.finished = True
+        self._wake()
+
+    def _wake(self) -> None:
+        # A bare future, not an asyncio.Event: this runs for every token of every stream.
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> list[tuple[TokenDelta, float]]:
+        """Waits for news; raises the request's ``APIError`` if it was refused or lost."""
+        if not self._items and self._error is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._items:
+            items, self._items = self._items, []
+            return items
+        raise self._error
+
+
+class EngineClient:
+    def __init__(self, process: mp.process.BaseProcess) -> None:
+        self.process = process
+        self.channel: ServerChannel | None = None
+        self.model_name = ""
+        self.max_model_len = 0
+        self.tokenizer: Any = None
+        self.vocab_size: int | None = None
+        self.stats = StatsSnapshot()
+        self.dead_reason: str | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._loop = asyncio.get_running_loop()
+        self._ready: asyncio.Future[EngineReady] = self._loop.create_future()
+        self._closing = False
+
+    @classmethod
+    async def start(cls, engine_config: Any, core_factory: str = DEFAULT_CORE,
+                    timeout: float = 600.0) -> EngineClient:
+        """Spawns the engine process and waits until its model is loaded."""
+        process, reader, writer = _spawn(engine_config, core_factory)
+        client = cls(process)
+        client.channel = await ServerChannel.open(reader, writer, client._on_batch,
+                                                  client._on_eof)
+        try:
+            ready = await asyncio.wait_for(asyncio.shield(client._ready), timeout)
+        except TimeoutError:
+            process.kill()
+            raise RuntimeError(f"the engine did not load within {timeout:.0f} s") from None
+        client._apply_ready(ready)
+        return client
+
+    def _apply_ready(self, ready: EngineReady) -> None:
+        self.model_name = ready.model_name
+        self.max_model_len = ready.max_model_len
+        self.tokenizer = ready.tokenizer
+        self.vocab_size = ready.vocab_size
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            arrival_time: float) -> RequestStream:
+        if self.dead_reason is not None:
+            raise APIError(503, "the engine is not running")
+        stream = RequestStream(request_id, arrival_time)
+        self._streams[request_id] = stream
+        self.channel.send(AddRequest(request_id, prompt_token_ids, params, arrival_time))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Frees the request in the engine; a no-op once the engine has finished it."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and self.dead_reason is None:
+            self.channel.send(AbortRequests([request_id]))
+
+    def abort_all(self, reason: str) -> None:
+        ids = list(self._streams)
+        for request_id in ids:
+            self._streams.pop(request_id).fail(APIError(503, reason))
+        if ids and self.dead_reason is None:
+            self.channel.send(AbortRequests(ids))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the engine process and waits for it; kills it if it does not leave in time."""
+        self._closing = True
+        if self.process.is_alive():
+            self.channel.send(Shutdown())
+        await self._loop.run_in_executor(None, self.process.join, timeout)
+        if self.process.is_alive():
+            logger.warning("engine process did not exit in %.0f s; killing it", timeout)
+            self.process.kill()
+            await self._loop.run_in_executor(None, self.process.join, 5.0)
+        self.channel.close()
+
+    # ---- channel -> streams ---------------------------------------------------------------
+
+    def _on_batch(self, batch: list[Any]) -> None:
+        for message in batch:
+            self._dispatch(message)
+
+    def _on_eof(self) -> None:
+        if not self._ready.done():
+            self._ready.set_exception(RuntimeError(
+                f"the engine process exited during start-up (code {self.process.exitcode})"))
+        elif not self._closing:
+            self._on_death("the engine process exited")
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, StepOutputs):
+            self._on_step(message)
+        elif isinstance(message, StatsSnapshot):
+            self.stats = message
+        elif isinstance(message, RequestRejected):
+            stream = self._streams.pop(message.request_id, None)
+            if stream is not None:
+                stream.fail(_rejection_error(message))
+        elif isinstance(message, EngineReady):
+            self._ready.set_result(message)
+        elif isinstance(message, EngineDead):
+            self._on_engine_failure(message.message)
+
+    def _on_engine_failure(self, text: str) -> None:
+        if not self._ready.done():
+            self._ready.set_exception(RuntimeError(f"the engine failed to start:\n{text}"))
+            return
+        logger.error("engine failed:\n%s", text)
+        self._on_death("the engine failed; see the server log")
+
+    def _on_step(self, message: StepOutputs) -> None:
+        streams = self._streams
+        for delta in message.deltas:
+            stream = streams.get(delta.request_id)
+            if stream is None:
+                continue  # aborted here while the step ran
+            stream.put(delta, message.time)
+            if delta.finished:
+                del streams[delta.request_id]
+
+    def _on_death(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.abort_all(reason)
+        self.dead_reason = reason
+        logger.error("%s; /health now answers 503", reason)
+
+
+def _rejection_error(message: RequestRejected) -> APIError:
+    if message.status == 429:
+        return APIError(429, message.message, code="queue_full")
+    return APIError(message.status, message.message)
+
+
+def _spawn(engine_config: Any, core_factory: str
+           ) -> tuple[mp.process.BaseProcess, Connection, Connection]:
+    # spawn, not fork: the engine initialises CUDA, which does not survive a fork.
+    ctx = mp.get_context("spawn")
+    to_engine_r, to_engine_w = ctx.Pipe(duplex=False)
+    from_engine_r, from_engine_w = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=run_engine_process, name="pdserve-engine", daemon=True,
+                          args=(engine_config, to_engine_r, from_engine_w, core_factory))
+    process.start()
+    # Our copies of the engine's ends must go, or its death would never read as EOF here.
+    to_engine_r.close()
+    from_engine_w.close()
+    return process, from_engine_r, to_engine_w

@@ -1,0 +1,27 @@
+"""Server flags: where the HTTP server listens and how it treats clients.
+
+Kept apart from ``EngineConfig`` because the engine never reads them; the field docs are
+also ``pdserve serve --help``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.config import doc
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = doc("0.0.0.0", "Address the HTTP server binds.")
+    port: int = doc(8000, "TCP port of the HTTP server.")
+    api_key: str | None = doc(None, "If set, every /v1 route needs 'Authorization: Bearer KEY'.")
+    served_model_name: str | None = doc(None, "Model name clients send and see in responses; "
+                                        "defaults to the model argument.")
+    shutdown_timeout: float = doc(30.0, "On SIGTERM, seconds in-flight requests may run "
+                                  "before they are aborted.")
+    retry_after: int = doc(1, "Seconds sent in Retry-After when the waiting queue is full.")
+    max_request_bytes: int = doc(16 * 1024 * 1024, "Largest HTTP request body accepted.")
+    log_requests: bool = doc(False, "Log one line per finished request.")
+    engine_start_timeout: float = doc(600.0, "Seconds the engine process may take to load "
+                                      "the model before the server gives up.")

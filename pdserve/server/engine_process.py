@@ -1,0 +1,166 @@
+"""The engine process: runs ``EngineCore`` steps and talks to the HTTP process only through
+the channel. Nothing here tokenizes, detokenizes or touches HTTP, so the loop's only work
+between steps is draining a pipe.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pdserve.sampling_params import InvalidRequestError
+from pdserve.server.channel import EngineChannel
+from pdserve.server.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineReady,
+    RequestRejected,
+    Shutdown,
+    StatsSnapshot,
+    StepOutputs,
+    TokenDelta,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CORE = "pdserve.engine.core:EngineCore"
+STATS_INTERVAL_S = 0.2
+IDLE_WAIT_S = 1.0
+
+
+def run_engine_process(config: Any, reader: Connection, writer: Connection,
+                       core_factory: str = DEFAULT_CORE) -> None:
+    """Process entry point. ``core_factory`` is ``module:attr``, called with the config."""
+    # Ctrl-C reaches the whole process group; the server decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    channel = EngineChannel(reader, writer)
+    try:
+        core = _load_factory(core_factory)(config)
+    except BaseException:  # noqa: BLE001 - whatever broke the load goes back to the server
+        channel.send(EngineDead(traceback.format_exc()))
+        channel.close()
+        raise SystemExit(1) from None
+    channel.send(EngineReady(core.model_name, core.max_model_len, os.getpid(),
+                             getattr(core, "tokenizer", None), _vocab_size(core)))
+    code = EngineLoop(core, channel).run()
+    channel.close()
+    raise SystemExit(code)
+
+
+def _vocab_size(core: Any) -> int | None:
+    # The server refuses token ids past this bound: an out-of-range id would fail the
+    # embedding lookup inside a step and take every running request down with it.
+    for owner in (core, getattr(core, "arch", None), getattr(core, "tokenizer", None)):
+        size = getattr(owner, "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    return None
+
+
+def _load_factory(spec: str):
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class EngineLoop:
+    def __init__(self, core: Any, channel: EngineChannel) -> None:
+        self.core = core
+        self.channel = channel
+        self.stopping = False
+        self._arrivals: dict[str, float] = {}  # when the engine received it, until a token
+        self._stats_dirty = False
+        self._last_stats = 0.0
+
+    def run(self) -> int:
+        """Returns the process exit code."""
+        try:
+            while not self.stopping:
+                self._take_messages(block=not self.core.has_work())
+                if not self.stopping and self.core.has_work():
+                    self._step()
+                self._maybe_send_stats()
+        except BaseException:  # noqa: BLE001 - a failed step kills the engine; say why first
+            self.channel.send(EngineDead(traceback.format_exc()))
+            return 1
+        return 0
+
+    def _take_messages(self, block: bool) -> None:
+        timeout = 0.0
+        if block:
+            timeout = STATS_INTERVAL_S if self._stats_dirty else IDLE_WAIT_S
+        try:
+            messages = self.channel.take(timeout)
+        except EOFError:  # the server is gone: nobody is left to serve
+            self.stopping = True
+            return
+        for arrived, message in messages:
+            self._handle(message, arrived)
+
+    def _handle(self, message: Any, arrived: float) -> None:
+        self._stats_dirty = True
+        if isinstance(message, AddRequest):
+            self._add(message, arrived)
+        elif isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
+                self._arrivals.pop(request_id, None)
+                self.core.abort_request(request_id)
+        elif isinstance(message, Shutdown):
+            self.stopping = True
+
+    def _add(self, message: AddRequest, arrived: float) -> None:
+        try:
+            self.core.add_request(message.request_id, message.prompt_token_ids, message.params,
+                                  arrival_time=arrived)
+        except Exception as exc:  # noqa: BLE001 - a bad request must never stop the loop
+            status, text = _rejection(exc)
+            self.channel.send(RequestRejected(message.request_id, status, text))
+            return
+        self._arrivals[message.request_id] = arrived
+
+    def _step(self) -> None:
+        self._stats_dirty = True
+        updates = self.core.step()
+        now = time.monotonic()
+        if updates:
+            self.channel.send(StepOutputs([self._delta(u) for u in updates], now))
+
+    def _delta(self, update: Any) -> TokenDelta:
+        arrival = self._arrivals.pop(update.request_id, None)
+        return TokenDelta(update.request_id, list(update.new_token_ids), update.new_logprobs,
+                          update.finished, update.finish_reason, update.num_prompt_tokens,
+                          update.num_cached_tokens, arrival)
+
+    def _maybe_send_stats(self) -> None:
+        now = time.monotonic()
+        if not self._stats_dirty or now - self._last_stats < STATS_INTERVAL_S:
+            return
+        self.channel.send(stats_snapshot(self.core.stats()))
+        self._last_stats = now
+        self._stats_dirty = self.core.has_work()
+
+
+def stats_snapshot(stats: Any) -> StatsSnapshot:
+    """Copies the engine's stats into the message type (the server never imports the engine)."""
+    snapshot = StatsSnapshot()
+    for name in StatsSnapshot.__dataclass_fields__:
+        if name != "extra" and hasattr(stats, name):
+            setattr(snapshot, name, getattr(stats, name))
+    return snapshot
+
+
+def _rejection(exc: Exception) -> tuple[int, str]:
+    if isinstance(exc, InvalidRequestError):
+        return 400, str(exc)
+    # Matched by name so this module stays importable without the engine package.
+    if type(exc).__name__ == "QueueFullError":
+        return 429, str(exc) or "the waiting queue is full"
+    logger.exception("add_request failed")
+    return 500, f"internal error: {type(exc).__name__}: {exc}"

@@ -1,0 +1,109 @@
+"""Every message that crosses between the HTTP process and the engine process.
+
+The channel pickles lists of these (one list per send), so a step's outputs for all running
+requests travel as one message. Times are ``time.monotonic()`` values: both processes share
+the host's monotonic clock, which lets the server (and the overhead benchmark) compare
+engine-side and client-side latencies token by token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.sampling_params import SamplingParams
+
+# ---- HTTP process -> engine process -------------------------------------------------------
+
+
+@dataclass(slots=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    """When the HTTP server received the request."""
+
+
+@dataclass(slots=True)
+class AbortRequests:
+    """Free these requests and their KV blocks (client gone, stop string hit, shutdown)."""
+
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Leave the engine loop and exit; anything still running is dropped."""
+
+
+# ---- engine process -> HTTP process -------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EngineReady:
+    model_name: str
+    max_model_len: int
+    pid: int
+    tokenizer: object = None
+    """The engine's own tokenizer, pickled, so the server detokenizes with exactly it."""
+    vocab_size: int | None = None
+    """Token ids at or past this are refused before they reach the engine."""
+
+
+@dataclass(slots=True)
+class EngineDead:
+    """The engine failed (at load time or in a step) and its process is exiting."""
+
+    message: str
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    engine_arrival_time: float | None = None
+    """Set on a request's first delta only: when the engine process received it."""
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    deltas: list[TokenDelta]
+    time: float
+    """When the step's tokens were ready in the engine process."""
+
+
+@dataclass(slots=True)
+class RequestRejected:
+    """``add_request`` refused the request; ``status`` is the HTTP status to answer."""
+
+    request_id: str
+    status: int
+    message: str
+
+
+@dataclass(slots=True)
+class StatsSnapshot:
+    """The engine's counters, sent at most every few hundred ms while it is busy."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+ToEngine = AddRequest | AbortRequests | Shutdown
+FromEngine = EngineReady | EngineDead | StepOutputs | RequestRejected | StatsSnapshot

@@ -1,0 +1,108 @@
+"""Prometheus metrics of the server: request latencies observed here, engine counters read
+from the latest stats snapshot the engine process sent.
+
+Each server owns its registry (not the library's global one) so several servers, or tests,
+can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pdserve.server.messages import StatsSnapshot
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075,
+                0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass
+class RequestTiming:
+    """One finished request, in ``time.monotonic()`` seconds."""
+
+    arrival: float
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+    finish_reason: str | None = None
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], StatsSnapshot]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds",
+                              "Server arrival to the engine's first token.",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds",
+                             "Engine-side gap between two consecutive tokens of a request.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds",
+                             "Server arrival to the request's last byte.",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.finished = Counter("pdserve_requests_finished", "Finished requests.",
+                                ["finish_reason"], registry=r)
+        self.errors = Counter("pdserve_request_errors", "Requests answered with an error.",
+                              ["status"], registry=r)
+        r.register(_EngineCollector(stats))
+
+    def observe(self, timing: RequestTiming) -> None:
+        if timing.first_token is not None:
+            self.ttft.observe(max(0.0, timing.first_token - timing.arrival))
+        times = timing.token_times
+        for earlier, later in zip(times, times[1:], strict=False):
+            self.itl.observe(later - earlier)
+        if timing.finished is not None:
+            self.e2e.observe(timing.finished - timing.arrival)
+        self.finished.labels(timing.finish_reason or "abort").inc()
+
+    def count_error(self, status: int) -> None:
+        self.errors.labels(str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Reads the engine's counters at scrape time from the last snapshot."""
+
+    def __init__(self, stats: Callable[[], StatsSnapshot]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        yield _gauge("pdserve_num_requests_running", "Requests in the running batch.",
+                     s.num_running)
+        yield _gauge("pdserve_num_requests_waiting", "Requests waiting to be scheduled.",
+                     s.num_waiting)
+        yield _gauge("pdserve_kv_cache_usage_ratio", "Share of KV pages in use (0..1).",
+                     s.kv_usage)
+        yield _gauge("pdserve_kv_cache_free_blocks", "Free KV pages.", s.num_free_blocks)
+        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0
+        yield _gauge("pdserve_prefix_cache_hit_rate",
+                     "Prompt tokens found in the prefix cache / prompt tokens looked up.", hit_rate)
+        yield _counter("pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                       "cache.", s.prefix_cache_queries)
+        yield _counter("pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                       s.prefix_cache_hits)
+        yield _counter("pdserve_prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total)
+        yield _counter("pdserve_generation_tokens", "Tokens generated.",
+                       s.generation_tokens_total)
+        yield _counter("pdserve_num_preemptions", "Requests preempted (KV pages reclaimed).",
+                       s.num_preemptions)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)

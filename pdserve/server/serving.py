@@ -1,0 +1,310 @@
+"""The OpenAI endpoints' logic: tokenize, submit to the engine, turn token deltas into text
+(incremental detokenization and stop strings happen here, off the engine's loop) and
+answer as one JSON body or as server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.sampling_params import SamplingParams
+from pdserve.server import protocol as P
+from pdserve.server.client import EngineClient, RequestStream
+from pdserve.server.messages import TokenDelta
+from pdserve.server.metrics import RequestTiming, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+# Prompts longer than this are tokenized on a worker thread so that one long prompt does
+# not stall every stream sharing the event loop.
+INLINE_TOKENIZE_CHARS = 4096
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class Generation:
+    """One request in flight: engine deltas in, ``Piece``s out."""
+
+    def __init__(self, client: EngineClient, stream: RequestStream, tokenizer: Tokenizer,
+                 prompt_ids: list[int], params: SamplingParams, skip_special: bool) -> None:
+        self.client = client
+        self.stream = stream
+        self.tokenizer = tokenizer
+        self.want_logprobs = params.logprobs
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop, skip_special)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.num_generated = 0
+        self.num_cached = 0
+        self.engine_arrival: float | None = None
+        self.timing = RequestTiming(arrival=stream.arrival_time)
+        self.done = False
+
+    async def pieces(self) -> AsyncIterator[P.Piece]:
+        """Yields until a piece carries the finish reason; raises ``APIError`` on failure."""
+        while not self.done:
+            yield self._fold(await self.stream.get())
+
+    def close(self) -> None:
+        """Frees the engine's copy if the request is still running (client gone, error)."""
+        if not self.stream.finished:
+            self.client.abort(self.stream.request_id)
+        self.timing.finished = time.monotonic()
+
+    def _fold(self, items: list[tuple[TokenDelta, float]]) -> P.Piece:
+        ids: list[int] = []
+        logprobs: list[float] = []
+        reason = None
+        for delta, step_time in items:
+            self._note(delta, step_time)
+            ids += delta.new_token_ids
+            logprobs += delta.new_logprobs or []
+            reason = delta.finish_reason if delta.finished else reason
+        text = self._text(ids, reason)
+        if self.detok.stopped:
+            reason = "stop"
+            self.close()  # the engine never sees stop strings: tell it to stop now
+        if reason == "error":
+            raise P.APIError(500, "the engine failed while running this request")
+        self.done = reason is not None
+        self.timing.finish_reason = reason
+        texts = [self.tokenizer.decode([i]) for i in ids] if self.want_logprobs else []
+        return P.Piece(text, ids, texts, logprobs if self.want_logprobs else None, reason,
+                       items[-1][1])
+
+    def _note(self, delta: TokenDelta, step_time: float) -> None:
+        if delta.engine_arrival_time is not None:
+            self.engine_arrival = delta.engine_arrival_time
+        if delta.new_token_ids and self.timing.first_token is None:
+            self.timing.first_token = step_time
+        self.timing.token_times += [step_time] * len(delta.new_token_ids)
+        self.num_generated += len(delta.new_token_ids)
+        self.num_cached = delta.num_cached_tokens
+
+    def _text(self, ids: list[int], reason: str | None) -> str:
+        text = self.detok.push(ids)
+        if reason is not None and not self.detok.stopped:
+            text += self.detok.flush()
+        return text
+
+    def usage(self) -> dict[str, Any]:
+        return P.usage(self.num_prompt_tokens, self.num_generated, self.num_cached)
+
+
+@dataclass
+class Format:
+    """How one endpoint shapes its answers."""
+
+    chat: bool
+    request_id: str
+    model: str
+    created: int
+    sampling: P.SamplingRequest
+
+    _text_prefix: bytes = b""
+    _text_suffix: bytes = b""
+
+    def __post_init__(self) -> None:
+        # Most chunks differ from each other only in their text: pre-encode everything else.
+        head = P.envelope(self.request_id, self.chunk_kind, self.model, self.created, [])
+        head_bytes = P.dumps(head)[:-3]  # drop the empty choices' "[]}"
+        if self.chat:
+            self._text_prefix = head_bytes + b'[{"index":0,"delta":{"content":'
+            self._text_suffix = b'},"logprobs":null,"finish_reason":null}]'
+        else:
+            self._text_prefix = head_bytes + b'[{"index":0,"text":'
+            self._text_suffix = b',"logprobs":null,"finish_reason":null}]'
+        if self.sampling.include_usage:
+            self._text_suffix += b',"usage":null'
+
+    @property
+    def chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def text_chunk(self, text: str, timing: bytes = b"") -> bytes:
+        """The SSE event of a chunk with nothing but new text (and optional timing fields)."""
+        return (b"data: " + self._text_prefix + P.dumps_str(text) + self._text_suffix + timing
+                + b"}\n\n")
+
+    def chunk(self, piece: P.Piece, offset: int, first: bool) -> dict[str, Any]:
+        logprobs = self.sampling.logprobs
+        if self.chat:
+            choice = P.chat_choice(piece, logprobs, delta=True)
+            if first:
+                choice["delta"] = {"role": "assistant", "content": piece.text}
+        else:
+            choice = P.completion_choice(piece, logprobs, offset)
+        return P.envelope(self.request_id, self.chunk_kind, self.model, self.created, [choice],
+                          with_usage_key=self.sampling.include_usage)
+
+    def full(self, piece: P.Piece, usage: dict[str, Any]) -> dict[str, Any]:
+        if self.chat:
+            choice = P.chat_choice(piece, self.sampling.logprobs, delta=False)
+            kind = "chat.completion"
+        else:
+            choice = P.completion_choice(piece, self.sampling.logprobs)
+            kind = "text_completion"
+        return P.envelope(self.request_id, kind, self.model, self.created, [choice], usage)
+
+
+class OpenAIServing:
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer, model_name: str,
+                 metrics: ServerMetrics, log_requests: bool = False) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = metrics
+        self.log_requests = log_requests
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    async def completions(self, http: web.Request) -> web.StreamResponse:
+        request = P.CompletionRequest.parse(P.parse_json_body(await http.read()))
+        self._check_model(request.sampling.model)
+        if isinstance(request.prompt, str):
+            prompt_ids = await self._encode(request.prompt, add_special_tokens=True)
+        else:
+            prompt_ids = request.prompt
+            P.check_token_ids(prompt_ids, self.client.vocab_size)
+        fmt = Format(False, P.new_id("cmpl"), self.model_name, P.now_s(), request.sampling)
+        return await self._run(http, fmt, prompt_ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
+
+    async def chat(self, http: web.Request) -> web.StreamResponse:
+        request = P.ChatRequest.parse(P.parse_json_body(await http.read()))
+        self._check_model(request.sampling.model)
+        try:
+            text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - templates raise on messages they refuse
+            raise P.bad_request(f"the chat template refused the messages: {exc}",
+                                param="messages") from None
+        # A template that writes BOS itself must not get a second one from the tokenizer.
+        add_special = not self.tokenizer.starts_with_bos(text)
+        prompt_ids = await self._encode(text, add_special_tokens=add_special)
+        fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling)
+        return await self._run(http, fmt, prompt_ids, None)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise P.bad_request(f"model '{model}' is not served here; this server serves "
+                                f"'{self.model_name}'", param="model", code="model_not_found")
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self.tokenizer.encode, text,
+                                          add_special_tokens)
+
+    async def _run(self, http: web.Request, fmt: Format, prompt_ids: list[int],
+                   default_max_tokens: int | None) -> web.StreamResponse:
+        arrival = time.monotonic()
+        params = fmt.sampling.sampling_params(len(prompt_ids), self.client.max_model_len,
+                                              default_max_tokens)
+        stream = self.client.add(fmt.request_id, prompt_ids, params, arrival)
+        gen = Generation(self.client, stream, self.tokenizer, prompt_ids, params,
+                         fmt.sampling.skip_special_tokens)
+        try:
+            if fmt.sampling.stream:
+                return await self._stream(http, fmt, gen)
+            return await self._collect(fmt, gen)
+        finally:
+            gen.close()
+            self._record(fmt, gen)
+
+    async def _collect(self, fmt: Format, gen: Generation) -> web.Response:
+        text: list[str] = []
+        token_texts: list[str] = []
+        logprobs: list[float] = []
+        last = None
+        async for piece in gen.pieces():
+            text.append(piece.text)
+            token_texts += piece.token_texts
+            logprobs += piece.logprobs or []
+            last = piece
+        whole = P.Piece("".join(text), [], token_texts, logprobs, last.finish_reason)
+        return _json_response(fmt.full(whole, gen.usage()))
+
+    async def _stream(self, http: web.Request, fmt: Format, gen: Generation
+                      ) -> web.StreamResponse:
+        pieces = gen.pieces()
+        first = await anext(pieces)  # a refused request still gets a plain error status
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(http)
+        writer = _SSEWriter(response, fmt, gen)
+        try:
+            await writer.write(first)
+            async for piece in pieces:
+                await writer.write(piece)
+            await writer.finish()
+        except P.APIError as exc:
+            await response.write(P.sse(exc.body()) + P.SSE_DONE)
+        return response
+
+    def _record(self, fmt: Format, gen: Generation) -> None:
+        self.metrics.observe(gen.timing)
+        if self.log_requests:
+            t = gen.timing
+            ttft = (t.first_token - t.arrival) * 1e3 if t.first_token else float("nan")
+            logger.info("%s prompt=%d output=%d ttft=%.1fms e2e=%.1fms finish=%s",
+                        fmt.request_id, gen.num_prompt_tokens, gen.num_generated, ttft,
+                        (t.finished - t.arrival) * 1e3, t.finish_reason)
+
+
+class _SSEWriter:
+    """Writes a generation's pieces as chunks; empty ones are skipped unless they matter."""
+
+    def __init__(self, response: web.StreamResponse, fmt: Format, gen: Generation) -> None:
+        self.response = response
+        self.fmt = fmt
+        self.gen = gen
+        self.offset = 0
+        self.sent_first = False
+        self.timed = fmt.sampling.return_engine_timing
+
+    async def write(self, piece: P.Piece) -> None:
+        wanted = piece.text or piece.finish_reason or (piece.token_ids and (
+            self.fmt.sampling.logprobs or self.timed))
+        if self.sent_first and not wanted:
+            return
+        self.offset += len(piece.text)
+        if self.sent_first and not piece.finish_reason and not self.fmt.sampling.logprobs:
+            timing = self._timing_bytes(piece) if self.timed else b""
+            await self.response.write(self.fmt.text_chunk(piece.text, timing))
+            return
+        chunk = self.fmt.chunk(piece, self.offset - len(piece.text), first=not self.sent_first)
+        if self.timed:
+            self._add_timing(chunk, piece)
+        self.sent_first = True
+        await self.response.write(P.sse(chunk))
+
+    @staticmethod
+    def _timing_bytes(piece: P.Piece) -> bytes:
+        return b',"engine_time":%r,"num_tokens":%d' % (piece.engine_time, len(piece.token_ids))
+
+    def _add_timing(self, chunk: dict[str, Any], piece: P.Piece) -> None:
+        # Extension read by benchmarks/bench_server_overhead.py: engine-side clock values.
+        chunk["engine_time"] = piece.engine_time
+        chunk["num_tokens"] = len(piece.token_ids)
+        if not self.sent_first:
+            chunk["engine_arrival_time"] = self.gen.engine_arrival
+            chunk["server_arrival_time"] = self.gen.timing.arrival
+
+    async def finish(self) -> None:
+        tail = b""
+        if self.fmt.sampling.include_usage:
+            usage_chunk = P.envelope(self.fmt.request_id, self.fmt.chunk_kind, self.fmt.model,
+                                     self.fmt.created, [], self.gen.usage())
+            tail = P.sse(usage_chunk)
+        await self.response.write(tail + P.SSE_DONE)
+        await self.response.write_eof()
+
+
+def _json_response(body: dict[str, Any]) -> web.Response:
+    return web.Response(body=P.dumps(body), content_type="application/json")

@@ -1,0 +1,155 @@
+"""A real ``pdserve serve`` process on the tiny model, reached over a real socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+START_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    port: int
+    api_key: str | None = None
+    log: Any = None
+
+    def log_text(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def openai(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none",
+                             max_retries=0, **kwargs)
+
+    def async_openai(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none",
+                                  max_retries=0, **kwargs)
+
+    def request(self, method: str, path: str, body: bytes | dict | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, dict, bytes]:
+        """Raw HTTP: (status, headers, body), errors included."""
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        all_headers = {"Content-Type": "application/json", **(headers or {})}
+        if self.api_key and "Authorization" not in all_headers:
+            all_headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers=all_headers)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, dict(resp.headers), resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, dict(exc.headers), exc.read()
+
+    def metrics(self) -> dict[str, float]:
+        _, _, body = self.request("GET", "/metrics")
+        values = {}
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+    def engine_pids(self) -> list[int]:
+        return child_pids(self.process.pid)
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children.append(int(entry))
+    return children
+
+
+def start_server(*flags: str, api_key: str | None = None) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve", "serve", "tiny", "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--device", "cpu", *flags]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    # A file, not a pipe: a pipe nobody reads would block a chatty server.
+    log = tempfile.TemporaryFile()
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    server = Server(process, port, api_key, log)
+    _wait_healthy(server)
+    return server
+
+
+def _wait_healthy(server: Server) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError("server exited:\n" + server.log_text())
+        try:
+            if server.request("GET", "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    server.stop()
+    raise RuntimeError("server did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server("--num-blocks", "512", "--max-num-seqs", "64")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def launch():
+    """Starts extra servers for a module (flags as on the command line); stops them after."""
+    started: list[Server] = []
+
+    def start(*flags: str, api_key: str | None = None) -> Server:
+        started.append(start_server(*flags, api_key=api_key))
+        return started[-1]
+
+    yield start
+    for srv in started:
+        srv.stop()

@@ -1,0 +1,56 @@
+"""Request parsing and the channel framing, without a server."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.server import protocol as P
+from pdserve.server.channel import _FrameReader, encode
+from pdserve.server.messages import AbortRequests, TokenDelta
+
+
+def test_completion_defaults_and_budget():
+    req = P.CompletionRequest.parse({"prompt": "hi", "stop": "x", "seed": 3})
+    params = req.sampling.sampling_params(10, 100, default_max_tokens=16)
+    assert params.max_tokens == 16 and params.stop == ["x"] and params.seed == 3
+    chat = P.ChatRequest.parse({"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.sampling.sampling_params(10, 100, None).max_tokens == 90  # the rest of context
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "temperature": "1"}, "temperature"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": "x", "stream_options": {"include_usage": 1}}, "include_usage"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+])
+def test_bad_fields_name_the_param(body, param):
+    with pytest.raises(P.APIError) as err:
+        P.CompletionRequest.parse(body)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_context_overflow_is_400():
+    req = P.CompletionRequest.parse({"prompt": "x", "max_tokens": 50})
+    with pytest.raises(P.APIError, match="context"):
+        req.sampling.sampling_params(60, 100, 16)
+    with pytest.raises(P.APIError, match="context"):
+        req.sampling.sampling_params(100, 100, 16)
+
+
+def test_bad_sampling_values_are_400():
+    req = P.CompletionRequest.parse({"prompt": "x", "top_p": 0})
+    with pytest.raises(P.APIError, match="top_p"):
+        req.sampling.sampling_params(1, 100, 16)
+
+
+def test_frames_survive_any_split():
+    batches = [[TokenDelta("a", [1, 2], None, False, None, 3, 0, 1.5)],
+               [AbortRequests(["b" * 1000])]]
+    wire = b"".join(encode(b) for b in batches)
+    for cut in (1, 3, 4, 5, 100, len(wire) - 1):
+        got: list = []
+        reader = _FrameReader(got.append, lambda: None)
+        reader.data_received(wire[:cut])
+        reader.data_received(wire[cut:])
+        assert got == batches
