@@ -17,7 +17,8 @@ _DESCRIPTION = """LLM serving that holds latency SLOs.
 
   pdserve serve MODEL [flags]     OpenAI-compatible server (see pdserve serve --help)
   pdserve generate MODEL --prompt TEXT
-  pdserve bench ...               load generator and SLO report"""
+  pdserve bench ...               load generator and SLO report
+  pdserve profile MODEL           fit the multiplex latency predictor on this GPU"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_generate(sub)
     _add_bench(sub)
+    _add_profile(sub)
     return parser
 
 
@@ -79,6 +81,12 @@ def _add_bench(sub) -> None:
         from pdserve.bench.cli import add_parser
     except ImportError:  # the benchmark package is optional for serving
         return
+    add_parser(sub)
+
+
+def _add_profile(sub) -> None:
+    from pdserve.engine.profiler import add_parser
+
     add_parser(sub)
 
 

@@ -52,6 +52,16 @@ class SchedulerConfig:
     max_waiting: int = doc(4096, "Requests queued beyond this are refused (HTTP 429).")
     itl_slo_ms: float = doc(60.0, "multiplex: inter-token latency target.")
     ttft_slo_ms: float | None = doc(None, "multiplex: time-to-first-token target, if any.")
+    mux_decode_sms: str = doc("16,24,32,48,64", "multiplex: decode SM counts to build "
+                              "partitions and capture decode graphs for (comma-separated; "
+                              "the whole GPU is always offered).")
+    mux_graph_batches: str = doc("1,2,4,8,16,32,48,64,96,128,192,256", "multiplex: decode "
+                                 "batch sizes captured as graphs on every partition; larger "
+                                 "batches run eagerly.")
+    mux_predictor: str | None = doc(None, "multiplex: latency predictor JSON from `pdserve "
+                                    "profile`, or a folder of them keyed by GPU and model "
+                                    "(default: $PDSERVE_PROFILE_DIR or ~/.cache/pdserve/"
+                                    "profiles); a roofline model when none fits.")
 
 
 @dataclass(frozen=True)

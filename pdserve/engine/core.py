@@ -56,6 +56,10 @@ class EngineStats:
     num_steps: int
     last_batch_decode: int
     last_batch_prefill_tokens: int
+    # multiplex only: the latest SM split (``EngineCore.timeline()`` has the history)
+    mux_mode: str = ""
+    decode_sms: int = 0
+    prefill_sms: int = 0
 
 
 class EngineCore:
@@ -79,6 +83,11 @@ class EngineCore:
         self._aborted: list[RequestUpdate] = []
         self._counters = {"prompt": 0, "generation": 0, "steps": 0}
         self._last_plan = Plan()
+        self.mux = None
+        if config.scheduler.schedule == "multiplex":
+            from pdserve.engine.multiplex import MultiplexLoop
+
+            self.mux = MultiplexLoop(self)
 
     # ---- requests ----
 
@@ -128,6 +137,8 @@ class EngineCore:
 
     def step(self) -> list[RequestUpdate]:
         updates, self._aborted = self._aborted, []
+        if self.mux is not None:
+            return updates + self.mux.step()
         plan = self.scheduler.schedule()
         self._last_plan = plan
         if plan.is_empty():
@@ -179,7 +190,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         plan = self._last_plan
-        return EngineStats(
+        stats = EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_usage=self.blocks.usage(), num_free_blocks=self.blocks.num_free_blocks,
             num_total_blocks=self.blocks.num_blocks,
@@ -190,6 +201,18 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions, num_steps=self._counters["steps"],
             last_batch_decode=len(plan.decodes),
             last_batch_prefill_tokens=plan.num_tokens - len(plan.decodes))
+        last = self.mux.last() if self.mux is not None else None
+        if last is not None:
+            stats.mux_mode, stats.decode_sms, stats.prefill_sms = (
+                last.mode, last.decode_sms, last.prefill_sms)
+            stats.last_batch_decode = last.decode_batch
+            stats.last_batch_prefill_tokens = last.prefill_tokens
+        return stats
+
+    def timeline(self, since: float | None = None) -> list[dict]:
+        """Multiplex: the SM split over time (time, mode, decode/prefill SMs, decode batch,
+        prefill tokens); empty under other policies."""
+        return self.mux.timeline(since) if self.mux is not None else []
 
     def check_integrity(self) -> None:
         live = list(self.scheduler.running) + list(self.scheduler.waiting)

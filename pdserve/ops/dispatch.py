@@ -1,14 +1,99 @@
 """Fused ops picked by the tensor's device: Triton for CUDA tensors, torch reference otherwise.
 
-The model calls these; it never imports a backend directly.
+The model calls these; it never imports a backend directly. Triton is imported lazily, on
+the first CUDA call, so a CPU install never imports it. Setting ``PDSERVE_REFERENCE_OPS=1``
+(or calling ``force_reference_ops(True)``) routes CUDA tensors to the reference too, for
+A/B comparisons.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
+import os
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
 from pdserve.ops import reference
 
-rms_norm = reference.rms_norm
-fused_add_rms_norm = reference.fused_add_rms_norm
-silu_and_mul = reference.silu_and_mul
-apply_rope = reference.apply_rope
-store_kv = reference.store_kv
+REFERENCE_OPS_ENV = "PDSERVE_REFERENCE_OPS"
+
+_force_reference = os.environ.get(REFERENCE_OPS_ENV, "0") not in ("", "0", "false", "False")
+
+
+def force_reference_ops(enabled: bool) -> None:
+    """Route every op to the torch reference (True) or back to device dispatch (False)."""
+    global _force_reference
+    _force_reference = enabled
+
+
+@contextlib.contextmanager
+def reference_ops() -> Iterator[None]:
+    """Within the block, every op runs the torch reference."""
+    previous = _force_reference
+    force_reference_ops(True)
+    try:
+        yield
+    finally:
+        force_reference_ops(previous)
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether an op on ``x`` runs the Triton kernel."""
+    return x.is_cuda and not _force_reference and triton_available()
+
+
+@functools.cache
+def _fused() -> ModuleType:
+    from pdserve.ops import triton_fused
+
+    return triton_fused
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if uses_triton(x):
+        return _fused().rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual); the sum is the next residual."""
+    if uses_triton(x):
+        return _fused().fused_add_rms_norm(x, residual, weight, eps)
+    return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if uses_triton(gate_up):
+        return _fused().silu_and_mul(gate_up)
+    return reference.silu_and_mul(gate_up)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if uses_triton(q):
+        return _fused().apply_rope(q, k, positions, cos_sin_cache)
+    return reference.apply_rope(q, k, positions, cos_sin_cache)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if uses_triton(k_cache):
+        return _fused().store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)

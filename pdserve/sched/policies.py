@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pdserve.sched.base import Plan, Scheduler
+from pdserve.sched.multiplex import MultiplexScheduler
 
 
 class PrefillFirstScheduler(Scheduler):
@@ -78,7 +79,8 @@ class ChunkedPrefillScheduler(Scheduler):
         return budget
 
 
-SCHEDULERS = {cls.name: cls for cls in (PrefillFirstScheduler, ChunkedPrefillScheduler)}
+SCHEDULERS = {cls.name: cls for cls in (PrefillFirstScheduler, ChunkedPrefillScheduler,
+                                        MultiplexScheduler)}
 
 
 def make_scheduler(config, block_manager, max_model_len) -> Scheduler:

@@ -1,0 +1,327 @@
+"""Kernel speed on one GPU, each beside its hardware ceiling measured in the same run.
+
+- Ceilings: device-to-device copy bandwidth (read + write bytes) and 8192^3 bf16 GEMM rate.
+- Decode attention (Triton split-KV, timed as a CUDA-graph replay so launch cost does not
+  count): batch x context for CodeLlama-34B and Llama-3-8B head shapes, reported as KV
+  bytes read per second against the copy ceiling.
+- Prefill attention (Triton extend kernel, causal, one prompt; plus a chunk over a cached
+  prefix): TFLOP/s against the GEMM ceiling, next to torch SDPA on contiguous K/V.
+- Fused ops (Triton vs the torch reference): time and achieved bandwidth.
+
+    python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h200.json
+    python benchmarks/bench_kernels.py --quick              # a few points, for a smoke run
+    python benchmarks/bench_kernels.py --sweep              # also try other tile configs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench, do_bench_cudagraph
+
+from pdserve.ops import reference, triton_fused
+from pdserve.ops.metadata import AttentionMetadata
+from pdserve.ops.triton_attention import (
+    DecodeConfig,
+    ExtendConfig,
+    TritonAttentionBackend,
+    decode_attention,
+    default_decode_config,
+    default_extend_config,
+    extend_attention,
+)
+
+HEAD_SHAPES = {"34b": (64, 8, 128), "8b": (32, 8, 128)}  # q heads, kv heads, head_dim
+DECODE_BATCHES = (1, 16, 64, 256)
+CONTEXTS = (1024, 8192, 32768)
+PAGE_SIZE = 16
+DTYPE = torch.bfloat16
+
+
+# --------------------------------------------------------------------------- ceilings
+
+
+def measure_ceilings() -> dict:
+    ceilings = {"copy_gbs": _copy_gbs(), "gemm_tflops": _gemm_tflops()}
+    torch.cuda.empty_cache()
+    return ceilings
+
+
+def _copy_gbs() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
+    return 2 * (1 << 30) / ms / 1e6  # bytes read + bytes written
+
+
+def _gemm_tflops() -> float:
+    a = torch.randn(8192, 8192, dtype=DTYPE, device="cuda")
+    b = torch.randn(8192, 8192, dtype=DTYPE, device="cuda")
+    ms = do_bench(lambda: a @ b, warmup=25, rep=200)
+    return 2 * 8192**3 / ms / 1e9
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def paged_cache(num_tokens_per_seq: list[int], kv_heads: int, head_dim: int):
+    """A cache holding exactly the sequences' pages, handed out in a random order."""
+    pages_per_seq = [triton.cdiv(n, PAGE_SIZE) for n in num_tokens_per_seq]
+    num_pages = sum(pages_per_seq) + 1
+    shape = (num_pages, PAGE_SIZE, kv_heads, head_dim)
+    k_cache = torch.empty(shape, dtype=DTYPE, device="cuda").normal_()
+    v_cache = torch.empty(shape, dtype=DTYPE, device="cuda").normal_()
+    perm = torch.randperm(num_pages - 1, device="cuda", dtype=torch.int32) + 1
+    tables = torch.zeros(len(pages_per_seq), max(pages_per_seq), dtype=torch.int32, device="cuda")
+    offset = 0
+    for i, n in enumerate(pages_per_seq):
+        tables[i, :n] = perm[offset : offset + n]
+        offset += n
+    return k_cache, v_cache, tables
+
+
+def bench_decode(
+    shape: str, batch: int, context: int, backend: TritonAttentionBackend, config=None
+) -> dict:
+    q_heads, kv_heads, head_dim = HEAD_SHAPES[shape]
+    k_cache, v_cache, tables = paged_cache([context] * batch, kv_heads, head_dim)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, q_heads, head_dim, dtype=DTYPE, device="cuda")
+    out = torch.empty_like(q)
+    splits = backend.num_kv_splits(batch, kv_heads, q.device)
+    run = lambda: decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, out, head_dim**-0.5, splits,
+        backend.min_split_tokens, config,
+    )  # fmt: skip
+    run()  # compile outside the capture
+    ms = do_bench_cudagraph(run, rep=100)
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * k_cache.element_size()
+    # Replays back to back keep a small cache resident in the 50 MB L2; in a model the other
+    # layers evict it, so such points overstate the bandwidth.
+    return {"kernel": "decode", "shape": shape, "batch": batch, "context": context,
+            "splits": splits, "ms": ms, "kv_gbs": kv_bytes / ms / 1e6,
+            "kv_fits_l2": kv_bytes < 60e6}  # fmt: skip
+
+
+def decode_fits(batch: int, context: int, shape: str, limit_gb: float) -> bool:
+    _, kv_heads, head_dim = HEAD_SHAPES[shape]
+    return 2 * batch * context * kv_heads * head_dim * 2 / 1e9 <= limit_gb
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+def extend_inputs(shape: str, prefix: int, new: int):
+    q_heads, kv_heads, head_dim = HEAD_SHAPES[shape]
+    k_cache, v_cache, tables = paged_cache([prefix + new], kv_heads, head_dim)
+    meta = AttentionMetadata(
+        num_seqs=1,
+        num_decode_seqs=0,
+        query_start_loc=torch.tensor([0, new], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([prefix + new], dtype=torch.int32, device="cuda"),
+        block_tables=tables,
+        slot_mapping=torch.full((new,), -1, dtype=torch.int64, device="cuda"),
+        max_query_len=new,
+        max_seq_len=prefix + new,
+        block_size=PAGE_SIZE,
+    )
+    q = torch.randn(new, q_heads, head_dim, dtype=DTYPE, device="cuda")
+    k = torch.randn(new, kv_heads, head_dim, dtype=DTYPE, device="cuda")
+    v = torch.randn(new, kv_heads, head_dim, dtype=DTYPE, device="cuda")
+    return q, k, v, k_cache, v_cache, meta
+
+
+def attention_flops(q_heads: int, head_dim: int, prefix: int, new: int) -> float:
+    # QK^T and PV, 2 FLOPs per MAC each, over the causal half of the new x new block.
+    return 4.0 * q_heads * head_dim * (new * prefix + new * (new + 1) / 2)
+
+
+def bench_prefill(shape: str, prefix: int, new: int, config: ExtendConfig | None = None) -> dict:
+    q_heads, _, head_dim = HEAD_SHAPES[shape]
+    q, k, v, k_cache, v_cache, meta = extend_inputs(shape, prefix, new)
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    run = lambda: extend_attention(q, k, v, out, k_cache, v_cache, meta, scale, 0, config)
+    ms = do_bench(run, warmup=10, rep=100)
+    flops = attention_flops(q_heads, head_dim, prefix, new)
+    row = {"kernel": "prefill", "shape": shape, "prefix": prefix, "new": new, "ms": ms,
+           "tflops": flops / ms / 1e9}  # fmt: skip
+    if prefix == 0:
+        row["sdpa_ms"] = bench_sdpa(q, k, v, scale)
+        row["sdpa_tflops"] = flops / row["sdpa_ms"] / 1e9
+    return row
+
+
+def bench_sdpa(q, k, v, scale: float) -> float:
+    """torch SDPA's flash kernel on contiguous K/V: what a non-paged kernel achieves."""
+    group = q.shape[1] // k.shape[1]
+    qt = q.transpose(0, 1).unsqueeze(0)
+    kt, vt = (x.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0) for x in (k, v))
+    run = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return do_bench(run, warmup=10, rep=100)
+    except RuntimeError:  # no flash kernel for this shape/version
+        return float("nan")
+
+
+# --------------------------------------------------------------------------- fused ops
+
+
+def fused_cases(tokens: int) -> list[tuple[str, Callable, Callable, int]]:
+    """(name, triton fn, torch fn, bytes moved) at 34B-like sizes."""
+    hidden, inter, (q_heads, kv_heads, head_dim) = 8192, 22016, HEAD_SHAPES["34b"]
+    x = torch.randn(tokens, hidden, dtype=DTYPE, device="cuda")
+    res, w = torch.randn_like(x), torch.randn(hidden, dtype=DTYPE, device="cuda")
+    gate_up = torch.randn(tokens, 2 * inter, dtype=DTYPE, device="cuda")
+    q = torch.randn(tokens, q_heads, head_dim, dtype=DTYPE, device="cuda")
+    k = torch.randn(tokens, kv_heads, head_dim, dtype=DTYPE, device="cuda")
+    pos = torch.randint(0, 16384, (tokens,), device="cuda")
+    cos_sin = torch.randn(16384, head_dim, device="cuda")
+    act = x.numel() * 2
+    qk = (q.numel() + k.numel()) * 2
+    return [
+        ("rms_norm", lambda: triton_fused.rms_norm(x, w, 1e-5),
+         lambda: reference.rms_norm(x, w, 1e-5), 2 * act),
+        ("fused_add_rms_norm", lambda: triton_fused.fused_add_rms_norm(x, res, w, 1e-5),
+         lambda: reference.fused_add_rms_norm(x, res, w, 1e-5), 4 * act),
+        ("silu_and_mul", lambda: triton_fused.silu_and_mul(gate_up),
+         lambda: reference.silu_and_mul(gate_up), gate_up.numel() * 3),
+        ("apply_rope", lambda: triton_fused.apply_rope(q, k, pos, cos_sin),
+         lambda: reference.apply_rope(q, k, pos, cos_sin), 2 * qk),
+    ]  # fmt: skip
+
+
+def bench_fused(tokens: int) -> list[dict]:
+    rows = []
+    for name, ours, torch_fn, nbytes in fused_cases(tokens):
+        ms, torch_ms = do_bench(ours), do_bench(torch_fn)
+        rows.append({"kernel": name, "tokens": tokens, "ms": ms, "torch_ms": torch_ms,
+                     "gbs": nbytes / ms / 1e6, "speedup": torch_ms / ms})  # fmt: skip
+    return rows
+
+
+# --------------------------------------------------------------------------- sweeps
+
+
+EXTEND_SWEEP = [ExtendConfig(m, n, w, s) for m, n, w, s in [
+    (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3),
+    (128, 64, 4, 3), (64, 32, 4, 4), (128, 128, 8, 3),
+]]  # fmt: skip
+DECODE_SWEEP = [DecodeConfig(n, w, s) for n, w, s in [
+    (64, 4, 2), (32, 4, 3), (64, 4, 3), (128, 4, 2), (32, 2, 4), (64, 8, 2),
+]]  # fmt: skip
+
+
+def sweep(log: Callable[[dict], None]) -> list[dict]:
+    rows = []
+    for cfg in EXTEND_SWEEP:
+        row = _guarded(bench_prefill, "34b", 0, 8192, cfg)
+        rows.append(log({"sweep": "extend", "config": cfg.__dict__, **row}))
+    backend = TritonAttentionBackend()
+    for cfg in DECODE_SWEEP:
+        for batch, context in ((1, 32768), (16, 8192), (64, 1024), (256, 8192)):
+            row = _guarded(bench_decode, "34b", batch, context, backend, cfg)
+            rows.append(log({"sweep": "decode", "config": cfg.__dict__, **row}))
+    return rows
+
+
+def _guarded(fn: Callable[..., dict], *args: object) -> dict:
+    """A config that fails to compile or launch (e.g. too much shared memory) is a result."""
+    try:
+        return fn(*args)
+    except Exception as err:  # any compile or launch error is recorded, not fatal
+        return {"error": f"{type(err).__name__}: {err}"[:300]}
+    finally:
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run_all(args: argparse.Namespace, log: Callable[[dict], dict]) -> dict:
+    ceilings = measure_ceilings()
+    log({"ceilings": ceilings})
+    backend = TritonAttentionBackend()
+    batches, contexts = ((1, 64), (1024, 8192)) if args.quick else (DECODE_BATCHES, CONTEXTS)
+    decode, prefill = [], []
+    for shape in HEAD_SHAPES:
+        for batch in batches:
+            for context in contexts:
+                if decode_fits(batch, context, shape, args.max_kv_gb):
+                    row = _guarded(bench_decode, shape, batch, context, backend)
+                    row.setdefault("of_copy", row.get("kv_gbs", 0) / ceilings["copy_gbs"])
+                    decode.append(log(row))
+        chunks = [(0, n) for n in contexts] + [(16384, 2048)]
+        for prefix, new in chunks:
+            row = _guarded(bench_prefill, shape, prefix, new)
+            row.setdefault("of_gemm", row.get("tflops", 0) / ceilings["gemm_tflops"])
+            prefill.append(log(row))
+    fused = [log(r) for t in ((1, 4096) if args.quick else (1, 64, 4096)) for r in bench_fused(t)]
+    result = {"ceilings": ceilings, "decode": decode, "prefill": prefill, "fused": fused}
+    if args.sweep:
+        result["sweep"] = sweep(log)
+    return result
+
+
+def environment() -> dict:
+    return {
+        "device": torch.cuda.get_device_name(),
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "git_revision": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--", "pdserve/ops")),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "decode_config_d128": default_decode_config(128, torch.device("cuda")).__dict__,
+        "extend_config_d128": default_extend_config(128, torch.device("cuda")).__dict__,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--quick", action="store_true", help="a few points only")
+    parser.add_argument("--sweep", action="store_true", help="also sweep tile configs")
+    parser.add_argument("--max-kv-gb", type=float, default=40.0,
+                        help="skip decode points whose KV cache is larger")  # fmt: skip
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels needs a CUDA GPU")
+
+    def log(row: dict) -> dict:
+        print(json.dumps(row), flush=True)
+        return row
+
+    record = {"environment": environment(), **run_all(args, log)}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,501 @@
+"""``pdserve profile``: time the engine's own launches, fit the latency predictor, save it.
+
+What is timed is exactly what the multiplex loop launches: decode steps (graph replay of
+the partition's graphs, plus sampling) and prefill pieces (layer ranges of a prefill
+batch), each alone and co-running with the other phase on the complementary SMs, and
+whole-GPU mixed steps through ``ModelRunner.execute``. Rows become ``ProfileRecord``s; the
+predictor is fitted on 80% of them and its error measured on the other 20% (targets:
+median <= 5%, P95 <= 15%), then refitted on all rows and saved with that held-out error
+and the raw rows, keyed by (GPU, model), where ``--schedule multiplex`` finds it.
+
+The grid is sparse on purpose (the device budget is minutes): few SM counts (the
+predictor interpolates in 1 / SMs), few batch / context / token points that span the
+regimes (weight-bound, KV-bound, compute-bound), CUDA events, and few repeats.
+
+Co-running rows: prefill pieces are queued on the prefill stream up front, then decode
+steps run on the decode stream until that queue drains. A launch counts as co-running
+only if the other stream was busy for its whole span (event timestamps), so the edges
+of each run are dropped rather than mislabelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.mux_exec import HostBuffers, PrefillBatch
+from pdserve.engine.mux_setup import default_profile_dir, gpu_name, model_key
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.gpu.partitions import Partition
+from pdserve.sampling_params import SamplingParams
+from pdserve.sched.base import Plan, ScheduledRequest
+from pdserve.sched.predictor import (
+    LatencyPredictor,
+    ProfileRecord,
+    predictor_path,
+    train_test_split,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    decode_sms: tuple[int, ...] = (16, 32, 64)  # the whole GPU is always profiled too
+    # (batch, context per request); points whose KV does not fit the pool are skipped
+    decode_points: tuple[tuple[int, int], ...] = (
+        (1, 1024), (1, 8192), (8, 2048), (16, 1024), (16, 8192), (32, 4096), (64, 2048),
+        (128, 1024))
+    # (new tokens, prefix tokens, layers); layers 0 means all of them
+    prefill_points: tuple[tuple[int, int, int], ...] = (
+        (256, 0, 6), (256, 0, 0), (256, 8192, 24), (1024, 0, 6), (1024, 0, 24),
+        (1024, 0, 0), (1024, 8192, 6), (1024, 8192, 0), (4096, 0, 6), (4096, 0, 24),
+        (4096, 4096, 12), (4096, 0, 0), (2048, 2048, 0), (512, 0, 12))
+    # pieces queued on the prefill stream while decode runs beside them (layers > 0 only:
+    # a piece that samples copies from pageable memory, which would stall the queueing)
+    co_prefill_points: tuple[tuple[int, int, int], ...] = (
+        (512, 0, 6), (1024, 0, 12), (2048, 0, 6), (2048, 4096, 12), (4096, 0, 6),
+        (1024, 8192, 6), (256, 0, 24), (4096, 0, 3), (768, 2048, 12), (3072, 0, 4))
+    co_rounds: int = 2  # times the co-running prefill queue is repeated per partition
+    # (chunk tokens, prefix, decode batch, decode context per request)
+    mixed_points: tuple[tuple[int, int, int, int], ...] = (
+        (256, 0, 16, 2048), (1024, 0, 16, 2048), (2048, 0, 32, 1024), (512, 4096, 8, 8192),
+        (1024, 2048, 64, 1024), (128, 0, 32, 4096))
+    repeats: int = 2
+    warmup: int = 1
+
+    @property
+    def max_tokens(self) -> int:
+        points = [t + p for t, p, _ in self.prefill_points + self.co_prefill_points]
+        points += [c + p for c, p, _, _ in self.mixed_points]
+        return max(points + [ctx + 1 for _, ctx in self.decode_points])
+
+    @property
+    def decode_batches(self) -> tuple[int, ...]:
+        return tuple(sorted({b for b, _ in self.decode_points}))
+
+    def scaled(self, num_layers: int) -> ProfileGrid:
+        """Layer counts written for 48 layers, scaled to the model (at least one)."""
+        scale = lambda k: 0 if k == 0 else max(1, min(num_layers, round(k * num_layers / 48)))
+        return replace(
+            self,
+            prefill_points=tuple((t, p, scale(k)) for t, p, k in self.prefill_points),
+            co_prefill_points=tuple((t, p, scale(k)) for t, p, k in self.co_prefill_points))
+
+
+QUICK_GRID = ProfileGrid(
+    decode_sms=(16,), decode_points=((1, 64), (2, 32), (4, 64), (8, 16), (2, 128),
+                                        (1, 200), (8, 100), (3, 50)),
+    prefill_points=tuple((t, p, k) for t in (16, 64, 128) for p in (0, 64) for k in (12, 0)),
+    co_prefill_points=tuple((t, p, k) for t in (16, 64, 128) for p in (0, 32) for k in (12, 24)),
+    co_rounds=1, mixed_points=((32, 0, 2, 64), (64, 0, 4, 32), (16, 16, 1, 64)), repeats=1,
+    warmup=0)
+
+
+# ------------------------------------------------------------------- timing
+
+
+class Clock:
+    """Launch spans: CUDA events on the launch's stream, or wall time on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self, stream: Any) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream if stream is not None else torch.cuda.current_stream())
+        return event
+
+    def ms(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+@dataclass
+class Span:
+    start: Any
+    end: Any
+    row: dict  # ProfileRecord fields but the latency
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+class Fixtures:
+    """Requests holding KV blocks at a given context, made without the scheduler."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.blocks, self.tables = engine.blocks, engine.runner.tables
+        self.params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        self.vocab = engine.arch.vocab_size
+        self._live: list[Request] = []
+        self._ids = 0
+
+    def request(self, context: int, new_tokens: int) -> Request | None:
+        """A request with ``context`` tokens computed and ``new_tokens`` to compute."""
+        self._ids += 1
+        total = context + new_tokens
+        tokens = [(i * 7919) % (self.vocab - 3) + 3 for i in range(total)]
+        request = Request(f"profile-{self._ids}", tokens, self.params)
+        if not self.blocks.grow(request, total):
+            self.blocks.free(request)
+            return None
+        request.num_computed, request.status = context, RequestStatus.RUNNING
+        self._live.append(request)
+        return request
+
+    def decode_plan(self, batch: int, context: int) -> Plan | None:
+        plan = Plan()
+        for _ in range(batch):
+            request = self.request(context - 1, 1)
+            if request is None:
+                self.free(plan)
+                return None
+            plan.decodes.append(ScheduledRequest(request, 1))
+        return plan
+
+    def prefill_plan(self, tokens: int, prefix: int) -> Plan | None:
+        request = self.request(prefix, tokens)
+        return None if request is None else Plan(prefills=[ScheduledRequest(request, tokens)])
+
+    def free(self, plan: Plan) -> None:
+        for item in plan.scheduled:
+            self._drop(item.request)
+            self._live.remove(item.request)
+
+    def release(self) -> None:
+        for request in self._live:
+            self._drop(request)
+        self._live.clear()
+
+    def _drop(self, request: Request) -> None:
+        self.blocks.free(request)
+        self.tables.drop(request.request_id)
+
+
+# ------------------------------------------------------------------ profiler
+
+
+class Profiler:
+    def __init__(self, engine, grid: ProfileGrid, progress: Callable[[str], None] = log.info):
+        self.engine, self.loop, self.runner = engine, engine.mux, engine.runner
+        self.grid = grid.scaled(self.runner.model.num_layers)
+        self.clock = Clock(self.runner.device)
+        self.fixtures = Fixtures(engine)
+        self.buffers = HostBuffers.make(self.loop.ops, engine.config.scheduler.max_num_seqs)
+        self.progress = progress
+        self.rows: list[dict] = []
+        self.launch_ms: list[float] = []  # host time to issue prefill pieces
+
+    def run(self) -> list[dict]:
+        parts = [*self.loop.partitions.choices(), self.loop.partitions.whole_gpu]
+        for part in parts:
+            self._phase(f"decode alone on {part.decode_sms} SMs", self._decode_alone, part)
+            self._phase(f"prefill alone on {part.prefill_sms} SMs", self._prefill_alone, part)
+            if not part.whole_gpu:
+                self._phase(f"co-running on {part.decode_sms}/{part.prefill_sms} SMs",
+                            self._co_running, part)
+        self._phase("mixed steps on the whole GPU", self._mixed)
+        return self.rows
+
+    def _phase(self, name: str, fn, *args) -> None:
+        started, before = time.perf_counter(), len(self.rows)
+        try:
+            fn(*args)
+        finally:
+            self.fixtures.release()
+        self.progress(f"{name}: {len(self.rows) - before} rows in "
+                      f"{time.perf_counter() - started:.1f} s")
+
+    # ---- decode
+
+    def _decode_alone(self, part: Partition) -> None:
+        for batch, context in self.grid.decode_points:
+            plan = self.fixtures.decode_plan(batch, context)
+            if plan is None:
+                continue
+            ms = self._timed(part.decode_stream, lambda p=plan: self._decode(p, part))
+            self._add("decode", batch, batch * context, batch, part.decode_sms, False, ms)
+            self.fixtures.release()
+
+    def _decode(self, plan: Plan, part: Partition) -> None:
+        self.loop.decode_lane.launch(plan, part, [])
+
+    # ---- prefill
+
+    def _prefill_alone(self, part: Partition) -> None:
+        for tokens, prefix, layers in self.grid.prefill_points:
+            plan = self.fixtures.prefill_plan(tokens, prefix)
+            if plan is None:
+                continue
+            ms = self._timed(part.prefill_stream, lambda p=plan, k=layers:
+                             self._piece(p, part, k))
+            self._add("prefill", tokens, prefix, 1, part.prefill_sms, False, ms,
+                      num_layers=layers or None)
+            self.fixtures.release()
+
+    def _piece(self, plan: Plan, part: Partition, layers: int) -> None:
+        batch = PrefillBatch(plan, self.runner, self.loop.ops, self.buffers)
+        started = time.perf_counter()
+        batch.launch_piece(part, layers or batch.num_layers, [])
+        self.launch_ms.append((time.perf_counter() - started) * 1e3)
+
+    def _timed(self, stream: Any, fn: Callable[[], None]) -> float:
+        """Median over repeats of one launch's span on ``stream`` (after warm-up)."""
+        for _ in range(self.grid.warmup):
+            fn()
+        spans = []
+        for _ in range(max(1, self.grid.repeats)):
+            with self.loop.ops.on(stream):
+                start = self.clock.mark(stream)
+                fn()
+                spans.append((start, self.clock.mark(stream)))
+        self.clock.sync()
+        return statistics.median(self.clock.ms(a, b) for a, b in spans)
+
+    # ---- co-running
+
+    def _co_running(self, part: Partition) -> None:
+        pieces = self._queue_pieces(part)
+        if not pieces:
+            return
+        decodes = self._decode_while(part, pieces[-1].end)
+        self.clock.sync()
+        self._keep_overlapping(pieces, decodes)
+
+    def _queue_pieces(self, part: Partition) -> list[Span]:
+        spans, stream = [], part.prefill_stream
+        points = list(self.grid.co_prefill_points) * self.grid.co_rounds
+        with self.loop.ops.on(stream):
+            for tokens, prefix, layers in points:
+                plan = self.fixtures.prefill_plan(tokens, prefix)
+                if plan is None:
+                    continue
+                start = self.clock.mark(stream)
+                self._piece(plan, part, layers)
+                row = dict(phase="prefill", num_tokens=tokens, context_tokens=prefix,
+                           batch_size=1, sms=part.prefill_sms, co_running=True,
+                           num_layers=layers or None)
+                spans.append(Span(start, self.clock.mark(stream), row))
+        return spans
+
+    def _decode_while(self, part: Partition, prefill_end: Any) -> list[Span]:
+        """Decode steps until the prefill queue drains, a few per grid point in turn; each
+        point's requests hold KV only for their turn, so large points fit beside the
+        queued prefills."""
+        spans, stream, turn, steps_per_turn = [], part.decode_stream, 0, 3
+        points = self.grid.decode_points
+        while len(spans) < 2000 and turn < 50 * len(points):
+            batch, context = points[turn % len(points)]
+            turn += 1
+            plan = self.fixtures.decode_plan(batch, context)
+            if plan is None:
+                continue
+            for _ in range(steps_per_turn):
+                spans.append(self._co_decode(plan, part, stream, batch, context))
+            self.fixtures.free(plan)  # later launches on this stream are ordered after
+            if not self.clock.cuda or prefill_end.query():
+                break
+        return spans
+
+    def _co_decode(self, plan: Plan, part: Partition, stream: Any, batch: int, context: int
+                   ) -> Span:
+        with self.loop.ops.on(stream):
+            start = self.clock.mark(stream)
+            self._decode(plan, part)
+            row = dict(phase="decode", num_tokens=batch, context_tokens=batch * context,
+                       batch_size=batch, sms=part.decode_sms, co_running=True)
+            return Span(start, self.clock.mark(stream), row)
+
+    def _keep_overlapping(self, pieces: list[Span], decodes: list[Span]) -> None:
+        """Rows whose whole span lies inside the other stream's busy span."""
+        if not pieces or not decodes:
+            return
+        if not self.clock.cuda:  # the CPU runs them one after the other: plumbing only
+            for span in pieces + decodes:
+                self._add_row(span.row, self.clock.ms(span.start, span.end))
+            return
+        origin = pieces[0].start
+        at = lambda event: origin.elapsed_time(event)
+        busy = {"prefill": (at(pieces[0].start), at(pieces[-1].end)),
+                "decode": (at(decodes[0].start), at(decodes[-1].end))}
+        for span in pieces + decodes:
+            other = busy["decode" if span.row["phase"] == "prefill" else "prefill"]
+            if other[0] <= at(span.start) and at(span.end) <= other[1]:
+                self._add_row(span.row, self.clock.ms(span.start, span.end))
+
+    # ---- mixed
+
+    def _mixed(self) -> None:
+        total = self.loop.partitions.total_sms
+        for chunk, prefix, batch, context in self.grid.mixed_points:
+            plan = self.fixtures.decode_plan(batch, context)
+            prefill = self.fixtures.prefill_plan(chunk, prefix)
+            if plan is None or prefill is None:
+                self.fixtures.release()
+                continue
+            plan.prefills = prefill.prefills
+            ms = self._wall(lambda p=plan: self.runner.execute(p))
+            self._add("mixed", chunk, prefix, 1, total, False, ms, decode_batch=batch,
+                      decode_context=batch * context)
+            self.fixtures.release()
+
+    def _wall(self, fn: Callable[[], Any]) -> float:
+        for _ in range(self.grid.warmup):
+            fn()
+        times = []
+        for _ in range(max(1, self.grid.repeats)):
+            self.clock.sync()
+            started = time.perf_counter()
+            fn()  # ends with a host copy of the tokens: the step is done when it returns
+            times.append((time.perf_counter() - started) * 1e3)
+        return statistics.median(times)
+
+    # ---- rows
+
+    def _add(self, phase: str, tokens: int, context: int, batch: int, sms: int, co: bool,
+             ms: float, **extra) -> None:
+        self._add_row(dict(phase=phase, num_tokens=tokens, context_tokens=context,
+                           batch_size=batch, sms=sms, co_running=co, **extra), ms)
+
+    def _add_row(self, row: dict, ms: float) -> None:
+        self.rows.append(asdict(ProfileRecord(**row, latency_ms=float(ms))))
+
+
+# ------------------------------------------------------------------ fitting
+
+
+@dataclass
+class ProfileResult:
+    path: str
+    gpu: str
+    model: str
+    num_rows: int
+    held_out: dict
+    by_phase: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    prefill_launch_ms_p50: float = 0.0
+
+
+def fit_and_save(rows: list[dict], path: Path, *, gpu: str, model: str, num_layers: int,
+                 total_sms: int, extra: dict | None = None) -> tuple[LatencyPredictor, dict]:
+    """Held-out error of a fit on 80% of the rows; the saved predictor uses all of them."""
+    train, test = train_test_split(rows, test_fraction=0.2, seed=0)
+    names = dict(gpu_name=gpu, model_name=model, num_layers=num_layers, total_sms=total_sms)
+    held = LatencyPredictor.fit(train, **names)
+    held_out = held.evaluate(test)
+    by_phase = {phase: held.evaluate([r for r in test if r["phase"] == phase])
+                for phase in ("decode", "prefill", "mixed")}
+    predictor = LatencyPredictor.fit(rows, **names)
+    data = {**predictor.to_json(), "held_out": held_out, "held_out_by_phase": by_phase,
+            **(extra or {}), "rows": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+    return predictor, {"all": held_out, **by_phase}
+
+
+def profile_engine(engine, grid: ProfileGrid, out: Path | None = None) -> ProfileResult:
+    """Profiles a multiplex ``EngineCore`` and saves its predictor; returns the summary."""
+    started = time.perf_counter()
+    profiler = Profiler(engine, grid)
+    rows = profiler.run()
+    device, total = engine.runner.device, engine.mux.partitions.total_sms
+    gpu, model = gpu_name(device), model_key(engine.config)
+    path = out if out is not None and out.suffix == ".json" else predictor_path(
+        out or default_profile_dir(), gpu, model)
+    launch = statistics.median(profiler.launch_ms) if profiler.launch_ms else 0.0
+    seconds = time.perf_counter() - started
+    _, errors = fit_and_save(rows, path, gpu=gpu, model=model,
+                             num_layers=engine.runner.model.num_layers, total_sms=total,
+                             extra={"profile_seconds": seconds, "prefill_launch_ms_p50": launch,
+                                    "grid": asdict(profiler.grid)})
+    return ProfileResult(str(path), gpu, model, len(rows), errors["all"], errors, seconds,
+                         launch)
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "profile", help="Profile decode/prefill latency per SM split; fit and save the "
+        "multiplex latency predictor.", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", default="codellama-34b",
+                        help="Preset name or checkpoint folder (default: codellama-34b).")
+    parser.add_argument("--load-format", default="auto", help="auto | dummy | safetensors.")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", default=None, help="A .json file, or a folder (default: "
+                        "$PDSERVE_PROFILE_DIR or ~/.cache/pdserve/profiles).")
+    parser.add_argument("--decode-sms", default=None,
+                        help="Decode SM counts to profile, comma-separated (default 16,32,64).")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--quick", action="store_true",
+                        help="A tiny grid for small models and smoke tests.")
+    parser.set_defaults(func=_run)
+    return parser
+
+
+def engine_for_profile(model: str, grid: ProfileGrid, max_model_len: int = 0, **options
+                       ) -> Any:
+    """A multiplex engine whose partitions and decode graphs are the grid's."""
+    from pdserve.engine.core import EngineCore
+
+    config = EngineConfig.from_flat(
+        model=model, schedule="multiplex", enable_prefix_caching=False,
+        mux_decode_sms=",".join(map(str, grid.decode_sms)),
+        mux_graph_batches=",".join(map(str, grid.decode_batches)),
+        max_num_batched_tokens=max(t for t, _, _ in grid.prefill_points),
+        max_num_seqs=max(256, max(grid.decode_batches)),
+        max_model_len=max(grid.max_tokens + 16, max_model_len), **options)
+    return EngineCore(config)
+
+
+def grid_from_args(args: argparse.Namespace) -> ProfileGrid:
+    grid = QUICK_GRID if args.quick else ProfileGrid()
+    if args.decode_sms:
+        grid = replace(grid, decode_sms=tuple(int(s) for s in args.decode_sms.split(",")))
+    if args.repeats:
+        grid = replace(grid, repeats=args.repeats)
+    return grid
+
+
+def _run(args: argparse.Namespace) -> int:
+    grid = grid_from_args(args)
+    options = dict(load_format=args.load_format, dtype=args.dtype, device=args.device)
+    if args.device != "cpu":
+        options["gpu_memory_utilization"] = args.gpu_memory_utilization
+    engine = engine_for_profile(args.model, grid, **options)
+    result = profile_engine(engine, grid, Path(args.out) if args.out else None)
+    print(json.dumps(asdict(result), indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="pdserve")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["profile", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""Attention backends by name, imported lazily so a CPU install never imports Triton."""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+
+from pdserve.ops.dispatch import triton_available
+from pdserve.ops.metadata import AttentionMetadata
+
+BACKEND_NAMES = ("auto", "torch", "triton")
+
+
+class AttentionBackend(Protocol):
+    """Stores the step's K/V at ``meta.slot_mapping``, then attends over the whole context."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+def get_attention_backend(
+    name: str, device: torch.device | str, **options: object
+) -> AttentionBackend:
+    """The backend called ``name``; "auto" is Triton on CUDA when importable, else torch.
+
+    ``options`` go to the Triton backend's constructor (e.g. ``max_kv_splits``); the torch
+    backend takes none and ignores them.
+    """
+    device = torch.device(device)
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKEND_NAMES}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "torch":
+        from pdserve.ops.reference import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    _check_triton_usable(device)
+    from pdserve.ops.triton_attention import TritonAttentionBackend
+
+    return TritonAttentionBackend(**options)
+
+
+def _check_triton_usable(device: torch.device) -> None:
+    if not triton_available():
+        raise RuntimeError("attention backend 'triton' needs the triton package")
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if device.type != "cuda" and not interpreted:
+        raise RuntimeError(
+            f"attention backend 'triton' runs on CUDA devices, not {device.type!r} "
+            "(set TRITON_INTERPRET=1 before importing triton to run its kernels on CPU)"
+        )

@@ -1,0 +1,552 @@
+"""Triton paged attention: split-KV decode (flash-decoding) and causal extend/prefill.
+
+Importing this module imports Triton; only the registry and the CUDA branch of dispatch do
+so, lazily. Kernels read the paged cache ``[num_pages, block_size, kv_heads, head_dim]``
+through ``block_tables``, gathering page ids per token tile, so the page size is a runtime
+value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.ops.metadata import AttentionMetadata
+from pdserve.ops.triton_fused import store_kv
+
+# Rows of q heads one decode program handles; tl.dot needs at least 16 rows, so smaller GQA
+# groups are padded (decode is bandwidth-bound, the wasted MMA rows cost nothing).
+_DECODE_BLOCK_H = 16
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Tile shape and pipelining of the extend kernel (the benchmark sweeps these)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile shape and pipelining of the split-KV decode kernel."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# --------------------------------------------------------------------------- shared
+
+
+@triton.jit
+def _attend_tile(q, k, v, acc, m_i, l_i, mask, qk_scale, APPLY_MASK: tl.constexpr):
+    """One online-softmax step (base-2 exponent, fp32 statistics)."""
+    # fp32 models (the parity tests) need exact products; tl.dot would otherwise use TF32.
+    if q.dtype == tl.float32:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+    if APPLY_MASK:
+        s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if v.dtype == tl.float32:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _gather_pages(table, offs_n, valid, page_size):
+    """Page id (int64: page offsets can pass 2**31 elements) and in-page slot of each token."""
+    page = tl.load(table + offs_n // page_size, mask=valid, other=0).to(tl.int64)
+    return page, offs_n % page_size
+
+
+# --------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kb,
+    stride_kh,
+    stride_vp,
+    stride_vb,
+    stride_vh,
+    stride_bt,
+    stride_mo_s,
+    stride_mo_h,
+    stride_mo_split,
+    stride_ml_s,
+    stride_ml_h,
+    qk_scale,
+    page_size,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_TOKENS: tl.constexpr,
+):
+    """One program = (decode seq, kv head x head block, split): all q heads of the group
+    share each K/V tile, so K/V are read from memory once per group."""
+    seq = tl.program_id(0)
+    blocks_per_group = (GROUP + BLOCK_H - 1) // BLOCK_H
+    kv_head = tl.program_id(1) // blocks_per_group
+    head_block = tl.program_id(1) % blocks_per_group
+    split = tl.program_id(2)
+
+    # The split range comes from seq_lens on the device: the grid stays fixed, so a CUDA
+    # graph captured once replays for any context lengths. Short contexts use fewer splits
+    # (the rest run empty) to keep the partial-result traffic small.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    wanted_splits = (seq_len + MIN_SPLIT_TOKENS - 1) // MIN_SPLIT_TOKENS
+    num_splits = tl.minimum(tl.maximum(wanted_splits, 1), NUM_SPLITS)
+    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    in_group = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = in_group < GROUP
+    heads = kv_head * GROUP + in_group
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=head_mask[:, None],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    for tile_start in range(start, end, BLOCK_N):
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        page, in_page = _gather_pages(table, offs_n, valid, page_size)
+        k = tl.load(
+            k_head + (page * stride_kp + in_page * stride_kb)[:, None] + offs_d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_head + (page * stride_vp + in_page * stride_vb)[:, None] + offs_d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        acc, m_i, l_i = _attend_tile(q, k, v, acc, m_i, l_i, valid[None, :], qk_scale, True)
+
+    # An empty split leaves l_i == 0: its log-sum-exp is -inf and the reduce ignores it.
+    has_work = l_i > 0.0
+    lse = tl.where(has_work, m_i + tl.log2(tl.where(has_work, l_i, 1.0)), float("-inf"))
+    tl.store(mid_lse_ptr + seq * stride_ml_s + heads * stride_ml_h + split, lse, mask=head_mask)
+    o = acc / tl.where(has_work, l_i, 1.0)[:, None]
+    tl.store(
+        mid_o_ptr
+        + seq * stride_mo_s
+        + heads[:, None] * stride_mo_h
+        + split * stride_mo_split
+        + offs_d[None, :],
+        o,
+        mask=head_mask[:, None] & (start < end),
+    )
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    stride_mo_s,
+    stride_mo_h,
+    stride_mo_split,
+    stride_ml_s,
+    stride_ml_h,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Merges the splits of one (seq, q head) by their log-sum-exp (base 2)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(mid_lse_ptr + seq * stride_ml_s + head * stride_ml_h + offs_s)
+    used = lse > float("-inf")
+    lse_max = tl.max(lse, 0)
+    # A zero-length context leaves every split at -inf: shift by 0 so no NaN is formed.
+    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)
+    weight = tl.where(used, tl.exp2(lse - lse_max), 0.0)
+    # Unused splits never wrote their partial output: mask the load, do not read garbage.
+    o = tl.load(
+        mid_o_ptr
+        + seq * stride_mo_s
+        + head * stride_mo_h
+        + offs_s[:, None] * stride_mo_split
+        + offs_d[None, :],
+        mask=used[:, None],
+        other=0.0,
+    )
+    denom = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * o, 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(
+        out_ptr + seq * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    min_split_tokens: int = 128,
+    config: DecodeConfig | None = None,
+) -> None:
+    """Attention of the first ``len(seq_lens)`` tokens of ``q`` (one per sequence) over
+    their paged context; writes ``out[:len(seq_lens)]``.
+
+    No host sync and a grid fixed by (batch, heads, num_splits): safe to capture in a CUDA
+    graph and replay with new ``seq_lens``/``block_tables`` contents.
+    """
+    batch = seq_lens.shape[0]
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    _check_attention_shapes(q, k_cache, v_cache)
+    if num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    config = config or default_decode_config(head_dim, q.device)
+    group = num_q_heads // num_kv_heads
+    mid_o = torch.empty(
+        (batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+    )
+    mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    grid = (batch, num_kv_heads * triton.cdiv(group, _DECODE_BLOCK_H), num_splits)
+    _decode_split_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        scale * math.log2(math.e),
+        page_size,
+        GROUP=group,
+        BLOCK_H=_DECODE_BLOCK_H,
+        HEAD_DIM=head_dim,
+        BLOCK_N=config.block_n,
+        NUM_SPLITS=num_splits,
+        MIN_SPLIT_TOKENS=max(min_split_tokens, config.block_n),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    _decode_reduce_kernel[(batch, num_q_heads)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim,
+        num_warps=4 if head_dim >= 128 else 2,
+    )  # fmt: skip
+
+
+def default_decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
+    if device.type != "cuda":  # interpreter: small tiles keep it fast and exercise the loops
+        return DecodeConfig(block_n=16, num_warps=1, num_stages=1)
+    # 64 tokens x 128 dims of K and of V per stage: 32 KiB, two stages in flight per program.
+    return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
+
+
+# --------------------------------------------------------------------------- extend
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_kcp,
+    stride_kcb,
+    stride_kch,
+    stride_vcp,
+    stride_vcb,
+    stride_vch,
+    stride_bt,
+    qk_scale,
+    page_size,
+    first_seq,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One program = (query tile, q head, sequence). The cached prefix is read through the
+    page table; the new tokens' own K/V are read from the contiguous step inputs, with the
+    causal mask applied only on the diagonal tiles and tiles above the diagonal skipped."""
+    # Highest query tiles have the most keys under the causal mask: launch them first so
+    # the short ones fill the tail of the last wave.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    seq = first_seq + tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    num_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= num_new:
+        return
+    prefix_len = tl.load(seq_lens_ptr + seq) - num_new
+    kv_head = head // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_valid = offs_m < num_new
+    q = tl.load(
+        q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # Phase 1: the cached prefix, visible to every new token; only its last tile is ragged.
+    table = block_tables_ptr + seq * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_kch
+    v_head = v_cache_ptr + kv_head * stride_vch
+    prefix_full = (prefix_len // BLOCK_N) * BLOCK_N
+    for n0 in range(0, prefix_full, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        page, in_page = _gather_pages(table, offs_n, offs_n < prefix_full, page_size)
+        k = tl.load(k_head + (page * stride_kcp + in_page * stride_kcb)[:, None] + offs_d[None, :])
+        v = tl.load(v_head + (page * stride_vcp + in_page * stride_vcb)[:, None] + offs_d[None, :])
+        acc, m_i, l_i = _attend_tile(q, k, v, acc, m_i, l_i, None, qk_scale, False)
+    if prefix_full < prefix_len:
+        offs_n = prefix_full + tl.arange(0, BLOCK_N)
+        key_valid = offs_n < prefix_len
+        page, in_page = _gather_pages(table, offs_n, key_valid, page_size)
+        k = tl.load(
+            k_head + (page * stride_kcp + in_page * stride_kcb)[:, None] + offs_d[None, :],
+            mask=key_valid[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_head + (page * stride_vcp + in_page * stride_vcb)[:, None] + offs_d[None, :],
+            mask=key_valid[:, None],
+            other=0.0,
+        )
+        mask = key_valid[None, :]
+        acc, m_i, l_i = _attend_tile(q, k, v, acc, m_i, l_i, mask, qk_scale, True)
+
+    # Phase 2a: new tokens strictly below this query tile, all visible, no mask needed.
+    k_base = k_ptr + q_start * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + q_start * stride_vt + kv_head * stride_vh
+    diag_start = m_block * BLOCK_M
+    for n0 in range(0, diag_start, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :])
+        v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :])
+        acc, m_i, l_i = _attend_tile(q, k, v, acc, m_i, l_i, None, qk_scale, False)
+
+    # Phase 2b: the diagonal tiles, causal mask.
+    diag_end = tl.minimum(diag_start + BLOCK_M, num_new)
+    for n0 in range(diag_start, diag_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        key_valid = offs_n < num_new
+        k = tl.load(
+            k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
+            mask=key_valid[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
+            mask=key_valid[:, None],
+            other=0.0,
+        )
+        causal = (offs_n[None, :] <= offs_m[:, None]) & key_valid[None, :]
+        acc, m_i, l_i = _attend_tile(q, k, v, acc, m_i, l_i, causal, qk_scale, True)
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None],
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    first_seq: int = 0,
+    config: ExtendConfig | None = None,
+) -> None:
+    """Causal attention of sequences ``first_seq..num_seqs-1`` over cached prefix + new
+    tokens; writes their rows of ``out``. The prefix must already be in the cache."""
+    _check_attention_shapes(q, k_cache, v_cache)
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    config = config or default_extend_config(head_dim, q.device)
+    if config.block_m % config.block_n:
+        # The unmasked below-diagonal loop steps by block_n up to a multiple of block_m.
+        raise ValueError(f"block_m {config.block_m} must be a multiple of block_n")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("the head_dim axis of k and v must be contiguous")
+    num_seqs = meta.num_seqs - first_seq
+    if num_seqs <= 0 or meta.max_query_len <= 0:
+        return
+    grid = (triton.cdiv(meta.max_query_len, config.block_m), num_q_heads, num_seqs)
+    _extend_kernel[grid](
+        q, k, v, out, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_tables.stride(0),
+        scale * math.log2(math.e),
+        k_cache.shape[1],
+        first_seq,
+        GROUP=num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def default_extend_config(head_dim: int, device: torch.device) -> ExtendConfig:
+    if device.type != "cuda":  # interpreter: small tiles, several of them per sequence
+        return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    if head_dim <= 64:
+        return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        # Q 32 KiB + 3 stages of K and V tiles (16 KiB each) stays well inside 227 KiB smem.
+        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
+def _check_attention_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    head_dim = q.shape[-1]
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"q heads {q.shape[1]} not a multiple of kv heads {k_cache.shape[2]}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the head_dim axis must be contiguous")
+
+
+# --------------------------------------------------------------------------- backend
+
+
+class TritonAttentionBackend:
+    """Stores the step's K/V into the paged cache, then runs split-KV decode on the decode
+    sequences and the causal extend kernel on the rest (sequences are decode-first).
+
+    ``max_kv_splits`` bounds the decode split count; the count actually launched depends
+    only on the decode batch size (a host int), so each CUDA-graph batch bucket has a fixed
+    grid. Contexts shorter than ``num_splits * min_split_tokens`` leave splits empty.
+    """
+
+    name = "triton"
+
+    def __init__(
+        self,
+        max_kv_splits: int = 32,
+        min_split_tokens: int = 128,
+        num_sms: int | None = None,
+    ) -> None:
+        if max_kv_splits < 1 or max_kv_splits & (max_kv_splits - 1):
+            raise ValueError(f"max_kv_splits must be a power of two, got {max_kv_splits}")
+        self.max_kv_splits = max_kv_splits
+        self.min_split_tokens = min_split_tokens
+        self.num_sms = num_sms
+
+    def num_kv_splits(self, num_decode_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+        """Splits for a decode batch: enough programs for about two per SM, no more."""
+        sms = self.num_sms or _sm_count(device)
+        wanted = triton.cdiv(2 * sms, max(1, num_decode_seqs * num_kv_heads))
+        return min(self.max_kv_splits, triton.next_power_of_2(wanted))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        num_decode = meta.num_decode_seqs
+        if num_decode > 0:
+            splits = self.num_kv_splits(num_decode, k_cache.shape[2], q.device)
+            decode_attention(
+                q, k_cache, v_cache, meta.block_tables[:num_decode], meta.seq_lens[:num_decode],
+                out, scale, splits, self.min_split_tokens,
+            )  # fmt: skip
+        if meta.num_seqs > num_decode:
+            extend_attention(q, k, v, out, k_cache, v_cache, meta, scale, first_seq=num_decode)
+        return out
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter runs: any fixed number works
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]

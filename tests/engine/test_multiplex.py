@@ -1,0 +1,365 @@
+"""PD-multiplexing end to end on a tiny model: the same code path as on the GPU, with
+emulated partitions (CPU) and fake events that complete late, in any order, or on command."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.multiplex import MultiplexLoop
+from pdserve.engine.streams import SyncStreamOps
+from pdserve.gpu.driver import FakeDriver
+from pdserve.gpu.partitions import PartitionSet
+from tests.engine.conftest import hf_greedy
+
+MAX_NEW = 10
+SMS = 132
+
+
+class SplitModel:
+    """Latencies that make spatial sharing win (mixed steps never fit) and move the best
+    split with the decode batch: 16 decode SMs up to ~5 requests, 24 or 32 beyond."""
+
+    total_sms = SMS
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+
+    def predict(self, phase, num_tokens, context_tokens, batch_size, sms, co_running=False,
+                num_layers=None):
+        co = co_running and sms < SMS
+        if phase == "decode":
+            ms = (2 + 2 * batch_size + context_tokens / 1e3) * (SMS / sms) ** 0.5
+            return ms * (1.3 if co else 1.0)
+        share = (num_layers or self.num_layers) / self.num_layers
+        return share * (1 + 0.3 * num_tokens) * SMS / sms * (1.2 if co else 1.0)
+
+    def predict_mixed(self, *args, **kwargs):
+        return 1e6
+
+
+class LagEvent:
+    """Done after a given number of queries: launches finish late and out of order."""
+
+    def __init__(self, lag: int):
+        self.left = lag
+
+    def query(self) -> bool:
+        if self.left <= 0:
+            return True
+        self.left -= 1
+        return False
+
+    def synchronize(self) -> None:
+        self.left = 0
+
+
+class LagOps(SyncStreamOps):
+    def __init__(self, seed: int = 0, most: int = 4):
+        self.rng, self.most = random.Random(seed), most
+        self.log: list[tuple] = []
+
+    def record(self, stream):
+        event = LagEvent(self.rng.randrange(self.most))
+        self.log.append(("record", stream, event))
+        return event
+
+    def wait(self, stream, event):
+        self.log.append(("wait", stream, event))
+
+
+class HeldOps(LagOps):
+    """Events on ``held`` streams complete only when released; others at once."""
+
+    def __init__(self, held):
+        super().__init__()
+        self.held = set(held)
+
+    def record(self, stream):
+        event = LagEvent(10**9 if stream in self.held else 0)
+        self.log.append(("record", stream, event))
+        return event
+
+    def release_all(self) -> None:
+        for _, _, event in self.log:
+            event.left = 0
+
+
+def _prompts(count: int, seed: int = 0, vocab: int = 300) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(40)]  # a common prefix for cache hits
+    prompts = []
+    for i in range(count):
+        own = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 90))]
+        prompts.append(shared + own if i % 2 else own)
+    return prompts
+
+
+def _multiplex(folder: str, predictor=None, ops=None, partitions=None, **options) -> LLM:
+    options = {"dtype": "float32", "block_size": 8, "max_num_batched_tokens": 64, **options}
+    llm = LLM(folder, schedule="multiplex", **options)
+    if predictor is not None or ops is not None or partitions is not None:
+        llm.engine.mux = MultiplexLoop(llm.engine, partitions=partitions, predictor=predictor,
+                                       ops=ops)
+    return llm
+
+
+def _run(engine, prompts, params, check=None, abort_at=None) -> dict[str, list[int]]:
+    """Drives ``engine.step`` by hand; ``check(loop)`` runs after every step."""
+    tokens = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"q{i}", prompt, params)
+        tokens[f"q{i}"] = []
+    for step in range(5000):
+        if not engine.has_work():
+            return tokens
+        if abort_at is not None and step == abort_at[1]:
+            engine.abort_request(abort_at[0])
+        for update in engine.step():
+            tokens[update.request_id] += update.new_token_ids
+        if check is not None:
+            check(engine.mux)
+    raise AssertionError("did not finish")
+
+
+@pytest.fixture(scope="module")
+def expected(hf_llama):
+    _, model = hf_llama
+    prompts = _prompts(10)
+    return prompts, [hf_greedy(model, p, MAX_NEW) for p in prompts]
+
+
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+
+
+def _generate(llm: LLM, prompts) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _assert_clean(llm: LLM) -> None:
+    llm.engine.check_integrity()
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    assert not llm.engine.scheduler.in_flight and not llm.engine.requests
+
+
+def test_roofline_default_matches_chunked_and_transformers(hf_llama, expected):
+    folder, _ = hf_llama
+    prompts, want = expected
+    chunked = _generate(LLM(folder, dtype="float32", block_size=8, schedule="chunked",
+                            chunk_size=64), prompts)
+    llm = _multiplex(folder)
+    assert _generate(llm, prompts) == chunked == want
+    _assert_clean(llm)
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits > 0 and stats.mux_mode
+    modes = {e["mode"] for e in llm.engine.timeline()}
+    assert "prefill_only" in modes and modes & {"temporal", "decode_only", "spatial"}
+
+
+def test_spatial_pieces_match_transformers(hf_llama, expected):
+    folder, _ = hf_llama
+    prompts, want = expected
+    llm = _multiplex(folder, predictor=SplitModel(2))
+    assert _generate(llm, prompts) == want
+    _assert_clean(llm)
+    timeline = llm.engine.timeline()
+    spatial = [e for e in timeline if e["mode"] == "spatial"]
+    assert spatial and any(0 < e["prefill_layers"] < 2 for e in spatial), "layer pieces"
+    assert len({e["decode_sms"] for e in spatial}) > 1, "the split follows the decode batch"
+    assert all(e["decode_sms"] + e["prefill_sms"] == SMS for e in spatial)
+    whole = [e for e in timeline if e["mode"] == "prefill_only"]
+    assert any(e["prefill_layers"] == 2 for e in whole), "alone, prefill runs every layer"
+
+
+def test_late_out_of_order_completions_keep_tokens_and_the_split_rule(hf_llama, expected):
+    folder, _ = hf_llama
+    prompts, want = expected
+    partitions = PartitionSet.build(FakeDriver(), [16, 24, 32, 48, 64])
+    ops = LagOps(seed=3)
+    llm = _multiplex(folder, predictor=SplitModel(2), ops=ops, partitions=partitions)
+    overlaps = []
+
+    def check(loop):
+        if loop.decode is not None and loop.piece is not None:
+            overlaps.append(loop.current.decode_sms)
+            # Both lanes in flight always share one split: SM sets of splits overlap.
+            assert loop.decode.partition == loop.piece.partition == loop.current
+            assert not loop.current.whole_gpu
+
+    got = _run(llm.engine, prompts, GREEDY, check)
+    assert [got[f"q{i}"] for i in range(len(prompts))] == want
+    assert overlaps, "decode and prefill were in flight together"
+    _assert_clean(llm)
+
+
+def test_preemption_and_abort_under_lagging_completions(hf_llama, expected):
+    folder, _ = hf_llama
+    prompts, want = expected
+    # 20 blocks of 8 tokens cannot hold 10 requests of up to 140 tokens: forces preemption.
+    llm = _multiplex(folder, predictor=SplitModel(2), ops=LagOps(seed=5), num_blocks=20,
+                     partitions=PartitionSet.build(FakeDriver(), [16, 24, 32]))
+    got = _run(llm.engine, prompts, GREEDY, abort_at=("q3", 12))
+    for i, tokens in enumerate(want):
+        if i != 3:
+            assert got[f"q{i}"] == tokens
+    assert got["q3"] == want[3][: len(got["q3"])]
+    assert llm.engine.stats().num_preemptions > 0
+    _assert_clean(llm)
+
+
+def test_long_prompts_run_as_bounded_batches(hf_llama):
+    folder, model = hf_llama
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (300, 5, 170)]
+    llm = _multiplex(folder, predictor=SplitModel(2), max_num_batched_tokens=64)
+    assert _generate(llm, prompts) == [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    assert all(e["prefill_tokens"] <= 64 for e in llm.engine.timeline())
+    _assert_clean(llm)
+
+
+def _held_engine(folder):
+    partitions = PartitionSet.build(FakeDriver(), [16, 24, 32])
+    ops = HeldOps({p.prefill_stream for p in partitions.choices()})
+    llm = _multiplex(folder, predictor=SplitModel(2), ops=ops, partitions=partitions)
+    engine = llm.engine
+    lane, engine.decode_launches = engine.mux.decode_lane, []
+    launch = lane.launch
+
+    def spy(*args, **kwargs):
+        result = launch(*args, **kwargs)
+        engine.decode_launches.append(result)
+        return result
+
+    lane.launch = spy
+    return engine, ops
+
+
+def _decoding(launch) -> set[str]:
+    return {s.request.request_id for s in launch.plan.decodes}
+
+
+def _decode_until_running(engine, request_id: str):
+    """Steps until a decode launch carries ``request_id``; returns that launch."""
+    for _ in range(50):
+        engine.step()
+        for launch in engine.decode_launches:
+            if request_id in _decoding(launch):
+                return launch
+    raise AssertionError(f"{request_id} never decoded")
+
+
+def _prefilling(launch, request_id: str) -> bool:
+    return launch is not None and any(s.request.request_id == request_id
+                                      for s in launch.plan.prefills)
+
+
+def test_finished_prefill_joins_decode_only_after_its_event(hf_llama):
+    folder, _ = hf_llama
+    engine, ops = _held_engine(folder)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    engine.add_request("a", list(range(3, 40)), params)
+    _decode_until_running(engine, "a")  # alone: a whole-GPU prefill, not held
+    engine.add_request("b", list(range(50, 120)), params)
+    for _ in range(100):  # release piece by piece until b's last piece is in flight
+        engine.step()
+        piece = engine.mux.piece
+        if piece is not None and piece.final and any(
+                s.request.request_id == "b" and s.samples for s in piece.plan.prefills):
+            break  # the piece that ends b's prompt
+        ops.release_all()
+    final_event = engine.mux.piece.event
+    for _ in range(10):  # held: b's tokens may be computed, but it must not decode yet
+        engine.step()
+        assert "b" in engine.scheduler.in_flight
+    assert not any("b" in _decoding(launch) for launch in engine.decode_launches)
+    ops.release_all()
+    first = _decode_until_running(engine, "b")
+    log = ops.log
+    decode_record = next(i for i, (kind, _, e) in enumerate(log)
+                         if kind == "record" and e is first.event)
+    waits = [i for i, (kind, stream, e) in enumerate(log)
+             if kind == "wait" and e is final_event and stream == first.partition.decode_stream]
+    assert waits and waits[0] < decode_record, "decode stream waits on the prefill's event"
+
+
+def test_abort_of_a_request_whose_piece_is_in_flight_waits_for_the_piece(hf_llama):
+    folder, _ = hf_llama
+    engine, ops = _held_engine(folder)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    engine.add_request("a", list(range(3, 40)), params)
+    _decode_until_running(engine, "a")
+    engine.add_request("b", list(range(50, 300)), params)
+    for _ in range(3):
+        engine.step()
+    assert _prefilling(engine.mux.piece, "b") and "b" in engine.scheduler.in_flight
+    blocks_of_b = list(engine.requests["b"].block_ids)
+    engine.abort_request("b")
+    for _ in range(3):
+        assert not [u for u in engine.step() if u.request_id == "b"]
+    assert engine.requests["b"].block_ids == blocks_of_b, "blocks stay while kernels use them"
+    ops.release_all()
+    aborted = []
+    for _ in range(5):
+        aborted += [u for u in engine.step() if u.request_id == "b"]
+    assert aborted and aborted[-1].finished and aborted[-1].finish_reason == "abort"
+    assert "b" not in engine.requests and "b" not in engine.scheduler.in_flight
+    assert not _prefilling(engine.mux.piece, "b"), "the rest of its layers never run"
+    engine.abort_request("a")
+    for _ in range(10):
+        ops.release_all()
+        engine.step()
+    engine.check_integrity()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.fixture(scope="module")
+def gpu_llama(tmp_path_factory):
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.1)
+    folder = tmp_path_factory.mktemp("mux-gpu-llama")
+    model.save_pretrained(folder, safe_serialization=True)
+    return str(folder), model.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("planner", ["roofline", "spatial"])
+def test_multiplex_matches_chunked_on_gpu(gpu_llama, planner):
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    folder, _ = gpu_llama
+    prompts = _prompts(12, seed=1, vocab=1000)
+    prompts = [p * 4 for p in prompts]  # hundreds of tokens: several batches and pieces
+    common = dict(dtype="float32", device="cuda", attention_backend="triton", block_size=16)
+    chunked = _generate(LLM(folder, schedule="chunked", chunk_size=256, **common), prompts)
+    predictor = SplitModel(4) if planner == "spatial" else None
+    llm = _multiplex(folder, predictor=predictor, max_num_batched_tokens=256, **common)
+    loop = llm.engine.mux
+    got = _generate(llm, prompts)
+    assert got == chunked
+    _assert_clean(llm)
+    # One graph set per partition (and the whole GPU), each captured on its decode stream.
+    parts = [*loop.partitions.choices(), loop.partitions.whole_gpu]
+    assert set(loop.decode_lane.graphs) == {p.decode_sms for p in parts}
+    for part in parts:
+        graphs = loop.decode_lane.graphs[part.decode_sms]
+        assert graphs.stream is part.decode_stream and graphs.graphs
+    if planner == "spatial":
+        assert any(e["mode"] == "spatial" for e in llm.engine.timeline())

@@ -1,0 +1,63 @@
+"""The profiler's plumbing on the CPU: every kind of row, a fitted and saved predictor
+that ``--schedule multiplex`` then loads. Timings on a CPU mean nothing; shapes do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.engine.profiler import (
+    QUICK_GRID,
+    ProfileResult,
+    engine_for_profile,
+    main,
+    profile_engine,
+)
+from pdserve.sched.predictor import LatencyPredictor
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profiles") / "tiny.json"
+    engine = engine_for_profile("tiny", QUICK_GRID, device="cpu", dtype="float32")
+    return profile_engine(engine, QUICK_GRID, out), out
+
+
+def test_profile_records_every_phase_and_saves_a_loadable_predictor(profiled):
+    result, path = profiled
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    kinds = {(r["phase"], r["co_running"]) for r in rows}
+    assert kinds == {("decode", False), ("decode", True), ("prefill", False),
+                     ("prefill", True), ("mixed", False)}
+    assert {r["sms"] for r in rows if r["phase"] == "decode"} == {16, 132}
+    assert any(r["num_layers"] == 1 for r in rows if r["phase"] == "prefill"), "pieces"
+    assert result.num_rows == len(rows) and result.held_out["n"] > 0
+    assert set(data["held_out"]) >= {"median_rel_err", "p95_rel_err"}
+    predictor = LatencyPredictor.load(path, "cpu", "tiny")
+    assert predictor.num_layers == 4 and predictor.total_sms == 132
+    assert predictor.predict("decode", 4, 256, 4, 16, co_running=True) > 0
+
+
+def test_multiplex_engine_loads_the_saved_profile(profiled):
+    from pdserve.config import EngineConfig
+    from pdserve.engine.core import EngineCore
+
+    _, path = profiled
+    config = EngineConfig.from_flat(model="tiny", device="cpu", dtype="float32",
+                                    schedule="multiplex", mux_predictor=str(path))
+    assert isinstance(EngineCore(config).mux.predictor, LatencyPredictor)
+
+
+def test_cli_entry_point_parses(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr("pdserve.engine.profiler.profile_engine",
+                        lambda engine, grid, out: seen.update(grid=grid, out=out) or
+                        ProfileResult("p.json", "cpu", "tiny", 0, {}))
+    monkeypatch.setattr("pdserve.engine.profiler.engine_for_profile",
+                        lambda model, grid, **options: seen.update(model=model, **options))
+    assert main(["tiny", "--quick", "--device", "cpu", "--decode-sms", "8,24",
+                 "--out", str(tmp_path)]) == 0
+    assert seen["model"] == "tiny" and seen["grid"].decode_sms == (8, 24)
+    assert seen["out"] == tmp_path and seen["device"] == "cpu"

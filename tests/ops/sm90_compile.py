@@ -1,0 +1,95 @@
+"""Compiles every Triton kernel for Hopper (sm_90) without a GPU, using Triton's bundled
+ptxas, and checks each fits in shared memory. Run by ``test_triton_compile.py`` in a fresh
+process (the interpreter must be off), or directly: ``python tests/ops/sm90_compile.py``.
+
+Arguments are marked 16-divisible, as Triton's launcher marks real strides and pointers,
+so the loads vectorise and the pipeliner runs as it will on the GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pdserve.ops import triton_attention as ta
+from pdserve.ops import triton_fused as tf
+
+HOPPER = GPUTarget("cuda", 90, 32)
+MAX_SHARED = 227 * 1024
+# Small ints that are not 16-divisible in practice (head counts, row lengths, offsets).
+PLAIN_INTS = {"first_seq", "num_heads", "num_kv_heads", "hidden", "head_dim", "inter"}
+
+
+def compile_kernel(kernel, dtype: str, constexprs: dict, num_warps: int, num_stages: int):
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = _pointer_type(name, dtype)
+        elif name in ("qk_scale", "eps"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if signature[name].startswith("*") or (signature[name] == "i32" and name not in PLAIN_INTS)
+    }
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(src, target=HOPPER, options=options)
+
+
+def _pointer_type(name: str, dtype: str) -> str:
+    if name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"):
+        return "*i32"
+    if name in ("slot_ptr", "positions_ptr"):
+        return "*i64"
+    if name in ("mid_o_ptr", "mid_lse_ptr", "cos_sin_ptr"):
+        return "*fp32"
+    return "*" + dtype
+
+
+def attention_cases(dtype: str):
+    cuda = torch.device("cuda")
+    for head_dim in (64, 128, 256):
+        ext = ta.default_extend_config(head_dim, cuda)
+        yield (
+            ta._extend_kernel,
+            dtype,
+            dict(GROUP=8, HEAD_DIM=head_dim, BLOCK_M=ext.block_m, BLOCK_N=ext.block_n),
+            ext.num_warps,
+            ext.num_stages,
+        )
+        dec = ta.default_decode_config(head_dim, cuda)
+        yield ta._decode_split_kernel, dtype, dict(
+            GROUP=8, BLOCK_H=16, HEAD_DIM=head_dim, BLOCK_N=dec.block_n, NUM_SPLITS=32,
+            MIN_SPLIT_TOKENS=128,
+        ), dec.num_warps, dec.num_stages  # fmt: skip
+        yield ta._decode_reduce_kernel, dtype, dict(NUM_SPLITS=32, HEAD_DIM=head_dim), 4, 2
+
+
+def fused_cases(dtype: str):
+    yield tf._rms_norm_kernel, dtype, dict(HAS_RESIDUAL=True, BLOCK=8192), 16, 1
+    yield tf._silu_and_mul_kernel, dtype, dict(BLOCK=1024), 4, 1
+    yield tf._rope_kernel, dtype, dict(HALF_ROT=32, BLOCK_H=16, BLOCK_HALF=32, BLOCK_PASS=64), 4, 1
+    yield tf._store_kv_kernel, dtype, dict(BLOCK_H=8, HEAD_DIM=128), 4, 1
+
+
+def main(dtypes: list[str]) -> None:
+    for dtype in dtypes:
+        for kernel, dt, constexprs, warps, stages in [*attention_cases(dtype), *fused_cases(dtype)]:
+            compiled = compile_kernel(kernel, dt, constexprs, warps, stages)
+            shared = compiled.metadata.shared
+            print(f"{kernel.__name__} {dt} {constexprs} warps={warps} stages={stages} "
+                  f"shared={shared}", flush=True)  # fmt: skip
+            assert shared <= MAX_SHARED, f"{kernel.__name__} needs {shared} B of shared memory"
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["bf16"])
