@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -199,6 +200,8 @@ def bench_model(model: str, memory_fraction: float, ceilings: dict) -> dict:
 
 
 def git_revision() -> str:
+    if os.environ.get("PDSERVE_GIT_REVISION"):  # a copy of the tree without .git
+        return os.environ["PDSERVE_GIT_REVISION"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
     except (OSError, subprocess.CalledProcessError):
