@@ -11,3 +11,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """Engines from one GPU test must not squeeze the KV pool of the next."""
+    yield
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -347,7 +347,8 @@ def test_multiplex_matches_chunked_on_gpu(gpu_llama, planner):
     folder, _ = gpu_llama
     prompts = _prompts(12, seed=1, vocab=1000)
     prompts = [p * 4 for p in prompts]  # hundreds of tokens: several batches and pieces
-    common = dict(dtype="float32", device="cuda", attention_backend="triton", block_size=16)
+    common = dict(dtype="float32", device="cuda", attention_backend="triton", block_size=16,
+                  num_blocks=4096)  # an explicit pool: two engines share the GPU here
     chunked = _generate(LLM(folder, schedule="chunked", chunk_size=256, **common), prompts)
     predictor = SplitModel(4) if planner == "spatial" else None
     llm = _multiplex(folder, predictor=predictor, max_num_batched_tokens=256, **common)
