@@ -140,6 +140,20 @@ class Scheduler:
         self.waiting.appendleft(request)
         plan.preempted.append(request)
 
+    def _admit_waiting(self, plan: Plan, budget: int) -> int:
+        """Admits waiting requests in order while ``budget`` tokens remain; returns the rest.
+
+        Nothing is admitted in a step that had to preempt: the pool is already short.
+        """
+        while budget > 0 and not plan.preempted:
+            admitted = self._try_admit(budget)
+            if admitted is None:
+                break
+            request, num_new = admitted
+            plan.add(request, num_new)
+            budget -= num_new
+        return budget
+
     def _try_admit(self, budget: int) -> tuple[Request, int] | None:
         """Moves the first waiting request to running with up to ``budget`` tokens to compute."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:

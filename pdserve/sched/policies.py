@@ -28,13 +28,7 @@ class PrefillFirstScheduler(Scheduler):
                 break
             plan.add(request, num_new)
             budget -= num_new
-        while budget > 0 and not plan.preempted:
-            admitted = self._try_admit(budget)
-            if admitted is None:
-                break
-            request, num_new = admitted
-            plan.add(request, num_new)
-            budget -= num_new
+        self._admit_waiting(plan, budget)
         return plan
 
     def _schedule_decodes(self) -> Plan:
@@ -55,13 +49,7 @@ class ChunkedPrefillScheduler(Scheduler):
     def schedule(self) -> Plan:
         plan = Plan()
         budget = self._schedule_running(plan, self.config.chunk_size)
-        while budget > 0 and not plan.preempted:
-            admitted = self._try_admit(budget)
-            if admitted is None:
-                break
-            request, num_new = admitted
-            plan.add(request, num_new)
-            budget -= num_new
+        self._admit_waiting(plan, budget)
         return plan
 
     def _schedule_running(self, plan: Plan, budget: int) -> int:

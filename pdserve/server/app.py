@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import signal
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ def build_app(client: EngineClient, config: ServerConfig) -> web.Application:
     app.router.add_post("/v1/completions", serving.completions)
     app.router.add_post("/v1/chat/completions", serving.chat)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/engine/timeline", _timeline)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     return app
@@ -131,6 +133,28 @@ async def _models(request: web.Request) -> web.Response:
     state = _state(request)
     body = P.models_list(state.model_name, state.client.max_model_len, state.created)
     return web.Response(body=P.dumps(body), content_type="application/json")
+
+
+async def _timeline(request: web.Request) -> web.Response:
+    """The engine's SM split history; ``since`` is a ``time.monotonic()`` value of this host,
+    and ``now`` in the answer is one, so a client can ask for what happened after it."""
+    since = _float_query(request, "since")
+    entries = await _state(request).client.timeline(since)
+    body = {"object": "engine.timeline", "now": time.monotonic(), "entries": entries}
+    return web.Response(body=P.dumps(body), content_type="application/json")
+
+
+def _float_query(request: web.Request, name: str) -> float | None:
+    text = request.query.get(name)
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise P.bad_request(f"'{name}' must be a finite number", param=name)
+    return value
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -23,6 +23,8 @@ from pdserve.server.messages import (
     Shutdown,
     StatsSnapshot,
     StepOutputs,
+    TimelineQuery,
+    TimelineReply,
     TokenDelta,
 )
 from pdserve.server.protocol import APIError
@@ -91,6 +93,8 @@ class EngineClient:
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[EngineReady] = self._loop.create_future()
         self._closing = False
+        self._queries: dict[int, asyncio.Future[list[dict]]] = {}
+        self._next_query = 0
 
     @classmethod
     async def start(cls, engine_config: Any, core_factory: str = DEFAULT_CORE,
@@ -144,6 +148,21 @@ class EngineClient:
         if ids and self.dead_reason is None:
             self.channel.send(AbortRequests(ids))
 
+    async def timeline(self, since: float | None = None, timeout: float = 30.0) -> list[dict]:
+        """The engine's SM split history (``EngineCore.timeline``); [] under other policies."""
+        if self.dead_reason is not None:
+            raise APIError(503, "the engine is not running")
+        self._next_query += 1
+        query_id = self._next_query
+        future = self._queries[query_id] = self._loop.create_future()
+        self.channel.send(TimelineQuery(query_id, since))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise APIError(503, "the engine did not answer in time") from None
+        finally:
+            self._queries.pop(query_id, None)
+
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the engine process and waits for it; kills it if it does not leave in time."""
         self._closing = True
@@ -174,6 +193,10 @@ class EngineClient:
             self._on_step(message)
         elif isinstance(message, StatsSnapshot):
             self.stats = message
+        elif isinstance(message, TimelineReply):
+            future = self._queries.get(message.query_id)
+            if future is not None and not future.done():
+                future.set_result(message.entries)
         elif isinstance(message, RequestRejected):
             stream = self._streams.pop(message.request_id, None)
             if stream is not None:
@@ -204,6 +227,9 @@ class EngineClient:
         if self.dead_reason is not None:
             return
         self.abort_all(reason)
+        for future in self._queries.values():
+            if not future.done():
+                future.set_exception(APIError(503, reason))
         self.dead_reason = reason
         logger.error("%s; /health now answers 503", reason)
 

@@ -25,6 +25,8 @@ from pdserve.server.messages import (
     Shutdown,
     StatsSnapshot,
     StepOutputs,
+    TimelineQuery,
+    TimelineReply,
     TokenDelta,
 )
 
@@ -112,8 +114,14 @@ class EngineLoop:
             for request_id in message.request_ids:
                 self._arrivals.pop(request_id, None)
                 self.core.abort_request(request_id)
+        elif isinstance(message, TimelineQuery):
+            self.channel.send(TimelineReply(message.query_id, self._timeline(message.since)))
         elif isinstance(message, Shutdown):
             self.stopping = True
+
+    def _timeline(self, since: float | None) -> list[dict]:
+        timeline = getattr(self.core, "timeline", None)  # cores without a split have none
+        return timeline(since) if timeline is not None else []
 
     def _add(self, message: AddRequest, arrived: float) -> None:
         try:
@@ -142,9 +150,13 @@ class EngineLoop:
         now = time.monotonic()
         if not self._stats_dirty or now - self._last_stats < STATS_INTERVAL_S:
             return
-        self.channel.send(stats_snapshot(self.core.stats()))
+        busy = self.core.has_work()
+        snapshot = stats_snapshot(self.core.stats())
+        if not busy:  # the last step's batch sizes would otherwise read as current load
+            snapshot.last_batch_decode = snapshot.last_batch_prefill_tokens = 0
+        self.channel.send(snapshot)
         self._last_stats = now
-        self._stats_dirty = self.core.has_work()
+        self._stats_dirty = busy
 
 
 def stats_snapshot(stats: Any) -> StatsSnapshot:

@@ -36,6 +36,14 @@ class Shutdown:
     """Leave the engine loop and exit; anything still running is dropped."""
 
 
+@dataclass(slots=True)
+class TimelineQuery:
+    """Asks for ``EngineCore.timeline(since)``; answered by a ``TimelineReply``."""
+
+    query_id: int
+    since: float | None = None
+
+
 # ---- engine process -> HTTP process -------------------------------------------------------
 
 
@@ -89,6 +97,19 @@ class RequestRejected:
 
 
 @dataclass(slots=True)
+class TimelineReply:
+    query_id: int
+    entries: list[dict]
+    """One dict per multiplex planning decision (time, mode, SM split, batch sizes);
+    empty under the other policies."""
+
+
+MUX_MODES = ("spatial", "temporal", "prefill_only", "decode_only", "idle")
+"""The multiplex planner's modes (``MuxMode`` values), listed here so that the server's
+``/metrics`` offers every mode's series from the start without importing the engine."""
+
+
+@dataclass(slots=True)
 class StatsSnapshot:
     """The engine's counters, sent at most every few hundred ms while it is busy."""
 
@@ -102,8 +123,20 @@ class StatsSnapshot:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_preemptions: int = 0
+    num_steps: int = 0
+    last_batch_decode: int = 0
+    """Decode requests in the latest step (multiplex: the decode launch in flight); 0 idle."""
+    last_batch_prefill_tokens: int = 0
+    """Prompt tokens in the latest step (multiplex: the prefill piece in flight); 0 idle."""
+    mux_mode: str = ""
+    """Multiplex only: the latest split's mode (``MUX_MODES``); empty under other policies."""
+    decode_sms: int = 0
+    """Multiplex only: SMs of the decode partition; 0 under other policies."""
+    prefill_sms: int = 0
+    """Multiplex only: SMs of the prefill partition; 0 under other policies."""
     extra: dict[str, float] = field(default_factory=dict)
 
 
-ToEngine = AddRequest | AbortRequests | Shutdown
-FromEngine = EngineReady | EngineDead | StepOutputs | RequestRejected | StatsSnapshot
+ToEngine = AddRequest | AbortRequests | Shutdown | TimelineQuery
+FromEngine = (EngineReady | EngineDead | StepOutputs | RequestRejected | StatsSnapshot
+              | TimelineReply)

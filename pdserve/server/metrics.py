@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pdserve.server.messages import StatsSnapshot
+from pdserve.server.messages import MUX_MODES, StatsSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -98,6 +98,29 @@ class _EngineCollector:
                        s.generation_tokens_total)
         yield _counter("pdserve_num_preemptions", "Requests preempted (KV pages reclaimed).",
                        s.num_preemptions)
+        yield from _split_gauges(s)
+
+
+def _split_gauges(s: StatsSnapshot) -> Iterable[Metric]:
+    """The latest batch and SM split. Names mention ``batch`` / ``sms`` so that the benchmark's
+    timeline poller picks them up and plots SM counts on their own axis."""
+    yield _gauge("pdserve_decode_batch_size", "Decode requests in the latest step "
+                 "(multiplex: the decode launch in flight); 0 when idle.", s.last_batch_decode)
+    yield _gauge("pdserve_prefill_batch_tokens", "Prompt tokens in the latest step "
+                 "(multiplex: the prefill piece in flight); 0 when idle.",
+                 s.last_batch_prefill_tokens)
+    yield _gauge("pdserve_decode_sms", "SMs of the decode partition (multiplex; 0 otherwise).",
+                 s.decode_sms)
+    yield _gauge("pdserve_prefill_sms", "SMs of the prefill partition (multiplex; 0 otherwise).",
+                 s.prefill_sms)
+    mode = GaugeMetricFamily("pdserve_mux_mode", "The latest multiplex split's mode: 1 for "
+                             "the current one, 0 for the others ('none': not multiplexing).",
+                             labels=["mode"])
+    current = s.mux_mode or "none"
+    states = (*MUX_MODES, "none")
+    for name in states if current in states else (*states, current):
+        mode.add_metric([name], 1.0 if name == current else 0.0)
+    yield mode
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

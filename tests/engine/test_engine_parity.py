@@ -70,27 +70,6 @@ def test_prefix_hit_reuses_blocks_and_matches(hf_llama):
     assert first.outputs[0].token_ids == second.outputs[0].token_ids == hf_greedy(model, prompt, 5)
 
 
-@pytest.fixture(scope="module")
-def hf_llama_gpu(tmp_path_factory):
-    """A larger random Llama on the GPU (head_dim 64, GQA 4:1) for the Triton path."""
-    import torch
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0, 0.1)
-    folder = tmp_path_factory.mktemp("gpu-llama")
-    model.save_pretrained(folder, safe_serialization=True)
-    return str(folder), model.cuda()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["prefill-first", "chunked-64", "preempting"])
 def test_triton_engine_matches_transformers_on_gpu(hf_llama_gpu, name):

@@ -318,33 +318,13 @@ def test_abort_of_a_request_whose_piece_is_in_flight_waits_for_the_piece(hf_llam
 # ----------------------------------------------------------------------------- GPU
 
 
-@pytest.fixture(scope="module")
-def gpu_llama(tmp_path_factory):
-    import torch
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0, 0.1)
-    folder = tmp_path_factory.mktemp("mux-gpu-llama")
-    model.save_pretrained(folder, safe_serialization=True)
-    return str(folder), model.cuda()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("planner", ["roofline", "spatial"])
-def test_multiplex_matches_chunked_on_gpu(gpu_llama, planner):
+def test_multiplex_matches_chunked_on_gpu(hf_llama_gpu, planner):
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    folder, _ = gpu_llama
+    folder, _ = hf_llama_gpu
     prompts = _prompts(12, seed=1, vocab=1000)
     prompts = [p * 4 for p in prompts]  # hundreds of tokens: several batches and pieces
     common = dict(dtype="float32", device="cuda", attention_backend="triton", block_size=16,

@@ -1,0 +1,97 @@
+"""The engine's SM split and batch sizes reach users: ``/metrics`` gauges (read by the
+benchmark's timeline poller) and ``GET /v1/engine/timeline``."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from pdserve.bench.plots import _is_secondary
+from pdserve.bench.timeline import parse_prometheus
+from pdserve.sched.mux_planner import MuxMode
+from pdserve.server.messages import MUX_MODES
+
+pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-split"
+SPLIT_GAUGES = ("pdserve_decode_sms", "pdserve_prefill_sms", "pdserve_decode_batch_size",
+                "pdserve_prefill_batch_tokens")
+
+
+def _mode(metrics: dict[str, float]) -> str:
+    modes = [k for k, v in metrics.items() if k.startswith("pdserve_mux_mode{") and v == 1]
+    assert len(modes) == 1, modes
+    return modes[0].split('"')[1]
+
+
+def _timeline(server, query: str = "") -> dict:
+    status, _, body = server.request("GET", "/v1/engine/timeline" + query)
+    assert status == 200, body
+    return json.loads(body)
+
+
+def test_modes_match_the_planner():
+    assert set(MUX_MODES) == {str(m) for m in MuxMode}
+
+
+def test_bench_poller_picks_up_the_split():
+    text = "\n".join(f"{name} 3.0" for name in SPLIT_GAUGES)
+    found = parse_prometheus(text)
+    assert set(found) == set(SPLIT_GAUGES)
+    assert [n for n in found if _is_secondary(n)] == ["pdserve_decode_sms", "pdserve_prefill_sms"]
+
+
+def test_chunked_reports_no_split(server):
+    server.openai().completions.create(model="tiny", prompt="x", max_tokens=4,
+                                       extra_body={"ignore_eos": True})
+    metrics = server.metrics()
+    for name in SPLIT_GAUGES:
+        assert name in metrics, name
+    assert metrics["pdserve_decode_sms"] == metrics["pdserve_prefill_sms"] == 0
+    assert _mode(metrics) == "none"
+    body = _timeline(server)
+    assert body["object"] == "engine.timeline" and body["entries"] == []
+    assert server.request("GET", "/v1/engine/timeline?since=soon")[0] == 400
+
+
+@pytest.fixture(scope="module")
+def mux(launch):
+    return launch("--schedule", "multiplex", "--max-num-seqs", "16", api_key=KEY)
+
+
+def test_multiplex_split_flows_to_users(mux):
+    start = _timeline(mux, "?since=1e12")
+    assert start["entries"] == []
+    done = mux.openai().completions.create(model="tiny", prompt="split " * 40, max_tokens=12,
+                                           extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 12
+    entries = _timeline(mux, f"?since={start['now']}")["entries"]
+    assert entries and all(e["time"] >= start["now"] for e in entries)
+    assert {e["mode"] for e in entries} <= set(MUX_MODES)
+    assert any(e["decode_batch"] == 1 for e in entries)
+    assert any(e["prefill_tokens"] > 0 for e in entries)
+    assert all(e["decode_sms"] > 0 or e["prefill_sms"] > 0 for e in entries)
+    metrics = _wait_snapshot(mux, entries[-1])
+    assert metrics["pdserve_decode_batch_size"] == metrics["pdserve_prefill_batch_tokens"] == 0
+
+
+def _wait_snapshot(server, last: dict, timeout: float = 10) -> dict[str, float]:
+    """The gauges once the engine's idle snapshot (sent within ~200 ms) has arrived."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = server.metrics()
+        split = (_mode(metrics), metrics["pdserve_decode_sms"], metrics["pdserve_prefill_sms"])
+        if split == (last["mode"], last["decode_sms"], last["prefill_sms"]) and \
+                metrics["pdserve_decode_batch_size"] == 0:
+            return metrics
+        assert time.monotonic() < deadline, (split, last)
+        time.sleep(0.1)
+
+
+def test_timeline_needs_the_api_key(mux):
+    status, _, _ = mux.request("GET", "/v1/engine/timeline", headers={"Authorization": ""})
+    assert status == 401
