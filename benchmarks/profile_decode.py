@@ -1,0 +1,106 @@
+"""Where a decode step's time and the GPU's memory go, for one model on one GPU.
+
+Records the engine's memory accounting at start-up (weights and context in use, the
+measured activation peak, decode-graph memory, KV pool), times decode steps replayed as
+CUDA graphs and run eagerly, and sums the GPU time of every kernel of eager decode steps
+(torch profiler), so a step that misses its roofline shows which kernels take the time.
+
+    python benchmarks/profile_decode.py --model llama3-8b --batch 1 --context 1024 --out p.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_engine import git_revision, kv_bytes_per_token, place_decoding_requests, weight_bytes  # noqa: E402, I001
+
+from pdserve.config import EngineConfig  # noqa: E402
+from pdserve.engine.core import EngineCore  # noqa: E402
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def time_steps(engine: EngineCore, steps: int) -> float:
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1e3 / steps
+
+
+def kernel_breakdown(engine: EngineCore, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_kernel[event.name[:90]]
+            entry[0] += event.device_time_total / 1e3 / steps
+            entry[1] += 1 / steps
+    rows = sorted(({"kernel": k, "ms_per_step": v[0], "launches_per_step": v[1]}
+                   for k, v in per_kernel.items()), key=lambda r: -r["ms_per_step"])
+    return {"kernel_ms_per_step": sum(r["ms_per_step"] for r in rows),
+            "launches_per_step": sum(r["launches_per_step"] for r in rows), "top": rows[:20]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--memory-fraction", type=float, default=0.85)
+    parser.add_argument("--out", default="profile_decode.json")
+    args = parser.parse_args()
+    collect = _Collect()
+    logging.getLogger("pdserve").addHandler(collect)
+    logging.getLogger("pdserve").setLevel(logging.INFO)
+    config = EngineConfig.from_flat(model=args.model, load_format="dummy",
+                                    schedule="prefill-first",
+                                    gpu_memory_utilization=args.memory_fraction)
+    engine = EngineCore(config)
+    free, total = torch.cuda.mem_get_info()
+    report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
+              "device": torch.cuda.get_device_name(), "model": args.model,
+              "startup_log": collect.lines, "memory_fraction": args.memory_fraction,
+              "total_gib": total / 2**30, "free_after_start_gib": free / 2**30,
+              "weights_gib": weight_bytes(engine) / 2**30,
+              "kv_pool_tokens": engine.blocks.num_blocks * engine.blocks.block_size,
+              "kv_pool_gib": engine.blocks.num_blocks * engine.blocks.block_size
+              * kv_bytes_per_token(engine) / 2**30}
+    place_decoding_requests(engine, args.batch, args.context)
+    time_steps(engine, 3)
+    report["graph_step_ms"] = time_steps(engine, 20)
+    engine.runner.graphs = None  # eager from here: the profiler sees every kernel
+    time_steps(engine, 3)
+    report["eager_step_ms"] = time_steps(engine, 20)
+    report["eager_kernels"] = kernel_breakdown(engine, 5)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps({k: v for k, v in report.items() if k != "eager_kernels"}, indent=1))
+    for row in report["eager_kernels"]["top"][:12]:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
