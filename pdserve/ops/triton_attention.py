@@ -290,7 +290,9 @@ def default_decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
 # --------------------------------------------------------------------------- extend
 
 
-@triton.jit
+# first_seq changes with the number of decodes in a mixed batch: specialising on it (==1,
+# divisible by 16) would compile new variants in the middle of serving.
+@triton.jit(do_not_specialize=["first_seq"])
 def _extend_kernel(
     q_ptr,
     k_ptr,
