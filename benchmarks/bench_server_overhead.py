@@ -6,8 +6,10 @@ engine-side time of its tokens. Both sides read the host's monotonic clock, so p
 and per token we get:
 
 - TTFT overhead = client TTFT (send -> first chunk received) - engine TTFT (engine received
-  the request -> first token ready), split into inbound (send -> engine received) and
-  outbound (first token ready -> first chunk received);
+  the request -> first token ready), split into inbound (send -> engine received; itself
+  split at the server's arrival stamp into HTTP: send -> request parsed and tokenized, and
+  channel: that stamp -> engine received) and outbound (first token ready -> first chunk
+  received);
 - ITL overhead = client gap between two chunks - engine gap between their tokens;
 - delivery delay = chunk received - its tokens ready in the engine.
 
@@ -23,7 +25,10 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
+import platform
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -74,26 +79,45 @@ async def client_loop(session, url: str, rounds: int, max_tokens: int, rng: rand
     return traces
 
 
+@dataclass
+class Load:
+    traces: list[Trace]
+    loop_lag_ms: list[float]
+    """How late the client's own event loop woke a 1 ms timer: its share of every stamp."""
+
+
 async def run_load(base: str, concurrency: int, rounds: int, max_tokens: int,
-                   first_seed: int = 0) -> list[Trace]:
+                   first_seed: int = 0) -> Load:
     import aiohttp
 
     url = base + "/v1/completions"
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None)
+    lags: list[float] = []
+    probe = asyncio.ensure_future(_probe_loop_lag(lags))
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         loops = [client_loop(session, url, rounds, max_tokens, random.Random(first_seed + i))
                  for i in range(concurrency)]
         results = await asyncio.gather(*loops)
-    return [t for traces in results for t in traces]
+    probe.cancel()
+    return Load([t for traces in results for t in traces], lags)
+
+
+async def _probe_loop_lag(lags: list[float], period_s: float = 0.001) -> None:
+    # A busy client stamps sends late and chunks late; this says by how much, so that the
+    # client's own delay is not mistaken for the server's.
+    while True:
+        start = time.monotonic()
+        await asyncio.sleep(period_s)
+        lags.append((time.monotonic() - start - period_s) * 1e3)
 
 
 def _load_in_process(base: str, concurrency: int, rounds: int, max_tokens: int,
-                     first_seed: int) -> list[Trace]:
+                     first_seed: int) -> Load:
     return asyncio.run(run_load(base, concurrency, rounds, max_tokens, first_seed))
 
 
-def run_clients(base: str, args: argparse.Namespace) -> list[Trace]:
+def run_clients(base: str, args: argparse.Namespace) -> Load:
     """Spreads the clients over processes: one Python process parsing every chunk of 64
     streams would itself add milliseconds and be counted as server overhead."""
     shares = [args.concurrency // args.client_processes] * args.client_processes
@@ -104,13 +128,16 @@ def run_clients(base: str, args: argparse.Namespace) -> list[Trace]:
         futures = [pool.submit(_load_in_process, base, share, args.requests_per_client,
                                args.max_tokens, sum(shares[:i]))
                    for i, share in enumerate(shares) if share]
-        return [t for f in futures for t in f.result()]
+        loads = [f.result() for f in futures]
+    return Load([t for load in loads for t in load.traces],
+                [lag for load in loads for lag in load.loop_lag_ms])
 
 
 def overheads(traces: list[Trace]) -> dict[str, list[float]]:
     """Milliseconds, one list per measure."""
     out: dict[str, list[float]] = {k: [] for k in (
-        "client_ttft", "engine_ttft", "ttft_overhead", "ttft_inbound", "ttft_outbound",
+        "client_ttft", "engine_ttft", "ttft_overhead", "ttft_inbound", "inbound_http",
+        "inbound_channel", "ttft_outbound",
         "client_itl", "engine_itl", "itl_overhead", "delivery_delay")}
     for t in traces:
         if not t.recv or t.engine_arrival is None:
@@ -120,6 +147,9 @@ def overheads(traces: list[Trace]) -> dict[str, list[float]]:
         out["engine_ttft"].append(ms(t.engine[0] - t.engine_arrival))
         out["ttft_overhead"].append(out["client_ttft"][-1] - out["engine_ttft"][-1])
         out["ttft_inbound"].append(ms(t.engine_arrival - t.send))
+        if t.server_arrival is not None:
+            out["inbound_http"].append(ms(t.server_arrival - t.send))
+            out["inbound_channel"].append(ms(t.engine_arrival - t.server_arrival))
         out["ttft_outbound"].append(ms(t.recv[0] - t.engine[0]))
         for i in range(1, len(t.recv)):
             client_gap, engine_gap = t.recv[i] - t.recv[i - 1], t.engine[i] - t.engine[i - 1]
@@ -186,6 +216,8 @@ def stop_server(process: subprocess.Popen) -> None:
 
 
 def git_revision() -> str:
+    if os.environ.get("PDSERVE_GIT_REVISION"):  # a copy of the tree without .git
+        return os.environ["PDSERVE_GIT_REVISION"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
@@ -219,21 +251,30 @@ def main(argv: list[str] | None = None) -> int:
         # allocator growth happen on first use and are no part of the server's overhead.
         asyncio.run(run_load(base, args.concurrency, 1, args.max_tokens, first_seed=10**6))
         start = time.monotonic()
-        traces = run_clients(base, args)
+        load = run_clients(base, args)
         wall = time.monotonic() - start
     finally:
         if process is not None:
             stop_server(process)
-    summary = summarize(overheads(traces))
+    traces = load.traces
+    summary = summarize({**overheads(traces), "client_loop_lag": load.loop_lag_ms})
     print(f"{len(traces)} requests, {args.concurrency} concurrent, {wall:.1f} s")
     print_table(summary)
     if args.out:
-        record = {"command": " ".join([sys.executable, *sys.argv]), "git": git_revision(),
-                  "label": args.label, "wall_s": wall, "args": vars(args),
-                  "summary": summary, "first_trace": asdict(traces[0]) if traces else None}
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2)
+        write_record(args, argv, wall, summary, traces)
     return 0
+
+
+def write_record(args: argparse.Namespace, argv: list[str] | None, wall: float,
+                 summary: dict[str, dict[str, float]], traces: list[Trace]) -> None:
+    command = ["python", "benchmarks/bench_server_overhead.py",
+               *(sys.argv[1:] if argv is None else argv)]
+    record = {"command": shlex.join(command), "git_revision": git_revision(),
+              "label": args.label, "python": platform.python_version(), "wall_s": wall,
+              "args": vars(args), "summary": summary,
+              "first_trace": asdict(traces[0]) if traces else None}
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=2)
 
 
 if __name__ == "__main__":

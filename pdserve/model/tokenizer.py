@@ -93,6 +93,10 @@ class ByteTokenizer(Tokenizer):
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        try:  # all plain bytes, the common case: the server decodes twice per streamed chunk
+            return bytes(ids).decode("utf-8", errors="replace")
+        except ValueError:
+            pass
         # Ids past the byte range (a dummy model's vocab is larger) decode to nothing.
         out, run = [], bytearray()
         for i in ids:

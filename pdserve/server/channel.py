@@ -163,12 +163,17 @@ class _FrameReader(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._buffer += data
         used = 0
+        messages: list[Any] = []
         while (parsed := self._next_frame(used)) is not None:
             start, end = parsed
-            self._on_batch(pickle.loads(self._buffer[start:end]))
+            messages += pickle.loads(self._buffer[start:end])
             used = end
         if used:
             del self._buffer[:used]
+        if messages:
+            # Frames that queued up while the event loop was busy are handed over as one
+            # batch, so a stream that missed several steps gets one chunk, not several.
+            self._on_batch(messages)
 
     def _next_frame(self, offset: int) -> tuple[int, int] | None:
         buffer = self._buffer

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -32,51 +33,76 @@ from pdserve.server.protocol import APIError
 logger = logging.getLogger(__name__)
 
 
+Items = list[tuple[TokenDelta, float]]
+"""A request's deltas, each with the engine time of its step."""
+
+
 class RequestStream:
-    """Deltas of one request, buffered until its handler runs.
+    """Deltas of one request, buffered until its handler runs, or handed straight to a
+    ``listener`` (a streaming handler's writer) inside the dispatch of a step.
 
     A handler that falls behind gets everything that arrived since its last wake-up in one
     ``get()``, so a slow client costs one chunk with several tokens, not a growing backlog.
     """
 
-    __slots__ = ("request_id", "arrival_time", "finished", "_items", "_error", "_waiter")
+    __slots__ = ("request_id", "arrival_time", "finished", "listener", "_items", "_error",
+                 "_waiter")
 
     def __init__(self, request_id: str, arrival_time: float) -> None:
         self.request_id = request_id
         self.arrival_time = arrival_time
         self.finished = False  # the engine has let go of the request
-        self._items: list[tuple[TokenDelta, float]] = []
+        self.listener: Callable[[Items], None] | None = None
+        """Takes the deltas inside the dispatch (no task wake-up); it calls ``wake`` when the
+        handler has something to do."""
+        self._items: Items = []
         self._error: APIError | None = None
         self._waiter: asyncio.Future | None = None
 
-    def put(self, delta: TokenDelta, step_time: float) -> None:
-        self._items.append((delta, step_time))
-        self.finished = self.finished or delta.finished
-        self._wake()
+    def put(self, items: Items) -> None:
+        """One dispatch's deltas (several steps' worth when the server fell behind)."""
+        self.finished = self.finished or any(delta.finished for delta, _ in items)
+        if self.listener is not None:
+            self.listener(items)
+            return
+        self._items += items
+        self.wake()
 
     def fail(self, error: APIError) -> None:
         self._error = error
         self.finished = True
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         # A bare future, not an asyncio.Event: this runs for every token of every stream.
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def get(self) -> list[tuple[TokenDelta, float]]:
-        """Waits for news; raises the request's ``APIError`` if it was refused or lost."""
-        if not self._items and self._error is None:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+    async def wait(self) -> None:
+        """Until the next ``put``, ``fail`` or ``wake``; at once if deltas or an error wait."""
+        if self._items or self._error is not None:
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def take(self) -> Items:
+        """What is buffered (maybe nothing); raises the request's ``APIError`` once drained."""
         if self._items:
             items, self._items = self._items, []
             return items
-        raise self._error
+        if self._error is not None:
+            raise self._error
+        return []
+
+    async def get(self) -> Items:
+        """Waits for news; raises the request's ``APIError`` if it was refused or lost."""
+        while not self._items and self._error is None:
+            await self.wait()
+        return self.take()
 
 
 class EngineClient:
@@ -178,8 +204,15 @@ class EngineClient:
     # ---- channel -> streams ---------------------------------------------------------------
 
     def _on_batch(self, batch: list[Any]) -> None:
+        """Everything the channel had ready: each stream gets all its deltas at once."""
+        pending: dict[RequestStream, Items] = {}
         for message in batch:
+            if isinstance(message, StepOutputs):
+                self._collect_step(message, pending)
+                continue
+            self._deliver(pending)  # deltas stay ahead of a later rejection or failure
             self._dispatch(message)
+        self._deliver(pending)
 
     def _on_eof(self) -> None:
         if not self._ready.done():
@@ -189,9 +222,7 @@ class EngineClient:
             self._on_death("the engine process exited")
 
     def _dispatch(self, message: Any) -> None:
-        if isinstance(message, StepOutputs):
-            self._on_step(message)
-        elif isinstance(message, StatsSnapshot):
+        if isinstance(message, StatsSnapshot):
             self.stats = message
         elif isinstance(message, TimelineReply):
             future = self._queries.get(message.query_id)
@@ -213,15 +244,35 @@ class EngineClient:
         logger.error("engine failed:\n%s", text)
         self._on_death("the engine failed; see the server log")
 
-    def _on_step(self, message: StepOutputs) -> None:
+    def _collect_step(self, message: StepOutputs, pending: dict[RequestStream, Items]) -> None:
         streams = self._streams
+        step_time = message.time
         for delta in message.deltas:
             stream = streams.get(delta.request_id)
             if stream is None:
                 continue  # aborted here while the step ran
-            stream.put(delta, message.time)
+            items = pending.get(stream)
+            if items is None:
+                pending[stream] = [(delta, step_time)]
+            else:
+                items.append((delta, step_time))
             if delta.finished:
                 del streams[delta.request_id]
+
+    def _deliver(self, pending: dict[RequestStream, Items]) -> None:
+        if not pending:
+            return
+        direct: list[tuple[RequestStream, Items]] = []
+        for stream, items in pending.items():
+            if stream.listener is None:
+                stream.put(items)
+            else:
+                direct.append((stream, items))
+        pending.clear()
+        if direct:
+            # Handlers woken above (first tokens, non-streaming requests) run before the
+            # listeners' writes: callbacks run in the order they were scheduled.
+            self._loop.call_soon(_put_all, direct)
 
     def _on_death(self, reason: str) -> None:
         if self.dead_reason is not None:
@@ -232,6 +283,11 @@ class EngineClient:
                 future.set_exception(APIError(503, reason))
         self.dead_reason = reason
         logger.error("%s; /health now answers 503", reason)
+
+
+def _put_all(deliveries: list[tuple[RequestStream, Items]]) -> None:
+    for stream, items in deliveries:
+        stream.put(items)
 
 
 def _rejection_error(message: RequestRejected) -> APIError:

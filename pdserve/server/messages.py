@@ -79,6 +79,13 @@ class TokenDelta:
     engine_arrival_time: float | None = None
     """Set on a request's first delta only: when the engine process received it."""
 
+    def __reduce__(self) -> tuple:
+        # Positional fields pickle in about half the time of the default slots state, on
+        # both sides of the pipe: there is one of these per running request per step.
+        return (TokenDelta, (self.request_id, self.new_token_ids, self.new_logprobs,
+                             self.finished, self.finish_reason, self.num_prompt_tokens,
+                             self.num_cached_tokens, self.engine_arrival_time))
+
 
 @dataclass(slots=True)
 class StepOutputs:

@@ -18,7 +18,7 @@ from aiohttp import web
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import protocol as P
-from pdserve.server.client import EngineClient, RequestStream
+from pdserve.server.client import EngineClient, Items, RequestStream
 from pdserve.server.messages import TokenDelta
 from pdserve.server.metrics import RequestTiming, ServerMetrics
 
@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 # not stall every stream sharing the event loop.
 INLINE_TOKENIZE_CHARS = 4096
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# The dispatcher writes a chunk itself only while the socket's send buffer stays under this,
+# well below the transport's high-water mark (64 KiB), so its write never has to wait.
+INLINE_WRITE_LIMIT = 16 * 1024
 
 
 class Generation:
@@ -50,7 +53,7 @@ class Generation:
     async def pieces(self) -> AsyncIterator[P.Piece]:
         """Yields until a piece carries the finish reason; raises ``APIError`` on failure."""
         while not self.done:
-            yield self._fold(await self.stream.get())
+            yield self.fold(await self.stream.get())
 
     def close(self) -> None:
         """Frees the engine's copy if the request is still running (client gone, error)."""
@@ -58,7 +61,8 @@ class Generation:
             self.client.abort(self.stream.request_id)
         self.timing.finished = time.monotonic()
 
-    def _fold(self, items: list[tuple[TokenDelta, float]]) -> P.Piece:
+    def fold(self, items: Items) -> P.Piece:
+        """The piece for these deltas; raises ``APIError`` if the engine failed the request."""
         ids: list[int] = []
         logprobs: list[float] = []
         reason = None
@@ -237,11 +241,10 @@ class OpenAIServing:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(http)
-        writer = _SSEWriter(response, fmt, gen)
+        writer = _SSEWriter(http, response, fmt, gen)
         try:
             await writer.write(first)
-            async for piece in pieces:
-                await writer.write(piece)
+            await writer.follow()
             await writer.finish()
         except P.APIError as exc:
             await response.write(P.sse(exc.body()) + P.SSE_DONE)
@@ -258,31 +261,90 @@ class OpenAIServing:
 
 
 class _SSEWriter:
-    """Writes a generation's pieces as chunks; empty ones are skipped unless they matter."""
+    """Writes a generation's pieces as chunks; empty ones are skipped unless they matter.
 
-    def __init__(self, response: web.StreamResponse, fmt: Format, gen: Generation) -> None:
+    After the first chunk the engine client's dispatcher formats and writes every piece
+    itself, inside the dispatch of a step (``_push``): no task wake-up per chunk, so a step's
+    chunks for all streams cost one pass. The handler wakes only to write what the
+    dispatcher could not (a socket with a backlog), to finish, or for an error.
+    """
+
+    def __init__(self, http: web.Request, response: web.StreamResponse, fmt: Format,
+                 gen: Generation) -> None:
+        self.http = http
         self.response = response
         self.fmt = fmt
         self.gen = gen
         self.offset = 0
         self.sent_first = False
         self.timed = fmt.sampling.return_engine_timing
+        self._backlog: list[bytes] = []  # formatted, for the handler to write
+        self._error: BaseException | None = None  # raised in the handler
 
     async def write(self, piece: P.Piece) -> None:
+        data = self.encode(piece)
+        if data:
+            await self.response.write(data)
+
+    def encode(self, piece: P.Piece) -> bytes:
+        """The SSE bytes of a piece; b"" for one not worth a chunk."""
         wanted = piece.text or piece.finish_reason or (piece.token_ids and (
             self.fmt.sampling.logprobs or self.timed))
         if self.sent_first and not wanted:
-            return
+            return b""
         self.offset += len(piece.text)
         if self.sent_first and not piece.finish_reason and not self.fmt.sampling.logprobs:
             timing = self._timing_bytes(piece) if self.timed else b""
-            await self.response.write(self.fmt.text_chunk(piece.text, timing))
-            return
+            return self.fmt.text_chunk(piece.text, timing)
         chunk = self.fmt.chunk(piece, self.offset - len(piece.text), first=not self.sent_first)
         if self.timed:
             self._add_timing(chunk, piece)
         self.sent_first = True
-        await self.response.write(P.sse(chunk))
+        return P.sse(chunk)
+
+    async def follow(self) -> None:
+        """Until the generation is done, with the dispatcher writing the pieces."""
+        stream = self.gen.stream
+        stream.listener = self._push
+        try:
+            while True:
+                items = stream.take()  # arrived before the listener was set
+                if items:
+                    self._backlog.append(self.encode(self.gen.fold(items)))
+                await self._flush()
+                if self._error is not None:
+                    raise self._error
+                if self.gen.done:
+                    return
+                await stream.wait()
+        finally:
+            stream.listener = None
+
+    def _push(self, items: Items) -> None:
+        """The listener: runs inside the engine client's dispatch, never waits."""
+        if self.gen.done:
+            return  # tokens past a stop string, sent before the engine saw the abort
+        try:
+            data = self.encode(self.gen.fold(items))
+            if data and not self._backlog and self._has_room(len(data)):
+                _write_now(self.response, data)
+            elif data:
+                self._backlog.append(data)
+        except (P.APIError, ConnectionError) as exc:
+            self._error = exc
+        if self._backlog or self._error is not None or self.gen.done:
+            self.gen.stream.wake()
+
+    def _has_room(self, size: int) -> bool:
+        transport = self.http.transport
+        return (transport is not None and not transport.is_closing()
+                and transport.get_write_buffer_size() + size <= INLINE_WRITE_LIMIT)
+
+    async def _flush(self) -> None:
+        while self._backlog:
+            data = b"".join(self._backlog)
+            self._backlog.clear()
+            await self.response.write(data)
 
     @staticmethod
     def _timing_bytes(piece: P.Piece) -> bytes:
@@ -304,6 +366,19 @@ class _SSEWriter:
             tail = P.sse(usage_chunk)
         await self.response.write(tail + P.SSE_DONE)
         await self.response.write_eof()
+
+
+def _write_now(response: web.StreamResponse, data: bytes) -> None:
+    # ``StreamResponse.write`` only waits to drain a paused transport (one whose buffer is
+    # over its high-water mark), which ``_has_room`` rules out: the coroutine finishes on its
+    # first step. Should it ever wait, the data is already written and only the drain is
+    # skipped; later pieces then see the full buffer and go through the handler.
+    coro = response.write(data)
+    try:
+        coro.send(None)
+    except StopIteration:
+        return
+    coro.close()
 
 
 def _json_response(body: dict[str, Any]) -> web.Response:

@@ -1,0 +1,142 @@
+"""The streaming path: the dispatcher writes chunks inline while the socket has room and
+hands them to the handler when it has not; stop strings end the stream exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from pdserve.model.tokenizer import ByteTokenizer
+from pdserve.server import protocol as P
+from pdserve.server.client import RequestStream
+from pdserve.server.messages import TokenDelta
+from pdserve.server.serving import Format, Generation, _SSEWriter
+
+MODEL = "tiny"
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.buffered = 0  # what the socket would still hold
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+
+class FakeResponse:
+    def __init__(self) -> None:
+        self.data: list[bytes] = []
+        self.by_handler: list[bool] = []  # written by the handler task, not inline
+
+    async def write(self, data: bytes) -> None:
+        self.data.append(data)
+        self.by_handler.append(asyncio.current_task().get_name() == "handler")
+
+
+class FakeHttp:
+    def __init__(self) -> None:
+        self.transport = FakeTransport()
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _writer(stop: list[str] | None = None) -> tuple[_SSEWriter, FakeResponse, FakeHttp]:
+    body = P.CompletionRequest.parse({"prompt": "x", "max_tokens": 64, "stream": True,
+                                      "stop": stop})
+    fmt = Format(False, "cmpl-1", MODEL, 0, body.sampling)
+    params = body.sampling.sampling_params(2, 4096, 16)
+    gen = Generation(FakeClient(), RequestStream("cmpl-1", 0.0), ByteTokenizer(), [1, 2],
+                     params, True)
+    http, response = FakeHttp(), FakeResponse()
+    writer = _SSEWriter(http, response, fmt, gen)
+    writer.sent_first = True
+    return writer, response, http
+
+
+def _delta(text: str, last: bool = False) -> list[tuple[TokenDelta, float]]:
+    return [(TokenDelta("cmpl-1", list(text.encode()), None, last, "length" if last else None,
+                        2, 0), 1.0)]
+
+
+def _texts(chunks: list[bytes]) -> list[tuple[str, str | None]]:
+    events = b"".join(chunks).split(b"\n\n")
+    out = []
+    for event in events:
+        if event.startswith(b"data: {"):
+            choice = json.loads(event[6:])["choices"][0]
+            out.append((choice["text"], choice["finish_reason"]))
+    return out
+
+
+def _run(writer: _SSEWriter, feed) -> None:
+    async def main() -> None:
+        follow = asyncio.get_running_loop().create_task(writer.follow(), name="handler")
+        await asyncio.sleep(0)
+        for step in feed:
+            step()
+            await asyncio.sleep(0)
+        await asyncio.wait_for(follow, 5)
+
+    asyncio.run(main())
+
+
+def test_chunks_keep_their_order_through_the_handler():
+    writer, response, http = _writer()
+    stream = writer.gen.stream
+
+    def room(size: int):
+        return lambda: setattr(http.transport, "buffered", size)
+
+    feed = [lambda: stream.put(_delta("ab")), room(10**6), lambda: stream.put(_delta("cd")),
+            lambda: stream.put(_delta("ef")), room(0), lambda: stream.put(_delta("gh", True))]
+    _run(writer, feed)
+    assert _texts(response.data) == [("ab", None), ("cd", None), ("ef", None), ("gh", "length")]
+    assert response.by_handler == [False, True, True, False]
+    assert writer.gen.done and stream.listener is None
+
+
+def test_tokens_after_a_stop_string_are_dropped():
+    writer, response, _ = _writer(stop=["cd"])
+    stream = writer.gen.stream
+    _run(writer, [lambda: stream.put(_delta("abc")), lambda: stream.put(_delta("de")),
+                  lambda: stream.put(_delta("fg"))])
+    assert _texts(response.data) == [("ab", None), ("", "stop")]
+    assert writer.gen.num_generated == 5
+    assert writer.gen.client.aborted == ["cmpl-1"]
+
+
+def test_an_engine_error_reaches_the_handler():
+    writer, response, _ = _writer()
+    stream = writer.gen.stream
+    failed = [(TokenDelta("cmpl-1", [], None, True, "error", 2, 0), 1.0)]
+    with pytest.raises(P.APIError):
+        _run(writer, [lambda: stream.put(_delta("ab")), lambda: stream.put(failed)])
+    assert _texts(response.data) == [("ab", None)]
+
+
+def test_streamed_stop_string_matches_the_whole_answer(server):
+    pytest.importorskip("openai")
+    client = server.openai()
+    kwargs = dict(model=MODEL, prompt="abc", temperature=0, max_tokens=24,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs).choices[0].text
+    visible = full.replace("\ufffd", "")
+    if len(visible) < 4:
+        pytest.skip("the dummy model produced too little printable text to cut")
+    stop = visible[len(visible) // 2:len(visible) // 2 + 2]
+    whole = client.completions.create(stop=[stop], **kwargs)
+    chunks = list(client.completions.create(stop=[stop], stream=True, **kwargs))
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    assert reasons == ["stop"]
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
