@@ -83,6 +83,25 @@ class HttpBackend:
         except (aiohttp.ClientError, KeyError, IndexError, ValueError):
             return "default"
 
+    async def engine_clock(self) -> float | None:
+        """The server's timeline clock now; None when the server keeps no engine timeline
+        (a peer engine, or an older pdserve)."""
+        data = await self._timeline_query(1e300)  # a bound past every entry: just "now"
+        return data.get("now") if data else None
+
+    async def engine_timeline(self, since: float) -> list[dict]:
+        """Every SM-split decision the engine made after ``since`` (its own clock)."""
+        data = await self._timeline_query(since)
+        return list(data.get("entries", [])) if data else []
+
+    async def _timeline_query(self, since: float) -> dict | None:
+        url = f"{self.base_url}/v1/engine/timeline"
+        try:  # params= encodes the '+' of '1e+300', which a raw query would turn into a space
+            async with self.session.get(url, params={"since": repr(since)}) as resp:
+                return await resp.json() if resp.status == 200 else None
+        except (aiohttp.ClientError, ValueError):
+            return None
+
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()

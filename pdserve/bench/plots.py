@@ -127,11 +127,22 @@ def plot_timeline(run: dict, path: Path, title: str) -> Path | None:
     ax.set_ylabel("requests / tokens")
     if right is not None:
         right.set_ylabel("SMs / % (shares)")
+        right.set_ylim(bottom=0)  # an SM split reads as a share of the whole GPU
         right.legend(loc="upper right", fontsize="small")
     ax.legend(loc="upper left", fontsize="small")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     return _save(fig, path)
+
+
+ENGINE_SERIES = ("decode_batch", "prefill_tokens", "decode_sms", "prefill_sms")
+
+
+def plot_engine_timeline(run: dict, path: Path, title: str) -> Path | None:
+    """The SM split and batch sizes of every engine decision (multiplex mode)."""
+    entries = run.get("engine_timeline") or []
+    samples = [{"t": e["t"], **{k: e[k] for k in ENGINE_SERIES if k in e}} for e in entries]
+    return plot_timeline({"timeline": samples}, path, f"{title}: SM split") if samples else None
 
 
 def _save(fig, path: Path) -> Path:
@@ -158,4 +169,6 @@ def plot_all(result: dict, out_dir: str | Path) -> list[Path]:
             name = f"{run.get('name', 'run')} / {workload}"
             written.append(plot_timeline(
                 run, out_dir / f"timeline_{_slug(run.get('name', 'run'))}_{slug}.png", name))
+            written.append(plot_engine_timeline(
+                run, out_dir / f"split_{_slug(run.get('name', 'run'))}_{slug}.png", name))
     return [p for p in written if p is not None]

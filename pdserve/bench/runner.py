@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,11 +61,34 @@ async def run_at_rate(backend: Backend, spec: WorkloadSpec, requests: list[Bench
                       rate: float, slo: SloOptions, ctx: RunContext) -> dict:
     offsets = spec.offsets(requests, rate)
     desc = f"{spec.name} @ {rate:g} req/s" if not math.isinf(rate) else spec.name
+    mark = await _engine_mark(backend)
     load = await run_load(backend, requests, offsets, spec.max_concurrency, ctx.progress,
                           ctx.timeline, ctx.timeline_interval_s, desc)
     if not load.timeline:
         load.timeline = _backend_timeline(backend, load.t0)
-    return _run_result(load, spec, rate, slo, ctx)
+    result = _run_result(load, spec, rate, slo, ctx)
+    if mark is not None and ctx.keep_samples:
+        result["engine_timeline"] = await _engine_steps(backend, mark, load.t0)
+    return result
+
+
+async def _engine_mark(backend: Backend) -> tuple[float, float] | None:
+    """(server clock, local perf_counter) at one instant, when the server keeps a timeline."""
+    clock = getattr(backend, "engine_clock", None)
+    server_now = await clock() if clock is not None else None
+    return None if server_now is None else (server_now, time.perf_counter())
+
+
+async def _engine_steps(backend: Backend, mark: tuple[float, float], t0: float) -> list[dict]:
+    """The engine's own SM-split history of this run, on the run's time axis.
+
+    Server and client clocks are only related through ``mark`` (read at one instant), so
+    this holds across hosts too, to within one request's round trip.
+    """
+    server_at_mark, local_at_mark = mark
+    entries = await backend.engine_timeline(server_at_mark)
+    shift = local_at_mark - t0 - server_at_mark
+    return [{**entry, "t": entry["time"] + shift} for entry in entries]
 
 
 async def run_goodput(backend: Backend, spec: WorkloadSpec, requests: list[BenchRequest],
@@ -109,7 +133,7 @@ def _backend_timeline(backend: Backend, t0: float) -> list[dict]:
 
 
 def _without_samples(run: dict) -> dict:
-    return {k: v for k, v in run.items() if k not in ("samples", "timeline")}
+    return {k: v for k, v in run.items() if k not in ("samples", "timeline", "engine_timeline")}
 
 
 async def run_workload(backend: Backend, spec: WorkloadSpec, slo: SloOptions,

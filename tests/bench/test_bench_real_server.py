@@ -32,14 +32,14 @@ def test_compare_through_real_server_on_tiny(tmp_path):
     out = tmp_path / "tiny.json"
     code = main(["compare", "--model", "tiny", "--port", str(free_port()),
                  "--config", "chunked64=--schedule chunked --chunk-size 64",
-                 "--config", "prefill-first=--schedule prefill-first",
+                 "--config", "multiplex=--schedule multiplex --itl-slo-ms 200",
                  "--workload", "random:num=6,rate=8,input_len=48,output_len=6,range_ratio=0.5",
                  "--ttft-slo-ms", "5000", "--itl-slo-ms", "1000", "--no-progress",
                  "--timeline-interval-ms", "50", "--startup-timeout-s", "240",
-                 "--out", str(out)])
+                 "--out", str(out), "--plot-dir", str(tmp_path / "plots")])
     assert code == 0
     runs = json.loads(out.read_text())["runs"]
-    assert [r["name"] for r in runs] == ["chunked64", "prefill-first"]
+    assert [r["name"] for r in runs] == ["chunked64", "multiplex"]
     for run in runs:
         assert "error" not in run, run.get("error")
         assert run["completed"] == 6 and run["failed"] == 0
@@ -48,6 +48,12 @@ def test_compare_through_real_server_on_tiny(tmp_path):
         assert all(len(s["itl_ms"]) == s["output_len"] - 1 for s in run["samples"])
         assert run["ttft_ms"]["p50"] > 0 and 0.0 <= run["slo_attainment"] <= 1.0
         assert any("pdserve_num_requests_running" in s for s in run["timeline"])
+    # Only the multiplex engine keeps an SM-split history; it lands on the run's time axis.
+    assert not runs[0]["engine_timeline"]
+    split = runs[1]["engine_timeline"]
+    assert split and all(-1.0 < e["t"] < runs[1]["duration_s"] + 1.0 for e in split)
+    assert {e["mode"] for e in split} <= {"spatial", "temporal", "prefill_only", "decode_only"}
+    assert list((tmp_path / "plots").glob("split_multiplex_*.png"))
 
 
 @pytest.mark.slow
