@@ -61,18 +61,19 @@ class BlockTables:
 
     def __init__(self, max_blocks_per_seq: int):
         self.width = max_blocks_per_seq
-        self._rows: dict[str, tuple[np.ndarray, int]] = {}
+        self._rows: dict[str, tuple[np.ndarray, int, int]] = {}
 
     def row(self, request: Request) -> np.ndarray:
-        row, filled = self._rows.get(request.request_id, (None, 0))
+        row, filled, preemptions = self._rows.get(request.request_id, (None, 0, 0))
         if row is None:
             row = np.zeros(self.width, dtype=np.int32)
         blocks = request.block_ids
-        if len(blocks) < filled or (filled and row[filled - 1] != blocks[filled - 1]):
-            filled = 0  # freed and re-allocated (preemption): rewrite the row
+        # A preempted request was given new blocks when re-admitted: rewrite its whole row.
+        if preemptions != request.num_preemptions or len(blocks) < filled:
+            filled = 0
         if len(blocks) > filled:
             row[filled : len(blocks)] = blocks[filled:]
-        self._rows[request.request_id] = (row, len(blocks))
+        self._rows[request.request_id] = (row, len(blocks), request.num_preemptions)
         return row
 
     def drop(self, request_id: str) -> None:

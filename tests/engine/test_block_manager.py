@@ -69,3 +69,18 @@ def test_different_tokens_do_not_hit():
     blocks.commit(first)
     blocks.admit(second)
     assert second.num_computed == 0
+
+
+def test_block_table_row_is_rewritten_after_preemption():
+    from pdserve.engine.batch import BlockTables
+
+    tables = BlockTables(max_blocks_per_seq=8)
+    request = make_request(12)
+    request.block_ids = [5, 6, 7]
+    assert tables.row(request)[:3].tolist() == [5, 6, 7]
+    # Re-admitted after preemption with other pages but the same last one at index 2.
+    request.num_preemptions += 1
+    request.block_ids = [1, 2, 7]
+    assert tables.row(request)[:3].tolist() == [1, 2, 7]
+    request.block_ids = [1, 2, 7, 9]
+    assert tables.row(request)[:4].tolist() == [1, 2, 7, 9]
