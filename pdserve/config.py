@@ -44,7 +44,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    schedule: str = doc("chunked", "prefill-first | chunked | multiplex.")
+    schedule: str = doc("chunked", "prefill-first | chunked | multiplex | disagg.")
     max_num_seqs: int = doc(256, "Most requests running at once.")
     max_num_batched_tokens: int = doc(8192, "prefill-first: most new tokens in one step.")
     chunk_size: int = doc(512, "chunked: token budget per step, decodes included "
@@ -62,6 +62,12 @@ class SchedulerConfig:
                                     "profile`, or a folder of them keyed by GPU and model "
                                     "(default: $PDSERVE_PROFILE_DIR or ~/.cache/pdserve/"
                                     "profiles); a roofline model when none fits.")
+    disagg_decode_sms: int | None = doc(None, "disagg: SMs of the decode partition (rounded "
+                                        "to the driver's granularity; default: 40 percent of the "
+                                        "GPU's SMs); prefill gets the rest.")
+    disagg_prefill_kv_fraction: float = doc(0.3, "disagg: share of the KV pages given to the "
+                                            "prefill pool (prompts and the prefix cache); "
+                                            "the decode pool gets the rest.")
 
 
 @dataclass(frozen=True)

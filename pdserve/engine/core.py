@@ -60,6 +60,9 @@ class EngineStats:
     mux_mode: str = ""
     decode_sms: int = 0
     prefill_sms: int = 0
+    # disagg only: KV hand-offs from the prefill pool to the decode pool since start
+    kv_transfers: int = 0
+    kv_transfer_bytes: int = 0
 
 
 class EngineCore:
@@ -84,10 +87,15 @@ class EngineCore:
         self._counters = {"prompt": 0, "generation": 0, "steps": 0}
         self._last_plan = Plan()
         self.mux = None
+        self.disagg = None
         if config.scheduler.schedule == "multiplex":
             from pdserve.engine.multiplex import MultiplexLoop
 
             self.mux = MultiplexLoop(self)
+        elif config.scheduler.schedule == "disagg":
+            from pdserve.engine.disagg import DisaggLoop
+
+            self.mux = self.disagg = DisaggLoop(self)
 
     # ---- requests ----
 
@@ -123,6 +131,9 @@ class EngineCore:
         if needed > self.blocks.num_blocks:
             raise InvalidRequestError(f"the request needs {needed} KV blocks; the pool has "
                                       f"{self.blocks.num_blocks}")
+        total = len(prompt) + params.max_tokens
+        if self.disagg is not None and (why := self.scheduler.fits(total)):
+            raise InvalidRequestError(why)
 
     def abort_request(self, request_id: str) -> None:
         request = self.scheduler.abort(request_id)
@@ -207,7 +218,20 @@ class EngineCore:
                 last.mode, last.decode_sms, last.prefill_sms)
             stats.last_batch_decode = last.decode_batch
             stats.last_batch_prefill_tokens = last.prefill_tokens
+        if self.disagg is not None:
+            self._disagg_stats(stats)
         return stats
+
+    def _disagg_stats(self, stats: EngineStats) -> None:
+        """Both pools together; the prefix cache is the prefill pool's."""
+        prefill, decode = self.scheduler.prefill.blocks, self.scheduler.decode.blocks
+        stats.num_free_blocks = prefill.num_free_blocks + decode.num_free_blocks
+        stats.num_total_blocks = prefill.num_blocks + decode.num_blocks
+        stats.kv_usage = 1.0 - stats.num_free_blocks / stats.num_total_blocks
+        stats.prefix_cache_queries = prefill.prefix_queries
+        stats.prefix_cache_hits = prefill.prefix_hits
+        stats.kv_transfers = self.disagg.num_transfers
+        stats.kv_transfer_bytes = self.disagg.transfer_bytes
 
     def timeline(self, since: float | None = None) -> list[dict]:
         """Multiplex: the SM split over time (time, mode, decode/prefill SMs, decode batch,
@@ -215,5 +239,7 @@ class EngineCore:
         return self.mux.timeline(since) if self.mux is not None else []
 
     def check_integrity(self) -> None:
+        if self.disagg is not None:
+            return self.scheduler.check_integrity()
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         self.blocks.check_integrity(live)

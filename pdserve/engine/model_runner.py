@@ -95,8 +95,8 @@ class ModelRunner:
     def _capture_graphs(self) -> GraphRunner | None:
         if self.device.type != "cuda" or self.config.device.enforce_eager:
             return None
-        if self.config.scheduler.schedule == "multiplex":
-            return None  # the multiplex loop captures per-partition graphs in one pool
+        if self.config.scheduler.schedule in ("multiplex", "disagg"):
+            return None  # these loops capture graphs on their own partitions' streams
         max_batch = min(self.config.device.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
         runner = GraphRunner(self.model, self.kv_caches, max_batch, self.tables.width,
                              self.block_size, self.device)

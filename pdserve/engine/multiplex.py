@@ -125,11 +125,7 @@ class MultiplexLoop:
         return updates
 
     def _wait_any(self) -> None:
-        deadline = time.monotonic() + WAIT_FOR_COMPLETION_S
-        while time.monotonic() < deadline:
-            if any(launch.event.query() for launch in (self.decode, self.piece) if launch):
-                return
-            time.sleep(0)
+        wait_for_any((self.decode, self.piece))
 
     def busy(self) -> bool:
         return self.decode is not None or self.piece is not None
@@ -345,3 +341,12 @@ class MultiplexLoop:
 
     def last(self) -> TimelineEntry | None:
         return self._timeline[-1] if self._timeline else None
+
+
+def wait_for_any(launches) -> None:
+    """Spins (yielding the GIL) until one in-flight launch completes, or a short deadline."""
+    deadline = time.monotonic() + WAIT_FOR_COMPLETION_S
+    while time.monotonic() < deadline:
+        if any(launch.event.query() for launch in launches if launch):
+            return
+        time.sleep(0)

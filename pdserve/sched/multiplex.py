@@ -122,13 +122,7 @@ class MultiplexScheduler(Scheduler):
     def schedule(self) -> Plan:
         """Standalone use (no engine loop): decodes plus one ``chunk_size`` prefill chunk."""
         candidates = self.prefill_candidates()
-        budget, chunks = self.config.chunk_size - len(self.decode_ready()), []
-        for i, request in enumerate(candidates):
-            if budget <= 0:
-                break
-            take = min(request.num_uncomputed, budget)
-            chunks.append((i, take))
-            budget -= take
+        chunks = fcfs_chunks(candidates, self.config.chunk_size - len(self.decode_ready()))
         return self.plan_mixed(candidates, chunks)
 
     # ------------------------------------------------------- launch lifecycle
@@ -190,3 +184,15 @@ class MultiplexScheduler(Scheduler):
             if victim is request:
                 return False
         return True
+
+
+def fcfs_chunks(candidates, budget: int) -> list[tuple[int, int]]:
+    """(candidate index, tokens) in arrival order until ``budget`` tokens are taken."""
+    chunks = []
+    for index, request in enumerate(candidates):
+        if budget <= 0:
+            break
+        take = min(request.num_uncomputed, budget)
+        chunks.append((index, take))
+        budget -= take
+    return chunks

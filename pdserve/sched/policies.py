@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pdserve.sched.base import Plan, Scheduler
+from pdserve.sched.disagg import DisaggScheduler
 from pdserve.sched.multiplex import MultiplexScheduler
 
 
@@ -68,7 +69,7 @@ class ChunkedPrefillScheduler(Scheduler):
 
 
 SCHEDULERS = {cls.name: cls for cls in (PrefillFirstScheduler, ChunkedPrefillScheduler,
-                                        MultiplexScheduler)}
+                                        MultiplexScheduler, DisaggScheduler)}
 
 
 def make_scheduler(config, block_manager, max_model_len) -> Scheduler:

@@ -1,1 +1,13 @@
+"""Block-free KV transfer between a prefill pool and a decode pool (P/D-Serve)."""
 
+from pdserve.transfer.kv_blocks import flat_pool_view, gather_blocks, scatter_blocks
+from pdserve.transfer.transport import (
+    KVLayout,
+    KVTransport,
+    LocalTransport,
+    TransferStats,
+    make_transport,
+)
+
+__all__ = ["KVLayout", "KVTransport", "LocalTransport", "TransferStats", "flat_pool_view",
+           "gather_blocks", "make_transport", "scatter_blocks"]

@@ -35,7 +35,7 @@ def _timeline(server, query: str = "") -> dict:
 
 
 def test_modes_match_the_planner():
-    assert set(MUX_MODES) == {str(m) for m in MuxMode}
+    assert set(MUX_MODES) == {str(m) for m in MuxMode} | {"disagg"}  # disagg: one fixed split
 
 
 def test_bench_poller_picks_up_the_split():

@@ -1,0 +1,110 @@
+"""Block-free KV transfer (P/D-Serve): gather a request's scattered pages into one buffer,
+scatter it back into the receiver's own pages.
+
+Buffer layout: ``[num_layers, 2, num_tokens, kv_heads, head_dim]``, K at index 0 and V at
+index 1, token ``t`` at row ``t`` (position ``t`` of the request). Only the tokens that carry
+KV travel: a partial last page sends its ``num_tokens % block_size`` rows, not a whole page.
+The layout does not depend on the page size or page ids, so sender and receiver may use
+different pools, different ids and even different block sizes.
+
+Copies: pools made by ``allocate_kv_pool`` are one tensor, so every layer's K and V pages are
+a single strided view and a transfer is ONE ``index_select`` / ``index_copy_`` kernel for
+all layers. Any other pool falls back to two kernels per layer (K and V). The slot index is
+built once per request with torch ops (no per-page Python loop on the device side).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer [pages, block, heads, dim]
+
+
+def token_slots(block_ids: Sequence[int], block_size: int, num_tokens: int,
+                device: torch.device) -> torch.Tensor:
+    """Flat page-slot index of tokens 0..num_tokens-1 held in ``block_ids`` (in order)."""
+    if num_tokens > len(block_ids) * block_size:
+        raise ValueError(f"{num_tokens} tokens do not fit {len(block_ids)} pages of {block_size}")
+    blocks = torch.tensor(list(block_ids), dtype=torch.int64)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:num_tokens]
+    if device.type == "cuda":
+        # From pageable memory the copy would wait for the stream to drain (e.g. behind a
+        # decode step in flight); pinned, it is queued and the host moves on.
+        slots = slots.pin_memory()
+    return slots.to(device, non_blocking=True)
+
+
+def transfer_shape(kv_caches: KVCaches, num_tokens: int) -> tuple[int, ...]:
+    k_pages = kv_caches[0][0]
+    return (len(kv_caches), 2, num_tokens, k_pages.shape[2], k_pages.shape[3])
+
+
+def gather_blocks(kv_caches: KVCaches, block_ids: Sequence[int], num_tokens: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """All layers' K and V of a request's first ``num_tokens`` tokens, contiguous, in the
+    module's layout. ``out`` may be a preallocated buffer of that shape (e.g. pinned or
+    registered memory); the copy runs on the current stream."""
+    k_pages = kv_caches[0][0]
+    shape = transfer_shape(kv_caches, num_tokens)
+    if out is None:
+        out = torch.empty(shape, dtype=k_pages.dtype, device=k_pages.device)
+    elif tuple(out.shape) != shape:
+        raise ValueError(f"buffer shape {tuple(out.shape)} is not {shape}")
+    slots = token_slots(block_ids, k_pages.shape[1], num_tokens, k_pages.device)
+    whole = flat_pool_view(kv_caches)
+    if whole is not None:
+        torch.index_select(whole, 2, slots, out=out)
+        return out
+    for layer, pages in enumerate(kv_caches):
+        for kind in (0, 1):
+            torch.index_select(pages[kind].flatten(0, 1), 0, slots, out=out[layer, kind])
+    return out
+
+
+def scatter_blocks(buffer: torch.Tensor, kv_caches: KVCaches, block_ids: Sequence[int]) -> None:
+    """RecvScatter: writes a gathered buffer into the receiver's pages ``block_ids``
+    (its own ids, its own pool); rows past the buffer's tokens are left untouched."""
+    k_pages = kv_caches[0][0]
+    expected = transfer_shape(kv_caches, buffer.shape[2])
+    if tuple(buffer.shape) != expected:
+        raise ValueError(f"buffer shape {tuple(buffer.shape)} does not fit this pool {expected}")
+    buffer = buffer.to(device=k_pages.device, dtype=k_pages.dtype, non_blocking=True)
+    slots = token_slots(block_ids, k_pages.shape[1], buffer.shape[2], k_pages.device)
+    whole = flat_pool_view(kv_caches)
+    if whole is not None:
+        whole.index_copy_(2, slots, buffer)
+        return
+    for layer, pages in enumerate(kv_caches):
+        for kind in (0, 1):
+            pages[kind].view(-1, *pages[kind].shape[2:]).index_copy_(0, slots,
+                                                                     buffer[layer, kind])
+
+
+def flat_pool_view(kv_caches: KVCaches) -> torch.Tensor | None:
+    """``[layers, 2, pages * block_size, heads, dim]`` over the pool's own memory, when every
+    layer's K and V pages sit in one storage at uniform strides (``allocate_kv_pool``, and
+    page ranges of it); None otherwise."""
+    k0, v0 = kv_caches[0]
+    if not (k0.is_contiguous() and v0.is_contiguous()):
+        return None
+    base = k0.storage_offset()
+    kv_stride = v0.storage_offset() - base
+    layer_stride = kv_caches[1][0].storage_offset() - base if len(kv_caches) > 1 else 0
+    if kv_stride <= 0 or (len(kv_caches) > 1 and layer_stride <= 0):
+        return None  # as_strided needs positive strides
+    storage = k0.untyped_storage().data_ptr()
+    for layer, (k, v) in enumerate(kv_caches):
+        same = (k.shape == k0.shape and v.shape == k0.shape and k.stride() == k0.stride()
+                and v.stride() == k0.stride()
+                and k.untyped_storage().data_ptr() == storage
+                and v.untyped_storage().data_ptr() == storage
+                and k.storage_offset() == base + layer * layer_stride
+                and v.storage_offset() == base + layer * layer_stride + kv_stride)
+        if not same:
+            return None
+    pages, block, heads, dim = k0.shape
+    shape = (len(kv_caches), 2, pages * block, heads, dim)
+    stride = (layer_stride, kv_stride, heads * dim, dim, 1)
+    return k0.as_strided(shape, stride, base)

@@ -1,0 +1,109 @@
+"""Moving a gathered KV buffer from the prefill side to the decode side.
+
+``KVTransport`` is the seam: the engine gathers, calls ``send``, and the receiver calls
+``recv`` and scatters. ``LocalTransport`` hands the tensor over within one process (the
+one-GPU disaggregation baseline). Other transports plug in behind the same two calls:
+
+- NCCL (GPU to GPU across processes): ``send`` posts ``torch.distributed.isend`` of a small
+  header (request id, ``KVLayout``) then the buffer; ``recv`` allocates from the layout and
+  posts ``irecv``. The buffer is one contiguous tensor, so this is one stream on the link.
+- CUDA IPC (same host): ``send`` shares the buffer's IPC handle plus an IPC event; the
+  receiver copies out and signals, after which the sender frees the buffer.
+- TCP (host-staged): pinned host copy, the layout header, then the raw bytes.
+
+Register a new one in ``TRANSPORTS`` so config can name it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a receiver needs to allocate a buffer before the bytes arrive."""
+
+    num_layers: int
+    num_tokens: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, buffer: torch.Tensor) -> KVLayout:
+        layers, _, tokens, heads, dim = buffer.shape
+        return cls(layers, tokens, heads, dim, buffer.dtype)
+
+    @property
+    def num_bytes(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_tokens * self.kv_heads * self.head_dim * element
+
+
+class KVTransport(Protocol):
+    def send(self, request_id: str, buffer: torch.Tensor, stream: Any = None) -> None:
+        """Ships ``buffer``; work that wrote it was issued on ``stream`` (None: current)."""
+
+    def recv(self, request_id: str, stream: Any = None) -> torch.Tensor:
+        """The buffer sent for ``request_id``, safe to read on ``stream`` (None: current)."""
+
+
+@dataclass
+class TransferStats:
+    num_transfers: int = 0
+    num_bytes: int = 0
+
+
+class LocalTransport:
+    """Same process: the tensor itself changes hands.
+
+    On CUDA, ``send`` records an event on the sender's stream and ``recv`` makes the
+    receiver's stream wait on it, so the scatter never reads a buffer the gather is still
+    writing; the buffer is also marked for the receiver's stream, since the caching
+    allocator would otherwise reuse its memory once the sender's stream moves on.
+    """
+
+    def __init__(self) -> None:
+        self._boxes: dict[str, tuple[torch.Tensor, Any]] = {}
+        self.stats = TransferStats()
+
+    def send(self, request_id: str, buffer: torch.Tensor, stream: Any = None) -> None:
+        if request_id in self._boxes:
+            raise KeyError(f"a KV buffer for {request_id!r} is already in transit")
+        event = None
+        if buffer.is_cuda:
+            event = torch.cuda.Event()
+            event.record(stream if stream is not None else torch.cuda.current_stream())
+        self._boxes[request_id] = (buffer, event)
+        self.stats.num_transfers += 1
+        self.stats.num_bytes += buffer.numel() * buffer.element_size()
+
+    def recv(self, request_id: str, stream: Any = None) -> torch.Tensor:
+        buffer, event = self._boxes.pop(request_id)
+        if event is not None:
+            target = stream if stream is not None else torch.cuda.current_stream()
+            target.wait_event(event)
+            buffer.record_stream(target)
+        return buffer
+
+    def discard(self, request_id: str) -> None:
+        """Drops a buffer nobody will receive (the request was aborted in transit)."""
+        self._boxes.pop(request_id, None)
+
+    def pending(self) -> int:
+        return len(self._boxes)
+
+
+TRANSPORTS: dict[str, Callable[[], KVTransport]] = {"local": LocalTransport}
+
+
+def make_transport(name: str = "local") -> KVTransport:
+    try:
+        return TRANSPORTS[name]()
+    except KeyError:
+        raise ValueError(f"unknown KV transport {name!r}; choose from "
+                         f"{', '.join(TRANSPORTS)}") from None
