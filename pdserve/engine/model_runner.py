@@ -11,7 +11,7 @@ from pdserve.cache.kv_pool import allocate_kv_pool, bytes_per_block
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import BlockTables, HostBatch, build_host_batch
 from pdserve.engine.graph_runner import GraphRunner
-from pdserve.engine.sampler import SamplingBatch, sample
+from pdserve.engine.sampler import SamplingBatch, sample, worst_case_sampling
 from pdserve.model.arch import ModelArch
 from pdserve.model.loader import load_model, resolve_dtype
 from pdserve.ops.registry import get_attention_backend
@@ -76,8 +76,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_step_peak(self) -> int:
-        sched = self.config.scheduler
-        num_tokens = min(max(sched.max_num_batched_tokens, sched.chunk_size), self.max_model_len)
+        num_tokens = min(largest_step_tokens(self.config.scheduler), self.max_model_len)
         blocks = -(-num_tokens // self.block_size)
         scratch = allocate_kv_pool(self.arch, blocks, self.block_size, self.dtype, self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -85,7 +84,10 @@ class ModelRunner:
         batch = _profile_batch(num_tokens, self.block_size)
         input_ids, positions, meta = batch.metadata(self.device)
         hidden = self.model.forward(input_ids, positions, meta, scratch)
-        self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs):])
+        rows = min(num_tokens, self.config.scheduler.max_num_seqs)
+        # Top-k/top-p sampling sorts the whole vocabulary of every row: with a large vocab
+        # and a full batch that can outgrow a small step's activations.
+        sample(self.model.compute_logits(hidden[-rows:]), worst_case_sampling(rows, self.device))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del scratch, hidden
@@ -128,6 +130,16 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self.tables.drop(request_id)
+
+
+def largest_step_tokens(sched) -> int:
+    """Tokens in the largest step the schedule can run: its activations must fit beside the
+    KV pool, and reserving for a bigger step than the policy ever makes wastes KV memory."""
+    if sched.schedule == "chunked":
+        return sched.chunk_size
+    if sched.schedule == "prefill-first":
+        return sched.max_num_batched_tokens
+    return max(sched.max_num_batched_tokens, sched.chunk_size)  # multiplex / disagg
 
 
 def _profile_batch(num_tokens: int, block_size: int) -> HostBatch:

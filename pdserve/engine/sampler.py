@@ -40,6 +40,17 @@ class SamplingBatch:
         )
 
 
+def worst_case_sampling(rows: int, device) -> SamplingBatch:
+    """Every row filtered by top-k and top-p with logprobs: the sampler's largest footprint."""
+    return SamplingBatch(
+        temperature=torch.ones(rows, device=device),
+        top_k=torch.full((rows,), 50, device=device),
+        top_p=torch.full((rows,), 0.9, device=device),
+        all_greedy=False, any_top_k=True, any_top_p=True,
+        greedy_rows=torch.zeros(rows, dtype=torch.bool, device=device),
+        generators=[None] * rows, want_logprobs=True)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (token ids [B], logprobs of those tokens under the model's distribution [B])."""
     logits = logits.float()

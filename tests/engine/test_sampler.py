@@ -56,3 +56,13 @@ def test_draws_follow_the_distribution():
         counts[sample(probs.log(), batch)[0].item()] += 1
     # 4000 draws: the standard error of each share is below 0.008; 0.03 is ~4 sigma.
     assert torch.allclose(counts / 4000, probs[0], atol=0.03)
+
+
+def test_worst_case_sampling_runs_every_filter():
+    from pdserve.engine.sampler import worst_case_sampling
+
+    logits = torch.randn(4, 300)
+    tokens, logprobs = sample(logits, worst_case_sampling(4, "cpu"))
+    top50 = logits.topk(50).indices
+    assert all(t in top50[i] for i, t in enumerate(tokens.tolist()))
+    assert logprobs is not None and logprobs.shape == (4,)

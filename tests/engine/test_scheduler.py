@@ -81,3 +81,14 @@ def test_max_num_seqs_caps_running():
         sched.add(make_request(2))
     sched.schedule()
     assert len(sched.running) == 2 and len(sched.waiting) == 2
+
+
+def test_activation_reserve_follows_the_schedules_largest_step():
+    from pdserve.config import SchedulerConfig
+    from pdserve.engine.model_runner import largest_step_tokens
+
+    assert largest_step_tokens(SchedulerConfig(schedule="chunked", chunk_size=512)) == 512
+    assert largest_step_tokens(SchedulerConfig(schedule="prefill-first",
+                                               max_num_batched_tokens=4096)) == 4096
+    assert largest_step_tokens(SchedulerConfig(schedule="multiplex", chunk_size=512,
+                                               max_num_batched_tokens=8192)) == 8192
