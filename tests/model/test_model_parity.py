@@ -135,3 +135,17 @@ def test_rope_table_matches_hf(rope):
     ours = rope_cos_sin_cache(arch, 2048, torch.device("cpu"))
     torch.testing.assert_close(ours[:, :half], cos[0, :, :half], atol=0, rtol=0)
     torch.testing.assert_close(ours[:, half:], sin[0, :, :half], atol=0, rtol=0)
+
+
+def test_big_steps_run_the_mlp_in_slices_with_the_same_result(monkeypatch):
+    import torch
+
+    from pdserve.model import llama
+    from pdserve.model.arch import PRESETS
+
+    torch.manual_seed(0)
+    mlp = llama.LlamaMLP(PRESETS["tiny"])
+    hidden = torch.randn(300, PRESETS["tiny"].hidden_size)
+    whole = mlp(hidden)
+    monkeypatch.setattr(llama, "MLP_CHUNK_TOKENS", 64)  # 300 tokens: four full slices + one
+    torch.testing.assert_close(mlp(hidden), whole, atol=1e-5, rtol=1e-5)
