@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -161,15 +162,40 @@ def prefill_flops(engine: EngineCore, length: int) -> float:
     return linear + attention
 
 
+class StartupLog(logging.Handler):
+    """Collects the engine's start-up lines (memory accounting, KV pool, graph memory)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> StartupLog:
+        logger = logging.getLogger("pdserve")
+        self._level = logger.level
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger("pdserve")
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
+
+
 def bench_model(model: str, memory_fraction: float, ceilings: dict) -> dict:
     config = EngineConfig.from_flat(model=model, load_format="dummy", schedule="prefill-first",
                                     gpu_memory_utilization=memory_fraction,
                                     max_model_len=max(PREFILL_LENGTHS) + 1, max_num_seqs=256)
     started = time.perf_counter()
-    engine = EngineCore(config)
+    with StartupLog() as startup:
+        engine = EngineCore(config)
     result = {"model": model, "startup_s": time.perf_counter() - started,
               "kv_pool_tokens": engine.blocks.num_blocks * engine.blocks.block_size,
-              "memory_fraction": memory_fraction, "decode": [], "prefill": []}
+              "memory_fraction": memory_fraction, "startup_log": startup.lines,
+              "decode": [], "prefill": []}
     weights, kv_token = weight_bytes(engine), kv_bytes_per_token(engine)
     bandwidth = ceilings["copy_bandwidth_gbs"] * 1e9
     for context in DECODE_CONTEXTS:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -21,19 +20,11 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import git_revision, kv_bytes_per_token, place_decoding_requests, weight_bytes  # noqa: E402, I001
+from bench_engine import (  # noqa: E402, I001
+    StartupLog, git_revision, kv_bytes_per_token, place_decoding_requests, weight_bytes)
 
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.core import EngineCore  # noqa: E402
-
-
-class _Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def time_steps(engine: EngineCore, steps: int) -> float:
@@ -72,13 +63,11 @@ def main() -> None:
     parser.add_argument("--memory-fraction", type=float, default=0.85)
     parser.add_argument("--out", default="profile_decode.json")
     args = parser.parse_args()
-    collect = _Collect()
-    logging.getLogger("pdserve").addHandler(collect)
-    logging.getLogger("pdserve").setLevel(logging.INFO)
     config = EngineConfig.from_flat(model=args.model, load_format="dummy",
                                     schedule="prefill-first",
                                     gpu_memory_utilization=args.memory_fraction)
-    engine = EngineCore(config)
+    with StartupLog() as collect:
+        engine = EngineCore(config)
     free, total = torch.cuda.mem_get_info()
     report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
               "device": torch.cuda.get_device_name(), "model": args.model,
