@@ -46,8 +46,8 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def admit(self, request: Request) -> bool:
-        """Gives a waiting request its cached prefix blocks; False if none can be spared.
+    def admit(self, request: Request) -> None:
+        """Gives a waiting request its cached prefix blocks (hits never need free blocks).
 
         Sets ``num_computed`` to the number of cached tokens. At least the last prompt token
         is always recomputed: its logits pick the first output token.
@@ -61,7 +61,6 @@ class BlockManager:
         request.num_cached_tokens = request.num_computed
         self.prefix_queries += request.num_tokens
         self.prefix_hits += request.num_computed
-        return True
 
     def _lookup_prefix(self, request: Request) -> list[int]:
         if not self.enable_prefix_caching:

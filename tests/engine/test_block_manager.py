@@ -4,6 +4,14 @@ from pdserve.cache.block_manager import BlockManager
 from tests.engine.factories import make_request
 
 
+def _compute_all(blocks: BlockManager, request) -> None:
+    """Admits ``request`` and marks its whole prompt computed, as a finished prefill would."""
+    blocks.admit(request)
+    blocks.grow(request, request.num_tokens)
+    request.num_computed = request.num_tokens
+    blocks.commit(request)
+
+
 def test_grow_allocates_whole_blocks_and_free_returns_them():
     blocks = BlockManager(num_blocks=8, block_size=4)
     request = make_request(9)
@@ -18,10 +26,7 @@ def test_grow_allocates_whole_blocks_and_free_returns_them():
 def test_prefix_hit_shares_blocks_with_ref_counts():
     blocks = BlockManager(num_blocks=16, block_size=4)
     first, second = make_request(10), make_request(10)
-    blocks.admit(first)
-    blocks.grow(first, 10)
-    first.num_computed = 10
-    blocks.commit(first)
+    _compute_all(blocks, first)
     blocks.admit(second)
     assert second.num_computed == 8  # two full blocks; the partial third is not shared
     assert second.block_ids == first.block_ids[:2]
@@ -35,10 +40,7 @@ def test_prefix_hit_shares_blocks_with_ref_counts():
 def test_whole_prompt_hit_still_recomputes_last_token():
     blocks = BlockManager(num_blocks=16, block_size=4)
     first, second = make_request(8), make_request(8)
-    blocks.admit(first)
-    blocks.grow(first, 8)
-    first.num_computed = 8
-    blocks.commit(first)
+    _compute_all(blocks, first)
     blocks.free(first)
     blocks.admit(second)
     assert second.num_computed == 4, "the last prompt token must run to give logits"
@@ -47,10 +49,7 @@ def test_whole_prompt_hit_still_recomputes_last_token():
 def test_freed_cached_blocks_are_hits_until_recycled():
     blocks = BlockManager(num_blocks=4, block_size=4)
     first = make_request(8)
-    blocks.admit(first)
-    blocks.grow(first, 8)
-    first.num_computed = 8
-    blocks.commit(first)
+    _compute_all(blocks, first)
     blocks.free(first)
     other = make_request(16, first_token=100)
     blocks.admit(other)
@@ -63,10 +62,7 @@ def test_freed_cached_blocks_are_hits_until_recycled():
 def test_different_tokens_do_not_hit():
     blocks = BlockManager(num_blocks=16, block_size=4)
     first, second = make_request(9, first_token=10), make_request(9, first_token=11)
-    blocks.admit(first)
-    blocks.grow(first, 9)
-    first.num_computed = 9
-    blocks.commit(first)
+    _compute_all(blocks, first)
     blocks.admit(second)
     assert second.num_computed == 0
 
