@@ -142,6 +142,17 @@ def _wait_engine_idle(server, timeout: float = 30) -> dict[str, float]:
     raise AssertionError(f"engine still busy: {m}")
 
 
+def _wait_engine_busy(server, timeout: float = 5) -> None:
+    # The gauges come from the engine's periodic stats snapshot, so they lag the stream a little.
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["pdserve_num_requests_running"] + m["pdserve_num_requests_waiting"] >= 1:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the engine never reported the request: {m}")
+
+
 def test_abort_on_disconnect(server):
     async def open_and_drop() -> None:
         body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 3000,
@@ -150,8 +161,7 @@ def test_abort_on_disconnect(server):
             async with session.post(server.url + "/v1/completions", json=body) as resp:
                 assert resp.status == 200
                 await resp.content.readline()  # the first chunk: the request is running
-                m = server.metrics()
-                assert m["pdserve_num_requests_running"] + m["pdserve_num_requests_waiting"] >= 1
+                _wait_engine_busy(server)
         # leaving the session closes the connection mid-stream
 
     before = server.metrics().get('pdserve_requests_finished_total{finish_reason="abort"}', 0)
