@@ -15,7 +15,11 @@ from pdserve.config import ENGINE_CONFIG_PARTS, ModelConfig, add_cli_args, engin
 
 _DESCRIPTION = """LLM serving that holds latency SLOs.
 
-  pdserve serve MODEL [flags]     OpenAI-compatible server (see pdserve serve --help)
+  pdserve serve MODEL [flags]     OpenAI-compatible server (see pdserve serve --help);
+                                  with --role prefill|decode, a member of a P/D group
+  pdserve gateway [flags]         one OpenAI front for P/D groups (P/D-Serve)
+  pdserve cluster MODEL --prefill N --decode M
+                                  a P/D group and its gateway on this machine
   pdserve generate MODEL --prompt TEXT
   pdserve bench ...               load generator and SLO report
   pdserve profile MODEL           fit the multiplex latency predictor on this GPU"""
@@ -26,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    _add_gateway(sub)
+    _add_cluster(sub)
     _add_generate(sub)
     _add_bench(sub)
     _add_profile(sub)
@@ -33,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _GROUP_TITLES = {"ModelConfig": "model", "CacheConfig": "KV cache",
-                 "SchedulerConfig": "scheduler", "DeviceConfig": "device"}
+                 "SchedulerConfig": "scheduler", "DeviceConfig": "device",
+                 "TransferConfig": "KV transfer (P/D across instances)"}
 
 
 def _add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -55,9 +62,23 @@ def _add_serve(sub) -> None:
     parser = sub.add_parser("serve", help="Run the OpenAI-compatible HTTP server.",
                             description="Run the OpenAI-compatible HTTP server: /v1/completions, "
                             "/v1/chat/completions, /v1/models, /health, /metrics.")
+    from pdserve.cluster.config import InstanceConfig
+
     _add_engine_args(parser)
     add_cli_args(parser.add_argument_group("server"), ServerConfig)
+    add_cli_args(parser.add_argument_group("P/D group"), InstanceConfig)
     parser.set_defaults(func=_run_serve)
+
+
+def _add_gateway(sub) -> None:
+    from pdserve.cluster.config import GatewayConfig
+
+    parser = sub.add_parser("gateway", help="Run the gateway in front of P/D groups.",
+                            description="OpenAI-compatible front for P/D groups: offers each "
+                            "prefill to the group's prefill instances (they refuse what they "
+                            "cannot start in time), then relays the decode instance's answer.")
+    add_cli_args(parser, GatewayConfig)
+    parser.set_defaults(func=_run_gateway)
 
 
 def _add_generate(sub) -> None:
@@ -91,13 +112,62 @@ def _add_profile(sub) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from pdserve.cluster.config import InstanceConfig
     from pdserve.server.app import serve
     from pdserve.server.config import ServerConfig
 
-    names = [f.name for f in dataclasses.fields(ServerConfig)]
-    server_config = ServerConfig(**{name: getattr(args, name) for name in names})
-    serve(engine_config_from_args(args), server_config)
+    server_config = _config_from_args(ServerConfig, args)
+    instance = _config_from_args(InstanceConfig, args)
+    engine_config = engine_config_from_args(args)
+    lifecycle = None
+    if instance.role is not None:
+        from pdserve.cluster.instance import GroupMembership
+
+        if engine_config.transfer.kv_transfer_port is None:
+            raise SystemExit("--role needs --kv-transfer-port (0 picks a free port)")
+        model = server_config.served_model_name or engine_config.model.model
+        lifecycle = GroupMembership(instance, server_config.port, model)
+    serve(engine_config, server_config, lifecycle=lifecycle)
     return 0
+
+
+def _add_cluster(sub) -> None:
+    from pdserve.cluster.config import GatewayConfig
+    from pdserve.cluster.launch import add_launch_args
+
+    parser = sub.add_parser("cluster", help="Run a P/D group and its gateway on this machine.",
+                            description="Starts --prefill and --decode instances of MODEL "
+                            "(`pdserve serve` processes, one GPU each when there are several) "
+                            "and serves them through a gateway.")
+    add_launch_args(parser)
+    add_cli_args(parser.add_argument_group("gateway"), GatewayConfig)
+    parser.set_defaults(func=_run_cluster)
+
+
+def _run_cluster(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from pdserve.cluster.config import GatewayConfig
+    from pdserve.cluster.launch import default_gpus, run_cluster
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.gpus is None:
+        args.gpus = default_gpus()
+    asyncio.run(run_cluster(args, _config_from_args(GatewayConfig, args)))
+    return 0
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    from pdserve.cluster.app import run_gateway
+    from pdserve.cluster.config import GatewayConfig
+
+    run_gateway(_config_from_args(GatewayConfig, args))
+    return 0
+
+
+def _config_from_args(config_cls: type, args: argparse.Namespace):
+    return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -79,11 +79,23 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class TransferConfig:
+    kv_transfer_port: int | None = doc(None, "P/D across instances: TCP port of this "
+                                       "instance's KV receiver (0: any free port). Unset: "
+                                       "the instance neither sends nor receives KV.")
+    kv_transfer_host: str = doc("127.0.0.1", "Address the KV receiver binds and announces "
+                                "to the other instances.")
+    kv_transfer_timeout: float = doc(60.0, "Seconds a decode instance waits for a request's "
+                                     "KV before failing it.")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
 
     @classmethod
     def from_flat(cls, **kwargs: Any) -> EngineConfig:
@@ -135,4 +147,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_flat(**{k: v for k, v in vars(args).items() if k in names})
 
 
-ENGINE_CONFIG_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig)
+ENGINE_CONFIG_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, TransferConfig)

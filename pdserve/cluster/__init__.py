@@ -1,1 +1,1 @@
-
+"""Cluster layer: the scenario -> prefill/decode instance registry (ZooKeeper or in-process)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
 from pdserve.sampling_params import SamplingParams
 
 
@@ -43,6 +44,9 @@ class Request:
     # Hash of each full block of token_ids, filled lazily by the block manager.
     block_hashes: list[int] = field(default_factory=list)
     num_committed_blocks: int = 0  # leading blocks already offered to the prefix cache
+    handoff: KVHandoff | None = None  # P/D across instances (see pdserve/handoff.py)
+    kv_buffer: torch.Tensor | None = None  # decode side: received KV not yet scattered
+    deadline: float = 0.0  # decode side: fail if the KV has not arrived by then
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -88,4 +92,6 @@ class Request:
                 return "stop"
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             return "length"
+        if self.handoff is not None and self.handoff.is_prefill:
+            return HANDOFF_FINISH_REASON  # the decode instance takes it from here
         return None

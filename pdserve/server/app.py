@@ -11,7 +11,7 @@ import math
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -20,11 +20,13 @@ from pdserve.server.client import EngineClient
 from pdserve.server.config import ServerConfig
 from pdserve.server.engine_process import DEFAULT_CORE
 from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from pdserve.server.pd import PDRoutes
 from pdserve.server.serving import OpenAIServing
 
 logger = logging.getLogger("pdserve.server")
 
 STATE_KEY = web.AppKey("state", object)
+GUARDED_PATHS = ("/v1", "/pd/")  # API key, draining and in-flight counting apply here
 
 
 @dataclass
@@ -58,6 +60,7 @@ def build_app(client: EngineClient, config: ServerConfig) -> web.Application:
     app.router.add_get("/v1/engine/timeline", _timeline)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    PDRoutes(serving).add_to(app)
     return app
 
 
@@ -99,7 +102,7 @@ def _error_response(request: web.Request, exc: P.APIError) -> web.Response:
 @web.middleware
 async def _api_key(request: web.Request, handler) -> web.StreamResponse:
     key = _state(request).config.api_key
-    if key and request.path.startswith("/v1"):
+    if key and request.path.startswith(GUARDED_PATHS):
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise P.APIError(401, "invalid or missing API key", code="invalid_api_key")
@@ -110,7 +113,7 @@ async def _api_key(request: web.Request, handler) -> web.StreamResponse:
 async def _admission(request: web.Request, handler) -> web.StreamResponse:
     """Refuses new work while draining or without an engine; counts what is in flight."""
     state = _state(request)
-    if request.method != "POST" or not request.path.startswith("/v1"):
+    if request.method != "POST" or not request.path.startswith(GUARDED_PATHS):
         return await handler(request)
     if state.draining:
         raise P.APIError(503, "the server is shutting down")
@@ -169,7 +172,18 @@ async def _metrics(request: web.Request) -> web.Response:
 # ---- process life -------------------------------------------------------------------------
 
 
-def serve(engine_config: Any, config: ServerConfig, core_factory: str = DEFAULT_CORE) -> None:
+class Lifecycle(Protocol):
+    """Hooks for whoever announces this server elsewhere (a P/D group's registry)."""
+
+    def started(self, client: EngineClient) -> None:
+        """The server listens and the engine is loaded."""
+
+    def stopping(self) -> None:
+        """Shutdown began: called before draining, so no new work is routed here."""
+
+
+def serve(engine_config: Any, config: ServerConfig, core_factory: str = DEFAULT_CORE,
+          lifecycle: Lifecycle | None = None) -> None:
     """Runs the server until SIGTERM or SIGINT; returns once the engine process is gone."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
@@ -177,12 +191,13 @@ def serve(engine_config: Any, config: ServerConfig, core_factory: str = DEFAULT_
     except ImportError:
         uvloop = None
     if uvloop is not None:
-        uvloop.run(_serve(engine_config, config, core_factory))
+        uvloop.run(_serve(engine_config, config, core_factory, lifecycle))
     else:
-        asyncio.run(_serve(engine_config, config, core_factory))
+        asyncio.run(_serve(engine_config, config, core_factory, lifecycle))
 
 
-async def _serve(engine_config: Any, config: ServerConfig, core_factory: str) -> None:
+async def _serve(engine_config: Any, config: ServerConfig, core_factory: str,
+                 lifecycle: Lifecycle | None) -> None:
     logger.info("starting the engine process")
     client = await EngineClient.start(engine_config, core_factory, config.engine_start_timeout)
     app = build_app(client, config)
@@ -195,7 +210,11 @@ async def _serve(engine_config: Any, config: ServerConfig, core_factory: str) ->
     logger.info("serving '%s' on http://%s:%d (max_model_len %d)", state.model_name,
                 config.host, config.port, client.max_model_len)
     stop, force = _install_signals()
+    if lifecycle is not None:
+        lifecycle.started(client)
     await stop.wait()
+    if lifecycle is not None:
+        lifecycle.stopping()
     await _drain(state, config.shutdown_timeout, force)
     await runner.cleanup()
     await client.shutdown()

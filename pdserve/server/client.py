@@ -12,6 +12,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pdserve.handoff import KVHandoff
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.channel import ServerChannel
 from pdserve.server.engine_process import DEFAULT_CORE, run_engine_process
@@ -113,6 +114,7 @@ class EngineClient:
         self.max_model_len = 0
         self.tokenizer: Any = None
         self.vocab_size: int | None = None
+        self.kv_address: str | None = None
         self.stats = StatsSnapshot()
         self.dead_reason: str | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -143,6 +145,7 @@ class EngineClient:
         self.max_model_len = ready.max_model_len
         self.tokenizer = ready.tokenizer
         self.vocab_size = ready.vocab_size
+        self.kv_address = ready.kv_address
 
     @property
     def alive(self) -> bool:
@@ -153,12 +156,13 @@ class EngineClient:
         return len(self._streams)
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            arrival_time: float) -> RequestStream:
+            arrival_time: float, handoff: KVHandoff | None = None) -> RequestStream:
         if self.dead_reason is not None:
             raise APIError(503, "the engine is not running")
         stream = RequestStream(request_id, arrival_time)
         self._streams[request_id] = stream
-        self.channel.send(AddRequest(request_id, prompt_token_ids, params, arrival_time))
+        self.channel.send(AddRequest(request_id, prompt_token_ids, params, arrival_time,
+                                     handoff))
         return stream
 
     def abort(self, request_id: str) -> None:

@@ -51,8 +51,13 @@ def run_engine_process(config: Any, reader: Connection, writer: Connection,
         channel.close()
         raise SystemExit(1) from None
     channel.send(EngineReady(core.model_name, core.max_model_len, os.getpid(),
-                             getattr(core, "tokenizer", None), _vocab_size(core)))
-    code = EngineLoop(core, channel).run()
+                             getattr(core, "tokenizer", None), _vocab_size(core),
+                             getattr(core, "kv_address", None)))
+    try:
+        code = EngineLoop(core, channel).run()
+    finally:
+        if hasattr(core, "close"):
+            core.close()
     channel.close()
     raise SystemExit(code)
 
@@ -124,9 +129,11 @@ class EngineLoop:
         return timeline(since) if timeline is not None else []
 
     def _add(self, message: AddRequest, arrived: float) -> None:
+        # Cores without P/D support (test stand-ins) never see the keyword.
+        extra = {"handoff": message.handoff} if message.handoff is not None else {}
         try:
             self.core.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                  arrival_time=arrived)
+                                  arrival_time=arrived, **extra)
         except Exception as exc:  # noqa: BLE001 - a bad request must never stop the loop
             status, text = _rejection(exc)
             self.channel.send(RequestRejected(message.request_id, status, text))

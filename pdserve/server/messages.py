@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.handoff import KVHandoff
 from pdserve.sampling_params import SamplingParams
 
 # ---- HTTP process -> engine process -------------------------------------------------------
@@ -22,6 +23,8 @@ class AddRequest:
     params: SamplingParams
     arrival_time: float
     """When the HTTP server received the request."""
+    handoff: KVHandoff | None = None
+    """P/D across instances: this instance runs only the prefill, or only the decode."""
 
 
 @dataclass(slots=True)
@@ -56,6 +59,8 @@ class EngineReady:
     """The engine's own tokenizer, pickled, so the server detokenizes with exactly it."""
     vocab_size: int | None = None
     """Token ids at or past this are refused before they reach the engine."""
+    kv_address: str | None = None
+    """"host:port" of the engine's KV receiver; None when it takes no part in KV transfer."""
 
 
 @dataclass(slots=True)

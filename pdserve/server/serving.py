@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.handoff import KVHandoff
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import protocol as P
@@ -169,7 +170,25 @@ class OpenAIServing:
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
-        request = P.CompletionRequest.parse(P.parse_json_body(await http.read()))
+        body = P.parse_json_body(await http.read())
+        return await self._run(http, *await self.prepare("completions", body))
+
+    async def chat(self, http: web.Request) -> web.StreamResponse:
+        body = P.parse_json_body(await http.read())
+        return await self._run(http, *await self.prepare("chat", body))
+
+    async def prepare(self, kind: str, body: dict) -> tuple[Format, list[int], int | None]:
+        """Parses and tokenizes a request of ``kind`` ("completions" or "chat"): its answer
+        format, prompt token ids and default max_tokens. Raises ``APIError`` (400)."""
+        if kind == "completions":
+            return await self._prepare_completion(body)
+        if kind == "chat":
+            return await self._prepare_chat(body)
+        raise P.bad_request(f"unknown request kind {kind!r}; use 'completions' or 'chat'",
+                            param="kind")
+
+    async def _prepare_completion(self, body: dict) -> tuple[Format, list[int], int | None]:
+        request = P.CompletionRequest.parse(body)
         self._check_model(request.sampling.model)
         if isinstance(request.prompt, str):
             prompt_ids = await self._encode(request.prompt, add_special_tokens=True)
@@ -177,10 +196,10 @@ class OpenAIServing:
             prompt_ids = request.prompt
             P.check_token_ids(prompt_ids, self.client.vocab_size)
         fmt = Format(False, P.new_id("cmpl"), self.model_name, P.now_s(), request.sampling)
-        return await self._run(http, fmt, prompt_ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return fmt, prompt_ids, COMPLETIONS_DEFAULT_MAX_TOKENS
 
-    async def chat(self, http: web.Request) -> web.StreamResponse:
-        request = P.ChatRequest.parse(P.parse_json_body(await http.read()))
+    async def _prepare_chat(self, body: dict) -> tuple[Format, list[int], int | None]:
+        request = P.ChatRequest.parse(body)
         self._check_model(request.sampling.model)
         try:
             text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True)
@@ -191,7 +210,7 @@ class OpenAIServing:
         add_special = not self.tokenizer.starts_with_bos(text)
         prompt_ids = await self._encode(text, add_special_tokens=add_special)
         fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling)
-        return await self._run(http, fmt, prompt_ids, None)
+        return fmt, prompt_ids, None
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -206,11 +225,12 @@ class OpenAIServing:
                                           add_special_tokens)
 
     async def _run(self, http: web.Request, fmt: Format, prompt_ids: list[int],
-                   default_max_tokens: int | None) -> web.StreamResponse:
+                   default_max_tokens: int | None, handoff: KVHandoff | None = None
+                   ) -> web.StreamResponse:
+        """Answers the request; ``handoff``: the prompt was prefilled on another instance."""
         arrival = time.monotonic()
-        params = fmt.sampling.sampling_params(len(prompt_ids), self.client.max_model_len,
-                                              default_max_tokens)
-        stream = self.client.add(fmt.request_id, prompt_ids, params, arrival)
+        params = self.params(fmt, prompt_ids, default_max_tokens)
+        stream = self.client.add(fmt.request_id, prompt_ids, params, arrival, handoff)
         gen = Generation(self.client, stream, self.tokenizer, prompt_ids, params,
                          fmt.sampling.skip_special_tokens)
         try:
@@ -220,6 +240,11 @@ class OpenAIServing:
         finally:
             gen.close()
             self._record(fmt, gen)
+
+    def params(self, fmt: Format, prompt_ids: list[int], default_max_tokens: int | None
+               ) -> SamplingParams:
+        return fmt.sampling.sampling_params(len(prompt_ids), self.client.max_model_len,
+                                            default_max_tokens)
 
     async def _collect(self, fmt: Format, gen: Generation) -> web.Response:
         text: list[str] = []

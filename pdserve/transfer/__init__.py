@@ -1,6 +1,7 @@
 """Block-free KV transfer between a prefill pool and a decode pool (P/D-Serve)."""
 
 from pdserve.transfer.kv_blocks import flat_pool_view, gather_blocks, scatter_blocks
+from pdserve.transfer.tcp import TcpKVReceiver, TcpKVSender
 from pdserve.transfer.transport import (
     KVLayout,
     KVTransport,
@@ -9,5 +10,5 @@ from pdserve.transfer.transport import (
     make_transport,
 )
 
-__all__ = ["KVLayout", "KVTransport", "LocalTransport", "TransferStats", "flat_pool_view",
-           "gather_blocks", "make_transport", "scatter_blocks"]
+__all__ = ["KVLayout", "KVTransport", "LocalTransport", "TcpKVReceiver", "TcpKVSender",
+           "TransferStats", "flat_pool_view", "gather_blocks", "make_transport", "scatter_blocks"]

@@ -8,9 +8,10 @@ The layout does not depend on the page size or page ids, so sender and receiver 
 different pools, different ids and even different block sizes.
 
 Copies: pools made by ``allocate_kv_pool`` are one tensor, so every layer's K and V pages are
-a single strided view and a transfer is ONE ``index_select`` / ``index_copy_`` kernel for
-all layers. Any other pool falls back to two kernels per layer (K and V). The slot index is
-built once per request with torch ops (no per-page Python loop on the device side).
+a single strided view and a transfer is one ``index_select`` / ``index_copy_`` over whole
+pages for all layers, plus one for the used rows of a partial last page. Whole pages move as
+contiguous runs (on a CPU, a copy indexed per token was 15x slower for the same bytes). Any
+other pool falls back to a per-token index, two kernels per layer (K and V).
 """
 
 from __future__ import annotations
@@ -36,6 +37,34 @@ def token_slots(block_ids: Sequence[int], block_size: int, num_tokens: int,
     return slots.to(device, non_blocking=True)
 
 
+def _check_fits(block_ids: Sequence[int], block_size: int, num_tokens: int) -> None:
+    if num_tokens > len(block_ids) * block_size:
+        raise ValueError(f"{num_tokens} tokens do not fit {len(block_ids)} pages of {block_size}")
+
+
+def _page_runs(whole: torch.Tensor, buffer: torch.Tensor, block_ids: Sequence[int],
+               num_tokens: int, block: int):
+    """(pool pages, buffer rows, page ids) pairs that cover the request: its full pages in
+    one go, then the used rows of a partial last page. Whole pages move as contiguous
+    ``block * heads * dim`` runs; a copy indexed per token is several times slower on CPUs."""
+    pages = whole.unflatten(2, (-1, block))  # [layers, 2, pages, block, heads, dim]
+    full, tail = divmod(num_tokens, block)
+    ids = _device_ids(block_ids[: full + (1 if tail else 0)], whole.device)
+    if full:
+        yield pages, buffer[:, :, : full * block].unflatten(2, (full, block)), ids[:full]
+    if tail:
+        # The last page's first ``tail`` rows, seen as a pool of one-row-group pages.
+        yield (pages[:, :, :, :tail], buffer[:, :, full * block :].unsqueeze(2),
+               ids[full:])
+
+
+def _device_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    ids = torch.tensor(list(block_ids), dtype=torch.int64)
+    if device.type == "cuda":
+        ids = ids.pin_memory()  # queued copy, no wait for the stream to drain
+    return ids.to(device, non_blocking=True)
+
+
 def transfer_shape(kv_caches: KVCaches, num_tokens: int) -> tuple[int, ...]:
     k_pages = kv_caches[0][0]
     return (len(kv_caches), 2, num_tokens, k_pages.shape[2], k_pages.shape[3])
@@ -52,11 +81,14 @@ def gather_blocks(kv_caches: KVCaches, block_ids: Sequence[int], num_tokens: int
         out = torch.empty(shape, dtype=k_pages.dtype, device=k_pages.device)
     elif tuple(out.shape) != shape:
         raise ValueError(f"buffer shape {tuple(out.shape)} is not {shape}")
-    slots = token_slots(block_ids, k_pages.shape[1], num_tokens, k_pages.device)
     whole = flat_pool_view(kv_caches)
     if whole is not None:
-        torch.index_select(whole, 2, slots, out=out)
+        _check_fits(block_ids, k_pages.shape[1], num_tokens)
+        for pool, rows, page_ids in _page_runs(whole, out, block_ids, num_tokens,
+                                                   k_pages.shape[1]):
+            torch.index_select(pool, 2, page_ids, out=rows)
         return out
+    slots = token_slots(block_ids, k_pages.shape[1], num_tokens, k_pages.device)
     for layer, pages in enumerate(kv_caches):
         for kind in (0, 1):
             torch.index_select(pages[kind].flatten(0, 1), 0, slots, out=out[layer, kind])
@@ -71,11 +103,14 @@ def scatter_blocks(buffer: torch.Tensor, kv_caches: KVCaches, block_ids: Sequenc
     if tuple(buffer.shape) != expected:
         raise ValueError(f"buffer shape {tuple(buffer.shape)} does not fit this pool {expected}")
     buffer = buffer.to(device=k_pages.device, dtype=k_pages.dtype, non_blocking=True)
-    slots = token_slots(block_ids, k_pages.shape[1], buffer.shape[2], k_pages.device)
     whole = flat_pool_view(kv_caches)
     if whole is not None:
-        whole.index_copy_(2, slots, buffer)
+        _check_fits(block_ids, k_pages.shape[1], buffer.shape[2])
+        for pool, rows, page_ids in _page_runs(whole, buffer, block_ids, buffer.shape[2],
+                                                   k_pages.shape[1]):
+            pool.index_copy_(2, page_ids, rows)
         return
+    slots = token_slots(block_ids, k_pages.shape[1], buffer.shape[2], k_pages.device)
     for layer, pages in enumerate(kv_caches):
         for kind in (0, 1):
             pages[kind].view(-1, *pages[kind].shape[2:]).index_copy_(0, slots,

@@ -115,12 +115,12 @@ def start_server(*flags: str, api_key: str | None = None) -> Server:
     log = tempfile.TemporaryFile()
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     server = Server(process, port, api_key, log)
-    _wait_healthy(server)
+    wait_healthy(server)
     return server
 
 
-def _wait_healthy(server: Server) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
+def wait_healthy(server: Server, timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             raise RuntimeError("server exited:\n" + server.log_text())

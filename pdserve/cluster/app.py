@@ -1,0 +1,145 @@
+"""The gateway's HTTP server: the OpenAI routes clients use, health, metrics and the groups
+it sees. ``pdserve gateway`` runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+
+from aiohttp import web
+
+from pdserve.cluster.config import GatewayConfig
+from pdserve.cluster.gateway import Gateway
+from pdserve.cluster.ratio import RatioController
+from pdserve.cluster.registry import Registry, make_registry
+from pdserve.server import protocol as P
+from pdserve.server.metrics import CONTENT_TYPE
+
+log = logging.getLogger("pdserve.gateway")
+GATEWAY_KEY = web.AppKey("gateway", Gateway)
+
+
+def build_gateway_app(gateway: Gateway) -> web.Application:
+    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[_errors, _api_key])
+    app[GATEWAY_KEY] = gateway
+    app.router.add_post("/v1/completions", _forward("completions"))
+    app.router.add_post("/v1/chat/completions", _forward("chat"))
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/cluster/groups", _groups)
+    return app
+
+
+def _forward(kind: str):
+    async def handler(http: web.Request) -> web.StreamResponse:
+        return await http.app[GATEWAY_KEY].forward(http, kind)
+
+    return handler
+
+
+@web.middleware
+async def _errors(http: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(http)
+    except P.APIError as exc:
+        headers = dict(exc.headers)
+        if exc.status in (429, 503):
+            headers.setdefault("Retry-After", str(http.app[GATEWAY_KEY].config.retry_after))
+        return web.Response(status=exc.status, body=P.dumps(exc.body()),
+                            content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def _api_key(http: web.Request, handler) -> web.StreamResponse:
+    key = http.app[GATEWAY_KEY].config.api_key
+    if key and http.path.startswith("/v1"):
+        given = http.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise P.APIError(401, "invalid or missing API key", code="invalid_api_key")
+    return await handler(http)
+
+
+async def _models(http: web.Request) -> web.Response:
+    created = P.now_s()
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "pdserve"}
+            for name in http.app[GATEWAY_KEY].models()]
+    return web.Response(body=P.dumps({"object": "list", "data": data}),
+                        content_type="application/json")
+
+
+async def _health(http: web.Request) -> web.Response:
+    """200 while some scenario has both a prefill and a decode instance."""
+    sizes = http.app[GATEWAY_KEY].group_sizes()
+    scenarios = {s for s, _ in sizes}
+    ready = any(sizes[(s, "prefill")] and sizes[(s, "decode")] for s in scenarios)
+    return web.Response(status=200 if ready else 503)
+
+
+async def _metrics(http: web.Request) -> web.Response:
+    return web.Response(body=http.app[GATEWAY_KEY].metrics.render(),
+                        headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _groups(http: web.Request) -> web.Response:
+    gateway = http.app[GATEWAY_KEY]
+    registry = gateway.registry
+    groups = {s: {role: [{"instance_id": i.instance_id, "http": i.http, "kv": i.kv,
+                          "in_flight": _load(gateway, role)[i.instance_id]}
+                         for i in registry.instances(s, role)]
+                  for role in ("prefill", "decode")}
+              for s in registry.scenarios()}
+    return web.Response(body=P.dumps({"object": "cluster.groups", "groups": groups}),
+                        content_type="application/json")
+
+
+def _load(gateway: Gateway, role: str):
+    return gateway.prefill_load if role == "prefill" else gateway.decode_load
+
+
+# ---- process life -------------------------------------------------------------------------
+
+
+async def start_gateway(config: GatewayConfig, registry: Registry | None = None
+                        ) -> tuple[web.AppRunner, Gateway, asyncio.Task | None]:
+    """Starts serving; the caller keeps the loop running and calls ``stop_gateway``."""
+    gateway = Gateway(registry or make_registry(config.registry), config)
+    await gateway.start()
+    runner = web.AppRunner(build_gateway_app(gateway), handler_cancellation=True,
+                           access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    ratio = None
+    if config.ratio_interval_s > 0:
+        load = {"prefill": gateway.prefill_load, "decode": gateway.decode_load}
+        controller = RatioController(gateway.registry, gateway.metrics, load)
+        ratio = asyncio.ensure_future(controller.run(config.ratio_interval_s))
+    log.info("gateway on http://%s:%d, registry %s", config.host, config.port, config.registry)
+    return runner, gateway, ratio
+
+
+async def stop_gateway(runner: web.AppRunner, gateway: Gateway,
+                       ratio: asyncio.Task | None) -> None:
+    if ratio is not None:
+        ratio.cancel()
+    await runner.cleanup()
+    await gateway.close()
+
+
+def run_gateway(config: GatewayConfig) -> None:
+    """``pdserve gateway``: serves until SIGTERM or SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    async def main() -> None:
+        runner, gateway, ratio = await start_gateway(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await stop_gateway(runner, gateway, ratio)
+        gateway.registry.close()
+
+    asyncio.run(main())

@@ -1,0 +1,225 @@
+"""The gateway: one OpenAI-compatible front for P/D groups (P/D-Serve).
+
+Per request: pick the scenario (a header, else the default), pick the decode instance of
+that scenario's group with the fewest streams from here, then offer the prefill to the
+group's prefill instances, least busy first. A prefill instance that could not start it in
+time answers 429 at once (``pdserve/server/pd.py``); the gateway offers it to the next one,
+and when all refuse, waits a little and goes round again until ``max_wait_s`` - the request
+waits here, never blindly in one instance's queue. The chosen prefill instance ships the
+KV straight to the decode instance; the gateway then asks the decode instance for the
+answer and relays its bytes (streamed or not) unchanged.
+
+``--dispatch least-connections`` and ``round-robin`` are the blind baselines P/D-Serve
+compares against: the gateway places each prefill by its own count of prefills in flight,
+or in turn, and the instance queues whatever it gets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pdserve.cluster.config import GatewayConfig
+from pdserve.cluster.metrics import GatewayMetrics
+from pdserve.cluster.registry import Instance, Registry
+from pdserve.server import protocol as P
+
+log = logging.getLogger("pdserve.gateway")
+
+DISPATCH = ("on-demand", "least-connections", "round-robin")
+RELAYED_ERRORS = (400, 401, 404, 413)  # the request itself is wrong: no other instance helps
+INSTANCE_COOLDOWN_S = 5.0  # an instance that failed to answer is skipped this long
+
+
+@dataclass
+class Prefilled:
+    instance: Instance
+    answer: dict[str, Any]
+
+
+class Gateway:
+    def __init__(self, registry: Registry, config: GatewayConfig) -> None:
+        if config.dispatch not in DISPATCH:
+            raise ValueError(f"--dispatch must be one of {', '.join(DISPATCH)}, "
+                             f"not {config.dispatch!r}")
+        self.registry = registry
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.prefill_load: Counter[str] = Counter()  # prefills in flight, by instance id
+        self.decode_load: Counter[str] = Counter()  # answers being relayed, by instance id
+        self._failed_at: dict[str, float] = {}
+        self._turn = 0  # round-robin position
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout)
+        connector = aiohttp.TCPConnector(limit=0)  # every stream holds a connection
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    # ---- one request --------------------------------------------------------------------
+
+    async def forward(self, http: web.Request, kind: str) -> web.StreamResponse:
+        start = time.monotonic()
+        body = P.parse_json_body(await http.read())
+        scenario = self._scenario(http)
+        decode = self._pick_decode(scenario)
+        transfer_id = uuid.uuid4().hex
+        prefilled = await self._prefill(scenario, kind, body, transfer_id, decode, start)
+        self.metrics.prefilled(scenario, time.monotonic() - start)
+        return await self._relay_decode(http, kind, body, transfer_id, decode, prefilled,
+                                        scenario, start)
+
+    def _scenario(self, http: web.Request) -> str:
+        scenario = http.headers.get(self.config.scenario_header, self.config.default_scenario)
+        try:
+            self.registry.instances(scenario, "decode")
+        except ValueError as exc:  # not a name the registry can hold
+            raise P.bad_request(f"bad {self.config.scenario_header} header: {exc}") from None
+        return scenario
+
+    def _pick_decode(self, scenario: str) -> Instance:
+        candidates = self._live(scenario, "decode")
+        if not candidates:
+            raise P.APIError(503, f"no decode instance serves scenario '{scenario}'")
+        return min(candidates, key=lambda i: (self.decode_load[i.instance_id], i.instance_id))
+
+    def _live(self, scenario: str, role: str) -> list[Instance]:
+        now = time.monotonic()
+        return [i for i in self.registry.instances(scenario, role)
+                if now - self._failed_at.get(i.instance_id, -1e9) > INSTANCE_COOLDOWN_S]
+
+    async def _prefill(self, scenario: str, kind: str, body: dict, transfer_id: str,
+                       decode: Instance, start: float) -> Prefilled:
+        """Offers the prefill round the group until one instance takes it."""
+        backoff = self.config.retry_backoff_ms / 1e3
+        while True:
+            for instance in self._prefill_order(scenario):
+                answer = await self._offer(instance, kind, body, transfer_id, decode, start)
+                if answer is not None:
+                    return Prefilled(instance, answer)
+            if time.monotonic() - start + backoff > self.config.max_wait_s:
+                self.metrics.count_unserved(scenario)
+                raise P.APIError(503, f"every prefill instance of scenario '{scenario}' stayed "
+                                 f"busy for {self.config.max_wait_s:.0f} s")
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, 0.5)
+
+    def _prefill_order(self, scenario: str) -> list[Instance]:
+        candidates = self._live(scenario, "prefill")
+        if not candidates and not self.registry.instances(scenario, "prefill"):
+            raise P.APIError(503, f"no prefill instance serves scenario '{scenario}'")
+        if self.config.dispatch == "round-robin" and candidates:
+            self._turn += 1
+            start = self._turn % len(candidates)
+            return candidates[start:] + candidates[:start]
+        return sorted(candidates, key=lambda i: (self.prefill_load[i.instance_id],
+                                                 i.instance_id))
+
+    async def _offer(self, instance: Instance, kind: str, body: dict, transfer_id: str,
+                     decode: Instance, start: float) -> dict[str, Any] | None:
+        """The prefill's answer, or None if this instance refused or failed."""
+        offer = {"kind": kind, "request": body, "transfer_id": transfer_id,
+                 "kv_target": decode.kv, "max_queue_ms": self._queue_budget_ms(start)}
+        self.prefill_load[instance.instance_id] += 1
+        try:
+            async with self._session.post(f"http://{instance.http}/pd/prefill", json=offer,
+                                          headers=self._headers()) as resp:
+                data = await resp.read()
+                return self._prefill_answer(instance, resp.status, data)
+        except (aiohttp.ClientError, OSError) as exc:
+            log.warning("prefill instance %s failed: %s", instance.instance_id, exc)
+            self._failed_at[instance.instance_id] = time.monotonic()
+            return None
+        finally:
+            self.prefill_load[instance.instance_id] -= 1
+
+    def _queue_budget_ms(self, start: float) -> float | None:
+        """What is left of the TTFT SLO; None (never refuse) when dispatch is blind."""
+        if self.config.dispatch != "on-demand":
+            return None
+        return max(0.0, self.config.ttft_slo_ms - (time.monotonic() - start) * 1e3)
+
+    def _prefill_answer(self, instance: Instance, status: int, data: bytes
+                        ) -> dict[str, Any] | None:
+        if status == 200:
+            return P.parse_json_body(data)
+        if status in RELAYED_ERRORS:
+            raise _relayed_error(status, data)
+        if status == 429:
+            self.metrics.count_rejection(instance.instance_id, instance.scenario)
+        else:
+            log.warning("prefill instance %s answered %d", instance.instance_id, status)
+            self._failed_at[instance.instance_id] = time.monotonic()
+        return None
+
+    async def _relay_decode(self, http: web.Request, kind: str, body: dict, transfer_id: str,
+                            decode: Instance, prefilled: Prefilled, scenario: str,
+                            start: float) -> web.StreamResponse:
+        answer = prefilled.answer
+        ask = {"kind": kind, "request": body, "transfer_id": transfer_id,
+               "first_token": answer["first_token"],
+               "first_logprob": answer.get("first_logprob"),
+               "num_cached_tokens": answer.get("num_cached_tokens", 0)}
+        self.decode_load[decode.instance_id] += 1
+        try:
+            async with self._session.post(f"http://{decode.http}/pd/decode", json=ask,
+                                          headers=self._headers()) as resp:
+                return await self._relay(http, resp, scenario, start)
+        except (aiohttp.ClientError, OSError) as exc:
+            self._failed_at[decode.instance_id] = time.monotonic()
+            raise P.APIError(503, f"decode instance {decode.instance_id} failed: {exc}") from None
+        finally:
+            self.decode_load[decode.instance_id] -= 1
+
+    async def _relay(self, http: web.Request, resp: aiohttp.ClientResponse, scenario: str,
+                     start: float) -> web.StreamResponse:
+        out = web.StreamResponse(status=resp.status, headers=_relay_headers(resp))
+        await out.prepare(http)
+        first = None
+        async for data in resp.content.iter_any():
+            first = first or time.monotonic()
+            await out.write(data)
+        await out.write_eof()
+        end = time.monotonic()
+        self.metrics.answered(scenario, resp.status, (first or end) - start, end - start)
+        return out
+
+    def _headers(self) -> dict[str, str]:
+        key = self.config.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    # ---- what the group looks like ------------------------------------------------------
+
+    def models(self) -> list[str]:
+        names = {i.model for s in self.registry.scenarios() for role in ("prefill", "decode")
+                 for i in self.registry.instances(s, role) if i.model}
+        return sorted(names)
+
+    def group_sizes(self) -> dict[tuple[str, str], int]:
+        return {(s, role): len(self.registry.instances(s, role))
+                for s in self.registry.scenarios() for role in ("prefill", "decode")}
+
+
+def _relay_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
+    keep = ("Content-Type", "Cache-Control", "Retry-After")
+    return {k: resp.headers[k] for k in keep if k in resp.headers}
+
+
+def _relayed_error(status: int, data: bytes) -> P.APIError:
+    try:
+        message = P.parse_json_body(data)["error"]["message"]
+    except (P.APIError, KeyError, TypeError):
+        message = data.decode(errors="replace")[:500]
+    return P.APIError(status, message)

@@ -1,0 +1,174 @@
+"""``pdserve cluster``: one P/D group on this machine in one command - N prefill and M decode
+instances (``pdserve serve`` processes, one GPU each when there are GPUs) behind a gateway.
+
+With the default ``memory://`` registry the launcher lists the instances in the gateway's
+own registry and carries out the ratio controller's moves itself; with ``zk://`` each
+instance joins the group in ZooKeeper on its own (``--role``), as on a real cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+
+from pdserve.cluster.app import start_gateway, stop_gateway
+from pdserve.cluster.config import GatewayConfig
+from pdserve.cluster.registry import Instance, Registry, make_registry
+
+log = logging.getLogger("pdserve.launch")
+HEALTH_TIMEOUT_S = 900.0
+
+
+@dataclass
+class Member:
+    role: str
+    port: int
+    process: subprocess.Popen
+    gpu: str | None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_members(model: str, num_prefill: int, num_decode: int, serve_args: list[str],
+                  gpus: list[str], registry_url: str, scenario: str) -> list[Member]:
+    roles = ["prefill"] * num_prefill + ["decode"] * num_decode
+    members = []
+    for index, role in enumerate(roles):
+        port = free_port()
+        gpu = gpus[index % len(gpus)] if gpus else None
+        cmd = [sys.executable, "-m", "pdserve", "serve", model, "--host", "127.0.0.1",
+               "--port", str(port), "--kv-transfer-port", "0", *serve_args]
+        if registry_url.startswith("zk://"):
+            cmd += ["--role", role, "--registry", registry_url, "--scenario", scenario]
+        env = dict(os.environ)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        members.append(Member(role, port, subprocess.Popen(cmd, env=env), gpu))
+    return members
+
+
+def wait_ready(members: list[Member], timeout_s: float = HEALTH_TIMEOUT_S) -> dict[int, dict]:
+    """Each member's ``/pd/info`` once it is healthy; raises if one dies or times out."""
+    infos, deadline = {}, time.monotonic() + timeout_s
+    while len(infos) < len(members):
+        for member in members:
+            if member.port in infos:
+                continue
+            if member.process.poll() is not None:
+                raise RuntimeError(f"the {member.role} instance on port {member.port} exited "
+                                   f"with code {member.process.returncode}")
+            info = _info(member.port)
+            if info is not None:
+                infos[member.port] = info
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"instances not ready within {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return infos
+
+
+def _info(port: int) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+            if resp.status != 200:
+                return None
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/pd/info", timeout=2) as resp:
+            return json.loads(resp.read())
+    except OSError:
+        return None
+
+
+def list_members(registry: Registry, members: list[Member], infos: dict[int, dict],
+                 scenario: str) -> None:
+    """Registers the members on their behalf (memory registry) and follows role requests."""
+    for member in members:
+        info = infos[member.port]
+        instance = Instance(f"127.0.0.1:{member.port}", scenario, member.role,
+                            f"127.0.0.1:{member.port}", info["kv_address"], info["model"])
+        registry.register(instance)
+        registry.watch_role_requests(instance.instance_id, _mover(registry, instance))
+
+
+def _mover(registry: Registry, instance: Instance):
+    current = [instance]
+
+    def move(role: str) -> None:
+        current[0] = replace(current[0], role=role)
+        registry.register(current[0])
+
+    return move
+
+
+def stop_members(members: list[Member], timeout_s: float = 60.0) -> None:
+    for member in members:
+        if member.process.poll() is None:
+            member.process.send_signal(signal.SIGTERM)
+    for member in members:
+        try:
+            member.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            member.process.kill()
+
+
+async def run_cluster(args: argparse.Namespace, gateway_config: GatewayConfig) -> None:
+    gpus = [g for g in args.gpus.split(",") if g] if args.gpus else []
+    members = spawn_members(args.model, args.prefill, args.decode, args.serve_args, gpus,
+                            gateway_config.registry, gateway_config.default_scenario)
+    try:
+        infos = await asyncio.get_running_loop().run_in_executor(None, wait_ready, members)
+        registry = make_registry(gateway_config.registry)
+        if not gateway_config.registry.startswith("zk://"):
+            list_members(registry, members, infos, gateway_config.default_scenario)
+        runner, gateway, ratio = await start_gateway(gateway_config, registry)
+        await _wait_for_signal()
+        await stop_gateway(runner, gateway, ratio)
+        registry.close()
+    finally:
+        stop_members(members)
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def add_launch_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default="tiny", help="Model for every instance.")
+    parser.add_argument("--prefill", type=int, default=1, help="Prefill instances.")
+    parser.add_argument("--decode", type=int, default=1, help="Decode instances.")
+    parser.add_argument("--gpus", default=None, help="Comma-separated GPU ids handed out to "
+                        "instances in turn (CUDA_VISIBLE_DEVICES); default: the machine's.")
+    parser.add_argument("--serve-args", type=_split, default=[],
+                        help="Extra flags for every `pdserve serve`, as one string.")
+
+
+def _split(text: str) -> list[str]:
+    import shlex
+
+    return shlex.split(text)
+
+
+def default_gpus() -> str | None:
+    """One GPU per instance when this machine has several; None lets them share."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ",".join(str(i) for i in range(count)) if count > 1 else None

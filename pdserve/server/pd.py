@@ -1,0 +1,169 @@
+"""An instance's side of P/D across instances (P/D-Serve): two internal routes the gateway
+(``pdserve/cluster/gateway.py``) calls, and on-demand admission of prefills.
+
+- ``POST /pd/prefill`` ``{"kind", "request", "transfer_id", "kv_target", "max_queue_ms"}``:
+  runs the prompt of ``request`` (an OpenAI completions or chat body), samples the first
+  token, ships the prompt's KV to ``kv_target`` and answers ``{"first_token", ...}``. It
+  answers 429 at once instead, without queueing, when the prefills already in flight here
+  would keep this one from starting within ``max_queue_ms``: the gateway then offers the
+  request to another prefill instance (on-demand forwarding, no blind queueing).
+- ``GET /pd/info``: the KV receiver's address and the admission counters.
+- ``POST /pd/decode`` ``{"kind", "request", "transfer_id", "first_token", ...}``: answers
+  ``request`` exactly as ``/v1/completions`` or ``/v1/chat/completions`` would (streamed or
+  not), decoding from the second token on with the KV that arrived under ``transfer_id``.
+
+Both instances tokenize the same body with the same tokenizer and template, so they agree
+on the prompt's token ids without sending them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
+from pdserve.server import protocol as P
+from pdserve.server.serving import OpenAIServing
+
+RATE_SMOOTHING = 0.3  # weight of the newest prefill in the throughput estimate
+
+
+class PrefillAdmission:
+    """Predicts when a new prefill would start: prompt tokens still to compute here over the
+    prefill throughput measured on recent requests (served first come, first served)."""
+
+    def __init__(self) -> None:
+        self.queued_tokens = 0
+        self.tokens_per_s: float | None = None  # unknown until a prefill has finished
+        self._last_done = 0.0
+        self.accepted = 0
+        self.rejected = 0
+
+    def predicted_wait_ms(self) -> float:
+        if not self.queued_tokens or not self.tokens_per_s:
+            return 0.0
+        return self.queued_tokens / self.tokens_per_s * 1e3
+
+    def admit(self, num_tokens: int, max_queue_ms: float | None) -> None:
+        """Counts the prefill in, or raises 429 if it could not start in time."""
+        wait = self.predicted_wait_ms()
+        if max_queue_ms is not None and wait > max_queue_ms:
+            self.rejected += 1
+            raise P.APIError(429, f"this prefill instance would start the request in about "
+                             f"{wait:.0f} ms, past the {max_queue_ms:.0f} ms allowed",
+                             code="prefill_busy")
+        self.accepted += 1
+        self.queued_tokens += num_tokens
+
+    def done(self, num_tokens: int, num_computed: int, arrival: float) -> None:
+        """A prefill left; ``num_computed`` of its tokens were computed (the rest were prefix
+        hits), between its arrival or the previous prefill's end and now."""
+        now = time.monotonic()
+        self.queued_tokens -= num_tokens
+        service = now - max(arrival, self._last_done)
+        self._last_done = now
+        if service <= 0 or num_computed <= 0:
+            return
+        sample = num_computed / service
+        old = self.tokens_per_s
+        self.tokens_per_s = sample if old is None else old + RATE_SMOOTHING * (sample - old)
+
+
+class PDRoutes:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+        self.admission = PrefillAdmission()
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/pd/prefill", self.prefill)
+        app.router.add_post("/pd/decode", self.decode)
+        app.router.add_get("/pd/info", self.info)
+
+    async def info(self, http: web.Request) -> web.Response:
+        """What a launcher or registry needs to list this instance in a P/D group."""
+        client, admission = self.serving.client, self.admission
+        body = {"model": self.serving.model_name, "kv_address": client.kv_address,
+                "queued_prefill_tokens": admission.queued_tokens,
+                "prefill_tokens_per_s": admission.tokens_per_s,
+                "accepted": admission.accepted, "rejected": admission.rejected}
+        return web.Response(body=P.dumps(body), content_type="application/json")
+
+    async def prefill(self, http: web.Request) -> web.Response:
+        body = P.parse_json_body(await http.read())
+        transfer_id, target = _get_str(body, "transfer_id"), _get_str(body, "kv_target")
+        max_queue_ms = _get_optional_number(body, "max_queue_ms")
+        fmt, prompt_ids, default_max = await self.serving.prepare(*_inner(body))
+        params = self.serving.params(fmt, prompt_ids, default_max)
+        self.admission.admit(len(prompt_ids), max_queue_ms)
+        arrival = time.monotonic()
+        client = self.serving.client
+        stream = client.add(fmt.request_id, prompt_ids, params, arrival,
+                            KVHandoff(transfer_id, target=target))
+        cached = 0
+        try:
+            first = await _first_token(stream)
+            cached = first["num_cached_tokens"]
+        finally:
+            if not stream.finished:
+                client.abort(fmt.request_id)
+            self.admission.done(len(prompt_ids), len(prompt_ids) - cached, arrival)
+        return web.Response(body=P.dumps(first), content_type="application/json")
+
+    async def decode(self, http: web.Request) -> web.StreamResponse:
+        body = P.parse_json_body(await http.read())
+        handoff = KVHandoff(_get_str(body, "transfer_id"),
+                            first_token=_get_int(body, "first_token"),
+                            first_logprob=_get_optional_number(body, "first_logprob"),
+                            num_cached_tokens=_get_int(body, "num_cached_tokens", 0))
+        fmt, prompt_ids, default_max = await self.serving.prepare(*_inner(body))
+        return await self.serving._run(http, fmt, prompt_ids, default_max, handoff)
+
+
+async def _first_token(stream) -> dict[str, Any]:
+    """The prefill's outcome, from the engine's deltas; raises ``APIError`` if it failed."""
+    while True:
+        items = await stream.get()
+        for delta, _ in items:
+            if delta.finish_reason == "error":
+                raise P.APIError(500, "the engine failed while prefilling this request")
+            if delta.new_token_ids:
+                reason = delta.finish_reason if delta.finished else None
+                return {"first_token": delta.new_token_ids[0],
+                        "first_logprob": (delta.new_logprobs or [None])[0],
+                        "finished": reason not in (None, HANDOFF_FINISH_REASON),
+                        "finish_reason": reason,
+                        "num_prompt_tokens": delta.num_prompt_tokens,
+                        "num_cached_tokens": delta.num_cached_tokens}
+            if delta.finished:
+                raise P.APIError(503, f"the prefill ended without a token ({delta.finish_reason})")
+
+
+def _inner(body: dict) -> tuple[str, dict]:
+    kind, request = _get_str(body, "kind"), body.get("request")
+    if not isinstance(request, dict):
+        raise P.bad_request("'request' must be an OpenAI request body (an object)",
+                            param="request")
+    return kind, request
+
+
+def _get_str(body: dict, name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise P.bad_request(f"'{name}' must be a non-empty string", param=name)
+    return value
+
+
+def _get_int(body: dict, name: str, default: int | None = None) -> int:
+    value = body.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise P.bad_request(f"'{name}' must be a non-negative integer", param=name)
+    return value
+
+
+def _get_optional_number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+        raise P.bad_request(f"'{name}' must be a number", param=name)
+    return value

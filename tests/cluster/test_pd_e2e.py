@@ -1,0 +1,295 @@
+"""P/D across instances end to end: real `pdserve serve` processes on the tiny model, KV over
+real TCP, and the gateway over real HTTP. What a client gets through the gateway must equal
+what one instance answers alone (greedy)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+from aiohttp import web
+
+from pdserve.cluster.app import start_gateway, stop_gateway
+from pdserve.cluster.config import GatewayConfig
+from pdserve.cluster.registry import Instance, MemoryRegistry
+from tests.server.conftest import Server, free_port, start_server
+
+pytestmark = pytest.mark.slow
+SCENARIO = "default"
+
+
+class GatewayThread:
+    """The gateway on its own event loop in a thread of the test process."""
+
+    def __init__(self, registry, **options) -> None:
+        self.port = free_port()
+        config = GatewayConfig(host="127.0.0.1", port=self.port, **options)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.runner, self.gateway, self.ratio = self._call(start_gateway(config, registry))
+        self.http = Server(None, self.port)  # the raw-HTTP and openai helpers
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def stop(self) -> None:
+        self._call(stop_gateway(self.runner, self.gateway, self.ratio))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def _instance(server: Server, role: str, name: str | None = None) -> Instance:
+    _, _, raw = server.request("GET", "/pd/info")
+    info = json.loads(raw)
+    address = f"127.0.0.1:{server.port}"
+    return Instance(name or address, SCENARIO, role, address, info["kv_address"], info["model"])
+
+
+@pytest.fixture(scope="module")
+def instances():
+    prefill = start_server("--kv-transfer-port", "0")
+    decode = start_server("--kv-transfer-port", "0")
+    yield prefill, decode
+    for server in (prefill, decode):
+        server.stop()
+
+
+@pytest.fixture
+def registry(instances):
+    registry = MemoryRegistry()
+    registry.register(_instance(instances[0], "prefill"))
+    registry.register(_instance(instances[1], "decode"))
+    yield registry
+    registry.close()
+
+
+@pytest.fixture
+def gateway(registry):
+    gateway = GatewayThread(registry)
+    yield gateway
+    gateway.stop()
+
+
+def _complete(server: Server, body: dict) -> dict:
+    status, _, raw = server.request("POST", "/v1/completions", body)
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+BODY = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0,
+        "ignore_eos": True}
+
+
+def test_completion_through_the_gateway_equals_one_instance(instances, gateway):
+    alone = _complete(instances[0], BODY)
+    split = _complete(gateway.http, BODY)
+    assert split["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert split["usage"]["completion_tokens"] == 24
+    assert split["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
+    _, _, raw = instances[1].request("GET", "/pd/info")
+    assert json.loads(raw)["model"] == "tiny"
+
+
+def test_streaming_chat_through_the_gateway_with_the_openai_client(instances, gateway):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    kwargs = {"model": "tiny", "messages": messages, "max_tokens": 16, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
+    alone = instances[0].openai().chat.completions.create(**kwargs)
+    stream = gateway.http.openai().chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == alone.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 16
+
+
+def test_many_concurrent_requests_each_get_their_own_tokens(instances, gateway):
+    prompts = [f"Request number {i} says" for i in range(12)]
+    expected = [_complete(instances[0], {**BODY, "prompt": p, "max_tokens": 8})
+                ["choices"][0]["text"] for p in prompts]
+
+    async def run() -> list[str]:
+        client = gateway.http.async_openai()
+        answers = await asyncio.gather(*[
+            client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True}) for p in prompts])
+        return [a.choices[0].text for a in answers]
+
+    assert asyncio.run(run()) == expected
+    for server in instances:  # every page back in both pools once the answers are in
+        _wait_idle(server)
+
+
+def _wait_idle(server: Server, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if m["pdserve_num_requests_running"] == m["pdserve_num_requests_waiting"] == 0 \
+                and m["pdserve_kv_cache_usage_ratio"] == 0:
+            return
+        assert time.monotonic() < deadline, f"instance still busy: {m}"
+        time.sleep(0.1)
+
+
+def test_bad_request_is_answered_by_the_instance_and_relayed(gateway):
+    status, _, raw = gateway.http.request("POST", "/v1/completions",
+                                          {"prompt": "x", "temperature": -1})
+    assert status == 400
+    assert "temperature" in json.loads(raw)["error"]["message"]
+    status, _, raw = gateway.http.request("POST", "/v1/completions", b"{not json")
+    assert status == 400
+
+
+def test_unknown_or_bad_scenario(gateway):
+    status, _, raw = gateway.http.request("POST", "/v1/completions", BODY,
+                                          headers={"X-PD-Scenario": "other"})
+    assert status == 503 and "scenario 'other'" in json.loads(raw)["error"]["message"]
+    status, _, raw = gateway.http.request("POST", "/v1/completions", BODY,
+                                          headers={"X-PD-Scenario": "a/b"})
+    assert status == 400 and "X-PD-Scenario" in json.loads(raw)["error"]["message"]
+
+
+def test_gateway_lists_models_groups_and_health(gateway):
+    status, _, raw = gateway.http.request("GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(raw)["data"]] == ["tiny"]
+    _, _, raw = gateway.http.request("GET", "/cluster/groups")
+    groups = json.loads(raw)["groups"][SCENARIO]
+    assert len(groups["prefill"]) == 1 and len(groups["decode"]) == 1
+    assert gateway.http.request("GET", "/health")[0] == 200
+
+
+# ---- on-demand forwarding ---------------------------------------------------------------
+
+
+class RefusingInstance:
+    """A prefill instance that is always too busy: answers 429 and counts the offers."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.offers = 0
+        self.last_offer: dict = {}
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/pd/prefill", self._refuse)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def _refuse(self, request: web.Request) -> web.Response:
+        self.offers += 1
+        self.last_offer = await request.json()
+        return web.json_response({"error": {"message": "busy", "code": "prefill_busy"}},
+                                 status=429)
+
+    def instance(self) -> Instance:
+        # Named to sort first: with equal load the gateway offers to it before the real one.
+        return Instance("0-refusing", SCENARIO, "prefill", f"127.0.0.1:{self.port}",
+                        "127.0.0.1:1", "tiny")
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_refused_prefill_is_offered_to_the_next_instance(instances, registry):
+    refusing = RefusingInstance()
+    registry.register(refusing.instance())
+    gateway = GatewayThread(registry)
+    try:
+        answer = _complete(gateway.http, BODY)
+        assert answer["choices"][0]["text"] == _complete(instances[0], BODY)["choices"][0]["text"]
+        assert refusing.offers == 1
+        assert refusing.last_offer["max_queue_ms"] > 0  # what is left of the TTFT SLO
+        metrics = gateway.http.metrics()
+        assert metrics['pdserve_gateway_prefill_rejections_total{instance="0-refusing"}'] == 1
+    finally:
+        gateway.stop()
+        refusing.stop()
+
+
+def test_when_every_prefill_instance_refuses_the_gateway_answers_503(instances):
+    refusing = RefusingInstance()
+    registry = MemoryRegistry()
+    registry.register(refusing.instance())
+    registry.register(_instance(instances[1], "decode"))
+    gateway = GatewayThread(registry, max_wait_s=0.3)
+    try:
+        start = time.monotonic()
+        status, headers, raw = gateway.http.request("POST", "/v1/completions", BODY)
+        assert status == 503 and headers["Retry-After"] == "1"
+        assert "busy" in json.loads(raw)["error"]["message"]
+        assert refusing.offers >= 2  # it went round again before giving up
+        assert time.monotonic() - start < 5
+    finally:
+        gateway.stop()
+        refusing.stop()
+        registry.close()
+
+
+def test_no_decode_instance_is_a_clear_503(instances):
+    registry = MemoryRegistry()
+    registry.register(_instance(instances[0], "prefill"))
+    gateway = GatewayThread(registry)
+    try:
+        status, _, raw = gateway.http.request("POST", "/v1/completions", BODY)
+        assert status == 503 and "no decode instance" in json.loads(raw)["error"]["message"]
+        assert gateway.http.request("GET", "/health")[0] == 503
+    finally:
+        gateway.stop()
+        registry.close()
+
+
+def test_prefill_instance_refuses_what_it_cannot_start_in_time(instances):
+    """The instance's own admission: with a long prefill in flight and a zero queue budget,
+    a second offer is refused at once; with budget it is taken."""
+    prefill = instances[0]
+    long_body = {"kind": "completions", "transfer_id": "long", "kv_target": "127.0.0.1:1",
+                 "request": {"prompt": "word " * 400, "max_tokens": 2}}
+    status, _, raw = prefill.request("POST", "/pd/prefill", long_body)  # measures the rate
+    assert status == 200, raw
+
+    async def race() -> tuple[list[int], int]:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            url = prefill.url + "/pd/prefill"
+            busy = [asyncio.ensure_future(session.post(url, json={**long_body,
+                                                                  "transfer_id": f"b{i}"}))
+                    for i in range(6)]
+            while not json.loads(prefill.request("GET", "/pd/info")[2])["queued_prefill_tokens"]:
+                await asyncio.sleep(0.005)  # until the instance has them in hand
+            refused = await session.post(url, json={**long_body, "transfer_id": "s",
+                                                    "max_queue_ms": 0})
+            return [(await b).status for b in busy], refused.status
+
+    busy, refused = asyncio.run(race())
+    assert busy == [200] * 6 and refused == 429
+    _, _, raw = prefill.request("GET", "/pd/info")
+    info = json.loads(raw)
+    assert info["rejected"] >= 1 and info["queued_prefill_tokens"] == 0
+    assert info["prefill_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("dispatch", ["least-connections", "round-robin"])
+def test_blind_dispatch_never_lets_an_instance_refuse(instances, registry, dispatch):
+    recorder = RefusingInstance()
+    registry.register(recorder.instance())
+    gateway = GatewayThread(registry, dispatch=dispatch)
+    try:
+        for _ in range(2):  # round-robin reaches the recorder within two requests
+            assert _complete(gateway.http, BODY)["usage"]["completion_tokens"] == 24
+        assert recorder.offers >= 1 and recorder.last_offer["max_queue_ms"] is None
+    finally:
+        gateway.stop()
+        recorder.stop()
+
+
+def test_unknown_dispatch_is_refused(registry):
+    with pytest.raises(ValueError, match="--dispatch must be one of"):
+        GatewayThread(registry, dispatch="random")

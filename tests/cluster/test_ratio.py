@@ -1,0 +1,85 @@
+"""The dynamic P/D ratio's decisions on hand-made latency windows, and a move carried out
+through a registry."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from pdserve.cluster.config import RatioConfig
+from pdserve.cluster.metrics import GatewayMetrics, ScenarioWindow
+from pdserve.cluster.ratio import RatioController, judge
+from pdserve.cluster.registry import Instance, MemoryRegistry
+from pdserve.server.pd import PrefillAdmission
+from pdserve.server.protocol import APIError
+
+CONFIG = RatioConfig(min_requests=10, cooldown_s=60)
+
+
+def _window(ttft_s: float, e2e_s: float, requests: int = 20, rejections: int = 0):
+    window = ScenarioWindow()
+    for _ in range(requests):
+        window.ttft_s.append(ttft_s)
+        window.e2e_s.append(e2e_s)
+    window.requests, window.rejections = requests, rejections
+    return window
+
+
+@pytest.mark.parametrize("window, prefill, decode, expected", [
+    (_window(3.0, 4.0), 1, 2, "prefill"),  # TTFT is 75% of E2E
+    (_window(3.0, 4.0), 1, 1, None),  # ... but the last decode instance stays
+    (_window(0.2, 4.0, rejections=10), 1, 2, "prefill"),  # refusals: prefill is short
+    (_window(0.2, 4.0), 2, 1, "decode"),  # TTFT is 5%: decode is the bottleneck
+    (_window(0.2, 4.0), 1, 1, None),  # ... but the last prefill instance stays
+    (_window(0.2, 4.0, rejections=1), 2, 1, None),  # refusals veto giving up prefill
+    (_window(1.0, 4.0), 2, 2, None),  # balanced
+    (_window(3.0, 4.0, requests=5), 1, 2, None),  # too few requests to judge
+])
+def test_judge(window, prefill, decode, expected):
+    assert judge(window, prefill, decode, CONFIG) == expected
+
+
+def _group(registry: MemoryRegistry, prefill: int, decode: int) -> None:
+    for i in range(prefill + decode):
+        role = "prefill" if i < prefill else "decode"
+        registry.register(Instance(f"i{i}", "chat", role, f"h:{i}", f"h:{100 + i}"))
+
+
+def test_controller_moves_the_least_busy_decode_instance_and_cools_down():
+    registry, metrics = MemoryRegistry(), GatewayMetrics()
+    _group(registry, 1, 3)
+    for instance_id in ("i1", "i2", "i3"):  # an instance follows requests by re-registering
+        registry.watch_role_requests(instance_id, _follower(registry, instance_id))
+    decode_load = Counter({"i1": 4, "i2": 0, "i3": 2})
+    controller = RatioController(registry, metrics, {"decode": decode_load}, CONFIG)
+    for _ in range(20):
+        metrics.answered("chat", 200, 3.0, 4.0)
+    (move,) = controller.tick()
+    assert (move.instance_id, move.role) == ("i2", "prefill")
+    assert [i.instance_id for i in registry.instances("chat", "prefill")] == ["i0", "i2"]
+    for _ in range(20):
+        metrics.answered("chat", 200, 3.0, 4.0)
+    assert controller.tick() == []  # cooling down
+    assert metrics.window("chat").requests == 20  # the window restarted after the move
+
+
+def _follower(registry: MemoryRegistry, instance_id: str):
+    def follow(role: str) -> None:
+        (instance,) = [i for r in ("prefill", "decode")
+                       for i in registry.instances("chat", r) if i.instance_id == instance_id]
+        registry.register(Instance(instance_id, "chat", role, instance.http, instance.kv))
+
+    return follow
+
+
+def test_prefill_admission_predicts_the_wait_from_measured_throughput():
+    admission = PrefillAdmission()
+    admission.admit(1000, max_queue_ms=0)  # nothing measured yet: taken
+    admission.tokens_per_s = 10_000.0
+    assert admission.predicted_wait_ms() == pytest.approx(100.0)
+    admission.admit(500, max_queue_ms=150)  # 100 ms ahead of it: in time
+    with pytest.raises(APIError) as refused:
+        admission.admit(500, max_queue_ms=120)  # 150 ms ahead of it: too late
+    assert refused.value.status == 429 and refused.value.code == "prefill_busy"
+    assert (admission.accepted, admission.rejected, admission.queued_tokens) == (2, 1, 1500)
