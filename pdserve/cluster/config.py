@@ -24,8 +24,9 @@ class GatewayConfig:
                              "request it could not start within what is left of it.")
     max_wait_s: float = doc(30.0, "Longest a request waits at the gateway while every prefill "
                             "instance refuses it (then 503 with Retry-After).")
-    retry_backoff_ms: float = doc(5.0, "First pause before offering a refused request round "
-                                  "the group again (doubles up to 500 ms).")
+    retry_poll_ms: float = doc(50.0, "A request every prefill instance refused is offered "
+                               "again when a prefill this gateway placed ends, or after this "
+                               "long (room freed by other gateways).")
     connect_timeout: float = doc(5.0, "Seconds to connect to an instance.")
     api_key: str | None = doc(None, "If set, clients need 'Authorization: Bearer KEY'; the "
                               "gateway sends the same key to the instances.")

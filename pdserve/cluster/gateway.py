@@ -3,9 +3,11 @@
 Per request: pick the scenario (a header, else the default), pick the decode instance of
 that scenario's group with the fewest streams from here, then offer the prefill to the
 group's prefill instances, least busy first. A prefill instance that could not start it in
-time answers 429 at once (``pdserve/server/pd.py``); the gateway offers it to the next one,
-and when all refuse, waits a little and goes round again until ``max_wait_s`` - the request
-waits here, never blindly in one instance's queue. The chosen prefill instance ships the
+time answers 429 at once (``pdserve/server/pd.py``); the gateway offers it to the next one.
+When all refuse, the request waits in line here (first come, first served) and is offered
+again as soon as a prefill this gateway placed ends, or after ``retry_poll_ms``, until
+``max_wait_s`` - it waits where every instance is a candidate, never blindly in one
+instance's queue. The chosen prefill instance ships the
 KV straight to the decode instance; the gateway then asks the decode instance for the
 answer and relays its bytes (streamed or not) unchanged.
 
@@ -20,7 +22,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +59,7 @@ class Gateway:
         self.decode_load: Counter[str] = Counter()  # answers being relayed, by instance id
         self._failed_at: dict[str, float] = {}
         self._turn = 0  # round-robin position
+        self._lines: dict[str, WaitLine] = {}  # refused requests, by scenario
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -102,19 +105,23 @@ class Gateway:
 
     async def _prefill(self, scenario: str, kind: str, body: dict, transfer_id: str,
                        decode: Instance, start: float) -> Prefilled:
-        """Offers the prefill round the group until one instance takes it."""
-        backoff = self.config.retry_backoff_ms / 1e3
+        """Offers the prefill round the group until one instance takes it. Refused requests
+        wait in line at the gateway, first come first served, and a newcomer queues behind
+        them rather than jumping ahead."""
+        line = self._lines.setdefault(scenario, WaitLine())
+        poll_s = self.config.retry_poll_ms / 1e3
+        if len(line):
+            await line.wait(poll_s, first=False)
         while True:
             for instance in self._prefill_order(scenario):
                 answer = await self._offer(instance, kind, body, transfer_id, decode, start)
                 if answer is not None:
                     return Prefilled(instance, answer)
-            if time.monotonic() - start + backoff > self.config.max_wait_s:
+            if time.monotonic() - start + poll_s > self.config.max_wait_s:
                 self.metrics.count_unserved(scenario)
                 raise P.APIError(503, f"every prefill instance of scenario '{scenario}' stayed "
                                  f"busy for {self.config.max_wait_s:.0f} s")
-            await asyncio.sleep(backoff)
-            backoff = min(2 * backoff, 0.5)
+            await line.wait(poll_s, first=True)
 
     def _prefill_order(self, scenario: str) -> list[Instance]:
         candidates = self._live(scenario, "prefill")
@@ -145,6 +152,12 @@ class Gateway:
         finally:
             self.prefill_load[instance.instance_id] -= 1
 
+    def _prefill_ended(self, instance: Instance) -> None:
+        """A prefill this gateway placed is done: its instance has room for the next one."""
+        line = self._lines.get(instance.scenario)
+        if line is not None:
+            line.wake_one()
+
     def _queue_budget_ms(self, start: float) -> float | None:
         """What is left of the TTFT SLO; None (never refuse) when dispatch is blind."""
         if self.config.dispatch != "on-demand":
@@ -153,6 +166,8 @@ class Gateway:
 
     def _prefill_answer(self, instance: Instance, status: int, data: bytes
                         ) -> dict[str, Any] | None:
+        if status != 429:
+            self._prefill_ended(instance)  # taken and finished (or failed): room again
         if status == 200:
             return P.parse_json_body(data)
         if status in RELAYED_ERRORS:
@@ -210,6 +225,37 @@ class Gateway:
     def group_sizes(self) -> dict[tuple[str, str], int]:
         return {(s, role): len(self.registry.instances(s, role))
                 for s in self.registry.scenarios() for role in ("prefill", "decode")}
+
+
+class WaitLine:
+    """Requests waiting for a prefill instance to take them. One is woken each time a
+    prefill placed by this gateway ends; each also looks again after ``timeout_s`` (room
+    freed by requests from elsewhere)."""
+
+    def __init__(self) -> None:
+        self._waiting: deque[asyncio.Future] = deque()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    async def wait(self, timeout_s: float, first: bool) -> None:
+        """Waits to be woken or for ``timeout_s``; ``first`` keeps the head of the line."""
+        future = asyncio.get_running_loop().create_future()
+        (self._waiting.appendleft if first else self._waiting.append)(future)
+        try:
+            await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            pass
+        finally:
+            if future in self._waiting:
+                self._waiting.remove(future)
+
+    def wake_one(self) -> None:
+        while self._waiting:
+            future = self._waiting.popleft()
+            if not future.done():
+                future.set_result(None)
+                return
 
 
 def _relay_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:

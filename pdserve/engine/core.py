@@ -249,7 +249,7 @@ class EngineCore:
         # Page ids of requests that may hand off in this step, read before ``update`` frees
         # them; the pages keep their contents until the next ``schedule()`` hands them out.
         return {s.request.request_id: list(s.request.block_ids) for s in plan.sampling
-                if s.request.handoff is not None}
+                if s.request.handoff is not None and s.request.handoff.is_prefill}
 
     def _export(self, request: Request, block_ids: list[int]) -> None:
         handoff = request.handoff
