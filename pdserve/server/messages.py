@@ -146,6 +146,9 @@ class StatsSnapshot:
     """Multiplex only: SMs of the decode partition; 0 under other policies."""
     prefill_sms: int = 0
     """Multiplex only: SMs of the prefill partition; 0 under other policies."""
+    kv_transfers: int = 0
+    """KV buffers sent and received (disagg: hand-offs between the two pools)."""
+    kv_transfer_bytes: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
 

@@ -132,6 +132,10 @@ class _EngineCollector:
                        s.generation_tokens_total)
         yield _counter("pdserve_num_preemptions", "Requests preempted (KV pages reclaimed).",
                        s.num_preemptions)
+        yield _counter("pdserve_kv_transfers", "KV buffers sent or received (P/D across "
+                       "instances; disagg: hand-offs between its pools).", s.kv_transfers)
+        yield _counter("pdserve_kv_transfer_bytes", "Bytes of those KV buffers.",
+                       s.kv_transfer_bytes)
         yield from _split_gauges(s)
 
 

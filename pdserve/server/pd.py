@@ -19,9 +19,11 @@ on the prompt's token ids without sending them.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
 from pdserve.server import protocol as P
@@ -57,11 +59,14 @@ class PrefillAdmission:
         self.accepted += 1
         self.queued_tokens += num_tokens
 
-    def done(self, num_tokens: int, num_computed: int, arrival: float) -> None:
+    def done(self, num_tokens: int, num_computed: int | None, arrival: float) -> None:
         """A prefill left; ``num_computed`` of its tokens were computed (the rest were prefix
-        hits), between its arrival or the previous prefill's end and now."""
+        hits) between its arrival or the previous prefill's end and now; None if it failed
+        (no throughput sample)."""
         now = time.monotonic()
         self.queued_tokens -= num_tokens
+        if num_computed is None:
+            return
         service = now - max(arrival, self._last_done)
         self._last_done = now
         if service <= 0 or num_computed <= 0:
@@ -71,10 +76,31 @@ class PrefillAdmission:
         self.tokens_per_s = sample if old is None else old + RATE_SMOOTHING * (sample - old)
 
 
+class AdmissionCollector:
+    """``/metrics`` series of the on-demand admission, read at scrape time."""
+
+    def __init__(self, admission: PrefillAdmission) -> None:
+        self.admission = admission
+
+    def collect(self) -> Iterable[Metric]:
+        a = self.admission
+        offers = CounterMetricFamily("pdserve_pd_prefill_offers", "Prefills offered by a "
+                                     "gateway, by outcome.", labels=["outcome"])
+        offers.add_metric(["accepted"], a.accepted)
+        offers.add_metric(["refused"], a.rejected)
+        yield offers
+        yield GaugeMetricFamily("pdserve_pd_queued_prefill_tokens", "Prompt tokens of the "
+                                "offered prefills in flight here.", value=a.queued_tokens)
+        yield GaugeMetricFamily("pdserve_pd_prefill_tokens_per_second", "Prefill throughput "
+                                "the admission predicts with (0 until measured).",
+                                value=a.tokens_per_s or 0.0)
+
+
 class PDRoutes:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
         self.admission = PrefillAdmission()
+        serving.metrics.registry.register(AdmissionCollector(self.admission))
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/pd/prefill", self.prefill)
@@ -97,19 +123,24 @@ class PDRoutes:
         fmt, prompt_ids, default_max = await self.serving.prepare(*_inner(body))
         params = self.serving.params(fmt, prompt_ids, default_max)
         self.admission.admit(len(prompt_ids), max_queue_ms)
-        arrival = time.monotonic()
-        client = self.serving.client
-        stream = client.add(fmt.request_id, prompt_ids, params, arrival,
-                            KVHandoff(transfer_id, target=target))
-        cached = 0
+        arrival, computed = time.monotonic(), None
         try:
-            first = await _first_token(stream)
-            cached = first["num_cached_tokens"]
+            first = await self._run_prefill(fmt.request_id, prompt_ids, params,
+                                            KVHandoff(transfer_id, target=target), arrival)
+            computed = len(prompt_ids) - first["num_cached_tokens"]
         finally:
-            if not stream.finished:
-                client.abort(fmt.request_id)
-            self.admission.done(len(prompt_ids), len(prompt_ids) - cached, arrival)
+            self.admission.done(len(prompt_ids), computed, arrival)
         return web.Response(body=P.dumps(first), content_type="application/json")
+
+    async def _run_prefill(self, request_id: str, prompt_ids: list[int], params,
+                           handoff: KVHandoff, arrival: float) -> dict[str, Any]:
+        client = self.serving.client
+        stream = client.add(request_id, prompt_ids, params, arrival, handoff)
+        try:
+            return await _first_token(stream)
+        finally:
+            if not stream.finished:  # the gateway hung up, or the engine failed
+                client.abort(request_id)
 
     async def decode(self, http: web.Request) -> web.StreamResponse:
         body = P.parse_json_body(await http.read())

@@ -118,6 +118,8 @@ def test_many_concurrent_requests_each_get_their_own_tokens(instances, gateway):
         return [a.choices[0].text for a in answers]
 
     assert asyncio.run(run()) == expected
+    before = instances[1].metrics()["pdserve_kv_transfers_total"]
+    assert before >= len(prompts)  # received by the decode instance
     for server in instances:  # every page back in both pools once the answers are in
         _wait_idle(server)
 
@@ -270,6 +272,9 @@ def test_prefill_instance_refuses_what_it_cannot_start_in_time(instances):
 
     busy, refused = asyncio.run(race())
     assert busy == [200] * 6 and refused == 429
+    metrics = prefill.metrics()
+    assert metrics['pdserve_pd_prefill_offers_total{outcome="refused"}'] >= 1
+    assert metrics["pdserve_pd_prefill_tokens_per_second"] > 0
     _, _, raw = prefill.request("GET", "/pd/info")
     info = json.loads(raw)
     assert info["rejected"] >= 1 and info["queued_prefill_tokens"] == 0

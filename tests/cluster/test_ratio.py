@@ -3,6 +3,7 @@ through a registry."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -83,3 +84,13 @@ def test_prefill_admission_predicts_the_wait_from_measured_throughput():
         admission.admit(500, max_queue_ms=120)  # 150 ms ahead of it: too late
     assert refused.value.status == 429 and refused.value.code == "prefill_busy"
     assert (admission.accepted, admission.rejected, admission.queued_tokens) == (2, 1, 1500)
+
+
+def test_prefill_admission_learns_only_from_prefills_that_finished():
+    admission = PrefillAdmission()
+    admission.admit(1000, max_queue_ms=None)
+    admission.done(1000, None, arrival=0.0)  # failed at once: says nothing about speed
+    assert admission.tokens_per_s is None and admission.queued_tokens == 0
+    admission.admit(800, max_queue_ms=None)
+    admission.done(800, 600, arrival=time.monotonic() - 0.5)  # 200 prompt tokens were cached
+    assert admission.tokens_per_s == pytest.approx(1200, rel=0.2)
