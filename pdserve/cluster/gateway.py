@@ -191,25 +191,45 @@ class Gateway:
         try:
             async with self._session.post(f"http://{decode.http}/pd/decode", json=ask,
                                           headers=self._headers()) as resp:
-                return await self._relay(http, resp, scenario, start)
-        except (aiohttp.ClientError, OSError) as exc:
+                return await self._relay(http, resp, decode, scenario, start)
+        except (aiohttp.ClientError, OSError) as exc:  # before any byte of the answer
             self._failed_at[decode.instance_id] = time.monotonic()
             raise P.APIError(503, f"decode instance {decode.instance_id} failed: {exc}") from None
         finally:
             self.decode_load[decode.instance_id] -= 1
 
-    async def _relay(self, http: web.Request, resp: aiohttp.ClientResponse, scenario: str,
-                     start: float) -> web.StreamResponse:
+    async def _relay(self, http: web.Request, resp: aiohttp.ClientResponse, decode: Instance,
+                     scenario: str, start: float) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status, headers=_relay_headers(resp))
-        await out.prepare(http)
         first = None
-        async for data in resp.content.iter_any():
-            first = first or time.monotonic()
-            await out.write(data)
+        try:
+            async for data in resp.content.iter_any():
+                if first is None:
+                    first = time.monotonic()
+                    await out.prepare(http)
+                await out.write(data)
+        except (aiohttp.ClientError, OSError) as exc:
+            if first is None:
+                raise
+            await self._cut_short(out, decode, exc)
+            return out
+        if first is None:
+            await out.prepare(http)
         await out.write_eof()
         end = time.monotonic()
         self.metrics.answered(scenario, resp.status, (first or end) - start, end - start)
         return out
+
+    async def _cut_short(self, out: web.StreamResponse, decode: Instance,
+                         exc: BaseException) -> None:
+        """The decode instance failed mid-answer: a stream ends with an error event, as a
+        server's own failure mid-stream would (headers are already out)."""
+        log.warning("decode instance %s failed mid-answer: %s", decode.instance_id, exc)
+        self._failed_at[decode.instance_id] = time.monotonic()
+        error = P.APIError(503, f"decode instance {decode.instance_id} failed mid-answer")
+        if out.content_type == "text/event-stream":
+            await out.write(P.sse(error.body()) + P.SSE_DONE)
+        await out.write_eof()
 
     def _headers(self) -> dict[str, str]:
         key = self.config.api_key

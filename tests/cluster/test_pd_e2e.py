@@ -298,3 +298,66 @@ def test_blind_dispatch_never_lets_an_instance_refuse(instances, registry, dispa
 def test_unknown_dispatch_is_refused(registry):
     with pytest.raises(ValueError, match="--dispatch must be one of"):
         GatewayThread(registry, dispatch="random")
+
+
+class DyingDecodeInstance(RefusingInstance):
+    """A decode instance that streams two chunks, then drops the connection."""
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/pd/decode", self._die)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def _die(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for text in ("a", "b"):
+            await response.write(b'data: {"choices": [{"index": 0, "text": "%s"}]}\n\n'
+                                 % text.encode())
+        await asyncio.sleep(0.05)
+        request.transport.close()
+        return response
+
+    def instance(self) -> Instance:
+        return Instance("dying", SCENARIO, "decode", f"127.0.0.1:{self.port}",
+                        "127.0.0.1:1", "tiny")
+
+
+def test_decode_instance_dying_mid_stream_ends_the_stream_with_an_error(instances):
+    dying = DyingDecodeInstance()
+    registry = MemoryRegistry()
+    registry.register(_instance(instances[0], "prefill"))
+    registry.register(dying.instance())
+    gateway = GatewayThread(registry)
+    try:
+        status, _, raw = gateway.http.request("POST", "/v1/completions", {**BODY, "stream": True})
+        events = [line for line in raw.decode().split("\n\n") if line]
+        assert status == 200 and len(events) == 4, raw
+        error = json.loads(events[2].removeprefix("data: "))["error"]
+        assert "failed mid-answer" in error["message"] and events[3] == "data: [DONE]"
+        # the gateway skips it now rather than sending it more answers to lose
+        status, _, _ = gateway.http.request("POST", "/v1/completions", BODY)
+        assert status == 503
+    finally:
+        gateway.stop()
+        dying.stop()
+        registry.close()
+
+
+def test_client_hanging_up_frees_the_request_on_both_instances(instances, gateway):
+    async def open_and_drop() -> None:
+        import aiohttp
+
+        body = {**BODY, "max_tokens": 3000, "stream": True, "prompt": "A long story"}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gateway.http.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.content.readline()  # decoding has started on the decode instance
+
+    start = time.monotonic()
+    asyncio.run(open_and_drop())
+    for server in instances:
+        _wait_idle(server)
+    assert time.monotonic() - start < 20  # 3000 tokens would take minutes on a CPU
