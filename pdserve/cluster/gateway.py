@@ -127,18 +127,14 @@ class Gateway:
         candidates = self._live(scenario, "prefill")
         if not candidates and not self.registry.instances(scenario, "prefill"):
             raise P.APIError(503, f"no prefill instance serves scenario '{scenario}'")
-        if self.config.dispatch == "round-robin" and candidates:
-            self._turn += 1
-            start = self._turn % len(candidates)
-            return candidates[start:] + candidates[:start]
-        return sorted(candidates, key=lambda i: (self.prefill_load[i.instance_id],
-                                                 i.instance_id))
+        self._turn += 1
+        return order_prefill(candidates, self.config.dispatch, self.prefill_load, self._turn)
 
     async def _offer(self, instance: Instance, kind: str, body: dict, transfer_id: str,
                      decode: Instance, start: float) -> dict[str, Any] | None:
         """The prefill's answer, or None if this instance refused or failed."""
         offer = {"kind": kind, "request": body, "transfer_id": transfer_id,
-                 "kv_target": decode.kv, "max_queue_ms": self._queue_budget_ms(start)}
+                 "kv_target": decode.kv, "ttft_budget_ms": self._ttft_budget_ms(start)}
         self.prefill_load[instance.instance_id] += 1
         try:
             async with self._session.post(f"http://{instance.http}/pd/prefill", json=offer,
@@ -158,7 +154,7 @@ class Gateway:
         if line is not None:
             line.wake_one()
 
-    def _queue_budget_ms(self, start: float) -> float | None:
+    def _ttft_budget_ms(self, start: float) -> float | None:
         """What is left of the TTFT SLO; None (never refuse) when dispatch is blind."""
         if self.config.dispatch != "on-demand":
             return None
@@ -245,6 +241,16 @@ class Gateway:
     def group_sizes(self) -> dict[tuple[str, str], int]:
         return {(s, role): len(self.registry.instances(s, role))
                 for s in self.registry.scenarios() for role in ("prefill", "decode")}
+
+
+def order_prefill(candidates: list[Instance], dispatch: str, load: Counter[str],
+                  turn: int) -> list[Instance]:
+    """The order in which a request is offered to prefill instances: in turn for
+    round-robin, else fewest prefills in flight from this gateway first."""
+    if dispatch == "round-robin" and candidates:
+        start = turn % len(candidates)
+        return candidates[start:] + candidates[:start]
+    return sorted(candidates, key=lambda i: (load[i.instance_id], i.instance_id))
 
 
 class WaitLine:

@@ -1,11 +1,12 @@
 """An instance's side of P/D across instances (P/D-Serve): two internal routes the gateway
 (``pdserve/cluster/gateway.py``) calls, and on-demand admission of prefills.
 
-- ``POST /pd/prefill`` ``{"kind", "request", "transfer_id", "kv_target", "max_queue_ms"}``:
+- ``POST /pd/prefill`` ``{"kind", "request", "transfer_id", "kv_target", "ttft_budget_ms"}``:
   runs the prompt of ``request`` (an OpenAI completions or chat body), samples the first
   token, ships the prompt's KV to ``kv_target`` and answers ``{"first_token", ...}``. It
   answers 429 at once instead, without queueing, when the prefills already in flight here
-  would keep this one from starting within ``max_queue_ms``: the gateway then offers the
+  and its own prompt would keep its first token from coming within ``ttft_budget_ms``
+  (what is left of the TTFT SLO): the gateway then offers the
   request to another prefill instance (on-demand forwarding, no blind queueing).
 - ``GET /pd/info``: the KV receiver's address and the admission counters.
 - ``POST /pd/decode`` ``{"kind", "request", "transfer_id", "first_token", ...}``: answers
@@ -19,7 +20,7 @@ on the prompt's token ids without sending them.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from aiohttp import web
@@ -33,28 +34,34 @@ RATE_SMOOTHING = 0.3  # weight of the newest prefill in the throughput estimate
 
 
 class PrefillAdmission:
-    """Predicts when a new prefill would start: prompt tokens still to compute here over the
-    prefill throughput measured on recent requests (served first come, first served)."""
+    """Predicts when a new prefill would have its first token: the prompt tokens in flight
+    here plus its own, over the prefill throughput measured on recent requests (served
+    first come, first served)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock  # the simulator (``pdserve/sim``) runs this on simulated time
         self.queued_tokens = 0
         self.tokens_per_s: float | None = None  # unknown until a prefill has finished
         self._last_done = 0.0
         self.accepted = 0
         self.rejected = 0
 
-    def predicted_wait_ms(self) -> float:
-        if not self.queued_tokens or not self.tokens_per_s:
+    def predicted_ttft_ms(self, num_tokens: int) -> float:
+        """When a new prompt of ``num_tokens`` would have its first token: behind the
+        prompts in flight here, then its own; 0 while the throughput is still unknown."""
+        if not self.tokens_per_s:
             return 0.0
-        return self.queued_tokens / self.tokens_per_s * 1e3
+        return (self.queued_tokens + num_tokens) / self.tokens_per_s * 1e3
 
-    def admit(self, num_tokens: int, max_queue_ms: float | None) -> None:
-        """Counts the prefill in, or raises 429 if it could not start in time."""
-        wait = self.predicted_wait_ms()
-        if max_queue_ms is not None and wait > max_queue_ms:
+    def admit(self, num_tokens: int, ttft_budget_ms: float | None) -> None:
+        """Counts the prefill in, or raises 429 if its first token would come too late
+        because of the prompts ahead of it. An idle instance takes any prompt: if that one is
+        too long for the budget, no instance could do better."""
+        ttft = self.predicted_ttft_ms(num_tokens)
+        if ttft_budget_ms is not None and self.queued_tokens and ttft > ttft_budget_ms:
             self.rejected += 1
-            raise P.APIError(429, f"this prefill instance would start the request in about "
-                             f"{wait:.0f} ms, past the {max_queue_ms:.0f} ms allowed",
+            raise P.APIError(429, f"this prefill instance would have the first token in about "
+                             f"{ttft:.0f} ms, past the {ttft_budget_ms:.0f} ms allowed",
                              code="prefill_busy")
         self.accepted += 1
         self.queued_tokens += num_tokens
@@ -63,7 +70,7 @@ class PrefillAdmission:
         """A prefill left; ``num_computed`` of its tokens were computed (the rest were prefix
         hits) between its arrival or the previous prefill's end and now; None if it failed
         (no throughput sample)."""
-        now = time.monotonic()
+        now = self.clock()
         self.queued_tokens -= num_tokens
         if num_computed is None:
             return
@@ -119,10 +126,10 @@ class PDRoutes:
     async def prefill(self, http: web.Request) -> web.Response:
         body = P.parse_json_body(await http.read())
         transfer_id, target = _get_str(body, "transfer_id"), _get_str(body, "kv_target")
-        max_queue_ms = _get_optional_number(body, "max_queue_ms")
+        budget_ms = _get_optional_number(body, "ttft_budget_ms")
         fmt, prompt_ids, default_max = await self.serving.prepare(*_inner(body))
         params = self.serving.params(fmt, prompt_ids, default_max)
-        self.admission.admit(len(prompt_ids), max_queue_ms)
+        self.admission.admit(len(prompt_ids), budget_ms)
         arrival, computed = time.monotonic(), None
         try:
             first = await self._run_prefill(fmt.request_id, prompt_ids, params,

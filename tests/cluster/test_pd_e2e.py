@@ -207,7 +207,7 @@ def test_refused_prefill_is_offered_to_the_next_instance(instances, registry):
         answer = _complete(gateway.http, BODY)
         assert answer["choices"][0]["text"] == _complete(instances[0], BODY)["choices"][0]["text"]
         assert refusing.offers == 1
-        assert refusing.last_offer["max_queue_ms"] > 0  # what is left of the TTFT SLO
+        assert refusing.last_offer["ttft_budget_ms"] > 0  # what is left of the TTFT SLO
         metrics = gateway.http.metrics()
         assert metrics['pdserve_gateway_prefill_rejections_total{instance="0-refusing"}'] == 1
     finally:
@@ -267,7 +267,7 @@ def test_prefill_instance_refuses_what_it_cannot_start_in_time(instances):
             while not json.loads(prefill.request("GET", "/pd/info")[2])["queued_prefill_tokens"]:
                 await asyncio.sleep(0.005)  # until the instance has them in hand
             refused = await session.post(url, json={**long_body, "transfer_id": "s",
-                                                    "max_queue_ms": 0})
+                                                    "ttft_budget_ms": 0})
             return [(await b).status for b in busy], refused.status
 
     busy, refused = asyncio.run(race())
@@ -289,7 +289,7 @@ def test_blind_dispatch_never_lets_an_instance_refuse(instances, registry, dispa
     try:
         for _ in range(2):  # round-robin reaches the recorder within two requests
             assert _complete(gateway.http, BODY)["usage"]["completion_tokens"] == 24
-        assert recorder.offers >= 1 and recorder.last_offer["max_queue_ms"] is None
+        assert recorder.offers >= 1 and recorder.last_offer["ttft_budget_ms"] is None
     finally:
         gateway.stop()
         recorder.stop()

@@ -74,23 +74,26 @@ def _follower(registry: MemoryRegistry, instance_id: str):
     return follow
 
 
-def test_prefill_admission_predicts_the_wait_from_measured_throughput():
+def test_prefill_admission_predicts_the_first_token_from_measured_throughput():
     admission = PrefillAdmission()
-    admission.admit(1000, max_queue_ms=0)  # nothing measured yet: taken
+    admission.admit(1000, ttft_budget_ms=0)  # nothing measured yet: taken
     admission.tokens_per_s = 10_000.0
-    assert admission.predicted_wait_ms() == pytest.approx(100.0)
-    admission.admit(500, max_queue_ms=150)  # 100 ms ahead of it: in time
+    assert admission.predicted_ttft_ms(500) == pytest.approx(150.0)  # 1000 ahead, 500 own
+    admission.admit(500, ttft_budget_ms=160)
     with pytest.raises(APIError) as refused:
-        admission.admit(500, max_queue_ms=120)  # 150 ms ahead of it: too late
+        admission.admit(500, ttft_budget_ms=190)  # 1500 ahead + 500 own: 200 ms
     assert refused.value.status == 429 and refused.value.code == "prefill_busy"
     assert (admission.accepted, admission.rejected, admission.queued_tokens) == (2, 1, 1500)
+    idle = PrefillAdmission()
+    idle.tokens_per_s = 10_000.0
+    idle.admit(50_000, ttft_budget_ms=100)  # 5 s on its own, but nobody could do better
 
 
 def test_prefill_admission_learns_only_from_prefills_that_finished():
     admission = PrefillAdmission()
-    admission.admit(1000, max_queue_ms=None)
+    admission.admit(1000, ttft_budget_ms=None)
     admission.done(1000, None, arrival=0.0)  # failed at once: says nothing about speed
     assert admission.tokens_per_s is None and admission.queued_tokens == 0
-    admission.admit(800, max_queue_ms=None)
+    admission.admit(800, ttft_budget_ms=None)
     admission.done(800, 600, arrival=time.monotonic() - 0.5)  # 200 prompt tokens were cached
     assert admission.tokens_per_s == pytest.approx(1200, rel=0.2)
