@@ -361,3 +361,20 @@ def test_client_hanging_up_frees_the_request_on_both_instances(instances, gatewa
     for server in instances:
         _wait_idle(server)
     assert time.monotonic() - start < 20  # 3000 tokens would take minutes on a CPU
+
+
+def test_logprobs_stop_strings_and_cached_tokens_cross_the_split(instances, gateway):
+    body = {**BODY, "logprobs": 1, "max_tokens": 12}
+    alone = _complete(instances[0], body)["choices"][0]
+    split = _complete(gateway.http, body)["choices"][0]
+    assert split["text"] == alone["text"]
+    got, want = split["logprobs"]["token_logprobs"], alone["logprobs"]["token_logprobs"]
+    assert got == pytest.approx(want, abs=1e-4)  # the first one came from the prefill side
+    stop = alone["text"][3:5]
+    cut = _complete(gateway.http, {**BODY, "stop": [stop]})["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == alone["text"][: alone["text"].index(stop)]
+    long_prompt = {**BODY, "prompt": "shared system prompt " * 20 + "question one"}
+    _complete(gateway.http, long_prompt)
+    again = _complete(gateway.http, {**long_prompt, "prompt": long_prompt["prompt"] + " two"})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # prefill side's cache
