@@ -28,7 +28,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdserve.cluster.config import RatioConfig
 from pdserve.cluster.gateway import DISPATCH, order_prefill
+from pdserve.cluster.metrics import ScenarioWindow
+from pdserve.cluster.ratio import judge
 from pdserve.cluster.registry import Instance
 from pdserve.server.pd import PrefillAdmission
 from pdserve.server.protocol import APIError
@@ -110,6 +113,9 @@ class PrefillSim:
         self.queue: deque[tuple[SimRequest, float]] = deque()
         self.busy = False
 
+    def idle(self) -> bool:
+        return not (self.busy or self.queue)
+
     def offer(self, request: SimRequest, ttft_budget_ms: float | None) -> bool:
         try:
             self.admission.admit(request.input_len, ttft_budget_ms)
@@ -140,11 +146,17 @@ class PrefillSim:
 class DecodeSim:
     """One decode instance: continuous batching within a KV pool of fixed size."""
 
-    def __init__(self, loop: EventLoop, model: LatencyModel, max_batch: int = 256) -> None:
-        self.loop, self.model, self.max_batch = loop, model, max_batch
+    def __init__(self, name: str, loop: EventLoop, model: LatencyModel,
+                 on_finish: Callable[[DecodeSim, SimRequest], None] | None = None,
+                 max_batch: int = 256) -> None:
+        self.name, self.loop, self.model, self.max_batch = name, loop, model, max_batch
+        self.on_finish = on_finish
         self.waiting: deque[SimRequest] = deque()
         self.running: list[tuple[SimRequest, int]] = []  # (request, tokens still to make)
         self.stepping = False
+
+    def idle(self) -> bool:
+        return not (self.running or self.waiting)
 
     def kv_in_use(self) -> int:
         return sum(r.input_len + r.output_len for r, _ in self.running)
@@ -177,6 +189,8 @@ class DecodeSim:
         for request, left in self.running:
             if left <= 1:
                 request.finished = self.loop.now
+                if self.on_finish is not None:
+                    self.on_finish(self, request)
             else:
                 still.append((request, left - 1))
         self.running = still
@@ -185,7 +199,10 @@ class DecodeSim:
 
 @dataclass
 class GroupSim:
-    """The gateway and one scenario's group, driven by a request list."""
+    """The gateway and one scenario's group, driven by a request list. Every instance can
+    take either role (as a real one does); with ``ratio`` set, the real ratio controller's
+    judgement (``judge``) moves one between roles every ``ratio_interval_s``, and a moved
+    instance joins its new role once the work of its old one has drained."""
 
     model: LatencyModel
     num_prefill: int
@@ -194,23 +211,38 @@ class GroupSim:
     ttft_slo_s: float = 2.0
     max_wait_s: float = 30.0
     retry_poll_s: float = 0.05
+    ratio: RatioConfig | None = None
+    ratio_interval_s: float = 10.0
     loop: EventLoop = field(default_factory=EventLoop)
 
     def __post_init__(self) -> None:
         if self.dispatch not in DISPATCH:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCH)}")
-        self.prefill = [PrefillSim(f"p{i}", self.loop, self.model, self._prefilled)
-                        for i in range(self.num_prefill)]
-        self.decode = [DecodeSim(self.loop, self.model) for _ in range(self.num_decode)]
+        names = [f"n{i}" for i in range(self.num_prefill + self.num_decode)]
+        self.prefill = {n: PrefillSim(n, self.loop, self.model, self._prefilled) for n in names}
+        self.decode = {n: DecodeSim(n, self.loop, self.model, self._finished) for n in names}
+        self.roles = {n: "prefill" if i < self.num_prefill else "decode"
+                      for i, n in enumerate(names)}
+        self.draining: dict[str, str] = {}  # instance -> the role it moves to
+        self.window = ScenarioWindow()
+        self.moves: list[tuple[float, str, str]] = []
         self.load: Counter[str] = Counter()
         self.line: deque[SimRequest] = deque()
         self._turn = 0
+        self._open = 0  # requests not yet finished or given up on
+        self._last_move = -1e9
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
+        self._open = len(requests)
         for request in requests:
             self.loop.at(request.arrival, lambda r=request: self._arrive(r))
+        if self.ratio is not None:
+            self.loop.at(self.ratio_interval_s, self._tick)
         self.loop.run()
         return requests
+
+    def active(self, role: str) -> list[str]:
+        return [n for n, r in self.roles.items() if r == role and n not in self.draining]
 
     def _arrive(self, request: SimRequest) -> None:
         if self.line:  # a newcomer queues behind requests already waiting
@@ -220,16 +252,17 @@ class GroupSim:
 
     def _try(self, request: SimRequest) -> None:
         self._turn += 1
-        by_name = {p.instance.instance_id: p for p in self.prefill}
-        order = order_prefill([p.instance for p in self.prefill], self.dispatch, self.load,
-                              self._turn)
+        order = order_prefill([self.prefill[n].instance for n in self.active("prefill")],
+                              self.dispatch, self.load, self._turn)
         for instance in order:
             request.offers += 1
-            if by_name[instance.instance_id].offer(request, self._budget_ms(request)):
+            if self.prefill[instance.instance_id].offer(request, self._budget_ms(request)):
                 self.load[instance.instance_id] += 1
                 return
+            self.window.rejections += 1
         if self.loop.now - request.arrival + self.retry_poll_s > self.max_wait_s:
             request.unserved = True
+            self._open -= 1
             return
         self._wait(request, first=True)
 
@@ -248,12 +281,56 @@ class GroupSim:
             self._try(request)
 
     def _prefilled(self, prefill: PrefillSim, request: SimRequest) -> None:
-        self.load[prefill.instance.instance_id] -= 1
-        decode = min(self.decode, key=lambda d: len(d.running) + len(d.waiting))
+        name = prefill.instance.instance_id
+        self.load[name] -= 1
+        decode = min((self.decode[n] for n in self.active("decode")),
+                     key=lambda d: len(d.running) + len(d.waiting))
         arrive = self.loop.now + self.model.transfer_s(request.input_len)
         self.loop.at(arrive, lambda: decode.receive(request))
+        self._settle(name)
         if self.line:  # room on that instance: the head of the line tries again
             self._try(self.line.popleft())
+
+    def _finished(self, decode: DecodeSim, request: SimRequest) -> None:
+        self._open -= 1
+        self.window.ttft_s.append(request.first_token - request.arrival)
+        self.window.e2e_s.append(request.finished - request.arrival)
+        self.window.requests += 1
+        self._settle(decode.name)
+
+    # ---- dynamic P/D ratio ----
+
+    def _tick(self) -> None:
+        if self._open <= 0:
+            return
+        self.loop.at(self.loop.now + self.ratio_interval_s, self._tick)
+        if self.draining or self.loop.now - self._last_move < self.ratio.cooldown_s:
+            return
+        role = judge(self.window, len(self.active("prefill")), len(self.active("decode")),
+                     self.ratio)
+        if role is not None:
+            self._move(role)
+
+    def _move(self, role: str) -> None:
+        donors = self.active("decode" if role == "prefill" else "prefill")
+        busy = (lambda n: len(self.decode[n].running)) if role == "prefill" else \
+            (lambda n: len(self.prefill[n].queue))
+        name = min(donors, key=lambda n: (busy(n), n))
+        self.draining[name] = role
+        self.moves.append((self.loop.now, name, role))
+        self._last_move = self.loop.now
+        self.window.clear()
+        self._settle(name)
+
+    def _settle(self, name: str) -> None:
+        """A moving instance takes its new role once its old role's work is done."""
+        role = self.draining.get(name)
+        if role is None:
+            return
+        old = self.decode[name] if role == "prefill" else self.prefill[name]
+        if old.idle():
+            self.roles[name] = role
+            del self.draining[name]
 
 
 def summarize(requests: list[SimRequest], ttft_slo_s: float) -> dict:

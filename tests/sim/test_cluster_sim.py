@@ -65,3 +65,20 @@ def test_fit_to_measured_engine_results(tmp_path):
     assert model.decode_step_s(16, 16 * 4096) == pytest.approx(0.015 + 16e-4 + 1e-8 * 16 * 4096,
                                                                rel=1e-6)
     assert model.decode_kv_tokens == 123_456
+
+
+def test_ratio_controller_moves_decode_instances_to_a_short_prefill_side():
+    from pdserve.cluster.config import RatioConfig
+
+    def steady(rate: float, count: int) -> list[SimRequest]:
+        return [SimRequest(i / rate, 1000, 4) for i in range(count)]  # 1 s of prefill each
+
+    ratio = RatioConfig(min_requests=10, cooldown_s=5.0)
+    static = GroupSim(MODEL, 1, 3, ttft_slo_s=2.0, max_wait_s=10.0)
+    dynamic = GroupSim(MODEL, 1, 3, ttft_slo_s=2.0, max_wait_s=10.0, ratio=ratio,
+                       ratio_interval_s=2.0)
+    static_summary = summarize(static.run(steady(2.0, 200)), 2.0)
+    dynamic_summary = summarize(dynamic.run(steady(2.0, 200)), 2.0)
+    assert [role for _, _, role in dynamic.moves][:1] == ["prefill"]
+    assert len(dynamic.active("prefill")) >= 2 and len(dynamic.active("decode")) >= 1
+    assert dynamic_summary["slo_attainment"] > static_summary["slo_attainment"] + 0.3
