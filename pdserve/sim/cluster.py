@@ -185,15 +185,17 @@ class DecodeSim:
                      self._end_step)
 
     def _end_step(self) -> None:
-        still = []
+        still, done = [], []
         for request, left in self.running:
             if left <= 1:
                 request.finished = self.loop.now
-                if self.on_finish is not None:
-                    self.on_finish(self, request)
+                done.append(request)
             else:
                 still.append((request, left - 1))
         self.running = still
+        for request in done:  # after the batch shrank: the callback may find it idle
+            if self.on_finish is not None:
+                self.on_finish(self, request)
         self._step()
 
 
@@ -226,7 +228,8 @@ class GroupSim:
         self.draining: dict[str, str] = {}  # instance -> the role it moves to
         self.window = ScenarioWindow()
         self.moves: list[tuple[float, str, str]] = []
-        self.load: Counter[str] = Counter()
+        self.load: Counter[str] = Counter()  # prefills in flight, by instance
+        self.decode_load: Counter[str] = Counter()  # requests sent to decode, not finished
         self.line: deque[SimRequest] = deque()
         self._turn = 0
         self._open = 0  # requests not yet finished or given up on
@@ -283,8 +286,9 @@ class GroupSim:
     def _prefilled(self, prefill: PrefillSim, request: SimRequest) -> None:
         name = prefill.instance.instance_id
         self.load[name] -= 1
-        decode = min((self.decode[n] for n in self.active("decode")),
-                     key=lambda d: len(d.running) + len(d.waiting))
+        # Counted from the pick, as the gateway does: KV still on the link counts too.
+        decode = self.decode[min(self.active("decode"), key=lambda n: (self.decode_load[n], n))]
+        self.decode_load[decode.name] += 1
         arrive = self.loop.now + self.model.transfer_s(request.input_len)
         self.loop.at(arrive, lambda: decode.receive(request))
         self._settle(name)
@@ -293,6 +297,7 @@ class GroupSim:
 
     def _finished(self, decode: DecodeSim, request: SimRequest) -> None:
         self._open -= 1
+        self.decode_load[decode.name] -= 1
         self.window.ttft_s.append(request.first_token - request.arrival)
         self.window.e2e_s.append(request.finished - request.arrival)
         self.window.requests += 1
@@ -313,8 +318,8 @@ class GroupSim:
 
     def _move(self, role: str) -> None:
         donors = self.active("decode" if role == "prefill" else "prefill")
-        busy = (lambda n: len(self.decode[n].running)) if role == "prefill" else \
-            (lambda n: len(self.prefill[n].queue))
+        busy = (lambda n: self.decode_load[n]) if role == "prefill" else \
+            (lambda n: self.load[n])
         name = min(donors, key=lambda n: (busy(n), n))
         self.draining[name] = role
         self.moves.append((self.loop.now, name, role))

@@ -82,3 +82,15 @@ def test_ratio_controller_moves_decode_instances_to_a_short_prefill_side():
     assert [role for _, _, role in dynamic.moves][:1] == ["prefill"]
     assert len(dynamic.active("prefill")) >= 2 and len(dynamic.active("decode")) >= 1
     assert dynamic_summary["slo_attainment"] > static_summary["slo_attainment"] + 0.3
+
+
+def test_a_moved_decode_instance_joins_prefill_once_its_last_decode_finishes():
+    sim = GroupSim(MODEL, 1, 2)
+    settled = []
+    sim.loop.at(0.4, lambda: sim._move("prefill"))  # both decode instances are mid-decode
+    sim.loop.at(0.45, lambda: settled.append(dict(sim.draining)))
+    requests = sim.run([SimRequest(0.0, 100, 50), SimRequest(0.0, 100, 50)])
+    assert sim.moves[0][1:] == ("n1", "prefill")
+    assert settled == [{"n1": "prefill"}]  # still decoding at 0.45 s: not yet a prefill one
+    assert sim.roles["n1"] == "prefill" and not sim.draining  # joined after its decode ended
+    assert all(r.finished is not None for r in requests)
