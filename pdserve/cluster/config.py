@@ -42,9 +42,12 @@ class RatioConfig:
     ttft_share_high: float = 0.5
     """TTFT above this share of E2E latency: prefill is the bottleneck."""
     ttft_share_low: float = 0.15
-    """TTFT below this share, with no refusals: decode is the bottleneck."""
+    """TTFT below this share, with few refusals: decode is the bottleneck."""
     reject_rate_high: float = 0.2
-    """Refused offers per request above this: prefill is short of capacity."""
+    """Share of requests every prefill instance refused at first, above which prefill is
+    short of capacity."""
+    reject_rate_low: float = 0.05
+    """Below this share of refused requests, prefill can spare an instance."""
     min_requests: int = 20
     """Requests a window needs before it is judged."""
     cooldown_s: float = 30.0

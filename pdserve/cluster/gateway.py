@@ -19,6 +19,7 @@ or in turn, and the instance queues whatever it gets.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -112,11 +113,13 @@ class Gateway:
         poll_s = self.config.retry_poll_ms / 1e3
         if len(line):
             await line.wait(poll_s, first=False)
-        while True:
+        for round_number in itertools.count():
             for instance in self._prefill_order(scenario):
                 answer = await self._offer(instance, kind, body, transfer_id, decode, start)
                 if answer is not None:
                     return Prefilled(instance, answer)
+            if round_number == 0:
+                self.metrics.count_refused_request(scenario)
             if time.monotonic() - start + poll_s > self.config.max_wait_s:
                 self.metrics.count_unserved(scenario)
                 raise P.APIError(503, f"every prefill instance of scenario '{scenario}' stayed "
@@ -169,7 +172,7 @@ class Gateway:
         if status in RELAYED_ERRORS:
             raise _relayed_error(status, data)
         if status == 429:
-            self.metrics.count_rejection(instance.instance_id, instance.scenario)
+            self.metrics.count_rejection(instance.instance_id)
         else:
             log.warning("prefill instance %s answered %d", instance.instance_id, status)
             self._failed_at[instance.instance_id] = time.monotonic()

@@ -19,7 +19,7 @@ class ScenarioWindow:
 
     ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     e2e_s: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
-    rejections: int = 0
+    rejections: int = 0  # requests that every prefill instance refused at first
     requests: int = 0
 
     def ttft_share(self) -> float:
@@ -78,8 +78,11 @@ class GatewayMetrics:
         window.e2e_s.append(e2e_s)
         window.requests += 1
 
-    def count_rejection(self, instance_id: str, scenario: str) -> None:
+    def count_rejection(self, instance_id: str) -> None:
         self.rejections.labels(instance_id).inc()
+
+    def count_refused_request(self, scenario: str) -> None:
+        """A request no prefill instance took at its first offer round (it had to wait)."""
         self.window(scenario).rejections += 1
 
     def count_unserved(self, scenario: str) -> None:

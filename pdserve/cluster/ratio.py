@@ -3,8 +3,13 @@ spent before the first token, and move one instance between roles when one side 
 
 - TTFT takes most of E2E, or prefill instances refuse many offers: prefill is short, so the
   least busy decode instance becomes a prefill instance (if the group keeps one decode).
-- TTFT is a small share and nothing was refused: decode is the bottleneck, so the least busy
-  prefill instance becomes a decode instance (if the group keeps one prefill).
+- TTFT is a small share and few requests were refused: decode is the bottleneck (requests
+  wait for decode room, or decode slowly), so the least busy prefill instance becomes a
+  decode instance (if the group keeps one prefill).
+
+Refusals are counted per request (refused by every instance at its first offer round), not
+per offer: a request waiting in line is offered again and again, and per-offer counts would
+read any backlog as a prefill shortage.
 
 One move per scenario per cooldown: a moved instance first finishes the work it has, and the
 window is judged afresh after it. A move is a request in the registry; the instance itself
@@ -42,7 +47,7 @@ def judge(window: ScenarioWindow, num_prefill: int, num_decode: int,
     share, rejects = window.ttft_share(), window.reject_rate()
     if (share > config.ttft_share_high or rejects > config.reject_rate_high) and num_decode > 1:
         return "prefill"
-    if share < config.ttft_share_low and window.rejections == 0 and num_prefill > 1:
+    if share < config.ttft_share_low and rejects < config.reject_rate_low and num_prefill > 1:
         return "decode"
     return None
 
@@ -77,8 +82,8 @@ class RatioController:
             return None
         donors = decode if role == "prefill" else prefill
         donor = min(donors, key=lambda i: (self._busy(i), i.instance_id))
-        why = (f"TTFT share {window.ttft_share():.2f}, {window.reject_rate():.2f} refusals per "
-               f"request over {window.requests} requests")
+        why = (f"TTFT share {window.ttft_share():.2f}, {window.reject_rate():.0%} of "
+               f"{window.requests} requests refused at first")
         return Move(scenario, donor.instance_id, role, why)
 
     def _busy(self, instance: Instance) -> int:

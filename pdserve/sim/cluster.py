@@ -257,11 +257,13 @@ class GroupSim:
         self._turn += 1
         order = order_prefill([self.prefill[n].instance for n in self.active("prefill")],
                               self.dispatch, self.load, self._turn)
+        first_round = request.offers == 0
         for instance in order:
             request.offers += 1
             if self.prefill[instance.instance_id].offer(request, self._budget_ms(request)):
                 self.load[instance.instance_id] += 1
                 return
+        if first_round:
             self.window.rejections += 1
         if self.loop.now - request.arrival + self.retry_poll_s > self.max_wait_s:
             request.unserved = True

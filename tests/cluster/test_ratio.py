@@ -33,7 +33,7 @@ def _window(ttft_s: float, e2e_s: float, requests: int = 20, rejections: int = 0
     (_window(0.2, 4.0, rejections=10), 1, 2, "prefill"),  # refusals: prefill is short
     (_window(0.2, 4.0), 2, 1, "decode"),  # TTFT is 5%: decode is the bottleneck
     (_window(0.2, 4.0), 1, 1, None),  # ... but the last prefill instance stays
-    (_window(0.2, 4.0, rejections=1), 2, 1, None),  # refusals veto giving up prefill
+    (_window(0.2, 4.0, rejections=1), 2, 1, None),  # 5% refused at first: prefill keeps them
     (_window(1.0, 4.0), 2, 2, None),  # balanced
     (_window(3.0, 4.0, requests=5), 1, 2, None),  # too few requests to judge
 ])
