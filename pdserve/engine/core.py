@@ -361,8 +361,9 @@ class EngineCore:
         if self.kv_link is not None:
             stats.num_waiting += len(self._awaiting_kv)
             link = self.kv_link
-            stats.kv_transfers = link.sent.num_transfers + link.receiver.stats.num_transfers
-            stats.kv_transfer_bytes = link.sent.num_bytes + link.receiver.stats.num_bytes
+            sent, received = link.sender.stats, link.receiver.stats
+            stats.kv_transfers = sent.num_transfers + received.num_transfers
+            stats.kv_transfer_bytes = sent.num_bytes + received.num_bytes
         return stats
 
     def close(self) -> None:

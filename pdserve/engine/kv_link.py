@@ -4,8 +4,8 @@
   prompt pages are gathered into one contiguous buffer (one kernel for all layers) and sent
   to the decode instance's receiver as one stream. The gather is issued before the next
   step can reuse the pages (same stream, and freed pages are only handed out by the next
-  ``schedule()``). The network send runs on a thread of its own, so the engine loop never
-  waits on it; on a GPU that thread first waits for the device-to-host copy's event.
+  ``schedule()``). ``TcpKVSender.send_async`` stages a device buffer on the host on the
+  current stream and sends from its own thread, so the engine loop never waits on either.
 - Import (decode instance): the receiver's thread collects arriving buffers; the engine
   loop polls for the ids it waits on, gives each request fresh pages and scatters the
   buffer into them (``RecvScatter``).
@@ -14,13 +14,12 @@
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from pdserve.config import TransferConfig
-from pdserve.transfer import TransferStats, gather_blocks, scatter_blocks
+from pdserve.transfer import gather_blocks, scatter_blocks
 from pdserve.transfer.tcp import TcpKVReceiver, TcpKVSender
 
 log = logging.getLogger(__name__)
@@ -33,9 +32,7 @@ class KVLink:
         # Unclaimed buffers outlive the wait by a margin, then go (an aborted request).
         self.receiver = TcpKVReceiver(config.kv_transfer_host, config.kv_transfer_port,
                                       ttl_s=2 * self.timeout_s + 60).start()
-        self.sender = TcpKVSender()
-        self._send_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-send")
-        self.sent = TransferStats()
+        self.sender = TcpKVSender()  # its ``stats`` count what was delivered
         self.failed_sends = 0
         self._waited: dict[str, torch.Tensor] = {}  # taken by wait_briefly, not yet claimed
 
@@ -49,28 +46,13 @@ class KVLink:
                num_tokens: int) -> None:
         """Gathers the first ``num_tokens`` tokens' KV now and sends it in the background."""
         buffer = gather_blocks(self.kv_caches, block_ids, num_tokens)
-        ready = None
-        if buffer.is_cuda:
-            host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
-            host.copy_(buffer, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            buffer = host
-        self._send_thread.submit(self._send, transfer_id, target, buffer, ready)
 
-    def _send(self, transfer_id: str, target: str, buffer: torch.Tensor,
-              ready: torch.cuda.Event | None) -> None:
-        if ready is not None:
-            ready.synchronize()
-        try:
-            self.sender.send(target, transfer_id, buffer)
-        except OSError as exc:
-            # The decode instance times out waiting and fails the request there.
-            self.failed_sends += 1
-            log.warning("KV of %s not delivered to %s: %s", transfer_id, target, exc)
-            return
-        self.sent.num_transfers += 1
-        self.sent.num_bytes += buffer.numel() * buffer.element_size()
+        def on_done(error: BaseException | None) -> None:
+            if error is not None:  # the decode instance times out and fails the request
+                self.failed_sends += 1
+                log.warning("KV of %s not delivered to %s: %s", transfer_id, target, error)
+
+        self.sender.send_async(target, transfer_id, buffer, on_done)
 
     # ---- decode side --------------------------------------------------------------------
 
@@ -94,6 +76,5 @@ class KVLink:
             pass
 
     def close(self) -> None:
-        self._send_thread.shutdown(wait=True)
-        self.sender.close()
+        self.sender.close()  # finishes the sends already queued
         self.receiver.close()
