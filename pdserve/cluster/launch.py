@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -154,14 +155,8 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=1, help="Decode instances.")
     parser.add_argument("--gpus", default=None, help="Comma-separated GPU ids handed out to "
                         "instances in turn (CUDA_VISIBLE_DEVICES); default: the machine's.")
-    parser.add_argument("--serve-args", type=_split, default=[],
+    parser.add_argument("--serve-args", type=shlex.split, default=[],
                         help="Extra flags for every `pdserve serve`, as one string.")
-
-
-def _split(text: str) -> list[str]:
-    import shlex
-
-    return shlex.split(text)
 
 
 def default_gpus() -> str | None:

@@ -126,7 +126,7 @@ class PDRoutes:
     async def prefill(self, http: web.Request) -> web.Response:
         body = P.parse_json_body(await http.read())
         transfer_id, target = _get_str(body, "transfer_id"), _get_str(body, "kv_target")
-        budget_ms = _get_optional_number(body, "ttft_budget_ms")
+        budget_ms = P.get_number(body, "ttft_budget_ms")
         fmt, prompt_ids, default_max = await self.serving.prepare(*_inner(body))
         params = self.serving.params(fmt, prompt_ids, default_max)
         self.admission.admit(len(prompt_ids), budget_ms)
@@ -152,11 +152,11 @@ class PDRoutes:
     async def decode(self, http: web.Request) -> web.StreamResponse:
         body = P.parse_json_body(await http.read())
         handoff = KVHandoff(_get_str(body, "transfer_id"),
-                            first_token=_get_int(body, "first_token"),
-                            first_logprob=_get_optional_number(body, "first_logprob"),
-                            num_cached_tokens=_get_int(body, "num_cached_tokens", 0))
+                            first_token=_get_count(body, "first_token"),
+                            first_logprob=P.get_number(body, "first_logprob"),
+                            num_cached_tokens=_get_count(body, "num_cached_tokens", 0))
         fmt, prompt_ids, default_max = await self.serving.prepare(*_inner(body))
-        return await self.serving._run(http, fmt, prompt_ids, default_max, handoff)
+        return await self.serving.run(http, fmt, prompt_ids, default_max, handoff)
 
 
 async def _first_token(stream) -> dict[str, Any]:
@@ -187,21 +187,14 @@ def _inner(body: dict) -> tuple[str, dict]:
 
 
 def _get_str(body: dict, name: str) -> str:
-    value = body.get(name)
-    if not isinstance(value, str) or not value:
+    value = P.get_str(body, name)
+    if not value:
         raise P.bad_request(f"'{name}' must be a non-empty string", param=name)
     return value
 
 
-def _get_int(body: dict, name: str, default: int | None = None) -> int:
-    value = body.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+def _get_count(body: dict, name: str, default: int | None = None) -> int:
+    value = P.get_int(body, name, default)
+    if value is None or value < 0:
         raise P.bad_request(f"'{name}' must be a non-negative integer", param=name)
-    return value
-
-
-def _get_optional_number(body: dict, name: str) -> float | None:
-    value = body.get(name)
-    if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
-        raise P.bad_request(f"'{name}' must be a number", param=name)
     return value

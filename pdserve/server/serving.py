@@ -171,11 +171,11 @@ class OpenAIServing:
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
         body = P.parse_json_body(await http.read())
-        return await self._run(http, *await self.prepare("completions", body))
+        return await self.run(http, *await self.prepare("completions", body))
 
     async def chat(self, http: web.Request) -> web.StreamResponse:
         body = P.parse_json_body(await http.read())
-        return await self._run(http, *await self.prepare("chat", body))
+        return await self.run(http, *await self.prepare("chat", body))
 
     async def prepare(self, kind: str, body: dict) -> tuple[Format, list[int], int | None]:
         """Parses and tokenizes a request of ``kind`` ("completions" or "chat"): its answer
@@ -224,7 +224,7 @@ class OpenAIServing:
         return await loop.run_in_executor(self._tokenize_pool, self.tokenizer.encode, text,
                                           add_special_tokens)
 
-    async def _run(self, http: web.Request, fmt: Format, prompt_ids: list[int],
+    async def run(self, http: web.Request, fmt: Format, prompt_ids: list[int],
                    default_max_tokens: int | None, handoff: KVHandoff | None = None
                    ) -> web.StreamResponse:
         """Answers the request; ``handoff``: the prompt was prefilled on another instance."""
