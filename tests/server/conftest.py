@@ -119,6 +119,17 @@ def start_server(*flags: str, api_key: str | None = None) -> Server:
     return server
 
 
+def wait_engine_idle(server, timeout: float = 30) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["pdserve_num_requests_running"] == 0 and m["pdserve_num_requests_waiting"] == 0 \
+                and m["pdserve_kv_cache_usage_ratio"] == 0:
+            return m
+        time.sleep(0.1)
+    raise AssertionError(f"engine still busy: {m}")
+
+
 def wait_healthy(server: Server, timeout: float = START_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -9,6 +9,8 @@ import time
 import aiohttp
 import pytest
 
+from tests.server.conftest import wait_engine_idle
+
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
@@ -131,17 +133,6 @@ def test_many_concurrent(server):
     assert asyncio.run(run()) == [8] * 48
 
 
-def _wait_engine_idle(server, timeout: float = 30) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["pdserve_num_requests_running"] == 0 and m["pdserve_num_requests_waiting"] == 0 \
-                and m["pdserve_kv_cache_usage_ratio"] == 0:
-            return m
-        time.sleep(0.1)
-    raise AssertionError(f"engine still busy: {m}")
-
-
 def _wait_engine_busy(server, timeout: float = 5) -> None:
     # The gauges come from the engine's periodic stats snapshot, so they lag the stream a little.
     deadline = time.monotonic() + timeout
@@ -167,7 +158,7 @@ def test_abort_on_disconnect(server):
     before = server.metrics().get('pdserve_requests_finished_total{finish_reason="abort"}', 0)
     start = time.monotonic()
     asyncio.run(open_and_drop())
-    metrics = _wait_engine_idle(server)
+    metrics = wait_engine_idle(server)
     assert time.monotonic() - start < 20  # 3000 tokens would take minutes on CPU
     assert metrics["pdserve_kv_cache_free_blocks"] == 512
     assert metrics['pdserve_requests_finished_total{finish_reason="abort"}'] == before + 1
