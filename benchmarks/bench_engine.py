@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import platform
-import subprocess
 import sys
 import time
 
 import torch
 
+from pdserve.bench.report import git_revision
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.request import Request, RequestStatus
@@ -223,15 +222,6 @@ def bench_model(model: str, memory_fraction: float, ceilings: dict) -> dict:
     del engine
     torch.cuda.empty_cache()
     return result
-
-
-def git_revision() -> str:
-    if os.environ.get("PDSERVE_GIT_REVISION"):  # a copy of the tree without .git
-        return os.environ["PDSERVE_GIT_REVISION"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ import argparse
 import collections
 import json
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.bench.report import git_revision
 from pdserve.engine.core import EngineCore
 from pdserve.engine.mux_setup import gpu_name
 from pdserve.engine.profiler import QUICK_GRID, ProfileGrid, engine_for_profile, profile_engine
@@ -112,13 +112,6 @@ def co_running_run(engine: EngineCore, decode_batch: int, context: int, prompt_t
                                                  if e["prefill_tokens"])),
         "timeline": window[:400],
     }
-
-
-def git_revision() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> int:

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import platform
 import random
 import shlex
@@ -38,6 +37,8 @@ import time
 import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
+
+from pdserve.bench.report import git_revision
 
 
 @dataclass
@@ -213,16 +214,6 @@ def stop_server(process: subprocess.Popen) -> None:
         process.wait(60)
     except subprocess.TimeoutExpired:
         process.kill()
-
-
-def git_revision() -> str:
-    if os.environ.get("PDSERVE_GIT_REVISION"):  # a copy of the tree without .git
-        return os.environ["PDSERVE_GIT_REVISION"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
