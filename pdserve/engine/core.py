@@ -248,6 +248,8 @@ class EngineCore:
     def _export_candidates(self, plan: Plan) -> dict[str, list[int]]:
         # Page ids of requests that may hand off in this step, read before ``update`` frees
         # them; the pages keep their contents until the next ``schedule()`` hands them out.
+        if self.kv_link is None:  # the common engine: no pass over the batch per step
+            return {}
         return {s.request.request_id: list(s.request.block_ids) for s in plan.sampling
                 if s.request.handoff is not None and s.request.handoff.is_prefill}
 
