@@ -4,14 +4,15 @@
    prefill pieces per SM split, alone and co-running, and whole-GPU mixed steps; fits
    the predictor, reports its held-out error and saves it where ``--schedule multiplex``
    finds it (``--profile-dir``).
-2. Sanity run on the same engine with the fitted predictor: a decode batch (16 requests
-   at 8K context) runs alone, then a 16K-token prompt arrives and is prefilled in pieces
-   beside it. Reports decode step times against the ITL SLO (alone and while prefilling),
-   prefill throughput (prompt tokens over its time to first token), the SM splits the
-   planner chose, and the host time to launch a piece. The same run with spatial sharing
-   off (mixed steps only, i.e. chunked prefill) is the baseline.
+2. For each ITL SLO given, a run on the same engine with the fitted predictor: a decode
+   batch (16 requests at 8K context) runs alone, then a 16K-token prompt arrives and is
+   prefilled beside it. Reports decode step times against the ITL SLO (alone and while
+   prefilling), prefill throughput (prompt tokens over its time to first token), the SM
+   splits the planner chose, and the online mixed-step correction it ended with. The same
+   run with spatial sharing off (mixed steps only, i.e. chunked prefill sized by the
+   predictor) is the baseline.
 
-    python benchmarks/bench_multiplex.py --model codellama-34b --out mux.json
+    python benchmarks/bench_multiplex.py --model codellama-34b --itl-slo-ms 40,60 --out mux.json
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def main() -> int:
     parser.add_argument("--profile-dir", default=None,
                         help="Where the predictor is saved (default: the engine's default).")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--itl-slo-ms", type=float, default=60.0)
+    parser.add_argument("--itl-slo-ms", default="60",
+                        help="ITL SLOs to run at, comma-separated (one profile for all).")
     parser.add_argument("--decode-batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--prompt-tokens", type=int, default=16000)
@@ -133,7 +135,8 @@ def main() -> int:
     import torch
 
     grid = QUICK_GRID if args.quick else ProfileGrid()
-    options = dict(load_format="dummy", device=args.device, itl_slo_ms=args.itl_slo_ms)
+    slos = [float(s) for s in args.itl_slo_ms.split(",")]
+    options = dict(load_format="dummy", device=args.device, itl_slo_ms=slos[0])
     if args.device != "cpu":
         options["gpu_memory_utilization"] = args.gpu_memory_utilization
     else:
@@ -145,7 +148,7 @@ def main() -> int:
     out_dir = Path(args.profile_dir) if args.profile_dir else None
     profile = profile_engine(engine, grid, out_dir)
     print(json.dumps(asdict(profile), indent=1), flush=True)
-    engine.mux.set_predictor(LatencyPredictor.load(profile.path))
+    predictor = LatencyPredictor.load(profile.path)
     result = {
         "command": " ".join(sys.argv), "git_revision": git_revision(),
         "device": gpu_name(engine.runner.device), "torch": torch.__version__,
@@ -153,16 +156,20 @@ def main() -> int:
         "startup_s": startup_s, "partitions": repr(engine.mux.partitions),
         "profile": asdict(profile),
     }
-    run = lambda tag: co_running_run(engine, args.decode_batch, args.context,
-                                     args.prompt_tokens, args.itl_slo_ms, tag)
-    result["multiplex"] = run("mux")
-    print(json.dumps({k: v for k, v in result["multiplex"].items() if k != "timeline"},
-                     indent=1), flush=True)
-    if not args.skip_baseline:
-        engine.mux.set_predictor(engine.mux.predictor, spatial=False)
-        result["temporal_only"] = run("temporal")
-        print(json.dumps({k: v for k, v in result["temporal_only"].items()
-                          if k != "timeline"}, indent=1), flush=True)
+    result["runs"] = []
+    for slo in slos:
+        modes = {"multiplex": {}} if args.skip_baseline else {
+            "multiplex": {}, "temporal_only": {"spatial": False}}
+        entry = {"itl_slo_ms": slo}
+        for name, overrides in modes.items():
+            # A fresh planner (and online calibration) per run: runs do not share state.
+            engine.mux.set_predictor(predictor, itl_slo_ms=slo, **overrides)
+            entry[name] = co_running_run(engine, args.decode_batch, args.context,
+                                         args.prompt_tokens, slo, f"{name}-{slo:g}")
+            entry[name]["mixed_correction"] = engine.mux.model.mixed_correction
+            print(json.dumps({k: v for k, v in entry[name].items() if k != "timeline"},
+                             indent=1), flush=True)
+        result["runs"].append(entry)
     result["total_s"] = time.perf_counter() - started
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out} ({result['total_s']:.0f} s)")

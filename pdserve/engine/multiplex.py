@@ -45,7 +45,13 @@ from pdserve.engine.streams import Event, StreamOps, make_stream_ops
 from pdserve.gpu.partitions import Partition, PartitionSet
 from pdserve.sched.base import Plan, StepOutput
 from pdserve.sched.multiplex import MultiplexScheduler
-from pdserve.sched.mux_planner import MuxMode, MuxPlan, MuxPlanner, MuxPlannerConfig
+from pdserve.sched.mux_planner import (
+    MuxMode,
+    MuxPlan,
+    MuxPlanner,
+    MuxPlannerConfig,
+    OnlineCalibration,
+)
 
 log = logging.getLogger(__name__)
 TIMELINE_LENGTH = 20_000  # decisions kept for ``timeline()``; older ones are dropped
@@ -75,11 +81,8 @@ class MultiplexLoop:
         self.config = core.config
         self.ops = ops or make_stream_ops(self.runner.device)
         self.partitions = partitions or build_partitions(self.config, self.runner.device)
-        self.predictor = predictor or load_predictor(self.config, self.runner,
-                                                     self.partitions.total_sms)
-        self.planner = MuxPlanner(self.predictor, self.partitions.decode_sm_choices(),
-                                  self._planner_config(), self.partitions.total_sms)
-        self._pinned: dict[int, MuxPlanner] = {}
+        self.set_predictor(predictor or load_predictor(self.config, self.runner,
+                                                       self.partitions.total_sms))
         self.num_layers = self.runner.model.num_layers
         max_seqs = self.config.scheduler.max_num_seqs
         self.decode_lane = DecodeLane(self.runner, self.ops, max_seqs)
@@ -97,17 +100,21 @@ class MultiplexLoop:
         log.info("multiplex: %r, predictor %s", self.partitions, type(self.predictor).__name__)
 
     def set_predictor(self, predictor, **planner_overrides) -> None:
-        """Re-plans with another latency model (e.g. one just profiled), keeping the graphs."""
+        """Re-plans with another latency model (e.g. one just profiled), keeping the graphs.
+
+        The planners see it through an ``OnlineCalibration`` that mixed steps correct."""
         self.predictor = predictor
-        self.planner = MuxPlanner(predictor, self.partitions.decode_sm_choices(),
-                                  self._planner_config(**planner_overrides),
-                                  self.partitions.total_sms)
-        self._pinned.clear()
+        self.model = OnlineCalibration(predictor)
+        self._overrides = planner_overrides
+        self.planner = MuxPlanner(self.model, self.partitions.decode_sm_choices(),
+                                  self._planner_config(), self.partitions.total_sms)
+        self._pinned: dict[int, MuxPlanner] = {}
 
     def _planner_config(self, **overrides) -> MuxPlannerConfig:
         sched = self.config.scheduler
-        return MuxPlannerConfig(itl_slo_ms=sched.itl_slo_ms, ttft_slo_ms=sched.ttft_slo_ms,
-                                max_prefill_tokens=sched.max_num_batched_tokens, **overrides)
+        fields = dict(itl_slo_ms=sched.itl_slo_ms, ttft_slo_ms=sched.ttft_slo_ms,
+                      max_prefill_tokens=sched.max_num_batched_tokens)
+        return MuxPlannerConfig(**{**fields, **self._overrides, **overrides})
 
     def _graph_partitions(self) -> list[Partition]:
         return [*self.partitions.choices(), self.partitions.whole_gpu]
@@ -255,7 +262,7 @@ class MultiplexLoop:
     def _pinned_planner(self, part: Partition) -> MuxPlanner:
         if part.decode_sms not in self._pinned:
             self._pinned[part.decode_sms] = MuxPlanner(
-                self.predictor, [(part.decode_sms, part.prefill_sms)],
+                self.model, [(part.decode_sms, part.prefill_sms)],
                 self._planner_config(temporal=False), self.partitions.total_sms)
         return self._pinned[part.decode_sms]
 
@@ -312,11 +319,14 @@ class MultiplexLoop:
         if step.is_empty():
             return []
         self.scheduler.launched(step)
+        started = time.perf_counter()
         try:
-            output = self.runner.execute(step)
+            output = self.runner.execute(step)  # returns once the tokens are on the host
         except Exception:
             log.exception("mixed step failed; aborting its %d requests", len(step.scheduled))
             return self._fail(step)
+        if sum(s.num_new_tokens for s in step.prefills) == plan.prefill.num_tokens:
+            self.model.observe_mixed(plan.decode_ms, (time.perf_counter() - started) * 1e3)
         return self._apply(step, output)
 
     # ------------------------------------------------------------- reporting

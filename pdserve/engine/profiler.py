@@ -44,7 +44,7 @@ from pdserve.sched.predictor import (
     LatencyPredictor,
     ProfileRecord,
     predictor_path,
-    train_test_split,
+    stratified_split,
 )
 
 log = logging.getLogger(__name__)
@@ -397,7 +397,7 @@ class ProfileResult:
 def fit_and_save(rows: list[dict], path: Path, *, gpu: str, model: str, num_layers: int,
                  total_sms: int, extra: dict | None = None) -> tuple[LatencyPredictor, dict]:
     """Held-out error of a fit on 80% of the rows; the saved predictor uses all of them."""
-    train, test = train_test_split(rows, test_fraction=0.2, seed=0)
+    train, test = stratified_split(rows, test_fraction=0.2, seed=0)
     names = dict(gpu_name=gpu, model_name=model, num_layers=num_layers, total_sms=total_sms)
     held = LatencyPredictor.fit(train, **names)
     held_out = held.evaluate(test)

@@ -22,6 +22,10 @@ Decision rule, with budget = ITL SLO x safety margin:
    to TEMPORAL: one stream, no partition switch to drain.
 3. If neither is feasible, pick the lowest predicted decode latency among SPATIAL on the
    largest decode partition and DECODE_ONLY on the whole GPU (prefill waits a step).
+   Prefill waits at most ``max_prefill_stall_ms``: once the oldest waiting request has
+   waited that long (or a batch is part-way through its layers), DECODE_ONLY is off the
+   list and the smallest mixed step joins it, so a load whose decode alone breaks the SLO
+   slows decode down instead of starving new prompts.
 
 A prefill batch that is part-way through its layers (started in spatial pieces) must
 finish its layers before a mixed step can take new prompt tokens, so while one is in
@@ -53,6 +57,40 @@ class LatencyModel(Protocol):
     def predict_mixed(self, prefill_tokens: int, prefill_context: int, prefill_batch: int,
                       decode_batch: int, decode_context: int, sms: int | None = None
                       ) -> float: ...
+
+
+class OnlineCalibration:
+    """A latency model whose mixed-step predictions follow what the engine measures.
+
+    The profile times a handful of mixed steps; the serving loop runs many more shapes, and
+    on the H200 a mixed step's wall time (host batch building, eager launches, sampling)
+    ran 10-20% over the fitted composition for small chunks. A planner working to 90% of
+    the ITL SLO then misses it on every step. After each mixed step the engine reports
+    (predicted, measured); the correction factor moves a ``weight`` of the way (in log
+    space) towards their ratio, within ``bounds``, so one odd step cannot swing it far.
+    Spatial decode steps are not corrected: their co-running predictions held on the GPU.
+    """
+
+    def __init__(self, model: LatencyModel, weight: float = 0.2,
+                 bounds: tuple[float, float] = (0.5, 2.0)):
+        self.model, self.weight, self.bounds = model, weight, bounds
+        self.num_layers, self.total_sms = model.num_layers, model.total_sms
+        self.mixed_correction = 1.0
+
+    def predict(self, *args, **kwargs) -> float:
+        return self.model.predict(*args, **kwargs)
+
+    def predict_mixed(self, *args, **kwargs) -> float:
+        return self.mixed_correction * self.model.predict_mixed(*args, **kwargs)
+
+    def observe_mixed(self, predicted_ms: float, measured_ms: float) -> None:
+        """``predicted_ms``: what ``predict_mixed`` said for the step that ran."""
+        if predicted_ms <= 0 or measured_ms <= 0:
+            return
+        low, high = self.bounds
+        ratio = min(max(measured_ms / predicted_ms, low), high)
+        self.mixed_correction = min(max(self.mixed_correction * ratio ** self.weight, low),
+                                    high)
 
 
 class MuxMode(StrEnum):
@@ -131,6 +169,8 @@ class MuxPlannerConfig:
     token_align: int = 64  # chunk sizes are multiples of this (GEMM tiles, graph buckets)
     spatial: bool = True
     temporal: bool = True
+    # Longest a waiting prompt is held back when no option meets the ITL SLO (rule 3).
+    max_prefill_stall_ms: float = 2000.0
 
     @property
     def budget_ms(self) -> float:
@@ -164,8 +204,21 @@ class MuxPlanner:
             feasible.sort(key=lambda p: p.mode != MuxMode.TEMPORAL)
             return max(feasible, key=lambda p: p.prefill_tokens_per_s)
         fallback = [p for p in options if p.mode == MuxMode.SPATIAL]
-        fallback.append(self._decode_only(decode, "no option meets the ITL SLO"))
+        stalled = self._stalled(waiting, in_flight)
+        if stalled:
+            forced = self._temporal(decode, waiting, in_flight, forced=True)
+            fallback += [forced] if forced is not None else []
+        if not (stalled and fallback):
+            fallback.append(self._decode_only(decode, "no option meets the ITL SLO"))
         return min(fallback, key=lambda p: p.decode_ms)
+
+    def _stalled(self, waiting: Sequence[PrefillRequest],
+                 in_flight: InFlightPrefill | None) -> bool:
+        """Prefill has waited its longest; a batch in flight always moves on."""
+        if in_flight is not None:
+            return True
+        waited = [r.waited_ms for r in waiting if r.tokens_remaining > 0]
+        return bool(waited) and max(waited) >= self.config.max_prefill_stall_ms
 
     # ------------------------------------------------------------------ options
 
@@ -209,22 +262,27 @@ class MuxPlanner:
                        self._rate(piece, decode_ms), fits, reason)
 
     def _temporal(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
-                  in_flight: InFlightPrefill | None) -> MuxPlan | None:
+                  in_flight: InFlightPrefill | None, forced: bool = False) -> MuxPlan | None:
+        """The largest chunk that fits the budget; ``forced``: the smallest one, over it."""
         if not self.config.temporal or in_flight is not None:
             return None
         cfg, available = self.config, sum(r.tokens_remaining for r in waiting)
         step = lambda tokens: self._mixed_ms(decode, waiting, tokens)
         smallest = min(available, cfg.min_chunk_tokens)
-        if step(smallest) > cfg.budget_ms:
+        fits = step(smallest) <= cfg.budget_ms
+        if not fits and not forced:
             return None
         largest = min(available, cfg.max_prefill_tokens)
-        chunk = _largest_fitting(step, smallest, largest, cfg.token_align, cfg.budget_ms)
+        chunk = (_largest_fitting(step, smallest, largest, cfg.token_align, cfg.budget_ms)
+                 if fits else smallest)
         chunks = self._gather(waiting, chunk)
         ms = step(chunk)
         piece = PrefillPiece(tuple(chunks), chunk, _prefix_sum(waiting, chunks), len(chunks), 0,
                              self.num_layers, ms)
+        reason = (f"mixed step with a {chunk}-token chunk" if fits else
+                  f"prefill waited {cfg.max_prefill_stall_ms:.0f} ms: smallest mixed step")
         return MuxPlan(MuxMode.TEMPORAL, self.total_sms, self.total_sms, piece, ms,
-                       1e3 * chunk / ms, True, f"mixed step with a {chunk}-token chunk")
+                       1e3 * chunk / ms, fits, reason)
 
     # ------------------------------------------------------------------- pieces
 

@@ -81,15 +81,15 @@ def _features(phase: str, tokens: float, context: float, batch: float, layer_sha
               knee: float) -> tuple[float, ...]:
     t, b = tokens * _TOKENS, max(batch, 1.0)
     bend = max(0.0, tokens - knee) * _TOKENS
-    if phase == "decode":
-        return (1.0, t, bend, context * _TOKENS, b)
+    if phase == "decode":  # one token per request: tokens and batch are the same feature
+        return (1.0, bend, context * _TOKENS, b)
     pairs = tokens * (context + tokens / 2) / b * _PAIRS
     s = layer_share
     return (1.0, s, s * t, s * bend, s * context * _TOKENS, s * pairs, s * b)
 
 
 def _n_features(phase: str) -> int:
-    return 5 if phase == "decode" else 7
+    return 4 if phase == "decode" else 7
 
 
 def _fit_group(phase: str, rows: Sequence[ProfileRecord], num_layers: int) -> _Fit:
@@ -98,11 +98,40 @@ def _fit_group(phase: str, rows: Sequence[ProfileRecord], num_layers: int) -> _F
     for knee in KNEES:
         x = np.array([_row_features(r, num_layers, knee) for r in rows])
         weighted = x / target[:, None]  # relative error: (x @ c - y) / y
-        coef, *_ = np.linalg.lstsq(weighted, np.ones(len(rows)), rcond=None)
+        coef = _nnls(weighted, np.ones(len(rows)))
         err = float(np.sum((weighted @ coef - 1.0) ** 2))
         if best is None or err < best[0]:
             best = (err, _Fit(tuple(float(c) for c in coef), float(knee)))
     return best[1]
+
+
+def _nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-10) -> np.ndarray:
+    """argmin ||a x - b|| over x >= 0 (Lawson-Hanson active set).
+
+    Every feature is a cost (launch overhead, bytes read, FLOPs), so no coefficient may be
+    negative: a free least-squares fit on a dozen rows trades a negative slope against a
+    positive one and then predicts nonsense (even negative times) a little outside them.
+    """
+    n = a.shape[1]
+    x, free = np.zeros(n), np.zeros(n, dtype=bool)
+    for _ in range(3 * n):
+        gradient = a.T @ (b - a @ x)
+        if free.all() or gradient[~free].max(initial=-np.inf) <= tol:
+            break
+        free[np.argmax(np.where(free, -np.inf, gradient))] = True
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            if z[free].min() > 0:
+                x = z
+                break
+            # Step from x towards z until the first free coefficient reaches zero.
+            falling = free & (z <= 0)
+            alpha = np.min(x[falling] / (x[falling] - z[falling]))
+            x = x + alpha * (z - x)
+            free &= x > tol
+            x[~free] = 0.0
+    return x
 
 
 def _row_features(r: ProfileRecord, num_layers: int, knee: float) -> tuple[float, ...]:
@@ -309,6 +338,26 @@ def train_test_split(rows: Sequence, test_fraction: float = 0.2, seed: int = 0
     random.Random(seed).shuffle(order)
     cut = int(round(len(order) * (1 - test_fraction)))
     return order[:cut], order[cut:]
+
+
+def stratified_split(rows: Sequence[ProfileRecord | Mapping], test_fraction: float = 0.2,
+                     seed: int = 0) -> tuple[list, list]:
+    """``train_test_split`` within each fitted group (phase, SMs, co-running).
+
+    A profile holds about ten rows per group, a few more than a group's fit needs; a plain
+    shuffle can leave a group too few training rows, and the held-out error then measures
+    the fallback (another SM count's fit), not the predictor that gets saved.
+    """
+    groups: dict[tuple, list] = defaultdict(list)
+    for row in rows:
+        r = ProfileRecord.of(row)
+        groups[(r.phase, r.sms, r.co_running)].append(row)
+    train, test = [], []
+    for key in sorted(groups):
+        group_train, group_test = train_test_split(groups[key], test_fraction, seed)
+        train += group_train
+        test += group_test
+    return train, test
 
 
 def _geo_mean(values: Sequence[float]) -> float:

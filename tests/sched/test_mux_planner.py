@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import pytest
+
 from pdserve.sched.mux_planner import (
     DecodeLoad,
     InFlightPrefill,
     MuxMode,
     MuxPlanner,
     MuxPlannerConfig,
+    OnlineCalibration,
     PrefillRequest,
 )
 
@@ -131,3 +134,46 @@ def test_ttft_slo_caps_the_batch_behind_an_old_request():
     assert plan.prefill.num_tokens == 2944
     relaxed = planner().plan(None, waiting)
     assert relaxed.prefill.num_tokens == 8000
+
+
+def test_prefill_waits_for_decode_only_up_to_its_stall_limit():
+    huge = DecodeLoad(batch_size=64, context_tokens=64 * 30000)
+    fresh = [PrefillRequest(6000, waited_ms=100)]
+    old = [PrefillRequest(6000, waited_ms=2500)]
+    temporal_only = planner(itl=20.0, spatial=False, max_prefill_stall_ms=2000)
+    assert temporal_only.plan(huge, fresh).mode == MuxMode.DECODE_ONLY
+    plan = temporal_only.plan(huge, old)
+    assert plan.mode == MuxMode.TEMPORAL and not plan.meets_slo
+    assert plan.prefill.num_tokens == 16  # the smallest chunk: least harm to decode
+    both = planner(itl=20.0, max_prefill_stall_ms=2000).plan(huge, old)
+    assert both.prefill is not None and both.prefill.num_tokens > 0
+    assert both.decode_ms == min(plan.decode_ms, planner(itl=20.0, temporal=False,
+                                                         max_prefill_stall_ms=2000)
+                                 .plan(huge, old).decode_ms)
+
+
+def test_measured_mixed_steps_shrink_the_chunk_until_it_fits():
+    model = OnlineCalibration(HandModel())
+    plan = MuxPlanner(model, PARTITIONS, MuxPlannerConfig(
+        itl_slo_ms=50.0, token_align=8, min_chunk_tokens=16, spatial=False))
+    first = plan.plan(LIGHT, PROMPTS)
+    for _ in range(30):  # the GPU runs mixed steps 25% slower than the model says
+        step = plan.plan(LIGHT, PROMPTS)
+        model.observe_mixed(step.decode_ms, 1.25 * step.decode_ms / model.mixed_correction)
+    later = plan.plan(LIGHT, PROMPTS)
+    assert model.mixed_correction == pytest.approx(1.25, rel=0.02)
+    assert later.prefill.num_tokens < first.prefill.num_tokens
+    true_ms = 1.25 * HandModel().predict_mixed(later.prefill.num_tokens, 0, 1, 4, 2000)
+    assert true_ms <= 50.0 * 0.9
+
+
+def test_calibration_is_bounded_and_ignores_nonsense():
+    model = OnlineCalibration(HandModel(), bounds=(0.5, 2.0))
+    for _ in range(100):
+        model.observe_mixed(10.0, 1e6)
+    assert model.mixed_correction == pytest.approx(2.0)
+    model.observe_mixed(0.0, 5.0)
+    model.observe_mixed(5.0, -1.0)
+    assert model.mixed_correction == pytest.approx(2.0)
+    assert model.predict("decode", 4, 2000, 4, 100) == HandModel().predict(
+        "decode", 4, 2000, 4, 100)

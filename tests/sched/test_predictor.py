@@ -1,11 +1,17 @@
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from pdserve.sched.predictor import (
     LatencyPredictor,
     ProfileRecord,
+    _nnls,
     predictor_path,
+    stratified_split,
     train_test_split,
 )
 from pdserve.sched.roofline import RooflinePredictor, synthetic_profile
@@ -124,3 +130,61 @@ def test_train_test_split_is_deterministic_and_disjoint():
 def test_unknown_phase_is_an_error(fitted):
     with pytest.raises(ValueError):
         fitted.predict("mixed", 1, 1, 1, 132)
+
+
+# ------------------------------------------------- rows measured on an H200
+
+H200_ROWS = Path(__file__).parent.parent / "data" / "h200_codellama34b_profile_rows.json"
+
+
+@pytest.fixture(scope="module")
+def h200_runs() -> list[list[dict]]:
+    return list(json.loads(H200_ROWS.read_text())["runs"].values())
+
+
+def test_held_out_error_on_h200_rows_meets_the_targets(h200_runs):
+    train, test = stratified_split(h200_runs[0], test_fraction=0.2, seed=0)
+    report = LatencyPredictor.fit(train, **KEY).evaluate(test)
+    assert report["n"] >= 25
+    assert report["median_rel_err"] <= 0.05 and report["p95_rel_err"] <= 0.15
+
+
+def test_a_fit_on_one_h200_profile_predicts_another_run(h200_runs):
+    first, second = h200_runs
+    for fit_on, check in ((first, second), (second, first)):
+        rows = [r for r in check if r["phase"] != "mixed"]
+        report = LatencyPredictor.fit(fit_on, **KEY).evaluate(rows)
+        assert report["median_rel_err"] <= 0.05 and report["p95_rel_err"] <= 0.15
+
+
+def test_every_profiled_group_keeps_training_rows(h200_runs):
+    train, test = stratified_split(h200_runs[0], test_fraction=0.2, seed=0)
+    group = lambda r: (r["phase"], r["sms"], r["co_running"])
+    assert {group(r) for r in test} <= {group(r) for r in train}
+    assert len(train) + len(test) == len(h200_runs[0])
+
+
+def test_h200_fits_never_predict_negative_costs(h200_runs):
+    pred = LatencyPredictor.fit(h200_runs[0], **KEY)
+    assert all(c >= 0 for f in pred.to_json()["fits"] for c in f["coef"])
+    for sms in (68, 100, 132):  # more tokens never take less time
+        times = [pred.predict("prefill", t, 0, 1, sms, num_layers=6) for t in (64, 256, 1024)]
+        assert 0 < times[0] <= times[1] <= times[2]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_nnls_satisfies_the_optimality_conditions(seed):
+    rng = np.random.default_rng(seed)
+    a, b = rng.normal(size=(12, 5)), rng.normal(size=12)
+    x = _nnls(a, b)
+    gradient = a.T @ (b - a @ x)  # KKT: x >= 0, gradient <= 0, x * gradient == 0
+    assert (x >= 0).all()
+    assert (gradient <= 1e-8).all()
+    assert np.abs(x * gradient).max() <= 1e-8
+
+
+def test_nnls_equals_least_squares_when_that_is_non_negative():
+    rng = np.random.default_rng(7)
+    a = rng.uniform(0.5, 1.5, size=(10, 3))
+    b = a @ np.array([1.0, 2.0, 0.5])
+    assert _nnls(a, b) == pytest.approx([1.0, 2.0, 0.5], rel=1e-9)
