@@ -41,6 +41,9 @@ CHUNKS = (256, 512, 1024, 2048, 4096, 8192)
 CONFIGS = {f"chunk{c}": f"--schedule chunked --chunk-size {c}" for c in CHUNKS}
 # Prefill-first must fit a whole LooGLE prompt in one step.
 CONFIGS["prefill-first"] = "--schedule prefill-first --max-num-batched-tokens 16384"
+# PD-multiplexing against the same SLO; it needs a fitted predictor (`pdserve profile`, or
+# benchmarks/bench_multiplex.py) in $PDSERVE_PROFILE_DIR or ~/.cache/pdserve/profiles.
+CONFIGS["multiplex"] = "--schedule multiplex --itl-slo-ms 60 --max-num-batched-tokens 16384"
 
 WORKLOADS = {
     "full": ("sharegpt:num=150,rate=6,ttft_slo_ms=2000",

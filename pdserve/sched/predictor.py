@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: decode fits lost their token feature (the same as the batch size)
 PHASES = ("decode", "prefill")
 KNEES = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
 _TOKENS = 1e-3  # features in thousands of tokens keep the normal equations well scaled
@@ -316,8 +316,16 @@ class LatencyPredictor:
     @classmethod
     def load(cls, path: str | Path, gpu_name: str | None = None,
              model_name: str | None = None) -> LatencyPredictor:
-        """Loads a saved predictor; with names given, refuses one fitted elsewhere."""
-        pred = cls.from_json(json.loads(Path(path).read_text()))
+        """Loads a saved predictor; with names given, refuses one fitted elsewhere.
+
+        A file of an older format is refitted from the profile rows it carries (the
+        profiler saves them), so a new fitting method needs no new GPU profile."""
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != FORMAT_VERSION and data.get("rows"):
+            pred = cls.fit(data["rows"], gpu_name=data["gpu"], model_name=data["model"],
+                           num_layers=data["num_layers"], total_sms=data["total_sms"])
+        else:
+            pred = cls.from_json(data)
         for want, got, what in ((gpu_name, pred.gpu_name, "GPU"),
                                 (model_name, pred.model_name, "model")):
             if want is not None and want != got:

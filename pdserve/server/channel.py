@@ -97,7 +97,9 @@ class EngineChannel:
         while True:
             try:
                 data = self._reader.recv_bytes()
-            except (EOFError, OSError):
+            # close() from another thread during a blocked recv leaves the connection's
+            # handle None mid-read, which multiprocessing reports as a TypeError.
+            except (EOFError, OSError, TypeError):
                 self._inbox.put(_EOF)
                 return
             self._inbox.put((time.monotonic(), pickle.loads(data)))

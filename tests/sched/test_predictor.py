@@ -188,3 +188,17 @@ def test_nnls_equals_least_squares_when_that_is_non_negative():
     a = rng.uniform(0.5, 1.5, size=(10, 3))
     b = a @ np.array([1.0, 2.0, 0.5])
     assert _nnls(a, b) == pytest.approx([1.0, 2.0, 0.5], rel=1e-9)
+
+
+def test_an_older_format_is_refitted_from_its_rows(h200_runs, tmp_path):
+    rows = h200_runs[0]
+    fresh = LatencyPredictor.fit(rows, **KEY, total_sms=132)
+    old = {**fresh.to_json(), "format": 1, "fits": [], "rows": rows}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    loaded = LatencyPredictor.load(path)
+    assert loaded.predict("decode", 16, 16 * 8192, 16, 64, True) == pytest.approx(
+        fresh.predict("decode", 16, 16 * 8192, 16, 64, True), rel=1e-12)
+    path.write_text(json.dumps({**old, "rows": []}))
+    with pytest.raises(ValueError, match="format"):  # nothing to refit from
+        LatencyPredictor.load(path)
