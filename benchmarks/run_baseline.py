@@ -44,6 +44,9 @@ CONFIGS["prefill-first"] = "--schedule prefill-first --max-num-batched-tokens 16
 # PD-multiplexing against the same SLO; it needs a fitted predictor (`pdserve profile`, or
 # benchmarks/bench_multiplex.py) in $PDSERVE_PROFILE_DIR or ~/.cache/pdserve/profiles.
 CONFIGS["multiplex"] = "--schedule multiplex --itl-slo-ms 60 --max-num-batched-tokens 16384"
+# PD-disaggregation in the same engine: a static split, decode on 56 of the 132 SMs (the
+# README's example; on the H200 a 16 x 8K decode step on 64 SMs ran 14% over the whole GPU).
+CONFIGS["disagg"] = "--schedule disagg --disagg-decode-sms 56 --max-num-batched-tokens 16384"
 
 WORKLOADS = {
     "full": ("sharegpt:num=150,rate=6,ttft_slo_ms=2000",
