@@ -1,0 +1,61 @@
+"""The benchmark scripts' own logic (their GPU runs are not for CI)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_baseline_configs_include_the_schedules_it_compares():
+    baseline = _load("run_baseline")
+    args = argparse.Namespace(smoke=False, configs="chunk512,multiplex,disagg",
+                              model="codellama-34b", port=8100, out="cmp.json",
+                              server_args=None)
+    argv = baseline.build_argv(args)
+    configs = [argv[i + 1] for i, a in enumerate(argv) if a == "--config"]
+    assert configs == ["chunk512=--schedule chunked --chunk-size 512",
+                       f"multiplex={baseline.CONFIGS['multiplex']}",
+                       f"disagg={baseline.CONFIGS['disagg']}"]
+    assert "--schedule multiplex" in baseline.CONFIGS["multiplex"]
+    with pytest.raises(SystemExit, match="unknown config"):
+        baseline.build_argv(argparse.Namespace(**{**vars(args), "configs": "chunk7"}))
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="3">
+<testcase classname="tests.ops.test_a" name="test_ok" time="1.5"/>
+<testcase classname="tests.ops.test_a" name="test_bad" time="0.25"><failure message="x"/></testcase>
+<testcase classname="tests.server.test_e2e" name="test_skip" time="0">
+<skipped message="no"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_gpu_test_record_keeps_every_case_and_outcome(tmp_path, monkeypatch):
+    record = _load("record_gpu_tests")
+    xml, out = tmp_path / "report.xml", tmp_path / "gpu_tests.json"
+    xml.write_text(JUNIT)
+    out.write_text(json.dumps({"device": "NVIDIA H200", "runs": []}))
+    monkeypatch.setattr(sys, "argv", ["record_gpu_tests.py", str(xml), "--revision", "abc",
+                                      "--command", "pytest -m gpu", "--record", str(out)])
+    assert record.main() == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["git_revision"] == "abc"
+    assert [(c["test"], c["outcome"]) for c in run["cases"]] == [
+        ("tests.ops.test_a::test_ok", "passed"), ("tests.ops.test_a::test_bad", "failed"),
+        ("tests.server.test_e2e::test_skip", "skipped")]
+    assert run["summary"].startswith("1 failed, 1 passed, 1 skipped")
