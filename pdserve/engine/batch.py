@@ -104,8 +104,10 @@ class BlockTables:
             index, filled = self._take_row(), 0
         else:
             index, filled, preemptions = state
-            # A preempted request was given new blocks when re-admitted: rewrite its whole row.
+            # A preempted request was given new blocks when re-admitted: rewrite its whole row
+            # (and zero the pages past its new end, so rows stay padded with page 0).
             if preemptions != request.num_preemptions or len(blocks) < filled:
+                self._table[index, len(blocks) : filled] = 0
                 filled = 0
         if len(blocks) > filled:
             self._table[index, filled : len(blocks)] = blocks[filled:]
@@ -129,8 +131,7 @@ def build_host_batch(plan: Plan, tables: BlockTables, block_size: int) -> HostBa
     requests = [s.request for s in scheduled]
     num_seqs = len(requests)
     starts = np.fromiter([r.num_computed for r in requests], dtype=np.int64, count=num_seqs)
-    positions, seq_of_token, query_start_loc = _token_layout(plan, starts)
-    seq_lens = starts + np.diff(query_start_loc)
+    positions, seq_of_token, query_start_loc, seq_lens = _token_layout(plan, starts)
     row_indices = tables.row_indices(requests)
     row_of_token = row_indices if seq_of_token is None else row_indices[seq_of_token]
     slot_mapping = tables.table[row_of_token, positions // block_size].astype(np.int64)
@@ -151,12 +152,14 @@ def build_host_batch(plan: Plan, tables: BlockTables, block_size: int) -> HostBa
 
 
 def _token_layout(plan: Plan, starts: np.ndarray
-                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """Position of each new token, its sequence (None: token i is sequence i) and
-    ``query_start_loc``. A decode-only step, the common one, needs no per-token arrays."""
+                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
+    """Position of each new token, its sequence (None: token i is sequence i),
+    ``query_start_loc`` and each sequence's length after the step (int64).
+
+    A decode-only step, the common one, needs no per-token arrays."""
     num_seqs = len(starts)
     if not plan.prefills:  # one new token per sequence
-        return starts, None, np.arange(num_seqs + 1, dtype=np.int32)
+        return starts, None, np.arange(num_seqs + 1, dtype=np.int32), starts + 1
     counts = np.fromiter([s.num_new_tokens for s in plan.scheduled], dtype=np.int64,
                          count=num_seqs)
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
@@ -164,7 +167,7 @@ def _token_layout(plan: Plan, starts: np.ndarray
     seq_of_token = np.repeat(np.arange(num_seqs), counts)
     positions = (starts[seq_of_token] + np.arange(int(query_start_loc[-1]))
                  - query_start_loc[:-1][seq_of_token])
-    return positions, seq_of_token, query_start_loc
+    return positions, seq_of_token, query_start_loc, starts + counts
 
 
 def _logits_indices(scheduled: list, query_start_loc: np.ndarray) -> np.ndarray:

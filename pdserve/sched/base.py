@@ -14,15 +14,17 @@ from pdserve.config import SchedulerConfig
 from pdserve.engine.request import Request, RequestStatus
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    samples: bool = False  # this step reaches the end of the known tokens: it yields a new one
+    samples: bool  # this step reaches the end of the known tokens: it yields a new one
 
-    def __post_init__(self) -> None:
-        request = self.request  # one made per request per step: kept to plain attribute reads
-        self.samples = request.num_computed + self.num_new_tokens == len(request.token_ids)
+    def __init__(self, request: Request, num_new_tokens: int) -> None:
+        # One is made per running request per step: no __post_init__ call, no properties.
+        self.request = request
+        self.num_new_tokens = num_new_tokens
+        self.samples = request.num_computed + num_new_tokens == len(request.token_ids)
 
 
 @dataclass
