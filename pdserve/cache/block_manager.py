@@ -80,7 +80,7 @@ class BlockManager:
 
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Makes room for ``num_tokens`` tokens in the request's blocks; False if out of blocks."""
-        missing = -(-num_tokens // self.block_size) - len(request.block_ids)
+        missing = self.blocks_needed(num_tokens) - len(request.block_ids)
         if missing <= 0:
             return True  # most decode steps: the last block still has room
         if missing > len(self.free_blocks):
