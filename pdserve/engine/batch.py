@@ -57,54 +57,126 @@ class HostBatch:
 
 
 class BlockTables:
-    """One int32 row of page ids per live request, updated only where blocks were added."""
+    """Page ids of every live request, one row each of a table kept between steps.
+
+    A request keeps its row while it lives, and a row is written only where blocks were
+    added since it was last read, so a decode step copies no page ids except a new last
+    block now and then. A step's block tables are then one gather of its requests' rows.
+    """
 
     def __init__(self, max_blocks_per_seq: int):
         self.width = max_blocks_per_seq
-        self._rows: dict[str, tuple[np.ndarray, int, int]] = {}
+        self._table = np.zeros((16, max_blocks_per_seq), dtype=np.int32)
+        self._free_rows = list(range(15, -1, -1))  # popped from the end: row 0 first
+        # request id -> (row index, blocks written, request.num_preemptions when written)
+        self._rows: dict[str, tuple[int, int, int]] = {}
 
     def row(self, request: Request) -> np.ndarray:
-        row, filled, preemptions = self._rows.get(request.request_id, (None, 0, 0))
-        if row is None:
-            row = np.zeros(self.width, dtype=np.int32)
-        blocks = request.block_ids
-        # A preempted request was given new blocks when re-admitted: rewrite its whole row.
-        if preemptions != request.num_preemptions or len(blocks) < filled:
-            filled = 0
-        if len(blocks) > filled:
-            row[filled : len(blocks)] = blocks[filled:]
-        self._rows[request.request_id] = (row, len(blocks), request.num_preemptions)
-        return row
+        """The request's row, up to date (a view into the table: read it before the next
+        call, which may reallocate the table)."""
+        return self._table[self.row_indices([request])[0]]
+
+    def row_indices(self, requests: list[Request]) -> np.ndarray:
+        """Each request's row index in ``table``, writing blocks added since the last call."""
+        rows, indices = self._rows, []
+        for request in requests:
+            state = rows.get(request.request_id)
+            if state is None or state[1] != len(request.block_ids) \
+                    or state[2] != request.num_preemptions:
+                state = self._refresh(request, state)
+            indices.append(state[0])
+        return np.fromiter(indices, dtype=np.intp, count=len(indices))
+
+    @property
+    def table(self) -> np.ndarray:
+        """[rows, width] int32: row ``row_indices(...)[i]`` holds request i's page ids."""
+        return self._table
 
     def drop(self, request_id: str) -> None:
-        self._rows.pop(request_id, None)
+        state = self._rows.pop(request_id, None)
+        if state is not None:
+            self._free_rows.append(state[0])
+
+    def _refresh(self, request: Request, state: tuple[int, int, int] | None
+                 ) -> tuple[int, int, int]:
+        blocks = request.block_ids
+        if state is None:
+            index, filled = self._take_row(), 0
+        else:
+            index, filled, preemptions = state
+            # A preempted request was given new blocks when re-admitted: rewrite its whole row
+            # (and zero the pages past its new end, so rows stay padded with page 0).
+            if preemptions != request.num_preemptions or len(blocks) < filled:
+                self._table[index, len(blocks) : filled] = 0
+                filled = 0
+        if len(blocks) > filled:
+            self._table[index, filled : len(blocks)] = blocks[filled:]
+        state = (index, len(blocks), request.num_preemptions)
+        self._rows[request.request_id] = state
+        return state
+
+    def _take_row(self) -> int:
+        """A zeroed row (block tables are padded with page 0), growing the table if full."""
+        if not self._free_rows:
+            size = len(self._table)
+            self._table = np.concatenate([self._table, np.zeros_like(self._table)])
+            self._free_rows = list(range(2 * size - 1, size - 1, -1))
+        index = self._free_rows.pop()
+        self._table[index] = 0
+        return index
 
 
 def build_host_batch(plan: Plan, tables: BlockTables, block_size: int) -> HostBatch:
     scheduled = plan.scheduled
-    starts = np.array([s.request.num_computed for s in scheduled], dtype=np.int64)
-    counts = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-    query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
-    np.cumsum(counts, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-    seq_of_token = np.repeat(np.arange(len(scheduled)), counts)
-    positions = starts[seq_of_token] + np.arange(num_tokens) - query_start_loc[:-1][seq_of_token]
-    rows = np.stack([tables.row(s.request) for s in scheduled])
-    slot_mapping = rows[seq_of_token, positions // block_size].astype(np.int64) * block_size
+    requests = [s.request for s in scheduled]
+    num_seqs = len(requests)
+    starts = np.fromiter([r.num_computed for r in requests], dtype=np.int64, count=num_seqs)
+    positions, seq_of_token, query_start_loc, seq_lens = _token_layout(plan, starts)
+    row_indices = tables.row_indices(requests)
+    row_of_token = row_indices if seq_of_token is None else row_indices[seq_of_token]
+    slot_mapping = tables.table[row_of_token, positions // block_size].astype(np.int64)
+    slot_mapping *= block_size
     slot_mapping += positions % block_size
-    max_blocks = int(-(-(starts + counts).max() // block_size))
-    sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
+    max_blocks = int(-(-seq_lens.max() // block_size))
     return HostBatch(
-        input_ids=_gather_input_ids(plan, num_tokens),
+        input_ids=_gather_input_ids(plan, len(positions)),
         positions=positions,
         slot_mapping=slot_mapping,
         query_start_loc=query_start_loc,
-        seq_lens=(starts + counts).astype(np.int32),
-        block_tables=np.ascontiguousarray(rows[:, :max_blocks]),
-        logits_indices=query_start_loc[1:][sampling_rows].astype(np.int64) - 1,
+        seq_lens=seq_lens.astype(np.int32),
+        block_tables=tables.table[row_indices, :max_blocks],
+        logits_indices=_logits_indices(scheduled, query_start_loc),
         num_decode_seqs=len(plan.decodes),
         block_size=block_size,
     )
+
+
+def _token_layout(plan: Plan, starts: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
+    """Position of each new token, its sequence (None: token i is sequence i),
+    ``query_start_loc`` and each sequence's length after the step (int64).
+
+    A decode-only step, the common one, needs no per-token arrays."""
+    num_seqs = len(starts)
+    if not plan.prefills:  # one new token per sequence
+        return starts, None, np.arange(num_seqs + 1, dtype=np.int32), starts + 1
+    counts = np.fromiter([s.num_new_tokens for s in plan.scheduled], dtype=np.int64,
+                         count=num_seqs)
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+    query_start_loc[1:] = np.cumsum(counts)
+    seq_of_token = np.repeat(np.arange(num_seqs), counts)
+    positions = (starts[seq_of_token] + np.arange(int(query_start_loc[-1]))
+                 - query_start_loc[:-1][seq_of_token])
+    return positions, seq_of_token, query_start_loc, starts + counts
+
+
+def _logits_indices(scheduled: list, query_start_loc: np.ndarray) -> np.ndarray:
+    """Row of each sampling request's last new token, in ``plan.sampling`` order."""
+    samples = [s.samples for s in scheduled]
+    if all(samples):
+        return query_start_loc[1:].astype(np.int64) - 1
+    rows = [i for i, sampled in enumerate(samples) if sampled]
+    return query_start_loc[1:][rows].astype(np.int64) - 1
 
 
 def _gather_input_ids(plan: Plan, num_tokens: int) -> np.ndarray:
@@ -113,4 +185,4 @@ def _gather_input_ids(plan: Plan, num_tokens: int) -> np.ndarray:
         start = item.request.num_computed
         ids.extend(item.request.token_ids[start : start + item.num_new_tokens])
     assert len(ids) == num_tokens
-    return np.asarray(ids, dtype=np.int64)
+    return np.fromiter(ids, dtype=np.int64, count=num_tokens)

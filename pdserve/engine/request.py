@@ -84,13 +84,17 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> str | None:
         """Finish reason after the last appended token, or None to continue."""
-        params, last = self.params, self.token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        # Runs for every running request every step: plain reads, no property calls.
+        params, token_ids = self.params, self.token_ids
+        num_tokens = len(token_ids)
+        num_output_tokens = num_tokens - len(self.prompt_token_ids)
+        if num_output_tokens >= params.min_tokens:
+            last = token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:
                 return "stop"
             if last in params.stop_token_ids:
                 return "stop"
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+        if num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
             return "length"
         if self.handoff is not None and self.handoff.is_prefill:
             return HANDOFF_FINISH_REASON  # the decode instance takes it from here

@@ -14,14 +14,17 @@ from pdserve.config import SchedulerConfig
 from pdserve.engine.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True, init=False)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    samples: bool = False  # this step reaches the end of the known tokens: it yields a new one
+    samples: bool  # this step reaches the end of the known tokens: it yields a new one
 
-    def __post_init__(self) -> None:
-        self.samples = self.request.num_computed + self.num_new_tokens == self.request.num_tokens
+    def __init__(self, request: Request, num_new_tokens: int) -> None:
+        # One is made per running request per step: no __post_init__ call, no properties.
+        self.request = request
+        self.num_new_tokens = num_new_tokens
+        self.samples = request.num_computed + num_new_tokens == len(request.token_ids)
 
 
 @dataclass
@@ -94,10 +97,11 @@ class Scheduler:
         logprobs = output.logprobs or [None] * len(output.token_ids)
         sampled = iter(zip(output.token_ids, logprobs, strict=True))
         finished = []
+        commit = self.blocks.commit
         for item in plan.scheduled:
             request = item.request
             request.num_computed += item.num_new_tokens
-            self.blocks.commit(request)
+            commit(request)
             if not item.samples:
                 continue
             token_id, logprob = next(sampled)

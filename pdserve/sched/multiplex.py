@@ -77,7 +77,8 @@ class MultiplexScheduler(Scheduler):
         """One token for every decode-ready request (oldest first, up to ``max_batch``)."""
         plan = Plan()
         for request in self.decode_ready()[:max_batch]:
-            if request not in self.running:  # preempted to make room for an older one
+            # Preempted to make room for an older one (see PrefillFirstScheduler._schedule_decodes).
+            if request in plan.preempted:
                 continue
             if self._grow_or_preempt(request, request.num_tokens, plan):
                 plan.decodes.append(ScheduledRequest(request, 1))

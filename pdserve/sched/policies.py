@@ -35,7 +35,10 @@ class PrefillFirstScheduler(Scheduler):
     def _schedule_decodes(self) -> Plan:
         plan = Plan()
         for request in list(self.running):
-            if request not in self.running:  # preempted while making room for an earlier one
+            # Preempted while making room for an earlier one. Only preemption takes requests
+            # out of ``running`` here, and it records them in the plan: that list is usually
+            # empty, where ``request not in self.running`` was O(batch) per request.
+            if request in plan.preempted:
                 continue
             if self._grow_or_preempt(request, request.num_tokens, plan):
                 plan.add(request, request.num_uncomputed)
@@ -59,7 +62,7 @@ class ChunkedPrefillScheduler(Scheduler):
         for request in ordered:
             if budget <= 0:
                 break
-            if request not in self.running:
+            if request in plan.preempted:  # see PrefillFirstScheduler._schedule_decodes
                 continue
             num_new = min(request.num_uncomputed, budget)
             if self._grow_or_preempt(request, request.num_computed + num_new, plan):
