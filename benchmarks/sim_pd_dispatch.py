@@ -100,6 +100,8 @@ def main() -> int:
     rows = ratio_rows(args, model) if args.ratio else dispatch_rows(args, model)
     config = {k: v for k, v in vars(args).items() if k != "out"}
     config["latency_model"] = model.__dict__
+    if args.ratio:
+        config["ratio_config"] = RatioConfig().__dict__
     result = {**result_header(config), "kind": "simulation", "rows": rows}
     if args.out:
         write_json(result, args.out)

@@ -37,21 +37,35 @@ class GatewayConfig:
 
 @dataclass(frozen=True)
 class RatioConfig:
-    """When the controller moves an instance between roles (P/D-Serve's dynamic ratio)."""
+    """When the controller moves an instance between roles (P/D-Serve's dynamic ratio). It
+    judges the window since its last move (or restart): current pressure, not history."""
 
-    ttft_share_high: float = 0.5
-    """TTFT above this share of E2E latency: prefill is the bottleneck."""
-    ttft_share_low: float = 0.15
-    """TTFT below this share, with few refusals: decode is the bottleneck."""
     reject_rate_high: float = 0.2
-    """Share of requests every prefill instance refused at first, above which prefill is
-    short of capacity."""
-    reject_rate_low: float = 0.05
-    """Below this share of refused requests, prefill can spare an instance."""
+    """Share of the window's requests every prefill instance refused at their first offer,
+    above which prefill is short (if its backlog is not draining)."""
+    ttft_share_high: float = 0.5
+    """Or: TTFT above this share of E2E latency, over requests that arrived in the window
+    (blind dispatch refuses nothing; this is its prefill signal)."""
+    decode_growth_high: float = 0.2
+    """Decode is short when its backlog (requests handed to decode, answer not ended) grew by
+    more than this share of the requests handed to it in the window."""
+    drain: float = 0.1
+    """A side whose backlog shrank over the window by more than this share of the requests
+    it got through is draining: prefill then is not short, and decode (still catching up on
+    a shortage) gives no instance away."""
     min_requests: int = 20
     """Requests a window needs before it is judged."""
-    cooldown_s: float = 30.0
-    """Least time between two moves in one scenario (a moved instance needs time to drain)."""
+    decode_window_s: float = 60.0
+    """Age a window needs before decode backlog growth is judged: after any change a decode
+    instance's backlog fills for about one request's decode time, which is no shortage."""
+    window_s: float = 120.0
+    """A window this old without a move is restarted, so that it stays current."""
+    cooldown_s: float = 20.0
+    """Age a window needs before it is judged; a move opens a new window, so this is also the
+    least time between two moves in one scenario (a moved instance needs time to drain)."""
+    memory_s: float = 600.0
+    """For this long after decode was found short, no move to prefill leaves it that few
+    instances again."""
 
 
 @dataclass(frozen=True)

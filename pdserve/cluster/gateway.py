@@ -80,10 +80,20 @@ class Gateway:
         scenario = self._scenario(http)
         decode = self._pick_decode(scenario)
         transfer_id = uuid.uuid4().hex
-        prefilled = await self._prefill(scenario, kind, body, transfer_id, decode, start)
+        # The ratio controller's window follows each request through prefill and decode.
+        self.metrics.arrived(scenario)
+        try:
+            prefilled = await self._prefill(scenario, kind, body, transfer_id, decode, start)
+        except P.APIError as exc:
+            if exc.status in RELAYED_ERRORS:  # the request's own fault, not load
+                self.metrics.withdrawn(scenario)
+            raise
         self.metrics.prefilled(scenario, time.monotonic() - start)
-        return await self._relay_decode(http, kind, body, transfer_id, decode, prefilled,
-                                        scenario, start)
+        try:
+            return await self._relay_decode(http, kind, body, transfer_id, decode, prefilled,
+                                            scenario, start)
+        finally:
+            self.metrics.decode_ended(scenario)
 
     def _scenario(self, http: web.Request) -> str:
         scenario = http.headers.get(self.config.scenario_header, self.config.default_scenario)
@@ -216,7 +226,8 @@ class Gateway:
             await out.prepare(http)
         await out.write_eof()
         end = time.monotonic()
-        self.metrics.answered(scenario, resp.status, (first or end) - start, end - start)
+        self.metrics.answered(scenario, resp.status, (first or end) - start, end - start,
+                              start)
         return out
 
     async def _cut_short(self, out: web.StreamResponse, decode: Instance,

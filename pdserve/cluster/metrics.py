@@ -1,8 +1,9 @@
 """What the gateway measures: per scenario, latencies and refusals as Prometheus series, and
-a rolling window of the same that the ratio controller judges."""
+a window of the same since the ratio controller's last move (or restart), which it judges."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -15,24 +16,76 @@ _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 6
 
 @dataclass
 class ScenarioWindow:
-    """The latest answered requests of one scenario and the refusals seen meanwhile."""
+    """What one scenario's group did since the window opened (the last move, or the last
+    restart): the ratio controller judges current pressure from it, not history.
 
+    Counts follow requests through the two sides: how many arrived, how many of those every
+    prefill instance refused at their first offer round, how many prefills ended and were
+    handed to decode, how many answers ended. Latencies are kept only for requests that
+    arrived after the window opened: requests that queued before a move would still show
+    the shortage the move relieved."""
+
+    opened: float = 0.0  # when the window opened, on the recorder's clock
     ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     e2e_s: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
-    rejections: int = 0  # requests that every prefill instance refused at first
-    requests: int = 0
+    arrived: int = 0  # requests that came in (each is offered to the prefill instances)
+    rejections: int = 0  # requests that every prefill instance refused at their first round
+    prefilled: int = 0  # prefills that ended and went on to decode
+    answered: int = 0  # answers that ended (any status)
 
     def ttft_share(self) -> float:
         total = sum(self.e2e_s)
         return sum(self.ttft_s) / total if total > 0 else 0.0
 
     def reject_rate(self) -> float:
-        return self.rejections / self.requests if self.requests else 0.0
+        """Share of the window's requests that no prefill instance took at their first offer
+        round. Per request, not per offer: a waiting request is offered again and again."""
+        return self.rejections / self.arrived if self.arrived else 0.0
 
-    def clear(self) -> None:
+    def prefill_shortfall(self) -> int:
+        """Requests that arrived but did not get through prefill in the window: the prefill
+        backlog's growth plus the requests given up on. Negative while a backlog drains."""
+        return self.arrived - self.prefilled
+
+    def decode_shortfall(self) -> int:
+        """Requests handed to decode but not answered in the window: the decode backlog's
+        growth (negative while it drains)."""
+        return self.prefilled - self.answered
+
+    # ---- what the gateway (or the simulator) records ----
+
+    def request_arrived(self) -> None:
+        self.arrived += 1
+
+    def refused_at_first(self) -> None:
+        """A request no prefill instance took at its first offer round (it had to wait)."""
+        self.rejections += 1
+
+    def prefill_ended(self) -> None:
+        """A request's prefill ended and it goes on to decode."""
+        self.prefilled += 1
+
+    def request_withdrawn(self) -> None:
+        """A request that came in turned out malformed (an instance answered 400): it says
+        nothing about load."""
+        self.arrived = max(0, self.arrived - 1)
+
+    def answer_ended(self) -> None:
+        """An answer ended, whatever its status."""
+        self.answered += 1
+
+    def latencies(self, arrived_at: float, ttft_s: float, e2e_s: float) -> None:
+        """A successful answer's latencies, kept if it arrived after the window opened."""
+        if arrived_at >= self.opened:
+            self.ttft_s.append(ttft_s)
+            self.e2e_s.append(e2e_s)
+
+    def clear(self, now: float) -> None:
+        """Opens a fresh window at ``now``."""
+        self.opened = now
         self.ttft_s.clear()
         self.e2e_s.clear()
-        self.rejections = self.requests = 0
+        self.arrived = self.rejections = self.prefilled = self.answered = 0
 
 
 class GatewayMetrics:
@@ -62,28 +115,43 @@ class GatewayMetrics:
                              registry=r)
 
     def window(self, scenario: str) -> ScenarioWindow:
-        return self.windows.setdefault(scenario, ScenarioWindow())
+        window = self.windows.get(scenario)
+        if window is None:
+            window = self.windows[scenario] = ScenarioWindow(opened=time.monotonic())
+        return window
+
+    def arrived(self, scenario: str) -> None:
+        self.window(scenario).request_arrived()
+
+    def withdrawn(self, scenario: str) -> None:
+        self.window(scenario).request_withdrawn()
 
     def prefilled(self, scenario: str, seconds: float) -> None:
+        """A request's prefill ended, ``seconds`` after its arrival; it goes on to decode."""
         self.prefill.labels(scenario).observe(seconds)
+        self.window(scenario).prefill_ended()
 
-    def answered(self, scenario: str, status: int, ttft_s: float, e2e_s: float) -> None:
+    def decode_ended(self, scenario: str) -> None:
+        """The answer of a request handed to decode ended (relayed, or failed)."""
+        self.window(scenario).answer_ended()
+
+    def answered(self, scenario: str, status: int, ttft_s: float, e2e_s: float,
+                 arrived_at: float) -> None:
+        """An answer relayed to its end; ``arrived_at`` is the request's arrival on the clock
+        the ratio windows open on (``time.monotonic``)."""
         self.requests.labels(scenario, str(status)).inc()
         if status != 200:
             return
         self.ttft.labels(scenario).observe(ttft_s)
         self.e2e.labels(scenario).observe(e2e_s)
-        window = self.window(scenario)
-        window.ttft_s.append(ttft_s)
-        window.e2e_s.append(e2e_s)
-        window.requests += 1
+        self.window(scenario).latencies(arrived_at, ttft_s, e2e_s)
 
     def count_rejection(self, instance_id: str) -> None:
         self.rejections.labels(instance_id).inc()
 
     def count_refused_request(self, scenario: str) -> None:
         """A request no prefill instance took at its first offer round (it had to wait)."""
-        self.window(scenario).rejections += 1
+        self.window(scenario).refused_at_first()
 
     def count_unserved(self, scenario: str) -> None:
         self.unserved.labels(scenario).inc()

@@ -31,7 +31,7 @@ import numpy as np
 from pdserve.cluster.config import RatioConfig
 from pdserve.cluster.gateway import DISPATCH, order_prefill
 from pdserve.cluster.metrics import ScenarioWindow
-from pdserve.cluster.ratio import judge
+from pdserve.cluster.ratio import decode_floor, judge
 from pdserve.cluster.registry import Instance
 from pdserve.server.pd import PrefillAdmission
 from pdserve.server.protocol import APIError
@@ -234,6 +234,7 @@ class GroupSim:
         self._turn = 0
         self._open = 0  # requests not yet finished or given up on
         self._last_move = -1e9
+        self._decode_short_at: tuple[int, float] | None = None  # as RatioController keeps
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
         self._open = len(requests)
@@ -248,6 +249,7 @@ class GroupSim:
         return [n for n, r in self.roles.items() if r == role and n not in self.draining]
 
     def _arrive(self, request: SimRequest) -> None:
+        self.window.request_arrived()
         if self.line:  # a newcomer queues behind requests already waiting
             self._wait(request, first=False)
         else:
@@ -264,7 +266,7 @@ class GroupSim:
                 self.load[instance.instance_id] += 1
                 return
         if first_round:
-            self.window.rejections += 1
+            self.window.refused_at_first()
         if self.loop.now - request.arrival + self.retry_poll_s > self.max_wait_s:
             request.unserved = True
             self._open -= 1
@@ -288,6 +290,7 @@ class GroupSim:
     def _prefilled(self, prefill: PrefillSim, request: SimRequest) -> None:
         name = prefill.instance.instance_id
         self.load[name] -= 1
+        self.window.prefill_ended()
         # Counted from the pick, as the gateway does: KV still on the link counts too.
         decode = self.decode[min(self.active("decode"), key=lambda n: (self.decode_load[n], n))]
         self.decode_load[decode.name] += 1
@@ -300,9 +303,9 @@ class GroupSim:
     def _finished(self, decode: DecodeSim, request: SimRequest) -> None:
         self._open -= 1
         self.decode_load[decode.name] -= 1
-        self.window.ttft_s.append(request.first_token - request.arrival)
-        self.window.e2e_s.append(request.finished - request.arrival)
-        self.window.requests += 1
+        self.window.answer_ended()
+        self.window.latencies(request.arrival, request.first_token - request.arrival,
+                              request.finished - request.arrival)
         self._settle(decode.name)
 
     # ---- dynamic P/D ratio ----
@@ -313,10 +316,16 @@ class GroupSim:
         self.loop.at(self.loop.now + self.ratio_interval_s, self._tick)
         if self.draining or self.loop.now - self._last_move < self.ratio.cooldown_s:
             return
-        role = judge(self.window, len(self.active("prefill")), len(self.active("decode")),
-                     self.ratio)
+        num_decode = len(self.active("decode"))
+        floor = decode_floor(self._decode_short_at, self.loop.now, self.ratio)
+        role = judge(self.window, len(self.active("prefill")), num_decode, self.ratio,
+                     self.loop.now, floor)
+        if role == "decode":
+            self._decode_short_at = (num_decode, self.loop.now)
         if role is not None:
             self._move(role)
+        elif self.loop.now - self.window.opened >= self.ratio.window_s:
+            self.window.clear(self.loop.now)  # as RatioController._decide does
 
     def _move(self, role: str) -> None:
         donors = self.active("decode" if role == "prefill" else "prefill")
@@ -326,7 +335,7 @@ class GroupSim:
         self.draining[name] = role
         self.moves.append((self.loop.now, name, role))
         self._last_move = self.loop.now
-        self.window.clear()
+        self.window.clear(self.loop.now)
         self._settle(name)
 
     def _settle(self, name: str) -> None:

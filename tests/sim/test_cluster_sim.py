@@ -94,3 +94,45 @@ def test_a_moved_decode_instance_joins_prefill_once_its_last_decode_finishes():
     assert settled == [{"n1": "prefill"}]  # still decoding at 0.45 s: not yet a prefill one
     assert sim.roles["n1"] == "prefill" and not sim.draining  # joined after its decode ended
     assert all(r.finished is not None for r in requests)
+
+
+# Prefill takes 1 s a request, 2.5 arrive a second: prefill needs 3 instances. A decode
+# instance holds 10 requests of 1,500 tokens, 5 s each: 2 a second, so decode needs 2.
+SHORT_DECODE = LatencyModel(1e-3, 0.0, 0.01, 0.0, 0.0, kv_bytes_per_token=1_000_000,
+                            link_gb_per_s=1.0, decode_kv_tokens=15_000)
+
+
+def _balanced_run(num_prefill: int) -> tuple[GroupSim, float]:
+    from pdserve.cluster.config import RatioConfig
+
+    sim = GroupSim(SHORT_DECODE, num_prefill, 6 - num_prefill, ttft_slo_s=2.0,
+                   max_wait_s=30.0, ratio=RatioConfig())
+    requests = sim.run([SimRequest(i / 2.5, 1000, 500) for i in range(400)])
+    e2e = sorted(r.finished - r.arrival for r in requests if r.finished is not None)
+    return sim, e2e[len(e2e) // 2]
+
+
+def _fewest_decode(sim: GroupSim, num_decode: int) -> int:
+    fewest = num_decode
+    for _, _, role in sim.moves:
+        num_decode += 1 if role == "decode" else -1
+        fewest = min(fewest, num_decode)
+    return fewest
+
+
+def test_ratio_controller_stops_moving_to_prefill_once_it_keeps_up():
+    # From 1P5D a backlog builds before prefill has its 3 instances; its requests keep the
+    # TTFT share of answered requests high long after. The old judge read that as a
+    # shortage and moved on to 5P1D, starving decode (median E2E 16 s against 7 s).
+    sim, median_e2e = _balanced_run(1)
+    assert [role for _, _, role in sim.moves][:2] == ["prefill", "prefill"]
+    assert len(sim.active("prefill")) >= 3
+    assert _fewest_decode(sim, 5) >= 2
+    assert median_e2e < 10.0
+
+
+def test_ratio_controller_rescues_a_decode_starved_group():
+    sim, median_e2e = _balanced_run(5)  # static 5P1D: median E2E 27 s
+    assert sim.moves[0][2] == "decode"
+    assert len(sim.active("decode")) >= 2 and len(sim.active("prefill")) >= 3
+    assert median_e2e < 10.0
