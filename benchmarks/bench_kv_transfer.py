@@ -13,7 +13,10 @@ otherwise). Both variants here use the same wire format, sender and receiver
 The clock runs from the first gather or send until the last byte is in the receiver's pages;
 both ends live in this process (loopback) with a thread per side, as in the engine. The
 result is checked bit for bit. On a GPU (``--device cuda``) the pools are on the device and
-every message is staged through host memory, as the TCP transport does.
+every message is handed to the sender as a device tensor, as the engine does: the transport
+stages it through pinned host memory (a ``.cpu()`` here would time a pageable copy the engine
+never makes instead). The receiver delivers CPU buffers, scattered to the device, as in the
+engine.
 
     python benchmarks/bench_kv_transfer.py --model llama3-8b --tokens 512,2048,8192 \\
         --out benchmarks/results/kv_transfer_cpu.json
@@ -58,7 +61,7 @@ def make_pools(arch, num_tokens: int, device: torch.device, dtype: torch.dtype):
 
 def block_free(source, src_pages, dest, dst_pages, num_tokens, sender, receiver) -> None:
     buffer = gather_blocks(source, src_pages, num_tokens)
-    sender.send(receiver.address, "whole", buffer.cpu() if buffer.is_cuda else buffer)
+    sender.send(receiver.address, "whole", buffer)  # a device buffer is staged by the sender
     scatter_blocks(receiver.recv("whole", timeout=120), dest, dst_pages)
 
 
@@ -71,7 +74,7 @@ def per_block(source, src_pages, dest, dst_pages, num_tokens, sender, receiver) 
         rows = min(BLOCK_SIZE, num_tokens - i * BLOCK_SIZE)
         k, v = source[layer]
         page = torch.stack((k[src_pages[i], :rows], v[src_pages[i], :rows]))[None]
-        sender.send(receiver.address, f"{layer}/{i}", page.cpu() if page.is_cuda else page)
+        sender.send(receiver.address, f"{layer}/{i}", page)
     consumer.join()
 
 

@@ -11,16 +11,27 @@ Copies: pools made by ``allocate_kv_pool`` are one tensor, so every layer's K an
 a single strided view and a transfer is one ``index_select`` / ``index_copy_`` over whole
 pages for all layers, plus one for the used rows of a partial last page. Whole pages move as
 contiguous runs (on a CPU, a copy indexed per token was 15x slower for the same bytes). Any
-other pool falls back to a per-token index, two kernels per layer (K and V).
+other pool falls back to a per-token index, two kernels per layer (K and V). A gathered CPU
+buffer (and a received one, ``tcp.py``) comes from ``host_empty``: memory of earlier buffers,
+already faulted in, since faulting in fresh pages cost as much as the copy itself.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
+import os
+import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer [pages, block, heads, dim]
+# CPU transfer buffers from this size up come from HOST_POOL (see host_empty), which keeps
+# at most this many bytes of idle buffers resident (two 4096-token llama3-8b buffers).
+HOST_POOL_MIN_BYTES = 4 << 20
+HOST_POOL_MAX_IDLE_BYTES = 1 << 30
 
 
 def token_slots(block_ids: Sequence[int], block_size: int, num_tokens: int,
@@ -74,11 +85,13 @@ def gather_blocks(kv_caches: KVCaches, block_ids: Sequence[int], num_tokens: int
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """All layers' K and V of a request's first ``num_tokens`` tokens, contiguous, in the
     module's layout. ``out`` may be a preallocated buffer of that shape (e.g. pinned or
-    registered memory); the copy runs on the current stream."""
+    registered memory); the copy runs on the current stream. Without ``out``, a CPU buffer
+    comes from ``host_empty`` (reused, already faulted-in memory when big)."""
     k_pages = kv_caches[0][0]
     shape = transfer_shape(kv_caches, num_tokens)
     if out is None:
-        out = torch.empty(shape, dtype=k_pages.dtype, device=k_pages.device)
+        out = (host_empty(shape, k_pages.dtype) if k_pages.device.type == "cpu"
+               else torch.empty(shape, dtype=k_pages.dtype, device=k_pages.device))
     elif tuple(out.shape) != shape:
         raise ValueError(f"buffer shape {tuple(out.shape)} is not {shape}")
     whole = flat_pool_view(kv_caches)
@@ -143,3 +156,95 @@ def flat_pool_view(kv_caches: KVCaches) -> torch.Tensor | None:
     shape = (len(kv_caches), 2, pages * block, heads, dim)
     stride = (layer_stride, kv_stride, heads * dim, dim, 1)
     return k0.as_strided(shape, stride, base)
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor for a transfer buffer (a gather's output, a
+    received message), from memory that is already faulted in when there is some.
+
+    ``torch.empty`` of a few MB up is a fresh mapping each time (glibc unmaps big blocks on
+    free), faulted in page by page by whatever first writes it: a gather into it, or the
+    kernel inside ``recv_into``. Measured on the CPU host, that cost as much as the copy
+    itself (128 MiB: a gather 80 ms into fresh memory, 19 ms into touched memory; a
+    loopback receive ~0.5 GB/s into fresh memory, 1.3-1.9 GB/s into touched memory).
+
+    From ``HOST_POOL_MIN_BYTES`` up the tensor is a view of an anonymous mapping taken from
+    ``HOST_POOL``: when the last tensor using it is freed, the mapping goes back there,
+    pages and all, for the next buffer of about its size. (Advising fresh mappings
+    ``MADV_HUGEPAGE`` instead was faster in a tight loop but slower than plain pages at
+    the benchmark's pace on the CPU host, a VM that hands free memory back to its host.)
+    The storage is not resizable. Smaller buffers, and platforms without anonymous
+    ``mmap``, get ``torch.empty``.
+    """
+    count = math.prod(shape)
+    num_bytes = count * dtype.itemsize
+    if num_bytes < HOST_POOL_MIN_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.empty(shape, dtype=dtype)
+    return HOST_POOL.tensor(count, dtype).view(shape)
+
+
+class HostBufferPool:
+    """Anonymous mappings kept resident for reuse once the tensors viewing them are gone.
+
+    Idle mappings are kept up to ``max_idle_bytes`` in all (the oldest unmapped first); a
+    request takes the smallest idle mapping of between 1x and 2x its size, else a new one.
+    A mapping is returned by a finalizer on the memoryview that ``torch.frombuffer`` holds,
+    so it comes back only when no tensor can still reach it, from whichever thread freed
+    the last one.
+    """
+
+    def __init__(self, max_idle_bytes: int) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self._lock = threading.RLock()  # reentrant: a finalizer may run inside a locked call
+        self._idle: list[mmap.mmap] = []  # oldest first
+        self.hits = self.misses = 0
+
+    def tensor(self, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor of ``count`` elements over a pooled mapping."""
+        region = self._take(count * dtype.itemsize)
+        view = memoryview(region)
+        weakref.finalize(view, self._give_back, region).atexit = False
+        return torch.frombuffer(view, dtype=dtype, count=count)
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(len(region) for region in self._idle)
+
+    def clear(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for region in idle:
+            region.close()
+
+    def _take(self, num_bytes: int) -> mmap.mmap:
+        with self._lock:
+            fits = [r for r in self._idle if num_bytes <= len(r) <= 2 * num_bytes]
+            if fits:
+                region = min(fits, key=len)
+                self._idle = [r for r in self._idle if r is not region]
+                self.hits += 1
+                return region
+            self.misses += 1
+        # Pages are faulted in as they are first written, so a header that lies about its
+        # size costs only what its sender really sends.
+        return mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+    def _give_back(self, region: mmap.mmap) -> None:
+        if len(region) > self.max_idle_bytes:
+            region.close()  # over the whole budget: not worth evicting everything else for
+            return
+        evicted = []
+        with self._lock:
+            self._idle.append(region)
+            while sum(len(r) for r in self._idle) > self.max_idle_bytes:
+                evicted.append(self._idle.pop(0))
+        for old in evicted:
+            old.close()
+
+    def _after_fork(self) -> None:
+        self._lock = threading.RLock()  # a thread that held it is gone in the child
+
+
+HOST_POOL = HostBufferPool(HOST_POOL_MAX_IDLE_BYTES)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=HOST_POOL._after_fork)

@@ -21,6 +21,19 @@ into its memory: a long prompt's KV is hundreds of MB, so no intermediate ``byte
 either side. A message that fails validation closes its connection (a byte stream cannot be
 resynchronised after a bad header); the receiver keeps serving every other connection.
 
+Speed (measured on loopback, see ``benchmarks/bench_kv_transfer.py``): the kernel copies
+the bytes once on each side and Python adds no copy, so what was left to lose is page
+faults. A fresh buffer of hundreds of MB, faulted in page by page while ``recv_into`` fills
+it, cost as much as the copy itself; large receive buffers therefore come from
+``kv_blocks.host_empty``, which reuses the memory of buffers already freed. ``recv_into``
+fills the whole remaining buffer per call (a few dozen calls for 128 MiB). The sender
+writes a CPU buffer from a memoryview of its own memory; a CUDA buffer is staged in pinned
+host memory in ``STAGE_CHUNK_BYTES`` pieces, each sent as soon as its device-to-host copy
+has landed, so the copy of one piece overlaps the send of the one before. A receiver made
+with a CUDA ``device`` reads into two pinned chunks in turn and copies each to the device
+buffer while the next is read. Socket buffers are left to the kernel's autotuning: setting
+SO_SNDBUF / SO_RCVBUF caps them at ``net.core.[rw]mem_max`` and was no faster.
+
 There is no acknowledgement on the wire: ``send`` returns once the kernel has taken every
 byte. Delivery is confirmed by the application (the decode side polls for the id and reports
 the request), and an untaken buffer is dropped after ``ttl_s`` so an aborted request cannot
@@ -43,6 +56,7 @@ from typing import Any
 
 import torch
 
+from pdserve.transfer.kv_blocks import host_empty
 from pdserve.transfer.transport import KVLayout, TransferStats
 
 logger = logging.getLogger(__name__)
@@ -58,6 +72,9 @@ MAX_BUFFER_BYTES = 1 << 37
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 LAYOUT_FIELDS = ("num_layers", "num_tokens", "kv_heads", "head_dim")
+# Device <-> host staging piece: big enough that a piece costs one or two syscalls, small
+# enough that the first piece is on the wire while the rest is still being copied.
+STAGE_CHUNK_BYTES = 16 << 20
 
 OnDone = Callable[[BaseException | None], None]
 
@@ -170,10 +187,20 @@ def join_address(host: str, port: int) -> str:
 
 class TcpKVReceiver:
     """Listens for KV buffers; a background thread accepts connections (each may carry many
-    buffers, one after another) and a thread per connection reads them."""
+    buffers, one after another) and a thread per connection reads them.
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, ttl_s: float = 120.0) -> None:
+    Buffers are CPU tensors by default. With a CUDA ``device`` they are device tensors,
+    received through pinned staging chunks (the device buffer is allocated whole when the
+    header arrives) and complete when handed over."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, ttl_s: float = 120.0,
+                 device: str | torch.device = "cpu") -> None:
         self.host, self.port, self.ttl_s = host, port, ttl_s
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"a KV receiver delivers to cpu or cuda, not {self.device}")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"KV receiver for {self.device}: CUDA is not available")
         self.stats = TransferStats()
         self._cond = threading.Condition()  # guards the three dicts, _closed and stats
         self._arrived: dict[str, tuple[torch.Tensor, float]] = {}  # id -> (buffer, arrival)
@@ -314,7 +341,8 @@ class TcpKVReceiver:
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         try:
-            while self._read_message(conn):
+            staging = _DeviceStaging(self.device) if self.device.type == "cuda" else None
+            while self._read_message(conn, staging):
                 pass
         except ProtocolError as exc:
             logger.warning("closing KV connection from %s: %s", peer, exc)
@@ -328,7 +356,7 @@ class TcpKVReceiver:
                 self._connections.pop(conn, None)
             conn.close()
 
-    def _read_message(self, conn: socket.socket) -> bool:
+    def _read_message(self, conn: socket.socket, staging: _DeviceStaging | None) -> bool:
         """Reads one buffer into place; False at a clean end of stream."""
         prefix = bytearray(PREFIX.size)
         if not recv_exactly(conn, memoryview(prefix), eof_ok=True):
@@ -336,8 +364,11 @@ class TcpKVReceiver:
         raw = bytearray(header_length(prefix))
         recv_exactly(conn, memoryview(raw))
         transfer_id, layout = decode_header(raw)
-        buffer = _allocate(layout)
-        recv_exactly(conn, byte_view(buffer))
+        if staging is None:
+            buffer = _allocate(layout)
+            recv_exactly(conn, byte_view(buffer))  # one recv_into per burst the kernel has
+        else:
+            buffer = staging.receive(conn, layout)
         self._deliver(transfer_id, buffer)
         return True
 
@@ -356,12 +387,51 @@ class TcpKVReceiver:
             self._cond.notify_all()
 
 
+def _shape(layout: KVLayout) -> tuple[int, ...]:
+    return (layout.num_layers, 2, layout.num_tokens, layout.kv_heads, layout.head_dim)
+
+
 def _allocate(layout: KVLayout) -> torch.Tensor:
-    shape = (layout.num_layers, 2, layout.num_tokens, layout.kv_heads, layout.head_dim)
     try:
-        return torch.empty(shape, dtype=layout.dtype)
-    except RuntimeError as exc:
+        return host_empty(_shape(layout), layout.dtype)
+    except (RuntimeError, OSError) as exc:  # torch.empty raises the one, mmap the other
         raise ProtocolError(f"cannot allocate {layout.num_bytes} bytes: {exc}") from None
+
+
+class _DeviceStaging:
+    """A CUDA receiver's per-connection staging: two pinned chunks filled from the socket in
+    turn; each is copied to the device on a side stream while the other one fills."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        with torch.cuda.device(device):
+            self.stream = torch.cuda.Stream()
+            self.chunks = [torch.empty(STAGE_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+                           for _ in range(2)]
+            self.copied = [torch.cuda.Event() for _ in range(2)]
+
+    def receive(self, conn: socket.socket, layout: KVLayout) -> torch.Tensor:
+        with torch.cuda.device(self.device):
+            try:
+                buffer = torch.empty(_shape(layout), dtype=layout.dtype, device=self.device)
+            except RuntimeError as exc:  # torch.cuda.OutOfMemoryError included
+                raise ProtocolError(f"cannot allocate {layout.num_bytes} bytes on "
+                                    f"{self.device}: {exc}") from None
+            # The memory may have been freed by work still queued on the current stream;
+            # and if the stream breaks mid-buffer, it must not be reused under our copies.
+            self.stream.wait_stream(torch.cuda.current_stream())
+            buffer.record_stream(self.stream)
+            flat = buffer.view(-1).view(torch.uint8)
+            for index, start in enumerate(range(0, flat.numel(), STAGE_CHUNK_BYTES)):
+                end = min(start + STAGE_CHUNK_BYTES, flat.numel())
+                chunk, copied = self.chunks[index % 2][: end - start], self.copied[index % 2]
+                copied.synchronize()  # this chunk's previous copy to the device has finished
+                recv_exactly(conn, byte_view(chunk))
+                with torch.cuda.stream(self.stream):
+                    flat[start:end].copy_(chunk, non_blocking=True)
+                copied.record(self.stream)
+            self.stream.synchronize()  # handed over complete: any stream may read it
+        return buffer
 
 
 def _shutdown(sock: socket.socket) -> None:
@@ -380,7 +450,9 @@ class _Job:
     transfer_id: str
     header: bytes
     host: torch.Tensor
-    copied: Any  # torch.cuda.Event for a device buffer still being copied, else None
+    # For a device buffer still being copied: (end byte, torch.cuda.Event) per staged piece,
+    # in order; the bytes before ``end`` are valid once its event has completed. Else empty.
+    copied: list[tuple[int, Any]]
     on_done: OnDone | None
 
 
@@ -468,12 +540,10 @@ class TcpKVSender:
     def _deliver(self, job: _Job) -> None:
         if self._closed and threading.current_thread() is not self._worker:
             raise RuntimeError("sender is closed")
-        if job.copied is not None:
-            job.copied.synchronize()  # the device-to-host copy has landed
         payload = byte_view(job.host)
         with self._address_lock(job.address):
             try:
-                self._write_with_retry(job.address, job.header, payload)
+                self._write_with_retry(job.address, job.header, payload, job.copied)
             except OSError as exc:
                 raise ConnectionError(f"cannot send KV buffer {job.transfer_id!r} to "
                                       f"{job.address}: {exc}") from exc
@@ -481,19 +551,25 @@ class TcpKVSender:
             self.stats.num_transfers += 1
             self.stats.num_bytes += len(payload)
 
-    def _write_with_retry(self, address: str, header: bytes, payload: memoryview) -> None:
+    def _write_with_retry(self, address: str, header: bytes, payload: memoryview,
+                          copied: list[tuple[int, Any]]) -> None:
         """Caller holds the address lock. A cached connection may have died since its last
         use (the receiver restarted): that failure earns one fresh connection."""
         for attempt in (0, 1):
             sock, reused = self._connection(address)
             try:
                 sock.sendall(header)
-                sock.sendall(payload)
+                _send_payload(sock, payload, copied)
                 return
             except OSError:
                 self._forget(address)
                 if not reused or attempt == 1:
                     raise
+            except BaseException:
+                # E.g. a failed device copy between pieces: the message is cut short, and
+                # the next one on this connection would be read as the rest of its bytes.
+                self._forget(address)
+                raise
 
     def _connection(self, address: str) -> tuple[socket.socket, bool]:
         """(socket, whether it was cached); caller holds the address lock."""
@@ -524,19 +600,39 @@ class TcpKVSender:
             return self._address_locks.setdefault(address, threading.Lock())
 
 
-def _stage_on_host(buffer: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """A contiguous CPU tensor with the buffer's bytes, plus the CUDA event after which they
-    are valid (None when they already are)."""
+def _send_payload(sock: socket.socket, payload: memoryview,
+                  copied: list[tuple[int, Any]]) -> None:
+    """Writes the payload from its own memory (no copy in Python): a CPU buffer in one
+    ``sendall``; a staged device buffer piece by piece, each once its copy has landed."""
+    start = 0
+    for end, event in copied:
+        event.synchronize()
+        sock.sendall(payload[start:end])
+        start = end
+    if start < len(payload):
+        sock.sendall(payload[start:])
+
+
+def _stage_on_host(buffer: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, Any]]]:
+    """A contiguous CPU tensor with the buffer's bytes, plus (end byte, CUDA event) per
+    piece still being copied into it (empty when the bytes are already valid)."""
     buffer = buffer.detach()
-    if buffer.device.type != "cuda":
-        return buffer.to("cpu").contiguous(), None
+    if not buffer.is_cuda:
+        return buffer.to("cpu").contiguous(), []
     with torch.cuda.device(buffer.device):
-        # Pinned, the copy is queued behind the gather on the current stream and the caller
-        # moves on; the sending thread waits on the event instead.
+        # Pinned, the copies are queued behind the gather on the current stream and the
+        # caller moves on; the sending thread waits on each piece's event and sends it
+        # while the next piece is still being copied.
+        source = buffer.contiguous().view(-1).view(torch.uint8)
         host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
-        host.copy_(buffer, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
+        flat = host.view(-1).view(torch.uint8)
+        copied = []
+        for start in range(0, flat.numel(), STAGE_CHUNK_BYTES):
+            end = min(start + STAGE_CHUNK_BYTES, flat.numel())
+            flat[start:end].copy_(source[start:end], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            copied.append((end, event))
     return host, copied
 
 

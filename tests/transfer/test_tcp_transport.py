@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import multiprocessing
@@ -25,9 +26,11 @@ from pdserve.transfer import (
     TcpKVReceiver,
     TcpKVSender,
     gather_blocks,
+    kv_blocks,
     scatter_blocks,
     tcp,
 )
+from pdserve.transfer.kv_blocks import host_empty
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 WAIT_S = 10.0  # generous upper bound; every wait returns as soon as the bytes are in
@@ -413,3 +416,208 @@ def test_gather_tcp_scatter_into_another_pool(receiver, sender):
     sender.send(receiver.address, "kv", sent)
     scatter_blocks(receiver.recv("kv", timeout=WAIT_S), dst, dst_ids)
     _assert_same_bits(gather_blocks(dst, dst_ids, num_tokens), sent)
+
+
+# --- speed-relevant behaviour: no copies on the send side, cheap pages on the receive side ---
+
+
+def _address_of(view: memoryview) -> int:
+    return torch.frombuffer(view, dtype=torch.uint8).data_ptr() if len(view) else 0
+
+
+def test_cpu_buffer_is_sent_from_its_own_memory(receiver, sender, monkeypatch):
+    """Zero-copy on the sending side: the socket is handed a view of the tensor itself."""
+    sent: list[tuple[int, int]] = []
+    real_send_payload = tcp._send_payload
+
+    def spy(sock, payload, copied):
+        sent.append((_address_of(payload), len(payload)))
+        return real_send_payload(sock, payload, copied)
+
+    monkeypatch.setattr(tcp, "_send_payload", spy)
+    buffer = _random_kv((4, 2, 512, 8, 128), torch.bfloat16, seed=6)  # 8 MiB
+    sender.send(receiver.address, "own", buffer)
+    _assert_same_bits(receiver.recv("own", timeout=WAIT_S), buffer)
+    assert sent == [(buffer.data_ptr(), KVLayout.of(buffer).num_bytes)]
+
+
+class _FakeEvent:
+    """Stands in for a CUDA event of a staged device buffer: records how many payload bytes
+    the receiving end had when the sender waited on it."""
+
+    def __init__(self, log: list[int], received: list[int]) -> None:
+        self.log, self.received = log, received
+
+    def synchronize(self) -> None:
+        self.log.append(self.received[0])
+
+
+def test_staged_payload_goes_piece_by_piece_after_each_copy():
+    """The device path's send loop, on CPU: piece i is written only after its event, and
+    the pieces (and a tail with no event) make up the payload in order."""
+    payload = bytes(random.Random(8).randbytes(5 * 2**20 + 123))
+    ends = [2**20, 3 * 2**20, 5 * 2**20]  # the last 123 bytes have no event
+    waited: list[int] = []
+    received = [0]
+    events = [(end, _FakeEvent(waited, received)) for end in ends]
+    got = bytearray(len(payload))
+    left, right = socket.socketpair()
+    with left, right:
+        def read_all() -> None:
+            view = memoryview(got)
+            while received[0] < len(got):
+                received[0] += right.recv_into(view[received[0]:])
+
+        reader = threading.Thread(target=read_all)
+        reader.start()
+        tcp._send_payload(left, memoryview(payload), events)
+        reader.join(WAIT_S)
+    assert bytes(got) == payload
+    # Each wait came before the bytes of its own piece could have been written.
+    assert len(waited) == 3 and all(
+        seen <= start for seen, start in zip(waited, [0, *ends[:-1]], strict=True))
+
+
+class _Event:
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+
+    def synchronize(self) -> None:
+        if self.fails:
+            raise RuntimeError("device copy failed")
+
+
+def test_failure_between_pieces_drops_the_connection(receiver, sender, monkeypatch):
+    """A staged send that fails after some of its bytes were written reports the error, and
+    the cut-short message cannot make the next one on that address arrive corrupted."""
+    good = _random_kv((2, 2, 256, 8, 64), torch.float16, seed=14)  # 1 MiB
+    sender.send(receiver.address, "warm", good)  # a cached connection, reused below
+    receiver.recv("warm", timeout=WAIT_S)
+    half = KVLayout.of(good).num_bytes // 2
+    real_stage = tcp._stage_on_host
+    monkeypatch.setattr(tcp, "_stage_on_host", lambda tensor: (
+        real_stage(tensor)[0], [(half, _Event()), (2 * half, _Event(fails=True))]))
+    with pytest.raises(RuntimeError, match="device copy failed"):
+        sender.send(receiver.address, "cut", good)
+    assert not sender._connections and sender.stats.num_transfers == 1
+    monkeypatch.undo()
+    sender.send(receiver.address, "next", good)
+    _assert_same_bits(receiver.recv("next", timeout=WAIT_S), good)
+    assert receiver.poll("cut") is None and receiver.pending() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_host_empty_big_and_small(dtype):
+    for shape in [(1, 2, 3, 1, 4), (8, 2, 1024, 4, 64)]:  # tiny, and 4-16 MiB
+        buffer = host_empty(shape, dtype)
+        assert buffer.shape == shape and buffer.dtype == dtype and buffer.device.type == "cpu"
+        assert buffer.is_contiguous()
+        want = _random_kv(shape, dtype, seed=9)
+        buffer.copy_(want)
+        view = buffer[1:]  # the mapping must outlive the tensor it came from
+        del buffer
+        gc.collect()
+        _assert_same_bits(view.contiguous(), want[1:])
+
+
+@pytest.fixture
+def fresh_pool(monkeypatch):
+    """An empty host buffer pool for this test alone (both modules see it)."""
+    pool = kv_blocks.HostBufferPool(kv_blocks.HOST_POOL_MAX_IDLE_BYTES)
+    monkeypatch.setattr(kv_blocks, "HOST_POOL", pool)
+    yield pool
+    pool.clear()
+
+
+def test_big_receive_buffers_reuse_freed_memory(receiver, sender, fresh_pool):
+    """Fresh pages faulted in by recv_into cost as much as the copy: once a big received
+    buffer is freed, the next one of about its size lands in the same memory, and never
+    in memory a live buffer (or a view of one) still uses."""
+    first = _random_kv((2, 2, 1024, 8, 128), torch.float16, seed=7)  # 8 MiB
+    second = _random_kv((2, 2, 1000, 8, 128), torch.float16, seed=8)  # a little smaller
+    sender.send(receiver.address, "first", first)
+    got_first = receiver.recv("first", timeout=WAIT_S)
+    _assert_same_bits(got_first, first)
+    address = got_first.data_ptr()
+    kept = got_first[1]  # a view keeps the memory in use
+    del got_first
+    gc.collect()
+    sender.send(receiver.address, "second", second)
+    got_second = receiver.recv("second", timeout=WAIT_S)
+    _assert_same_bits(got_second, second)
+    assert got_second.data_ptr() != address
+    _assert_same_bits(kept.contiguous(), first[1])
+    del kept, got_second
+    gc.collect()
+    assert fresh_pool.idle_bytes() == (KVLayout.of(first).num_bytes
+                                       + KVLayout.of(second).num_bytes)
+    sender.send(receiver.address, "third", second)
+    got_third = receiver.recv("third", timeout=WAIT_S)
+    _assert_same_bits(got_third, second)
+    assert fresh_pool.hits == 1 and fresh_pool.misses == 2
+    small = host_empty((1, 2, 2, 1, 4), torch.float32)  # below the threshold: torch's own
+    assert small.untyped_storage().resizable()
+
+
+def test_gather_output_comes_from_the_pool(fresh_pool):
+    arch = get_arch(ModelConfig())
+    pool = allocate_kv_pool(arch, 160, 16, torch.bfloat16, torch.device("cpu"))
+    pool[0][0].normal_()
+    gathered = gather_blocks(pool, list(range(160)), 160 * 16)  # 5 MiB
+    assert KVLayout.of(gathered).num_bytes >= kv_blocks.HOST_POOL_MIN_BYTES
+    assert fresh_pool.misses == 1 and fresh_pool.idle_bytes() == 0
+    address = gathered.data_ptr()
+    del gathered
+    gc.collect()
+    again = gather_blocks(pool, list(range(160)), 160 * 16)
+    assert again.data_ptr() == address and fresh_pool.hits == 1
+    assert torch.equal(again[0, 0], pool[0][0].flatten(0, 1))
+
+
+def test_pool_keeps_at_most_its_idle_budget():
+    pool = kv_blocks.HostBufferPool(max_idle_bytes=20 * 2**20)
+    buffers = [pool.tensor(n * 2**20, torch.uint8) for n in (8, 8, 8, 30)]
+    for buffer in buffers:
+        buffer.fill_(1)
+    del buffers, buffer
+    gc.collect()
+    # Two 8 MiB fit, a third pushes the oldest out, 30 MiB alone is over the budget.
+    assert pool.idle_bytes() == 16 * 2**20
+    assert pool.tensor(3 * 2**20, torch.uint8).numel() == 3 * 2**20  # 8 MiB is over 2x
+    assert pool.misses == 5 and pool.hits == 0
+    reused = pool.tensor(5 * 2**20, torch.uint8)
+    assert pool.hits == 1 and reused.numel() == 5 * 2**20
+    del reused
+    pool.clear()
+    assert pool.idle_bytes() == 0
+
+
+def test_receiver_device_must_be_usable():
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        TcpKVReceiver(device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            TcpKVReceiver(device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("to_device", [False, True], ids=["to-host", "to-device"])
+def test_cuda_buffers_are_staged_in_pieces(monkeypatch, to_device):
+    """Device to host to wire in pieces (the last one partial), and on a CUDA receiver from
+    the wire through two pinned chunks to the device."""
+    monkeypatch.setattr(tcp, "STAGE_CHUNK_BYTES", 2**20)
+    whole = _random_kv((3, 2, 700, 8, 128), torch.bfloat16, seed=12).cuda()  # ~8.2 MiB
+    strided = whole[:, :, 100:650]
+    with TcpKVReceiver(device="cuda" if to_device else "cpu") as rx, TcpKVSender() as tx:
+        for transfer_id, buffer in (("whole", whole), ("strided", strided)):
+            tx.send(rx.address, transfer_id, buffer)
+            got = rx.recv(transfer_id, timeout=WAIT_S)
+            assert got.device.type == ("cuda" if to_device else "cpu")
+            _assert_same_bits(got.cpu(), buffer.cpu().contiguous())
+        done = threading.Event()
+        tx.send_async(rx.address, "async", whole, on_done=lambda error: done.set())
+        whole.zero_()  # queued after the staging copies on the same stream
+        assert done.wait(WAIT_S)
+        got = rx.recv("async", timeout=WAIT_S)
+        assert got.reshape(-1).view(torch.uint8).any()
