@@ -315,7 +315,8 @@ class MultiplexLoop:
 
     def _run_mixed(self, plan: MuxPlan, candidates) -> list:
         step = self.scheduler.plan_mixed(candidates, plan.prefill.chunks)
-        self._note(plan, len(step.decodes), sum(s.num_new_tokens for s in step.prefills))
+        prefill_tokens = sum(s.num_new_tokens for s in step.prefills)
+        self._note(plan, len(step.decodes), prefill_tokens)
         if step.is_empty():
             return []
         self.scheduler.launched(step)
@@ -325,7 +326,7 @@ class MultiplexLoop:
         except Exception:
             log.exception("mixed step failed; aborting its %d requests", len(step.scheduled))
             return self._fail(step)
-        if sum(s.num_new_tokens for s in step.prefills) == plan.prefill.num_tokens:
+        if prefill_tokens == plan.prefill.num_tokens:  # the step the prediction was for
             self.model.observe_mixed(plan.decode_ms, (time.perf_counter() - started) * 1e3)
         return self._apply(step, output)
 

@@ -50,7 +50,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -422,8 +422,7 @@ class _DeviceStaging:
             self.stream.wait_stream(torch.cuda.current_stream())
             buffer.record_stream(self.stream)
             flat = buffer.view(-1).view(torch.uint8)
-            for index, start in enumerate(range(0, flat.numel(), STAGE_CHUNK_BYTES)):
-                end = min(start + STAGE_CHUNK_BYTES, flat.numel())
+            for index, (start, end) in enumerate(_pieces(flat.numel())):
                 chunk, copied = self.chunks[index % 2][: end - start], self.copied[index % 2]
                 copied.synchronize()  # this chunk's previous copy to the device has finished
                 recv_exactly(conn, byte_view(chunk))
@@ -561,15 +560,14 @@ class TcpKVSender:
                 sock.sendall(header)
                 _send_payload(sock, payload, copied)
                 return
-            except OSError:
+            except BaseException as exc:
+                # Whatever cut the message short (a socket error, a failed device copy
+                # between pieces), the next one on this connection would be read as the
+                # rest of its bytes: the connection goes. Only a cached one's socket error
+                # earns a retry.
                 self._forget(address)
-                if not reused or attempt == 1:
+                if not isinstance(exc, OSError) or not reused or attempt == 1:
                     raise
-            except BaseException:
-                # E.g. a failed device copy between pieces: the message is cut short, and
-                # the next one on this connection would be read as the rest of its bytes.
-                self._forget(address)
-                raise
 
     def _connection(self, address: str) -> tuple[socket.socket, bool]:
         """(socket, whether it was cached); caller holds the address lock."""
@@ -600,6 +598,12 @@ class TcpKVSender:
             return self._address_locks.setdefault(address, threading.Lock())
 
 
+def _pieces(num_bytes: int) -> Iterator[tuple[int, int]]:
+    """(start, end) byte ranges of ``STAGE_CHUNK_BYTES`` covering ``num_bytes``."""
+    for start in range(0, num_bytes, STAGE_CHUNK_BYTES):
+        yield start, min(start + STAGE_CHUNK_BYTES, num_bytes)
+
+
 def _send_payload(sock: socket.socket, payload: memoryview,
                   copied: list[tuple[int, Any]]) -> None:
     """Writes the payload from its own memory (no copy in Python): a CPU buffer in one
@@ -627,8 +631,7 @@ def _stage_on_host(buffer: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, 
         host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
         flat = host.view(-1).view(torch.uint8)
         copied = []
-        for start in range(0, flat.numel(), STAGE_CHUNK_BYTES):
-            end = min(start + STAGE_CHUNK_BYTES, flat.numel())
+        for start, end in _pieces(flat.numel()):
             flat[start:end].copy_(source[start:end], non_blocking=True)
             event = torch.cuda.Event()
             event.record()
