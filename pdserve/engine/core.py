@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from pdserve.cache.block_manager import BlockManager
 from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
+from pdserve.messages import EngineStats, QueueFullError, RequestUpdate
 from pdserve.model.arch import get_arch, is_checkpoint_dir
 from pdserve.model.tokenizer import load_tokenizer
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
@@ -22,48 +22,6 @@ from pdserve.sched.base import Plan, StepOutput
 from pdserve.sched.policies import make_scheduler
 
 log = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its limit; the client should retry later (HTTP 429)."""
-
-
-@dataclass
-class RequestUpdate:
-    """What one step changed for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[float] | None
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    time: float  # time.monotonic() when the step finished, on the engine's side
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    num_preemptions: int
-    num_steps: int
-    last_batch_decode: int
-    last_batch_prefill_tokens: int
-    # multiplex only: the latest SM split (``EngineCore.timeline()`` has the history)
-    mux_mode: str = ""
-    decode_sms: int = 0
-    prefill_sms: int = 0
-    # disagg only: KV hand-offs from the prefill pool to the decode pool since start
-    kv_transfers: int = 0
-    kv_transfer_bytes: int = 0
 
 
 class EngineCore:

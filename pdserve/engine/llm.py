@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config import EngineConfig
-from pdserve.engine.core import EngineCore, RequestUpdate
+from pdserve.engine.core import EngineCore
+from pdserve.messages import RequestUpdate
 from pdserve.model.tokenizer import IncrementalDetokenizer
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 

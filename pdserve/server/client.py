@@ -13,28 +13,28 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pdserve.handoff import KVHandoff
-from pdserve.sampling_params import SamplingParams
-from pdserve.server.channel import ServerChannel
-from pdserve.server.engine_process import DEFAULT_CORE, run_engine_process
-from pdserve.server.messages import (
+from pdserve.messages import (
     AbortRequests,
     AddRequest,
     EngineDead,
     EngineReady,
+    EngineStats,
     RequestRejected,
+    RequestUpdate,
     Shutdown,
-    StatsSnapshot,
     StepOutputs,
     TimelineQuery,
     TimelineReply,
-    TokenDelta,
 )
+from pdserve.sampling_params import SamplingParams
+from pdserve.server.channel import ServerChannel
+from pdserve.server.engine_process import DEFAULT_CORE, run_engine_process
 from pdserve.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
 
-Items = list[tuple[TokenDelta, float]]
+Items = list[tuple[RequestUpdate, float]]
 """A request's deltas, each with the engine time of its step."""
 
 
@@ -115,7 +115,7 @@ class EngineClient:
         self.tokenizer: Any = None
         self.vocab_size: int | None = None
         self.kv_address: str | None = None
-        self.stats = StatsSnapshot()
+        self.stats = EngineStats()
         self.dead_reason: str | None = None
         self._streams: dict[str, RequestStream] = {}
         self._loop = asyncio.get_running_loop()
@@ -226,7 +226,7 @@ class EngineClient:
             self._on_death("the engine process exited")
 
     def _dispatch(self, message: Any) -> None:
-        if isinstance(message, StatsSnapshot):
+        if isinstance(message, EngineStats):
             self.stats = message
         elif isinstance(message, TimelineReply):
             future = self._queries.get(message.query_id)

@@ -14,21 +14,20 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pdserve.sampling_params import InvalidRequestError
-from pdserve.server.channel import EngineChannel
-from pdserve.server.messages import (
+from pdserve.messages import (
     AbortRequests,
     AddRequest,
     EngineDead,
     EngineReady,
+    QueueFullError,
     RequestRejected,
     Shutdown,
-    StatsSnapshot,
     StepOutputs,
     TimelineQuery,
     TimelineReply,
-    TokenDelta,
 )
+from pdserve.sampling_params import InvalidRequestError
+from pdserve.server.channel import EngineChannel
 
 logger = logging.getLogger(__name__)
 
@@ -145,20 +144,16 @@ class EngineLoop:
         updates = self.core.step()
         now = time.monotonic()
         if updates:
-            self.channel.send(StepOutputs([self._delta(u) for u in updates], now))
-
-    def _delta(self, update: Any) -> TokenDelta:
-        arrival = self._arrivals.pop(update.request_id, None)
-        return TokenDelta(update.request_id, list(update.new_token_ids), update.new_logprobs,
-                          update.finished, update.finish_reason, update.num_prompt_tokens,
-                          update.num_cached_tokens, arrival)
+            for update in updates:
+                update.engine_arrival_time = self._arrivals.pop(update.request_id, None)
+            self.channel.send(StepOutputs(updates, now))
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()
         if not self._stats_dirty or now - self._last_stats < STATS_INTERVAL_S:
             return
         busy = self.core.has_work()
-        snapshot = stats_snapshot(self.core.stats())
+        snapshot = self.core.stats()
         if not busy:  # the last step's batch sizes would otherwise read as current load
             snapshot.last_batch_decode = snapshot.last_batch_prefill_tokens = 0
         self.channel.send(snapshot)
@@ -166,20 +161,10 @@ class EngineLoop:
         self._stats_dirty = busy
 
 
-def stats_snapshot(stats: Any) -> StatsSnapshot:
-    """Copies the engine's stats into the message type (the server never imports the engine)."""
-    snapshot = StatsSnapshot()
-    for name in StatsSnapshot.__dataclass_fields__:
-        if name != "extra" and hasattr(stats, name):
-            setattr(snapshot, name, getattr(stats, name))
-    return snapshot
-
-
 def _rejection(exc: Exception) -> tuple[int, str]:
     if isinstance(exc, InvalidRequestError):
         return 400, str(exc)
-    # Matched by name so this module stays importable without the engine package.
-    if type(exc).__name__ == "QueueFullError":
+    if isinstance(exc, QueueFullError):
         return 429, str(exc) or "the waiting queue is full"
     logger.exception("add_request failed")
     return 500, f"internal error: {type(exc).__name__}: {exc}"

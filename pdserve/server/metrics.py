@@ -21,7 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from pdserve.server.messages import MUX_MODES, StatsSnapshot
+from pdserve.messages import MUX_MODES, EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -44,7 +44,7 @@ class RequestTiming:
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], StatsSnapshot]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("pdserve_time_to_first_token_seconds",
@@ -108,7 +108,7 @@ class BulkHistogram:
 class _EngineCollector:
     """Reads the engine's counters at scrape time from the last snapshot."""
 
-    def __init__(self, stats: Callable[[], StatsSnapshot]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterable[Metric]:
@@ -139,7 +139,7 @@ class _EngineCollector:
         yield from _split_gauges(s)
 
 
-def _split_gauges(s: StatsSnapshot) -> Iterable[Metric]:
+def _split_gauges(s: EngineStats) -> Iterable[Metric]:
     """The latest batch and SM split. Names mention ``batch`` / ``sms`` so that the benchmark's
     timeline poller picks them up and plots SM counts on their own axis."""
     yield _gauge("pdserve_decode_batch_size", "Decode requests in the latest step "

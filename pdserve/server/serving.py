@@ -16,11 +16,11 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.handoff import KVHandoff
+from pdserve.messages import RequestUpdate
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import protocol as P
 from pdserve.server.client import EngineClient, Items, RequestStream
-from pdserve.server.messages import TokenDelta
 from pdserve.server.metrics import RequestTiming, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class Generation:
         return P.Piece(text, ids, texts, logprobs if self.want_logprobs else None, reason,
                        items[-1][1])
 
-    def _note(self, delta: TokenDelta, step_time: float) -> None:
+    def _note(self, delta: RequestUpdate, step_time: float) -> None:
         if delta.engine_arrival_time is not None:
             self.engine_arrival = delta.engine_arrival_time
         if delta.new_token_ids and self.timing.first_token is None:

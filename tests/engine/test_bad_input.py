@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.core import QueueFullError
+from pdserve.messages import QueueFullError
 from pdserve.sampling_params import InvalidRequestError
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from pdserve.bench.plots import _is_secondary
 from pdserve.bench.timeline import parse_prometheus
+from pdserve.messages import MUX_MODES
 from pdserve.sched.mux_planner import MuxMode
-from pdserve.server.messages import MUX_MODES
 
 pytest.importorskip("openai")
 

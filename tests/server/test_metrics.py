@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from pdserve.bench.timeline import parse_prometheus
-from pdserve.server.messages import StatsSnapshot
+from pdserve.messages import EngineStats
 from pdserve.server.metrics import _ITL_BUCKETS, BulkHistogram, ServerMetrics
 
 
@@ -37,7 +37,7 @@ def _lines(registry: CollectorRegistry) -> list[str]:
 
 
 def test_split_gauges_follow_the_snapshot():
-    snapshot = StatsSnapshot(last_batch_decode=12, last_batch_prefill_tokens=384,
+    snapshot = EngineStats(last_batch_decode=12, last_batch_prefill_tokens=384,
                              mux_mode="spatial", decode_sms=48, prefill_sms=84)
     metrics = ServerMetrics(lambda: snapshot)
     found = parse_prometheus(metrics.render().decode(), pattern="batch|sms|mux_mode")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.messages import AbortRequests, RequestUpdate
 from pdserve.server import protocol as P
 from pdserve.server.channel import _FrameReader, encode
-from pdserve.server.messages import AbortRequests, TokenDelta
 
 
 def test_completion_defaults_and_budget():
@@ -45,7 +45,7 @@ def test_bad_sampling_values_are_400():
 
 
 def test_frames_survive_any_split():
-    batches = [[TokenDelta("a", [1, 2], [-0.5, -1.0], True, "length", 3, 2, 1.5)],
+    batches = [[RequestUpdate("a", [1, 2], [-0.5, -1.0], True, "length", 3, 2, 1.5)],
                [AbortRequests(["b" * 1000])]]
     wire = b"".join(encode(b) for b in batches)
     for cut in (1, 3, 4, 5, 100, len(wire) - 1):

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from pdserve.messages import RequestUpdate
 from pdserve.model.tokenizer import ByteTokenizer
 from pdserve.server import protocol as P
 from pdserve.server.client import RequestStream
-from pdserve.server.messages import TokenDelta
 from pdserve.server.serving import Format, Generation, _SSEWriter
 
 MODEL = "tiny"
@@ -64,8 +64,8 @@ def _writer(stop: list[str] | None = None) -> tuple[_SSEWriter, FakeResponse, Fa
     return writer, response, http
 
 
-def _delta(text: str, last: bool = False) -> list[tuple[TokenDelta, float]]:
-    return [(TokenDelta("cmpl-1", list(text.encode()), None, last, "length" if last else None,
+def _delta(text: str, last: bool = False) -> list[tuple[RequestUpdate, float]]:
+    return [(RequestUpdate("cmpl-1", list(text.encode()), None, last, "length" if last else None,
                         2, 0), 1.0)]
 
 
@@ -119,7 +119,7 @@ def test_tokens_after_a_stop_string_are_dropped():
 def test_an_engine_error_reaches_the_handler():
     writer, response, _ = _writer()
     stream = writer.gen.stream
-    failed = [(TokenDelta("cmpl-1", [], None, True, "error", 2, 0), 1.0)]
+    failed = [(RequestUpdate("cmpl-1", [], None, True, "error", 2, 0), 1.0)]
     with pytest.raises(P.APIError):
         _run(writer, [lambda: stream.put(_delta("ab")), lambda: stream.put(failed)])
     assert _texts(response.data) == [("ab", None)]

@@ -1,4 +1,6 @@
-"""Every message that crosses between the HTTP process and the engine process.
+"""Every message that crosses between the HTTP process and the engine process, and what the
+engine returns to any caller (``RequestUpdate`` per step, ``EngineStats``): defined once, below
+both the engine and the server, so neither mirrors the other's types.
 
 The channel pickles lists of these (one list per send), so a step's outputs for all running
 requests travel as one message. Times are ``time.monotonic()`` values: both processes share
@@ -12,6 +14,11 @@ from dataclasses import dataclass, field
 
 from pdserve.handoff import KVHandoff
 from pdserve.sampling_params import SamplingParams
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its limit; the client should retry later (HTTP 429)."""
+
 
 # ---- HTTP process -> engine process -------------------------------------------------------
 
@@ -71,8 +78,8 @@ class EngineDead:
 
 
 @dataclass(slots=True)
-class TokenDelta:
-    """What one step produced for one request."""
+class RequestUpdate:
+    """What one step changed for one request."""
 
     request_id: str
     new_token_ids: list[int]
@@ -81,20 +88,22 @@ class TokenDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    time: float = 0.0
+    """``time.monotonic()`` when the step finished, on the engine's side."""
     engine_arrival_time: float | None = None
-    """Set on a request's first delta only: when the engine process received it."""
+    """Set on a request's first update only, by the engine process: when it received it."""
 
     def __reduce__(self) -> tuple:
         # Positional fields pickle in about half the time of the default slots state, on
         # both sides of the pipe: there is one of these per running request per step.
-        return (TokenDelta, (self.request_id, self.new_token_ids, self.new_logprobs,
+        return (RequestUpdate, (self.request_id, self.new_token_ids, self.new_logprobs,
                              self.finished, self.finish_reason, self.num_prompt_tokens,
-                             self.num_cached_tokens, self.engine_arrival_time))
+                             self.num_cached_tokens, self.time, self.engine_arrival_time))
 
 
 @dataclass(slots=True)
 class StepOutputs:
-    deltas: list[TokenDelta]
+    deltas: list[RequestUpdate]
     time: float
     """When the step's tokens were ready in the engine process."""
 
@@ -122,8 +131,9 @@ MUX_MODES = ("spatial", "temporal", "prefill_only", "decode_only", "idle", "disa
 
 
 @dataclass(slots=True)
-class StatsSnapshot:
-    """The engine's counters, sent at most every few hundred ms while it is busy."""
+class EngineStats:
+    """The engine's counters (``EngineCore.stats()``); the engine process sends them at most
+    every few hundred ms while it is busy."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -153,5 +163,5 @@ class StatsSnapshot:
 
 
 ToEngine = AddRequest | AbortRequests | Shutdown | TimelineQuery
-FromEngine = (EngineReady | EngineDead | StepOutputs | RequestRejected | StatsSnapshot
+FromEngine = (EngineReady | EngineDead | StepOutputs | RequestRejected | EngineStats
               | TimelineReply)
