@@ -24,7 +24,7 @@ import torch
 from pdserve.bench.report import git_revision
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 
 DECODE_BATCHES = (1, 16, 64, 256)

@@ -32,7 +32,7 @@ from pdserve.bench.report import git_revision
 from pdserve.engine.core import EngineCore
 from pdserve.engine.mux_setup import gpu_name
 from pdserve.engine.profiler import QUICK_GRID, ProfileGrid, engine_for_profile, profile_engine
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 from pdserve.sched.predictor import LatencyPredictor
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdserve.engine.request import Request
+from pdserve.request import Request
 
 
 @dataclass

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.request import Request
 from pdserve.ops.metadata import AttentionMetadata
+from pdserve.request import Request
 from pdserve.sched.base import Plan
 
 

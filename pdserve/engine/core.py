@@ -12,11 +12,11 @@ import time
 from pdserve.cache.block_manager import BlockManager
 from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.request import Request, RequestStatus
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
 from pdserve.messages import EngineStats, QueueFullError, RequestUpdate
 from pdserve.model.arch import get_arch, is_checkpoint_dir
 from pdserve.model.tokenizer import load_tokenizer
+from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.sched.base import Plan, StepOutput
 from pdserve.sched.policies import make_scheduler

@@ -36,10 +36,10 @@ from pdserve.engine.batch import BlockTables
 from pdserve.engine.multiplex import TIMELINE_LENGTH, TimelineEntry, wait_for_any
 from pdserve.engine.mux_exec import DecodeLane, HostBuffers, Launch, PrefillBatch
 from pdserve.engine.mux_setup import build_partitions, graph_buckets
-from pdserve.engine.request import Request
 from pdserve.engine.streams import StreamOps, make_stream_ops
 from pdserve.gpu.driver import EmulatedDriver
 from pdserve.gpu.partitions import Partition
+from pdserve.request import Request
 from pdserve.sched.base import Plan
 from pdserve.sched.disagg import DisaggScheduler
 from pdserve.sched.multiplex import MultiplexScheduler

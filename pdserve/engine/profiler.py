@@ -36,8 +36,8 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.mux_exec import HostBuffers, PrefillBatch
 from pdserve.engine.mux_setup import default_profile_dir, gpu_name, model_key
-from pdserve.engine.request import Request, RequestStatus
 from pdserve.gpu.partitions import Partition
+from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 from pdserve.sched.base import Plan, ScheduledRequest
 from pdserve.sched.predictor import (

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.request import Request
+from pdserve.request import Request
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pdserve.cache.block_manager import BlockManager
 from pdserve.config import SchedulerConfig
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.request import Request, RequestStatus
 
 
 @dataclass(slots=True, init=False)

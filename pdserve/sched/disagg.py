@@ -23,7 +23,7 @@ from collections import deque
 
 from pdserve.cache.block_manager import BlockManager
 from pdserve.config import SchedulerConfig
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.request import Request, RequestStatus
 from pdserve.sched.base import Plan
 from pdserve.sched.multiplex import MultiplexScheduler, fcfs_chunks
 

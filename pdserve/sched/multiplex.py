@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from pdserve.engine.request import Request
+from pdserve.request import Request
 from pdserve.sched.base import Plan, ScheduledRequest, Scheduler, StepOutput
 from pdserve.sched.mux_planner import DecodeLoad, InFlightPrefill, PrefillRequest
 

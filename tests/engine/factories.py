@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.cache.block_manager import BlockManager
 from pdserve.config import SchedulerConfig
-from pdserve.engine.request import Request
+from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
 from pdserve.sched.base import Plan, StepOutput
 from pdserve.sched.policies import make_scheduler
