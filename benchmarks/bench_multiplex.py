@@ -30,8 +30,8 @@ import numpy as np
 
 from pdserve.bench.report import git_revision
 from pdserve.engine.core import EngineCore
-from pdserve.engine.mux_setup import gpu_name
 from pdserve.engine.profiler import QUICK_GRID, ProfileGrid, engine_for_profile, profile_engine
+from pdserve.engine.setup import gpu_name
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 from pdserve.sched.predictor import LatencyPredictor
@@ -153,7 +153,7 @@ def main() -> int:
         "command": " ".join(sys.argv), "git_revision": git_revision(),
         "device": gpu_name(engine.runner.device), "torch": torch.__version__,
         "python": platform.python_version(), "model": args.model,
-        "startup_s": startup_s, "partitions": repr(engine.mux.partitions),
+        "startup_s": startup_s, "partitions": repr(engine.scheduler.partitions),
         "profile": asdict(profile),
     }
     result["runs"] = []
@@ -163,10 +163,10 @@ def main() -> int:
         entry = {"itl_slo_ms": slo}
         for name, overrides in modes.items():
             # A fresh planner (and online calibration) per run: runs do not share state.
-            engine.mux.set_predictor(predictor, itl_slo_ms=slo, **overrides)
+            engine.scheduler.set_predictor(predictor, itl_slo_ms=slo, **overrides)
             entry[name] = co_running_run(engine, args.decode_batch, args.context,
                                          args.prompt_tokens, slo, f"{name}-{slo:g}")
-            entry[name]["mixed_correction"] = engine.mux.model.mixed_correction
+            entry[name]["mixed_correction"] = engine.scheduler.model.mixed_correction
             print(json.dumps({k: v for k, v in entry[name].items() if k != "timeline"},
                              indent=1), flush=True)
         result["runs"].append(entry)

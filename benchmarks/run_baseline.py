@@ -9,7 +9,7 @@ tight device budget:
   outputs; ~40 requests decoding at once, real decode pressure without saturating the GPU.
 - loogle: 20 requests at 0.3 req/s (Poisson): ~65 s + ~5 s; prompts 10K-16K tokens (clipped
   to the preset's 16,384-token context), ~2 s of prefill each: 60-70% prefill load, the
-  regime of the SGLang bar in DESIGN.md section 2.
+  regime where PD-multiplexing is meant to hold TPOT while prefill keeps up.
 - SLOs: TPOT 60 ms for both; TTFT 2 s (sharegpt) and 15 s (loogle). The P99 of all ITL
   gaps is reported beside attainment.
 

@@ -61,7 +61,8 @@ class SchedulerConfig:
     mux_predictor: str | None = doc(None, "multiplex: latency predictor JSON from `pdserve "
                                     "profile`, or a folder of them keyed by GPU and model "
                                     "(default: $PDSERVE_PROFILE_DIR or ~/.cache/pdserve/"
-                                    "profiles); a roofline model when none fits.")
+                                    "profiles), or 'roofline' for the analytic model. On a GPU a "
+                                    "missing or mismatched profile stops start-up.")
     disagg_decode_sms: int | None = doc(None, "disagg: SMs of the decode partition (rounded "
                                         "to the driver's granularity; default: 40 percent of the "
                                         "GPU's SMs); prefill gets the rest.")
@@ -75,6 +76,10 @@ class DeviceConfig:
     device: str = doc("auto", "auto (cuda when present), cuda, or cpu.")
     attention_backend: str = doc("auto", "auto (triton on GPU, torch on CPU), triton, torch.")
     enforce_eager: bool = doc(False, "Never use CUDA graphs.")
+    allow_emulated_partitions: bool = doc(
+        False, "multiplex / disagg on a GPU whose green contexts cannot be made: run with "
+        "nominal partitions on ordinary streams (no real SM split; for debugging only) "
+        "instead of stopping at start-up.")
     cuda_graph_max_batch: int = doc(256, "Largest decode batch captured as a CUDA graph.")
 
 

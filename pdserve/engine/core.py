@@ -1,4 +1,16 @@
-"""The engine loop's core: validate and queue requests, run one scheduled step at a time.
+"""The engine loop: validate and queue requests, and one ``step()`` for every policy.
+
+A step (1) collects launches whose event reports done and applies their tokens through the
+policy's ``update_work``; (2) lets requests whose KV arrived from a prefill instance join;
+(3) issues the policy's KV moves; (4) asks the policy for work on its idle lanes and launches
+it; (5) with nothing to return, waits a little for the next completion. Synchronous policies
+(``waits_for_launches``) have each launch waited for at once. Nothing here depends on which
+policy runs.
+
+Ordering across lanes: every launch waits on the events of launches the host has seen
+complete since that lane last launched, and on KV copies issued since. Lanes of multiplex
+and disagg run on other streams, so a decode step never reads KV a prefill is still writing
+and a page freed by one lane is never overwritten before a pending gather reads it.
 
 It never detokenizes: stop strings are matched by whoever streams the text (the server or
 the offline ``LLM``), which aborts the request when one hits.
@@ -11,22 +23,29 @@ import time
 
 from pdserve.cache.block_manager import BlockManager
 from pdserve.config import EngineConfig
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.launch import HostBuffers, Launch
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.setup import EngineSetup, policy_args
+from pdserve.engine.streams import Event
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
 from pdserve.messages import EngineStats, QueueFullError, RequestUpdate
 from pdserve.model.arch import get_arch, is_checkpoint_dir
 from pdserve.model.tokenizer import load_tokenizer
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
-from pdserve.sched.base import Plan, StepOutput
-from pdserve.sched.policies import make_scheduler
+from pdserve.sched.base import Work
+from pdserve.sched.policies import make_scheduler, scheduler_class
 
 log = logging.getLogger(__name__)
+WAIT_FOR_COMPLETION_S = 0.002  # longest a step spins on events before returning empty
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, setup: EngineSetup | None = None):
+        setup = setup or EngineSetup()
         self.config = config
+        self._check_role(config)
         self.arch = get_arch(config.model)
         self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
         if self.max_model_len > self.arch.max_position_embeddings:
@@ -37,43 +56,37 @@ class EngineCore:
             config.model.model if is_checkpoint_dir(config.model.model) else None)
         self.tokenizer = load_tokenizer(tokenizer_path, self.arch)
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
-        self.runner = ModelRunner(config, self.arch, self.max_model_len)
+        self.runner = ModelRunner(config, self.arch, self.max_model_len, setup.ops)
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching)
-        self.scheduler = make_scheduler(config.scheduler, self.blocks, self.max_model_len)
+        self.scheduler = make_scheduler(config.scheduler, self.blocks, self.max_model_len,
+                                        **policy_args(config, self.runner, setup))
+        self.runner.configure(self.scheduler.pool_layout(), self.scheduler.graph_partitions())
+        self.kv = KVConnector(self.runner, config.transfer)
         self.requests: dict[str, Request] = {}
         self._queued: list[RequestUpdate] = []  # aborts and first tokens, out with the next step
         self._counters = {"prompt": 0, "generation": 0, "steps": 0}
-        self._last_plan = Plan()
-        self.mux = None
-        self.disagg = None
-        if config.scheduler.schedule == "multiplex":
-            from pdserve.engine.multiplex import MultiplexLoop
-
-            self.mux = MultiplexLoop(self)
-        elif config.scheduler.schedule == "disagg":
-            from pdserve.engine.disagg import DisaggLoop
-
-            self.mux = self.disagg = DisaggLoop(self)
-        self.kv_link = self._open_kv_link(config)
+        self._in_flight: dict[str, Launch] = {}  # by lane
+        self._buffers = {lane: HostBuffers.make(self.runner.ops, config.scheduler.max_num_seqs)
+                         for lane in self.scheduler.lanes}
+        self._fences: dict[str, list[Event]] = {lane: [] for lane in self.scheduler.lanes}
         self._awaiting_kv: dict[str, Request] = {}  # decode side: by transfer id, FCFS
 
-    def _open_kv_link(self, config: EngineConfig):
+    @staticmethod
+    def _check_role(config: EngineConfig) -> None:
+        """A schedule that cannot serve a P/D role is refused before the model loads."""
         if config.transfer.kv_transfer_port is None:
-            return None
-        if self.mux is not None:
-            raise ValueError("KV transfer across instances needs --schedule chunked or "
-                             f"prefill-first, not {config.scheduler.schedule}")
-        from pdserve.engine.kv_link import KVLink
-
-        link = KVLink(config.transfer, self.runner.kv_caches)
-        log.info("KV receiver listening on %s", link.address)
-        return link
+            return
+        cls = scheduler_class(config.scheduler.schedule)
+        if "prefill" not in cls.roles:
+            raise ValueError(f"--schedule {config.scheduler.schedule} cannot serve a P/D role "
+                             "(it hands KV between its own two pools); use chunked, "
+                             "prefill-first or multiplex")
 
     @property
     def kv_address(self) -> str | None:
         """"host:port" of this instance's KV receiver; None without KV transfer."""
-        return self.kv_link.address if self.kv_link is not None else None
+        return self.kv.address
 
     # ---- requests ----
 
@@ -98,7 +111,7 @@ class EngineCore:
     def _validate_handoff(self, handoff: KVHandoff | None) -> None:
         if handoff is None:
             return
-        if self.kv_link is None:
+        if not self.kv.links_instances:
             raise InvalidRequestError("this instance takes no part in KV transfer (start it "
                                       "with --kv-transfer-port)")
         try:
@@ -117,10 +130,10 @@ class EngineCore:
         reason = request.check_stop(self.max_model_len)
         if reason is not None:  # nothing left to decode: the KV is not needed
             request.status, request.finish_reason = RequestStatus.FINISHED, reason
-            self.kv_link.discard(handoff.transfer_id)
+            self.kv.discard(handoff.transfer_id)
             self._forget(request)
         else:
-            request.deadline = time.monotonic() + self.kv_link.timeout_s
+            request.deadline = time.monotonic() + self.kv.timeout_s
             self._awaiting_kv[handoff.transfer_id] = request
         wanted = [handoff.first_logprob] if request.params.logprobs and \
             handoff.first_logprob is not None else None
@@ -143,12 +156,8 @@ class EngineCore:
             raise InvalidRequestError(
                 f"max_tokens={params.max_tokens} plus the prompt's {len(prompt)} tokens exceeds "
                 f"the model's context of {limit} tokens")
-        needed = self.blocks.blocks_needed(len(prompt) + params.max_tokens)
-        if needed > self.blocks.num_blocks:
-            raise InvalidRequestError(f"the request needs {needed} KV blocks; the pool has "
-                                      f"{self.blocks.num_blocks}")
-        total = len(prompt) + params.max_tokens
-        if self.disagg is not None and (why := self.scheduler.fits(total)):
+        why = self.scheduler.fits(len(prompt) + params.max_tokens)
+        if why is not None:
             raise InvalidRequestError(why)
 
     def abort_request(self, request_id: str) -> None:
@@ -163,66 +172,134 @@ class EngineCore:
             return None
         if self._awaiting_kv.pop(request.handoff.transfer_id, None) is None:
             return None
-        self.kv_link.discard(request.handoff.transfer_id)
+        self.kv.discard(request.handoff.transfer_id)
         request.status, request.finish_reason = RequestStatus.FINISHED, "abort"
         return request
 
     # ---- the loop ----
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._queued) or bool(self._awaiting_kv)
+        return (self.scheduler.has_work() or bool(self._queued) or bool(self._awaiting_kv)
+                or bool(self._in_flight))
 
     def step(self) -> list[RequestUpdate]:
         updates, self._queued = self._queued, []
-        if self.mux is not None:
-            return updates + self.mux.step()
+        updates += self._collect()
         if self._awaiting_kv:
             updates += self._take_arrived_kv()
-        plan = self.scheduler.schedule()
-        self._last_plan = plan
-        if plan.is_empty():
-            if self._awaiting_kv and not updates:
-                self.kv_link.wait_briefly(next(iter(self._awaiting_kv)))
-            return updates
+        for move in self.scheduler.take_moves():
+            self.kv.move(move)
+        updates += self._launch_idle_lanes()
+        if self.scheduler.waits_for_launches:
+            self._wait_all()
+            updates += self._collect()
+        elif not updates and self._in_flight:
+            self._wait_any()
+            updates += self._collect()
+        if not updates and not self._in_flight and self._awaiting_kv:
+            self.kv.wait_briefly(next(iter(self._awaiting_kv)))
+        return updates
+
+    def _launch_idle_lanes(self) -> list[RequestUpdate]:
+        idle = tuple(lane for lane in self.scheduler.lanes if lane not in self._in_flight)
+        failed = []
+        for lane, work in self.scheduler.schedule(idle).items():
+            waits, self._fences[lane] = self._fences[lane], []
+            try:
+                self._in_flight[lane] = self.runner.launch(work, waits, self._buffers[lane])
+            except Exception:
+                # One bad launch must not take the engine down: fail the requests it carried.
+                log.exception("launch failed; failing its %d requests", len(work.plan.scheduled))
+                failed += self._end(self.scheduler.fail(work), sampled=())
+        return failed
+
+    def _collect(self) -> list[RequestUpdate]:
+        updates = []
+        for lane, launch in list(self._in_flight.items()):
+            if launch.event.query():
+                del self._in_flight[lane]
+                self._fence(launch.event)
+                updates += self._complete(launch.work, launch)
+        return updates
+
+    def _fence(self, event: Event) -> None:
+        for fences in self._fences.values():
+            fences.append(event)
+
+    def _complete(self, work: Work, launch: Launch) -> list[RequestUpdate]:
         try:
-            output = self.runner.execute(plan)
+            output = launch.output()
         except Exception:
-            # One bad step must not take the engine down: fail the requests it carried.
-            log.exception("step failed; aborting its %d requests", len(plan.scheduled))
-            return updates + self._fail(plan)
-        exports = self._export_candidates(plan)
-        finished = self.scheduler.update(plan, output)
+            log.exception("launch failed; failing its %d requests", len(work.plan.scheduled))
+            return self._end(self.scheduler.fail(work), sampled=())
+        exports = self._export_candidates(work)
+        ended = self.scheduler.update_work(work, output)
         self._counters["steps"] += 1
         self._counters["generation"] += len(output.token_ids)
-        updates += self._collect(plan, output)
-        for request in finished:
+        sampled = [s.request for s in work.plan.sampling] if output.token_ids else []
+        updates = self._sampled_updates(sampled, output)
+        for request in ended:
             if request.finish_reason == HANDOFF_FINISH_REASON:
-                self._export(request, exports[request.request_id])
+                self._export(request, exports[request.request_id], work.pool)
+        return updates + self._end(ended, sampled)
+
+    def _sampled_updates(self, sampled: list[Request], output) -> list[RequestUpdate]:
+        updates = []
+        logprobs = output.logprobs or [None] * len(output.token_ids)
+        for request, token_id, logprob in zip(sampled, output.token_ids, logprobs, strict=True):
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            wanted = [logprob] if request.params.logprobs and logprob is not None else None
+            updates.append(self._update(request, [token_id], wanted))
+        return updates
+
+    def _end(self, ended: list[Request], sampled) -> list[RequestUpdate]:
+        """Forgets ended requests; those without a token in this step get an update of their
+        own (aborted, failed)."""
+        with_token = {id(r) for r in sampled}
+        updates = [self._update(r, [], None) for r in ended if id(r) not in with_token]
+        for request in ended:
             self._forget(request)
         return updates
 
+    def in_flight(self, lane: str) -> Launch | None:
+        """The launch in flight on ``lane``, if any."""
+        return self._in_flight.get(lane)
+
+    def _wait_all(self) -> None:
+        for launch in self._in_flight.values():
+            launch.event.synchronize()
+
+    def _wait_any(self) -> None:
+        """Spins (yielding the GIL) until one launch completes, or a short deadline."""
+        deadline = time.monotonic() + WAIT_FOR_COMPLETION_S
+        while time.monotonic() < deadline:
+            if any(launch.event.query() for launch in self._in_flight.values()):
+                return
+            time.sleep(0)
+
     # ---- P/D across instances ----
 
-    def _export_candidates(self, plan: Plan) -> dict[str, list[int]]:
-        # Page ids of requests that may hand off in this step, read before ``update`` frees
-        # them; the pages keep their contents until the next ``schedule()`` hands them out.
-        if self.kv_link is None:  # the common engine: no pass over the batch per step
+    def _export_candidates(self, work: Work) -> dict[str, list[int]]:
+        # Page ids of requests that may hand off in this launch, read before ``update`` frees
+        # them; a fence keeps later launches off those pages until the gather has run.
+        if not self.kv.links_instances:  # the common engine: no pass over the batch
             return {}
-        return {s.request.request_id: list(s.request.block_ids) for s in plan.sampling
+        return {s.request.request_id: list(s.request.block_ids) for s in work.plan.sampling
                 if s.request.handoff is not None and s.request.handoff.is_prefill}
 
-    def _export(self, request: Request, block_ids: list[int]) -> None:
+    def _export(self, request: Request, block_ids: list[int], pool: str) -> None:
         handoff = request.handoff
-        self.kv_link.export(handoff.transfer_id, handoff.target, block_ids,
-                            request.num_prompt_tokens)
+        self._fence(self.kv.export(handoff.transfer_id, handoff.target, pool, block_ids,
+                                   request.num_prompt_tokens))
 
     def _take_arrived_kv(self) -> list[RequestUpdate]:
-        """Decode side: requests whose KV is here join the running batch, in arrival order
-        of their requests, while pages and batch slots last; late ones fail."""
+        """Decode side: requests whose KV is here join through the policy, in arrival order,
+        while pages and batch slots last; late ones fail."""
         failed, now = [], time.monotonic()
         for transfer_id, request in list(self._awaiting_kv.items()):
             if request.kv_buffer is None:
-                request.kv_buffer = self.kv_link.arrived(transfer_id)
+                request.kv_buffer = self.kv.arrived(transfer_id)
             if request.kv_buffer is None:
                 if now > request.deadline:
                     failed.append(self._fail_awaiting(transfer_id, "its KV never arrived"))
@@ -236,27 +313,25 @@ class EngineCore:
         return failed
 
     def _admit_prefilled(self, request: Request) -> bool | None:
-        """Scatters the received KV into fresh pages. None: no room yet; False: bad buffer."""
+        """Scatters the received KV into pages the policy reserved. None: no room yet;
+        False: a bad buffer."""
         buffer, num_prompt = request.kv_buffer, request.num_prompt_tokens
         if buffer.shape[2] != num_prompt:
             log.error("%s: received KV for %d tokens, the prompt has %d", request.request_id,
                       buffer.shape[2], num_prompt)
             return False
-        if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs or \
-                not self.blocks.grow(request, num_prompt):
+        pages = self.scheduler.reserve_received(request)
+        if pages is None:
             return None
-        self.kv_link.scatter(buffer, request.block_ids)
+        self._fence(self.kv.scatter(buffer, self.scheduler.received_pool, pages))
         request.kv_buffer = None
-        request.num_computed = num_prompt
-        self.blocks.commit(request)
-        request.status = RequestStatus.RUNNING
-        self.scheduler.running.append(request)
+        self.scheduler.join_received(request)
         return True
 
     def _fail_awaiting(self, transfer_id: str, why: str) -> RequestUpdate:
         request = self._awaiting_kv.pop(transfer_id)
-        log.error("%s: %s within %.0f s", request.request_id, why, self.kv_link.timeout_s)
-        self.kv_link.discard(transfer_id)
+        log.error("%s: %s within %.0f s", request.request_id, why, self.kv.timeout_s)
+        self.kv.discard(transfer_id)
         return self._fail_request(request)
 
     def _fail_request(self, request: Request) -> RequestUpdate:
@@ -266,27 +341,7 @@ class EngineCore:
         self._forget(request)
         return update
 
-    def _collect(self, plan: Plan, output: StepOutput) -> list[RequestUpdate]:
-        updates = []
-        logprobs = output.logprobs or [None] * len(output.token_ids)
-        for item, token_id, logprob in zip(plan.sampling, output.token_ids, logprobs, strict=True):
-            request = item.request
-            if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
-            wanted = [logprob] if request.params.logprobs and logprob is not None else None
-            updates.append(self._update(request, [token_id], wanted))
-        return updates
-
-    def _fail(self, plan: Plan) -> list[RequestUpdate]:
-        failed = []
-        for item in plan.scheduled:
-            request = item.request
-            if request.request_id in self.requests:
-                self.scheduler.abort(request.request_id)
-                request.finish_reason = "error"
-                failed.append(self._update(request, [], None))
-                self._forget(request)
-        return failed
+    # ---- bookkeeping ----
 
     def _update(self, request: Request, tokens: list[int], logprobs) -> RequestUpdate:
         return RequestUpdate(request.request_id, tokens, logprobs, request.is_finished,
@@ -298,57 +353,33 @@ class EngineCore:
         self.runner.forget(request.request_id)
 
     def stats(self) -> EngineStats:
-        plan = self._last_plan
+        pools = list(self.scheduler.pools().values())
+        free = sum(p.num_free_blocks for p in pools)
+        total = sum(p.num_blocks for p in pools)
+        transfers, transfer_bytes = self.kv.transfer_totals()
         stats = EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_usage=self.blocks.usage(), num_free_blocks=self.blocks.num_free_blocks,
-            num_total_blocks=self.blocks.num_blocks,
-            prefix_cache_queries=self.blocks.prefix_queries,
-            prefix_cache_hits=self.blocks.prefix_hits,
+            num_running=self.scheduler.num_running(),
+            num_waiting=len(self.scheduler.waiting) + len(self._awaiting_kv),
+            kv_usage=1.0 - free / total, num_free_blocks=free, num_total_blocks=total,
+            prefix_cache_queries=sum(p.prefix_queries for p in pools),
+            prefix_cache_hits=sum(p.prefix_hits for p in pools),
             prompt_tokens_total=self._counters["prompt"],
             generation_tokens_total=self._counters["generation"],
             num_preemptions=self.scheduler.num_preemptions, num_steps=self._counters["steps"],
-            last_batch_decode=len(plan.decodes),
-            last_batch_prefill_tokens=plan.num_tokens - len(plan.decodes))
-        last = self.mux.last() if self.mux is not None else None
-        if last is not None:
-            stats.mux_mode, stats.decode_sms, stats.prefill_sms = (
-                last.mode, last.decode_sms, last.prefill_sms)
-            stats.last_batch_decode = last.decode_batch
-            stats.last_batch_prefill_tokens = last.prefill_tokens
-        if self.disagg is not None:
-            self._disagg_stats(stats)
-        if self.kv_link is not None:
-            stats.num_waiting += len(self._awaiting_kv)
-            link = self.kv_link
-            sent, received = link.sender.stats, link.receiver.stats
-            stats.kv_transfers = sent.num_transfers + received.num_transfers
-            stats.kv_transfer_bytes = sent.num_bytes + received.num_bytes
+            last_batch_decode=0, last_batch_prefill_tokens=0, kv_transfers=transfers,
+            kv_transfer_bytes=transfer_bytes)
+        self.scheduler.fill_stats(stats)
         return stats
 
     def close(self) -> None:
         """Stops background threads (KV transfer); the engine is unusable afterwards."""
-        if self.kv_link is not None:
-            self.kv_link.close()
-
-    def _disagg_stats(self, stats: EngineStats) -> None:
-        """Both pools together; the prefix cache is the prefill pool's."""
-        prefill, decode = self.scheduler.prefill.blocks, self.scheduler.decode.blocks
-        stats.num_free_blocks = prefill.num_free_blocks + decode.num_free_blocks
-        stats.num_total_blocks = prefill.num_blocks + decode.num_blocks
-        stats.kv_usage = 1.0 - stats.num_free_blocks / stats.num_total_blocks
-        stats.prefix_cache_queries = prefill.prefix_queries
-        stats.prefix_cache_hits = prefill.prefix_hits
-        stats.kv_transfers = self.disagg.num_transfers
-        stats.kv_transfer_bytes = self.disagg.transfer_bytes
+        self.kv.close()
 
     def timeline(self, since: float | None = None) -> list[dict]:
-        """Multiplex: the SM split over time (time, mode, decode/prefill SMs, decode batch,
-        prefill tokens); empty under other policies."""
-        return self.mux.timeline(since) if self.mux is not None else []
+        """Policies that split the GPU: the split over time (time, mode, decode/prefill SMs,
+        decode batch, prefill tokens); empty under the others."""
+        return self.scheduler.timeline(since)
 
     def check_integrity(self) -> None:
-        if self.disagg is not None:
-            return self.scheduler.check_integrity()
-        live = list(self.scheduler.running) + list(self.scheduler.waiting)
-        self.blocks.check_integrity(live)
+        for name, pool in self.scheduler.pools().items():
+            pool.check_integrity(self.scheduler.live_requests(name))

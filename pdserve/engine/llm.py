@@ -8,6 +8,7 @@ from typing import Any
 
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
+from pdserve.engine.setup import EngineSetup
 from pdserve.messages import RequestUpdate
 from pdserve.model.tokenizer import IncrementalDetokenizer
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
@@ -37,9 +38,11 @@ class RequestOutput:
 class LLM:
     """Runs the engine in this process; ``generate`` blocks until every prompt is done."""
 
-    def __init__(self, model: str = "tiny", **engine_options: Any):
+    def __init__(self, model: str = "tiny", setup: EngineSetup | None = None,
+                 **engine_options: Any):
+        """``setup``: parts handed to the engine instead of built (``EngineSetup``)."""
         self.config = EngineConfig.from_flat(model=model, **engine_options)
-        self.engine = EngineCore(self.config)
+        self.engine = EngineCore(self.config, setup)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

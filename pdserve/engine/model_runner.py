@@ -1,4 +1,10 @@
-"""Owns the model, the KV pool and the decode graphs; runs one plan and samples."""
+"""Owns the model, the KV pages and the decode graphs; launches work and samples.
+
+One execution path: ``launch(work, waits, buffers) -> Launch``. A whole batch (decode
+graphs when the batch is pure decode and a graph fits, else eager) and a layer-range piece
+of a prefill batch are variants of one launch; every launch ends by copying its sampled
+tokens to a pinned buffer and recording an event. Synchronous policies launch and wait.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +17,21 @@ from pdserve.cache.kv_pool import allocate_kv_pool, bytes_per_block
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import BlockTables, HostBatch, build_host_batch
 from pdserve.engine.graph_runner import GraphRunner
-from pdserve.engine.sampler import SamplingBatch, sample, worst_case_sampling
+from pdserve.engine.launch import (
+    HostBuffers,
+    KVPool,
+    Launch,
+    PrefillBatch,
+    SamplingInputs,
+    sample_into,
+)
+from pdserve.engine.sampler import sample, worst_case_sampling
+from pdserve.engine.streams import Event, StreamOps, make_stream_ops
+from pdserve.gpu.partitions import Partition
 from pdserve.model.arch import ModelArch
 from pdserve.model.loader import load_model, resolve_dtype
 from pdserve.ops.registry import get_attention_backend
-from pdserve.sched.base import Plan, StepOutput
+from pdserve.sched.base import MAIN_POOL, Plan, StepOutput, Work
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -28,9 +44,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, arch: ModelArch, max_model_len: int):
+    def __init__(self, config: EngineConfig, arch: ModelArch, max_model_len: int,
+                 ops: StreamOps | None = None):
         self.config, self.arch, self.max_model_len = config, arch, max_model_len
         self.device = resolve_device(config.device.device)
+        self.ops = ops or make_stream_ops(self.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.attn_backend = get_attention_backend(config.device.attention_backend, self.device)
@@ -40,8 +58,27 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = allocate_kv_pool(arch, self.num_blocks, self.block_size, self.dtype,
                                           self.device)
-        self.tables = BlockTables(-(-max_model_len // self.block_size))
-        self.graphs = self._capture_graphs()
+        self.pools = {MAIN_POOL: KVPool(self.kv_caches, self._new_tables())}
+
+    def _new_tables(self) -> BlockTables:
+        return BlockTables(-(-self.max_model_len // self.block_size))
+
+    @property
+    def tables(self) -> BlockTables:
+        return self.pools[MAIN_POOL].tables
+
+    def configure(self, layout: dict[str, tuple[int, int]],
+                  graph_partitions: list[Partition] | None) -> None:
+        """Cuts the pages into the policy's pools and captures its decode graphs."""
+        if set(layout) != {MAIN_POOL}:
+            self.pools = {name: KVPool(page_range(self.kv_caches, start, count),
+                                       self._new_tables())
+                          for name, (start, count) in layout.items()}
+        graph_pool = next(reversed(self.pools))  # the last pool decodes (disagg: "decode")
+        if graph_partitions is None:
+            self._capture_whole_gpu_graphs(self.pools[graph_pool])
+        else:
+            self._capture_partition_graphs(self.pools[graph_pool], graph_partitions)
 
     # ---- memory ----
 
@@ -94,42 +131,111 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def _capture_graphs(self) -> GraphRunner | None:
-        if self.device.type != "cuda" or self.config.device.enforce_eager:
-            return None
-        if self.config.scheduler.schedule in ("multiplex", "disagg"):
-            return None  # these loops capture graphs on their own partitions' streams
+    def _graphs_enabled(self) -> bool:
+        return self.device.type == "cuda" and not self.config.device.enforce_eager
+
+    def _capture_whole_gpu_graphs(self, pool: KVPool) -> None:
+        if not self._graphs_enabled():
+            return
         max_batch = min(self.config.device.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
-        runner = GraphRunner(self.model, self.kv_caches, max_batch, self.tables.width,
+        graphs = GraphRunner(self.model, pool.kv_caches, max_batch, pool.tables.width,
                              self.block_size, self.device)
         before = torch.cuda.mem_get_info(self.device)[0]
-        runner.capture()
+        graphs.capture()
         used = before - torch.cuda.mem_get_info(self.device)[0]
         log.info("decode graphs use %.2f GiB", used / GiB)
-        return runner
+        pool.graphs[None] = graphs
 
-    # ---- a step ----
+    def _capture_partition_graphs(self, pool: KVPool, partitions: list[Partition]) -> None:
+        """One graph set per partition, captured on its own decode stream (a graph keeps the
+        SM limit of the stream it was captured on), all in one memory pool."""
+        buckets = graph_buckets(self.config)
+        if not self._graphs_enabled() or not buckets:
+            return
+        memory = torch.cuda.graph_pool_handle()
+        for part in partitions:
+            graphs = GraphRunner(self.model, pool.kv_caches, max(buckets), pool.tables.width,
+                                 self.block_size, self.device, stream=part.decode_stream,
+                                 pool=memory)
+            graphs.buckets = list(buckets)  # replay picks among the captured buckets only
+            graphs.capture(buckets)
+            pool.graphs[part.decode_sms] = graphs
+        log.info("decode graphs: %d partitions x batches %s", len(partitions), buckets)
+
+    # ---- launching ----
 
     @torch.inference_mode()
-    def execute(self, plan: Plan) -> StepOutput:
-        batch = build_host_batch(plan, self.tables, self.block_size)
-        hidden = self._forward(batch)
-        rows = torch.from_numpy(batch.logits_indices).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        requests = [s.request for s in plan.sampling]
-        sampling = SamplingBatch.from_requests(requests, self.arch.vocab_size, self.device)
-        tokens, logprobs = sample(logits, sampling)
-        return StepOutput(token_ids=tokens.tolist(),
-                          logprobs=logprobs.tolist() if logprobs is not None else None)
+    def launch(self, work: Work, waits: list[Event], buffers: HostBuffers) -> Launch:
+        """Issues ``work`` on its stream after ``waits``; returns without waiting for it."""
+        started = time.perf_counter()
+        stream = _stream_of(work)
+        with self.ops.on(stream):
+            for event in waits:
+                self.ops.wait(stream, event)
+            if work.layers is None:
+                num, want = self._launch_whole(work, buffers)
+                event = self.ops.record(stream)
+            else:
+                num, want, event = self._launch_piece(work, stream, buffers)
+        return Launch(work, event, buffers, num, want, (time.perf_counter() - started) * 1e3)
 
-    def _forward(self, batch: HostBatch) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+    def _launch_whole(self, work: Work, buffers: HostBuffers) -> tuple[int, bool]:
+        pool = self.pools[work.pool]
+        batch = build_host_batch(work.plan, pool.tables, self.block_size)
+        inputs = SamplingInputs.of(work.plan, batch.logits_indices, self.arch.vocab_size,
+                                   self.device)
+        hidden = self._forward(batch, pool, work.partition)
+        return sample_into(self.model, hidden, inputs, buffers)
+
+    def _launch_piece(self, work: Work, stream, buffers: HostBuffers) -> tuple[int, bool, Event]:
+        carry = work.carry
+        if carry.state is None:
+            carry.state = PrefillBatch(work.plan, self, self.pools[work.pool])
+        result = carry.state.launch_piece(stream, work.layers, work.final, buffers)
+        if work.final:
+            carry.state = None
+        return result
+
+    def _forward(self, batch: HostBatch, pool: KVPool, part: Partition | None) -> torch.Tensor:
+        graphs = pool.graphs.get(part.decode_sms if part is not None else None)
+        if graphs is not None and graphs.can_run(batch):
+            return graphs.run(batch)
         input_ids, positions, meta = batch.metadata(self.device)
-        return self.model.forward(input_ids, positions, meta, self.kv_caches)
+        return self.model.forward(input_ids, positions, meta, pool.kv_caches)
+
+    def execute(self, plan: Plan, buffers: HostBuffers | None = None) -> StepOutput:
+        """Runs ``plan`` on the whole GPU and waits for its tokens (profiling, tests)."""
+        buffers = buffers or HostBuffers.make(self.ops, max(1, len(plan.sampling)))
+        launch = self.launch(Work(plan), [], buffers)
+        launch.event.synchronize()
+        return launch.output()
 
     def forget(self, request_id: str) -> None:
-        self.tables.drop(request_id)
+        for pool in self.pools.values():
+            pool.tables.drop(request_id)
+
+
+def _stream_of(work: Work):
+    part = work.partition
+    if part is None:
+        return None
+    return part.decode_stream if work.side == "decode" else part.prefill_stream
+
+
+def page_range(kv_caches: list, start: int, count: int) -> list:
+    """Pages [start, start + count) of every layer: views, no new memory."""
+    return [(k[start:start + count], v[start:start + count]) for k, v in kv_caches]
+
+
+def graph_buckets(config: EngineConfig) -> list[int]:
+    """Decode batch sizes captured per partition (fewer than on the whole GPU: one set per
+    split)."""
+    if config.device.enforce_eager:
+        return []
+    most = min(config.device.cuda_graph_max_batch, config.scheduler.max_num_seqs)
+    asked = {int(b) for b in str(config.scheduler.mux_graph_batches).split(",") if b.strip()}
+    buckets = [b for b in asked if b <= most]
+    return sorted(set(buckets) | {most}) if buckets else [most]
 
 
 def largest_step_tokens(sched) -> int:

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.mux_exec import HostBuffers, PrefillBatch
-from pdserve.engine.mux_setup import default_profile_dir, gpu_name, model_key
+from pdserve.engine.launch import HostBuffers
+from pdserve.engine.setup import default_profile_dir, gpu_name, model_key
 from pdserve.gpu.partitions import Partition
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
-from pdserve.sched.base import Plan, ScheduledRequest
+from pdserve.sched.base import BatchCarry, Plan, ScheduledRequest, Work
 from pdserve.sched.predictor import (
     LatencyPredictor,
     ProfileRecord,
@@ -195,17 +195,18 @@ class Fixtures:
 
 class Profiler:
     def __init__(self, engine, grid: ProfileGrid, progress: Callable[[str], None] = log.info):
-        self.engine, self.loop, self.runner = engine, engine.mux, engine.runner
+        self.engine, self.policy, self.runner = engine, engine.scheduler, engine.runner
+        self.ops = self.runner.ops
         self.grid = grid.scaled(self.runner.model.num_layers)
         self.clock = Clock(self.runner.device)
         self.fixtures = Fixtures(engine)
-        self.buffers = HostBuffers.make(self.loop.ops, engine.config.scheduler.max_num_seqs)
+        self.buffers = HostBuffers.make(self.ops, engine.config.scheduler.max_num_seqs)
         self.progress = progress
         self.rows: list[dict] = []
         self.launch_ms: list[float] = []  # host time to issue prefill pieces
 
     def run(self) -> list[dict]:
-        parts = [*self.loop.partitions.choices(), self.loop.partitions.whole_gpu]
+        parts = [*self.policy.partitions.choices(), self.policy.partitions.whole_gpu]
         for part in parts:
             self._phase(f"decode alone on {part.decode_sms} SMs", self._decode_alone, part)
             self._phase(f"prefill alone on {part.prefill_sms} SMs", self._prefill_alone, part)
@@ -236,7 +237,7 @@ class Profiler:
             self.fixtures.release()
 
     def _decode(self, plan: Plan, part: Partition) -> None:
-        self.loop.decode_lane.launch(plan, part, [])
+        self.runner.launch(Work(plan, part), [], self.buffers)
 
     # ---- prefill
 
@@ -252,10 +253,11 @@ class Profiler:
             self.fixtures.release()
 
     def _piece(self, plan: Plan, part: Partition, layers: int) -> None:
-        batch = PrefillBatch(plan, self.runner, self.loop.ops, self.buffers)
-        started = time.perf_counter()
-        batch.launch_piece(part, layers or batch.num_layers, [])
-        self.launch_ms.append((time.perf_counter() - started) * 1e3)
+        total = self.runner.model.num_layers
+        end = min(total, layers or total)
+        work = Work(plan, part, "prefill", layers=(0, end), final=end == total,
+                    carry=BatchCarry())
+        self.launch_ms.append(self.runner.launch(work, [], self.buffers).launch_ms)
 
     def _timed(self, stream: Any, fn: Callable[[], None]) -> float:
         """Median over repeats of one launch's span on ``stream`` (after warm-up)."""
@@ -263,7 +265,7 @@ class Profiler:
             fn()
         spans = []
         for _ in range(max(1, self.grid.repeats)):
-            with self.loop.ops.on(stream):
+            with self.ops.on(stream):
                 start = self.clock.mark(stream)
                 fn()
                 spans.append((start, self.clock.mark(stream)))
@@ -283,7 +285,7 @@ class Profiler:
     def _queue_pieces(self, part: Partition) -> list[Span]:
         spans, stream = [], part.prefill_stream
         points = list(self.grid.co_prefill_points) * self.grid.co_rounds
-        with self.loop.ops.on(stream):
+        with self.ops.on(stream):
             for tokens, prefix, layers in points:
                 plan = self.fixtures.prefill_plan(tokens, prefix)
                 if plan is None:
@@ -317,7 +319,7 @@ class Profiler:
 
     def _co_decode(self, plan: Plan, part: Partition, stream: Any, batch: int, context: int
                    ) -> Span:
-        with self.loop.ops.on(stream):
+        with self.ops.on(stream):
             start = self.clock.mark(stream)
             self._decode(plan, part)
             row = dict(phase="decode", num_tokens=batch, context_tokens=batch * context,
@@ -344,7 +346,7 @@ class Profiler:
     # ---- mixed
 
     def _mixed(self) -> None:
-        total = self.loop.partitions.total_sms
+        total = self.policy.partitions.total_sms
         for chunk, prefix, batch, context in self.grid.mixed_points:
             plan = self.fixtures.decode_plan(batch, context)
             prefill = self.fixtures.prefill_plan(chunk, prefix)
@@ -416,7 +418,7 @@ def profile_engine(engine, grid: ProfileGrid, out: Path | None = None) -> Profil
     started = time.perf_counter()
     profiler = Profiler(engine, grid)
     rows = profiler.run()
-    device, total = engine.runner.device, engine.mux.partitions.total_sms
+    device, total = engine.runner.device, engine.scheduler.partitions.total_sms
     gpu, model = gpu_name(device), model_key(engine.config)
     path = out if out is not None and out.suffix == ".json" else predictor_path(
         out or default_profile_dir(), gpu, model)
@@ -461,6 +463,7 @@ def engine_for_profile(model: str, grid: ProfileGrid, max_model_len: int = 0, **
 
     config = EngineConfig.from_flat(
         model=model, schedule="multiplex", enable_prefix_caching=False,
+        mux_predictor="roofline",  # what is being profiled is the model it replaces
         mux_decode_sms=",".join(map(str, grid.decode_sms)),
         mux_graph_batches=",".join(map(str, grid.decode_batches)),
         max_num_batched_tokens=max(t for t, _, _ in grid.prefill_points),

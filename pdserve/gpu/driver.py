@@ -272,6 +272,7 @@ def create_driver(device: str | int | None = None) -> SmDriver:
         except Exception as exc:  # import errors, old drivers, unsupported devices
             reason = f"green contexts unavailable ({type(exc).__name__}: {exc})"
     emulated = EmulatedDriver(num_sms=_nominal_sms(index))
+    emulated.reason = reason
     logger.warning("SM partitions emulated (%s): %d nominal SMs, no isolation",
                    reason, emulated.num_sms)
     return emulated

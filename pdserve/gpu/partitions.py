@@ -47,6 +47,7 @@ class PartitionSet:
         self.total_sms = total_sms
         self.granularity = granularity
         self.emulated = emulated
+        self.emulation_reason = "emulated partitions" if emulated else None
 
     @classmethod
     def build(cls, driver: SmDriver, decode_sm_options: Iterable[int] | None = None,
@@ -77,13 +78,18 @@ class PartitionSet:
         """Real partitions where green contexts work, emulated ones elsewhere (logged)."""
         driver = create_driver(device)
         try:
-            return cls.build(driver, decode_sm_options)
+            pset = cls.build(driver, decode_sm_options)
         except Exception as exc:  # a driver that splits but cannot make green streams
             if driver.emulated:
                 raise
             logger.warning("SM partitions emulated (building green contexts failed: %s)", exc)
             nominal = EmulatedDriver(num_sms=driver.total_sms(), granule=driver.granularity())
-            return cls.build(nominal, decode_sm_options)
+            pset = cls.build(nominal, decode_sm_options)
+            pset.emulation_reason = f"building green contexts failed: {exc}"
+            return pset
+        if driver.emulated:
+            pset.emulation_reason = getattr(driver, "reason", "") or "no green-context driver"
+        return pset
 
     def choices(self) -> list[Partition]:
         """Spatial partitions, fewest decode SMs first (the whole GPU is ``whole_gpu``)."""

@@ -42,7 +42,11 @@ def get_attention_backend(
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKEND_NAMES}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda" and not triton_available():
+            # The torch reference on a GPU is orders of magnitude slower: never by surprise.
+            raise RuntimeError("attention backend 'auto' on a CUDA device needs the triton "
+                               "package; install it, or ask for --attention-backend torch")
+        name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from pdserve.ops.reference import TorchAttentionBackend
 

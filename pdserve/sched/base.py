@@ -1,7 +1,14 @@
-"""The scheduler interface: ``schedule()`` returns a plan, ``update(plan, output)`` applies it.
+"""The one policy interface: ``schedule(idle_lanes) -> {lane: Work}`` and
+``update(work, output)``.
 
-Policies differ only in how they fill a step (which requests advance by how many tokens);
-admission, KV growth, preemption and bookkeeping are shared here.
+A lane is a slot with at most one launch in flight (the whole GPU for the synchronous
+policies; a decode and a prefill lane for multiplex and disagg). ``EngineCore.step`` collects
+finished launches (``update``), asks the policy for work on its idle lanes (``schedule``) and
+launches it; nothing in the core depends on which policy runs.
+
+Policies differ only in how they fill a launch (which requests advance by how many tokens,
+on which SMs); admission, KV growth, preemption, requests whose KV arrives from another
+instance, and bookkeeping are shared here.
 """
 
 from __future__ import annotations
@@ -11,7 +18,11 @@ from dataclasses import dataclass, field
 
 from pdserve.cache.block_manager import BlockManager
 from pdserve.config import SchedulerConfig
+from pdserve.gpu.partitions import Partition
 from pdserve.request import Request, RequestStatus
+
+MAIN_LANE = "main"  # the synchronous policies' only lane: the whole GPU
+MAIN_POOL = "main"  # the engine's KV pool (disagg cuts it in two)
 
 
 @dataclass(slots=True, init=False)
@@ -61,10 +72,57 @@ class StepOutput:
 
     token_ids: list[int]
     logprobs: list[float] | None = None
+    elapsed_ms: float | None = None  # launch to observed completion, when the engine timed it
+
+
+@dataclass(slots=True)
+class BatchCarry:
+    """A prefill batch run as pieces: the runner keeps its device state here between them."""
+
+    state: object = None
+
+
+@dataclass(slots=True)
+class Work:
+    """One launch a policy asks for on one lane.
+
+    ``layers`` set: a layer range of a prefill batch (``carry`` holds the batch's hidden
+    state between pieces; the runner fills it on the first piece and the policy passes it
+    on to the next). ``layers`` None: the whole model in one launch (decode graphs when the
+    batch is pure decode and a graph fits)."""
+
+    plan: Plan
+    partition: Partition | None = None  # None: the whole GPU, ordinary stream
+    side: str = "decode"  # the partition's stream to launch on: "decode" | "prefill"
+    pool: str = MAIN_POOL  # the KV pool whose page ids the plan's requests hold
+    layers: tuple[int, int] | None = None
+    final: bool = True  # decode steps, whole batches and a batch's last piece: they sample
+    carry: object = None
+    note: object = None  # the policy's own record of why (e.g. the multiplex plan)
+
+
+@dataclass(slots=True)
+class KVMove:
+    """A request's KV copied from one pool's pages to another's (same-GPU disaggregation)."""
+
+    request: Request
+    source_pool: str
+    source_blocks: list[int]
+    target_pool: str
+    target_blocks: list[int]
+    num_tokens: int
+    partition: Partition | None = None  # gather on its prefill stream, scatter on its decode
 
 
 class Scheduler:
-    """Shared state and rules; subclasses implement ``schedule``."""
+    """Shared state and rules of every policy.
+
+    The base is a synchronous one-lane policy: subclasses implement ``plan_step`` and the
+    engine waits for each launch before it schedules the next (``waits_for_launches``)."""
+
+    lanes: tuple[str, ...] = (MAIN_LANE,)
+    waits_for_launches = True
+    roles: tuple[str, ...] = ("standalone", "prefill", "decode")  # P/D roles it can serve
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config
@@ -73,15 +131,99 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.last_work: Work | None = None  # for stats: what ran most recently
 
-    def schedule(self) -> Plan:
+    # ---- the policy interface ----
+
+    def schedule(self, idle_lanes: tuple[str, ...] = (MAIN_LANE,)) -> dict[str, Work]:
+        if MAIN_LANE not in idle_lanes:
+            return {}
+        plan = self.plan_step()
+        if plan.is_empty():
+            return {}
+        self.last_work = Work(plan)
+        return {MAIN_LANE: self.last_work}
+
+    def plan_step(self) -> Plan:
+        """One whole-GPU step of this policy."""
         raise NotImplementedError
+
+    def update_work(self, work: Work, output: StepOutput) -> list[Request]:
+        """Applies a completed launch; returns the requests that ended (finished or aborted)."""
+        return self.update(work.plan, output)
+
+    def fail(self, work: Work) -> list[Request]:
+        """A launch raised: its requests end with an error (others carry on)."""
+        failed = []
+        for item in work.plan.scheduled:
+            request = self.abort(item.request.request_id)
+            if request is not None:
+                request.finish_reason = "error"
+                failed.append(request)
+        return failed
+
+    def take_moves(self) -> list[KVMove]:
+        """KV copies between this policy's pools to issue before its next launches."""
+        return []
+
+    def pools(self) -> dict[str, BlockManager]:
+        return {MAIN_POOL: self.blocks}
+
+    def pool_layout(self) -> dict[str, tuple[int, int]]:
+        """(first page, pages) of each pool in the engine's KV tensor."""
+        return {MAIN_POOL: (0, self.blocks.num_blocks)}
+
+    def graph_partitions(self) -> list[Partition] | None:
+        """Where decode graphs are replayed; None: the whole GPU on the ordinary stream."""
+        return None
+
+    def live_requests(self, pool: str) -> list[Request]:
+        """Requests holding pages of ``pool`` (for the integrity check)."""
+        return list(self.running) + list(self.waiting)
+
+    def timeline(self, since: float | None = None) -> list[dict]:
+        """The SM split over time (policies that split the GPU); empty otherwise."""
+        return []
+
+    def fill_stats(self, stats) -> None:
+        """Adds this policy's own figures (its split, its pools) to ``EngineStats``."""
+        plan = self.last_work.plan if self.last_work is not None else Plan()
+        stats.last_batch_decode = len(plan.decodes)
+        stats.last_batch_prefill_tokens = plan.num_tokens - len(plan.decodes)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def fits(self, num_tokens: int) -> str | None:
+        """Why a request of ``num_tokens`` (prompt + max output) can never run, or None."""
+        needed = self.blocks.blocks_needed(num_tokens)
+        if needed > self.blocks.num_blocks:
+            return f"the request needs {needed} KV blocks; the pool has {self.blocks.num_blocks}"
+        return None
+
+    # ---- KV received from a prefill instance (P/D across instances) ----
+
+    received_pool = MAIN_POOL  # where KV from a prefill instance lands
+
+    def reserve_received(self, request: Request) -> list[int] | None:
+        """Pages for a request whose prompt KV arrived; None: no room yet (try later)."""
+        if len(self.running) >= self.config.max_num_seqs or \
+                not self.blocks.grow(request, request.num_prompt_tokens):
+            return None
+        return list(request.block_ids)
+
+    def join_received(self, request: Request) -> None:
+        """The KV is in the reserved pages: the request decodes from its next token on."""
+        request.num_computed = request.num_prompt_tokens
+        self.blocks.commit(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         for queue in (self.running, self.waiting):

@@ -15,17 +15,40 @@ the same way: never preempted, aborts deferred until the launch completes).
   prefill queue* and is recomputed there (its prompt pages are likely prefix hits).
 
 A request's ``block_ids`` always name pages of the pool it is in at the moment.
+
+Lanes: ``prefill`` (a batch, all layers in one launch, on the prefill partition) and
+``decode`` (decode steps on the decode partition); the split is fixed. The hand-off is a
+``KVMove`` the engine's KV connector copies before the next launches.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from dataclasses import asdict, dataclass
 
 from pdserve.cache.block_manager import BlockManager
 from pdserve.config import SchedulerConfig
+from pdserve.gpu.partitions import Partition
 from pdserve.request import Request, RequestStatus
-from pdserve.sched.base import Plan
-from pdserve.sched.multiplex import MultiplexScheduler, fcfs_chunks
+from pdserve.sched.base import KVMove, Plan, Scheduler, StepOutput, Work
+from pdserve.sched.in_flight import InFlightScheduler, fcfs_chunks
+
+DECODE_LANE, PREFILL_LANE = "decode", "prefill"
+TIMELINE_LENGTH = 20_000
+
+
+@dataclass(frozen=True)
+class DisaggTimelineEntry:
+    """One launching step: the fixed split, what launched, hand-offs since start."""
+
+    time: float
+    mode: str
+    decode_sms: int
+    prefill_sms: int
+    decode_batch: int
+    prefill_tokens: int
+    kv_transfers: int
 
 
 def split_pool(num_blocks: int, prefill_fraction: float) -> tuple[int, int]:
@@ -38,23 +61,115 @@ def split_pool(num_blocks: int, prefill_fraction: float) -> tuple[int, int]:
     return prefill, num_blocks - prefill
 
 
-class DisaggScheduler:
-    """Two sides over two pools; the engine loop (``engine/disagg.py``) drives it."""
+class DisaggScheduler(Scheduler):
+    """Two sides over two pools, on one fixed SM split."""
 
     name = "disagg"
+    lanes = (DECODE_LANE, PREFILL_LANE)
+    waits_for_launches = False
+    roles = ("standalone",)  # its decode side already takes KV from its own prefill side
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 *, partition: Partition):
+        # Not Scheduler.__init__: its queues are the two sides' (see the properties below).
+        self.config, self.blocks, self.max_model_len = config, block_manager, max_model_len
+        self.last_work: Work | None = None
+        self.partition = partition
         num_prefill, num_decode = split_pool(block_manager.num_blocks,
                                              config.disagg_prefill_kv_fraction)
         size = block_manager.block_size
-        self.config = config
-        self.max_model_len = max_model_len
-        self.prefill = MultiplexScheduler(
+        self.prefill = InFlightScheduler(
             config, BlockManager(num_prefill, size, block_manager.enable_prefix_caching),
             max_model_len)
-        self.decode = MultiplexScheduler(config, BlockManager(num_decode, size, False),
-                                         max_model_len)
+        self.decode = InFlightScheduler(config, BlockManager(num_decode, size, False),
+                                        max_model_len)
         self.ready: deque[Request] = deque()
+        self.decode_work: Work | None = None
+        self.prefill_work: Work | None = None
+        self.num_transfers = 0
+        self._timeline: deque[DisaggTimelineEntry] = deque(maxlen=TIMELINE_LENGTH)
+
+    def pools(self) -> dict[str, BlockManager]:
+        return {PREFILL_LANE: self.prefill.blocks, DECODE_LANE: self.decode.blocks}
+
+    def pool_layout(self) -> dict[str, tuple[int, int]]:
+        """(first page, pages) of each pool in the engine's KV tensor."""
+        num_prefill = self.prefill.blocks.num_blocks
+        return {PREFILL_LANE: (0, num_prefill),
+                DECODE_LANE: (num_prefill, self.decode.blocks.num_blocks)}
+
+    def live_requests(self, pool: str) -> list[Request]:
+        if pool == PREFILL_LANE:
+            return list(self.prefill.running) + list(self.prefill.waiting) + list(self.ready)
+        return list(self.decode.running)
+
+    def graph_partitions(self) -> list[Partition]:
+        return [self.partition]
+
+    # ---- lanes ----
+
+    def schedule(self, idle_lanes=(DECODE_LANE, PREFILL_LANE)) -> dict[str, Work]:
+        works = {}
+        if self.decode_work is None:
+            plan = self.plan_decode()
+            if plan.decodes:
+                self.decode.launched(plan)
+                works[DECODE_LANE] = self.decode_work = Work(plan, self.partition,
+                                                             pool=DECODE_LANE)
+        if self.prefill_work is None:
+            plan = self.plan_prefill()
+            if not plan.is_empty():
+                self.prefill.launched(plan)
+                # A dedicated partition has nobody to re-plan for: all layers in one launch.
+                works[PREFILL_LANE] = self.prefill_work = Work(
+                    plan, self.partition, "prefill", pool=PREFILL_LANE)
+        if works:
+            self.last_work = next(iter(works.values()))
+            self._note()
+        return works
+
+    def _note(self) -> None:
+        part = self.partition
+        decode = len(self.decode_work.plan.decodes) if self.decode_work else 0
+        prefill = self.prefill_work.plan.num_tokens if self.prefill_work else 0
+        self._timeline.append(DisaggTimelineEntry(
+            time.monotonic(), "disagg", part.decode_sms, part.prefill_sms, decode, prefill,
+            self.num_transfers))
+
+    def timeline(self, since: float | None = None) -> list[dict]:
+        return [asdict(e) for e in self._timeline if since is None or e.time >= since]
+
+    def update_work(self, work: Work, output: StepOutput) -> list[Request]:
+        if work is self.decode_work:
+            self.decode_work = None
+            return self.decode.complete(work.plan, output)
+        self.prefill_work = None
+        ended = self.prefill.complete(work.plan, output)
+        self.take_prefilled()
+        return ended
+
+    def fail(self, work: Work) -> list[Request]:
+        side = self.decode if work is self.decode_work else self.prefill
+        if work is self.decode_work:
+            self.decode_work = None
+        else:
+            self.prefill_work = None
+        return side.fail(work)
+
+    def take_moves(self) -> list[KVMove]:
+        moves = []
+        while (request := self.next_handoff()) is not None:
+            source, target = self.move_to_decode(request)
+            self.num_transfers += 1
+            moves.append(KVMove(request, PREFILL_LANE, source, DECODE_LANE, target,
+                                request.num_computed, self.partition))
+        return moves
+
+    def fill_stats(self, stats) -> None:
+        super().fill_stats(stats)
+        stats.mux_mode = "disagg"
+        stats.decode_sms, stats.prefill_sms = (self.partition.decode_sms,
+                                               self.partition.prefill_sms)
 
     # ------------------------------------------------------------ engine API
 
@@ -62,13 +177,16 @@ class DisaggScheduler:
     def waiting(self) -> deque[Request]:
         return self.prefill.waiting
 
+
     @property
     def running(self) -> list[Request]:
         return self.prefill.running + list(self.ready) + self.decode.running
 
+
     @property
     def num_preemptions(self) -> int:
         return self.prefill.num_preemptions + self.decode.num_preemptions
+
 
     def add(self, request: Request) -> None:
         self.prefill.add(request)

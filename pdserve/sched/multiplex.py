@@ -1,199 +1,308 @@
-"""Request bookkeeping for PD-multiplexing: which requests decode, which prefill, which are
-in flight.
+"""The PD-multiplexing policy: decode and prefill in flight at once, each on its own lane.
 
-The multiplex engine loop (``pdserve.engine.multiplex``) keeps up to two launches in
-flight: one decode step and one prefill batch (run as layer pieces). This scheduler hands
-it the plans for each and guards the requests those launches use:
+Lanes
+- ``decode``: one decode step in flight (a replay of the chosen partition's own graphs, on
+  its decode stream). The next step needs this step's tokens, so it is scheduled only after
+  this one completed.
+- ``prefill``: one prefill batch at a time, run as pieces (layer ranges) on the prefill
+  stream, one piece in flight. Pieces are sized by the planner to last about one decode
+  step, so the policy re-plans at every step; with no decode running, the batch takes the
+  whole GPU and all its remaining layers in one piece.
+- Hand-off: a batch's requests join decode only when its last piece has completed (they are
+  in flight until then), and the engine makes every launch wait on the launches it has seen
+  complete, so a decode step never reads KV a prefill is still writing.
+- TEMPORAL: with both lanes drained, a whole-GPU mixed step (decodes plus a prefill chunk)
+  runs on the decode lane, and nothing launches beside it.
 
-- A request in flight is never preempted and never freed: its KV blocks are being read and
-  written by kernels the host has not seen finish. Preemption picks the newest running
-  request that is *not* in flight; an abort of an in-flight request is deferred until its
-  launch completes ("finish it, then drop").
-- A request joins decode only when its last prefill chunk has completed (the loop calls
-  ``complete``), so a decode step never reads KV a prefill is still writing.
+Partition switching rule
+The SM sets of two splits overlap, so the partition (the split both lanes use) changes only
+when both lanes are drained. While one lane is busy under partition P, the other launches
+under P too. When the planner, consulted at a decode boundary, prefers another split, the
+switch is *pending*: prefill stops launching pieces under P, decode keeps running on P, and
+the next boundary where the prefill lane is idle re-plans freely. A switch costs at most
+about one decode step of idle prefill SMs, since pieces last about one step.
 
-Requests are still tracked by token counters: a running request with one uncomputed token
-decodes; one with more prefills; a prefix hit that leaves one token is simply a decode.
-Without the loop (``schedule()``), the policy is one whole-GPU mixed step: decodes plus a
-prefill chunk of ``chunk_size`` tokens, i.e. chunked prefill.
+On the CPU (emulated partitions, no streams) the same code runs with every launch finishing
+as it is issued.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections import deque
+from dataclasses import asdict, dataclass, replace
 
-from pdserve.request import Request
-from pdserve.sched.base import Plan, ScheduledRequest, Scheduler, StepOutput
-from pdserve.sched.mux_planner import DecodeLoad, InFlightPrefill, PrefillRequest
+from pdserve.gpu.partitions import Partition, PartitionSet
+from pdserve.sched.base import BatchCarry, Plan, StepOutput, Work
+from pdserve.sched.in_flight import InFlightScheduler
+from pdserve.sched.mux_planner import (
+    DecodeLoad,
+    MuxMode,
+    MuxPlan,
+    MuxPlanner,
+    MuxPlannerConfig,
+    OnlineCalibration,
+)
 
-MAX_PLANNED_WAITING = 64  # waiting requests shown to the planner per step: bounds host work
+log = logging.getLogger(__name__)
+TIMELINE_LENGTH = 20_000  # decisions kept for ``timeline()``; older ones are dropped
+DECODE_LANE, PREFILL_LANE = "decode", "prefill"
 
 
-class MultiplexScheduler(Scheduler):
+@dataclass(frozen=True)
+class TimelineEntry:
+    """One planning decision that launched work."""
+
+    time: float  # time.monotonic()
+    mode: str
+    decode_sms: int
+    prefill_sms: int
+    decode_batch: int
+    prefill_tokens: int  # tokens of the prefill piece or chunk launched (0: none)
+    prefill_layers: int  # layers of that piece
+    predicted_decode_ms: float
+    switch_pending: bool
+
+
+@dataclass
+class PrefillProgress:
+    """The prefill batch part-way through the model's layers."""
+
+    plan: Plan
+    num_tokens: int
+    layers_done: int = 0  # layers launched (the last piece may still be running)
+    carry: BatchCarry | None = None
+
+
+@dataclass(frozen=True)
+class MixedNote:
+    """A TEMPORAL step: what the planner predicted, to calibrate against what it took."""
+
+    plan: MuxPlan
+    as_planned: bool  # the step carried every prefill token the prediction was for
+
+
+class MultiplexScheduler(InFlightScheduler):
     name = "multiplex"
+    lanes = (DECODE_LANE, PREFILL_LANE)
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.in_flight: set[str] = set()  # request ids used by a launch not yet completed
-        self.pending_aborts: set[str] = set()
+    def __init__(self, config, block_manager, max_model_len, *, partitions: PartitionSet,
+                 predictor, num_layers: int):
+        super().__init__(config, block_manager, max_model_len)
+        self.partitions, self.num_layers = partitions, num_layers
+        self.set_predictor(predictor)
+        self.current: Partition = partitions.whole_gpu
+        self.decode_work: Work | None = None
+        self.piece_work: Work | None = None
+        self.batch: PrefillProgress | None = None
+        self.switch_pending = False
+        self._timeline: deque[TimelineEntry] = deque(maxlen=TIMELINE_LENGTH)
+        log.info("multiplex: %r, predictor %s", partitions, type(predictor).__name__)
 
-    # ---------------------------------------------------------------- views
+    def set_predictor(self, predictor, **planner_overrides) -> None:
+        """Re-plans with another latency model (e.g. one just profiled), keeping the graphs.
 
-    def decode_ready(self) -> list[Request]:
-        return [r for r in self.running
-                if r.num_uncomputed == 1 and r.request_id not in self.in_flight]
+        The planners see it through an ``OnlineCalibration`` that mixed steps correct."""
+        self.predictor = predictor
+        self.model = OnlineCalibration(predictor)
+        self._overrides = planner_overrides
+        self.planner = MuxPlanner(self.model, self.partitions.decode_sm_choices(),
+                                  self._planner_config(), self.partitions.total_sms)
+        self._pinned: dict[int, MuxPlanner] = {}
 
-    def decode_load(self) -> DecodeLoad | None:
-        ready = self.decode_ready()
-        if not ready:
-            return None
-        return DecodeLoad(len(ready), sum(r.num_tokens for r in ready))
+    def _planner_config(self, **overrides) -> MuxPlannerConfig:
+        sched = self.config
+        fields = dict(itl_slo_ms=sched.itl_slo_ms, ttft_slo_ms=sched.ttft_slo_ms,
+                      max_prefill_tokens=sched.max_num_batched_tokens)
+        return MuxPlannerConfig(**{**fields, **self._overrides, **overrides})
 
-    def prefill_candidates(self) -> list[Request]:
-        """Part-prefilled running requests first (they hold blocks), then the waiting queue."""
-        partial = [r for r in self.running
-                   if r.num_uncomputed > 1 and r.request_id not in self.in_flight]
-        room = max(0, self.config.max_num_seqs - len(self.running))
-        waiting = list(self.waiting)[: min(room, MAX_PLANNED_WAITING)]
-        return partial + waiting
+    def graph_partitions(self) -> list[Partition]:
+        """Where decode graphs are replayed: every split and the whole GPU."""
+        return [*self.partitions.choices(), self.partitions.whole_gpu]
 
-    @staticmethod
-    def planner_view(candidates: Sequence[Request], now: float | None = None
-                     ) -> list[PrefillRequest]:
-        now = time.monotonic() if now is None else now
-        return [PrefillRequest(r.num_uncomputed, r.num_computed,
-                               max(0.0, (now - r.arrival_time) * 1e3)) for r in candidates]
+    # ------------------------------------------------------------- scheduling
 
-    @staticmethod
-    def in_flight_view(plan: Plan, layers_done: int) -> InFlightPrefill:
-        items = plan.prefills
-        return InFlightPrefill(sum(s.num_new_tokens for s in items),
-                               sum(s.request.num_computed for s in items), len(items), layers_done)
+    def schedule(self, idle_lanes=(DECODE_LANE, PREFILL_LANE)) -> dict[str, Work]:
+        works: dict[str, Work] = {}
+        if self.decode_work is None and self.piece_work is None:
+            self._schedule_drained(works)
+        elif self.decode_work is None:
+            self._decode_beside_piece(works)
+        elif self.piece_work is None:
+            self._piece_beside_decode(works)
+        if works:
+            self.last_work = next(iter(works.values()))
+        return works
 
-    # ---------------------------------------------------------------- plans
-
-    def plan_decode(self, max_batch: int | None = None) -> Plan:
-        """One token for every decode-ready request (oldest first, up to ``max_batch``)."""
-        plan = Plan()
-        for request in self.decode_ready()[:max_batch]:
-            # Preempted to make room for an older one (see PrefillFirstScheduler._schedule_decodes).
-            if request in plan.preempted:
-                continue
-            if self._grow_or_preempt(request, request.num_tokens, plan):
-                plan.decodes.append(ScheduledRequest(request, 1))
-        return plan
-
-    def plan_prefill(self, candidates: Sequence[Request], chunks: Sequence[tuple[int, int]],
-                     plan: Plan | None = None) -> Plan:
-        """Takes the planner's chunks ((index into ``candidates``, tokens), FCFS order).
-
-        Every item lands in ``plan.prefills``, even a one-token chunk: the batch runs
-        through the extend path, never the decode graphs. Waiting requests are admitted
-        here (prefix hits may shrink their chunk); a chunk that cannot get blocks ends the
-        batch, since a prefill never preempts anyone.
-        """
-        plan = plan if plan is not None else Plan()
-        for index, tokens in chunks:
-            request = candidates[index]
-            if request.request_id in self.running_ids():
-                if not self.blocks.grow(request, request.num_computed + tokens):
-                    break
-                plan.prefills.append(ScheduledRequest(request, tokens))
-                continue
-            if not self.waiting or self.waiting[0] is not request:
-                break  # preempted or aborted since the candidates were listed
-            admitted = self._try_admit(tokens)
-            if admitted is None:
-                break
-            plan.prefills.append(ScheduledRequest(*admitted))
-        return plan
-
-    def plan_mixed(self, candidates: Sequence[Request], chunks: Sequence[tuple[int, int]]
-                   ) -> Plan:
-        """A whole-GPU step: every decode plus the prefill chunks (the TEMPORAL mode)."""
-        plan = self.plan_decode()
-        if plan.preempted:
-            return plan  # candidates may have moved; take prefill work next step
-        return self.plan_prefill(candidates, chunks, plan)
-
-    def running_ids(self) -> set[str]:
-        return {r.request_id for r in self.running}
-
-    def schedule(self) -> Plan:
-        """Standalone use (no engine loop): decodes plus one ``chunk_size`` prefill chunk."""
+    def _schedule_drained(self, works: dict[str, Work]) -> None:
+        """Both lanes idle: the planner may pick any split (the only place it changes)."""
         candidates = self.prefill_candidates()
-        chunks = fcfs_chunks(candidates, self.config.chunk_size - len(self.decode_ready()))
-        return self.plan_mixed(candidates, chunks)
+        plan = self._plan(self.planner, candidates)
+        self.switch_pending = False
+        self.current = self.partitions.whole_gpu
+        if plan.mode == MuxMode.TEMPORAL:
+            return self._schedule_mixed(works, plan, candidates)
+        if plan.mode == MuxMode.DECODE_ONLY:
+            self._add_decode(works, self.plan_decode())
+        elif plan.mode == MuxMode.PREFILL_ONLY:
+            if self._ensure_batch(plan, candidates):
+                self._add_piece(works, plan)
+        elif plan.mode == MuxMode.SPATIAL:
+            self._schedule_spatial(works, plan, candidates)
+        if works:
+            self._note(plan)
 
-    # ------------------------------------------------------- launch lifecycle
+    def _schedule_spatial(self, works, plan: MuxPlan, candidates) -> None:
+        # Decodes grow first (they may preempt); a split with nothing to prefill would
+        # leave decode on a slice of the GPU for nothing, so it then takes the whole GPU.
+        decode_plan = self.plan_decode()
+        prefill = not decode_plan.preempted and self._ensure_batch(plan, candidates)
+        if prefill:
+            self.current = self.partitions.get(plan.decode_sms)
+        self._add_decode(works, decode_plan)
+        if prefill:
+            self._add_piece(works, plan)
 
-    def launched(self, plan: Plan) -> None:
-        self.in_flight.update(s.request.request_id for s in plan.scheduled)
+    def _schedule_mixed(self, works, plan: MuxPlan, candidates) -> None:
+        step = self.plan_mixed(candidates, plan.prefill.chunks)
+        prefill_tokens = sum(s.num_new_tokens for s in step.prefills)
+        self._note(plan, len(step.decodes), prefill_tokens)
+        if step.is_empty():
+            return
+        self.launched(step)
+        note = MixedNote(plan, prefill_tokens == plan.prefill.num_tokens)
+        works[DECODE_LANE] = self.decode_work = Work(step, self.current, note=note)
 
-    def complete(self, plan: Plan, output: StepOutput) -> tuple[list[Request], list[Request]]:
-        """Applies a finished launch; returns (finished requests, requests aborted now)."""
-        for item in plan.scheduled:
-            self.in_flight.discard(item.request.request_id)
-        finished = self.update(plan, output)
-        aborted = []
-        for item in plan.scheduled:
-            request_id = item.request.request_id
-            if request_id in self.pending_aborts and request_id not in self.in_flight:
-                self.pending_aborts.discard(request_id)
-                request = self.abort(request_id)
-                if request is not None:
-                    aborted.append(request)
-        return finished, aborted
+    def _decode_beside_piece(self, works) -> None:
+        """A piece is in flight under ``current``: decode joins it there (see the rule)."""
+        if self.current.whole_gpu or self.decode_load() is None:
+            return  # a whole-GPU piece holds every SM: decode waits for it to drain
+        plan = self._plan(self.planner, self.prefill_candidates())
+        if plan.decode_sms != self.current.decode_sms:
+            self.switch_pending = True
+        self._add_decode(works, self.plan_decode())
+        if works:
+            self._note(replace(plan, mode=MuxMode.SPATIAL, decode_sms=self.current.decode_sms,
+                               prefill_sms=self.current.prefill_sms))
 
-    def drop_if_aborted(self, plan: Plan) -> list[Request] | None:
-        """Between two pieces of a prefill batch: if every request in it was aborted, the
-        rest of its layers are pointless; release and abort them all (None otherwise)."""
-        ids = [s.request.request_id for s in plan.scheduled]
-        if not all(i in self.pending_aborts for i in ids):
-            return None
-        aborted = []
-        for request_id in ids:
-            self.in_flight.discard(request_id)
-            self.pending_aborts.discard(request_id)
-            request = self.abort(request_id)
-            if request is not None:
-                aborted.append(request)
-        return aborted
+    def _piece_beside_decode(self, works) -> None:
+        """Decode is in flight under ``current``: a piece may run on its other SMs."""
+        if self.switch_pending or self.current.whole_gpu:
+            return
+        candidates = self.prefill_candidates()
+        if self.batch is None and not candidates:
+            return
+        plan = self._plan(self._pinned_planner(self.current), candidates,
+                          decode_load_of(self.decode_work.plan))
+        if plan.mode == MuxMode.SPATIAL and self._ensure_batch(plan, candidates):
+            self._add_piece(works, plan)
+            self._note(plan)
 
-    def abort(self, request_id: str) -> Request | None:
-        """Aborts now, or (in flight) once its launch completes; None when deferred."""
-        if request_id in self.in_flight:
-            self.pending_aborts.add(request_id)
-            return None
-        return super().abort(request_id)
+    def _pinned_planner(self, part: Partition) -> MuxPlanner:
+        if part.decode_sms not in self._pinned:
+            self._pinned[part.decode_sms] = MuxPlanner(
+                self.model, [(part.decode_sms, part.prefill_sms)],
+                self._planner_config(temporal=False), self.partitions.total_sms)
+        return self._pinned[part.decode_sms]
 
-    def has_work(self) -> bool:
-        return super().has_work() or bool(self.in_flight)
+    def _plan(self, planner: MuxPlanner, candidates, load: DecodeLoad | None = None) -> MuxPlan:
+        load = load or self.decode_load()
+        in_flight = None
+        if self.batch is not None:
+            in_flight = self.in_flight_view(self.batch.plan, self.batch.layers_done)
+        return planner.plan(load, self.planner_view(candidates), in_flight)
 
-    def _grow_or_preempt(self, request: Request, num_tokens: int, plan: Plan) -> bool:
-        """Like the base rule, but victims are only requests no launch is using.
+    def _add_decode(self, works, plan: Plan) -> None:
+        if not plan.decodes:
+            return
+        self.launched(plan)
+        works[DECODE_LANE] = self.decode_work = Work(plan, self.current)
 
-        Returns False when ``request`` was preempted or no victim was left (it waits).
-        """
-        while not self.blocks.grow(request, num_tokens):
-            victim = next((r for r in reversed(self.running)
-                           if r.request_id not in self.in_flight), None)
-            if victim is None:
-                return False
-            self._preempt(victim, plan)
-            if victim is request:
-                return False
+    def _ensure_batch(self, plan: MuxPlan, candidates) -> bool:
+        """The prefill batch to run ``plan``'s piece of: the one in flight, or a new one."""
+        if self.batch is not None:
+            return True
+        piece = plan.prefill
+        if piece is None or not piece.chunks:
+            return False
+        batch_plan = self.plan_prefill(candidates, piece.chunks)
+        if not batch_plan.prefills:
+            return False
+        self.launched(batch_plan)
+        tokens = sum(s.num_new_tokens for s in batch_plan.prefills)
+        self.batch = PrefillProgress(batch_plan, tokens, carry=BatchCarry())
         return True
 
+    def _add_piece(self, works, plan: MuxPlan) -> None:
+        batch = self.batch
+        start = batch.layers_done
+        end = min(self.num_layers, start + max(1, plan.prefill.num_layers))
+        batch.layers_done = end
+        works[PREFILL_LANE] = self.piece_work = Work(
+            batch.plan, self.current, "prefill", layers=(start, end),
+            final=end == self.num_layers, carry=batch.carry)
 
-def fcfs_chunks(candidates, budget: int) -> list[tuple[int, int]]:
-    """(candidate index, tokens) in arrival order until ``budget`` tokens are taken."""
-    chunks = []
-    for index, request in enumerate(candidates):
-        if budget <= 0:
-            break
-        take = min(request.num_uncomputed, budget)
-        chunks.append((index, take))
-        budget -= take
-    return chunks
+    # ------------------------------------------------------------- completion
+
+    def update_work(self, work: Work, output: StepOutput) -> list:
+        if work is self.decode_work:
+            self.decode_work = None
+            self._calibrate(work, output)
+            return self.complete(work.plan, output)
+        self.piece_work = None
+        if work.final:
+            self.batch = None
+            return self.complete(work.plan, output)
+        return self._drop_aborted_batch()
+
+    def _calibrate(self, work: Work, output: StepOutput) -> None:
+        note = work.note
+        if isinstance(note, MixedNote) and note.as_planned and output.elapsed_ms is not None:
+            self.model.observe_mixed(note.plan.decode_ms, output.elapsed_ms)
+
+    def _drop_aborted_batch(self) -> list:
+        aborted = self.drop_if_aborted(self.batch.plan)
+        if aborted is None:
+            return []
+        self.batch = None
+        return aborted
+
+    def fail(self, work: Work) -> list:
+        if work is self.decode_work:
+            self.decode_work = None
+        elif work is self.piece_work:
+            self.piece_work = self.batch = None
+        return super().fail(work)
+
+    # --------------------------------------------------------------- reporting
+
+    def _note(self, plan: MuxPlan, decode_batch: int | None = None,
+              prefill_tokens: int | None = None) -> None:
+        """Records what runs now: the split, the decode batch and the prefill piece."""
+        if decode_batch is None:
+            decode_batch = len(self.decode_work.plan.decodes) if self.decode_work else 0
+        layers = 0
+        if prefill_tokens is None:
+            running = self.piece_work is not None and self.batch is not None
+            prefill_tokens = self.batch.num_tokens if running else 0
+            layers = plan.prefill.num_layers if running and plan.prefill else 0
+        self._timeline.append(TimelineEntry(
+            time.monotonic(), str(plan.mode), plan.decode_sms, plan.prefill_sms, decode_batch,
+            prefill_tokens, layers, plan.decode_ms, self.switch_pending))
+
+    def timeline(self, since: float | None = None) -> list[dict]:
+        """SM split over time: one dict per launching decision (``TimelineEntry`` fields)."""
+        return [asdict(e) for e in self._timeline if since is None or e.time >= since]
+
+    def fill_stats(self, stats) -> None:
+        last = self._timeline[-1] if self._timeline else None
+        if last is not None:
+            stats.mux_mode, stats.decode_sms, stats.prefill_sms = (
+                last.mode, last.decode_sms, last.prefill_sms)
+            stats.last_batch_decode = last.decode_batch
+            stats.last_batch_prefill_tokens = last.prefill_tokens
+
+
+def decode_load_of(plan: Plan) -> DecodeLoad:
+    return DecodeLoad(len(plan.decodes), sum(s.request.num_tokens for s in plan.decodes))

@@ -12,7 +12,7 @@ class PrefillFirstScheduler(Scheduler):
 
     name = "prefill-first"
 
-    def schedule(self) -> Plan:
+    def plan_step(self) -> Plan:
         plan = self._schedule_prefills()
         return plan if not plan.is_empty() else self._schedule_decodes()
 
@@ -50,7 +50,7 @@ class ChunkedPrefillScheduler(Scheduler):
 
     name = "chunked"
 
-    def schedule(self) -> Plan:
+    def plan_step(self) -> Plan:
         plan = Plan()
         budget = self._schedule_running(plan, self.config.chunk_size)
         self._admit_waiting(plan, budget)
@@ -75,10 +75,14 @@ SCHEDULERS = {cls.name: cls for cls in (PrefillFirstScheduler, ChunkedPrefillSch
                                         MultiplexScheduler, DisaggScheduler)}
 
 
-def make_scheduler(config, block_manager, max_model_len) -> Scheduler:
+def make_scheduler(config, block_manager, max_model_len, **policy_args) -> Scheduler:
+    """``policy_args``: what a policy that splits the GPU needs (partitions, predictor)."""
+    return scheduler_class(config.schedule)(config, block_manager, max_model_len, **policy_args)
+
+
+def scheduler_class(schedule: str) -> type[Scheduler]:
     try:
-        cls = SCHEDULERS[config.schedule]
+        return SCHEDULERS[schedule]
     except KeyError:
-        raise ValueError(f"unknown schedule {config.schedule!r}; choose from "
+        raise ValueError(f"unknown schedule {schedule!r}; choose from "
                          f"{', '.join(SCHEDULERS)}") from None
-    return cls(config, block_manager, max_model_len)

@@ -32,7 +32,7 @@ def run_to_completion(scheduler, max_steps: int = 1000) -> list[Plan]:
     for _ in range(max_steps):
         if not scheduler.has_work():
             return plans
-        plan = scheduler.schedule()
+        plan = scheduler.plan_step()
         plans.append(plan)
         scheduler.update(plan, fake_output(plan))
         scheduler.blocks.check_integrity(list(scheduler.running) + list(scheduler.waiting))

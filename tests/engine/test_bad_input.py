@@ -61,15 +61,15 @@ def test_full_queue_is_refused_then_accepts_again(llm):
 def test_a_failing_step_fails_only_its_requests(llm, monkeypatch):
     engine = llm.engine
     calls = {"n": 0}
-    real = engine.runner.execute
+    real = engine.runner.launch
 
-    def flaky(plan):
+    def flaky(work, waits, buffers):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("simulated kernel failure")
-        return real(plan)
+        return real(work, waits, buffers)
 
-    monkeypatch.setattr(engine.runner, "execute", flaky)
+    monkeypatch.setattr(engine.runner, "launch", flaky)
     engine.add_request("doomed", [5, 6, 7], SamplingParams(max_tokens=3))
     updates = engine.step()
     assert [(u.request_id, u.finish_reason) for u in updates] == [("doomed", "error")]

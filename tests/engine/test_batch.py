@@ -65,7 +65,7 @@ def test_host_batch_matches_rebuild_while_batch_changes(schedule):
     while (pending or sched.has_work()) and steps < 2000:
         for _ in range(min(rng.randint(0, 6), len(pending))):
             sched.add(pending.pop())
-        plan = sched.schedule()
+        plan = sched.plan_step()
         steps += 1
         if plan.is_empty():
             continue

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.disagg import DisaggLoop
+from pdserve.engine.setup import EngineSetup
 from pdserve.gpu.partitions import Partition
 from tests.engine.conftest import hf_greedy
 from tests.engine.test_multiplex import HeldOps
@@ -65,7 +65,7 @@ def _assert_clean(llm: LLM) -> None:
     assert not sched.has_work() and not sched.ready
     assert sched.decode.blocks.num_free_blocks == sched.decode.blocks.num_blocks
     assert sched.prefill.blocks.num_free_blocks == sched.prefill.blocks.num_blocks
-    assert llm.engine.disagg.transport.pending() == 0
+    assert llm.engine.kv.local.pending() == 0
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +147,8 @@ def _phase(engine, request_id: str) -> str:
 def test_abort_in_every_phase_keeps_both_pools_clean(chunked_tiny, phase):
     prompts, expected = chunked_tiny
     options = {"num_blocks": 56, "disagg_prefill_kv_fraction": 0.5}
-    llm = _llm("tiny", "disagg", **options)
     ops = HeldOps({"prefill", "decode"})
-    llm.engine.mux = llm.engine.disagg = DisaggLoop(llm.engine, partition=NAMED, ops=ops)
+    llm = _llm("tiny", "disagg", setup=EngineSetup(disagg_partition=NAMED, ops=ops), **options)
     state = {"victim": None}
 
     def abort(engine, step):
@@ -185,7 +184,7 @@ def test_disagg_matches_chunked_on_gpu(hf_llama_gpu):
     llm = LLM(folder, schedule="disagg", max_num_batched_tokens=256, **common)
     assert _generate(llm, prompts) == chunked
     _assert_clean(llm)
-    loop = llm.engine.disagg
-    graphs = loop.decode_lane.graphs.get(loop.partition.decode_sms)
-    assert graphs is not None and graphs.stream is loop.partition.decode_stream
+    partition = llm.engine.scheduler.partition
+    graphs = llm.engine.runner.pools["decode"].graphs.get(partition.decode_sms)
+    assert graphs is not None and graphs.stream is partition.decode_stream
     assert llm.engine.stats().kv_transfers == len(prompts)

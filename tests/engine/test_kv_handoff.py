@@ -81,7 +81,7 @@ def test_split_prefill_and_decode_match_one_engine(pair):
         [o.outputs[0].token_ids for o in single]
     assert set(got["finish"].values()) == {"length"}
     assert decode.blocks.num_free_blocks == decode.blocks.num_blocks
-    assert decode.kv_link.receiver.pending() == 0
+    assert decode.kv.receiver.pending() == 0
     assert prefill.stats().kv_transfers == len(prompts)
 
 
@@ -114,7 +114,7 @@ def test_first_token_that_ends_the_request_needs_no_kv(pair):
 
 def test_abort_while_waiting_for_kv_and_late_kv_is_dropped(pair):
     prefill, decode = pair
-    received = decode.kv_link.receiver.stats
+    received = decode.kv.receiver.stats
     before = received.num_transfers
     decode.add_request("late", [1, 2, 3, 4], GREEDY, handoff=KVHandoff("tl", first_token=5))
     assert decode.step()[0].new_token_ids == [5]  # the first token goes out at once
@@ -128,7 +128,7 @@ def test_abort_while_waiting_for_kv_and_late_kv_is_dropped(pair):
     while received.num_transfers == before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert received.num_transfers == before + 1  # it did arrive...
-    assert decode.kv_link.receiver.pending() == 0  # ...and was dropped, not kept
+    assert decode.kv.receiver.pending() == 0  # ...and was dropped, not kept
 
 
 def test_kv_that_never_arrives_fails_only_that_request():
@@ -159,8 +159,34 @@ def test_instance_without_kv_transfer_refuses_handoff():
         engine.add_request("r", [1, 2], GREEDY, handoff=KVHandoff("t", first_token=3))
 
 
+@pytest.mark.parametrize("prefill_schedule,decode_schedule", [
+    ("multiplex", "multiplex"), ("multiplex", "chunked"), ("prefill-first", "multiplex")])
+def test_multiplex_serves_both_roles(prefill_schedule, decode_schedule):
+    """A multiplexing instance exports KV after its final prefill piece and takes KV in as
+    an ordinary decode; any pairing gives the tokens of one engine doing everything."""
+    prompts = _prompts(5, seed=4)
+    single = LLM("tiny", **OPTIONS).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    prefill = _engine(schedule=prefill_schedule, max_num_batched_tokens=64)
+    decode = _engine(schedule=decode_schedule, max_num_batched_tokens=64, num_blocks=64)
+    try:
+        got = _decode_all(decode, prompts, _prefill_all(prefill, decode, prompts))
+        assert [got["tokens"][f"r{i}"] for i in range(len(prompts))] == \
+            [o.outputs[0].token_ids for o in single]
+        assert decode.blocks.num_free_blocks == decode.blocks.num_blocks
+        assert prefill.blocks.num_free_blocks == prefill.blocks.num_blocks
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_disagg_refuses_a_pd_role_before_loading():
+    with pytest.raises(ValueError, match="cannot serve a P/D role"):
+        _engine(schedule="disagg")
+
+
 @pytest.mark.gpu
-def test_split_on_gpu_matches_one_engine(hf_llama_gpu):
+@pytest.mark.parametrize("schedule", ["chunked", "multiplex"])
+def test_split_on_gpu_matches_one_engine(hf_llama_gpu, schedule):
     """Device pools: the export's pinned copy and event, the scatter from host memory."""
     import torch
 
@@ -170,8 +196,9 @@ def test_split_on_gpu_matches_one_engine(hf_llama_gpu):
                   num_blocks=2048, chunk_size=256)  # explicit pools: three engines share it
     prompts = [p * 4 for p in _prompts(8, seed=3)]
     single = LLM(folder, **common).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    prefill = LLM(folder, kv_transfer_port=0, **common).engine
-    decode = LLM(folder, kv_transfer_port=0, **common).engine
+    role = dict(common, schedule=schedule, max_num_batched_tokens=256, mux_predictor="roofline")
+    prefill = LLM(folder, kv_transfer_port=0, **role).engine
+    decode = LLM(folder, kv_transfer_port=0, **role).engine
     try:
         got = _decode_all(decode, prompts, _prefill_all(prefill, decode, prompts))
         assert [got["tokens"][f"r{i}"] for i in range(len(prompts))] == \

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.multiplex import MultiplexLoop
+from pdserve.engine.setup import EngineSetup
 from pdserve.engine.streams import SyncStreamOps
 from pdserve.gpu.driver import FakeDriver
 from pdserve.gpu.partitions import PartitionSet
@@ -99,15 +99,12 @@ def _prompts(count: int, seed: int = 0, vocab: int = 300) -> list[list[int]]:
 
 def _multiplex(folder: str, predictor=None, ops=None, partitions=None, **options) -> LLM:
     options = {"dtype": "float32", "block_size": 8, "max_num_batched_tokens": 64, **options}
-    llm = LLM(folder, schedule="multiplex", **options)
-    if predictor is not None or ops is not None or partitions is not None:
-        llm.engine.mux = MultiplexLoop(llm.engine, partitions=partitions, predictor=predictor,
-                                       ops=ops)
-    return llm
+    setup = EngineSetup(partitions=partitions, predictor=predictor, ops=ops)
+    return LLM(folder, schedule="multiplex", setup=setup, **options)
 
 
 def _run(engine, prompts, params, check=None, abort_at=None) -> dict[str, list[int]]:
-    """Drives ``engine.step`` by hand; ``check(loop)`` runs after every step."""
+    """Drives ``engine.step`` by hand; ``check(policy)`` runs after every step."""
     tokens = {}
     for i, prompt in enumerate(prompts):
         engine.add_request(f"q{i}", prompt, params)
@@ -120,7 +117,7 @@ def _run(engine, prompts, params, check=None, abort_at=None) -> dict[str, list[i
         for update in engine.step():
             tokens[update.request_id] += update.new_token_ids
         if check is not None:
-            check(engine.mux)
+            check(engine.scheduler)
     raise AssertionError("did not finish")
 
 
@@ -182,12 +179,13 @@ def test_late_out_of_order_completions_keep_tokens_and_the_split_rule(hf_llama, 
     llm = _multiplex(folder, predictor=SplitModel(2), ops=ops, partitions=partitions)
     overlaps = []
 
-    def check(loop):
-        if loop.decode is not None and loop.piece is not None:
-            overlaps.append(loop.current.decode_sms)
+    def check(policy):
+        decode, piece = policy.decode_work, policy.piece_work
+        if decode is not None and piece is not None:
+            overlaps.append(policy.current.decode_sms)
             # Both lanes in flight always share one split: SM sets of splits overlap.
-            assert loop.decode.partition == loop.piece.partition == loop.current
-            assert not loop.current.whole_gpu
+            assert decode.partition == piece.partition == policy.current
+            assert not policy.current.whole_gpu
 
     got = _run(llm.engine, prompts, GREEDY, check)
     assert [got[f"q{i}"] for i in range(len(prompts))] == want
@@ -225,15 +223,16 @@ def _held_engine(folder):
     ops = HeldOps({p.prefill_stream for p in partitions.choices()})
     llm = _multiplex(folder, predictor=SplitModel(2), ops=ops, partitions=partitions)
     engine = llm.engine
-    lane, engine.decode_launches = engine.mux.decode_lane, []
-    launch = lane.launch
+    runner, engine.decode_launches = engine.runner, []
+    launch = runner.launch
 
-    def spy(*args, **kwargs):
-        result = launch(*args, **kwargs)
-        engine.decode_launches.append(result)
+    def spy(work, *args, **kwargs):
+        result = launch(work, *args, **kwargs)
+        if work.side == "decode":
+            engine.decode_launches.append(result)
         return result
 
-    lane.launch = spy
+    runner.launch = spy
     return engine, ops
 
 
@@ -265,12 +264,12 @@ def test_finished_prefill_joins_decode_only_after_its_event(hf_llama):
     engine.add_request("b", list(range(50, 120)), params)
     for _ in range(100):  # release piece by piece until b's last piece is in flight
         engine.step()
-        piece = engine.mux.piece
-        if piece is not None and piece.final and any(
+        piece = engine.in_flight("prefill")
+        if piece is not None and piece.work.final and any(
                 s.request.request_id == "b" and s.samples for s in piece.plan.prefills):
             break  # the piece that ends b's prompt
         ops.release_all()
-    final_event = engine.mux.piece.event
+    final_event = engine.in_flight("prefill").event
     for _ in range(10):  # held: b's tokens may be computed, but it must not decode yet
         engine.step()
         assert "b" in engine.scheduler.in_flight
@@ -280,8 +279,9 @@ def test_finished_prefill_joins_decode_only_after_its_event(hf_llama):
     log = ops.log
     decode_record = next(i for i, (kind, _, e) in enumerate(log)
                          if kind == "record" and e is first.event)
+    stream_of_first = first.work.partition.decode_stream
     waits = [i for i, (kind, stream, e) in enumerate(log)
-             if kind == "wait" and e is final_event and stream == first.partition.decode_stream]
+             if kind == "wait" and e is final_event and stream == stream_of_first]
     assert waits and waits[0] < decode_record, "decode stream waits on the prefill's event"
 
 
@@ -294,7 +294,7 @@ def test_abort_of_a_request_whose_piece_is_in_flight_waits_for_the_piece(hf_llam
     engine.add_request("b", list(range(50, 300)), params)
     for _ in range(3):
         engine.step()
-    assert _prefilling(engine.mux.piece, "b") and "b" in engine.scheduler.in_flight
+    assert _prefilling(engine.in_flight("prefill"), "b") and "b" in engine.scheduler.in_flight
     blocks_of_b = list(engine.requests["b"].block_ids)
     engine.abort_request("b")
     for _ in range(3):
@@ -306,7 +306,7 @@ def test_abort_of_a_request_whose_piece_is_in_flight_waits_for_the_piece(hf_llam
         aborted += [u for u in engine.step() if u.request_id == "b"]
     assert aborted and aborted[-1].finished and aborted[-1].finish_reason == "abort"
     assert "b" not in engine.requests and "b" not in engine.scheduler.in_flight
-    assert not _prefilling(engine.mux.piece, "b"), "the rest of its layers never run"
+    assert not _prefilling(engine.in_flight("prefill"), "b"), "the rest of its layers never run"
     engine.abort_request("a")
     for _ in range(10):
         ops.release_all()
@@ -331,16 +331,17 @@ def test_multiplex_matches_chunked_on_gpu(hf_llama_gpu, planner):
                   num_blocks=4096)  # an explicit pool: two engines share the GPU here
     chunked = _generate(LLM(folder, schedule="chunked", chunk_size=256, **common), prompts)
     predictor = SplitModel(4) if planner == "spatial" else None
-    llm = _multiplex(folder, predictor=predictor, max_num_batched_tokens=256, **common)
-    loop = llm.engine.mux
+    llm = _multiplex(folder, predictor=predictor, max_num_batched_tokens=256,
+                     mux_predictor="roofline", **common)
+    policy, graph_sets = llm.engine.scheduler, llm.engine.runner.pools["main"].graphs
     got = _generate(llm, prompts)
     assert got == chunked
     _assert_clean(llm)
     # One graph set per partition (and the whole GPU), each captured on its decode stream.
-    parts = [*loop.partitions.choices(), loop.partitions.whole_gpu]
-    assert set(loop.decode_lane.graphs) == {p.decode_sms for p in parts}
+    parts = [*policy.partitions.choices(), policy.partitions.whole_gpu]
+    assert set(graph_sets) == {p.decode_sms for p in parts}
     for part in parts:
-        graphs = loop.decode_lane.graphs[part.decode_sms]
+        graphs = graph_sets[part.decode_sms]
         assert graphs.stream is part.decode_stream and graphs.graphs
     if planner == "spatial":
         assert any(e["mode"] == "spatial" for e in llm.engine.timeline())

@@ -47,7 +47,7 @@ def test_multiplex_engine_loads_the_saved_profile(profiled):
     _, path = profiled
     config = EngineConfig.from_flat(model="tiny", device="cpu", dtype="float32",
                                     schedule="multiplex", mux_predictor=str(path))
-    assert isinstance(EngineCore(config).mux.predictor, LatencyPredictor)
+    assert isinstance(EngineCore(config).scheduler.predictor, LatencyPredictor)
 
 
 def test_cli_entry_point_parses(tmp_path, monkeypatch):

@@ -7,10 +7,10 @@ def test_chunked_puts_decodes_first_and_fills_budget_with_chunks():
     sched = make_scheduler_for("chunked", chunk_size=8)
     decoding, long = make_request(3), make_request(20)
     sched.add(decoding)
-    plan = sched.schedule()
+    plan = sched.plan_step()
     sched.update(plan, fake_output(plan))
     sched.add(long)
-    plan = sched.schedule()
+    plan = sched.plan_step()
     assert [s.request for s in plan.decodes] == [decoding]
     assert [(s.request, s.num_new_tokens) for s in plan.prefills] == [(long, 7)]
     assert plan.num_tokens == 8 and not plan.prefills[0].samples
@@ -31,13 +31,13 @@ def test_prefill_first_pauses_decodes_while_prompts_wait():
     sched = make_scheduler_for("prefill-first", max_num_batched_tokens=64)
     first = make_request(5)
     sched.add(first)
-    sched.update(plan := sched.schedule(), fake_output(plan))
+    sched.update(plan := sched.plan_step(), fake_output(plan))
     second = make_request(6)
     sched.add(second)
-    plan = sched.schedule()
+    plan = sched.plan_step()
     assert not plan.decodes and [s.request for s in plan.prefills] == [second]
     sched.update(plan, fake_output(plan))
-    plan = sched.schedule()
+    plan = sched.plan_step()
     assert {s.request for s in plan.decodes} == {first, second} and not plan.prefills
 
 
@@ -66,7 +66,7 @@ def test_abort_frees_blocks_of_running_and_waiting():
     sched = make_scheduler_for("chunked", chunk_size=4)
     running, waiting = make_request(10), make_request(10)
     sched.add(running)
-    sched.update(plan := sched.schedule(), fake_output(plan))
+    sched.update(plan := sched.plan_step(), fake_output(plan))
     sched.add(waiting)
     assert sched.abort(running.request_id) is running
     assert sched.abort(waiting.request_id) is waiting
@@ -79,7 +79,7 @@ def test_max_num_seqs_caps_running():
     sched = make_scheduler_for("chunked", chunk_size=64, max_num_seqs=2)
     for _ in range(4):
         sched.add(make_request(2))
-    sched.schedule()
+    sched.plan_step()
     assert len(sched.running) == 2 and len(sched.waiting) == 2
 
 

@@ -1,0 +1,181 @@
+"""Launches that the host does not wait for: whole batches and pieces of a prefill batch.
+
+Each launch ends by copying its sampled tokens into a pinned host buffer (asynchronously)
+and recording an event on its stream. The engine reads the buffer only after
+``event.query()`` says the launch is done, so the host never blocks on one lane while
+another could be launched. There is one buffer pair per lane: a lane has at most one launch
+in flight and its buffer is read before the lane launches again.
+
+A prefill batch runs as pieces, layer ranges [start, end) with hidden and residual kept
+between pieces. Its inputs are built on the stream of its first piece; a later piece on
+another stream (after a partition switch) marks every tensor it touches for that stream
+too (``keep_alive``): the caching allocator is per stream, so memory made on one stream and
+used on another must be marked or it is handed out again under a kernel still using it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pdserve.engine.batch import BlockTables, HostBatch, build_host_batch
+from pdserve.engine.graph_runner import GraphRunner
+from pdserve.engine.sampler import SamplingBatch, sample
+from pdserve.engine.streams import Event, StreamOps, same_stream
+from pdserve.sched.base import Plan, StepOutput, Work
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HostBuffers:
+    """Pinned landing places for one lane's sampled tokens and logprobs."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+
+    @classmethod
+    def make(cls, ops: StreamOps, size: int) -> HostBuffers:
+        return cls(ops.host_buffer(size, torch.int64), ops.host_buffer(size, torch.float32))
+
+
+@dataclass
+class KVPool:
+    """A range of the engine's KV pages as one policy pool sees it: its own page ids from 0,
+    its own block tables, and decode graphs captured over it (by decode SMs)."""
+
+    kv_caches: list
+    tables: BlockTables
+    graphs: dict[int, GraphRunner] = field(default_factory=dict)
+
+
+@dataclass
+class Launch:
+    """One launch in flight: a whole batch, or a piece of a prefill batch."""
+
+    work: Work
+    event: Event
+    buffers: HostBuffers
+    num_sampled: int
+    want_logprobs: bool
+    launch_ms: float  # host time spent issuing it (a bubble if longer than a decode step)
+    issued: float = field(default_factory=time.perf_counter)
+
+    @property
+    def plan(self) -> Plan:
+        return self.work.plan
+
+    def output(self) -> StepOutput:
+        """Sampled tokens; only valid once ``event.query()`` is True."""
+        elapsed = (time.perf_counter() - self.issued) * 1e3
+        if self.num_sampled == 0:
+            return StepOutput(token_ids=[], elapsed_ms=elapsed)
+        n = self.num_sampled
+        tokens = self.buffers.tokens[:n].tolist()
+        logprobs = self.buffers.logprobs[:n].tolist() if self.want_logprobs else None
+        return StepOutput(token_ids=tokens, logprobs=logprobs, elapsed_ms=elapsed)
+
+
+@dataclass
+class SamplingInputs:
+    """Device inputs of sampling, copied before the forward is issued: a host-to-device copy
+    from pageable memory waits for the stream to drain, which must not happen behind a
+    layer's kernels (the host would block for the whole launch)."""
+
+    rows: torch.Tensor
+    batch: SamplingBatch
+
+    @classmethod
+    def of(cls, plan: Plan, logits_indices, vocab_size: int, device: torch.device
+           ) -> SamplingInputs | None:
+        requests = [s.request for s in plan.sampling]
+        if not requests:
+            return None
+        rows = torch.from_numpy(logits_indices)
+        if device.type == "cuda":
+            rows = rows.pin_memory()
+        return cls(rows.to(device, non_blocking=True),
+                   SamplingBatch.from_requests(requests, vocab_size, device))
+
+
+def sample_into(model, hidden: torch.Tensor, inputs: SamplingInputs | None,
+                buffers: HostBuffers) -> tuple[int, bool]:
+    """Samples on the current stream and copies the tokens to the pinned buffers without a
+    host sync. Returns (rows sampled, logprobs wanted)."""
+    if inputs is None:
+        return 0, False
+    logits = model.compute_logits(hidden.index_select(0, inputs.rows))
+    tokens, logprobs = sample(logits, inputs.batch)
+    n = tokens.shape[0]
+    buffers.tokens[:n].copy_(tokens, non_blocking=True)
+    if logprobs is not None:
+        buffers.logprobs[:n].copy_(logprobs, non_blocking=True)
+    return n, logprobs is not None
+
+
+class PrefillBatch:
+    """A prefill batch part-way through the model's layers (hidden and residual kept)."""
+
+    def __init__(self, plan: Plan, runner, pool: KVPool):
+        self.plan, self.runner, self.pool, self.ops = plan, runner, pool, runner.ops
+        self.host: HostBatch = build_host_batch(plan, pool.tables, runner.block_size)
+        self._inputs: tuple | None = None  # positions, metadata (device)
+        self._hidden: torch.Tensor | None = None
+        self._residual: torch.Tensor | None = None
+        self._stream: Any = None
+        self._last_event: Event | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._inputs is not None
+
+    def launch_piece(self, stream: Any, layers: tuple[int, int], final: bool,
+                     buffers: HostBuffers) -> tuple[int, bool, Event]:
+        """Issues layers [start, end) on ``stream`` (the caller made it wait on what it must);
+        the final piece also samples the batch's finishing requests. Returns (rows sampled,
+        logprobs wanted, the piece's event)."""
+        if self._last_event is not None and not same_stream(stream, self._stream):
+            self.ops.wait(stream, self._last_event)
+        inputs = self._sampling_inputs() if final else None  # copies before kernels
+        if not self.started:
+            self._embed(stream)
+        else:
+            self._follow(stream)
+        positions, meta = self._inputs
+        self._hidden, self._residual = self.runner.model.forward_layers(
+            self._hidden, self._residual, positions, meta, self.pool.kv_caches, *layers)
+        num, want = self._finish(inputs, buffers) if final else (0, False)
+        self._last_event = self.ops.record(stream)
+        return num, want, self._last_event
+
+    def _embed(self, stream: Any) -> None:
+        input_ids, positions, meta = self.host.metadata(self.runner.device)
+        self._inputs = (positions, meta)
+        self._hidden, self._residual = self.runner.model.embed(input_ids), None
+        self._stream = stream
+
+    def _follow(self, stream: Any) -> None:
+        if same_stream(stream, self._stream):
+            return
+        self.ops.keep_alive(self._tensors(), stream)
+        self._stream = stream
+
+    def _tensors(self) -> list[torch.Tensor]:
+        positions, meta = self._inputs
+        return [positions, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                meta.slot_mapping, self._hidden, self._residual]
+
+    def _sampling_inputs(self) -> SamplingInputs | None:
+        return SamplingInputs.of(self.plan, self.host.logits_indices,
+                                 self.runner.arch.vocab_size, self.runner.device)
+
+    def _finish(self, inputs: SamplingInputs | None, buffers: HostBuffers) -> tuple[int, bool]:
+        model = self.runner.model
+        hidden = model.final_norm(self._hidden, self._residual)
+        result = sample_into(model, hidden, inputs, buffers)
+        self._hidden = self._residual = None  # free activations as soon as the stream allows
+        return result

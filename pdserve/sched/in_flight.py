@@ -1,0 +1,192 @@
+"""Bookkeeping for policies whose launches complete after ``schedule`` returns (multiplex,
+disagg): which requests decode, which prefill, which are in flight.
+
+- A request in flight is never preempted and never freed: its KV blocks are being read and
+  written by kernels the host has not seen finish. Preemption picks the newest running
+  request that is *not* in flight; an abort of an in-flight request is deferred until its
+  launch completes ("finish it, then drop").
+- A request joins decode only when its last prefill chunk has completed (``update_work``),
+  so a decode step never reads KV a prefill is still writing.
+
+Requests are still tracked by token counters: a running request with one uncomputed token
+decodes; one with more prefills; a prefix hit that leaves one token is simply a decode.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from pdserve.request import Request
+from pdserve.sched.base import Plan, ScheduledRequest, Scheduler, StepOutput
+from pdserve.sched.mux_planner import DecodeLoad, InFlightPrefill, PrefillRequest
+
+MAX_PLANNED_WAITING = 64  # waiting requests shown to the planner per step: bounds host work
+
+
+class InFlightScheduler(Scheduler):
+    waits_for_launches = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.in_flight: set[str] = set()  # request ids used by a launch not yet completed
+        self.pending_aborts: set[str] = set()
+
+    # ---------------------------------------------------------------- views
+
+    def decode_ready(self) -> list[Request]:
+        return [r for r in self.running
+                if r.num_uncomputed == 1 and r.request_id not in self.in_flight]
+
+    def decode_load(self) -> DecodeLoad | None:
+        ready = self.decode_ready()
+        if not ready:
+            return None
+        return DecodeLoad(len(ready), sum(r.num_tokens for r in ready))
+
+    def prefill_candidates(self) -> list[Request]:
+        """Part-prefilled running requests first (they hold blocks), then the waiting queue."""
+        partial = [r for r in self.running
+                   if r.num_uncomputed > 1 and r.request_id not in self.in_flight]
+        room = max(0, self.config.max_num_seqs - len(self.running))
+        waiting = list(self.waiting)[: min(room, MAX_PLANNED_WAITING)]
+        return partial + waiting
+
+    @staticmethod
+    def planner_view(candidates: Sequence[Request], now: float | None = None
+                     ) -> list[PrefillRequest]:
+        now = time.monotonic() if now is None else now
+        return [PrefillRequest(r.num_uncomputed, r.num_computed,
+                               max(0.0, (now - r.arrival_time) * 1e3)) for r in candidates]
+
+    @staticmethod
+    def in_flight_view(plan: Plan, layers_done: int) -> InFlightPrefill:
+        items = plan.prefills
+        return InFlightPrefill(sum(s.num_new_tokens for s in items),
+                               sum(s.request.num_computed for s in items), len(items), layers_done)
+
+    # ---------------------------------------------------------------- plans
+
+    def plan_decode(self, max_batch: int | None = None) -> Plan:
+        """One token for every decode-ready request (oldest first, up to ``max_batch``)."""
+        plan = Plan()
+        for request in self.decode_ready()[:max_batch]:
+            # Preempted to make room for an older one (see PrefillFirstScheduler._schedule_decodes).
+            if request in plan.preempted:
+                continue
+            if self._grow_or_preempt(request, request.num_tokens, plan):
+                plan.decodes.append(ScheduledRequest(request, 1))
+        return plan
+
+    def plan_prefill(self, candidates: Sequence[Request], chunks: Sequence[tuple[int, int]],
+                     plan: Plan | None = None) -> Plan:
+        """Takes the planner's chunks ((index into ``candidates``, tokens), FCFS order).
+
+        Every item lands in ``plan.prefills``, even a one-token chunk: the batch runs
+        through the extend path, never the decode graphs. Waiting requests are admitted
+        here (prefix hits may shrink their chunk); a chunk that cannot get blocks ends the
+        batch, since a prefill never preempts anyone.
+        """
+        plan = plan if plan is not None else Plan()
+        for index, tokens in chunks:
+            request = candidates[index]
+            if request.request_id in self.running_ids():
+                if not self.blocks.grow(request, request.num_computed + tokens):
+                    break
+                plan.prefills.append(ScheduledRequest(request, tokens))
+                continue
+            if not self.waiting or self.waiting[0] is not request:
+                break  # preempted or aborted since the candidates were listed
+            admitted = self._try_admit(tokens)
+            if admitted is None:
+                break
+            plan.prefills.append(ScheduledRequest(*admitted))
+        return plan
+
+    def plan_mixed(self, candidates: Sequence[Request], chunks: Sequence[tuple[int, int]]
+                   ) -> Plan:
+        """A whole-GPU step: every decode plus the prefill chunks (the TEMPORAL mode)."""
+        plan = self.plan_decode()
+        if plan.preempted:
+            return plan  # candidates may have moved; take prefill work next step
+        return self.plan_prefill(candidates, chunks, plan)
+
+    def running_ids(self) -> set[str]:
+        return {r.request_id for r in self.running}
+
+    # ------------------------------------------------------- launch lifecycle
+
+    def launched(self, plan: Plan) -> None:
+        self.in_flight.update(s.request.request_id for s in plan.scheduled)
+
+    def complete(self, plan: Plan, output: StepOutput) -> list[Request]:
+        """Applies a finished launch; returns the requests that finished or were aborted."""
+        for item in plan.scheduled:
+            self.in_flight.discard(item.request.request_id)
+        ended = self.update(plan, output)
+        for item in plan.scheduled:
+            request_id = item.request.request_id
+            if request_id in self.pending_aborts and request_id not in self.in_flight:
+                self.pending_aborts.discard(request_id)
+                request = self.abort(request_id)
+                if request is not None:
+                    ended.append(request)
+        return ended
+
+    def drop_if_aborted(self, plan: Plan) -> list[Request] | None:
+        """Between two pieces of a prefill batch: if every request in it was aborted, the
+        rest of its layers are pointless; release and abort them all (None otherwise)."""
+        ids = [s.request.request_id for s in plan.scheduled]
+        if not all(i in self.pending_aborts for i in ids):
+            return None
+        aborted = []
+        for request_id in ids:
+            self.in_flight.discard(request_id)
+            self.pending_aborts.discard(request_id)
+            request = self.abort(request_id)
+            if request is not None:
+                aborted.append(request)
+        return aborted
+
+    def fail(self, work) -> list[Request]:
+        for item in work.plan.scheduled:
+            self.in_flight.discard(item.request.request_id)
+            self.pending_aborts.discard(item.request.request_id)
+        return super().fail(work)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Aborts now, or (in flight) once its launch completes; None when deferred."""
+        if request_id in self.in_flight:
+            self.pending_aborts.add(request_id)
+            return None
+        return super().abort(request_id)
+
+    def has_work(self) -> bool:
+        return super().has_work() or bool(self.in_flight)
+
+    def _grow_or_preempt(self, request: Request, num_tokens: int, plan: Plan) -> bool:
+        """Like the base rule, but victims are only requests no launch is using.
+
+        Returns False when ``request`` was preempted or no victim was left (it waits).
+        """
+        while not self.blocks.grow(request, num_tokens):
+            victim = next((r for r in reversed(self.running)
+                           if r.request_id not in self.in_flight), None)
+            if victim is None:
+                return False
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+
+def fcfs_chunks(candidates, budget: int) -> list[tuple[int, int]]:
+    """(candidate index, tokens) in arrival order until ``budget`` tokens are taken."""
+    chunks = []
+    for index, request in enumerate(candidates):
+        if budget <= 0:
+            break
+        take = min(request.num_uncomputed, budget)
+        chunks.append((index, take))
+        budget -= take
+    return chunks
