@@ -6,15 +6,21 @@ Fitted by least squares from profile rows the engine records, one linear model p
 - GEMMs: flat while reading the weights dominates, linear in tokens past the ridge
   point. A hinge ``max(0, tokens - knee)`` models that bend; the knee is searched
   per group, because it moves with the SM count (bandwidth and FLOP rate scale apart).
-- Attention: decode reads the KV of every context token (linear in the context sum);
-  prefill computes ``tokens * (prefix + tokens / 2) / batch`` query-key pairs (exact for
-  equal requests) and reads the prefix KV.
+- Attention: decode reads the KV of every context token (linear in the context sum).
+  Prefill computes query-key pairs, ``tokens * prefix / batch`` against the prefix and
+  ``tokens**2 / 2 / batch`` among the new tokens (exact for equal requests), with a
+  coefficient each: on the H200 the prefix part (another kernel path, KV read from the
+  paged cache) cost more per pair than the causal part. Reading the prefix KV is no
+  feature of its own: it is negligible beside the weights, and a free linear term for it
+  let a fit charge a 256-token piece the whole cost of a 1024-token piece's prefix.
 - Prefill pieces run ``num_layers`` of the model: every per-layer cost scales with the
-  share of layers run, one launch overhead does not.
+  share of layers run, one launch overhead does not. There is no per-request term: the
+  profile times one request per piece, so such a term could not be fitted apart from the
+  per-layer constant and would multiply it by the batch size in planning.
 
 Rows are weighted by 1 / latency, so the fit minimises relative error, which is what
 the planner's SLO margins are in. Co-running groups are fitted on their own rows
-(interference is not symmetric and depends on the split, DESIGN.md §2); a co-running
+(interference is not symmetric and depends on the split); a co-running
 group with too few rows falls back to the alone model times a contention factor from
 whatever co-running rows exist. SM counts between profiled ones interpolate linearly in
 1 / SMs (time ~ work / rate); outside the profiled range the nearest count is used.
@@ -36,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT_VERSION = 2  # 2: decode fits lost their token feature (the same as the batch size)
+FORMAT_VERSION = 3  # 2: decode fits lost their token feature; 3: prefill pairs split in two
 PHASES = ("decode", "prefill")
 KNEES = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
 _TOKENS = 1e-3  # features in thousands of tokens keep the normal equations well scaled
@@ -73,7 +79,7 @@ class _Fit:
 
     def predict(self, features: Sequence[float]) -> float:
         # Plain Python: the planner asks dozens of times per step; numpy's call overhead
-        # costs more than these seven multiplications.
+        # costs more than these six multiplications.
         return sum(c * x for c, x in zip(self.coef, features, strict=True))
 
 
@@ -83,13 +89,13 @@ def _features(phase: str, tokens: float, context: float, batch: float, layer_sha
     bend = max(0.0, tokens - knee) * _TOKENS
     if phase == "decode":  # one token per request: tokens and batch are the same feature
         return (1.0, bend, context * _TOKENS, b)
-    pairs = tokens * (context + tokens / 2) / b * _PAIRS
+    prefix_pairs, causal_pairs = tokens * context / b * _PAIRS, tokens * tokens / 2 / b * _PAIRS
     s = layer_share
-    return (1.0, s, s * t, s * bend, s * context * _TOKENS, s * pairs, s * b)
+    return (1.0, s, s * t, s * bend, s * prefix_pairs, s * causal_pairs)
 
 
 def _n_features(phase: str) -> int:
-    return 4 if phase == "decode" else 7
+    return 4 if phase == "decode" else 6
 
 
 def _fit_group(phase: str, rows: Sequence[ProfileRecord], num_layers: int) -> _Fit:

@@ -142,11 +142,38 @@ def h200_runs() -> list[list[dict]]:
     return list(json.loads(H200_ROWS.read_text())["runs"].values())
 
 
+def held_out_reports(rows: list[dict], seeds: range) -> list[dict]:
+    reports = []
+    for seed in seeds:
+        train, test = stratified_split(rows, test_fraction=0.2, seed=seed)
+        reports.append(LatencyPredictor.fit(train, **KEY).evaluate(test))
+    return reports
+
+
+def meets_targets(report: dict) -> bool:
+    return report["median_rel_err"] <= 0.05 and report["p95_rel_err"] <= 0.15
+
+
 def test_held_out_error_on_h200_rows_meets_the_targets(h200_runs):
-    train, test = stratified_split(h200_runs[0], test_fraction=0.2, seed=0)
-    report = LatencyPredictor.fit(train, **KEY).evaluate(test)
+    report = held_out_reports(h200_runs[0], range(1))[0]
     assert report["n"] >= 25
-    assert report["median_rel_err"] <= 0.05 and report["p95_rel_err"] <= 0.15
+    assert meets_targets(report)
+
+
+# Seed 2 holds out every alone prefill point under 1024 tokens at once (equal-size groups
+# shuffle alike), so the fit extrapolates 256-token pieces from 1024+; seed 7 holds out the
+# only short piece with a long prefix, whose whole-GPU time (20.5 ms) is far below what
+# the partitions' rows imply. The prefill-feature change took this run from 7 to 8 seeds.
+RUNS_AT_TARGET = [pytest.param("run_slo60", marks=pytest.mark.xfail(
+    strict=True, reason="8 of 10 seeds: see the comment above")), "run_slo40"]
+
+
+@pytest.mark.parametrize("run", RUNS_AT_TARGET)
+def test_held_out_error_meets_the_targets_for_nine_of_ten_splits(run):
+    rows = json.loads(H200_ROWS.read_text())["runs"][run]
+    reports = held_out_reports(rows, range(10))
+    assert sum(meets_targets(r) for r in reports) >= 9
+    assert max(r["median_rel_err"] for r in reports) <= 0.05
 
 
 def test_a_fit_on_one_h200_profile_predicts_another_run(h200_runs):
@@ -202,3 +229,4 @@ def test_an_older_format_is_refitted_from_its_rows(h200_runs, tmp_path):
     path.write_text(json.dumps({**old, "rows": []}))
     with pytest.raises(ValueError, match="format"):  # nothing to refit from
         LatencyPredictor.load(path)
+
