@@ -48,6 +48,8 @@ KNEES = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024
 _TOKENS = 1e-3  # features in thousands of tokens keep the normal equations well scaled
 _PAIRS = 1e-6
 
+ProfileGroup = tuple[str, int, bool]  # (phase, SMs, co-running): one fitted model each
+
 
 @dataclass(frozen=True)
 class ProfileRecord:
@@ -236,6 +238,14 @@ class LatencyPredictor:
                      - self.predict("decode", decode_batch, 0, decode_batch, sms))
         return self.mixed_factor * (gemms + max(attention, 0.0))
 
+    def fitted_groups(self) -> set[ProfileGroup]:
+        """Groups answered from rows measured on exactly that (phase, SMs, co-running): their
+        own fit, or the alone fit times a contention factor measured at that SM count.
+        Anything else is interpolated or borrowed from another SM count."""
+        measured_contention = {(p, s, True) for (p, s) in self._contention
+                               if (p, s, False) in self._fits}
+        return set(self._fits) | measured_contention
+
     def profiled_sms(self, phase: str, co_running: bool) -> list[int]:
         """SM counts this predictor can answer for directly (others interpolate)."""
         return self._known.get((phase, co_running), [])
@@ -337,6 +347,59 @@ class LatencyPredictor:
             if want is not None and want != got:
                 raise ValueError(f"{path}: fitted for {what} {got!r}, not {want!r}")
         return pred
+
+
+class UncoveredGroupsError(LookupError):
+    """The predictor was not fitted on some (phase, SMs, co-running) the planner can pick."""
+
+    def __init__(self, missing: Iterable[ProfileGroup]):
+        self.missing = sorted(missing)
+        listed = ", ".join(f"{p} on {s} SMs{' co-running' if co else ''}"
+                           for p, s, co in self.missing)
+        super().__init__(
+            f"the latency profile has no rows for {listed}; profile these groups "
+            "(`pdserve profile` with these SM counts) or opt into the roofline fallback")
+
+
+class GroupFallback:
+    """A fitted predictor that answers the groups it lacks with another model (the roofline).
+
+    Only built on request (``require_coverage(..., fallback=...)``): a guess for the
+    missing groups is the user's explicit choice, never a silent one."""
+
+    def __init__(self, fitted: LatencyPredictor, fallback, missing: Iterable[ProfileGroup]):
+        self.fitted, self.fallback, self.missing = fitted, fallback, frozenset(missing)
+        self.num_layers, self.total_sms = fitted.num_layers, fitted.total_sms
+
+    def predict(self, phase: str, num_tokens: int, context_tokens: int, batch_size: int,
+                sms: int, co_running: bool = False, num_layers: int | None = None) -> float:
+        co = bool(co_running and sms < self.total_sms)
+        model = self.fallback if (phase, sms, co) in self.missing else self.fitted
+        return model.predict(phase, num_tokens, context_tokens, batch_size, sms, co,
+                             num_layers)
+
+    def predict_mixed(self, prefill_tokens: int, prefill_context: int, prefill_batch: int,
+                      decode_batch: int, decode_context: int, sms: int | None = None
+                      ) -> float:
+        whole = {(phase, sms or self.total_sms, False) for phase in PHASES}
+        model = self.fallback if whole & self.missing else self.fitted
+        return model.predict_mixed(prefill_tokens, prefill_context, prefill_batch,
+                                   decode_batch, decode_context, sms)
+
+
+def require_coverage(predictor, groups: Iterable[ProfileGroup], fallback=None):
+    """``predictor`` if it was fitted on every group in ``groups`` (a planner's
+    ``profile_groups()``); else ``UncoveredGroupsError``, or with ``fallback`` given, a
+    ``GroupFallback`` that asks it for the missing groups. A model that is not fitted from
+    rows (the roofline) answers every group and is returned as it is."""
+    if not isinstance(predictor, LatencyPredictor):
+        return predictor
+    missing = set(groups) - predictor.fitted_groups()
+    if not missing:
+        return predictor
+    if fallback is None:
+        raise UncoveredGroupsError(missing)
+    return GroupFallback(predictor, fallback, missing)
 
 
 def predictor_path(directory: str | Path, gpu_name: str, model_name: str) -> Path:
