@@ -237,17 +237,9 @@ class MuxPlanner:
         return itl_use(plan, self.config.itl_slo_ms)
 
     def profile_groups(self) -> list[tuple[str, int, bool]]:
-        """Every (phase, SMs, co-running) this planner can ask its predictor about: what a
-        profile must time so that no choice rests on an interpolated or borrowed fit.
-
-        The whole GPU alone, both phases, always: DECODE_ONLY, PREFILL_ONLY, TIME_SLICE's
-        decode step and pieces, and the mixed step's parts. Each spatial split adds decode
-        on its decode SMs and prefill on the rest, both co-running."""
-        groups = {("decode", self.total_sms, False), ("prefill", self.total_sms, False)}
-        if self.config.spatial:
-            for decode_sms, prefill_sms in self.partitions:
-                groups |= {("decode", decode_sms, True), ("prefill", prefill_sms, True)}
-        return sorted(groups)
+        """Every (phase, SMs, co-running) this planner can ask its predictor about."""
+        partitions = self.partitions if self.config.spatial else []
+        return profile_groups(partitions, self.total_sms)
 
     def _solo(self, decode: DecodeLoad | None, waiting: Sequence[PrefillRequest],
               in_flight: InFlightPrefill | None) -> MuxPlan | None:
@@ -501,6 +493,20 @@ class MuxPlanner:
         if step_ms > 0:
             period = max(1, math.ceil(piece.predicted_ms / step_ms - 1e-6)) * step_ms
         return _progress(piece, self.num_layers, period)
+
+
+def profile_groups(partitions: Sequence[tuple[int, int]], total_sms: int
+                   ) -> list[tuple[str, int, bool]]:
+    """The (phase, SMs, co-running) groups a profile must time for a planner over these
+    spatial splits, so that no choice rests on an interpolated or borrowed fit.
+
+    The whole GPU alone, both phases, always: DECODE_ONLY, PREFILL_ONLY, TIME_SLICE's
+    decode step and pieces, and the mixed step's parts. Each split (decode SMs, prefill
+    SMs) adds decode on its decode SMs and prefill on the rest, both co-running."""
+    groups = {("decode", total_sms, False), ("prefill", total_sms, False)}
+    for decode_sms, prefill_sms in partitions:
+        groups |= {("decode", decode_sms, True), ("prefill", prefill_sms, True)}
+    return sorted(groups)
 
 
 def itl_use(plan: MuxPlan, itl_slo_ms: float) -> float | None:

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve.sched.mux_planner import MuxPlanner, MuxPlannerConfig
+from pdserve.sched.mux_planner import MuxPlanner, MuxPlannerConfig, profile_groups
 from pdserve.sched.predictor import (
     LatencyPredictor,
     ProfileRecord,
@@ -242,7 +242,16 @@ PROFILED_SPLITS = [(16, 116), (32, 100), (64, 68)]  # the committed rows' partit
 
 def groups_of(splits) -> list[tuple[str, int, bool]]:
     planner = MuxPlanner(RooflinePredictor(), splits, MuxPlannerConfig(itl_slo_ms=60.0))
-    return planner.profile_groups()
+    assert planner.profile_groups() == profile_groups(splits, 132)
+    return profile_groups(splits, 132)
+
+
+def test_the_profile_grid_lists_every_split_and_the_whole_gpu():
+    assert groups_of([(24, 108)]) == [("decode", 24, True), ("decode", 132, False),
+                                      ("prefill", 108, True), ("prefill", 132, False)]
+    temporal_only = MuxPlanner(RooflinePredictor(), [(24, 108)], MuxPlannerConfig(
+        itl_slo_ms=60.0, spatial=False))
+    assert temporal_only.profile_groups() == [("decode", 132, False), ("prefill", 132, False)]
 
 
 def test_a_profile_missing_a_planner_choice_is_refused_by_name(h200_runs):
