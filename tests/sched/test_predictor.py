@@ -163,7 +163,7 @@ def test_held_out_error_on_h200_rows_meets_the_targets(h200_runs):
     assert meets_targets(report)
 
 
-# Seed 2 holds out every alone prefill point under 1024 tokens at once (equal-size groups
+# Seed 2 holds out every prefix-free alone prefill point under 1024 tokens (equal-size groups
 # shuffle alike), so the fit extrapolates 256-token pieces from 1024+; seed 7 holds out the
 # only short piece with a long prefix, whose whole-GPU time (20.5 ms) is far below what
 # the partitions' rows imply. The prefill-feature change took this run from 7 to 8 seeds.
