@@ -9,23 +9,31 @@ Pure logic over a latency predictor (no torch). At every decode step the engine 
   step, so the scheduler can re-plan at every step and neither stream idles.
 - TEMPORAL: one whole-GPU mixed step; decode tokens ride along in a prefill chunk's GEMMs
   (chunked prefill), with the largest chunk whose predicted step fits the ITL budget.
+- TIME_SLICE: whole-GPU time slicing at layer boundaries. A decode step runs alone on the
+  whole GPU (graph replay), then a whole-GPU prefill piece (a layer range) sized so that
+  decode step + piece fit the ITL budget; the next decode step starts after the piece.
+  With a small decode batch prefill gets about (1 - decode step / ITL) of the whole GPU,
+  where SPATIAL leaves it 55-75% of its speed and slows decode by 25-40% (H200). Offered
+  only with ``MuxPlannerConfig.time_slice`` (the loop must know how to run it).
 - PREFILL_ONLY: no decode running; prefill takes the whole GPU and runs every remaining
   layer of its batch in one piece (no layer-by-layer crawl when nobody needs the SMs).
 - DECODE_ONLY: nothing to prefill, or prefill paused because no option meets the SLO.
 - IDLE: nothing to do.
 
-Decision rule, with budget = ITL SLO x safety margin:
-1. SPATIAL and TEMPORAL are each feasible when their predicted decode latency (the
-   co-running decode step; the mixed step) is within the budget.
+Decision rule, with budget = ITL SLO x safety margin, and a plan's *cycle* the predicted
+time between two decode tokens (``MuxPlan.cycle_ms``: the co-running decode step in
+SPATIAL, the mixed step in TEMPORAL, decode step + piece in TIME_SLICE):
+1. SPATIAL, TEMPORAL and TIME_SLICE are each feasible when their cycle is within the
+   budget.
 2. Among feasible options, pick the higher predicted prefill progress, in prompt tokens
-   per second (a piece of T tokens through k of L layers counts T x k / L). A tie goes
-   to TEMPORAL: one stream, no partition switch to drain.
-3. If neither is feasible, pick the lowest predicted decode latency among SPATIAL on the
-   largest decode partition and DECODE_ONLY on the whole GPU (prefill waits a step).
+   per second of wall time (a piece of T tokens through k of L layers counts T x k / L).
+   Ties go to TEMPORAL (one stream, no partition switch), then TIME_SLICE (no partition).
+3. If none is feasible, pick the shortest cycle among SPATIAL on the largest decode
+   partition and DECODE_ONLY on the whole GPU (prefill waits a step).
    Prefill waits at most ``max_prefill_stall_ms``: once the oldest waiting request has
    waited that long (or a batch is part-way through its layers), DECODE_ONLY is off the
-   list and the smallest mixed step joins it, so a load whose decode alone breaks the SLO
-   slows decode down instead of starving new prompts.
+   list and the smallest mixed step and the smallest time slice join it, so a load whose
+   decode alone breaks the SLO slows decode down instead of starving new prompts.
 
 A prefill batch that is part-way through its layers (started in spatial pieces) must
 finish its layers before a mixed step can take new prompt tokens, so while one is in
@@ -39,8 +47,8 @@ tokens): batching more prompts behind it would only delay its first token.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
@@ -96,6 +104,7 @@ class OnlineCalibration:
 class MuxMode(StrEnum):
     SPATIAL = "spatial"
     TEMPORAL = "temporal"
+    TIME_SLICE = "time_slice"
     PREFILL_ONLY = "prefill_only"
     DECODE_ONLY = "decode_only"
     IDLE = "idle"
@@ -149,6 +158,14 @@ class PrefillPiece:
 
 @dataclass(frozen=True)
 class MuxPlan:
+    """What to launch until the next decode boundary, and what it is predicted to cost.
+
+    TIME_SLICE: ``decode_sms == prefill_sms ==`` the device's SMs; the decode step
+    (``decode_ms``) runs first, then the piece (``prefill.predicted_ms``, layers
+    ``prefill.start_layer`` to ``prefill.end_layer``), never overlapping;
+    ``cycle_ms`` is their sum.
+    """
+
     mode: MuxMode
     decode_sms: int  # both counts are the device's SMs in the whole-GPU modes, so
     prefill_sms: int  # ``PartitionSet.get(plan.decode_sms)`` is the partition to run on
@@ -157,6 +174,9 @@ class MuxPlan:
     prefill_tokens_per_s: float  # predicted prefill progress (see the module's rule 2)
     meets_slo: bool
     reason: str
+    # Predicted time between two decode tokens, what the ITL SLO bounds (0 without decode).
+    cycle_ms: float = 0.0
+    prefill_waiting: bool = False  # decode ran while prefill work was waiting or in flight
 
 
 @dataclass(frozen=True)
@@ -169,6 +189,8 @@ class MuxPlannerConfig:
     token_align: int = 64  # chunk sizes are multiples of this (GEMM tiles, graph buckets)
     spatial: bool = True
     temporal: bool = True
+    # Off by default: a loop that cannot run TIME_SLICE plans must never be handed one.
+    time_slice: bool = False
     # Longest a waiting prompt is held back when no option meets the ITL SLO (rule 3).
     max_prefill_stall_ms: float = 2000.0
 
@@ -190,27 +212,66 @@ class MuxPlanner:
 
     def plan(self, decode: DecodeLoad | None, waiting: Sequence[PrefillRequest] = (),
              in_flight: InFlightPrefill | None = None) -> MuxPlan:
+        solo = self._solo(decode, waiting, in_flight)
+        if solo is not None:
+            return solo
+        feasible = [p for p in self._sharing(decode, waiting, in_flight) if p.meets_slo]
+        if feasible:  # max() keeps the first of equals: the order of _sharing is on purpose
+            return max(feasible, key=lambda p: p.prefill_tokens_per_s)
+        return min(self._fallbacks(decode, waiting, in_flight), key=lambda p: p.cycle_ms)
+
+    def options(self, decode: DecodeLoad | None, waiting: Sequence[PrefillRequest] = (),
+                in_flight: InFlightPrefill | None = None) -> list[MuxPlan]:
+        """Every plan ``plan`` weighs for this load: the feasible sharing options first,
+        then what it falls back to when none is."""
+        solo = self._solo(decode, waiting, in_flight)
+        if solo is not None:
+            return [solo]
+        weighed = [p for p in self._sharing(decode, waiting, in_flight) if p.meets_slo]
+        for plan in self._fallbacks(decode, waiting, in_flight):
+            weighed += [plan] if plan not in weighed else []
+        return weighed
+
+    def itl_use(self, plan: MuxPlan) -> float | None:
+        """``plan``'s predicted time between decode tokens over the ITL SLO."""
+        return itl_use(plan, self.config.itl_slo_ms)
+
+    def profile_groups(self) -> list[tuple[str, int, bool]]:
+        """Every (phase, SMs, co-running) this planner can ask its predictor about."""
+        partitions = self.partitions if self.config.spatial else []
+        return profile_groups(partitions, self.total_sms)
+
+    def _solo(self, decode: DecodeLoad | None, waiting: Sequence[PrefillRequest],
+              in_flight: InFlightPrefill | None) -> MuxPlan | None:
+        """The plan when at most one phase has work; None when both have."""
         has_decode = decode is not None and decode.batch_size > 0
         has_prefill = in_flight is not None or any(r.tokens_remaining > 0 for r in waiting)
         if not has_decode:
             return self._prefill_only(waiting, in_flight) if has_prefill else self._idle()
         if not has_prefill:
-            return self._decode_only(decode, "no prefill work")
-        options = [p for p in (self._spatial(decode, waiting, in_flight),
-                               self._temporal(decode, waiting, in_flight)) if p is not None]
-        feasible = [p for p in options if p.meets_slo]
-        if feasible:
-            # max() keeps the first of equals: TEMPORAL is listed first on purpose.
-            feasible.sort(key=lambda p: p.mode != MuxMode.TEMPORAL)
-            return max(feasible, key=lambda p: p.prefill_tokens_per_s)
-        fallback = [p for p in options if p.mode == MuxMode.SPATIAL]
-        stalled = self._stalled(waiting, in_flight)
-        if stalled:
-            forced = self._temporal(decode, waiting, in_flight, forced=True)
-            fallback += [forced] if forced is not None else []
-        if not (stalled and fallback):
-            fallback.append(self._decode_only(decode, "no option meets the ITL SLO"))
-        return min(fallback, key=lambda p: p.decode_ms)
+            return self._decode_only(decode, "no prefill work", prefill_waiting=False)
+        return None
+
+    def _sharing(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
+                 in_flight: InFlightPrefill | None) -> list[MuxPlan]:
+        """The options that run both phases, in the order that breaks ties (rule 2)."""
+        made = (self._temporal(decode, waiting, in_flight),
+                self._time_slice(decode, waiting, in_flight),
+                self._spatial(decode, waiting, in_flight))
+        return [p for p in made if p is not None]
+
+    def _fallbacks(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
+                   in_flight: InFlightPrefill | None) -> list[MuxPlan]:
+        """Rule 3: what runs when no option meets the budget."""
+        spatial = self._spatial(decode, waiting, in_flight)
+        fallback = [spatial] if spatial is not None else []
+        if self._stalled(waiting, in_flight):
+            forced = (self._temporal(decode, waiting, in_flight, forced=True),
+                      self._time_slice(decode, waiting, in_flight, forced=True))
+            fallback += [p for p in forced if p is not None]
+            if fallback:
+                return fallback
+        return fallback + [self._decode_only(decode, "no option meets the ITL SLO")]
 
     def _stalled(self, waiting: Sequence[PrefillRequest],
                  in_flight: InFlightPrefill | None) -> bool:
@@ -226,10 +287,11 @@ class MuxPlanner:
         return MuxPlan(MuxMode.IDLE, self.total_sms, self.total_sms, None, 0.0, 0.0, True,
                        "nothing to run")
 
-    def _decode_only(self, decode: DecodeLoad, reason: str) -> MuxPlan:
+    def _decode_only(self, decode: DecodeLoad, reason: str, prefill_waiting: bool = True
+                     ) -> MuxPlan:
         ms = self._decode_ms(decode, self.total_sms, co_running=False)
         return MuxPlan(MuxMode.DECODE_ONLY, self.total_sms, self.total_sms, None, ms, 0.0,
-                       ms <= self.config.itl_slo_ms, reason)
+                       ms <= self.config.itl_slo_ms, reason, ms, prefill_waiting)
 
     def _prefill_only(self, waiting: Sequence[PrefillRequest],
                       in_flight: InFlightPrefill | None) -> MuxPlan:
@@ -255,11 +317,12 @@ class MuxPlanner:
         decode_sms, prefill_sms = self.partitions[lo]
         decode_ms = step(lo)
         fits = decode_ms <= self.config.budget_ms
-        piece = self._spatial_piece(waiting, in_flight, prefill_sms, target_ms=decode_ms)
+        piece = self._piece_within(waiting, in_flight, prefill_sms, True, decode_ms,
+                                   rate=lambda p: self._rate(p, decode_ms))
         reason = (f"smallest decode partition meeting the ITL budget: {decode_sms} SMs"
                   if fits else "no partition meets the ITL budget: largest decode partition")
         return MuxPlan(MuxMode.SPATIAL, decode_sms, prefill_sms, piece, decode_ms,
-                       self._rate(piece, decode_ms), fits, reason)
+                       self._rate(piece, decode_ms), fits, reason, decode_ms, True)
 
     def _temporal(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
                   in_flight: InFlightPrefill | None, forced: bool = False) -> MuxPlan | None:
@@ -282,45 +345,70 @@ class MuxPlanner:
         reason = (f"mixed step with a {chunk}-token chunk" if fits else
                   f"prefill waited {cfg.max_prefill_stall_ms:.0f} ms: smallest mixed step")
         return MuxPlan(MuxMode.TEMPORAL, self.total_sms, self.total_sms, piece, ms,
-                       1e3 * chunk / ms, fits, reason)
+                       1e3 * chunk / ms, fits, reason, ms, True)
+
+    def _time_slice(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
+                    in_flight: InFlightPrefill | None, forced: bool = False
+                    ) -> MuxPlan | None:
+        """Decode alone on the whole GPU, then the whole-GPU piece that advances prefill
+        fastest within what the budget leaves; ``forced``: the smallest piece, over it."""
+        if not self.config.time_slice:
+            return None
+        sms = self.total_sms
+        decode_ms = self._decode_ms(decode, sms, co_running=False)
+        room = self.config.budget_ms - decode_ms
+        cycle = lambda p: decode_ms + p.predicted_ms
+        piece = self._piece_within(waiting, in_flight, sms, False, room,
+                                   rate=lambda p: _progress(p, self.num_layers, cycle(p)))
+        fits = piece.predicted_ms <= room
+        if not fits and not forced:
+            return None
+        reason = (f"decode alone, then {piece.num_layers} layers of {piece.num_tokens} tokens"
+                  if fits else
+                  f"prefill waited {self.config.max_prefill_stall_ms:.0f} ms: smallest slice")
+        return MuxPlan(MuxMode.TIME_SLICE, sms, sms, piece, decode_ms,
+                       _progress(piece, self.num_layers, cycle(piece)), fits, reason,
+                       cycle(piece), True)
 
     # ------------------------------------------------------------------- pieces
 
-    def _spatial_piece(self, waiting: Sequence[PrefillRequest],
-                       in_flight: InFlightPrefill | None, sms: int, target_ms: float
-                       ) -> PrefillPiece:
-        """About one decode step of prefill work (``target_ms``).
+    def _piece_within(self, waiting: Sequence[PrefillRequest],
+                      in_flight: InFlightPrefill | None, sms: int, co_running: bool,
+                      limit_ms: float, rate: Callable[[PrefillPiece], float]) -> PrefillPiece:
+        """The piece with the highest ``rate`` among those predicted within ``limit_ms``; the
+        smallest piece (one layer, the fewest tokens) when none is.
 
         A piece continuing the batch in flight keeps its tokens and takes as many layers as
         fit. A new batch weighs a few layer counts around the most that fit with every
-        token, each with the most tokens that fit, and keeps the one that advances prefill
-        fastest per decode step; a piece that is too short leaves the prefill SMs idle
-        until the next step, one that is too long delays the next re-plan.
+        token, each with the most tokens that fit. In SPATIAL the limit is one decode step:
+        a piece that is too short leaves the prefill SMs idle until the next step, one that
+        is too long delays the next re-plan.
         """
         if in_flight is not None:
             left = self.num_layers - in_flight.layers_done
             layers = self._layers_fitting(in_flight.num_tokens, in_flight.context_tokens,
-                                          in_flight.batch_size, sms, target_ms, left)
-            return self._continue(in_flight, sms, co_running=True, layers=layers)
-        chunks = self._gather(waiting, self._token_budget(waiting, sms, True))
+                                          in_flight.batch_size, sms, co_running, limit_ms,
+                                          left)
+            return self._continue(in_flight, sms, co_running, layers=layers)
+        chunks = self._gather(waiting, self._token_budget(waiting, sms, co_running))
         most = sum(t for _, t in chunks)
         fit_all = self._layers_fitting(most, _prefix_sum(waiting, chunks), len(chunks), sms,
-                                       target_ms, self.num_layers)
+                                       co_running, limit_ms, self.num_layers)
         pieces = []
         for layers in range(fit_all, min(fit_all + 3, self.num_layers + 1)):
             cost = lambda tokens, k=layers: self._piece(waiting, self._gather(waiting, tokens),
-                                                        0, k, sms, True).predicted_ms
+                                                        0, k, sms, co_running).predicted_ms
             floor = min(most, self.config.min_chunk_tokens)
-            if cost(floor) > target_ms and layers > 1:
+            if cost(floor) > limit_ms and layers > 1:
                 break
-            tokens = _largest_fitting(cost, floor, most, self.config.token_align, target_ms)
+            tokens = _largest_fitting(cost, floor, most, self.config.token_align, limit_ms)
             pieces.append(self._piece(waiting, self._gather(waiting, tokens), 0, layers, sms,
-                                      True))
-        return max(pieces, key=lambda p: self._rate(p, target_ms))
+                                      co_running))
+        return max(pieces, key=rate)
 
     def _layers_fitting(self, tokens: int, context: int, batch: int, sms: int,
-                        target_ms: float, most: int) -> int:
-        fits = lambda k: self._prefill_ms(tokens, context, batch, sms, True, k) <= target_ms
+                        co_running: bool, limit_ms: float, most: int) -> int:
+        fits = lambda k: self._prefill_ms(tokens, context, batch, sms, co_running, k) <= limit_ms
         lo, hi = 1, most
         while lo < hi:  # largest k in [1, most] that fits; 1 if none does
             mid = (lo + hi + 1) // 2
@@ -404,7 +492,55 @@ class MuxPlanner:
         period = piece.predicted_ms
         if step_ms > 0:
             period = max(1, math.ceil(piece.predicted_ms / step_ms - 1e-6)) * step_ms
-        return 1e3 * piece.num_tokens * piece.num_layers / self.num_layers / period
+        return _progress(piece, self.num_layers, period)
+
+
+def profile_groups(partitions: Sequence[tuple[int, int]], total_sms: int
+                   ) -> list[tuple[str, int, bool]]:
+    """The (phase, SMs, co-running) groups a profile must time for a planner over these
+    spatial splits, so that no choice rests on an interpolated or borrowed fit.
+
+    The whole GPU alone, both phases, always: DECODE_ONLY, PREFILL_ONLY, TIME_SLICE's
+    decode step and pieces, and the mixed step's parts. Each split (decode SMs, prefill
+    SMs) adds decode on its decode SMs and prefill on the rest, both co-running."""
+    groups = {("decode", total_sms, False), ("prefill", total_sms, False)}
+    for decode_sms, prefill_sms in partitions:
+        groups |= {("decode", decode_sms, True), ("prefill", prefill_sms, True)}
+    return sorted(groups)
+
+
+def itl_use(plan: MuxPlan, itl_slo_ms: float) -> float | None:
+    """Predicted time between decode tokens over the ITL SLO (None without decode): how
+    much of the budget a plan uses; near the safety margin while prefill waits."""
+    return plan.cycle_ms / itl_slo_ms if plan.cycle_ms > 0 else None
+
+
+@dataclass
+class ItlUseLog:
+    """The distribution of ``itl_use`` over one run's plans made while prefill waited: the
+    engine adds every plan it launches and logs ``summary()`` at the end of a run."""
+
+    itl_slo_ms: float
+    values: list[float] = field(default_factory=list)
+
+    def add(self, plan: MuxPlan) -> None:
+        use = itl_use(plan, self.itl_slo_ms)
+        if plan.prefill_waiting and use is not None:
+            self.values.append(use)
+
+    def summary(self) -> dict[str, float]:
+        """Count, mean and nearest-rank quantiles (p10, p50, p90) and max; {"n": 0} if empty."""
+        if not self.values:
+            return {"n": 0}
+        ordered = sorted(self.values)
+        rank = lambda q: ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+        return {"n": len(ordered), "mean": sum(ordered) / len(ordered), "p10": rank(0.1),
+                "p50": rank(0.5), "p90": rank(0.9), "max": ordered[-1]}
+
+
+def _progress(piece: PrefillPiece, num_layers: int, period_ms: float) -> float:
+    """Prompt tokens per second of a stream of such pieces, one every ``period_ms``."""
+    return 1e3 * piece.num_tokens * piece.num_layers / num_layers / period_ms
 
 
 def _prefix_sum(waiting: Sequence[PrefillRequest], chunks: Sequence[tuple[int, int]]) -> int:

@@ -6,15 +6,21 @@ Fitted by least squares from profile rows the engine records, one linear model p
 - GEMMs: flat while reading the weights dominates, linear in tokens past the ridge
   point. A hinge ``max(0, tokens - knee)`` models that bend; the knee is searched
   per group, because it moves with the SM count (bandwidth and FLOP rate scale apart).
-- Attention: decode reads the KV of every context token (linear in the context sum);
-  prefill computes ``tokens * (prefix + tokens / 2) / batch`` query-key pairs (exact for
-  equal requests) and reads the prefix KV.
+- Attention: decode reads the KV of every context token (linear in the context sum).
+  Prefill computes query-key pairs, ``tokens * prefix / batch`` against the prefix and
+  ``tokens**2 / 2 / batch`` among the new tokens (exact for equal requests), with a
+  coefficient each: on the H200 the prefix part (another kernel path, KV read from the
+  paged cache) cost more per pair than the causal part. Reading the prefix KV is no
+  feature of its own: it is negligible beside the weights, and a free linear term for it
+  let a fit charge a 256-token piece the whole cost of a 1024-token piece's prefix.
 - Prefill pieces run ``num_layers`` of the model: every per-layer cost scales with the
-  share of layers run, one launch overhead does not.
+  share of layers run, one launch overhead does not. There is no per-request term: the
+  profile times one request per piece, so such a term could not be fitted apart from the
+  per-layer constant and would multiply it by the batch size in planning.
 
 Rows are weighted by 1 / latency, so the fit minimises relative error, which is what
 the planner's SLO margins are in. Co-running groups are fitted on their own rows
-(interference is not symmetric and depends on the split, DESIGN.md §2); a co-running
+(interference is not symmetric and depends on the split); a co-running
 group with too few rows falls back to the alone model times a contention factor from
 whatever co-running rows exist. SM counts between profiled ones interpolate linearly in
 1 / SMs (time ~ work / rate); outside the profiled range the nearest count is used.
@@ -36,11 +42,13 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT_VERSION = 2  # 2: decode fits lost their token feature (the same as the batch size)
+FORMAT_VERSION = 3  # 2: decode fits lost their token feature; 3: prefill pairs split in two
 PHASES = ("decode", "prefill")
 KNEES = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
 _TOKENS = 1e-3  # features in thousands of tokens keep the normal equations well scaled
 _PAIRS = 1e-6
+
+ProfileGroup = tuple[str, int, bool]  # (phase, SMs, co-running): one fitted model each
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,7 @@ class _Fit:
 
     def predict(self, features: Sequence[float]) -> float:
         # Plain Python: the planner asks dozens of times per step; numpy's call overhead
-        # costs more than these seven multiplications.
+        # costs more than these six multiplications.
         return sum(c * x for c, x in zip(self.coef, features, strict=True))
 
 
@@ -83,13 +91,13 @@ def _features(phase: str, tokens: float, context: float, batch: float, layer_sha
     bend = max(0.0, tokens - knee) * _TOKENS
     if phase == "decode":  # one token per request: tokens and batch are the same feature
         return (1.0, bend, context * _TOKENS, b)
-    pairs = tokens * (context + tokens / 2) / b * _PAIRS
+    prefix_pairs, causal_pairs = tokens * context / b * _PAIRS, tokens * tokens / 2 / b * _PAIRS
     s = layer_share
-    return (1.0, s, s * t, s * bend, s * context * _TOKENS, s * pairs, s * b)
+    return (1.0, s, s * t, s * bend, s * prefix_pairs, s * causal_pairs)
 
 
 def _n_features(phase: str) -> int:
-    return 4 if phase == "decode" else 7
+    return 4 if phase == "decode" else 6
 
 
 def _fit_group(phase: str, rows: Sequence[ProfileRecord], num_layers: int) -> _Fit:
@@ -230,6 +238,14 @@ class LatencyPredictor:
                      - self.predict("decode", decode_batch, 0, decode_batch, sms))
         return self.mixed_factor * (gemms + max(attention, 0.0))
 
+    def fitted_groups(self) -> set[ProfileGroup]:
+        """Groups answered from rows measured on exactly that (phase, SMs, co-running): their
+        own fit, or the alone fit times a contention factor measured at that SM count.
+        Anything else is interpolated or borrowed from another SM count."""
+        measured_contention = {(p, s, True) for (p, s) in self._contention
+                               if (p, s, False) in self._fits}
+        return set(self._fits) | measured_contention
+
     def profiled_sms(self, phase: str, co_running: bool) -> list[int]:
         """SM counts this predictor can answer for directly (others interpolate)."""
         return self._known.get((phase, co_running), [])
@@ -331,6 +347,59 @@ class LatencyPredictor:
             if want is not None and want != got:
                 raise ValueError(f"{path}: fitted for {what} {got!r}, not {want!r}")
         return pred
+
+
+class UncoveredGroupsError(LookupError):
+    """The predictor was not fitted on some (phase, SMs, co-running) the planner can pick."""
+
+    def __init__(self, missing: Iterable[ProfileGroup]):
+        self.missing = sorted(missing)
+        listed = ", ".join(f"{p} on {s} SMs{' co-running' if co else ''}"
+                           for p, s, co in self.missing)
+        super().__init__(
+            f"the latency profile has no rows for {listed}; profile these groups "
+            "(`pdserve profile` with these SM counts) or opt into the roofline fallback")
+
+
+class GroupFallback:
+    """A fitted predictor that answers the groups it lacks with another model (the roofline).
+
+    Only built on request (``require_coverage(..., fallback=...)``): a guess for the
+    missing groups is the user's explicit choice, never a silent one."""
+
+    def __init__(self, fitted: LatencyPredictor, fallback, missing: Iterable[ProfileGroup]):
+        self.fitted, self.fallback, self.missing = fitted, fallback, frozenset(missing)
+        self.num_layers, self.total_sms = fitted.num_layers, fitted.total_sms
+
+    def predict(self, phase: str, num_tokens: int, context_tokens: int, batch_size: int,
+                sms: int, co_running: bool = False, num_layers: int | None = None) -> float:
+        co = bool(co_running and sms < self.total_sms)
+        model = self.fallback if (phase, sms, co) in self.missing else self.fitted
+        return model.predict(phase, num_tokens, context_tokens, batch_size, sms, co,
+                             num_layers)
+
+    def predict_mixed(self, prefill_tokens: int, prefill_context: int, prefill_batch: int,
+                      decode_batch: int, decode_context: int, sms: int | None = None
+                      ) -> float:
+        whole = {(phase, sms or self.total_sms, False) for phase in PHASES}
+        model = self.fallback if whole & self.missing else self.fitted
+        return model.predict_mixed(prefill_tokens, prefill_context, prefill_batch,
+                                   decode_batch, decode_context, sms)
+
+
+def require_coverage(predictor, groups: Iterable[ProfileGroup], fallback=None):
+    """``predictor`` if it was fitted on every group in ``groups`` (a planner's
+    ``profile_groups()``); else ``UncoveredGroupsError``, or with ``fallback`` given, a
+    ``GroupFallback`` that asks it for the missing groups. A model that is not fitted from
+    rows (the roofline) answers every group and is returned as it is."""
+    if not isinstance(predictor, LatencyPredictor):
+        return predictor
+    missing = set(groups) - predictor.fitted_groups()
+    if not missing:
+        return predictor
+    if fallback is None:
+        raise UncoveredGroupsError(missing)
+    return GroupFallback(predictor, fallback, missing)
 
 
 def predictor_path(directory: str | Path, gpu_name: str, model_name: str) -> Path:

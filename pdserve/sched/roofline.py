@@ -1,4 +1,4 @@
-"""A roofline latency model calibrated on the H200 measurements in DESIGN.md §2.
+"""A roofline latency model calibrated on CodeLlama-34B measurements on one H200.
 
 GEMMs and attention are separate kernels, so each gets its own roofline
 (max of bytes over bandwidth and FLOPs over rate) and their times add.

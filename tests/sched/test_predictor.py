@@ -6,11 +6,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pdserve.sched.mux_planner import MuxPlanner, MuxPlannerConfig, profile_groups
 from pdserve.sched.predictor import (
     LatencyPredictor,
     ProfileRecord,
+    UncoveredGroupsError,
     _nnls,
     predictor_path,
+    require_coverage,
     stratified_split,
     train_test_split,
 )
@@ -142,11 +145,38 @@ def h200_runs() -> list[list[dict]]:
     return list(json.loads(H200_ROWS.read_text())["runs"].values())
 
 
+def held_out_reports(rows: list[dict], seeds: range) -> list[dict]:
+    reports = []
+    for seed in seeds:
+        train, test = stratified_split(rows, test_fraction=0.2, seed=seed)
+        reports.append(LatencyPredictor.fit(train, **KEY).evaluate(test))
+    return reports
+
+
+def meets_targets(report: dict) -> bool:
+    return report["median_rel_err"] <= 0.05 and report["p95_rel_err"] <= 0.15
+
+
 def test_held_out_error_on_h200_rows_meets_the_targets(h200_runs):
-    train, test = stratified_split(h200_runs[0], test_fraction=0.2, seed=0)
-    report = LatencyPredictor.fit(train, **KEY).evaluate(test)
+    report = held_out_reports(h200_runs[0], range(1))[0]
     assert report["n"] >= 25
-    assert report["median_rel_err"] <= 0.05 and report["p95_rel_err"] <= 0.15
+    assert meets_targets(report)
+
+
+# Seed 2 holds out every prefix-free alone prefill point under 1024 tokens (equal-size groups
+# shuffle alike), so the fit extrapolates 256-token pieces from 1024+; seed 7 holds out the
+# only short piece with a long prefix, whose whole-GPU time (20.5 ms) is far below what
+# the partitions' rows imply. The prefill-feature change took this run from 7 to 8 seeds.
+RUNS_AT_TARGET = [pytest.param("run_slo60", marks=pytest.mark.xfail(
+    strict=True, reason="8 of 10 seeds: see the comment above")), "run_slo40"]
+
+
+@pytest.mark.parametrize("run", RUNS_AT_TARGET)
+def test_held_out_error_meets_the_targets_for_nine_of_ten_splits(run):
+    rows = json.loads(H200_ROWS.read_text())["runs"][run]
+    reports = held_out_reports(rows, range(10))
+    assert sum(meets_targets(r) for r in reports) >= 9
+    assert max(r["median_rel_err"] for r in reports) <= 0.05
 
 
 def test_a_fit_on_one_h200_profile_predicts_another_run(h200_runs):
@@ -202,3 +232,60 @@ def test_an_older_format_is_refitted_from_its_rows(h200_runs, tmp_path):
     path.write_text(json.dumps({**old, "rows": []}))
     with pytest.raises(ValueError, match="format"):  # nothing to refit from
         LatencyPredictor.load(path)
+
+
+# ------------------------------------------ the predictor covers the planner's choices
+
+ENGINE_DEFAULT_SPLITS = [(d, 132 - d) for d in (16, 24, 32, 48, 64)]  # mux_decode_sms
+PROFILED_SPLITS = [(16, 116), (32, 100), (64, 68)]  # the committed rows' partitions
+
+
+def groups_of(splits) -> list[tuple[str, int, bool]]:
+    planner = MuxPlanner(RooflinePredictor(), splits, MuxPlannerConfig(itl_slo_ms=60.0))
+    assert planner.profile_groups() == profile_groups(splits, 132)
+    return profile_groups(splits, 132)
+
+
+def test_the_profile_grid_lists_every_split_and_the_whole_gpu():
+    assert groups_of([(24, 108)]) == [("decode", 24, True), ("decode", 132, False),
+                                      ("prefill", 108, True), ("prefill", 132, False)]
+    temporal_only = MuxPlanner(RooflinePredictor(), [(24, 108)], MuxPlannerConfig(
+        itl_slo_ms=60.0, spatial=False))
+    assert temporal_only.profile_groups() == [("decode", 132, False), ("prefill", 132, False)]
+
+
+def test_a_profile_missing_a_planner_choice_is_refused_by_name(h200_runs):
+    pred = LatencyPredictor.fit(h200_runs[0], **KEY)
+    with pytest.raises(UncoveredGroupsError) as caught:
+        require_coverage(pred, groups_of(ENGINE_DEFAULT_SPLITS))
+    assert caught.value.missing == [("decode", 24, True), ("decode", 48, True),
+                                    ("prefill", 84, True), ("prefill", 108, True)]
+    assert "decode on 24 SMs co-running" in str(caught.value)
+    assert "roofline fallback" in str(caught.value)
+
+
+def test_a_profile_of_every_choice_is_used_as_it_is(h200_runs):
+    pred = LatencyPredictor.fit(h200_runs[0], **KEY)
+    assert require_coverage(pred, groups_of(PROFILED_SPLITS)) is pred
+    roofline = RooflinePredictor()  # answers every group from first principles
+    assert require_coverage(roofline, groups_of(ENGINE_DEFAULT_SPLITS)) is roofline
+
+
+def test_the_roofline_answers_only_the_missing_groups_when_asked_to(h200_runs):
+    pred, roofline = LatencyPredictor.fit(h200_runs[0], **KEY), RooflinePredictor()
+    model = require_coverage(pred, groups_of(ENGINE_DEFAULT_SPLITS), fallback=roofline)
+    args = ("decode", 2, 2 * 16000, 2)
+    assert model.predict(*args, 24, True) == roofline.predict(*args, 24, True)
+    assert model.predict(*args, 32, True) == pred.predict(*args, 32, True)
+    assert model.predict("prefill", 4096, 0, 1, 108, True, 3) == roofline.predict(
+        "prefill", 4096, 0, 1, 108, True, 3)
+    assert model.predict_mixed(512, 0, 1, 8, 8 * 4096) == pred.predict_mixed(
+        512, 0, 1, 8, 8 * 4096)
+
+
+def test_fitted_groups_are_the_measured_ones(h200_runs):
+    pred = LatencyPredictor.fit(h200_runs[0], **KEY)
+    groups = pred.fitted_groups()
+    # Co-running prefill has too few rows for its own fit: alone x a factor measured there.
+    assert {("prefill", 100, True), ("prefill", 132, False), ("decode", 132, False)} <= groups
+    assert not any(sms == 24 for _, sms, _ in groups)
