@@ -58,6 +58,9 @@ class SchedulerConfig:
     mux_graph_batches: str = doc("1,2,4,8,16,32,48,64,96,128,192,256", "multiplex: decode "
                                  "batch sizes captured as graphs on every partition; larger "
                                  "batches run eagerly.")
+    mux_time_slice: bool = doc(True, "multiplex: let the planner weigh whole-GPU time "
+                               "slicing (decode alone, then a prefill layer range sized to the "
+                               "rest of the ITL budget) beside spatial and mixed steps.")
     mux_predictor: str | None = doc(None, "multiplex: latency predictor JSON from `pdserve "
                                     "profile`, or a folder of them keyed by GPU and model "
                                     "(default: $PDSERVE_PROFILE_DIR or ~/.cache/pdserve/"

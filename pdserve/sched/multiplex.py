@@ -13,6 +13,11 @@ Lanes
   complete, so a decode step never reads KV a prefill is still writing.
 - TEMPORAL: with both lanes drained, a whole-GPU mixed step (decodes plus a prefill chunk)
   runs on the decode lane, and nothing launches beside it.
+- TIME_SLICE: both lanes on the whole GPU's one ordinary stream, so stream order makes them
+  alternate: a decode step, then a prefill piece sized to the rest of the ITL budget, then
+  the next decode (launched as soon as the previous one completes, queued behind the
+  piece), and so on. At each boundary the planner may keep slicing or end it (the other
+  lane then drains before any split is taken).
 
 Partition switching rule
 The SM sets of two splits overlap, so the partition (the split both lanes use) changes only
@@ -50,7 +55,7 @@ TIMELINE_LENGTH = 20_000  # decisions kept for ``timeline()``; older ones are dr
 DECODE_LANE, PREFILL_LANE = "decode", "prefill"
 
 
-@dataclass(frozen=True)
+@dataclass
 class TimelineEntry:
     """One planning decision that launched work."""
 
@@ -63,6 +68,8 @@ class TimelineEntry:
     prefill_layers: int  # layers of that piece
     predicted_decode_ms: float
     switch_pending: bool
+    predicted_cycle_ms: float = 0.0  # the planner's time between two decode tokens
+    measured_cycle_ms: float = 0.0  # the decode launch's issue to observed completion
 
 
 @dataclass
@@ -83,6 +90,14 @@ class MixedNote:
     as_planned: bool  # the step carried every prefill token the prediction was for
 
 
+@dataclass
+class DecodeNote:
+    """Carried by a decode launch: the timeline entry that will get its measured time."""
+
+    mixed: MixedNote | None = None
+    entry: TimelineEntry | None = None
+
+
 class MultiplexScheduler(InFlightScheduler):
     name = "multiplex"
     lanes = (DECODE_LANE, PREFILL_LANE)
@@ -97,6 +112,7 @@ class MultiplexScheduler(InFlightScheduler):
         self.piece_work: Work | None = None
         self.batch: PrefillProgress | None = None
         self.switch_pending = False
+        self.time_slicing = False  # lanes alternate on the whole GPU's stream (TIME_SLICE)
         self._timeline: deque[TimelineEntry] = deque(maxlen=TIMELINE_LENGTH)
         log.info("multiplex: %r, predictor %s", partitions, type(predictor).__name__)
 
@@ -114,7 +130,8 @@ class MultiplexScheduler(InFlightScheduler):
     def _planner_config(self, **overrides) -> MuxPlannerConfig:
         sched = self.config
         fields = dict(itl_slo_ms=sched.itl_slo_ms, ttft_slo_ms=sched.ttft_slo_ms,
-                      max_prefill_tokens=sched.max_num_batched_tokens)
+                      max_prefill_tokens=sched.max_num_batched_tokens,
+                      time_slice=sched.mux_time_slice)
         return MuxPlannerConfig(**{**fields, **self._overrides, **overrides})
 
     def graph_partitions(self) -> list[Partition]:
@@ -141,6 +158,7 @@ class MultiplexScheduler(InFlightScheduler):
         plan = self._plan(self.planner, candidates)
         self.switch_pending = False
         self.current = self.partitions.whole_gpu
+        self.time_slicing = plan.mode == MuxMode.TIME_SLICE
         if plan.mode == MuxMode.TEMPORAL:
             return self._schedule_mixed(works, plan, candidates)
         if plan.mode == MuxMode.DECODE_ONLY:
@@ -148,7 +166,7 @@ class MultiplexScheduler(InFlightScheduler):
         elif plan.mode == MuxMode.PREFILL_ONLY:
             if self._ensure_batch(plan, candidates):
                 self._add_piece(works, plan)
-        elif plan.mode == MuxMode.SPATIAL:
+        elif plan.mode in (MuxMode.SPATIAL, MuxMode.TIME_SLICE):
             self._schedule_spatial(works, plan, candidates)
         if works:
             self._note(plan)
@@ -158,7 +176,7 @@ class MultiplexScheduler(InFlightScheduler):
         # leave decode on a slice of the GPU for nothing, so it then takes the whole GPU.
         decode_plan = self.plan_decode()
         prefill = not decode_plan.preempted and self._ensure_batch(plan, candidates)
-        if prefill:
+        if prefill:  # TIME_SLICE: decode_sms is the device's, so this is the whole GPU
             self.current = self.partitions.get(plan.decode_sms)
         self._add_decode(works, decode_plan)
         if prefill:
@@ -171,11 +189,14 @@ class MultiplexScheduler(InFlightScheduler):
         if step.is_empty():
             return
         self.launched(step)
-        note = MixedNote(plan, prefill_tokens == plan.prefill.num_tokens)
+        note = DecodeNote(MixedNote(plan, prefill_tokens == plan.prefill.num_tokens))
         works[DECODE_LANE] = self.decode_work = Work(step, self.current, note=note)
+        note.entry = self._timeline[-1]
 
     def _decode_beside_piece(self, works) -> None:
         """A piece is in flight under ``current``: decode joins it there (see the rule)."""
+        if self.time_slicing:
+            return self._next_slice_decode(works)
         if self.current.whole_gpu or self.decode_load() is None:
             return  # a whole-GPU piece holds every SM: decode waits for it to drain
         plan = self._plan(self.planner, self.prefill_candidates())
@@ -186,8 +207,34 @@ class MultiplexScheduler(InFlightScheduler):
             self._note(replace(plan, mode=MuxMode.SPATIAL, decode_sms=self.current.decode_sms,
                                prefill_sms=self.current.prefill_sms))
 
+    def _next_slice_decode(self, works) -> None:
+        # Queued behind the piece on the same stream: it starts the moment the piece ends.
+        if self.decode_load() is None:
+            return
+        plan = self._plan(self.planner, self.prefill_candidates())
+        self._add_decode(works, self.plan_decode())
+        if works:
+            self._note(plan if plan.mode == MuxMode.TIME_SLICE else replace(
+                plan, mode=MuxMode.TIME_SLICE, decode_sms=self.current.decode_sms,
+                prefill_sms=self.current.prefill_sms))
+
+    def _next_slice_piece(self, works) -> None:
+        """Decode is in flight on the whole GPU: slice on, or let the lanes drain."""
+        candidates = self.prefill_candidates()
+        if self.batch is None and not candidates:
+            return
+        plan = self._plan(self.planner, candidates, decode_load_of(self.decode_work.plan))
+        if plan.mode != MuxMode.TIME_SLICE:
+            self.time_slicing = False  # the next boundary with both lanes idle re-plans
+            return
+        if self._ensure_batch(plan, candidates):
+            self._add_piece(works, plan)
+            self._note(plan)
+
     def _piece_beside_decode(self, works) -> None:
         """Decode is in flight under ``current``: a piece may run on its other SMs."""
+        if self.time_slicing:
+            return self._next_slice_piece(works)
         if self.switch_pending or self.current.whole_gpu:
             return
         candidates = self.prefill_candidates()
@@ -217,7 +264,7 @@ class MultiplexScheduler(InFlightScheduler):
         if not plan.decodes:
             return
         self.launched(plan)
-        works[DECODE_LANE] = self.decode_work = Work(plan, self.current)
+        works[DECODE_LANE] = self.decode_work = Work(plan, self.current, note=DecodeNote())
 
     def _ensure_batch(self, plan: MuxPlan, candidates) -> bool:
         """The prefill batch to run ``plan``'s piece of: the one in flight, or a new one."""
@@ -257,9 +304,14 @@ class MultiplexScheduler(InFlightScheduler):
         return self._drop_aborted_batch()
 
     def _calibrate(self, work: Work, output: StepOutput) -> None:
-        note = work.note
-        if isinstance(note, MixedNote) and note.as_planned and output.elapsed_ms is not None:
-            self.model.observe_mixed(note.plan.decode_ms, output.elapsed_ms)
+        note, measured = work.note, output.elapsed_ms
+        if measured is None:
+            return
+        if note.entry is not None:
+            note.entry.measured_cycle_ms = measured
+        mixed = note.mixed
+        if mixed is not None and mixed.as_planned:
+            self.model.observe_mixed(mixed.plan.decode_ms, measured)
 
     def _drop_aborted_batch(self) -> list:
         aborted = self.drop_if_aborted(self.batch.plan)
@@ -287,9 +339,13 @@ class MultiplexScheduler(InFlightScheduler):
             running = self.piece_work is not None and self.batch is not None
             prefill_tokens = self.batch.num_tokens if running else 0
             layers = plan.prefill.num_layers if running and plan.prefill else 0
-        self._timeline.append(TimelineEntry(
+        entry = TimelineEntry(
             time.monotonic(), str(plan.mode), plan.decode_sms, plan.prefill_sms, decode_batch,
-            prefill_tokens, layers, plan.decode_ms, self.switch_pending))
+            prefill_tokens, layers, plan.decode_ms, self.switch_pending, plan.cycle_ms)
+        self._timeline.append(entry)
+        note = self.decode_work.note if self.decode_work is not None else None
+        if isinstance(note, DecodeNote) and note.entry is None:
+            note.entry = entry
 
     def timeline(self, since: float | None = None) -> list[dict]:
         """SM split over time: one dict per launching decision (``TimelineEntry`` fields)."""

@@ -98,7 +98,10 @@ def _prompts(count: int, seed: int = 0, vocab: int = 300) -> list[list[int]]:
 
 
 def _multiplex(folder: str, predictor=None, ops=None, partitions=None, **options) -> LLM:
-    options = {"dtype": "float32", "block_size": 8, "max_num_batched_tokens": 64, **options}
+    # Spatial and mixed steps unless a test asks for time slicing, which otherwise wins
+    # under SplitModel's latencies.
+    options = {"dtype": "float32", "block_size": 8, "max_num_batched_tokens": 64,
+               "mux_time_slice": False, **options}
     setup = EngineSetup(partitions=partitions, predictor=predictor, ops=ops)
     return LLM(folder, schedule="multiplex", setup=setup, **options)
 
@@ -218,6 +221,41 @@ def test_long_prompts_run_as_bounded_batches(hf_llama):
     _assert_clean(llm)
 
 
+class SliceModel(SplitModel):
+    """Co-running costs decode ten times over: only whole-GPU time slicing fits the SLO."""
+
+    def predict(self, phase, num_tokens, context_tokens, batch_size, sms, co_running=False,
+                num_layers=None):
+        ms = super().predict(phase, num_tokens, context_tokens, batch_size, sms, False,
+                             num_layers)
+        return ms * 10 if co_running and sms < SMS else ms
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_time_slicing_alternates_lanes_and_matches_transformers(hf_llama, expected, seed):
+    folder, _ = hf_llama
+    prompts, want = expected
+    llm = _multiplex(folder, predictor=SliceModel(2), ops=LagOps(seed=seed),
+                     partitions=PartitionSet.build(FakeDriver(), [16, 32]), mux_time_slice=True)
+    seen = []
+
+    def check(policy):
+        decode, piece = policy.decode_work, policy.piece_work
+        if decode is not None and piece is not None and policy.time_slicing:
+            seen.append(decode.partition)
+            assert decode.partition.whole_gpu and piece.partition.whole_gpu
+
+    got = _run(llm.engine, prompts, GREEDY, check)
+    assert [got[f"q{i}"] for i in range(len(prompts))] == want
+    assert seen, "a decode and a piece were in flight together on the whole GPU"
+    _assert_clean(llm)
+    timeline = llm.engine.timeline()
+    sliced = [e for e in timeline if e["mode"] == "time_slice"]
+    assert sliced and not [e for e in timeline if e["mode"] == "spatial"]
+    assert all(e["decode_sms"] == e["prefill_sms"] == SMS for e in sliced)
+    assert any(e["measured_cycle_ms"] > 0 and e["predicted_cycle_ms"] > 0 for e in sliced)
+
+
 def _held_engine(folder):
     partitions = PartitionSet.build(FakeDriver(), [16, 24, 32])
     ops = HeldOps({p.prefill_stream for p in partitions.choices()})
@@ -319,7 +357,7 @@ def test_abort_of_a_request_whose_piece_is_in_flight_waits_for_the_piece(hf_llam
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("planner", ["roofline", "spatial"])
+@pytest.mark.parametrize("planner", ["roofline", "spatial", "time_slice"])
 def test_multiplex_matches_chunked_on_gpu(hf_llama_gpu, planner):
     import torch
 
@@ -330,9 +368,9 @@ def test_multiplex_matches_chunked_on_gpu(hf_llama_gpu, planner):
     common = dict(dtype="float32", device="cuda", attention_backend="triton", block_size=16,
                   num_blocks=4096)  # an explicit pool: two engines share the GPU here
     chunked = _generate(LLM(folder, schedule="chunked", chunk_size=256, **common), prompts)
-    predictor = SplitModel(4) if planner == "spatial" else None
+    predictor = {"spatial": SplitModel(4), "time_slice": SliceModel(4)}.get(planner)
     llm = _multiplex(folder, predictor=predictor, max_num_batched_tokens=256,
-                     mux_predictor="roofline", **common)
+                     mux_predictor="roofline", mux_time_slice=planner == "time_slice", **common)
     policy, graph_sets = llm.engine.scheduler, llm.engine.runner.pools["main"].graphs
     got = _generate(llm, prompts)
     assert got == chunked
@@ -343,5 +381,5 @@ def test_multiplex_matches_chunked_on_gpu(hf_llama_gpu, planner):
     for part in parts:
         graphs = graph_sets[part.decode_sms]
         assert graphs.stream is part.decode_stream and graphs.graphs
-    if planner == "spatial":
-        assert any(e["mode"] == "spatial" for e in llm.engine.timeline())
+    if planner != "roofline":
+        assert any(e["mode"] == planner for e in llm.engine.timeline())
