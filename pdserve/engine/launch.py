@@ -63,14 +63,15 @@ class Launch:
     num_sampled: int
     want_logprobs: bool
     launch_ms: float  # host time spent issuing it (a bubble if longer than a decode step)
-    issued: float = field(default_factory=time.perf_counter)
+    issued: float = field(default_factory=time.perf_counter)  # when the host began issuing
 
     @property
     def plan(self) -> Plan:
         return self.work.plan
 
     def output(self) -> StepOutput:
-        """Sampled tokens; only valid once ``event.query()`` is True."""
+        """Sampled tokens; only valid once ``event.query()`` is True. ``elapsed_ms`` runs from
+        the start of issuing to now (the caller reads it as soon as the event is done)."""
         elapsed = (time.perf_counter() - self.issued) * 1e3
         if self.num_sampled == 0:
             return StepOutput(token_ids=[], elapsed_ms=elapsed)
