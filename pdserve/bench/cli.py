@@ -333,9 +333,20 @@ def _write_outputs(result: dict, out: str | None, report: str | None,
             print(f"plot: {path}")
 
 
+def _check_plotting(args: argparse.Namespace) -> None:
+    """Plots asked for without matplotlib: say so before the run, not after it."""
+    if args.plot_dir is None and args.bench_mode != "plot":
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BenchError("plots need matplotlib: pip install 'pdserve[bench]'") from None
+
+
 def handler(args: argparse.Namespace) -> int:
     """Runs the ``bench`` mode chosen on the command line; returns the exit status."""
     try:
+        _check_plotting(args)
         result = _result_of(args)
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
