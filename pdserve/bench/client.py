@@ -177,8 +177,16 @@ class HttpBackend:
                 break
             _on_event(json.loads(data), now, record, counter)
         if not record.error and not record.chunk_times:
-            record.error = "the stream ended without a token"
+            record.error = _no_token_error(record.output_tokens)
         record.success = not record.error
+
+
+def _no_token_error(reported_tokens: int | None) -> str:
+    if reported_tokens:
+        # Only when counting text chunks: every token's text was held back or empty.
+        return (f"the server reports {reported_tokens} tokens, but no chunk had text or a "
+                "token count (no TTFT)")
+    return "the stream ended without a token"
 
 
 def _on_event(event: dict, now: float, record: RequestRecord, counter: ChunkCounter) -> None:

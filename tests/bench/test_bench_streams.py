@@ -98,3 +98,43 @@ def test_host_and_port_name_the_server(tmp_path, capsys):
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["config"]["base_url"] == f"http://127.0.0.1:{server.port}"
     assert result["completed"] == 2
+
+
+def test_a_stream_whose_text_is_all_held_back_names_the_cause(tmp_path, capsys):
+    standin = StandIn(prefill_ms=1, itl_ms=1, held_back=frozenset(range(8)), usage_stats=False)
+    with ThreadedServer(standin) as server:
+        assert _serve(server.url, tmp_path / "r.json") == 1
+    err = capsys.readouterr().err
+    assert "4 of 4 requests failed" in err
+    assert "the server reports 8 tokens, but no chunk had text or a token count" in err
+
+
+def _word_tokenizer(folder) -> None:
+    """A tokenizer.json of a few whole words (the Hugging Face format, written here)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "how", "do", "plants", "make", "food", "?", "by", "light", "they", "grow"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, "[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
+def test_sharegpt_file_with_a_given_tokenizer(tmp_path, capsys):
+    _word_tokenizer(tmp_path / "tok")
+    conversation = [{"from": "human", "value": "how do plants make food ?"},
+                    {"from": "gpt", "value": "by light they grow"}]
+    (tmp_path / "sg.json").write_text(json.dumps([{"id": "1", "conversations": conversation}]))
+    standin = StandIn(prefill_ms=1, itl_ms=1)
+    with ThreadedServer(standin) as server:
+        code = _serve(server.url, tmp_path / "r.json", "--dataset-name", "sharegpt",
+                      "--dataset-path", str(tmp_path / "sg.json"), "--num-prompts", "1",
+                      "--tokenizer", str(tmp_path / "tok"))
+        unknown = _serve(server.url, tmp_path / "r2.json", "--dataset-name", "sharegpt",
+                         "--dataset-path", str(tmp_path / "sg.json"), "--num-prompts", "1")
+    assert code == 0
+    assert standin.requests[0]["prompt"] == [1, 2, 3, 4, 5, 6]
+    assert standin.requests[0]["max_tokens"] == 4
+    # A peer serving a model whose tokenizer is not known here: asked for, not guessed.
+    assert unknown == 2 and "pass --tokenizer" in capsys.readouterr().err
+    assert len(standin.requests) == 1
