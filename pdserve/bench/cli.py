@@ -260,8 +260,8 @@ async def _serve(args: argparse.Namespace) -> dict:
     config["name"] = getattr(backend, "model", None) or config["name"]
     config["extra_body"] = getattr(backend, "extra_body", None)
     owned_by = getattr(backend, "owned_by", "pdserve")  # the in-process engine is pdserve's
-    ctx = dataclasses.replace(ctx, tokenizer=_tokenizer(args, config["name"], owned_by))
     try:
+        ctx = dataclasses.replace(ctx, tokenizer=_tokenizer(args, config["name"], owned_by))
         runs = []
         for spec in workload_specs(args):
             result = await run_workload(backend, spec, slo, goodput, ctx)
@@ -362,7 +362,10 @@ def _result_of(args: argparse.Namespace) -> dict:
     if args.bench_mode == "plot":
         from pdserve.bench.report import load_json, merge_results
 
-        return merge_results([load_json(path) for path in args.result])
+        try:
+            return merge_results([load_json(path) for path in args.result])
+        except (OSError, json.JSONDecodeError) as exc:
+            raise BenchError(f"cannot read a result: {exc}") from None
     run = _serve if args.bench_mode == "serve" else _compare
     return asyncio.run(run(args))
 

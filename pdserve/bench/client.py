@@ -108,6 +108,7 @@ class HttpBackend:
         card = await self.model_card()
         self.owned_by = card.get("owned_by")
         if self.model is None and not card.get("id"):
+            await self.close()
             raise BenchError(f"{self.base_url}/v1/models lists no model: pass --model NAME")
         self.model = self.model or card["id"]
         if self.extra_body is None:
@@ -125,8 +126,8 @@ class HttpBackend:
         except ValueError:
             return {}
         cards = data.get("data") if isinstance(data, dict) else None
-        return cards[0] if isinstance(cards, list) and cards and isinstance(cards[0], dict) \
-            else {}
+        first = cards[0] if isinstance(cards, list) and cards else None
+        return first if isinstance(first, dict) else {}
 
     async def engine_clock(self) -> float | None:
         """The server's timeline clock now; None when the server keeps no engine timeline
