@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from pdserve.bench.workloads import BenchRequest
+from pdserve.bench.workloads import BenchError, BenchRequest
 
 
 def gamma_arrivals(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -21,7 +21,7 @@ def gamma_arrivals(num: int, rate: float, burstiness: float = 1.0, seed: int = 0
     if math.isinf(rate):
         return [0.0] * num
     if rate <= 0 or burstiness <= 0:
-        raise ValueError("rate and burstiness must be > 0")
+        raise BenchError("rate and burstiness must be > 0")
     rng = np.random.default_rng([seed, 4])
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num - 1)
     return [0.0] + np.cumsum(gaps).tolist()

@@ -1,18 +1,21 @@
 """``pdserve bench serve | compare | plot`` (also ``python -m pdserve.bench ...``).
 
 - ``serve``: one or more workloads against a running OpenAI-compatible server
-  (``--base-url``; pdserve, vLLM or SGLang alike) or an in-process engine (``--backend engine``).
+  (``--host``/``--port`` or ``--base-url``; pdserve, vLLM or SGLang alike) or an
+  in-process engine (``--backend engine``).
 - ``compare``: the same workloads against several engine configurations, each server
   started, benchmarked and stopped in turn; one JSON and one report.
 - ``plot``: the plots and the report of a saved result.
 
-Flag names follow ``vllm bench serve`` where one exists.
+Flag names follow ``vllm bench serve`` where one exists. The exit status is 1 when any
+request failed (the first distinct errors are printed), 2 when the run could not start.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import shlex
@@ -20,6 +23,7 @@ import sys
 from pathlib import Path
 
 from pdserve.bench.spec import DATASETS, WorkloadSpec, parse_spec
+from pdserve.bench.workloads import BenchError
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -29,7 +33,11 @@ def _rates(text: str) -> tuple[float, ...]:
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset-name", choices=DATASETS, default="random")
-    g.add_argument("--dataset-path", help="mooncake: the jsonl trace.")
+    g.add_argument("--dataset-path", help="sharegpt: a ShareGPT JSON file (without it: "
+                   "synthetic ShareGPT-like lengths); mooncake: the jsonl trace.")
+    g.add_argument("--tokenizer", help="The served model's tokenizer.json (or its folder), "
+                   "to tokenize a ShareGPT file. Default: the model's folder, or pdserve's "
+                   "byte-level tokenizer for a pdserve preset.")
     g.add_argument("--workload", action="append", default=[], metavar="SPEC",
                    help="NAME[:key=value,...], e.g. 'sharegpt:num=200,rate=4' or "
                         "'mooncake:path=trace.jsonl,trace_duration_s=60'; repeatable. Keys are "
@@ -87,18 +95,29 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
                         "tokens) sent before each workload; absorbs kernel compilation.")
 
 
-def _add_request_args(p: argparse.ArgumentParser, default_extra: str | None) -> None:
-    p.add_argument("--extra-body", type=json.loads, default=default_extra,
-                   help="JSON merged into every request. pdserve: '{\"return_engine_timing\": "
-                        "true}' makes every chunk state its token count, so ITL stays per "
-                        "token when a partial character holds text back "
-                        f"(default: {default_extra})")
+def _json_object(text: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _add_request_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--extra-body", type=_json_object,
+                   help="JSON object merged (top-level keys replace) into every request. "
+                        "Default: '{\"return_engine_timing\": true}' for a pdserve server "
+                        "(every chunk states its token count), nothing for others. E.g. "
+                        "'{\"logprobs\": 0}' for a server that states counts only that way, "
+                        "'{\"stream_options\": {\"include_usage\": true}}' for one that "
+                        "rejects continuous_usage_stats.")
 
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="Benchmark one server or an in-process engine.")
     p.add_argument("--backend", choices=("http", "engine"), default="http")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--host", help="Server host (default 127.0.0.1), as in vllm bench serve.")
+    p.add_argument("--port", type=int, help="Server port (default 8000).")
+    p.add_argument("--base-url", help="e.g. http://10.0.0.2:8000; instead of --host/--port.")
     p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--model", help="http: the model name sent (default: the server's first "
                    "/v1/models entry); engine: the preset or checkpoint to load.")
@@ -107,14 +126,14 @@ def _add_serve(sub) -> None:
     p.add_argument("--timeline-url", help="Poll this during runs (…/metrics: Prometheus "
                    "text, else a JSON object of numbers). Default: BASE_URL/metrics.")
     p.add_argument("--no-timeline", dest="timeline", action="store_false")
-    _add_request_args(p, None)
+    _add_request_args(p)
     for add in (_add_workload_args, _add_load_args, _add_output_args):
         add(p)
     p.set_defaults(func=handler, bench_mode="serve")
 
 
 def _add_compare(sub) -> None:
-    from pdserve.bench.compare import DEFAULT_SERVER_CMD, PDSERVE_EXTRA_BODY
+    from pdserve.bench.compare import DEFAULT_SERVER_CMD
 
     p = sub.add_parser("compare", help="The same workloads against several configurations.")
     p.add_argument("--model", default="tiny", help="Passed to every server started.")
@@ -129,7 +148,7 @@ def _add_compare(sub) -> None:
     p.add_argument("--startup-timeout-s", type=float, default=1800.0)
     p.add_argument("--log-dir", help="Server logs (default: next to --out).")
     p.add_argument("--timeline-path", default="/metrics", help="'' for no timeline.")
-    _add_request_args(p, PDSERVE_EXTRA_BODY)
+    _add_request_args(p)
     for add in (_add_workload_args, _add_load_args, _add_output_args):
         add(p)
     p.set_defaults(func=handler, bench_mode="compare")
@@ -203,6 +222,15 @@ def _literal(text: str):
     return {"true": True, "false": False, "none": None}.get(text.lower(), text)
 
 
+def base_url(args: argparse.Namespace) -> str:
+    """``--base-url``, or ``http://HOST:PORT`` from ``--host`` / ``--port``; not both."""
+    if args.base_url and (args.host or args.port):
+        raise BenchError("give either --base-url or --host/--port, not both")
+    if args.base_url:
+        return args.base_url
+    return f"http://{args.host or '127.0.0.1'}:{args.port or 8000}"
+
+
 def _make_backend(args: argparse.Namespace):
     if args.backend == "engine":
         from pdserve.bench.engine_backend import EngineBackend, build_engine
@@ -214,13 +242,11 @@ def _make_backend(args: argparse.Namespace):
 
     timeline = None
     if args.timeline:
-        timeline = make_source(args.timeline_url or args.base_url.rstrip("/") + "/metrics")
-    return HttpBackend(args.base_url, args.model, args.endpoint, args.extra_body), timeline
+        timeline = make_source(args.timeline_url or base_url(args).rstrip("/") + "/metrics")
+    return HttpBackend(base_url(args), args.model, args.endpoint, args.extra_body), timeline
 
 
 async def _serve(args: argparse.Namespace) -> dict:
-    import dataclasses
-
     from pdserve.bench.report import print_summary
     from pdserve.bench.runner import run_workload
 
@@ -228,11 +254,14 @@ async def _serve(args: argparse.Namespace) -> dict:
     backend, timeline = _make_backend(args)
     ctx = dataclasses.replace(ctx, timeline=timeline)
     config = {"name": args.model or args.backend, "backend": args.backend,
-              "base_url": args.base_url if args.backend == "http" else None,
+              "base_url": base_url(args) if args.backend == "http" else None,
               "engine_args": _engine_args(args.engine_arg)}
     await backend.start()
     config["name"] = getattr(backend, "model", None) or config["name"]
+    config["extra_body"] = getattr(backend, "extra_body", None)
+    owned_by = getattr(backend, "owned_by", "pdserve")  # the in-process engine is pdserve's
     try:
+        ctx = dataclasses.replace(ctx, tokenizer=_tokenizer(args, config["name"], owned_by))
         runs = []
         for spec in workload_specs(args):
             result = await run_workload(backend, spec, slo, goodput, ctx)
@@ -253,11 +282,21 @@ def _single_or_runs(config: dict, runs: list[dict]) -> dict:
     return {**head, "runs": runs}
 
 
+def _tokenizer(args: argparse.Namespace, model: str, owned_by: str | None):
+    """The served model's tokenizer when a workload reads text, else None."""
+    from pdserve.bench.sharegpt import served_tokenizer
+
+    needs_text = any(s.dataset == "sharegpt" and s.path for s in workload_specs(args))
+    return served_tokenizer(args.tokenizer, model, owned_by) if needs_text else None
+
+
 async def _compare(args: argparse.Namespace) -> dict:
     from pdserve.bench.compare import CompareOptions, parse_config, run_compare
     from pdserve.bench.report import result_header
 
     slo, goodput, ctx = _options(args)
+    # The servers compare starts are pdserve's, serving --model.
+    ctx = dataclasses.replace(ctx, tokenizer=_tokenizer(args, args.model, "pdserve"))
     log_dir = Path(args.log_dir) if args.log_dir else _default_log_dir(args.out)
     common = [a for text in args.server_arg for a in shlex.split(text)]
     opts = CompareOptions(args.model, args.port, args.server_cmd, tuple(common),
@@ -294,19 +333,53 @@ def _write_outputs(result: dict, out: str | None, report: str | None,
             print(f"plot: {path}")
 
 
+def _check_plotting(args: argparse.Namespace) -> None:
+    """Plots asked for without matplotlib: say so before the run, not after it."""
+    if args.plot_dir is None and args.bench_mode != "plot":
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BenchError("plots need matplotlib: pip install 'pdserve[bench]'") from None
+
+
 def handler(args: argparse.Namespace) -> int:
     """Runs the ``bench`` mode chosen on the command line; returns the exit status."""
+    try:
+        _check_plotting(args)
+        result = _result_of(args)
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    plot_dir = args.plot_dir
+    if args.bench_mode == "plot":
+        plot_dir = plot_dir or str(Path(args.result[0]).with_suffix("")) + "_plots"
+    _write_outputs(result, args.out, args.report, plot_dir)
+    return _report_problems(result)
+
+
+def _result_of(args: argparse.Namespace) -> dict:
     if args.bench_mode == "plot":
         from pdserve.bench.report import load_json, merge_results
 
-        result = merge_results([load_json(path) for path in args.result])
-        plot_dir = args.plot_dir or str(Path(args.result[0]).with_suffix("")) + "_plots"
-        _write_outputs(result, args.out, args.report, plot_dir)
-        return 0
+        try:
+            return merge_results([load_json(path) for path in args.result])
+        except (OSError, json.JSONDecodeError) as exc:
+            raise BenchError(f"cannot read a result: {exc}") from None
     run = _serve if args.bench_mode == "serve" else _compare
-    result = asyncio.run(run(args))
-    _write_outputs(result, args.out, args.report, args.plot_dir)
-    return 0
+    return asyncio.run(run(args))
+
+
+def _report_problems(result: dict) -> int:
+    """Prints failed requests and approximate token counts; 1 when any request failed."""
+    from pdserve.bench.report import approximate_count_lines, failure_lines
+
+    for line in approximate_count_lines(result):
+        print(f"warning: {line}", file=sys.stderr)
+    failures = failure_lines(result)
+    for line in failures:
+        print(line, file=sys.stderr)
+    return 1 if failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:

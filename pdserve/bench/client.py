@@ -14,8 +14,8 @@ from typing import Protocol
 
 import aiohttp
 
-from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.workloads import BenchRequest
+from pdserve.bench.metrics import APPROXIMATE_SOURCE, RequestRecord
+from pdserve.bench.workloads import BenchError, BenchRequest
 
 REQUEST_TIMEOUT_S = 6 * 3600
 
@@ -38,21 +38,52 @@ def completion_payload(model: str, request: BenchRequest) -> dict:
         "ignore_eos": True,
         "temperature": 0.0,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        # continuous_usage_stats (vLLM, SGLang): every chunk states the tokens so far.
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
 
 
-def chunk_token_count(event: dict, choice: dict) -> int:
-    """Tokens carried by one streamed choice: the count the server states (pdserve's
-    ``num_tokens`` with ``return_engine_timing``, or ``token_ids``), else one per non-empty
-    text (the vLLM / SGLang bench convention; a token held back as a partial character then
-    merges into the next chunk, which per-token ITL cannot see)."""
-    token_ids = choice.get("token_ids")
-    if isinstance(token_ids, list):
-        return len(token_ids)
-    if isinstance(event.get("num_tokens"), int):
-        return event["num_tokens"]
-    return 1 if choice.get("text") else 0
+PDSERVE_EXTRA_BODY = {"return_engine_timing": True}
+"""Sent to a pdserve server unless --extra-body says otherwise: every chunk then states its
+token count (``num_tokens``), even a chunk whose text is held back."""
+
+
+class ChunkCounter:
+    """Tokens in each streamed choice, from the first exact count the stream carries:
+    a running ``usage`` (continuous usage stats), ``logprobs`` (one entry per token),
+    ``token_ids``, pdserve's ``num_tokens``; else one per chunk with text (``text``,
+    approximate: a token held back as a partial character merges into a later chunk)."""
+
+    def __init__(self) -> None:
+        self.usage_so_far = 0
+
+    def count(self, event: dict, choice: dict) -> tuple[int, str]:
+        usage = event.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            new = usage["completion_tokens"] - self.usage_so_far
+            self.usage_so_far = usage["completion_tokens"]
+            return new, "usage"
+        logprob_tokens = _logprob_tokens(choice.get("logprobs"))
+        if logprob_tokens is not None:
+            return len(logprob_tokens), "logprobs"
+        if isinstance(choice.get("token_ids"), list):
+            return len(choice["token_ids"]), "token_ids"
+        if isinstance(event.get("num_tokens"), int):
+            return event["num_tokens"], "num_tokens"
+        return (1 if _choice_text(choice) else 0), APPROXIMATE_SOURCE
+
+
+def _logprob_tokens(logprobs) -> list | None:
+    """Completions carry ``tokens``, chat ``content``: one entry per token either way."""
+    if not isinstance(logprobs, dict):
+        return None
+    tokens = logprobs.get("tokens", logprobs.get("content"))
+    return tokens if isinstance(tokens, list) else None
+
+
+def _choice_text(choice: dict) -> str:
+    delta = choice.get("delta")
+    return (delta.get("content") or "") if isinstance(delta, dict) else choice.get("text") or ""
 
 
 class HttpBackend:
@@ -63,8 +94,10 @@ class HttpBackend:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.endpoint = endpoint
-        self.extra_body = dict(extra_body or {})
-        """Merged into every request, e.g. ``{"return_engine_timing": true}`` for pdserve."""
+        self.extra_body = None if extra_body is None else dict(extra_body)
+        """Merged into every request; None: ``PDSERVE_EXTRA_BODY`` for pdserve, else nothing."""
+        self.owned_by: str | None = None
+        """The server's ``owned_by`` for the model (``pdserve`` for ours)."""
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -72,16 +105,29 @@ class HttpBackend:
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
-        if self.model is None:
-            self.model = await self.served_model()
+        card = await self.model_card()
+        self.owned_by = card.get("owned_by")
+        if self.model is None and not card.get("id"):
+            await self.close()
+            raise BenchError(f"{self.base_url}/v1/models lists no model: pass --model NAME")
+        self.model = self.model or card["id"]
+        if self.extra_body is None:
+            self.extra_body = dict(PDSERVE_EXTRA_BODY) if self.owned_by == "pdserve" else {}
 
-    async def served_model(self) -> str:
+    async def model_card(self) -> dict:
+        """The first ``/v1/models`` entry ({} when the server has no such list); a server
+        that cannot be reached is an error here, before any request is sent."""
         try:
             async with self.session.get(self.base_url + "/v1/models") as resp:
-                data = await resp.json()
-                return data["data"][0]["id"]
-        except (aiohttp.ClientError, KeyError, IndexError, ValueError):
-            return "default"
+                data = await resp.json(content_type=None) if resp.status == 200 else {}
+        except aiohttp.ClientConnectionError as exc:
+            await self.close()
+            raise BenchError(f"cannot reach {self.base_url}: {exc}") from None
+        except ValueError:
+            return {}
+        cards = data.get("data") if isinstance(data, dict) else None
+        first = cards[0] if isinstance(cards, list) and cards else None
+        return first if isinstance(first, dict) else {}
 
     async def engine_clock(self) -> float | None:
         """The server's timeline clock now; None when the server keeps no engine timeline
@@ -108,7 +154,7 @@ class HttpBackend:
             self.session = None
 
     async def generate(self, request: BenchRequest, record: RequestRecord) -> None:
-        payload = {**completion_payload(self.model or "default", request), **self.extra_body}
+        payload = {**completion_payload(self.model, request), **(self.extra_body or {})}
         try:
             async with self.session.post(self.base_url + self.endpoint, json=payload) as resp:
                 if resp.status != 200:
@@ -121,6 +167,7 @@ class HttpBackend:
             record.end_time = time.perf_counter()
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, record: RequestRecord) -> None:
+        counter = ChunkCounter()
         async for raw in resp.content:
             now = time.perf_counter()
             line = raw.strip()
@@ -129,18 +176,28 @@ class HttpBackend:
             data = line[5:].strip()
             if data == b"[DONE]":
                 break
-            self._on_event(json.loads(data), now, record)
-        record.success = not record.error and record.num_output_tokens > 0
+            _on_event(json.loads(data), now, record, counter)
+        if not record.error and not record.chunk_times:
+            record.error = _no_token_error(record.output_tokens)
+        record.success = not record.error
 
-    @staticmethod
-    def _on_event(event: dict, now: float, record: RequestRecord) -> None:
-        if "error" in event:
-            record.error = str(event["error"])[:200]
-            return
-        for choice in event.get("choices") or []:
-            count = chunk_token_count(event, choice)
-            if count:
-                record.add_chunk(now, count)
-        usage = event.get("usage")
-        if usage and usage.get("completion_tokens") is not None:
-            record.output_tokens = int(usage["completion_tokens"])
+
+def _no_token_error(reported_tokens: int | None) -> str:
+    if reported_tokens:
+        # Only when counting text chunks: every token's text was held back or empty.
+        return (f"the server reports {reported_tokens} tokens, but no chunk had text or a "
+                "token count (no TTFT)")
+    return "the stream ended without a token"
+
+
+def _on_event(event: dict, now: float, record: RequestRecord, counter: ChunkCounter) -> None:
+    if "error" in event:
+        record.error = str(event["error"])[:200]
+        return
+    for choice in event.get("choices") or []:
+        count, source = counter.count(event, choice)
+        if count > 0:
+            record.add_chunk(now, count, source)
+    usage = event.get("usage")
+    if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+        record.output_tokens = int(usage["completion_tokens"])

@@ -25,12 +25,11 @@ from pdserve.bench.report import print_summary
 from pdserve.bench.runner import GoodputOptions, RunContext, SloOptions, run_workload
 from pdserve.bench.spec import WorkloadSpec
 from pdserve.bench.timeline import make_source
+from pdserve.bench.workloads import BenchError
 
 DEFAULT_SERVER_CMD = f"{shlex.quote(sys.executable)} -m pdserve serve {{model}} " \
                      "--host 127.0.0.1 --port {port}"
 STOP_GRACE_S = 60.0
-PDSERVE_EXTRA_BODY = '{"return_engine_timing": true}'
-"""Asks pdserve to state each chunk's token count (unknown keys are ignored by peers)."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ def parse_config(text: str) -> ServerConfig:
     if at > 0 and (eq < 0 or at < eq):
         return ServerConfig(text[:at].strip(), url=text[at + 1:].strip())
     if eq <= 0:
-        raise ValueError(f"bad config {text!r}: expected NAME=SERVER ARGS or NAME@URL")
+        raise BenchError(f"bad config {text!r}: expected NAME=SERVER ARGS or NAME@URL")
     return ServerConfig(text[:eq].strip(), tuple(shlex.split(text[eq + 1:])))
 
 
@@ -160,7 +159,7 @@ async def _run_config(config: ServerConfig, specs: list[WorkloadSpec], slo: SloO
             await server.wait_healthy(opts.startup_timeout_s)
             url = server.url
         return await _run_specs(config, url, specs, slo, goodput, ctx, opts)
-    except (RuntimeError, TimeoutError, OSError) as exc:
+    except (BenchError, RuntimeError, TimeoutError, OSError) as exc:
         print(f"[compare] {config.name} failed: {exc}", flush=True)
         return [{**_describe(config), "error": str(exc), "workload": s.describe()} for s in specs]
     finally:

@@ -133,7 +133,7 @@ class EngineBackend:
             new = len(update.new_token_ids or [])
             tokens += new
             if new:
-                item.record.add_chunk(now, new)
+                item.record.add_chunk(now, new, "engine")
             if update.finished:
                 self._finish(update.request_id, item, now)
         self.timeline.append({"t": now, "batch_requests": len(updates), "batch_tokens": tokens,

@@ -2,23 +2,30 @@
 
 Definitions (all latencies from the moment the request was sent):
 
-- TTFT: first streamed token.
-- ITL: every gap between two consecutive streamed tokens. When one stream chunk carries
-  k > 1 tokens, its gap is split into k equal gaps, so ITL is per token, not per chunk.
+- TTFT: until the first streamed chunk that carries at least one token.
+- ITL: every gap between two consecutive token-carrying chunks, per token: a later chunk
+  with k tokens, ``gap`` after the previous one, gives k samples of ``gap / k`` (so every
+  token after the first chunk has one sample; SGLang's bench splits the same way). The
+  extra tokens of the *first* chunk give none: their gaps lie inside TTFT, unobservable.
+  Samples per request = output tokens - tokens of the first chunk.
 - TPOT: per request, ``(E2E - TTFT) / (output tokens - 1)``; requests with one token have none.
 - E2E: until the stream closed.
 - SLO attainment: share of *all* sent requests (failures count as misses) with
-  TTFT <= TTFT SLO and TPOT <= ITL SLO (DistServe / DESIGN.md §4); the P99 of all ITL
+  TTFT <= TTFT SLO and TPOT <= ITL SLO (DistServe's definition); the P99 of all ITL
   gaps is reported beside it because a TPOT mean hides stalls.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+MAX_ERRORS_KEPT = 5
+APPROXIMATE_SOURCE = "text"
+"""Token counts taken as one per chunk with text: exact only when no chunk merges tokens."""
 
 
 @dataclass
@@ -35,10 +42,16 @@ class RequestRecord:
     """Tokens generated as the server counted them (usage); defaults to the streamed count."""
     success: bool = False
     error: str = ""
+    count_source: str = ""
+    """Where the per-chunk token counts came from (``usage``, ``logprobs``, ``num_tokens``,
+    ``token_ids``, ``engine``, or ``text``: approximate)."""
 
-    def add_chunk(self, t: float, num_tokens: int = 1) -> None:
+    def add_chunk(self, t: float, num_tokens: int = 1, source: str = "") -> None:
+        """A chunk of ``num_tokens`` (> 0) received at ``t``, counted from ``source``."""
         self.chunk_times.append(t)
         self.chunk_tokens.append(num_tokens)
+        if self.count_source != APPROXIMATE_SOURCE:  # one guessed chunk makes the whole guessed
+            self.count_source = source
 
     @property
     def num_output_tokens(self) -> int:
@@ -100,6 +113,19 @@ def slo_attainment(records: list[RequestRecord], ttft_slo_ms: float | None,
     return sum(r.meets_slo(ttft_s, itl_s) for r in records) / len(records)
 
 
+def distinct_errors(records: list[RequestRecord]) -> list[dict]:
+    """The first few distinct error messages, each with how many requests it ended."""
+    counts = Counter(r.error or "no token received" for r in records if not r.success)
+    return [{"error": e, "count": n} for e, n in list(counts.items())[:MAX_ERRORS_KEPT]]
+
+
+def token_count_quality(records: list[RequestRecord]) -> dict:
+    """How the streamed token counts were obtained; ``exact`` is False when any request's
+    counts were guessed from text chunks (its TTFT and ITL may then be off)."""
+    sources = Counter(r.count_source or APPROXIMATE_SOURCE for r in records if r.chunk_times)
+    return {"exact": APPROXIMATE_SOURCE not in sources, "sources": dict(sources)}
+
+
 def summarize(records: list[RequestRecord], duration_s: float,
               ttft_slo_ms: float | None = None, itl_slo_ms: float | None = None) -> dict:
     """The run's metrics; top-level keys follow ``vllm bench serve`` where one exists."""
@@ -112,6 +138,8 @@ def summarize(records: list[RequestRecord], duration_s: float,
         "num_requests": len(records),
         "completed": len(done),
         "failed": len(records) - len(done),
+        "errors": distinct_errors(records),
+        "token_counts": token_count_quality(records),
         "duration_s": duration_s,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
@@ -137,6 +165,7 @@ def request_samples(records: list[RequestRecord], t0: float) -> list[dict]:
         out.append({
             "prompt_len": r.prompt_len, "output_len": r.output_len,
             "output_tokens": r.num_output_tokens, "success": r.success, "error": r.error,
+            "chunk_tokens": list(r.chunk_tokens), "count_source": r.count_source,
             "send_s": round(r.send_time - t0, 6),
             "ttft_ms": _ms(r.ttft), "tpot_ms": _ms(r.tpot), "e2e_ms": _ms(r.e2e),
             "itl_ms": [round(g * 1000.0, 3) for g in r.itls],

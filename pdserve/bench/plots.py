@@ -1,13 +1,20 @@
-"""Plots of benchmark results (matplotlib, PNG, no display needed).
+"""Plots of benchmark results (PNG, no display needed; matplotlib: ``pdserve[bench]``).
 
-- ``tradeoff``: P99 TTFT against P99 ITL, one point per configuration; the SLO region is
-  shaded and points inside it are filled.
+- ``tradeoff``: P99 TTFT against P99 ITL, one point per configuration; with SLOs, the region
+  both allow is shaded and points meeting both are filled.
+- ``latency_cdf``: the distribution of TTFT (per request) and ITL (per token) per configuration.
 - ``attainment``: SLO attainment against request rate per configuration (goodput probes).
-- ``timeline``: batch sizes (and SM split, when the engine reports it) over one run.
+- ``timeline``: the polled gauges over one run, one panel per unit (requests, tokens, SMs,
+  shares), series that stay at zero left out.
+- ``split``: the engine's own SM-split decisions over one run (multiplex), drawn the same way.
+
+Legends sit to the right of the axes, never over the data.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 import matplotlib
@@ -15,22 +22,54 @@ import matplotlib
 matplotlib.use("Agg")  # headless: benchmarks run on machines without a display
 
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter  # noqa: E402
 
-from pdserve.bench.report import measured_runs  # noqa: E402
+from pdserve.bench.report import measured_runs, workload_label  # noqa: E402
 
+LOG_SPAN = 20.0
+"""Axes whose values span more than this factor are drawn on a log scale."""
+LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.02, 1.0), "borderaxespad": 0.0,
+                  "fontsize": "small"}
 _PLAIN = FuncFormatter(lambda value, _: f"{value:g}")
 
 
-def _workload_name(run: dict) -> str:
-    return run["workload"].get("label") or run["workload"]["dataset"]
+def _minor_label(value: float, _) -> str:
+    """Labels the 2s and 5s between decades only: every minor tick labelled is unreadable."""
+    if value <= 0:
+        return ""
+    mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
+    return f"{value:g}" if round(mantissa) in (2, 5) else ""
+
+
+def _scale(ax, which: str, values: list[float | None]) -> None:
+    """Log scale (``which``: "x" or "y") with plain labels when the values span decades,
+    else the linear default."""
+    positive = [v for v in values if v is not None and v > 0]
+    if not positive or max(positive) / min(positive) <= LOG_SPAN:
+        return
+    getattr(ax, f"set_{which}scale")("log")
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    axis.set_major_formatter(_PLAIN)
+    # Over more than two decades the 2s and 5s crowd the decade labels.
+    few_decades = max(positive) / min(positive) <= 100
+    axis.set_minor_formatter(FuncFormatter(_minor_label) if few_decades else NullFormatter())
+
+
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**LEGEND_OUTSIDE)
 
 
 def _by_workload(result: dict) -> dict[str, list[dict]]:
     groups: dict[str, list[dict]] = {}
     for run in measured_runs(result):
-        groups.setdefault(_workload_name(run), []).append(run)
+        groups.setdefault(workload_label(run), []).append(run)
     return groups
+
+
+def _has_slo(slo: dict) -> bool:
+    return slo.get("ttft_ms") is not None or slo.get("itl_ms") is not None
 
 
 def _meets(run: dict, slo: dict) -> bool:
@@ -41,34 +80,47 @@ def _meets(run: dict, slo: dict) -> bool:
         slo.get("itl_ms") is None or itl <= slo["itl_ms"])
 
 
-def plot_tradeoff(runs: list[dict], path: Path, title: str) -> Path:
-    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+# --- P99 trade-off ------------------------------------------------------------------------------
+
+def plot_tradeoff(runs: list[dict], path: Path, title: str) -> Path | None:
+    fig = tradeoff_figure(runs, title)
+    return None if fig is None else _save(fig, path)
+
+
+def tradeoff_figure(runs: list[dict], title: str):
+    points = [(run, run["itl_ms"]["p99"], run["ttft_ms"]["p99"]) for run in runs
+              if run["itl_ms"]["p99"] is not None and run["ttft_ms"]["p99"] is not None]
+    if not points:
+        return None
     slo = runs[0].get("slo") or {}
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for index, (run, x, y) in enumerate(points):
+        hollow = _has_slo(slo) and not _meets(run, slo)
+        ax.scatter([x], [y], s=70, zorder=3, color=f"C{index}", label=run.get("name", "run"),
+                   facecolors="white" if hollow else f"C{index}", linewidths=2)
+    _scale(ax, "x", [p[1] for p in points] + [slo.get("itl_ms")])
+    _scale(ax, "y", [p[2] for p in points] + [slo.get("ttft_ms")])
+    _draw_slo(ax, slo)
+    ax.set_xlabel("P99 ITL (ms)")
+    ax.set_ylabel("P99 TTFT (ms)")
+    ax.set_title(f"{title}: P99 latency per configuration")
+    ax.grid(True, which="both", alpha=0.3)
+    _legend(ax)
+    return fig
+
+
+def _draw_slo(ax, slo: dict) -> None:
+    """SLO lines, the shaded region both allow, and what filled / hollow points mean."""
+    if not _has_slo(slo):
+        return
     if slo.get("itl_ms") is not None:
         ax.axvline(slo["itl_ms"], color="green", linestyle="--", label="ITL SLO")
     if slo.get("ttft_ms") is not None:
         ax.axhline(slo["ttft_ms"], color="green", linestyle=":", label="TTFT SLO")
-    for run in runs:
-        x, y = run["itl_ms"]["p99"], run["ttft_ms"]["p99"]
-        if x is None or y is None:
-            continue
-        ok = _meets(run, slo)
-        ax.scatter([x], [y], s=60, edgecolors="black",
-                   facecolors="tab:green" if ok else "white", zorder=3)
-        ax.annotate(run.get("name", "run"), (x, y), textcoords="offset points", xytext=(5, 5))
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter(_PLAIN)
-        axis.set_minor_formatter(_PLAIN)
     _shade_slo_region(ax, slo)
-    ax.set_xlabel("P99 ITL (ms)")
-    ax.set_ylabel("P99 TTFT (ms)")
-    ax.set_title(f"{title}: filled = meets both SLOs at P99")
-    ax.grid(True, which="both", alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="best")
-    return _save(fig, path)
+    for filled, text in ((True, "meets both SLOs at P99"), (False, "misses an SLO at P99")):
+        ax.add_line(Line2D([], [], marker="o", linestyle="", color="gray", label=text,
+                           markerfacecolor="gray" if filled else "white", markersize=8))
 
 
 def _shade_slo_region(ax, slo: dict) -> None:
@@ -81,14 +133,61 @@ def _shade_slo_region(ax, slo: dict) -> None:
     ax.set_ylim(ylim)
 
 
+# --- latency distributions ----------------------------------------------------------------------
+
+def _successful(run: dict) -> list[dict]:
+    return [s for s in run.get("samples") or [] if s.get("success")]
+
+
+def _cdf(ax, values: list[float], label: str, color: str) -> None:
+    values = sorted(values)
+    shares = [100.0 * (i + 1) / len(values) for i in range(len(values))]
+    ax.step(values, shares, where="post", label=label, color=color)
+
+
+def plot_latency_cdf(runs: list[dict], path: Path, title: str) -> Path | None:
+    sampled = [run for run in runs if _successful(run)]
+    if not sampled:
+        return None
+    fig, (ttft_ax, itl_ax) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    ttft_all, itl_all = [], []
+    for index, run in enumerate(sampled):
+        ttft = [s["ttft_ms"] for s in _successful(run) if s["ttft_ms"] is not None]
+        itl = [gap for s in _successful(run) for gap in s["itl_ms"]]
+        name = run.get("name", "run")
+        for ax, values, store in ((ttft_ax, ttft, ttft_all), (itl_ax, itl, itl_all)):
+            if values:
+                _cdf(ax, values, name, f"C{index}")
+                store.extend(values)
+    slo = sampled[0].get("slo") or {}
+    _finish_cdf(ttft_ax, ttft_all, slo.get("ttft_ms"), "TTFT (ms)", "requests (%)")
+    _finish_cdf(itl_ax, itl_all, slo.get("itl_ms"), "ITL (ms)", "inter-token gaps (%)")
+    ttft_ax.set_ylim(0, 101)
+    fig.suptitle(f"{title}: latency distribution")
+    _legend(itl_ax)
+    return _save(fig, path)
+
+
+def _finish_cdf(ax, values: list[float], slo_ms: float | None, xlabel: str,
+                ylabel: str) -> None:
+    if slo_ms is not None:
+        ax.axvline(slo_ms, color="green", linestyle="--", label="SLO")
+    _scale(ax, "x", values)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+# --- goodput probes -----------------------------------------------------------------------------
+
 def plot_attainment(runs: list[dict], path: Path, title: str) -> Path | None:
     probed = [r for r in runs if r.get("goodput", {}).get("points")]
     if not probed:
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for run in probed:
         curve = sorted((p["rate"], p["attainment"]) for p in run["goodput"]["points"])
-        label = f"{run.get('name', 'run')} (goodput {run.get('goodput_rps', 0):.3g})"
+        label = f"{run.get('name', 'run')} (goodput {run.get('goodput_rps', 0):.3g} req/s)"
         ax.plot([c[0] for c in curve], [100 * c[1] for c in curve], marker="o", label=label)
     target = probed[0]["goodput"].get("target", 0.9)
     ax.axhline(100 * target, color="gray", linestyle="--", label=f"{100 * target:.0f}% target")
@@ -97,42 +196,83 @@ def plot_attainment(runs: list[dict], path: Path, title: str) -> Path | None:
     ax.set_ylim(0, 102)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="best")
+    _legend(ax)
     return _save(fig, path)
 
 
-def _is_secondary(name: str) -> bool:
-    """SM counts and 0..1 shares go on the right axis: they would flatten the batch sizes."""
-    lower = name.lower().replace("_sum", "")
-    return "sm" in lower or "ratio" in lower or "usage" in lower
+# --- timelines ----------------------------------------------------------------------------------
+
+UNITS = ("requests", "tokens", "SMs", "% (shares)")
+_SM = re.compile(r"(^|_)sms?($|_)")
+
+
+def series_unit(name: str) -> str:
+    """What a timeline series counts, from its name: one panel (y axis) per unit, so request
+    counts are never flattened on a token-count axis."""
+    lower = name.lower()
+    if "ratio" in lower or "usage" in lower:
+        return "% (shares)"
+    if _SM.search(lower):
+        return "SMs"
+    return "tokens" if "token" in lower else "requests"
 
 
 def _series(samples: list[dict], key: str) -> tuple[list[float], list[float]]:
-    scale = 100.0 if "ratio" in key or "usage" in key else 1.0
+    scale = 100.0 if series_unit(key) == "% (shares)" else 1.0
     points = [(s["t"], s[key] * scale) for s in samples if key in s]
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def _numeric_keys(samples: list[dict]) -> list[str]:
+    keys = {k for s in samples for k, v in s.items()
+            if k != "t" and isinstance(v, int | float) and not isinstance(v, bool)}
+    return sorted(keys)
+
+
+def _short(name: str, keys: list[str]) -> str:
+    """The name without the prefix every series shares (``pdserve_``), for shorter legends."""
+    prefix = keys[0].split("_")[0] + "_"
+    shared = len(keys) > 1 and all(k.startswith(prefix) for k in keys)
+    return name[len(prefix):] if shared else name
+
+
 def plot_timeline(run: dict, path: Path, title: str) -> Path | None:
-    samples = run.get("timeline") or []
-    keys = sorted({k for s in samples for k in s if k != "t"})
-    if not keys:
+    fig = timeline_figure(run.get("timeline") or [], title)
+    return None if fig is None else _save(fig, path)
+
+
+def timeline_figure(samples: list[dict], title: str):
+    """One panel per unit of the non-zero series of ``samples``; None when all are zero."""
+    keys = _numeric_keys(samples)
+    drawn = [k for k in keys if any(s.get(k) for s in samples)]
+    if not drawn:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4))
-    right = ax.twinx() if any(_is_secondary(k) for k in keys) else None
-    for index, key in enumerate(keys):
-        target = right if right is not None and _is_secondary(key) else ax
-        target.step(*_series(samples, key), where="post", label=key, color=f"C{index}")
-    ax.set_xlabel("time since start of run (s)")
-    ax.set_ylabel("requests / tokens")
-    if right is not None:
-        right.set_ylabel("SMs / % (shares)")
-        right.set_ylim(bottom=0)  # an SM split reads as a share of the whole GPU
-        right.legend(loc="upper right", fontsize="small")
-    ax.legend(loc="upper left", fontsize="small")
-    ax.set_title(title)
+    units = [u for u in UNITS if any(series_unit(k) == u for k in drawn)]
+    fig, axes = plt.subplots(len(units), 1, figsize=(9, 1.2 + 2.2 * len(units)), sharex=True,
+                             squeeze=False)
+    for ax, unit in zip(axes[:, 0], units, strict=True):
+        _timeline_panel(ax, unit, samples, [k for k in drawn if series_unit(k) == unit], keys)
+    axes[-1, 0].set_xlabel("time since start of run (s)")
+    axes[0, 0].set_title(title)
+    zero = [_short(k, keys) for k in keys if k not in drawn]
+    if zero:
+        fig.text(0.01, 0.005, "always 0, not drawn: " + ", ".join(zero), fontsize="small",
+                 va="bottom")
+    return fig
+
+
+def _timeline_panel(ax, unit: str, samples: list[dict], series: list[str],
+                    keys: list[str]) -> None:
+    for key in series:
+        # Colour by position among all keys: a series keeps its colour across plots.
+        ax.step(*_series(samples, key), where="post", label=_short(key, keys),
+                color=f"C{keys.index(key)}")
+    ax.set_ylabel(unit)
+    ax.set_ylim(bottom=0)
+    if unit != "% (shares)":  # counts: whole numbers only
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, alpha=0.3)
-    return _save(fig, path)
+    _legend(ax)
 
 
 ENGINE_SERIES = ("decode_batch", "prefill_tokens", "decode_sms", "prefill_sms")
@@ -147,8 +287,8 @@ def plot_engine_timeline(run: dict, path: Path, title: str) -> Path | None:
 
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -164,6 +304,7 @@ def plot_all(result: dict, out_dir: str | Path) -> list[Path]:
     for workload, runs in _by_workload(result).items():
         slug = _slug(workload)
         written.append(plot_tradeoff(runs, out_dir / f"tradeoff_{slug}.png", workload))
+        written.append(plot_latency_cdf(runs, out_dir / f"latency_cdf_{slug}.png", workload))
         written.append(plot_attainment(runs, out_dir / f"attainment_{slug}.png", workload))
         for run in runs:
             name = f"{run.get('name', 'run')} / {workload}"

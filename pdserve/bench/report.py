@@ -81,7 +81,7 @@ def load_json(path: str | Path) -> dict:
 
 COLUMNS = (
     ("config", lambda r: r.get("name", "-")),
-    ("workload", lambda r: r["workload"].get("label") or r["workload"]["dataset"]),
+    ("workload", lambda r: workload_label(r)),
     ("rate", lambda r: _fmt(r.get("request_rate"))),
     ("req/s", lambda r: _fmt(r["request_throughput"])),
     ("out tok/s", lambda r: _fmt(r["output_token_throughput"])),
@@ -140,10 +140,13 @@ def markdown_report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def workload_label(run: dict) -> str:
+    return run["workload"].get("label") or run["workload"]["dataset"]
+
+
 def _row(run: dict) -> str:
     if "error" in run:
-        workload = run["workload"].get("label") or run["workload"]["dataset"]
-        return f"| {run.get('name', '-')} | {workload} | failed: {run['error'][:120]} |"
+        return f"| {run.get('name', '-')} | {workload_label(run)} | failed: {run['error'][:120]} |"
     return "| " + " | ".join(get(run) for _, get in COLUMNS) + " |"
 
 
@@ -167,3 +170,34 @@ def print_summary(run: dict, title: str = "") -> None:
         rows.append(("Goodput (req/s at >= 90% attainment)", run["goodput_rps"]))
     for label, value in rows:
         print(f"{label:<44}{_fmt(value) if not isinstance(value, int) else value:>12}")
+
+
+def _measurements(run: dict) -> list[tuple[str, dict]]:
+    """(label, summary) of the run and of every goodput probe in it."""
+    probes = (run.get("goodput") or {}).get("points") or []
+    return [("", run)] + [(f" @ {p['rate']:g} req/s", p["summary"]) for p in probes]
+
+
+def failure_lines(result: dict) -> list[str]:
+    """What went wrong, one block per run that lost requests: how many of how many, then its
+    first distinct errors. Empty when every request of every run succeeded."""
+    lines = []
+    for run in runs_of(result):
+        name = f"{run.get('name', 'run')} / {workload_label(run)}"
+        if "error" in run:
+            lines.append(f"{name}: not run: {run['error']}")
+            continue
+        for suffix, summary in _measurements(run):
+            if summary.get("failed"):
+                lines.append(f"{name}{suffix}: {summary['failed']} of "
+                             f"{summary['num_requests']} requests failed")
+                lines += [f"  {e['count']} x {e['error']}" for e in summary.get("errors", [])]
+    return lines
+
+
+def approximate_count_lines(result: dict) -> list[str]:
+    """A warning per run whose token counts were guessed from text chunks."""
+    return [f"{run.get('name', 'run')} / {workload_label(run)}: the server's stream states no "
+            "token counts; TTFT and ITL assume one token per text chunk (approximate)"
+            for run in measured_runs(result)
+            if not run.get("token_counts", {}).get("exact", True)]

@@ -12,9 +12,10 @@ from pdserve.bench.client import Backend
 from pdserve.bench.goodput import GoodputResult, search_goodput, sweep_goodput
 from pdserve.bench.loadgen import LoadResult, run_load
 from pdserve.bench.metrics import request_samples, summarize
+from pdserve.bench.sharegpt import TextTokenizer
 from pdserve.bench.spec import WorkloadSpec
 from pdserve.bench.timeline import TimelineSource
-from pdserve.bench.workloads import BenchRequest, random_tokens, workload_stats
+from pdserve.bench.workloads import BenchError, BenchRequest, random_tokens, workload_stats
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class RunContext:
     warmup_requests: int = 0
     """Sent (and not measured) before each workload: the first requests after a start
     otherwise carry kernel JIT compilation (seconds on a GPU) into TTFT."""
+    tokenizer: TextTokenizer | None = None
+    """The served model's tokenizer, for workloads read from text (a ShareGPT file)."""
 
 
 def _run_result(load: LoadResult, spec: WorkloadSpec, rate: float, slo: SloOptions,
@@ -95,7 +98,7 @@ async def run_goodput(backend: Backend, spec: WorkloadSpec, requests: list[Bench
                       slo: SloOptions, opts: GoodputOptions,
                       ctx: RunContext) -> tuple[GoodputResult, dict[float, dict]]:
     if slo.ttft_slo_ms is None and slo.itl_slo_ms is None:
-        raise ValueError("a goodput search needs --ttft-slo-ms and/or --itl-slo-ms")
+        raise BenchError("a goodput search needs --ttft-slo-ms and/or --itl-slo-ms")
     runs: dict[float, dict] = {}
 
     async def measure(rate: float) -> tuple[float, dict]:
@@ -140,7 +143,7 @@ async def run_workload(backend: Backend, spec: WorkloadSpec, slo: SloOptions,
                        goodput: GoodputOptions, ctx: RunContext) -> dict:
     """The result record of one workload: metrics at the top level (``ttft_ms`` ...), the
     workload, per-request samples, and ``goodput_rps`` when a search ran."""
-    requests = spec.build()
+    requests = spec.build(ctx.tokenizer)
     slo = SloOptions(_first(spec.ttft_slo_ms, slo.ttft_slo_ms),
                      _first(spec.itl_slo_ms, slo.itl_slo_ms))
     head = {"workload": {**spec.describe(), **workload_stats(requests)}}

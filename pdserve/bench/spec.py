@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from pdserve.bench import workloads
 from pdserve.bench.arrivals import gamma_arrivals
-from pdserve.bench.workloads import BenchRequest
+from pdserve.bench.sharegpt import TextTokenizer, sharegpt_workload
+from pdserve.bench.workloads import BenchError, BenchRequest
 
 DATASETS = ("random", "sharegpt", "loogle", "mooncake")
 ALIASES = {"num": "num_prompts", "rate": "request_rate", "concurrency": "max_concurrency",
@@ -31,7 +32,7 @@ class WorkloadSpec:
     range_ratio: float = 0.0
     """random: lengths uniform in [len * (1 - r), len * (1 + r)]."""
     path: str | None = None
-    """mooncake: trace file."""
+    """mooncake: trace file; sharegpt: a ShareGPT JSON file (without it: synthetic lengths)."""
     max_context: int | None = None
     """Clip prompts so prompt + output fits this many tokens."""
     vocab_size: int = 256
@@ -58,7 +59,14 @@ class WorkloadSpec:
     def name(self) -> str:
         return self.label or self.dataset
 
-    def build(self) -> list[BenchRequest]:
+    def build(self, tokenizer: TextTokenizer | None = None) -> list[BenchRequest]:
+        """The requests; ``tokenizer`` (the served model's) is needed for a ShareGPT file."""
+        if self.dataset == "sharegpt" and self.path:
+            return sharegpt_workload(self.path, self.num_prompts, tokenizer, self.seed,
+                                     self.max_context)
+        if self.path and self.dataset != "mooncake":
+            raise BenchError(f"{self.dataset} reads no file (path {self.path!r}): only "
+                             "sharegpt and mooncake do")
         if self.dataset == "random":
             return workloads.random_workload(self.num_prompts, self.input_len, self.output_len,
                                              self.range_ratio, self.seed, self.vocab_size,
@@ -68,11 +76,11 @@ class WorkloadSpec:
                                              self.vocab_size, self.max_context)
         if self.dataset == "mooncake":
             return self._build_trace()
-        raise ValueError(f"unknown dataset {self.dataset!r}; one of {', '.join(DATASETS)}")
+        raise BenchError(f"unknown dataset {self.dataset!r}; one of {', '.join(DATASETS)}")
 
     def _build_trace(self) -> list[BenchRequest]:
         if not self.path:
-            raise ValueError("mooncake needs a trace path (--dataset-path or path=...)")
+            raise BenchError("mooncake needs a trace path (--dataset-path or path=...)")
         return workloads.mooncake_workload(
             self.path, self.seed, self.vocab_size, self.block_size, self.trace_start_s,
             self.trace_duration_s, self.num_prompts, time_scale=self.trace_time_scale,
@@ -91,7 +99,13 @@ class WorkloadSpec:
         out = dataclasses.asdict(self)
         out["request_rate"] = _json_float(self.request_rate)
         out["arrivals"] = self._arrival_kind()
+        out["lengths"] = self._length_source()
         return out
+
+    def _length_source(self) -> str:
+        if self.dataset in workloads.SHAPES and not (self.dataset == "sharegpt" and self.path):
+            return f"synthetic ({self.dataset}-like lognormal)"
+        return "file" if self.path else "random"
 
     def _arrival_kind(self) -> str:
         if self.dataset == "mooncake":
@@ -114,7 +128,7 @@ def parse_spec(text: str, defaults: WorkloadSpec) -> WorkloadSpec:
         key, sep, value = item.partition("=")
         key = ALIASES.get(key.strip(), key.strip())
         if not sep or key not in types:
-            raise ValueError(f"bad workload option {item!r} in {text!r}")
+            raise BenchError(f"bad workload option {item!r} in {text!r}")
         changes[key] = _convert(value.strip(), str(types[key]))
     return dataclasses.replace(defaults, **changes)
 

@@ -3,13 +3,13 @@
 Prompts are token-id lists, never text, so the prompt length the server sees is exactly the
 length we asked for (no tokenizer round trip), and outputs are fixed with ``ignore_eos``.
 
-Shapes (ShareGPT and LooGLE cannot be downloaded where this runs, so their length
-distributions are synthesised; token *content* is random, which is all a dummy-weight
-performance run needs):
+Shapes (without a ``path``, ShareGPT and LooGLE lengths are synthesised; token *content*
+is random, which is all a dummy-weight performance run needs; a ShareGPT file is read by
+``pdserve.bench.sharegpt``):
 
 - ``random``: prompt and output lengths uniform in ``[len * (1 - r), len * (1 + r)]``
   (``r`` = range ratio), the same convention as ``vllm bench serve --dataset-name random``.
-- ``sharegpt``: chat. Prompt ~ lognormal(median 230, sigma 0.9) clipped to [8, 2048];
+- ``sharegpt`` without a file: chat. Prompt ~ lognormal(median 230, sigma 0.9) clipped to [8, 2048];
   output ~ lognormal(median 180, sigma 0.8) clipped to [8, 1024]. Means ~340 / ~250
   tokens: the shape of the ShareGPT_V3 conversations used by vLLM and SGLang benches
   (hundreds in, hundreds out, long right tail).
@@ -29,6 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+
+class BenchError(ValueError):
+    """A benchmark that cannot run as asked (unreachable server, unusable dataset file)."""
+
 
 FIRST_TOKEN_ID = 10
 """Lowest token id used: keeps clear of BOS/EOS/padding ids that sit at the bottom of vocabs."""
@@ -182,6 +187,8 @@ def mooncake_workload(path: str | Path, seed: int = 0, vocab_size: int = 32000,
                       rate: float | None = None, time_scale: float = 1.0,
                       max_context: int | None = None) -> list[BenchRequest]:
     """Requests of a Mooncake trace with the trace's own arrival times (optionally rescaled)."""
+    if not Path(path).is_file():
+        raise BenchError(f"Mooncake trace not found: {path}")
     rows = load_trace(path, start_s, duration_s, max_requests)
     rows.sort(key=lambda r: r["timestamp"])
     blocks = BlockTokens(block_size, seed, vocab_size)

@@ -1,9 +1,15 @@
 """A stand-in OpenAI-style streaming server whose latency grows with load.
 
 Prefill is a FIFO single server (``prefill_ms`` per request, one at a time), decode streams
-one token every ``itl_ms``. Below ``1000 / prefill_ms`` req/s nothing queues and TTFT is
+one chunk every ``itl_ms``. Below ``1000 / prefill_ms`` req/s nothing queues and TTFT is
 about ``prefill_ms``; above it the queue, and TTFT, grow with every request: a known knee.
 Runnable as a script so ``bench compare`` can launch it like a real server.
+
+Chunks follow ``chunk_tokens`` (tokens per chunk, cycled); the chunks numbered in ``held_back``
+carry their tokens with empty text, as a server holding back a partial character does. Token
+counts are stated as vLLM does: a running ``usage`` when the request asks for
+``continuous_usage_stats`` (and ``usage_stats`` is on), ``logprobs`` when asked for.
+Requests for another model get 404, prompts past ``max_context`` 400.
 """
 
 from __future__ import annotations
@@ -18,9 +24,15 @@ from aiohttp import web
 
 
 class StandIn:
-    def __init__(self, prefill_ms: float = 50.0, itl_ms: float = 5.0) -> None:
+    def __init__(self, prefill_ms: float = 50.0, itl_ms: float = 5.0,
+                 chunk_tokens: tuple[int, ...] = (1,), held_back: frozenset[int] = frozenset(),
+                 usage_stats: bool = True, max_context: int = 4096) -> None:
         self.prefill_s = prefill_ms / 1000.0
         self.itl_s = itl_ms / 1000.0
+        self.chunk_tokens = chunk_tokens
+        self.held_back = held_back
+        self.usage_stats = usage_stats
+        self.max_context = max_context
         self.running = 0
         self.waiting = 0
         self.requests: list[dict] = []
@@ -50,6 +62,9 @@ class StandIn:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        refusal = self._refusal(body)
+        if refusal is not None:
+            return refusal
         if self._prefill is None:
             self._prefill = asyncio.Lock()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -60,21 +75,61 @@ class StandIn:
             self.running += 1
             await asyncio.sleep(self.prefill_s)
         try:
-            await self._stream(resp, len(body["prompt"]), int(body["max_tokens"]))
+            await self._stream(resp, body)
         finally:
             self.running -= 1
         return resp
 
-    async def _stream(self, resp: web.StreamResponse, prompt_len: int, max_tokens: int) -> None:
-        for i in range(max_tokens):
-            if i:
+    def _refusal(self, body: dict) -> web.Response | None:
+        if body.get("model") != "standin":
+            return _error(404, f"The model `{body.get('model')}` does not exist.")
+        if len(body["prompt"]) + int(body["max_tokens"]) > self.max_context:
+            return _error(400, f"This model's maximum context length is {self.max_context} "
+                               "tokens.")
+        return None
+
+    async def _stream(self, resp: web.StreamResponse, body: dict) -> None:
+        max_tokens, sent = int(body["max_tokens"]), 0
+        options = body.get("stream_options") or {}
+        continuous = self.usage_stats and options.get("continuous_usage_stats")
+        for index, tokens in enumerate(self.chunk_sizes(max_tokens)):
+            if index:
                 await asyncio.sleep(self.itl_s)
-            last = i == max_tokens - 1
-            choice = {"index": 0, "text": "x", "finish_reason": "length" if last else None}
-            await _send(resp, {"object": "text_completion", "choices": [choice]})
-        usage = {"prompt_tokens": prompt_len, "completion_tokens": max_tokens}
-        await _send(resp, {"object": "text_completion", "choices": [], "usage": usage})
+            sent += tokens
+            event = self._chunk(index, tokens, sent == max_tokens,
+                                body.get("logprobs") is not None)
+            if continuous:
+                event["usage"] = _usage(len(body["prompt"]), sent)
+            await _send(resp, event)
+        final = {"object": "text_completion", "choices": [],
+                 "usage": _usage(len(body["prompt"]), sent)}
+        await _send(resp, final)
         await resp.write(b"data: [DONE]\n\n")
+
+    def chunk_sizes(self, max_tokens: int) -> list[int]:
+        """Tokens per chunk of a ``max_tokens`` answer: ``chunk_tokens`` cycled, cut to fit."""
+        sizes: list[int] = []
+        while sum(sizes) < max_tokens:
+            size = self.chunk_tokens[len(sizes) % len(self.chunk_tokens)]
+            sizes.append(min(size, max_tokens - sum(sizes)))
+        return sizes
+
+    def _chunk(self, index: int, tokens: int, last: bool, logprobs: bool) -> dict:
+        text = "" if index in self.held_back else "x" * tokens
+        choice = {"index": 0, "text": text, "finish_reason": "length" if last else None}
+        if logprobs:
+            choice["logprobs"] = {"tokens": ["x"] * tokens, "token_logprobs": [0.0] * tokens}
+        return {"object": "text_completion", "choices": [choice]}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _error(status: int, message: str) -> web.Response:
+    body = {"error": {"message": message, "type": "invalid_request_error", "code": status}}
+    return web.json_response(body, status=status)
 
 
 async def _send(resp: web.StreamResponse, event: dict) -> None:

@@ -75,10 +75,12 @@ def test_compare_starts_and_stops_each_server(tmp_path):
     assert "| slow | chat |" in (tmp_path / "cmp.md").read_text()
 
 
-def test_compare_reports_a_server_that_never_starts(tmp_path):
+def test_compare_reports_a_server_that_never_starts(tmp_path, capsys):
     out = tmp_path / "bad.json"
     template = f"{shlex.quote(sys.executable)} -c 'raise SystemExit(3)' {{model}} {{port}}"
-    main(["compare", "--server-cmd", template, "--config", "broken=", "--num-prompts", "2",
-          "--no-progress", "--out", str(out)])
+    code = main(["compare", "--server-cmd", template, "--config", "broken=",
+                 "--num-prompts", "2", "--no-progress", "--out", str(out)])
+    assert code == 1
+    assert "broken / random: not run: server exited with 3" in capsys.readouterr().err
     run = json.loads(out.read_text())["runs"][0]
     assert run["name"] == "broken" and "exited with 3" in run["error"]

@@ -81,4 +81,5 @@ def test_standin_run_metrics(rate):
     assert len(result["samples"]) == 6 and all(len(s["itl_ms"]) == 3 for s in result["samples"])
     sent = measured[0]
     assert sent["ignore_eos"] and sent["stream"] and sent["max_tokens"] == 4
-    assert sent["stream_options"] == {"include_usage": True} and len(sent["prompt"]) == 8
+    assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert len(sent["prompt"]) == 8

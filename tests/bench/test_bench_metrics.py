@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.metrics import RequestRecord, slo_attainment, stats_ms, summarize
+from pdserve.bench.metrics import (
+    RequestRecord,
+    distinct_errors,
+    slo_attainment,
+    stats_ms,
+    summarize,
+)
 
 
 def _record(send: float, chunks: list[tuple[float, int]], end: float,
@@ -32,6 +38,25 @@ def test_multi_token_chunk_splits_its_gap():
     assert r.num_output_tokens == 5
     assert r.itls == pytest.approx([0.05] * 4)
     assert r.tpot == pytest.approx(0.2 / 4)
+
+
+def test_first_chunk_with_several_tokens_adds_no_itl_sample():
+    # Three tokens in the first chunk at 0.5 s, two more 0.2 s later: TTFT 0.5, two 100 ms
+    # gaps; the first chunk's extra tokens have no observable gap of their own.
+    r = _record(0.0, [(0.5, 3), (0.7, 2)], 0.7)
+    assert r.ttft == pytest.approx(0.5)
+    assert r.itls == pytest.approx([0.1, 0.1])
+    assert r.tpot == pytest.approx(0.2 / 4)
+
+
+def test_distinct_errors_in_order_with_counts():
+    records = [RequestRecord(1, 1, 0.0) for _ in range(9)]
+    for i, r in enumerate(records):
+        r.error = f"HTTP 40{i % 2}" if i < 7 else f"other {i}"
+    records[0].success, records[0].error = True, ""
+    assert distinct_errors(records) == [
+        {"error": "HTTP 401", "count": 3}, {"error": "HTTP 400", "count": 3},
+        {"error": "other 7", "count": 1}, {"error": "other 8", "count": 1}]
 
 
 def test_usage_count_overrides_streamed_count():

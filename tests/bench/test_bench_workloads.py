@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -9,8 +10,10 @@ import numpy as np
 import pytest
 
 from pdserve.bench.arrivals import gamma_arrivals
+from pdserve.bench.sharegpt import served_tokenizer, sharegpt_workload
 from pdserve.bench.spec import WorkloadSpec, parse_spec
 from pdserve.bench.workloads import (
+    BenchError,
     mooncake_workload,
     random_workload,
     rescale_arrivals,
@@ -86,3 +89,44 @@ def test_spec_parse_and_trace_offsets():
     assert replay.offsets(reqs) == [r.arrival_s for r in reqs]
     with pytest.raises(ValueError):
         parse_spec("random:bogus=1", base)
+
+
+def _byte_tokenizer():
+    return served_tokenizer(None, "tiny", "pdserve")
+
+
+def _conversation(prompt: str, reply: str) -> dict:
+    return {"id": prompt[:8], "conversations": [{"from": "human", "value": prompt},
+                                                {"from": "gpt", "value": reply}]}
+
+
+def test_sharegpt_filters_lengths_like_vllm(tmp_path):
+    rows = [_conversation("a fine question", "a fine answer"),  # 16 + 13 tokens: kept
+            _conversation("abc", "a long enough reply"),  # prompt 3 + BOS = 4: kept
+            _conversation("ab", "a long enough reply"),  # prompt 3 < 4: skipped
+            _conversation("a fine question", "no"),  # reply < 4: skipped
+            _conversation("x" * 1024, "a fine answer"),  # prompt 1025 > 1024: skipped
+            _conversation("y" * 40, "z" * 30)]  # 41 + 30 > max_context 64: skipped
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(rows))
+    requests = sharegpt_workload(path, 2, _byte_tokenizer(), seed=3, max_context=64)
+    assert sorted((r.prompt_len, r.output_len) for r in requests) == [(4, 19), (16, 13)]
+    with pytest.raises(BenchError, match="only 2 of 6 conversations fit"):
+        sharegpt_workload(path, 3, _byte_tokenizer(), max_context=64)
+    with pytest.raises(BenchError, match="needs the served model's tokenizer"):
+        sharegpt_workload(path, 1, None)
+
+
+def test_sharegpt_rejects_what_is_not_sharegpt(tmp_path):
+    path = tmp_path / "x.json"
+    for text, message in [("{\"id\": 1}", "expected a list of conversations"),
+                          ("[1, 2]", "entry 0 is not a conversation"),
+                          ("not json", "not readable JSON")]:
+        path.write_text(text)
+        with pytest.raises(BenchError, match=message):
+            sharegpt_workload(path, 1, _byte_tokenizer())
+
+
+def test_a_file_given_to_a_dataset_that_reads_none_is_an_error():
+    with pytest.raises(BenchError, match="random reads no file"):
+        WorkloadSpec(dataset="random", path="x.json").build()

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pdserve.bench.plots import _is_secondary
+from pdserve.bench.plots import series_unit
 from pdserve.bench.timeline import parse_prometheus
 from pdserve.messages import MUX_MODES
 from pdserve.sched.mux_planner import MuxMode
@@ -42,7 +42,8 @@ def test_bench_poller_picks_up_the_split():
     text = "\n".join(f"{name} 3.0" for name in SPLIT_GAUGES)
     found = parse_prometheus(text)
     assert set(found) == set(SPLIT_GAUGES)
-    assert [n for n in found if _is_secondary(n)] == ["pdserve_decode_sms", "pdserve_prefill_sms"]
+    sms = [n for n in found if series_unit(n) == "SMs"]
+    assert sms == ["pdserve_decode_sms", "pdserve_prefill_sms"]
 
 
 def test_chunked_reports_no_split(server):
