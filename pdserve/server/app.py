@@ -22,11 +22,13 @@ from pdserve.server.engine_process import DEFAULT_CORE
 from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from pdserve.server.pd import PDRoutes
 from pdserve.server.serving import OpenAIServing
+from pdserve.server.tokenization import TokenizationRoutes
 
 logger = logging.getLogger("pdserve.server")
 
 STATE_KEY = web.AppKey("state", object)
-GUARDED_PATHS = ("/v1", "/pd/")  # API key, draining and in-flight counting apply here
+# API key, draining and in-flight counting apply here
+GUARDED_PATHS = ("/v1", "/pd/", "/tokenize", "/detokenize")
 
 
 @dataclass
@@ -61,6 +63,7 @@ def build_app(client: EngineClient, config: ServerConfig) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     PDRoutes(serving).add_to(app)
+    TokenizationRoutes(serving).add_to(app)
     return app
 
 

@@ -64,7 +64,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 # ---- typed field readers ------------------------------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -82,7 +82,7 @@ def _get(body: dict, name: str, check, kind: str, default: Any = None) -> Any:
 
 
 def get_int(body: dict, name: str, default: int | None = None) -> int | None:
-    return _get(body, name, _is_int, "an integer", default)
+    return _get(body, name, is_int, "an integer", default)
 
 
 def get_number(body: dict, name: str, default: float | None = None) -> float | None:
@@ -115,7 +115,7 @@ def get_int_list(body: dict, name: str) -> list[int]:
     value = body.get(name)
     if value is None:
         return []
-    if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
+    if not isinstance(value, list) or not all(is_int(v) and v >= 0 for v in value):
         raise bad_request(f"'{name}' must be a list of integers >= 0", param=name)
     return value
 
@@ -195,7 +195,7 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "modalities": Refused("only text output", (["text"],)),
     "mm_processor_kwargs": Refused("only text input"),
     "prediction": Refused("predicted outputs are not implemented"),
-    "reasoning_effort": Refused("this server runs no reasoning models' effort control"),
+    "reasoning_effort": Refused("reasoning effort control is not implemented"),
     "web_search_options": Refused("web search is not available"),
     "service_tier": Refused("there is one service tier", ("auto", "default")),
     "store": Refused(_STORE, (False,)),
@@ -349,7 +349,7 @@ def _read_prompt(prompt: Any) -> str | list[int]:
         if not prompt:
             raise bad_request("'prompt' is empty", param="prompt")
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
         return prompt
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
         raise bad_request("batched prompts are not supported: send one request per prompt",
@@ -375,7 +375,7 @@ class ChatRequest:
         max_tokens = _positive(body, "max_completion_tokens") or _positive(body, "max_tokens")
         sampling = SamplingRequest.read(body, max_tokens)
         sampling.logprobs = get_bool(body, "logprobs")
-        return cls(sampling, _read_messages(body.get("messages")), **read_template_options(body))
+        return cls(sampling, read_messages(body.get("messages")), **read_template_options(body))
 
 
 _TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token", "eos_token"}
@@ -401,7 +401,7 @@ def read_template_options(body: dict) -> dict[str, Any]:
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _read_messages(messages: Any) -> list[dict[str, str]]:
+def read_messages(messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", param="messages")
     return [_read_message(m, i) for i, m in enumerate(messages)]
@@ -433,10 +433,11 @@ def _message_text(content: Any, param: str) -> str:
     raise bad_request(f"{param}.content must be a string or a list of text parts", param=param)
 
 
-def check_token_ids(token_ids: list[int], vocab_size: int | None) -> None:
+def check_token_ids(token_ids: list[int], vocab_size: int | None, param: str = "prompt"
+                    ) -> None:
     if vocab_size is not None and any(t >= vocab_size for t in token_ids):
         raise bad_request(f"token ids must be below the vocabulary size {vocab_size}",
-                          param="prompt")
+                          param=param)
 
 
 # ---- responses ----------------------------------------------------------------------------

@@ -178,7 +178,7 @@ class OpenAIServing:
 
     async def _prepare_completion(self, body: dict) -> tuple[Format, list[int], int | None]:
         request = P.CompletionRequest.parse(body)
-        self._check_model(request.sampling.model)
+        self.check_model(request.sampling.model)
         if isinstance(request.prompt, str):
             add_special = request.sampling.add_special_tokens is not False
             prompt_ids = await self.encode(request.prompt, add_special_tokens=add_special)
@@ -197,7 +197,7 @@ class OpenAIServing:
 
     async def _prepare_chat(self, body: dict) -> tuple[Format, list[int], int | None]:
         request = P.ChatRequest.parse(body)
-        self._check_model(request.sampling.model)
+        self.check_model(request.sampling.model)
         text = self.render_chat(request.messages, request.add_generation_prompt,
                                 request.continue_final_message, request.chat_template,
                                 request.chat_template_kwargs)
@@ -228,7 +228,7 @@ class OpenAIServing:
             add_special_tokens = not self.tokenizer.starts_with_bos(text)
         return await self.encode(text, add_special_tokens)
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise P.bad_request(f"model '{model}' is not served here; this server serves "
                                 f"'{self.model_name}'", param="model", code="model_not_found")
@@ -296,9 +296,9 @@ class OpenAIServing:
         if self.log_requests:
             t = gen.timing
             ttft = (t.first_token - t.arrival) * 1e3 if t.first_token else float("nan")
-            logger.info("%s prompt=%d output=%d ttft=%.1fms e2e=%.1fms finish=%s",
+            logger.info("%s prompt=%d output=%d ttft=%.1fms e2e=%.1fms finish=%s user=%s",
                         fmt.request_id, gen.num_prompt_tokens, gen.num_generated, ttft,
-                        (t.finished - t.arrival) * 1e3, t.finish_reason)
+                        (t.finished - t.arrival) * 1e3, t.finish_reason, fmt.sampling.user)
 
 
 class _SSEWriter:
