@@ -55,7 +55,7 @@ def build_app(client: EngineClient, config: ServerConfig,
     if api_keys is None:
         api_keys = load_api_keys(config.api_key, config.api_key_file)
     model_name = config.served_model_name or client.model_name
-    metrics = ServerMetrics(lambda: client.stats)
+    metrics = ServerMetrics(lambda: client.stats, lambda: client.num_in_flight, model_name)
     state = ServerState(client, config, model_name, metrics, api_keys)
     state.idle.set()
     serving = OpenAIServing(client, client.tokenizer, model_name, metrics, config.log_requests)
