@@ -31,6 +31,10 @@ class SamplingParams:
     """Return the log-probability of each sampled token."""
     min_tokens: int = 0
     """EOS and stop tokens are ignored until this many tokens are generated."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended generation at the end of the text."""
+    skip_special_tokens: bool = True
+    """Leave special tokens (BOS, EOS, ...) out of the text."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

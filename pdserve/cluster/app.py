@@ -63,9 +63,7 @@ async def _api_key(http: web.Request, handler) -> web.StreamResponse:
 
 
 async def _models(http: web.Request) -> web.Response:
-    created = P.now_s()
-    data = [{"id": name, "object": "model", "created": created, "owned_by": "pdserve"}
-            for name in http.app[GATEWAY_KEY].models()]
+    data = await http.app[GATEWAY_KEY].model_cards()
     return web.Response(body=P.dumps({"object": "list", "data": data}),
                         content_type="application/json")
 

@@ -62,6 +62,7 @@ class Gateway:
         self._turn = 0  # round-robin position
         self._lines: dict[str, WaitLine] = {}  # refused requests, by scenario
         self._session: aiohttp.ClientSession | None = None
+        self._model_lens: dict[str, int] = {}  # max_model_len, by instance id
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout)
@@ -251,6 +252,45 @@ class Gateway:
         names = {i.model for s in self.registry.scenarios() for role in ("prefill", "decode")
                  for i in self.registry.instances(s, role) if i.model}
         return sorted(names)
+
+    async def model_cards(self) -> list[dict]:
+        """``/v1/models``: each served model with its ``max_model_len``, as one instance
+        lists it; the smallest when instances differ, so a request that fits it fits all."""
+        created = P.now_s()
+        cards = []
+        for name in self.models():
+            lengths = [await self._max_model_len(i) for i in self._instances_of(name)]
+            known = [n for n in lengths if n is not None]
+            if not known:
+                raise P.APIError(503, f"no instance of model '{name}' answered /v1/models")
+            cards.append({"id": name, "object": "model", "created": created,
+                          "owned_by": "pdserve", "root": name, "max_model_len": min(known)})
+        return cards
+
+    def _instances_of(self, model: str) -> list[Instance]:
+        return [i for s in self.registry.scenarios() for role in ("prefill", "decode")
+                for i in self.registry.instances(s, role) if i.model == model]
+
+    async def _max_model_len(self, instance: Instance) -> int | None:
+        """The instance's own ``/v1/models`` answer (kept: it never changes while the
+        instance lives); None if it does not answer."""
+        known = self._model_lens.get(instance.instance_id)
+        if known is not None:
+            return known
+        try:
+            async with self._session.get(f"http://{instance.http}/v1/models",
+                                         headers=self._headers(),
+                                         timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                body = await resp.json() if resp.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("instance %s did not list its models: %s", instance.instance_id, exc)
+            return None
+        lengths = [card.get("max_model_len") for card in body.get("data", [])
+                   if card.get("id") == instance.model]
+        if lengths and isinstance(lengths[0], int):
+            self._model_lens[instance.instance_id] = lengths[0]
+            return lengths[0]
+        return None
 
     def group_sizes(self) -> dict[tuple[str, str], int]:
         return {(s, role): len(self.registry.instances(s, role))

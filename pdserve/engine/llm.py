@@ -10,7 +10,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.setup import EngineSetup
 from pdserve.messages import RequestUpdate
-from pdserve.model.tokenizer import IncrementalDetokenizer
+from pdserve.output import OutputProcessor
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 Prompt = str | dict[str, Any]
@@ -52,7 +52,7 @@ class LLM:
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = _broadcast(sampling_params, len(prompts))
         pending = [self._submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        by_id = {out.request_id: (out, detok) for out, detok in pending}
+        by_id = {out.request_id: (out, processor) for out, processor in pending}
         progress = _progress(len(pending), use_tqdm)
         while any(not out.finished for out, _ in pending):
             for update in self.engine.step():
@@ -65,9 +65,9 @@ class LLM:
         text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids))
         self.engine.add_request(request_id, token_ids, params)
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        processor = OutputProcessor(self.tokenizer, token_ids, params)
         completion = CompletionOutput(0, "", [], [] if params.logprobs else None, None)
-        return RequestOutput(request_id, text, token_ids, [completion]), detok
+        return RequestOutput(request_id, text, token_ids, [completion]), processor
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -79,28 +79,23 @@ class LLM:
         raise InvalidRequestError("a prompt is a string, {'prompt': str} or "
                                   "{'prompt_token_ids': [int, ...]}")
 
-    def _apply(self, update: RequestUpdate, out: RequestOutput, detok) -> bool:
+    def _apply(self, update: RequestUpdate, out: RequestOutput,
+               processor: OutputProcessor) -> bool:
         """Folds one update into the output; True when the request just finished."""
-        if out.finished:  # the abort that follows a stop-string hit
+        if out.finished:  # an update sent before the engine saw a stop string's abort
             return False
+        delta = processor.process([update])
         completion = out.outputs[0]
-        completion.token_ids += update.new_token_ids
-        if completion.logprobs is not None and update.new_logprobs:
-            completion.logprobs += update.new_logprobs
-        completion.text += detok.push(update.new_token_ids)
-        out.num_cached_tokens = update.num_cached_tokens
-        if detok.stopped and not update.finished:
+        completion.text += delta.text
+        completion.token_ids += delta.token_ids
+        if completion.logprobs is not None:
+            completion.logprobs += delta.logprobs or []
+        out.num_cached_tokens = processor.num_cached_tokens
+        if delta.abort:
             self.engine.abort_request(out.request_id)
-            completion.finish_reason = "stop"
-            out.finished = True
-            return True
-        if update.finished:
-            if not detok.stopped:
-                completion.text += detok.flush()
-            completion.finish_reason = "stop" if detok.stopped else update.finish_reason
-            out.finished = True
-            return True
-        return False
+        completion.finish_reason = delta.finish_reason
+        out.finished = processor.finished
+        return out.finished
 
 
 def _broadcast(params, count: int) -> list[SamplingParams]:

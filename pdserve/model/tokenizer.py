@@ -6,6 +6,7 @@ ids 0-255 are raw UTF-8 bytes, then BOS and EOS.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -41,14 +42,18 @@ class Tokenizer:
         raise NotImplementedError
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        """The checkpoint's Jinja chat template (or a plain default) rendered to a prompt.
+                            add_generation_prompt: bool = True, chat_template: str | None = None,
+                            **template_kwargs: Any) -> str:
+        """The checkpoint's Jinja chat template (or a plain default; ``chat_template``
+        overrides both) rendered to a prompt; ``template_kwargs`` are extra variables.
 
         The result may already start with the BOS text; encode it with
         ``add_special_tokens=False`` in that case to avoid a second BOS.
         """
-        template = _compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        template = _compile_template(chat_template or self.chat_template
+                                     or DEFAULT_CHAT_TEMPLATE)
+        return template.render(**template_kwargs, messages=messages,
+                               add_generation_prompt=add_generation_prompt,
                                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
     def starts_with_bos(self, text: str) -> bool:
@@ -59,6 +64,7 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+@functools.lru_cache(maxsize=16)  # a compile costs milliseconds; requests reuse a few templates
 def _compile_template(source: str) -> jinja2.Template:
     # Same environment settings as Hugging Face, so checkpoint templates render identically.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,

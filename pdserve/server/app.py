@@ -5,7 +5,6 @@ from start-up to a clean SIGTERM shutdown.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import math
 import signal
@@ -16,17 +15,20 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from pdserve.server import protocol as P
+from pdserve.server.auth import APIKeyFileError, is_authorized, load_api_keys
 from pdserve.server.client import EngineClient
 from pdserve.server.config import ServerConfig
 from pdserve.server.engine_process import DEFAULT_CORE
 from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from pdserve.server.pd import PDRoutes
 from pdserve.server.serving import OpenAIServing
+from pdserve.server.tokenization import TokenizationRoutes
 
 logger = logging.getLogger("pdserve.server")
 
 STATE_KEY = web.AppKey("state", object)
-GUARDED_PATHS = ("/v1", "/pd/")  # API key, draining and in-flight counting apply here
+# API key, draining and in-flight counting apply here
+GUARDED_PATHS = ("/v1", "/pd/", "/tokenize", "/detokenize")
 
 
 @dataclass
@@ -35,6 +37,8 @@ class ServerState:
     config: ServerConfig
     model_name: str
     metrics: ServerMetrics
+    api_keys: tuple[bytes, ...] = ()
+    """Any of these is accepted as a bearer token; none: the routes are open."""
     created: int = field(default_factory=P.now_s)
     draining: bool = False
     active: int = 0  # /v1 requests being answered
@@ -45,10 +49,14 @@ class ServerState:
         return self.client.alive and not self.draining
 
 
-def build_app(client: EngineClient, config: ServerConfig) -> web.Application:
+def build_app(client: EngineClient, config: ServerConfig,
+              api_keys: tuple[bytes, ...] | None = None) -> web.Application:
+    """``api_keys``: as ``load_api_keys`` gives them (read from ``config`` when None)."""
+    if api_keys is None:
+        api_keys = load_api_keys(config.api_key, config.api_key_file)
     model_name = config.served_model_name or client.model_name
-    metrics = ServerMetrics(lambda: client.stats)
-    state = ServerState(client, config, model_name, metrics)
+    metrics = ServerMetrics(lambda: client.stats, lambda: client.num_in_flight, model_name)
+    state = ServerState(client, config, model_name, metrics, api_keys)
     state.idle.set()
     serving = OpenAIServing(client, client.tokenizer, model_name, metrics, config.log_requests)
     app = web.Application(client_max_size=config.max_request_bytes,
@@ -61,6 +69,7 @@ def build_app(client: EngineClient, config: ServerConfig) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     PDRoutes(serving).add_to(app)
+    TokenizationRoutes(serving).add_to(app)
     return app
 
 
@@ -101,10 +110,9 @@ def _error_response(request: web.Request, exc: P.APIError) -> web.Response:
 
 @web.middleware
 async def _api_key(request: web.Request, handler) -> web.StreamResponse:
-    key = _state(request).config.api_key
-    if key and request.path.startswith(GUARDED_PATHS):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+    keys = _state(request).api_keys
+    if keys and request.path.startswith(GUARDED_PATHS):
+        if not is_authorized(request.headers.get("Authorization", ""), keys):
             raise P.APIError(401, "invalid or missing API key", code="invalid_api_key")
     return await handler(request)
 
@@ -186,21 +194,25 @@ def serve(engine_config: Any, config: ServerConfig, core_factory: str = DEFAULT_
           lifecycle: Lifecycle | None = None) -> None:
     """Runs the server until SIGTERM or SIGINT; returns once the engine process is gone."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:  # before the engine loads: a bad key file must not cost a model load
+        api_keys = load_api_keys(config.api_key, config.api_key_file)
+    except APIKeyFileError as exc:
+        raise SystemExit(f"pdserve serve: {exc}") from None
     try:
         import uvloop
     except ImportError:
         uvloop = None
     if uvloop is not None:
-        uvloop.run(_serve(engine_config, config, core_factory, lifecycle))
+        uvloop.run(_serve(engine_config, config, api_keys, core_factory, lifecycle))
     else:
-        asyncio.run(_serve(engine_config, config, core_factory, lifecycle))
+        asyncio.run(_serve(engine_config, config, api_keys, core_factory, lifecycle))
 
 
-async def _serve(engine_config: Any, config: ServerConfig, core_factory: str,
-                 lifecycle: Lifecycle | None) -> None:
+async def _serve(engine_config: Any, config: ServerConfig, api_keys: tuple[bytes, ...],
+                 core_factory: str, lifecycle: Lifecycle | None) -> None:
     logger.info("starting the engine process")
     client = await EngineClient.start(engine_config, core_factory, config.engine_start_timeout)
-    app = build_app(client, config)
+    app = build_app(client, config, api_keys)
     state = app[STATE_KEY]
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup
     # aborts the request and frees its KV blocks at once.
@@ -209,6 +221,8 @@ async def _serve(engine_config: Any, config: ServerConfig, core_factory: str,
     await web.TCPSite(runner, config.host, config.port).start()
     logger.info("serving '%s' on http://%s:%d (max_model_len %d)", state.model_name,
                 config.host, config.port, client.max_model_len)
+    if api_keys:
+        logger.info("API key required on /v1 routes (%d key(s) accepted)", len(api_keys))
     stop, force = _install_signals()
     if lifecycle is not None:
         lifecycle.started(client)

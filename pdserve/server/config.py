@@ -6,7 +6,7 @@ also ``pdserve serve --help``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.config import doc
 
@@ -15,7 +15,13 @@ from pdserve.config import doc
 class ServerConfig:
     host: str = doc("0.0.0.0", "Address the HTTP server binds.")
     port: int = doc(8000, "TCP port of the HTTP server.")
-    api_key: str | None = doc(None, "If set, every /v1 route needs 'Authorization: Bearer KEY'.")
+    api_key: str | None = field(default=None, repr=False, metadata={"help": (
+        "If set, every /v1 route (and /tokenize, /detokenize) needs 'Authorization: Bearer "
+        "KEY'. A command line is visible to every user of the host (ps): prefer the "
+        "PDSERVE_API_KEY environment variable or --api-key-file.")})
+    api_key_file: str | None = doc(None, "A file of API keys, one per line (blank lines and "
+                                   "lines starting with # are skipped); any of them is "
+                                   "accepted, as are --api-key and PDSERVE_API_KEY.")
     served_model_name: str | None = doc(None, "Model name clients send and see in responses; "
                                         "defaults to the model argument.")
     shutdown_timeout: float = doc(30.0, "On SIGTERM, seconds in-flight requests may run "

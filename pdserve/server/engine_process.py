@@ -118,6 +118,7 @@ class EngineLoop:
             for request_id in message.request_ids:
                 self._arrivals.pop(request_id, None)
                 self.core.abort_request(request_id)
+            self._send_stats(time.monotonic())  # the running set changed
         elif isinstance(message, TimelineQuery):
             self.channel.send(TimelineReply(message.query_id, self._timeline(message.since)))
         elif isinstance(message, Shutdown):
@@ -143,15 +144,22 @@ class EngineLoop:
         self._stats_dirty = True
         updates = self.core.step()
         now = time.monotonic()
-        if updates:
-            for update in updates:
-                update.engine_arrival_time = self._arrivals.pop(update.request_id, None)
-            self.channel.send(StepOutputs(updates, now))
+        if not updates:
+            return
+        for update in updates:
+            update.engine_arrival_time = self._arrivals.pop(update.request_id, None)
+        if any(update.finished for update in updates):
+            # The running set changed: the snapshot goes ahead of the tokens that end the
+            # requests, so no client sees its answer before /metrics stops counting it.
+            self._send_stats(now)
+        self.channel.send(StepOutputs(updates, now))
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()
-        if not self._stats_dirty or now - self._last_stats < STATS_INTERVAL_S:
-            return
+        if self._stats_dirty and now - self._last_stats >= STATS_INTERVAL_S:
+            self._send_stats(now)
+
+    def _send_stats(self, now: float) -> None:
         busy = self.core.has_work()
         snapshot = self.core.stats()
         if not busy:  # the last step's batch sizes would otherwise read as current load

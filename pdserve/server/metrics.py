@@ -2,7 +2,8 @@
 from the latest stats snapshot the engine process sent.
 
 Each server owns its registry (not the library's global one) so several servers, or tests,
-can live in one process.
+can live in one process. The series vLLM serves are offered too, under vLLM's names with a
+``model_name`` label (``VLLM_NAMES``), so dashboards made for vLLM work unchanged.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ class RequestTiming:
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int],
+                 model_name: str) -> None:
+        """``in_flight``: requests the server still has with the engine (its own book)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("pdserve_time_to_first_token_seconds",
@@ -61,7 +64,10 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         self.errors = Counter("pdserve_request_errors", "Requests answered with an error.",
                               ["status"], registry=r)
-        r.register(_EngineCollector(stats))
+        engine = _EngineCollector(stats, in_flight)
+        r.register(engine)
+        r.register(_VLLMNames([self.ttft, self.itl, self.e2e, self.finished, engine],
+                              model_name))
 
     def observe(self, timing: RequestTiming) -> None:
         if timing.first_token is not None:
@@ -108,15 +114,20 @@ class BulkHistogram:
 class _EngineCollector:
     """Reads the engine's counters at scrape time from the last snapshot."""
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int]) -> None:
         self._stats = stats
+        self._in_flight = in_flight
 
     def collect(self) -> Iterable[Metric]:
         s = self._stats()
-        yield _gauge("pdserve_num_requests_running", "Requests in the running batch.",
-                     s.num_running)
+        # The engine sends a snapshot whenever a request finishes, ahead of its last tokens;
+        # capping by the server's own book also drops a request the server has ended (stop
+        # string, client gone) before the engine has seen its abort.
+        live = self._in_flight()
+        running = min(s.num_running, live)
+        yield _gauge("pdserve_num_requests_running", "Requests in the running batch.", running)
         yield _gauge("pdserve_num_requests_waiting", "Requests waiting to be scheduled.",
-                     s.num_waiting)
+                     min(s.num_waiting, live - running))
         yield _gauge("pdserve_kv_cache_usage_ratio", "Share of KV pages in use (0..1).",
                      s.kv_usage)
         yield _gauge("pdserve_kv_cache_free_blocks", "Free KV pages.", s.num_free_blocks)
@@ -136,17 +147,19 @@ class _EngineCollector:
                        "instances; disagg: hand-offs between its pools).", s.kv_transfers)
         yield _counter("pdserve_kv_transfer_bytes", "Bytes of those KV buffers.",
                        s.kv_transfer_bytes)
-        yield from _split_gauges(s)
+        yield from _split_gauges(s, idle=live == 0)
 
 
-def _split_gauges(s: EngineStats) -> Iterable[Metric]:
+def _split_gauges(s: EngineStats, idle: bool = False) -> Iterable[Metric]:
     """The latest batch and SM split. Names mention ``batch`` / ``sms`` so that the benchmark's
-    timeline poller picks them up and plots SM counts on their own axis."""
+    timeline poller picks them up and plots SM counts on their own axis. ``idle``: the
+    server holds no request, so no batch is current whatever the last snapshot said."""
     yield _gauge("pdserve_decode_batch_size", "Decode requests in the latest step "
-                 "(multiplex: the decode launch in flight); 0 when idle.", s.last_batch_decode)
+                 "(multiplex: the decode launch in flight); 0 when idle.",
+                 0 if idle else s.last_batch_decode)
     yield _gauge("pdserve_prefill_batch_tokens", "Prompt tokens in the latest step "
                  "(multiplex: the prefill piece in flight); 0 when idle.",
-                 s.last_batch_prefill_tokens)
+                 0 if idle else s.last_batch_prefill_tokens)
     yield _gauge("pdserve_decode_sms", "SMs of the decode partition (multiplex; 0 otherwise).",
                  s.decode_sms)
     yield _gauge("pdserve_prefill_sms", "SMs of the prefill partition (multiplex; 0 otherwise).",
@@ -167,3 +180,48 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
+
+
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "pdserve_num_requests_running": ("vllm:num_requests_running",),
+    "pdserve_num_requests_waiting": ("vllm:num_requests_waiting",),
+    "pdserve_kv_cache_usage_ratio": ("vllm:kv_cache_usage_perc",),
+    "pdserve_prompt_tokens": ("vllm:prompt_tokens",),
+    "pdserve_generation_tokens": ("vllm:generation_tokens",),
+    "pdserve_num_preemptions": ("vllm:num_preemptions",),
+    "pdserve_prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "pdserve_prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "pdserve_requests_finished": ("vllm:request_success",),
+    "pdserve_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    # Gaps between a request's tokens: vLLM's newer name, and the older one dashboards use.
+    "pdserve_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",
+                                            "vllm:time_per_output_token_seconds"),
+    "pdserve_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+}
+"""pdserve series -> the vLLM series that carry the same values (counters get ``_total``)."""
+
+_VLLM_LABELS = {"finish_reason": "finished_reason"}
+
+
+class _VLLMNames:
+    """The series of ``VLLM_NAMES`` again under vLLM's names, with a ``model_name`` label."""
+
+    def __init__(self, sources: list, model_name: str) -> None:
+        self._sources = sources
+        self._model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        for source in self._sources:
+            for family in source.collect():
+                for name in VLLM_NAMES.get(family.name, ()):
+                    yield self._renamed(family, name)
+
+    def _renamed(self, family: Metric, name: str) -> Metric:
+        metric = Metric(name, family.documentation, family.type)
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue  # prometheus_client's own; vLLM's dashboards never read it
+            labels = {_VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()}
+            metric.add_sample(name + sample.name[len(family.name):],
+                              {"model_name": self._model_name, **labels}, sample.value)
+        return metric

@@ -64,7 +64,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 # ---- typed field readers ------------------------------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -82,7 +82,7 @@ def _get(body: dict, name: str, check, kind: str, default: Any = None) -> Any:
 
 
 def get_int(body: dict, name: str, default: int | None = None) -> int | None:
-    return _get(body, name, _is_int, "an integer", default)
+    return _get(body, name, is_int, "an integer", default)
 
 
 def get_number(body: dict, name: str, default: float | None = None) -> float | None:
@@ -115,26 +115,109 @@ def get_int_list(body: dict, name: str) -> list[int]:
     value = body.get(name)
     if value is None:
         return []
-    if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
+    if not isinstance(value, list) or not all(is_int(v) and v >= 0 for v in value):
         raise bad_request(f"'{name}' must be a list of integers >= 0", param=name)
     return value
 
 
-def _refuse_unsupported(body: dict) -> None:
-    """Options we do not implement are refused, not silently ignored."""
-    if get_int(body, "n", 1) != 1:
-        raise bad_request("only n=1 is supported", param="n")
-    if get_int(body, "best_of", 1) != 1:
-        raise bad_request("only best_of=1 is supported", param="best_of")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if get_number(body, name, 0.0) != 0.0:
-            raise bad_request(f"'{name}' is not supported", param=name)
-    if get_number(body, "repetition_penalty", 1.0) != 1.0:
-        raise bad_request("'repetition_penalty' is not supported", param="repetition_penalty")
-    if body.get("logit_bias"):
-        raise bad_request("'logit_bias' is not supported", param="logit_bias")
-    if body.get("tools") or body.get("functions"):
-        raise bad_request("tool calling is not supported", param="tools")
+# ---- which fields each endpoint takes ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A feature this server lacks: the field is taken only at a value that turns it off."""
+
+    reason: str
+    off: tuple[Any, ...] = ()
+    """Values that mean "feature off" (null always does); any other value is a 400."""
+
+
+HONOURED = "honoured"
+FieldRule = str | Refused
+
+_SAMPLER = "the engine's sampler does not implement it"
+_ONE_CHOICE = "one choice per request; send several requests instead"
+_GUIDED = "guided decoding (structured output) is not implemented"
+_BEAM = "beam search is not implemented"
+_TOOLS = "tool calling is not implemented"
+_STORE = "completions are not stored"
+
+_SHARED_FIELDS: dict[str, FieldRule] = {
+    **dict.fromkeys(("model", "stream", "stream_options", "max_tokens", "temperature", "top_p",
+                     "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                     "logprobs", "skip_special_tokens", "include_stop_str_in_output",
+                     "add_special_tokens", "user", "return_engine_timing"), HONOURED),
+    "n": Refused(_ONE_CHOICE, (1,)),
+    "presence_penalty": Refused(_SAMPLER, (0, 0.0)),
+    "frequency_penalty": Refused(_SAMPLER, (0, 0.0)),
+    "repetition_penalty": Refused(_SAMPLER, (1, 1.0)),
+    "logit_bias": Refused(_SAMPLER, ({},)),
+    "min_p": Refused(_SAMPLER, (0, 0.0)),
+    "allowed_token_ids": Refused(_SAMPLER),
+    "bad_words": Refused(_SAMPLER, ([],)),
+    "logits_processors": Refused(_SAMPLER, ([],)),
+    "use_beam_search": Refused(_BEAM, (False,)),
+    "length_penalty": Refused(_BEAM, (1, 1.0)),
+    "response_format": Refused(_GUIDED, ({"type": "text"},)),
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "guided_decoding_backend", "guided_whitespace_pattern",
+                     "structured_outputs"), Refused(_GUIDED)),
+    "prompt_logprobs": Refused("the engine returns no prompt logprobs", (0,)),
+    "truncate_prompt_tokens": Refused("prompts are never truncated; send a shorter one"),
+    "spaces_between_special_tokens": Refused("special tokens are always decoded as the "
+                                             "tokenizer joins them", (True,)),
+    "priority": Refused("requests are served first come, first served", (0,)),
+}
+
+COMPLETION_FIELDS: dict[str, FieldRule] = {
+    **_SHARED_FIELDS,
+    "prompt": HONOURED,
+    "echo": HONOURED,
+    "best_of": Refused(_ONE_CHOICE, (1,)),
+    "suffix": Refused("insertion (suffix) is not implemented", ("",)),
+}
+"""``/v1/completions``: every field it takes; any other is refused with 400."""
+
+CHAT_FIELDS: dict[str, FieldRule] = {
+    **_SHARED_FIELDS,
+    **dict.fromkeys(("messages", "max_completion_tokens", "add_generation_prompt",
+                     "continue_final_message", "chat_template", "chat_template_kwargs"),
+                    HONOURED),
+    "top_logprobs": Refused("only the sampled token's logprob is returned", (0,)),
+    "tools": Refused(_TOOLS, ([],)),
+    "tool_choice": Refused(_TOOLS, ("none",)),
+    "parallel_tool_calls": Refused(_TOOLS),
+    "functions": Refused(_TOOLS, ([],)),
+    "function_call": Refused(_TOOLS, ("none",)),
+    "echo": Refused("chat echo is not implemented (/v1/completions has echo)", (False,)),
+    "documents": Refused("documents for retrieval templates are not supported"),
+    "audio": Refused("only text output"),
+    "modalities": Refused("only text output", (["text"],)),
+    "mm_processor_kwargs": Refused("only text input"),
+    "prediction": Refused("predicted outputs are not implemented"),
+    "reasoning_effort": Refused("reasoning effort control is not implemented"),
+    "web_search_options": Refused("web search is not available"),
+    "service_tier": Refused("there is one service tier", ("auto", "default")),
+    "store": Refused(_STORE, (False,)),
+    "metadata": Refused(_STORE),
+}
+"""``/v1/chat/completions``: every field it takes; any other is refused with 400."""
+
+
+def check_fields(body: dict, rules: dict[str, FieldRule], endpoint: str) -> None:
+    """Refuses (400, ``param`` = the field) unknown fields and features switched on that
+    this server lacks; the honoured fields are read by the parsers."""
+    for name, value in body.items():
+        rule = rules.get(name)
+        if rule is None:
+            raise bad_request(f"unknown field '{name}' for {endpoint}", param=name)
+        if isinstance(rule, Refused) and not _is_off(value, rule.off):
+            raise bad_request(f"'{name}' is not supported: {rule.reason}", param=name)
+
+
+def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+    # Compared with the type too: False == 0 in Python, but false is no penalty value.
+    return value is None or any(type(value) is type(o) and value == o for o in off)
 
 
 # ---- requests -----------------------------------------------------------------------------
@@ -158,12 +241,16 @@ class SamplingRequest:
     min_tokens: int
     logprobs: bool
     skip_special_tokens: bool
+    include_stop_str_in_output: bool
+    add_special_tokens: bool | None
+    """None: the endpoint's default (completions add BOS, chat templates write their own)."""
+    user: str | None
+    """The caller's end-user id; written in the request log line."""
     return_engine_timing: bool
     """Extension: chunks carry engine-side times (the overhead benchmark reads them)."""
 
     @classmethod
     def read(cls, body: dict, max_tokens: int | None) -> SamplingRequest:
-        _refuse_unsupported(body)
         return cls(
             model=get_str(body, "model"),
             stream=get_bool(body, "stream"),
@@ -179,6 +266,9 @@ class SamplingRequest:
             min_tokens=get_int(body, "min_tokens", 0),
             logprobs=False,
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+            include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
+            add_special_tokens=_optional_bool(body, "add_special_tokens"),
+            user=get_str(body, "user"),
             return_engine_timing=get_bool(body, "return_engine_timing"),
         )
 
@@ -200,9 +290,15 @@ class SamplingRequest:
                 max_tokens=min(max_tokens, room), temperature=self.temperature, top_p=self.top_p,
                 top_k=self.top_k, seed=self.seed, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                logprobs=self.logprobs, min_tokens=self.min_tokens)
+                logprobs=self.logprobs, min_tokens=self.min_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens)
         except InvalidRequestError as exc:
             raise bad_request(str(exc)) from None
+
+
+def _optional_bool(body: dict, name: str) -> bool | None:
+    return get_bool(body, name) if body.get(name) is not None else None
 
 
 def _include_usage(body: dict) -> bool:
@@ -222,17 +318,20 @@ class CompletionRequest:
 
     @classmethod
     def parse(cls, body: dict) -> CompletionRequest:
+        check_fields(body, COMPLETION_FIELDS, "/v1/completions")
         max_tokens = _positive(body, "max_tokens")
         sampling = SamplingRequest.read(body, max_tokens)
         logprobs = get_int(body, "logprobs")
-        if logprobs is not None and not 0 <= logprobs <= 20:
-            raise bad_request("'logprobs' must be between 0 and 20", param="logprobs")
+        if logprobs is not None and logprobs != 0:
+            raise bad_request("'logprobs' must be 0 (the sampled token's logprob, in "
+                              "token_logprobs): the top alternatives are not returned",
+                              param="logprobs")
         sampling.logprobs = logprobs is not None
-        if get_bool(body, "echo"):
-            raise bad_request("'echo' is not supported", param="echo")
-        if body.get("suffix"):
-            raise bad_request("'suffix' is not supported", param="suffix")
-        return cls(sampling, _read_prompt(body.get("prompt")))
+        echo = get_bool(body, "echo")
+        if echo and sampling.logprobs:
+            raise bad_request("'echo' with 'logprobs' needs the prompt's logprobs, which the "
+                              "engine does not return", param="echo")
+        return cls(sampling, _read_prompt(body.get("prompt")), echo)
 
 
 def _positive(body: dict, name: str) -> int | None:
@@ -250,7 +349,7 @@ def _read_prompt(prompt: Any) -> str | list[int]:
         if not prompt:
             raise bad_request("'prompt' is empty", param="prompt")
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
         return prompt
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
         raise bad_request("batched prompts are not supported: send one request per prompt",
@@ -263,31 +362,46 @@ def _read_prompt(prompt: Any) -> str | list[int]:
 class ChatRequest:
     sampling: SamplingRequest
     messages: list[dict[str, str]] = field(default_factory=list)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    """A Jinja template for this request instead of the model's."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables the template sees."""
 
     @classmethod
     def parse(cls, body: dict) -> ChatRequest:
+        check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
         max_tokens = _positive(body, "max_completion_tokens") or _positive(body, "max_tokens")
         sampling = SamplingRequest.read(body, max_tokens)
         sampling.logprobs = get_bool(body, "logprobs")
-        if get_int(body, "top_logprobs", 0):
-            raise bad_request("'top_logprobs' > 0 is not supported", param="top_logprobs")
-        _refuse_response_format(body)
-        return cls(sampling, _read_messages(body.get("messages")))
+        return cls(sampling, read_messages(body.get("messages")), **read_template_options(body))
 
 
-def _refuse_response_format(body: dict) -> None:
-    response_format = body.get("response_format")
-    if response_format is None:
-        return
-    if not isinstance(response_format, dict) or response_format.get("type") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported",
-                          param="response_format")
+_TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token", "eos_token"}
+
+
+def read_template_options(body: dict) -> dict[str, Any]:
+    """How to render the chat template (``/v1/chat/completions`` and ``/tokenize``)."""
+    options = {"add_generation_prompt": get_bool(body, "add_generation_prompt", True),
+               "continue_final_message": get_bool(body, "continue_final_message"),
+               "chat_template": get_str(body, "chat_template"),
+               "chat_template_kwargs": _get(body, "chat_template_kwargs",
+                                            lambda v: isinstance(v, dict), "an object", {})}
+    reserved = _TEMPLATE_VARIABLES & set(options["chat_template_kwargs"])
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: "
+                          "the server sets them", param="chat_template_kwargs")
+    if options["add_generation_prompt"] and options["continue_final_message"]:
+        raise bad_request("'continue_final_message' continues the last message, so it needs "
+                          "'add_generation_prompt': false", param="continue_final_message")
+    return options
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _read_messages(messages: Any) -> list[dict[str, str]]:
+def read_messages(messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", param="messages")
     return [_read_message(m, i) for i, m in enumerate(messages)]
@@ -319,10 +433,11 @@ def _message_text(content: Any, param: str) -> str:
     raise bad_request(f"{param}.content must be a string or a list of text parts", param=param)
 
 
-def check_token_ids(token_ids: list[int], vocab_size: int | None) -> None:
+def check_token_ids(token_ids: list[int], vocab_size: int | None, param: str = "prompt"
+                    ) -> None:
     if vocab_size is not None and any(t >= vocab_size for t in token_ids):
         raise bad_request(f"token ids must be below the vocabulary size {vocab_size}",
-                          param="prompt")
+                          param=param)
 
 
 # ---- responses ----------------------------------------------------------------------------

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from jinja2 import TemplateSyntaxError
 
 from pdserve.handoff import KVHandoff
 from pdserve.messages import RequestUpdate
-from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.output import OutputProcessor
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import protocol as P
 from pdserve.server.client import EngineClient, Items, RequestStream
@@ -38,15 +40,11 @@ class Generation:
     """One request in flight: engine deltas in, ``Piece``s out."""
 
     def __init__(self, client: EngineClient, stream: RequestStream, tokenizer: Tokenizer,
-                 prompt_ids: list[int], params: SamplingParams, skip_special: bool) -> None:
+                 prompt_ids: list[int], params: SamplingParams) -> None:
         self.client = client
         self.stream = stream
-        self.tokenizer = tokenizer
-        self.want_logprobs = params.logprobs
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop, skip_special)
+        self.output = OutputProcessor(tokenizer, prompt_ids, params)
         self.num_prompt_tokens = len(prompt_ids)
-        self.num_generated = 0
-        self.num_cached = 0
         self.engine_arrival: float | None = None
         self.timing = RequestTiming(arrival=stream.arrival_time)
         self.done = False
@@ -64,25 +62,17 @@ class Generation:
 
     def fold(self, items: Items) -> P.Piece:
         """The piece for these deltas; raises ``APIError`` if the engine failed the request."""
-        ids: list[int] = []
-        logprobs: list[float] = []
-        reason = None
         for delta, step_time in items:
             self._note(delta, step_time)
-            ids += delta.new_token_ids
-            logprobs += delta.new_logprobs or []
-            reason = delta.finish_reason if delta.finished else reason
-        text = self._text(ids, reason)
-        if self.detok.stopped:
-            reason = "stop"
+        out = self.output.process(delta for delta, _ in items)
+        if out.abort:
             self.close()  # the engine never sees stop strings: tell it to stop now
-        if reason == "error":
+        if out.finish_reason == "error":
             raise P.APIError(500, "the engine failed while running this request")
-        self.done = reason is not None
-        self.timing.finish_reason = reason
-        texts = [self.tokenizer.decode([i]) for i in ids] if self.want_logprobs else []
-        return P.Piece(text, ids, texts, logprobs if self.want_logprobs else None, reason,
-                       items[-1][1])
+        self.done = self.output.finished
+        self.timing.finish_reason = out.finish_reason
+        return P.Piece(out.text, out.token_ids, out.token_texts, out.logprobs,
+                       out.finish_reason, items[-1][1])
 
     def _note(self, delta: RequestUpdate, step_time: float) -> None:
         if delta.engine_arrival_time is not None:
@@ -90,17 +80,14 @@ class Generation:
         if delta.new_token_ids and self.timing.first_token is None:
             self.timing.first_token = step_time
         self.timing.token_times += [step_time] * len(delta.new_token_ids)
-        self.num_generated += len(delta.new_token_ids)
-        self.num_cached = delta.num_cached_tokens
 
-    def _text(self, ids: list[int], reason: str | None) -> str:
-        text = self.detok.push(ids)
-        if reason is not None and not self.detok.stopped:
-            text += self.detok.flush()
-        return text
+    @property
+    def num_generated(self) -> int:
+        return self.output.num_generated
 
     def usage(self) -> dict[str, Any]:
-        return P.usage(self.num_prompt_tokens, self.num_generated, self.num_cached)
+        return P.usage(self.num_prompt_tokens, self.num_generated,
+                       self.output.num_cached_tokens)
 
 
 @dataclass
@@ -112,6 +99,8 @@ class Format:
     model: str
     created: int
     sampling: P.SamplingRequest
+    echo: str = ""
+    """Completions with ``echo``: the prompt's text, sent before the output."""
 
     _text_prefix: bytes = b""
     _text_suffix: bytes = b""
@@ -189,35 +178,62 @@ class OpenAIServing:
 
     async def _prepare_completion(self, body: dict) -> tuple[Format, list[int], int | None]:
         request = P.CompletionRequest.parse(body)
-        self._check_model(request.sampling.model)
+        self.check_model(request.sampling.model)
         if isinstance(request.prompt, str):
-            prompt_ids = await self._encode(request.prompt, add_special_tokens=True)
+            add_special = request.sampling.add_special_tokens is not False
+            prompt_ids = await self.encode(request.prompt, add_special_tokens=add_special)
         else:
             prompt_ids = request.prompt
             P.check_token_ids(prompt_ids, self.client.vocab_size)
         fmt = Format(False, P.new_id("cmpl"), self.model_name, P.now_s(), request.sampling)
+        if request.echo:
+            fmt.echo = self._prompt_text(request.prompt, request.sampling.skip_special_tokens)
         return fmt, prompt_ids, COMPLETIONS_DEFAULT_MAX_TOKENS
+
+    def _prompt_text(self, prompt: str | list[int], skip_special_tokens: bool) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(prompt, skip_special_tokens)
 
     async def _prepare_chat(self, body: dict) -> tuple[Format, list[int], int | None]:
         request = P.ChatRequest.parse(body)
-        self._check_model(request.sampling.model)
-        try:
-            text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - templates raise on messages they refuse
-            raise P.bad_request(f"the chat template refused the messages: {exc}",
-                                param="messages") from None
-        # A template that writes BOS itself must not get a second one from the tokenizer.
-        add_special = not self.tokenizer.starts_with_bos(text)
-        prompt_ids = await self._encode(text, add_special_tokens=add_special)
+        self.check_model(request.sampling.model)
+        text = self.render_chat(request.messages, request.add_generation_prompt,
+                                request.continue_final_message, request.chat_template,
+                                request.chat_template_kwargs)
+        prompt_ids = await self.encode_chat(text, request.sampling.add_special_tokens)
         fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling)
         return fmt, prompt_ids, None
 
-    def _check_model(self, model: str | None) -> None:
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+                    continue_final_message: bool, chat_template: str | None,
+                    template_kwargs: dict[str, Any]) -> str:
+        """The chat template rendered; raises ``APIError`` (400) for what it refuses."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt, chat_template, **template_kwargs)
+        except TemplateSyntaxError as exc:
+            raise P.bad_request(f"'chat_template' is not a valid Jinja template: {exc}",
+                                param="chat_template") from None
+        except Exception as exc:  # noqa: BLE001 - templates raise on messages they refuse
+            raise P.bad_request(f"the chat template refused the messages: {exc}",
+                                param="messages") from None
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1]["content"])
+        return text
+
+    async def encode_chat(self, text: str, add_special_tokens: bool | None) -> list[int]:
+        # By default a template that writes BOS itself must not get a second one.
+        if add_special_tokens is None:
+            add_special_tokens = not self.tokenizer.starts_with_bos(text)
+        return await self.encode(text, add_special_tokens)
+
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise P.bad_request(f"model '{model}' is not served here; this server serves "
                                 f"'{self.model_name}'", param="model", code="model_not_found")
 
-    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) <= INLINE_TOKENIZE_CHARS:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         loop = asyncio.get_running_loop()
@@ -231,8 +247,7 @@ class OpenAIServing:
         arrival = time.monotonic()
         params = self.params(fmt, prompt_ids, default_max_tokens)
         stream = self.client.add(fmt.request_id, prompt_ids, params, arrival, handoff)
-        gen = Generation(self.client, stream, self.tokenizer, prompt_ids, params,
-                         fmt.sampling.skip_special_tokens)
+        gen = Generation(self.client, stream, self.tokenizer, prompt_ids, params)
         try:
             if fmt.sampling.stream:
                 return await self._stream(http, fmt, gen)
@@ -256,13 +271,14 @@ class OpenAIServing:
             token_texts += piece.token_texts
             logprobs += piece.logprobs or []
             last = piece
-        whole = P.Piece("".join(text), [], token_texts, logprobs, last.finish_reason)
+        whole = P.Piece(fmt.echo + "".join(text), [], token_texts, logprobs, last.finish_reason)
         return _json_response(fmt.full(whole, gen.usage()))
 
     async def _stream(self, http: web.Request, fmt: Format, gen: Generation
                       ) -> web.StreamResponse:
         pieces = gen.pieces()
         first = await anext(pieces)  # a refused request still gets a plain error status
+        first.text = fmt.echo + first.text
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(http)
@@ -280,9 +296,9 @@ class OpenAIServing:
         if self.log_requests:
             t = gen.timing
             ttft = (t.first_token - t.arrival) * 1e3 if t.first_token else float("nan")
-            logger.info("%s prompt=%d output=%d ttft=%.1fms e2e=%.1fms finish=%s",
+            logger.info("%s prompt=%d output=%d ttft=%.1fms e2e=%.1fms finish=%s user=%s",
                         fmt.request_id, gen.num_prompt_tokens, gen.num_generated, ttft,
-                        (t.finished - t.arrival) * 1e3, t.finish_reason)
+                        (t.finished - t.arrival) * 1e3, t.finish_reason, fmt.sampling.user)
 
 
 class _SSEWriter:
@@ -404,6 +420,15 @@ def _write_now(response: web.StreamResponse, data: bytes) -> None:
     except StopIteration:
         return
     coro.close()
+
+
+def _cut_after_final_message(text: str, content: str) -> str:
+    """The prompt ends inside the last message, so the model continues it."""
+    end = text.rfind(content) if content else -1
+    if end < 0:
+        raise P.bad_request("'continue_final_message': the rendered template does not contain "
+                            "the last message's content", param="continue_final_message")
+    return text[:end + len(content)]
 
 
 def _json_response(body: dict[str, Any]) -> web.Response:

@@ -142,9 +142,11 @@ def test_unknown_or_bad_scenario(gateway):
     assert status == 400 and "X-PD-Scenario" in json.loads(raw)["error"]["message"]
 
 
-def test_gateway_lists_models_groups_and_health(gateway):
+def test_gateway_lists_models_groups_and_health(instances, gateway):
     status, _, raw = gateway.http.request("GET", "/v1/models")
     assert status == 200 and [m["id"] for m in json.loads(raw)["data"]] == ["tiny"]
+    one = json.loads(instances[1].request("GET", "/v1/models")[2])["data"][0]
+    assert json.loads(raw)["data"][0]["max_model_len"] == one["max_model_len"] > 0
     _, _, raw = gateway.http.request("GET", "/cluster/groups")
     groups = json.loads(raw)["groups"][SCENARIO]
     assert len(groups["prefill"]) == 1 and len(groups["decode"]) == 1
@@ -355,7 +357,7 @@ def test_client_hanging_up_frees_the_request_on_both_instances(instances, gatewa
 
 
 def test_logprobs_stop_strings_and_cached_tokens_cross_the_split(instances, gateway):
-    body = {**BODY, "logprobs": 1, "max_tokens": 12}
+    body = {**BODY, "logprobs": 0, "max_tokens": 12}
     alone = _complete(instances[0], body)["choices"][0]
     split = _complete(gateway.http, body)["choices"][0]
     assert split["text"] == alone["text"]

@@ -105,7 +105,10 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
-def start_server(*flags: str, api_key: str | None = None) -> Server:
+def start_server(*flags: str, api_key: str | None = None, env: dict[str, str] | None = None,
+                 client_key: str | None = None) -> Server:
+    """``api_key`` goes on the command line; ``env`` adds environment variables;
+    ``client_key`` is the key the test clients send (``api_key`` by default)."""
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve", "serve", "tiny", "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--device", "cpu", *flags]
@@ -113,8 +116,9 @@ def start_server(*flags: str, api_key: str | None = None) -> Server:
         cmd += ["--api-key", api_key]
     # A file, not a pipe: a pipe nobody reads would block a chatty server.
     log = tempfile.TemporaryFile()
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(process, port, api_key, log)
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, **(env or {})})
+    server = Server(process, port, client_key or api_key, log)
     wait_healthy(server)
     return server
 
@@ -157,8 +161,8 @@ def launch():
     """Starts extra servers for a module (flags as on the command line); stops them after."""
     started: list[Server] = []
 
-    def start(*flags: str, api_key: str | None = None) -> Server:
-        started.append(start_server(*flags, api_key=api_key))
+    def start(*flags: str, **options) -> Server:
+        started.append(start_server(*flags, **options))
         return started[-1]
 
     yield start

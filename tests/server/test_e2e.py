@@ -90,7 +90,7 @@ def test_stop_string(server):
 
 def test_logprobs(server):
     client = server.openai()
-    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=1,
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=0,
                                     extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
     assert len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs)

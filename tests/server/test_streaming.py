@@ -57,7 +57,7 @@ def _writer(stop: list[str] | None = None) -> tuple[_SSEWriter, FakeResponse, Fa
     fmt = Format(False, "cmpl-1", MODEL, 0, body.sampling)
     params = body.sampling.sampling_params(2, 4096, 16)
     gen = Generation(FakeClient(), RequestStream("cmpl-1", 0.0), ByteTokenizer(), [1, 2],
-                     params, True)
+                     params)
     http, response = FakeHttp(), FakeResponse()
     writer = _SSEWriter(http, response, fmt, gen)
     writer.sent_first = True
@@ -112,7 +112,7 @@ def test_tokens_after_a_stop_string_are_dropped():
     _run(writer, [lambda: stream.put(_delta("abc")), lambda: stream.put(_delta("de")),
                   lambda: stream.put(_delta("fg"))])
     assert _texts(response.data) == [("ab", None), ("", "stop")]
-    assert writer.gen.num_generated == 5
+    assert writer.gen.num_generated == 4  # up to the "d" that completed "cd", not "e"
     assert writer.gen.client.aborted == ["cmpl-1"]
 
 

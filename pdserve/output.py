@@ -1,0 +1,104 @@
+"""From engine updates to what a caller shows: one request's text (incremental
+detokenization), stop strings, per-token logprobs and the finish reason.
+
+The offline ``LLM`` and the HTTP server both fold ``RequestUpdate``s through an
+``OutputProcessor``, so they agree on every edge case: a stop string split across tokens, a
+UTF-8 character split across byte tokens, tokens the engine sent past a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pdserve.messages import RequestUpdate
+from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.sampling_params import SamplingParams
+
+
+@dataclass
+class OutputDelta:
+    """What one ``process`` call adds to a request's output."""
+
+    text: str
+    token_ids: list[int]
+    """The tokens this text came from (cut at the token that completed a stop string)."""
+    token_texts: list[str]
+    """Each token decoded on its own; filled only when logprobs were asked for."""
+    logprobs: list[float] | None
+    """Aligned with ``token_ids``; None unless logprobs were asked for."""
+    finish_reason: str | None = None
+    abort: bool = False
+    """A stop string ended the request while the engine still runs it: abort it there."""
+
+
+class OutputProcessor:
+    """Folds one request's ``RequestUpdate``s into an ``OutputDelta`` per call."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.want_logprobs = params.logprobs
+        self.include_stop = params.include_stop_str_in_output
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop,
+                                            params.skip_special_tokens)
+        self.finished = False
+        self.num_generated = 0
+        self.num_cached_tokens = 0
+
+    def process(self, updates: Iterable[RequestUpdate]) -> OutputDelta:
+        """The output these updates add; nothing once the request has finished."""
+        if self.finished:  # tokens past a stop string, sent before the engine saw the abort
+            return OutputDelta("", [], [], [] if self.want_logprobs else None)
+        ids, logprobs, reason = self._gather(updates)
+        text, ids = self._text(ids, reason)
+        logprobs = logprobs[:len(ids)]
+        abort = self.detok.stopped and reason is None
+        if self.detok.stopped:
+            reason = "stop"
+        self.finished = reason is not None
+        self.num_generated += len(ids)
+        return OutputDelta(text, ids, self._token_texts(ids),
+                           logprobs if self.want_logprobs else None, reason, abort)
+
+    def _gather(self, updates: Iterable[RequestUpdate]
+                ) -> tuple[list[int], list[float], str | None]:
+        ids: list[int] = []
+        logprobs: list[float] = []
+        reason = None
+        for update in updates:
+            ids += update.new_token_ids
+            logprobs += update.new_logprobs or []
+            self.num_cached_tokens = update.num_cached_tokens
+            if update.finished:
+                reason = update.finish_reason
+                break
+        return ids, logprobs, reason
+
+    def _text(self, ids: list[int], reason: str | None) -> tuple[str, list[int]]:
+        """The newly final text and the tokens it used (fewer when a stop string hit)."""
+        if self.detok.stop and len(ids) > 1:
+            text, ids = self._push_one_by_one(ids)
+        else:
+            text = self.detok.push(ids)
+        if self.detok.stopped:
+            return text + (self.detok.stop_reason if self.include_stop else ""), ids
+        if reason is not None:
+            text += self.detok.flush()
+        return text, ids
+
+    def _push_one_by_one(self, ids: list[int]) -> tuple[str, list[int]]:
+        # Token by token, so that the tokens after the one completing a stop string are
+        # neither counted nor given logprobs.
+        pieces = []
+        for used, token in enumerate(ids, start=1):
+            pieces.append(self.detok.push([token]))
+            if self.detok.stopped:
+                return "".join(pieces), ids[:used]
+        return "".join(pieces), ids
+
+    def _token_texts(self, ids: list[int]) -> list[str]:
+        if not self.want_logprobs:
+            return []
+        skip = self.detok.skip_special_tokens
+        return [self.tokenizer.decode([i], skip) for i in ids]

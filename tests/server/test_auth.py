@@ -1,0 +1,75 @@
+"""API keys from the environment and from a key file: accepted, compared exactly, never
+shown on the command line or in the log."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.server.auth import APIKeyFileError, is_authorized, load_api_keys
+
+openai = pytest.importorskip("openai")
+
+ENV_KEY = "sk-env-5d1c7a"
+FILE_KEYS = ("sk-file-one-93b2", "sk-file-two-41e7")
+
+
+def test_keys_come_from_every_source_and_only_a_bearer_token_matches(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text(f"# team keys\n{FILE_KEYS[0]}\n\n  {FILE_KEYS[1]}  \n")
+    keys = load_api_keys("sk-flag", str(path), {"PDSERVE_API_KEY": ENV_KEY})
+    assert keys == tuple(k.encode() for k in ("sk-flag", ENV_KEY, *FILE_KEYS))
+    assert is_authorized(f"Bearer {FILE_KEYS[1]}", keys)
+    assert is_authorized(f"bearer {ENV_KEY}", keys)
+    for header in ("", FILE_KEYS[0], f"Bearer {FILE_KEYS[0]}x", f"Basic {FILE_KEYS[0]}",
+                   "Bearer # team keys", "Bearer "):
+        assert not is_authorized(header, keys), header
+    assert load_api_keys(None, None, {}) == ()
+
+
+def test_an_unreadable_or_empty_key_file_is_an_error(tmp_path):
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing here\n\n")
+    for path in (empty, tmp_path / "missing"):
+        with pytest.raises(APIKeyFileError, match=str(path)):
+            load_api_keys(None, str(path), {})
+
+
+def test_the_server_refuses_to_start_with_a_bad_key_file(tmp_path):
+    missing = tmp_path / "missing"
+    done = subprocess.run([sys.executable, "-m", "pdserve", "serve", "tiny", "--device", "cpu",
+                           "--api-key-file", str(missing)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and "cannot read the API key file" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def keyed(launch, tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys"
+    path.write_text("\n".join(FILE_KEYS) + "\n")
+    return launch("--api-key-file", str(path), env={"PDSERVE_API_KEY": ENV_KEY},
+                  client_key=ENV_KEY)
+
+
+def test_every_configured_key_works_and_others_get_401(keyed):
+    for key in (ENV_KEY, *FILE_KEYS):
+        client = openai.OpenAI(base_url=keyed.url + "/v1", api_key=key, max_retries=0)
+        assert client.completions.create(model="tiny", prompt="x", max_tokens=1).choices
+    wrong = openai.OpenAI(base_url=keyed.url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model="tiny", prompt="x", max_tokens=1)
+    status, _, _ = keyed.request("POST", "/tokenize", {"prompt": "x"},
+                                 headers={"Authorization": "Bearer sk-wrong"})
+    assert status == 401
+    assert keyed.request("GET", "/health", headers={"Authorization": ""})[0] == 200
+
+
+def test_keys_are_not_on_the_command_line_or_in_the_log(keyed):
+    with open(f"/proc/{keyed.process.pid}/cmdline", "rb") as f:
+        cmdline = f.read().decode()
+    log = keyed.log_text()
+    assert "3 key(s) accepted" in log  # the count, not the keys
+    for key in (ENV_KEY, *FILE_KEYS):
+        assert key not in cmdline and key not in log
