@@ -125,7 +125,8 @@ class TimelineReply:
     empty under the other policies."""
 
 
-MUX_MODES = ("spatial", "temporal", "prefill_only", "decode_only", "idle", "disagg")
+MUX_MODES = ("spatial", "temporal", "time_slice", "prefill_only", "decode_only", "idle",
+             "disagg")
 """The multiplex planner's modes (``MuxMode`` values), listed here so that the server's
 ``/metrics`` offers every mode's series from the start without importing the engine."""
 
