@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.messages import RequestUpdate
+from pdserve.model.hub import resolve_model_config
 from pdserve.model.tokenizer import IncrementalDetokenizer
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
@@ -38,7 +39,9 @@ class LLM:
     """Runs the engine in this process; ``generate`` blocks until every prompt is done."""
 
     def __init__(self, model: str = "tiny", **engine_options: Any):
-        self.config = EngineConfig.from_flat(model=model, **engine_options)
+        config = EngineConfig.from_flat(model=model, **engine_options)
+        # A hub id becomes its local snapshot (downloaded once) before the engine reads it.
+        self.config = replace(config, model=resolve_model_config(config.model))
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
