@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from pdserve.model.generation_config import sampling_defaults
+from pdserve.model.tokenizer import load_chat_template
 from pdserve.server import protocol as P
 from pdserve.server.client import EngineClient
 from pdserve.server.config import ServerConfig
@@ -35,6 +37,7 @@ class ServerState:
     config: ServerConfig
     model_name: str
     metrics: ServerMetrics
+    model_names: tuple[str, ...] = ()
     created: int = field(default_factory=P.now_s)
     draining: bool = False
     active: int = 0  # /v1 requests being answered
@@ -45,12 +48,17 @@ class ServerState:
         return self.client.alive and not self.draining
 
 
-def build_app(client: EngineClient, config: ServerConfig) -> web.Application:
-    model_name = config.served_model_name or client.model_name
+def build_app(client: EngineClient, config: ServerConfig,
+              sampling_defaults: dict[str, Any] | None = None) -> web.Application:
+    """``sampling_defaults``: request defaults from the model's generation config."""
+    names = config.served_model_name or (client.model_name,)
     metrics = ServerMetrics(lambda: client.stats)
-    state = ServerState(client, config, model_name, metrics)
+    state = ServerState(client, config, names[0], metrics, model_names=tuple(names))
     state.idle.set()
-    serving = OpenAIServing(client, client.tokenizer, model_name, metrics, config.log_requests)
+    if config.chat_template is not None:
+        client.tokenizer.chat_template = load_chat_template(config.chat_template)
+    serving = OpenAIServing(client, client.tokenizer, names[0], metrics, config.log_requests,
+                            tuple(names[1:]), sampling_defaults)
     app = web.Application(client_max_size=config.max_request_bytes,
                           middlewares=[_errors, _api_key, _admission])
     app[STATE_KEY] = state
@@ -134,7 +142,8 @@ async def _admission(request: web.Request, handler) -> web.StreamResponse:
 
 async def _models(request: web.Request) -> web.Response:
     state = _state(request)
-    body = P.models_list(state.model_name, state.client.max_model_len, state.created)
+    body = P.models_list(state.model_names or (state.model_name,), state.client.max_model_len,
+                         state.created)
     return web.Response(body=P.dumps(body), content_type="application/json")
 
 
@@ -200,7 +209,8 @@ async def _serve(engine_config: Any, config: ServerConfig, core_factory: str,
                  lifecycle: Lifecycle | None) -> None:
     logger.info("starting the engine process")
     client = await EngineClient.start(engine_config, core_factory, config.engine_start_timeout)
-    app = build_app(client, config)
+    model = engine_config.model
+    app = build_app(client, config, sampling_defaults(model.generation_config, model.model))
     state = app[STATE_KEY]
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup
     # aborts the request and frees its KV blocks at once.

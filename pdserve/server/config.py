@@ -16,8 +16,11 @@ class ServerConfig:
     host: str = doc("0.0.0.0", "Address the HTTP server binds.")
     port: int = doc(8000, "TCP port of the HTTP server.")
     api_key: str | None = doc(None, "If set, every /v1 route needs 'Authorization: Bearer KEY'.")
-    served_model_name: str | None = doc(None, "Model name clients send and see in responses; "
-                                        "defaults to the model argument.")
+    served_model_name: tuple[str, ...] | None = doc(
+        None, "Model name(s) clients may send; the first is the one responses and /v1/models "
+        "carry (default: the model argument as given).")
+    chat_template: str | None = doc(None, "Chat template for /v1/chat/completions: a Jinja "
+                                    "file, or the template itself; replaces the tokenizer's.")
     shutdown_timeout: float = doc(30.0, "On SIGTERM, seconds in-flight requests may run "
                                   "before they are aborted.")
     retry_after: int = doc(1, "Seconds sent in Retry-After when the waiting queue is full.")
