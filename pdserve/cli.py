@@ -272,11 +272,10 @@ def _check_serve(args: argparse.Namespace) -> None:
     from pdserve.model.tokenizer import load_chat_template
     from pdserve.server.config import ServerConfig
 
-    typed_model = args.model_flag or args.model or args.model_default
     _check_engine_args(args)
     server = _config_from_args(ServerConfig, args)
-    if not server.served_model_name:
-        server = dataclasses.replace(server, served_model_name=(typed_model,))
+    if not server.served_model_name:  # the model as typed, not the folder a hub id became
+        server = dataclasses.replace(server, served_model_name=(args.model,))
     if server.chat_template is not None:
         load_chat_template(server.chat_template)
     args.instance = _config_from_args(InstanceConfig, args)

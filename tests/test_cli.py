@@ -138,6 +138,28 @@ def test_cuda_device_without_a_gpu():
                           "no CUDA GPU")
 
 
+def test_cluster_checks_its_model_before_starting_instances():
+    assert_one_line_error(pdserve("cluster", "tinyy", "--port", str(free_port())),
+                          "unknown model 'tinyy'")
+    assert_usage_error(pdserve("cluster", "tiny", "--model", "tiny-qwen2"), "cluster",
+                       "disagree")
+
+
+def test_generate_flags_win_over_the_generation_config(hub, monkeypatch):
+    from huggingface_hub import constants
+
+    from pdserve.cli import _check_engine_args, _generate_sampling, build_parser
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    argv = ["generate", REPO, "--prompt", "x", "--top-p", "0.5", "--download-dir", str(hub)]
+    args = build_parser().parse_args(argv)
+    _check_engine_args(args)
+    # max_tokens and temperature from generation_config.json, top_p from the flag,
+    # top_k from generate's own defaults; repetition_penalty is not applied.
+    assert _generate_sampling(args) == {"max_tokens": 5, "temperature": 0.0, "top_p": 0.5,
+                                        "top_k": -1}
+
+
 def test_debug_shows_the_traceback(hub):
     result = pdserve("generate", "acme/absent", "--prompt", "x", "--debug", env=offline(hub))
     assert result.returncode != 0
@@ -195,3 +217,46 @@ def _check_served(server: Server) -> None:
     assert json.loads(body)["usage"]["completion_tokens"] == 3  # a request's own value wins
     status, _, body = server.request("POST", "/v1/chat/completions", {**chat, "model": "x"})
     assert status == 400 and json.loads(body)["error"]["code"] == "model_not_found"
+
+
+# ---- progress bars --------------------------------------------------------------------------
+
+
+def _on_a_terminal(*args: str) -> str:
+    """stderr of ``pdserve ARGS`` when it is a terminal (a pseudo-terminal here)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    # A new pseudo-terminal is 0 columns wide; a real one has a size.
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    process = subprocess.Popen([sys.executable, "-m", "pdserve", *args], env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # EIO: the process closed its end
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert process.wait(timeout=300) == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_weight_loading_bar_only_for_a_person(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**{k: v for k, v in TINY_CONFIG.items()
+                                         if k != "model_type"})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    args = ["generate", str(tmp_path), "--prompt", "x", "--max-tokens", "2", "--device", "cpu"]
+    assert "loading weights" in _on_a_terminal(*args)
+    assert "loading weights" not in _on_a_terminal(*args, "--quiet")
+    piped = pdserve(*args)
+    assert piped.returncode == 0 and "loading weights" not in piped.stderr

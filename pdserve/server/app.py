@@ -52,6 +52,7 @@ def build_app(client: EngineClient, config: ServerConfig,
               sampling_defaults: dict[str, Any] | None = None) -> web.Application:
     """``sampling_defaults``: request defaults from the model's generation config."""
     names = config.served_model_name or (client.model_name,)
+    names = (names,) if isinstance(names, str) else tuple(names)  # ServerConfig(..., "name")
     metrics = ServerMetrics(lambda: client.stats)
     state = ServerState(client, config, names[0], metrics, model_names=tuple(names))
     state.idle.set()
