@@ -60,6 +60,13 @@ def test_revision_picks_a_ref_or_a_commit(offline, hub_cache, qwen2_ckpt):
     assert main.model != str(v2)
 
 
+def test_tokenizer_hub_id_resolves_too(offline, hub_cache):
+    model = resolve_model_config(ModelConfig(model="tiny", tokenizer=REPO,
+                                             download_dir=str(hub_cache)))
+    assert model.model == "tiny"
+    assert model.tokenizer.startswith(str(hub_cache / "models--acme--tiny-llama"))
+
+
 def test_unknown_id_or_revision_offline_is_one_clear_line(offline, hub_cache):
     with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache") as info:
         resolve_model_config(ModelConfig(model="acme/nothing", download_dir=str(hub_cache)))
