@@ -19,7 +19,7 @@ from pdserve.config import (
     add_cli_args,
     engine_config_from_args,
 )
-from pdserve.progress import QUIET_ENV
+from pdserve.progress import QUIET_ENV, progress_enabled
 
 # `pdserve generate`'s sampling when neither a flag nor the generation config sets a field.
 _GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": -1}
@@ -352,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quiet:
         os.environ[QUIET_ENV] = "1"  # inherited by the engine process and launched instances
+    if not progress_enabled():  # huggingface_hub's download bars follow the same rule
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if hasattr(args, "check"):
         code = _guarded(args, args.check)
         if code:
