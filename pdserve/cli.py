@@ -9,9 +9,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import socket
 import sys
 
-from pdserve.config import ENGINE_CONFIG_PARTS, ModelConfig, add_cli_args, engine_config_from_args
+from pdserve.config import (
+    ENGINE_CONFIG_PARTS,
+    ModelConfig,
+    add_cli_args,
+    engine_config_from_args,
+)
+from pdserve.progress import QUIET_ENV, progress_enabled
+
+# `pdserve generate`'s sampling when neither a flag nor the generation config sets a field.
+_GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": -1}
 
 _DESCRIPTION = """LLM serving that holds latency SLOs.
 
@@ -35,7 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_bench(sub)
     _add_profile(sub)
+    for command in sub.choices.values():
+        _add_common_flags(command)
+        command.set_defaults(parser=command)
     return parser
+
+
+def _add_common_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("output")
+    group.add_argument("--debug", action="store_true",
+                       help="Show the full traceback of an error instead of one line.")
+    group.add_argument("-q", "--quiet", action="store_true",
+                       help="No progress bars (they are also off when stderr is not a terminal).")
 
 
 _GROUP_TITLES = {"ModelConfig": "model", "CacheConfig": "KV cache",
@@ -43,10 +65,23 @@ _GROUP_TITLES = {"ModelConfig": "model", "CacheConfig": "KV cache",
                  "TransferConfig": "KV transfer (P/D across instances)"}
 
 
-def _add_model_arg(parser: argparse.ArgumentParser) -> None:
+def _add_model_arg(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    """MODEL as a positional argument or as ``--model`` (vLLM accepts both)."""
     model_field = {f.name: f for f in dataclasses.fields(ModelConfig)}["model"]
-    parser.add_argument("model", nargs="?", default=model_field.default,
-                        help=f"{model_field.metadata['help']} (default: {model_field.default})")
+    default = default or model_field.default
+    parser.add_argument("model", nargs="?", default=None,
+                        help=f"{model_field.metadata['help']} (default: {default})")
+    parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                        help="Same as the positional MODEL.")
+    parser.set_defaults(model_default=default)
+
+
+def _pick_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    given = [m for m in (args.model, args.model_flag) if m is not None]
+    if len(set(given)) > 1:
+        parser.error(f"the model is given twice and the two disagree: {args.model!r} and "
+                     f"--model {args.model_flag!r}")
+    args.model = given[0] if given else args.model_default
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +102,7 @@ def _add_serve(sub) -> None:
     _add_engine_args(parser)
     add_cli_args(parser.add_argument_group("server"), ServerConfig)
     add_cli_args(parser.add_argument_group("P/D group"), InstanceConfig)
-    parser.set_defaults(func=_run_serve)
+    parser.set_defaults(func=_run_serve, check=_check_serve)
 
 
 def _add_gateway(sub) -> None:
@@ -78,7 +113,7 @@ def _add_gateway(sub) -> None:
                             "prefill to the group's prefill instances (they refuse what they "
                             "cannot start in time), then relays the decode instance's answer.")
     add_cli_args(parser, GatewayConfig)
-    parser.set_defaults(func=_run_gateway)
+    parser.set_defaults(func=_run_gateway, check=_check_gateway)
 
 
 def _add_generate(sub) -> None:
@@ -87,14 +122,19 @@ def _add_generate(sub) -> None:
     parser.add_argument("--prompt", action="append", required=True,
                         help="Prompt text; repeat the flag for several prompts.")
     sampling = parser.add_argument_group("sampling")
-    sampling.add_argument("--max-tokens", type=int, default=64, help="Most tokens to generate.")
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0 means greedy.")
-    sampling.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass.")
-    sampling.add_argument("--top-k", type=int, default=-1, help="Keep the k likeliest tokens.")
+    # Unset sampling flags fall back to the generation config, then to these defaults.
+    sampling.add_argument("--max-tokens", type=int, default=None,
+                          help="Most tokens to generate (default: 64).")
+    sampling.add_argument("--temperature", type=float, default=None,
+                          help="0 means greedy (default: 0).")
+    sampling.add_argument("--top-p", type=float, default=None,
+                          help="Nucleus sampling mass (default: 1).")
+    sampling.add_argument("--top-k", type=int, default=None,
+                          help="Keep the k likeliest tokens (default: -1, all).")
     sampling.add_argument("--stop", action="append", default=[], help="Stop string (repeatable).")
     sampling.add_argument("--ignore-eos", action="store_true", help="Keep going past EOS.")
     _add_engine_args(parser)
-    parser.set_defaults(func=_run_generate)
+    parser.set_defaults(func=_run_generate, check=_check_engine_args)
 
 
 def _add_bench(sub) -> None:
@@ -108,26 +148,19 @@ def _add_bench(sub) -> None:
 def _add_profile(sub) -> None:
     from pdserve.engine.profiler import add_parser
 
-    add_parser(sub)
+    add_parser(sub).set_defaults(check=_check_profile)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from pdserve.cluster.config import InstanceConfig
     from pdserve.server.app import serve
-    from pdserve.server.config import ServerConfig
 
-    server_config = _config_from_args(ServerConfig, args)
-    instance = _config_from_args(InstanceConfig, args)
-    engine_config = engine_config_from_args(args)
     lifecycle = None
-    if instance.role is not None:
+    if args.instance.role is not None:
         from pdserve.cluster.instance import GroupMembership
 
-        if engine_config.transfer.kv_transfer_port is None:
-            raise SystemExit("--role needs --kv-transfer-port (0 picks a free port)")
-        model = server_config.served_model_name or engine_config.model.model
-        lifecycle = GroupMembership(instance, server_config.port, model)
-    serve(engine_config, server_config, lifecycle=lifecycle)
+        model = args.server_config.served_model_name[0]
+        lifecycle = GroupMembership(args.instance, args.server_config.port, model)
+    serve(args.engine_config, args.server_config, lifecycle=lifecycle)
     return 0
 
 
@@ -140,44 +173,46 @@ def _add_cluster(sub) -> None:
                             "(`pdserve serve` processes, one GPU each when there are several) "
                             "and serves them through a gateway.")
     add_launch_args(parser)
+    parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                        help="Same as the positional MODEL.")
+    parser.set_defaults(model=None, model_default="tiny")
     add_cli_args(parser.add_argument_group("gateway"), GatewayConfig)
-    parser.set_defaults(func=_run_cluster)
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="Names every instance answers to (default: the model argument).")
+    parser.set_defaults(func=_run_cluster, check=_check_cluster)
 
 
 def _run_cluster(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from pdserve.cluster.config import GatewayConfig
     from pdserve.cluster.launch import default_gpus, run_cluster
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if args.gpus is None:
         args.gpus = default_gpus()
-    asyncio.run(run_cluster(args, _config_from_args(GatewayConfig, args)))
+    asyncio.run(run_cluster(args, args.gateway_config))
     return 0
 
 
 def _run_gateway(args: argparse.Namespace) -> int:
     from pdserve.cluster.app import run_gateway
-    from pdserve.cluster.config import GatewayConfig
 
-    run_gateway(_config_from_args(GatewayConfig, args))
+    run_gateway(args.gateway_config)
     return 0
 
 
 def _config_from_args(config_cls: type, args: argparse.Namespace):
-    return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
+    return config_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from pdserve import LLM, SamplingParams
 
-    config = engine_config_from_args(args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, stop=args.stop,
+    params = SamplingParams(**_generate_sampling(args), stop=args.stop,
                             ignore_eos=args.ignore_eos)
-    llm = LLM(**config.flat())
+    llm = LLM(**args.engine_config.flat())
     for output in llm.generate(args.prompt, params):
         completion = output.outputs[0]
         print(f"--- {output.prompt!r} ({completion.finish_reason})")
@@ -185,9 +220,157 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_sampling(args: argparse.Namespace) -> dict:
+    """Flags the user set, else the generation config's defaults, else ``generate``'s own."""
+    from pdserve.model.generation_config import sampling_defaults
+
+    model = args.engine_config.model
+    values = {**_GENERATE_DEFAULTS, **sampling_defaults(model.generation_config, model.model)}
+    for name in _GENERATE_DEFAULTS:
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    return values
+
+
+# ---- checks: every flag is validated before the model loads --------------------------------
+
+
+class UsageError(Exception):
+    """A mistake in the command line or its surroundings: one line, no traceback."""
+
+
+def _check_engine_args(args: argparse.Namespace) -> None:
+    """Builds ``args.engine_config``: the model resolved to a local folder (hub ids are
+    downloaded), its shapes read, device and dtype checked."""
+    from pdserve.model.arch import get_arch
+    from pdserve.model.generation_config import read_generation_config
+    from pdserve.model.hub import resolve_model_config
+
+    _pick_model(args.parser, args)
+    config = engine_config_from_args(args)
+    model = resolve_model_config(config.model)
+    get_arch(model)
+    read_generation_config(model.generation_config, model.model)
+    _check_device(config.device.device, model.dtype)
+    args.engine_config = dataclasses.replace(config, model=model)
+
+
+def _check_device(device: str, dtype: str) -> None:
+    import torch
+
+    from pdserve.model.loader import resolve_dtype
+
+    if device != "auto" and not device.startswith(("cpu", "cuda")):
+        raise UsageError(f"--device {device}: use auto, cuda, cuda:N or cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: no CUDA GPU is visible to this process")
+    resolve_dtype(dtype, "cpu")
+
+
+def _check_serve(args: argparse.Namespace) -> None:
+    from pdserve.cluster.config import InstanceConfig
+    from pdserve.model.tokenizer import load_chat_template
+    from pdserve.server.config import ServerConfig
+
+    _check_engine_args(args)
+    server = _config_from_args(ServerConfig, args)
+    if not server.served_model_name:  # the model as typed, not the folder a hub id became
+        server = dataclasses.replace(server, served_model_name=(args.model,))
+    if server.chat_template is not None:
+        load_chat_template(server.chat_template)
+    args.instance = _config_from_args(InstanceConfig, args)
+    if args.instance.role is not None:
+        if args.engine_config.transfer.kv_transfer_port is None:
+            raise UsageError("--role needs --kv-transfer-port (0 picks a free port)")
+        _check_registry(args.instance.registry)
+    _check_port_free(server.host, server.port, "--port")
+    args.server_config = server
+
+
+def _check_gateway(args: argparse.Namespace) -> None:
+    from pdserve.cluster.config import GatewayConfig
+
+    args.gateway_config = _config_from_args(GatewayConfig, args)
+    _check_registry(args.gateway_config.registry)
+    _check_port_free(args.gateway_config.host, args.gateway_config.port, "--port")
+
+
+def _check_cluster(args: argparse.Namespace) -> None:
+    """The model is resolved (and downloaded) once here; the instances then find it in the
+    cache. Served names travel to every instance."""
+    from pdserve.model.arch import get_arch
+    from pdserve.model.hub import resolve_model_config
+
+    _pick_model(args.parser, args)
+    get_arch(resolve_model_config(ModelConfig(model=args.model)))
+    if args.served_model_name:
+        args.serve_args += ["--served-model-name", *args.served_model_name]
+    _check_gateway(args)
+
+
+def _check_profile(args: argparse.Namespace) -> None:
+    from pdserve.model.arch import get_arch
+    from pdserve.model.hub import resolve_model_config
+
+    model = resolve_model_config(ModelConfig(model=args.model, load_format=args.load_format))
+    get_arch(model)
+    _check_device(args.device, args.dtype)
+    args.model = model.model
+
+
+def _check_registry(url: str) -> None:
+    if not url.startswith("zk://"):
+        return
+    try:
+        import kazoo  # noqa: F401 - only its presence is checked here
+    except ImportError:
+        raise UsageError(f"registry {url} needs the kazoo package: "
+                         "pip install 'pdserve[cluster]'") from None
+
+
+def _check_port_free(host: str, port: int, flag: str) -> None:
+    # SO_REUSEADDR as aiohttp sets it: a port in TIME_WAIT is free, a listening one is not.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise UsageError(f"{flag} {port}: cannot listen on {host}:{port} "
+                             f"({exc.strerror or exc})") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    message = text[0] if text else type(exc).__name__
+    if isinstance(exc, UsageError | ValueError | OSError | NotImplementedError):
+        return message
+    return f"{type(exc).__name__}: {message} (--debug shows the traceback)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args) or 0
+    if args.quiet:
+        os.environ[QUIET_ENV] = "1"  # inherited by the engine process and launched instances
+    if not progress_enabled():  # huggingface_hub's download bars follow the same rule
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if hasattr(args, "check"):
+        code = _guarded(args, args.check)
+        if code:
+            return 2  # found before anything started: a mistake in the command line
+    return _guarded(args, args.func)
+
+
+def _guarded(args: argparse.Namespace, step) -> int:
+    try:
+        return step(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the one place errors become a line for a person
+        if args.debug:
+            raise
+        print(f"pdserve: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -20,13 +20,23 @@ def doc(default: Any, help: str, **kwargs) -> Any:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = doc("tiny", "Preset name (tiny, tiny-qwen2, llama3-8b, codellama-34b, "
-                     "llama3.1-70b) or a Hugging Face checkpoint folder.")
+                     "llama3.1-70b), a Hugging Face checkpoint folder, or a Hugging Face hub "
+                     "id (org/name; downloaded once into the hub cache).")
+    revision: str | None = doc(None, "Hub id only: branch, tag or commit to load "
+                               "(default: main).")
+    download_dir: str | None = doc(None, "Hub id only: cache folder for downloads "
+                                   "(default: $HF_HUB_CACHE or ~/.cache/huggingface/hub).")
     dtype: str = doc("auto", "Weights and activations: auto (bfloat16 on GPU, float32 on CPU), "
                      "bfloat16, float16, float32.")
     load_format: str = doc("auto", "auto (safetensors for a folder, dummy for a preset), "
-                           "safetensors, or dummy (random weights on the real shapes).")
-    tokenizer: str | None = doc(None, "Tokenizer folder; defaults to the model folder, "
-                                "or a byte-level tokenizer when there is none.")
+                           "safetensors, or dummy (random weights on the real shapes).",
+                           choices=("auto", "safetensors", "dummy"))
+    tokenizer: str | None = doc(None, "Tokenizer folder or hub id; defaults to the model "
+                                "folder, or a byte-level tokenizer when there is none.")
+    generation_config: str = doc("auto", "Request defaults (temperature, top_p, top_k, "
+                                 "max_tokens) when a request sets none: auto (the model's "
+                                 "generation_config.json), vllm (pdserve's own defaults), or a "
+                                 "folder holding a generation_config.json.")
     max_model_len: int | None = doc(None, "Longest context (prompt + output) accepted; "
                                     "defaults to the model's own limit.")
     seed: int = doc(0, "Seed for dummy weights and for requests that give no seed.")
@@ -44,7 +54,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    schedule: str = doc("chunked", "prefill-first | chunked | multiplex | disagg.")
+    schedule: str = doc("chunked", "prefill-first | chunked | multiplex | disagg.",
+                        choices=("prefill-first", "chunked", "multiplex", "disagg"))
     max_num_seqs: int = doc(256, "Most requests running at once.")
     max_num_batched_tokens: int = doc(8192, "prefill-first: most new tokens in one step.")
     chunk_size: int = doc(512, "chunked: token budget per step, decodes included "
@@ -77,7 +88,8 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = doc("auto", "auto (cuda when present), cuda, or cpu.")
-    attention_backend: str = doc("auto", "auto (triton on GPU, torch on CPU), triton, torch.")
+    attention_backend: str = doc("auto", "auto (triton on GPU, torch on CPU), triton, torch.",
+                                 choices=("auto", "triton", "torch"))
     enforce_eager: bool = doc(False, "Never use CUDA graphs.")
     allow_emulated_partitions: bool = doc(
         False, "multiplex / disagg on a GPU whose green contexts cannot be made: run with "
@@ -135,7 +147,9 @@ def add_cli_args(parser: argparse.ArgumentParser, config_cls: type, skip: tuple 
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=help_text)
             continue
+        many = "tuple" in str(f.type)  # tuple[str, ...]: the flag takes one or more values
         parser.add_argument(flag, type=_cli_type(f), default=f.default,
+                            nargs="+" if many else None, choices=f.metadata.get("choices"),
                             help=f"{help_text} (default: {f.default})")
 
 

@@ -14,6 +14,7 @@ import torch
 
 from pdserve.engine.batch import HostBatch
 from pdserve.ops.metadata import AttentionMetadata
+from pdserve.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ class GraphRunner:
     @torch.inference_mode()
     def capture(self, batch_sizes: list[int] | None = None) -> None:
         stream = self.stream or torch.cuda.Stream(self.device)
-        for batch_size in sorted(batch_sizes or self.buckets, reverse=True):
+        sizes = sorted(batch_sizes or self.buckets, reverse=True)
+        for batch_size in progress(sizes, desc="capturing decode graphs", unit="graph"):
             with torch.cuda.stream(stream):
                 self._forward(batch_size)  # warm-up: Triton compiles outside the capture
             stream.synchronize()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.setup import EngineSetup
 from pdserve.messages import RequestUpdate
+from pdserve.model.hub import resolve_model_config
 from pdserve.output import OutputProcessor
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
@@ -41,7 +42,9 @@ class LLM:
     def __init__(self, model: str = "tiny", setup: EngineSetup | None = None,
                  **engine_options: Any):
         """``setup``: parts handed to the engine instead of built (``EngineSetup``)."""
-        self.config = EngineConfig.from_flat(model=model, **engine_options)
+        config = EngineConfig.from_flat(model=model, **engine_options)
+        # A hub id becomes its local snapshot (downloaded once) before the engine reads it.
+        self.config = replace(config, model=resolve_model_config(config.model))
         self.engine = EngineCore(self.config, setup)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

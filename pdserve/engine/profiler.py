@@ -37,6 +37,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.launch import HostBuffers
 from pdserve.engine.setup import default_profile_dir, gpu_name, model_key
 from pdserve.gpu.partitions import Partition
+from pdserve.progress import progress as progress_bar
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 from pdserve.sched.base import BatchCarry, Plan, ScheduledRequest, Work
@@ -206,15 +207,27 @@ class Profiler:
         self.launch_ms: list[float] = []  # host time to issue prefill pieces
 
     def run(self) -> list[dict]:
-        parts = [*self.policy.partitions.choices(), self.policy.partitions.whole_gpu]
-        for part in parts:
-            self._phase(f"decode alone on {part.decode_sms} SMs", self._decode_alone, part)
-            self._phase(f"prefill alone on {part.prefill_sms} SMs", self._prefill_alone, part)
-            if not part.whole_gpu:
-                self._phase(f"co-running on {part.decode_sms}/{part.prefill_sms} SMs",
-                            self._co_running, part)
-        self._phase("mixed steps on the whole GPU", self._mixed)
+        phases = self._phases()
+        bar = progress_bar(total=len(phases), desc="profiling", unit="phase")
+        for name, fn, args in phases:
+            bar.set_postfix_str(name)
+            self._phase(name, fn, *args)
+            bar.update(1)
+        bar.close()
         return self.rows
+
+    def _phases(self) -> list[tuple[str, Callable, tuple]]:
+        phases: list[tuple[str, Callable, tuple]] = []
+        for part in [*self.policy.partitions.choices(), self.policy.partitions.whole_gpu]:
+            phases.append((f"decode alone on {part.decode_sms} SMs", self._decode_alone,
+                           (part,)))
+            phases.append((f"prefill alone on {part.prefill_sms} SMs", self._prefill_alone,
+                           (part,)))
+            if not part.whole_gpu:
+                phases.append((f"co-running on {part.decode_sms}/{part.prefill_sms} SMs",
+                               self._co_running, (part,)))
+        phases.append(("mixed steps on the whole GPU", self._mixed, ()))
+        return phases
 
     def _phase(self, name: str, fn, *args) -> None:
         started, before = time.perf_counter(), len(self.rows)

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from pdserve.config import ModelConfig
 from pdserve.model.arch import PRESETS, ModelArch, is_checkpoint_dir
 from pdserve.model.llama import AttentionBackend, LlamaForCausalLM
+from pdserve.progress import progress
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
@@ -118,6 +119,15 @@ def iter_checkpoint(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def count_tensors(folder: str) -> int:
+    """Tensors in the checkpoint (reads only the files' headers)."""
+    total = 0
+    for path in checkpoint_files(folder):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    return total
+
+
 def map_hf_name(hf_name: str) -> tuple[str, int | None]:
     """HF tensor name -> (our parameter name, shard index inside a fused parameter or None)."""
     parts = hf_name.split(".")
@@ -133,7 +143,9 @@ def load_safetensors(model: LlamaForCausalLM, folder: str) -> None:
     """Copies every checkpoint tensor into its parameter; errors name the offending tensor."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[tuple[str, int | None]] = set()
-    for hf_name, tensor in iter_checkpoint(folder):
+    tensors = progress(iter_checkpoint(folder), total=count_tensors(folder),
+                       desc="loading weights", unit="tensor")
+    for hf_name, tensor in tensors:
         if _IGNORED.search(hf_name) or _is_tied_head(model, hf_name):
             continue
         name, shard = map_hf_name(hf_name)

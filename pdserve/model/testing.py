@@ -6,7 +6,11 @@ engine's scheduler or block allocator. Pages are handed out in order and never f
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -118,3 +122,27 @@ def greedy_generate(model: LlamaForCausalLM, prompts: list[list[int]], max_new_t
         if step + 1 < max_new_tokens:
             logits = runner.step([(i, [tok]) for i, tok in enumerate(next_ids)])
     return outputs
+
+
+def write_hub_cache(cache_dir: str | Path, repo_id: str, folder: str | Path,
+                    ref: str = "main") -> Path:
+    """Puts checkpoint ``folder`` into a Hugging Face hub cache as ``huggingface_hub`` lays it
+    out (content-addressed blobs, a snapshot of links, ``refs/<ref>``); returns the snapshot.
+
+    Lets tests load a model by hub id with ``HF_HUB_OFFLINE=1`` and no network.
+    """
+    repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    files = sorted(p for p in Path(folder).iterdir() if p.is_file())
+    commit = hashlib.sha1(b"".join(p.read_bytes() for p in files)).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for path in files:
+        blob = repo / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.copyfile(path, blob)
+        link = snapshot / path.name
+        if not link.exists():
+            os.symlink(os.path.relpath(blob, snapshot), link)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+    return snapshot

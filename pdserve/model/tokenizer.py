@@ -75,6 +75,26 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a template file's text, or the value itself when it is a template.
+
+    Compiled here, so a syntax error stops start-up instead of failing every chat request.
+    """
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            source = f.read()
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise ValueError(f"chat template file {value!r} does not exist (an inline template "
+                         "must contain {{ or {%)")
+    try:
+        _compile_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template {value!r} line {exc.lineno}: {exc.message}") from None
+    return source
+
+
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as tokens 0-255, BOS = 256, EOS = 257; special texts in input are parsed."""
 

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from pdserve.model.generation_config import sampling_defaults
+from pdserve.model.tokenizer import load_chat_template
 from pdserve.server import protocol as P
 from pdserve.server.auth import APIKeyFileError, is_authorized, load_api_keys
 from pdserve.server.client import EngineClient
@@ -39,6 +41,7 @@ class ServerState:
     metrics: ServerMetrics
     api_keys: tuple[bytes, ...] = ()
     """Any of these is accepted as a bearer token; none: the routes are open."""
+    model_names: tuple[str, ...] = ()
     created: int = field(default_factory=P.now_s)
     draining: bool = False
     active: int = 0  # /v1 requests being answered
@@ -50,15 +53,21 @@ class ServerState:
 
 
 def build_app(client: EngineClient, config: ServerConfig,
-              api_keys: tuple[bytes, ...] | None = None) -> web.Application:
-    """``api_keys``: as ``load_api_keys`` gives them (read from ``config`` when None)."""
+              api_keys: tuple[bytes, ...] | None = None,
+              sampling_defaults: dict[str, Any] | None = None) -> web.Application:
+    """``api_keys``: as ``load_api_keys`` gives them (read from ``config`` when None);
+    ``sampling_defaults``: request defaults from the model's generation config."""
     if api_keys is None:
         api_keys = load_api_keys(config.api_key, config.api_key_file)
-    model_name = config.served_model_name or client.model_name
-    metrics = ServerMetrics(lambda: client.stats, lambda: client.num_in_flight, model_name)
-    state = ServerState(client, config, model_name, metrics, api_keys)
+    names = config.served_model_name or (client.model_name,)
+    names = (names,) if isinstance(names, str) else tuple(names)  # ServerConfig(..., "name")
+    metrics = ServerMetrics(lambda: client.stats, lambda: client.num_in_flight, names[0])
+    state = ServerState(client, config, names[0], metrics, api_keys, model_names=tuple(names))
     state.idle.set()
-    serving = OpenAIServing(client, client.tokenizer, model_name, metrics, config.log_requests)
+    if config.chat_template is not None:
+        client.tokenizer.chat_template = load_chat_template(config.chat_template)
+    serving = OpenAIServing(client, client.tokenizer, names[0], metrics, config.log_requests,
+                            tuple(names[1:]), sampling_defaults)
     app = web.Application(client_max_size=config.max_request_bytes,
                           middlewares=[_errors, _api_key, _admission])
     app[STATE_KEY] = state
@@ -142,7 +151,8 @@ async def _admission(request: web.Request, handler) -> web.StreamResponse:
 
 async def _models(request: web.Request) -> web.Response:
     state = _state(request)
-    body = P.models_list(state.model_name, state.client.max_model_len, state.created)
+    body = P.models_list(state.model_names or (state.model_name,), state.client.max_model_len,
+                         state.created)
     return web.Response(body=P.dumps(body), content_type="application/json")
 
 
@@ -212,7 +222,9 @@ async def _serve(engine_config: Any, config: ServerConfig, api_keys: tuple[bytes
                  core_factory: str, lifecycle: Lifecycle | None) -> None:
     logger.info("starting the engine process")
     client = await EngineClient.start(engine_config, core_factory, config.engine_start_timeout)
-    app = build_app(client, config, api_keys)
+    model = engine_config.model
+    app = build_app(client, config, api_keys,
+                    sampling_defaults(model.generation_config, model.model))
     state = app[STATE_KEY]
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup
     # aborts the request and frees its KV blocks at once.

@@ -22,8 +22,11 @@ class ServerConfig:
     api_key_file: str | None = doc(None, "A file of API keys, one per line (blank lines and "
                                    "lines starting with # are skipped); any of them is "
                                    "accepted, as are --api-key and PDSERVE_API_KEY.")
-    served_model_name: str | None = doc(None, "Model name clients send and see in responses; "
-                                        "defaults to the model argument.")
+    served_model_name: tuple[str, ...] | None = doc(
+        None, "Model name(s) clients may send; the first is the one responses and /v1/models "
+        "carry (default: the model argument as given).")
+    chat_template: str | None = doc(None, "Chat template for /v1/chat/completions: a Jinja "
+                                    "file, or the template itself; replaces the tokenizer's.")
     shutdown_timeout: float = doc(30.0, "On SIGTERM, seconds in-flight requests may run "
                                   "before they are aborted.")
     retry_after: int = doc(1, "Seconds sent in Retry-After when the waiting queue is full.")

@@ -527,7 +527,8 @@ def sse(body: dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def models_list(model: str, max_model_len: int, created: int) -> dict[str, Any]:
-    card = {"id": model, "object": "model", "created": created, "owned_by": "pdserve",
-            "root": model, "max_model_len": max_model_len}
-    return {"object": "list", "data": [card]}
+def models_list(names: tuple[str, ...], max_model_len: int, created: int) -> dict[str, Any]:
+    """One card per served name; ``root`` is the first (the name responses carry)."""
+    cards = [{"id": name, "object": "model", "created": created, "owned_by": "pdserve",
+              "root": names[0], "max_model_len": max_model_len} for name in names]
+    return {"object": "list", "data": cards}

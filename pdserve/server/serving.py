@@ -150,10 +150,15 @@ class Format:
 
 class OpenAIServing:
     def __init__(self, client: EngineClient, tokenizer: Tokenizer, model_name: str,
-                 metrics: ServerMetrics, log_requests: bool = False) -> None:
+                 metrics: ServerMetrics, log_requests: bool = False,
+                 model_aliases: tuple[str, ...] = (),
+                 sampling_defaults: dict[str, Any] | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.model_names = (model_name, *model_aliases)
+        # The generation config's fields, used where a request leaves them unset (vLLM's rule).
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.metrics = metrics
         self.log_requests = log_requests
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -169,12 +174,22 @@ class OpenAIServing:
     async def prepare(self, kind: str, body: dict) -> tuple[Format, list[int], int | None]:
         """Parses and tokenizes a request of ``kind`` ("completions" or "chat"): its answer
         format, prompt token ids and default max_tokens. Raises ``APIError`` (400)."""
+        body = self._with_defaults(body)
         if kind == "completions":
             return await self._prepare_completion(body)
         if kind == "chat":
             return await self._prepare_chat(body)
         raise P.bad_request(f"unknown request kind {kind!r}; use 'completions' or 'chat'",
                             param="kind")
+
+    def _with_defaults(self, body: dict) -> dict:
+        unset = {k: v for k, v in self.sampling_defaults.items()
+                 if k != "max_tokens" and body.get(k) is None}
+        return {**body, **unset} if isinstance(body, dict) else body
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        return self.sampling_defaults.get("max_tokens")
 
     async def _prepare_completion(self, body: dict) -> tuple[Format, list[int], int | None]:
         request = P.CompletionRequest.parse(body)
@@ -188,7 +203,7 @@ class OpenAIServing:
         fmt = Format(False, P.new_id("cmpl"), self.model_name, P.now_s(), request.sampling)
         if request.echo:
             fmt.echo = self._prompt_text(request.prompt, request.sampling.skip_special_tokens)
-        return fmt, prompt_ids, COMPLETIONS_DEFAULT_MAX_TOKENS
+        return fmt, prompt_ids, self.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
 
     def _prompt_text(self, prompt: str | list[int], skip_special_tokens: bool) -> str:
         if isinstance(prompt, str):
@@ -203,7 +218,7 @@ class OpenAIServing:
                                 request.chat_template_kwargs)
         prompt_ids = await self.encode_chat(text, request.sampling.add_special_tokens)
         fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling)
-        return fmt, prompt_ids, None
+        return fmt, prompt_ids, self.default_max_tokens
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
                     continue_final_message: bool, chat_template: str | None,
@@ -229,7 +244,7 @@ class OpenAIServing:
         return await self.encode(text, add_special_tokens)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise P.bad_request(f"model '{model}' is not served here; this server serves "
                                 f"'{self.model_name}'", param="model", code="model_not_found")
 
