@@ -28,6 +28,11 @@ class GatewayConfig:
                                "again when a prefill this gateway placed ends, or after this "
                                "long (room freed by other gateways).")
     connect_timeout: float = doc(5.0, "Seconds to connect to an instance.")
+    stall_timeout_s: float = doc(120.0, "An instance that sends nothing for this long while "
+                                 "it prefills or streams an answer counts as failed.")
+    max_attempts: int = doc(4, "Instances one request may be tried on: one that fails (dies, "
+                            "loses the KV, answers 5xx) hands the request to another; a "
+                            "stream resumes after the tokens the client already has.")
     api_key: str | None = doc(None, "If set, clients need 'Authorization: Bearer KEY'; the "
                               "gateway sends the same key to the instances.")
     retry_after: int = doc(1, "Seconds sent in Retry-After with 429 and 503 answers.")

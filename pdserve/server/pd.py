@@ -12,6 +12,17 @@
 - ``POST /pd/decode`` ``{"kind", "request", "transfer_id", "first_token", ...}``: answers
   ``request`` exactly as ``/v1/completions`` or ``/v1/chat/completions`` would (streamed or
   not), decoding from the second token on with the KV that arrived under ``transfer_id``.
+  Each streamed chunk also carries ``pdserve_token_ids``, the ids of its tokens: the
+  gateway keeps them (and strips them) so that it can resume the answer elsewhere.
+
+Resuming: both routes take ``resume_token_ids``, output tokens an instance that failed had
+already streamed. They follow the prompt's ids as if they were prompt, the sampling budget
+shrinks by as many, and the answer counts them as output (usage, stop strings, text held
+back by the detokenizer): the client's stream goes on where it broke.
+
+With a cluster secret set (``--cluster-secret`` or ``PDSERVE_CLUSTER_SECRET``), every
+``/pd/`` route needs the header ``X-PDServe-Cluster-Secret`` (compared in constant time);
+user API keys never open them.
 
 Both instances tokenize the same body with the same tokenizer and template, so they agree
 on the prompt's token ids without sending them.
@@ -28,7 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
 from pdserve.server import protocol as P
-from pdserve.server.serving import OpenAIServing
+from pdserve.server.serving import OpenAIServing, resumed_params
 
 RATE_SMOOTHING = 0.3  # weight of the newest prefill in the throughput estimate
 
@@ -128,7 +139,9 @@ class PDRoutes:
         transfer_id, target = _get_str(body, "transfer_id"), _get_str(body, "kv_target")
         budget_ms = P.get_number(body, "ttft_budget_ms")
         fmt, prompt_ids, default_max = await self.serving.prepare(*_inner(body))
-        params = self.serving.params(fmt, prompt_ids, default_max)
+        resumed = self._resumed(body)
+        params = resumed_params(self.serving.params(fmt, prompt_ids, default_max), resumed)
+        prompt_ids = prompt_ids + resumed
         self.admission.admit(len(prompt_ids), budget_ms)
         arrival, computed = time.monotonic(), None
         try:
@@ -156,7 +169,14 @@ class PDRoutes:
                             first_logprob=P.get_number(body, "first_logprob"),
                             num_cached_tokens=_get_count(body, "num_cached_tokens", 0))
         fmt, prompt_ids, default_max = await self.serving.prepare(*_inner(body))
-        return await self.serving.run(http, fmt, prompt_ids, default_max, handoff)
+        fmt.with_token_ids = True
+        return await self.serving.run(http, fmt, prompt_ids, default_max, handoff,
+                                      self._resumed(body))
+
+    def _resumed(self, body: dict) -> list[int]:
+        resumed = P.get_int_list(body, "resume_token_ids")
+        P.check_token_ids(resumed, self.serving.client.vocab_size)
+        return resumed
 
 
 async def _first_token(stream) -> dict[str, Any]:

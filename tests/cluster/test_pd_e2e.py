@@ -316,7 +316,8 @@ class DyingDecodeInstance(StandIn):
                         "127.0.0.1:1", "tiny")
 
 
-def test_decode_instance_dying_mid_stream_ends_the_stream_with_an_error(instances):
+def test_decode_instance_dying_mid_stream_with_none_left_ends_the_stream_with_an_error(
+        instances):
     dying = DyingDecodeInstance()
     registry = MemoryRegistry()
     registry.register(_instance(instances[0], "prefill"))
@@ -327,7 +328,8 @@ def test_decode_instance_dying_mid_stream_ends_the_stream_with_an_error(instance
         events = [line for line in raw.decode().split("\n\n") if line]
         assert status == 200 and len(events) == 4, raw
         error = json.loads(events[2].removeprefix("data: "))["error"]
-        assert "failed mid-answer" in error["message"] and events[3] == "data: [DONE]"
+        # no other decode instance to resume on: the stream ends, saying why
+        assert "no decode instance" in error["message"] and events[3] == "data: [DONE]"
         # the gateway skips it now rather than sending it more answers to lose
         status, _, _ = gateway.http.request("POST", "/v1/completions", BODY)
         assert status == 503
