@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 
 from pdserve.config import ENGINE_CONFIG_PARTS, ModelConfig, add_cli_args, engine_config_from_args
@@ -125,6 +126,12 @@ def _run_serve(args: argparse.Namespace) -> int:
 
         if engine_config.transfer.kv_transfer_port is None:
             raise SystemExit("--role needs --kv-transfer-port (0 picks a free port)")
+        from pdserve.server.pd import resolve_secret
+
+        if resolve_secret(server_config.cluster_secret) is None:
+            logging.getLogger("pdserve.instance").warning(
+                "no --cluster-secret: anyone who reaches this instance can call its /pd/ "
+                "routes; set one (or $PDSERVE_CLUSTER_SECRET) on every member and the gateway")
         model = server_config.served_model_name or engine_config.model.model
         lifecycle = GroupMembership(instance, server_config.port, model)
     serve(engine_config, server_config, lifecycle=lifecycle)

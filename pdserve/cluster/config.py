@@ -33,8 +33,10 @@ class GatewayConfig:
     max_attempts: int = doc(4, "Instances one request may be tried on: one that fails (dies, "
                             "loses the KV, answers 5xx) hands the request to another; a "
                             "stream resumes after the tokens the client already has.")
-    api_key: str | None = doc(None, "If set, clients need 'Authorization: Bearer KEY'; the "
-                              "gateway sends the same key to the instances.")
+    api_key: str | None = doc(None, "If set, clients need 'Authorization: Bearer KEY'.")
+    cluster_secret: str | None = doc(None, "Secret sent to the instances' internal /pd/ "
+                                     "routes (their --cluster-secret); default: "
+                                     "$PDSERVE_CLUSTER_SECRET.")
     retry_after: int = doc(1, "Seconds sent in Retry-After with 429 and 503 answers.")
     ratio_interval_s: float = doc(0.0, "Dynamic P/D ratio: seconds between the controller's "
                                   "looks at each scenario's latencies; 0 disables it.")

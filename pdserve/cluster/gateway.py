@@ -36,6 +36,7 @@ from pdserve.cluster.config import GatewayConfig
 from pdserve.cluster.metrics import GatewayMetrics
 from pdserve.cluster.registry import Instance, Registry
 from pdserve.server import protocol as P
+from pdserve.server.pd import resolve_secret, secret_headers
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -105,6 +106,7 @@ class Gateway:
         self._turn = 0  # round-robin position
         self._lines: dict[str, WaitLine] = {}  # refused requests, by scenario
         self._session: aiohttp.ClientSession | None = None
+        self._secret_headers = secret_headers(resolve_secret(config.cluster_secret))
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
@@ -359,8 +361,7 @@ class Gateway:
         return job.out
 
     def _headers(self) -> dict[str, str]:
-        key = self.config.api_key
-        return {"Authorization": f"Bearer {key}"} if key else {}
+        return self._secret_headers
 
     # ---- what the group looks like ------------------------------------------------------
 

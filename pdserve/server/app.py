@@ -26,7 +26,8 @@ from pdserve.server.serving import OpenAIServing
 logger = logging.getLogger("pdserve.server")
 
 STATE_KEY = web.AppKey("state", object)
-GUARDED_PATHS = ("/v1", "/pd/")  # API key, draining and in-flight counting apply here
+GUARDED_PATHS = ("/v1", "/pd/")  # draining and in-flight counting apply here
+API_KEY_PATHS = "/v1"  # /pd/ has its own cluster secret (pdserve/server/pd.py)
 
 
 @dataclass
@@ -60,7 +61,7 @@ def build_app(client: EngineClient, config: ServerConfig) -> web.Application:
     app.router.add_get("/v1/engine/timeline", _timeline)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
-    PDRoutes(serving).add_to(app)
+    PDRoutes(serving, config.cluster_secret).add_to(app)
     return app
 
 
@@ -102,7 +103,7 @@ def _error_response(request: web.Request, exc: P.APIError) -> web.Response:
 @web.middleware
 async def _api_key(request: web.Request, handler) -> web.StreamResponse:
     key = _state(request).config.api_key
-    if key and request.path.startswith(GUARDED_PATHS):
+    if key and request.path.startswith(API_KEY_PATHS):
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise P.APIError(401, "invalid or missing API key", code="invalid_api_key")

@@ -16,6 +16,9 @@ class ServerConfig:
     host: str = doc("0.0.0.0", "Address the HTTP server binds.")
     port: int = doc(8000, "TCP port of the HTTP server.")
     api_key: str | None = doc(None, "If set, every /v1 route needs 'Authorization: Bearer KEY'.")
+    cluster_secret: str | None = doc(None, "If set, the internal /pd/ routes (P/D groups) need "
+                                     "it in the X-PDServe-Cluster-Secret header; default: "
+                                     "$PDSERVE_CLUSTER_SECRET. API keys never open them.")
     served_model_name: str | None = doc(None, "Model name clients send and see in responses; "
                                         "defaults to the model argument.")
     shutdown_timeout: float = doc(30.0, "On SIGTERM, seconds in-flight requests may run "

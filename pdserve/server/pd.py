@@ -30,8 +30,10 @@ on the prompt's token ids without sending them.
 
 from __future__ import annotations
 
+import hmac
+import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from aiohttp import web
@@ -42,6 +44,18 @@ from pdserve.server import protocol as P
 from pdserve.server.serving import OpenAIServing, resumed_params
 
 RATE_SMOOTHING = 0.3  # weight of the newest prefill in the throughput estimate
+SECRET_HEADER = "X-PDServe-Cluster-Secret"
+SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+
+
+def resolve_secret(flag: str | None) -> str | None:
+    """The cluster secret: the flag, else the environment (kept out of ``ps``), else None."""
+    return flag or os.environ.get(SECRET_ENV) or None
+
+
+def secret_headers(secret: str | None) -> dict[str, str]:
+    """What a caller of the ``/pd/`` routes sends."""
+    return {SECRET_HEADER: secret} if secret else {}
 
 
 class PrefillAdmission:
@@ -115,15 +129,29 @@ class AdmissionCollector:
 
 
 class PDRoutes:
-    def __init__(self, serving: OpenAIServing) -> None:
+    def __init__(self, serving: OpenAIServing, secret: str | None = None) -> None:
         self.serving = serving
+        self.secret = resolve_secret(secret)
         self.admission = PrefillAdmission()
         serving.metrics.registry.register(AdmissionCollector(self.admission))
 
     def add_to(self, app: web.Application) -> None:
-        app.router.add_post("/pd/prefill", self.prefill)
-        app.router.add_post("/pd/decode", self.decode)
-        app.router.add_get("/pd/info", self.info)
+        app.router.add_post("/pd/prefill", self._guarded(self.prefill))
+        app.router.add_post("/pd/decode", self._guarded(self.decode))
+        app.router.add_get("/pd/info", self._guarded(self.info))
+
+    def _guarded(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        secret = self.secret.encode() if self.secret else None
+
+        async def guarded(http: web.Request) -> web.StreamResponse:
+            if secret is not None:
+                given = http.headers.get(SECRET_HEADER, "").encode()
+                if not hmac.compare_digest(given, secret):
+                    raise P.APIError(401, f"the internal /pd/ routes need the cluster secret "
+                                     f"in the {SECRET_HEADER} header", code="invalid_secret")
+            return await handler(http)
+
+        return guarded
 
     async def info(self, http: web.Request) -> web.Response:
         """What a launcher or registry needs to list this instance in a P/D group."""
