@@ -240,6 +240,7 @@ class Gateway:
         except (aiohttp.ClientError, OSError) as exc:
             log.warning("prefill instance %s failed: %s", instance.instance_id, exc)
             self._failed_at[instance.instance_id] = time.monotonic()
+            self.metrics.count_retry(instance.scenario, "prefill")
             return None
         finally:
             self.prefill_load[instance.instance_id] -= 1
