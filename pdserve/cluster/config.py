@@ -38,6 +38,11 @@ class GatewayConfig:
                                      "routes (their --cluster-secret); default: "
                                      "$PDSERVE_CLUSTER_SECRET.")
     retry_after: int = doc(1, "Seconds sent in Retry-After with 429 and 503 answers.")
+    max_request_bytes: int = doc(16 * 1024 * 1024, "Largest HTTP request body accepted.")
+    body_timeout_s: float = doc(30.0, "A request's body must arrive within this long (a slow "
+                                "or stalled client gets 408).")
+    max_concurrent_requests: int = doc(4096, "Requests answered at once, streams included; "
+                                       "more get 429 with Retry-After.")
     ratio_interval_s: float = doc(0.0, "Dynamic P/D ratio: seconds between the controller's "
                                   "looks at each scenario's latencies; 0 disables it.")
 

@@ -19,6 +19,7 @@ from pdserve.server import protocol as P
 from pdserve.server.client import EngineClient
 from pdserve.server.config import ServerConfig
 from pdserve.server.engine_process import DEFAULT_CORE
+from pdserve.server.limits import HTTPLimits
 from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from pdserve.server.pd import PDRoutes
 from pdserve.server.serving import OpenAIServing
@@ -52,8 +53,9 @@ def build_app(client: EngineClient, config: ServerConfig) -> web.Application:
     state = ServerState(client, config, model_name, metrics)
     state.idle.set()
     serving = OpenAIServing(client, client.tokenizer, model_name, metrics, config.log_requests)
-    app = web.Application(client_max_size=config.max_request_bytes,
-                          middlewares=[_errors, _api_key, _admission])
+    limits = HTTPLimits.of(config)
+    app = web.Application(client_max_size=limits.max_body_bytes,
+                          middlewares=[_errors, _api_key, _admission, limits.middleware()])
     app[STATE_KEY] = state
     app.router.add_post("/v1/completions", serving.completions)
     app.router.add_post("/v1/chat/completions", serving.chat)
@@ -205,7 +207,8 @@ async def _serve(engine_config: Any, config: ServerConfig, core_factory: str,
     state = app[STATE_KEY]
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup
     # aborts the request and frees its KV blocks at once.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+                           **HTTPLimits.of(config).runner_options())
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     logger.info("serving '%s' on http://%s:%d (max_model_len %d)", state.model_name,
