@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -21,6 +22,13 @@ SCENARIO = "default"
 # A lost KV transfer fails its request after this long (the instances' flag): short, so
 # that a test of it is quick; far above what a transfer of the tiny model's KV takes.
 KV_TIMEOUT_S = 5
+
+
+def wait_until(predicate, timeout: float = 60.0, poll_s: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(poll_s)
 
 
 def start_member() -> Server:

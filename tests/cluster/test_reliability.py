@@ -10,7 +10,6 @@ import json
 import socket
 import struct
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
@@ -28,6 +27,7 @@ from tests.cluster.group import (
     start_member,
     stream,
     thaw,
+    wait_until,
 )
 from tests.cluster.test_pd_e2e import GatewayThread
 from tests.server.conftest import free_port, wait_engine_idle
@@ -73,13 +73,6 @@ def _text(answer: dict) -> str:
     return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
-def _wait(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
-
 def _in_background(coro_factory):
     """Runs a coroutine on its own loop in a thread; returns a function that joins it."""
     result = {}
@@ -120,7 +113,7 @@ def test_a_burst_spreads_evenly_over_prefill_and_decode_instances(group, referen
 
     join = _in_background(burst)
     try:
-        _wait(lambda: sum(gateway.gateway.prefill_load.values()) == 8)
+        wait_until(lambda: sum(gateway.gateway.prefill_load.values()) == 8)
         assert dict(gateway.gateway.decode_load) == {"d0": 4, "d1": 4}
         assert dict(gateway.gateway.prefill_load) == {"p0": 4, "p1": 4}
     finally:
@@ -140,7 +133,7 @@ def test_prefill_instance_killed_mid_prefill_only_delays_the_answer(group, refer
     freeze(group.members["p0"])  # it takes the offer (the kernel accepts) and stalls
     gateway = group.gateway
     join = _in_background(lambda: _complete(gateway.http.url, COMPLETION))
-    _wait(lambda: gateway.gateway.prefill_load["p0"] == 1)
+    wait_until(lambda: gateway.gateway.prefill_load["p0"] == 1)
     kill(group.members["p0"])
     status, answer = join()
     group.remove("p0")

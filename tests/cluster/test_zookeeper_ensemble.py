@@ -6,23 +6,15 @@ expired meanwhile register again; a new member is seen)."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
 from pdserve.cluster.registry import Instance, ZooKeeperRegistry
-from tests.cluster.group import SECRET
+from tests.cluster.group import SECRET, wait_until
 from tests.cluster.test_pd_e2e import BODY, GatewayThread
 from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.slow
-
-
-def _wait(predicate, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.1)
 
 
 def _members(registry) -> dict[str, list[str]]:
@@ -49,7 +41,7 @@ def test_serving_goes_on_through_a_server_and_then_the_leader_stopping(ensemble)
 
     everyone = {"prefill": ["p0"], "decode": ["d0"]}
     try:
-        _wait(lambda: _members(registry) == everyone)
+        wait_until(timeout=90, predicate=lambda: _members(registry) == everyone)
         ask("all three servers")
         leader = ensemble.leader()
         follower = next(i for i in range(3) if i != leader)
@@ -62,12 +54,12 @@ def test_serving_goes_on_through_a_server_and_then_the_leader_stopping(ensemble)
         ensemble.start(follower)
         ensemble.start(leader)
         ensemble.wait_for_quorum()
-        _wait(lambda: _members(registry) == everyone)
+        wait_until(timeout=90, predicate=lambda: _members(registry) == everyone)
         ask("both back")
         newcomer = ZooKeeperRegistry(ensemble.hosts, "/pdtest")  # ZooKeeper takes writes
         newcomer.register(Instance("p1", "chat", "prefill", "127.0.0.1:1", "127.0.0.1:1",
                                    "tiny"))
-        _wait(lambda: _members(registry)["prefill"] == ["p0", "p1"])
+        wait_until(timeout=90, predicate=lambda: _members(registry)["prefill"] == ["p0", "p1"])
         newcomer.close()
     finally:
         print({phase: f"{s.count(200)}/{len(s)} answered" for phase, s in statuses.items()})
