@@ -75,12 +75,14 @@ class Group:
     """Named members listed in a memory registry the gateway reads."""
 
     members: dict[str, Server] = field(default_factory=dict)
+    roles: dict[str, str] = field(default_factory=dict)
     registry: MemoryRegistry = field(default_factory=MemoryRegistry)
     gateway: GatewayThread | None = None
 
     def add(self, name: str, role: str, server: Server | None = None) -> Server:
         server = server or start_member()
         self.members[name] = server
+        self.roles[name] = role
         self.registry.register(listing(server, role, name))
         return server
 
@@ -88,6 +90,7 @@ class Group:
         """Leaves the registry, as its ZooKeeper node would when its session expires."""
         self.registry.unregister(name)
         self.members.pop(name, None)
+        self.roles.pop(name, None)
 
     def open_gateway(self, **options) -> GatewayThread:
         self.gateway = GatewayThread(self.registry, cluster_secret=SECRET, **options)
