@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -106,6 +107,18 @@ class Group:
     def retries(self, stage: str) -> float:
         key = f'pdserve_gateway_retries_total{{scenario="{SCENARIO}",stage="{stage}"}}'
         return self.gateway.http.metrics().get(key, 0.0)
+
+
+def start_group(**gateway_options) -> Group:
+    """p0 and p1 (prefill), d0 and d1 (decode), started side by side, and a gateway."""
+    group = Group()
+    with ThreadPoolExecutor(4) as pool:
+        servers = list(pool.map(lambda _: start_member(), range(4)))
+    for name, role, server in zip(("p0", "p1", "d0", "d1"), ("prefill",) * 2 + ("decode",) * 2,
+                                  servers, strict=True):
+        group.add(name, role, server)
+    group.open_gateway(**gateway_options)
+    return group
 
 
 @dataclass

@@ -8,12 +8,11 @@ import asyncio
 import random
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
 
-from tests.cluster.group import Group, kill, start_member, stream, wait_until
+from tests.cluster.group import Group, kill, start_group, stream, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -69,13 +68,7 @@ class Chaos:
 
 @pytest.fixture
 def group():
-    group = Group()
-    with ThreadPoolExecutor(4) as pool:
-        servers = list(pool.map(lambda _: start_member(), range(4)))
-    for name, role, server in zip(("p0", "p1", "d0", "d1"), ("prefill",) * 2 + ("decode",) * 2,
-                                  servers, strict=True):
-        group.add(name, role, server)
-    group.open_gateway(max_attempts=8)
+    group = start_group(max_attempts=8)
     yield group
     group.close()
 

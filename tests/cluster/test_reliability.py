@@ -10,7 +10,6 @@ import json
 import socket
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
@@ -19,12 +18,11 @@ from pdserve.cluster.registry import Instance, MemoryRegistry
 from tests.cluster.group import (
     SCENARIO,
     SECRET,
-    Group,
     freeze,
     kill,
     listing,
     pd_info,
-    start_member,
+    start_group,
     stream,
     thaw,
     wait_until,
@@ -44,14 +42,8 @@ LONG_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Tell a l
 
 @pytest.fixture(scope="module")
 def group():
-    group = Group()
-    with ThreadPoolExecutor(4) as pool:
-        servers = list(pool.map(lambda _: start_member(), range(4)))
-    for name, role, server in zip(("p0", "p1", "d0", "d1"), ("prefill",) * 2 + ("decode",) * 2,
-                                  servers, strict=True):
-        group.add(name, role, server)
     # No refusals: the spread test must see where the gateway places work, not admission.
-    group.open_gateway(ttft_slo_ms=1e6)
+    group = start_group(ttft_slo_ms=1e6)
     yield group
     group.close()
 
