@@ -1,7 +1,8 @@
 """The gateway: one OpenAI-compatible front for P/D groups (P/D-Serve).
 
 Per request: pick the scenario (a header, else the default), pick the decode instance of
-that scenario's group with the fewest streams from here, then offer the prefill to the
+that scenario's group with the fewest requests placed on it from here (counted from the
+pick), then offer the prefill to the
 group's prefill instances, least busy first. A prefill instance that could not start it in
 time answers 429 at once (``pdserve/server/pd.py``); the gateway offers it to the next one.
 When all refuse, the request waits in line here (first come, first served) and is offered
@@ -9,7 +10,13 @@ again as soon as a prefill this gateway placed ends, or after ``retry_poll_ms``,
 ``max_wait_s`` - it waits where every instance is a candidate, never blindly in one
 instance's queue. The chosen prefill instance ships the
 KV straight to the decode instance; the gateway then asks the decode instance for the
-answer and relays its bytes (streamed or not) unchanged.
+answer and relays it.
+
+Nothing is lost to a failed instance: a request one fails (it dies, hangs up, loses the
+KV, answers 5xx) runs again on others, up to ``max_attempts``. A stream resumes where it
+broke: the decode instance's chunks name their token ids (``pdserve_token_ids``, stripped
+here), and the next attempt prefills prompt + the tokens sent and goes on in the same
+stream (``docs/reliability.md``).
 
 ``--dispatch least-connections`` and ``round-robin`` are the blind baselines P/D-Serve
 compares against: the gateway places each prefill by its own count of prefills in flight,
@@ -95,6 +102,8 @@ class Gateway:
         if config.dispatch not in DISPATCH:
             raise ValueError(f"--dispatch must be one of {', '.join(DISPATCH)}, "
                              f"not {config.dispatch!r}")
+        if config.max_attempts < 1:
+            raise ValueError(f"--max-attempts must be at least 1, not {config.max_attempts}")
         self.registry = registry
         self.config = config
         self.metrics = GatewayMetrics()

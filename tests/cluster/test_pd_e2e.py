@@ -294,6 +294,8 @@ def test_blind_dispatch_never_lets_an_instance_refuse(instances, registry, dispa
 def test_unknown_dispatch_is_refused(registry):
     with pytest.raises(ValueError, match="--dispatch must be one of"):
         GatewayThread(registry, dispatch="random")
+    with pytest.raises(ValueError, match="--max-attempts must be at least 1"):
+        GatewayThread(registry, max_attempts=0)
 
 
 class DyingDecodeInstance(StandIn):
