@@ -85,6 +85,7 @@ class Job:
     scenario: str
     start: float
     sent_ids: list[int] = field(default_factory=list)
+    sent_chars: int = 0  # characters of text the client got (may lag ``sent_ids``)
     out: web.StreamResponse | None = None  # the client's stream, once its headers are out
     identity: tuple[Any, Any] | None = None  # the first chunk's id and created
     first_at: float | None = None
@@ -288,7 +289,7 @@ class Gateway:
                "first_token": answer["first_token"],
                "first_logprob": answer.get("first_logprob"),
                "num_cached_tokens": answer.get("num_cached_tokens", 0),
-               "resume_token_ids": job.sent_ids}
+               "resume_token_ids": job.sent_ids, "resume_text_chars": job.sent_chars}
         try:
             async with self._session.post(f"http://{decode.http}/pd/decode", json=ask,
                                           headers=self._headers()) as resp:
@@ -340,8 +341,9 @@ class Gateway:
         if "error" in chunk:
             raise InstanceFailed(decode, f"failed mid-answer: {chunk['error'].get('message')}")
         job.sent_ids += chunk.pop("pdserve_token_ids", [])
-        if any(c.get("finish_reason") for c in chunk.get("choices", ())):
-            job.finished = True
+        for choice in chunk.get("choices", ()):
+            job.sent_chars += len(_choice_text(choice))
+            job.finished = job.finished or bool(choice.get("finish_reason"))
         return P.sse(_continuing(job, chunk))
 
     async def _send(self, job: Job, resp: aiohttp.ClientResponse, event: bytes) -> None:
@@ -436,6 +438,12 @@ async def _upstream_lines(resp: aiohttp.ClientResponse, decode: Instance
     except (aiohttp.ClientError, OSError, ValueError) as exc:
         raise InstanceFailed(decode, f"failed mid-answer: {exc or type(exc).__name__}"
                              ) from None
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    delta = choice.get("delta")
+    text = choice.get("text") if delta is None else delta.get("content")
+    return text or ""
 
 
 def _continuing(job: Job, chunk: dict[str, Any]) -> dict[str, Any]:

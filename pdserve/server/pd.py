@@ -16,9 +16,11 @@
   gateway keeps them (and strips them) so that it can resume the answer elsewhere.
 
 Resuming: both routes take ``resume_token_ids``, output tokens an instance that failed had
-already streamed. They follow the prompt's ids as if they were prompt, the sampling budget
-shrinks by as many, and the answer counts them as output (usage, stop strings, text held
-back by the detokenizer): the client's stream goes on where it broke.
+already streamed, and ``/pd/decode`` also ``resume_text_chars``, the characters of text the
+client got. The tokens follow the prompt's ids as if they were prompt, the sampling budget
+shrinks by as many, and the answer counts them as output (usage, stop strings); text the
+failed instance's detokenizer still held back goes out first: the client's stream goes on
+exactly where it broke.
 
 With a cluster secret set (``--cluster-secret`` or ``PDSERVE_CLUSTER_SECRET``), every
 ``/pd/`` route needs the header ``X-PDServe-Cluster-Secret`` (compared in constant time);
@@ -41,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
 from pdserve.server import protocol as P
-from pdserve.server.serving import OpenAIServing, resumed_params
+from pdserve.server.serving import OpenAIServing, Resumed, resumed_params
 
 RATE_SMOOTHING = 0.3  # weight of the newest prefill in the throughput estimate
 SECRET_HEADER = "X-PDServe-Cluster-Secret"
@@ -167,8 +169,8 @@ class PDRoutes:
         transfer_id, target = _get_str(body, "transfer_id"), _get_str(body, "kv_target")
         budget_ms = P.get_number(body, "ttft_budget_ms")
         fmt, prompt_ids, default_max = await self.serving.prepare(*_inner(body))
-        resumed = self._resumed(body)
-        params = resumed_params(self.serving.params(fmt, prompt_ids, default_max), resumed)
+        resumed = self._resumed(body).token_ids
+        params = resumed_params(self.serving.params(fmt, prompt_ids, default_max), len(resumed))
         prompt_ids = prompt_ids + resumed
         self.admission.admit(len(prompt_ids), budget_ms)
         arrival, computed = time.monotonic(), None
@@ -201,10 +203,10 @@ class PDRoutes:
         return await self.serving.run(http, fmt, prompt_ids, default_max, handoff,
                                       self._resumed(body))
 
-    def _resumed(self, body: dict) -> list[int]:
-        resumed = P.get_int_list(body, "resume_token_ids")
-        P.check_token_ids(resumed, self.serving.client.vocab_size)
-        return resumed
+    def _resumed(self, body: dict) -> Resumed:
+        token_ids = P.get_int_list(body, "resume_token_ids")
+        P.check_token_ids(token_ids, self.serving.client.vocab_size)
+        return Resumed(token_ids, _get_count(body, "resume_text_chars", 0))
 
 
 async def _first_token(stream) -> dict[str, Any]:

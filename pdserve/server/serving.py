@@ -34,26 +34,47 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 INLINE_WRITE_LIMIT = 16 * 1024
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """Output an instance that failed had already streamed (``pdserve/server/pd.py``): its
+    token ids, and how many characters of text the client got. The detokenizer may have
+    held back the text of the last tokens (a partial character, a possible stop string), so
+    the two need not match."""
+
+    token_ids: list[int]
+    text_chars: int
+
+
 class Generation:
     """One request in flight: engine deltas in, ``Piece``s out."""
 
     def __init__(self, client: EngineClient, stream: RequestStream, tokenizer: Tokenizer,
                  prompt_ids: list[int], params: SamplingParams, skip_special: bool,
-                 resumed: list[int] | None = None) -> None:
+                 resumed: Resumed | None = None) -> None:
         self.client = client
         self.stream = stream
         self.tokenizer = tokenizer
         self.want_logprobs = params.logprobs
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop, skip_special)
-        # A resumed answer (see ``pdserve/server/pd.py``): the text of these tokens went out
-        # from the instance that failed; only what the detokenizer still held back is new.
-        self.detok.push(resumed or [])
         self.num_prompt_tokens = len(prompt_ids)
-        self.num_generated = len(resumed or [])
+        self.num_generated = 0
+        self._unsent = ""  # text of resumed tokens the client has not got yet
+        self._skip = 0  # characters of coming text the client already got
+        if resumed is not None:
+            self._resume(resumed)
         self.num_cached = 0
         self.engine_arrival: float | None = None
         self.timing = RequestTiming(arrival=stream.arrival_time)
         self.done = False
+
+    def _resume(self, resumed: Resumed) -> None:
+        """Both instances' detokenizers emit prefixes of one text: what this one emits for
+        the resumed tokens beyond what the client got is sent first; if it emits less, that
+        much of its coming text is dropped."""
+        text = self.detok.push(resumed.token_ids)
+        self.num_generated = len(resumed.token_ids)
+        self._unsent = text[resumed.text_chars:]
+        self._skip = max(0, resumed.text_chars - len(text))
 
     async def pieces(self) -> AsyncIterator[P.Piece]:
         """Yields until a piece carries the finish reason; raises ``APIError`` on failure."""
@@ -101,6 +122,10 @@ class Generation:
         text = self.detok.push(ids)
         if reason is not None and not self.detok.stopped:
             text += self.detok.flush()
+        if self._unsent or self._skip:
+            skipped = min(self._skip, len(text))
+            text, self._unsent = self._unsent + text[skipped:], ""
+            self._skip -= skipped
         return text
 
     def usage(self) -> dict[str, Any]:
@@ -233,14 +258,14 @@ class OpenAIServing:
 
     async def run(self, http: web.Request, fmt: Format, prompt_ids: list[int],
                    default_max_tokens: int | None, handoff: KVHandoff | None = None,
-                   resumed: list[int] | None = None) -> web.StreamResponse:
+                   resumed: Resumed | None = None) -> web.StreamResponse:
         """Answers the request; ``handoff``: the prompt was prefilled on another instance;
         ``resumed``: output tokens another instance already sent (the engine runs them as
         prompt, the answer counts them as output)."""
         arrival = time.monotonic()
-        params = resumed_params(self.params(fmt, prompt_ids, default_max_tokens), resumed)
-        stream = self.client.add(fmt.request_id, prompt_ids + (resumed or []), params, arrival,
-                                 handoff)
+        done = resumed.token_ids if resumed else []
+        params = resumed_params(self.params(fmt, prompt_ids, default_max_tokens), len(done))
+        stream = self.client.add(fmt.request_id, prompt_ids + done, params, arrival, handoff)
         gen = Generation(self.client, stream, self.tokenizer, prompt_ids, params,
                          fmt.sampling.skip_special_tokens, resumed)
         try:
@@ -410,11 +435,10 @@ class _SSEWriter:
         await self.response.write_eof()
 
 
-def resumed_params(params: SamplingParams, resumed: list[int] | None) -> SamplingParams:
-    """The sampling left for an answer whose first ``len(resumed)`` tokens are already out."""
-    if not resumed:
+def resumed_params(params: SamplingParams, done: int) -> SamplingParams:
+    """The sampling left for an answer whose first ``done`` tokens are already out."""
+    if not done:
         return params
-    done = len(resumed)
     if done >= params.max_tokens:
         raise P.bad_request(f"{done} resumed tokens leave nothing of max_tokens "
                             f"({params.max_tokens}) to generate", param="resume_token_ids")

@@ -18,6 +18,7 @@ from pdserve.cluster.registry import Instance, MemoryRegistry
 from tests.cluster.group import (
     SCENARIO,
     SECRET,
+    Group,
     freeze,
     kill,
     listing,
@@ -260,3 +261,42 @@ def test_internal_routes_need_the_cluster_secret_not_an_api_key(group):
     assert pd_info(server)["model"] == "tiny"
     for member in group.members.values():
         assert SECRET not in member.log_text()
+
+
+async def _internal_answer(group: Group, resume_ids: list[int], resume_chars: int
+                           ) -> tuple[str, list[int]]:
+    """A chat stream straight from p1 and d1's internal routes: its text and token ids."""
+    p1, d1 = group.members["p1"], group.members["d1"]
+    headers = {"X-PDServe-Cluster-Secret": SECRET}
+    request = {**LONG_CHAT, "stream": True}
+    offer = {"kind": "chat", "request": request, "transfer_id": f"t{len(resume_ids)}",
+             "kv_target": pd_info(d1)["kv_address"], "resume_token_ids": resume_ids}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        async with session.post(p1.url + "/pd/prefill", json=offer) as resp:
+            first = await resp.json()
+        ask = {"kind": "chat", "request": request, "transfer_id": offer["transfer_id"],
+               "first_token": first["first_token"], "resume_token_ids": resume_ids,
+               "resume_text_chars": resume_chars}
+        text, ids = "", []
+        async with session.post(d1.url + "/pd/decode", json=ask) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    chunk = json.loads(line[6:])
+                    ids += chunk.get("pdserve_token_ids", [])
+                    for choice in chunk["choices"]:
+                        text += choice["delta"].get("content") or ""
+    return text, ids
+
+
+def test_a_resumed_answer_sends_exactly_the_text_the_client_lacks(group, reference):
+    """Resumed after 10 tokens, whatever part of the text the client holds (it depends on
+    where the failed instance's detokenizer held text back): the new instance sends exactly
+    the rest, and the token ids go on where they stopped."""
+    want = _text(reference["chat"])
+    text, ids = asyncio.run(_internal_answer(group, [], 0))
+    assert text == want and len(ids) == LONG_CHAT["max_tokens"]
+    # Fewer characters than 10 tokens make (the rest of theirs goes first) or more (the
+    # coming text is cut by the difference): either way exactly the rest of the answer.
+    for chars in (0, 3, len(want) // 3, len(want) // 2):
+        text, rest = asyncio.run(_internal_answer(group, ids[:10], chars))
+        assert text == want[chars:] and rest == ids[10:]
