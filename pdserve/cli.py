@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import socket
 import sys
@@ -157,7 +158,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     lifecycle = None
     if args.instance.role is not None:
         from pdserve.cluster.instance import GroupMembership
+        from pdserve.server.pd import resolve_secret
 
+        if resolve_secret(args.server_config.cluster_secret) is None:
+            logging.getLogger("pdserve.instance").warning(
+                "no --cluster-secret: anyone who reaches this instance can call its /pd/ "
+                "routes; set one (or $PDSERVE_CLUSTER_SECRET) on every member and the gateway")
         model = args.server_config.served_model_name[0]
         lifecycle = GroupMembership(args.instance, args.server_config.port, model)
     serve(args.engine_config, args.server_config, lifecycle=lifecycle)

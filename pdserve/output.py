@@ -45,6 +45,8 @@ class OutputProcessor:
         self.finished = False
         self.num_generated = 0
         self.num_cached_tokens = 0
+        self._unsent = ""  # resumed text the client has not got yet
+        self._skip = 0  # characters of coming text the client already got
 
     def process(self, updates: Iterable[RequestUpdate]) -> OutputDelta:
         """The output these updates add; nothing once the request has finished."""
@@ -52,6 +54,7 @@ class OutputProcessor:
             return OutputDelta("", [], [], [] if self.want_logprobs else None)
         ids, logprobs, reason = self._gather(updates)
         text, ids = self._text(ids, reason)
+        text = self._after_resume(text)
         logprobs = logprobs[:len(ids)]
         abort = self.detok.stopped and reason is None
         if self.detok.stopped:
@@ -60,6 +63,24 @@ class OutputProcessor:
         self.num_generated += len(ids)
         return OutputDelta(text, ids, self._token_texts(ids),
                            logprobs if self.want_logprobs else None, reason, abort)
+
+    def resume(self, token_ids: list[int], text_chars: int) -> None:
+        """Output another instance already streamed (P/D resume): ``token_ids``, of whose text
+        the client got ``text_chars`` characters. Both detokenizers emit prefixes of one
+        text: what this one emits beyond what the client got goes out first; if it emits
+        less (text held back there), that much of the coming text is dropped."""
+        text = self.detok.push(token_ids)
+        self.num_generated += len(token_ids)
+        self._unsent = text[text_chars:]
+        self._skip = max(0, text_chars - len(text))
+
+    def _after_resume(self, text: str) -> str:
+        if not (self._unsent or self._skip):
+            return text
+        skipped = min(self._skip, len(text))
+        text, self._unsent = self._unsent + text[skipped:], ""
+        self._skip -= skipped
+        return text
 
     def _gather(self, updates: Iterable[RequestUpdate]
                 ) -> tuple[list[int], list[float], str | None]:

@@ -15,6 +15,7 @@ from pdserve.cluster.gateway import Gateway
 from pdserve.cluster.ratio import RatioController
 from pdserve.cluster.registry import Registry, make_registry
 from pdserve.server import protocol as P
+from pdserve.server.limits import HTTPLimits
 from pdserve.server.metrics import CONTENT_TYPE
 
 log = logging.getLogger("pdserve.gateway")
@@ -22,7 +23,9 @@ GATEWAY_KEY = web.AppKey("gateway", Gateway)
 
 
 def build_gateway_app(gateway: Gateway) -> web.Application:
-    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[_errors, _api_key])
+    limits = HTTPLimits.of(gateway.config)
+    app = web.Application(client_max_size=limits.max_body_bytes,
+                          middlewares=[_errors, _api_key, limits.middleware()])
     app[GATEWAY_KEY] = gateway
     app.router.add_post("/v1/completions", _forward("completions"))
     app.router.add_post("/v1/chat/completions", _forward("chat"))
@@ -106,7 +109,8 @@ async def start_gateway(config: GatewayConfig, registry: Registry | None = None
     gateway = Gateway(registry or make_registry(config.registry), config)
     await gateway.start()
     runner = web.AppRunner(build_gateway_app(gateway), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=1.0)
+                           access_log=None, shutdown_timeout=1.0,
+                           **HTTPLimits.of(config).runner_options())
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     ratio = None

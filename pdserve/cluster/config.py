@@ -28,9 +28,21 @@ class GatewayConfig:
                                "again when a prefill this gateway placed ends, or after this "
                                "long (room freed by other gateways).")
     connect_timeout: float = doc(5.0, "Seconds to connect to an instance.")
-    api_key: str | None = doc(None, "If set, clients need 'Authorization: Bearer KEY'; the "
-                              "gateway sends the same key to the instances.")
+    stall_timeout_s: float = doc(120.0, "An instance that sends nothing for this long while "
+                                 "it prefills or streams an answer counts as failed.")
+    max_attempts: int = doc(4, "Instances one request may be tried on: one that fails (dies, "
+                            "loses the KV, answers 5xx) hands the request to another; a "
+                            "stream resumes after the tokens the client already has.")
+    api_key: str | None = doc(None, "If set, clients need 'Authorization: Bearer KEY'.")
+    cluster_secret: str | None = doc(None, "Secret sent to the instances' internal /pd/ "
+                                     "routes (their --cluster-secret); default: "
+                                     "$PDSERVE_CLUSTER_SECRET.")
     retry_after: int = doc(1, "Seconds sent in Retry-After with 429 and 503 answers.")
+    max_request_bytes: int = doc(16 * 1024 * 1024, "Largest HTTP request body accepted.")
+    body_timeout_s: float = doc(30.0, "A request's body must arrive within this long (a slow "
+                                "or stalled client gets 408).")
+    max_concurrent_requests: int = doc(4096, "Requests answered at once, streams included; "
+                                       "more get 429 with Retry-After.")
     ratio_interval_s: float = doc(0.0, "Dynamic P/D ratio: seconds between the controller's "
                                   "looks at each scenario's latencies; 0 disables it.")
 

@@ -1,7 +1,8 @@
 """The gateway: one OpenAI-compatible front for P/D groups (P/D-Serve).
 
 Per request: pick the scenario (a header, else the default), pick the decode instance of
-that scenario's group with the fewest streams from here, then offer the prefill to the
+that scenario's group with the fewest requests placed on it from here (counted from the
+pick), then offer the prefill to the
 group's prefill instances, least busy first. A prefill instance that could not start it in
 time answers 429 at once (``pdserve/server/pd.py``); the gateway offers it to the next one.
 When all refuse, the request waits in line here (first come, first served) and is offered
@@ -9,7 +10,13 @@ again as soon as a prefill this gateway placed ends, or after ``retry_poll_ms``,
 ``max_wait_s`` - it waits where every instance is a candidate, never blindly in one
 instance's queue. The chosen prefill instance ships the
 KV straight to the decode instance; the gateway then asks the decode instance for the
-answer and relays its bytes (streamed or not) unchanged.
+answer and relays it.
+
+Nothing is lost to a failed instance: a request one fails (it dies, hangs up, loses the
+KV, answers 5xx) runs again on others, up to ``max_attempts``. A stream resumes where it
+broke: the decode instance's chunks name their token ids (``pdserve_token_ids``, stripped
+here), and the next attempt prefills prompt + the tokens sent and goes on in the same
+stream (``docs/reliability.md``).
 
 ``--dispatch least-connections`` and ``round-robin`` are the blind baselines P/D-Serve
 compares against: the gateway places each prefill by its own count of prefills in flight,
@@ -20,11 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 import uuid
 from collections import Counter, deque
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -34,6 +43,7 @@ from pdserve.cluster.config import GatewayConfig
 from pdserve.cluster.metrics import GatewayMetrics
 from pdserve.cluster.registry import Instance, Registry
 from pdserve.server import protocol as P
+from pdserve.server.pd import resolve_secret, secret_headers
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -42,10 +52,50 @@ RELAYED_ERRORS = (400, 401, 404, 413)  # the request itself is wrong: no other i
 INSTANCE_COOLDOWN_S = 5.0  # an instance that failed to answer is skipped this long
 
 
+class ClientGone(Exception):
+    """The client hung up mid-answer: nobody is left to answer (no retry)."""
+
+
+class InstanceFailed(Exception):
+    """An instance failed a request it had taken (it died, hung up, lost the KV, answered
+    5xx): the gateway gives the request to another one, and skips this one a while unless
+    ``busy`` (a full queue is no failure)."""
+
+    def __init__(self, instance: Instance, message: str, busy: bool = False) -> None:
+        super().__init__(f"{instance.role} instance {instance.instance_id} {message}")
+        self.instance = instance
+        self.busy = busy
+
+
 @dataclass
 class Prefilled:
     instance: Instance
     answer: dict[str, Any]
+
+
+@dataclass
+class Job:
+    """One client request on its way through the group, over as many attempts as it needs.
+    ``sent_ids`` are the output tokens the client already has: a later attempt resumes
+    after them."""
+
+    http: web.Request
+    kind: str
+    body: dict[str, Any]
+    scenario: str
+    start: float
+    sent_ids: list[int] = field(default_factory=list)
+    sent_chars: int = 0  # characters of text the client got (may lag ``sent_ids``)
+    out: web.StreamResponse | None = None  # the client's stream, once its headers are out
+    identity: tuple[Any, Any] | None = None  # the first chunk's id and created
+    first_at: float | None = None
+    finished: bool = False  # the answer's finish reason went out
+    done: bool = False  # [DONE] went out
+    prefilled: bool = False  # counted once in the ratio window, however many attempts
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
 
 
 class Gateway:
@@ -53,19 +103,25 @@ class Gateway:
         if config.dispatch not in DISPATCH:
             raise ValueError(f"--dispatch must be one of {', '.join(DISPATCH)}, "
                              f"not {config.dispatch!r}")
+        if config.max_attempts < 1:
+            raise ValueError(f"--max-attempts must be at least 1, not {config.max_attempts}")
         self.registry = registry
         self.config = config
         self.metrics = GatewayMetrics()
         self.prefill_load: Counter[str] = Counter()  # prefills in flight, by instance id
-        self.decode_load: Counter[str] = Counter()  # answers being relayed, by instance id
+        # Requests placed on each decode instance, counted from the moment of the pick (not
+        # when their answer starts), so that a burst spreads over the instances.
+        self.decode_load: Counter[str] = Counter()
         self._failed_at: dict[str, float] = {}
         self._turn = 0  # round-robin position
         self._lines: dict[str, WaitLine] = {}  # refused requests, by scenario
         self._session: aiohttp.ClientSession | None = None
         self._model_lens: dict[str, int] = {}  # max_model_len, by instance id
+        self._secret_headers = secret_headers(resolve_secret(config.cluster_secret))
 
     async def start(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
+                                        sock_read=self.config.stall_timeout_s)
         connector = aiohttp.TCPConnector(limit=0)  # every stream holds a connection
         self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
 
@@ -76,25 +132,55 @@ class Gateway:
     # ---- one request --------------------------------------------------------------------
 
     async def forward(self, http: web.Request, kind: str) -> web.StreamResponse:
-        start = time.monotonic()
         body = P.parse_json_body(await http.read())
-        scenario = self._scenario(http)
-        decode = self._pick_decode(scenario)
-        transfer_id = uuid.uuid4().hex
+        job = Job(http, kind, body, self._scenario(http), time.monotonic())
         # The ratio controller's window follows each request through prefill and decode.
-        self.metrics.arrived(scenario)
+        self.metrics.arrived(job.scenario)
         try:
-            prefilled = await self._prefill(scenario, kind, body, transfer_id, decode, start)
+            return await self._attempts(job)
+        except ClientGone:
+            log.info("client hung up mid-answer")
+            return job.out
         except P.APIError as exc:
             if exc.status in RELAYED_ERRORS:  # the request's own fault, not load
-                self.metrics.withdrawn(scenario)
-            raise
-        self.metrics.prefilled(scenario, time.monotonic() - start)
-        try:
-            return await self._relay_decode(http, kind, body, transfer_id, decode, prefilled,
-                                            scenario, start)
+                self.metrics.withdrawn(job.scenario)
+            if job.out is None:
+                raise
+            return await self._end_with_error(job, exc)
         finally:
-            self.metrics.decode_ended(scenario)
+            if job.prefilled:
+                self.metrics.decode_ended(job.scenario)
+
+    async def _attempts(self, job: Job) -> web.StreamResponse:
+        """Runs the request until one attempt answers it, each failed one on other
+        instances (a failed instance is skipped for ``INSTANCE_COOLDOWN_S``)."""
+        for attempt in range(1, self.config.max_attempts + 1):
+            try:
+                return await self._attempt(job)
+            except InstanceFailed as exc:
+                if not exc.busy:
+                    self._failed_at[exc.instance.instance_id] = time.monotonic()
+                stage = "resume" if job.out is not None else "prefill"
+                log.warning("attempt %d of %d failed (%s): %s", attempt,
+                            self.config.max_attempts, stage, exc)
+                if job.finished:  # every token is out: only the stream's end was lost
+                    return await self._finish(job)
+                self.metrics.count_retry(job.scenario, stage)
+        raise P.APIError(503, f"the request failed on {self.config.max_attempts} instances; "
+                         "retry it", code="instances_failed")
+
+    async def _attempt(self, job: Job) -> web.StreamResponse:
+        decode = self._pick_decode(job.scenario)
+        self.decode_load[decode.instance_id] += 1  # taken now, before any await
+        try:
+            transfer_id = uuid.uuid4().hex  # fresh per attempt: a failed one's KV may linger
+            prefilled = await self._prefill(job, transfer_id, decode)
+            if not job.prefilled:
+                job.prefilled = True
+                self.metrics.prefilled(job.scenario, time.monotonic() - job.start)
+            return await self._decode(job, transfer_id, decode, prefilled)
+        finally:
+            self.decode_load[decode.instance_id] -= 1
 
     def _scenario(self, http: web.Request) -> str:
         scenario = http.headers.get(self.config.scenario_header, self.config.default_scenario)
@@ -107,48 +193,55 @@ class Gateway:
     def _pick_decode(self, scenario: str) -> Instance:
         candidates = self._live(scenario, "decode")
         if not candidates:
-            raise P.APIError(503, f"no decode instance serves scenario '{scenario}'")
+            raise P.APIError(503, f"no decode instance serves scenario '{scenario}'"
+                             + self._cooling(scenario, "decode"))
         return min(candidates, key=lambda i: (self.decode_load[i.instance_id], i.instance_id))
+
+    def _cooling(self, scenario: str, role: str) -> str:
+        listed = len(self.registry.instances(scenario, role))
+        return f" ({listed} listed, each failed in the last {INSTANCE_COOLDOWN_S:.0f} s)" \
+            if listed else ""
 
     def _live(self, scenario: str, role: str) -> list[Instance]:
         now = time.monotonic()
         return [i for i in self.registry.instances(scenario, role)
                 if now - self._failed_at.get(i.instance_id, -1e9) > INSTANCE_COOLDOWN_S]
 
-    async def _prefill(self, scenario: str, kind: str, body: dict, transfer_id: str,
-                       decode: Instance, start: float) -> Prefilled:
+    async def _prefill(self, job: Job, transfer_id: str, decode: Instance) -> Prefilled:
         """Offers the prefill round the group until one instance takes it. Refused requests
         wait in line at the gateway, first come first served, and a newcomer queues behind
         them rather than jumping ahead."""
-        line = self._lines.setdefault(scenario, WaitLine())
+        line = self._lines.setdefault(job.scenario, WaitLine())
         poll_s = self.config.retry_poll_ms / 1e3
         if len(line):
             await line.wait(poll_s, first=False)
         for round_number in itertools.count():
-            for instance in self._prefill_order(scenario):
-                answer = await self._offer(instance, kind, body, transfer_id, decode, start)
+            for instance in self._prefill_order(job.scenario):
+                answer = await self._offer(instance, job, transfer_id, decode)
                 if answer is not None:
                     return Prefilled(instance, answer)
             if round_number == 0:
-                self.metrics.count_refused_request(scenario)
-            if time.monotonic() - start + poll_s > self.config.max_wait_s:
-                self.metrics.count_unserved(scenario)
-                raise P.APIError(503, f"every prefill instance of scenario '{scenario}' stayed "
-                                 f"busy for {self.config.max_wait_s:.0f} s")
+                self.metrics.count_refused_request(job.scenario)
+            if time.monotonic() - job.start + poll_s > self.config.max_wait_s:
+                self.metrics.count_unserved(job.scenario)
+                raise P.APIError(503, f"every prefill instance of scenario '{job.scenario}' "
+                                 f"stayed busy for {self.config.max_wait_s:.0f} s")
             await line.wait(poll_s, first=True)
 
     def _prefill_order(self, scenario: str) -> list[Instance]:
         candidates = self._live(scenario, "prefill")
-        if not candidates and not self.registry.instances(scenario, "prefill"):
-            raise P.APIError(503, f"no prefill instance serves scenario '{scenario}'")
+        if not candidates:
+            raise P.APIError(503, f"no prefill instance serves scenario '{scenario}'"
+                             + self._cooling(scenario, "prefill"))
         self._turn += 1
         return order_prefill(candidates, self.config.dispatch, self.prefill_load, self._turn)
 
-    async def _offer(self, instance: Instance, kind: str, body: dict, transfer_id: str,
-                     decode: Instance, start: float) -> dict[str, Any] | None:
+    async def _offer(self, instance: Instance, job: Job, transfer_id: str,
+                     decode: Instance) -> dict[str, Any] | None:
         """The prefill's answer, or None if this instance refused or failed."""
-        offer = {"kind": kind, "request": body, "transfer_id": transfer_id,
-                 "kv_target": decode.kv, "ttft_budget_ms": self._ttft_budget_ms(start)}
+        offer = {"kind": job.kind, "request": job.body, "transfer_id": transfer_id,
+                 "kv_target": decode.kv, "ttft_budget_ms": self._ttft_budget_ms(job.start),
+                 "resume_token_ids": job.sent_ids}
         self.prefill_load[instance.instance_id] += 1
         try:
             async with self._session.post(f"http://{instance.http}/pd/prefill", json=offer,
@@ -158,6 +251,7 @@ class Gateway:
         except (aiohttp.ClientError, OSError) as exc:
             log.warning("prefill instance %s failed: %s", instance.instance_id, exc)
             self._failed_at[instance.instance_id] = time.monotonic()
+            self.metrics.count_retry(instance.scenario, "prefill")
             return None
         finally:
             self.prefill_load[instance.instance_id] -= 1
@@ -189,62 +283,98 @@ class Gateway:
             self._failed_at[instance.instance_id] = time.monotonic()
         return None
 
-    async def _relay_decode(self, http: web.Request, kind: str, body: dict, transfer_id: str,
-                            decode: Instance, prefilled: Prefilled, scenario: str,
-                            start: float) -> web.StreamResponse:
+    async def _decode(self, job: Job, transfer_id: str, decode: Instance,
+                      prefilled: Prefilled) -> web.StreamResponse:
         answer = prefilled.answer
-        ask = {"kind": kind, "request": body, "transfer_id": transfer_id,
+        ask = {"kind": job.kind, "request": job.body, "transfer_id": transfer_id,
                "first_token": answer["first_token"],
                "first_logprob": answer.get("first_logprob"),
-               "num_cached_tokens": answer.get("num_cached_tokens", 0)}
-        self.decode_load[decode.instance_id] += 1
+               "num_cached_tokens": answer.get("num_cached_tokens", 0),
+               "resume_token_ids": job.sent_ids, "resume_text_chars": job.sent_chars}
         try:
             async with self._session.post(f"http://{decode.http}/pd/decode", json=ask,
                                           headers=self._headers()) as resp:
-                return await self._relay(http, resp, decode, scenario, start)
-        except (aiohttp.ClientError, OSError) as exc:  # before any byte of the answer
-            self._failed_at[decode.instance_id] = time.monotonic()
-            raise P.APIError(503, f"decode instance {decode.instance_id} failed: {exc}") from None
-        finally:
-            self.decode_load[decode.instance_id] -= 1
-
-    async def _relay(self, http: web.Request, resp: aiohttp.ClientResponse, decode: Instance,
-                     scenario: str, start: float) -> web.StreamResponse:
-        out = web.StreamResponse(status=resp.status, headers=_relay_headers(resp))
-        first = None
-        try:
-            async for data in resp.content.iter_any():
-                if first is None:
-                    first = time.monotonic()
-                    await out.prepare(http)
-                await out.write(data)
+                if resp.status != 200:
+                    return self._decode_refused(job, decode, resp.status, await resp.read())
+                if job.stream:
+                    return await self._relay_stream(job, resp, decode)
+                return await self._relay_whole(job, resp)
         except (aiohttp.ClientError, OSError) as exc:
-            if first is None:
-                raise
-            await self._cut_short(out, decode, exc)
-            return out
-        if first is None:
-            await out.prepare(http)
-        await out.write_eof()
-        end = time.monotonic()
-        self.metrics.answered(scenario, resp.status, (first or end) - start, end - start,
-                              start)
-        return out
+            raise InstanceFailed(decode, f"failed: {exc or type(exc).__name__}") from None
 
-    async def _cut_short(self, out: web.StreamResponse, decode: Instance,
-                         exc: BaseException) -> None:
-        """The decode instance failed mid-answer: a stream ends with an error event, as a
-        server's own failure mid-stream would (headers are already out)."""
-        log.warning("decode instance %s failed mid-answer: %s", decode.instance_id, exc)
-        self._failed_at[decode.instance_id] = time.monotonic()
-        error = P.APIError(503, f"decode instance {decode.instance_id} failed mid-answer")
-        if out.content_type == "text/event-stream":
-            await out.write(P.sse(error.body()) + P.SSE_DONE)
-        await out.write_eof()
+    def _decode_refused(self, job: Job, decode: Instance, status: int,
+                        data: bytes) -> web.StreamResponse:
+        if status in RELAYED_ERRORS:
+            raise _relayed_error(status, data)
+        raise InstanceFailed(decode, f"answered {status}: {_relayed_error(status, data).message}",
+                             busy=status == 429)
+
+    async def _relay_whole(self, job: Job, resp: aiohttp.ClientResponse) -> web.Response:
+        """A non-streamed answer: all of it or nothing reaches the client, so a failed
+        attempt is simply run again."""
+        data = await resp.read()
+        end = time.monotonic()
+        self.metrics.answered(job.scenario, resp.status, end - job.start, end - job.start,
+                              job.start)
+        return web.Response(body=data, status=resp.status, headers=_relay_headers(resp))
+
+    async def _relay_stream(self, job: Job, resp: aiohttp.ClientResponse,
+                            decode: Instance) -> web.StreamResponse:
+        """Relays the decode instance's events; keeps their token ids (and strips them)
+        so that a later attempt can resume right after the last token the client got."""
+        async for line in _upstream_lines(resp, decode):
+            event = self._client_event(job, decode, line)
+            if event:
+                await self._send(job, resp, event)
+            if job.done:
+                return await self._finish(job)
+        raise InstanceFailed(decode, "ended the stream early")
+
+    def _client_event(self, job: Job, decode: Instance, line: bytes) -> bytes:
+        """The event to send the client for one line of the decode instance's stream."""
+        payload = line.removeprefix(b"data:").strip()
+        if not line.startswith(b"data:") or not payload:
+            return b""
+        if payload == b"[DONE]":
+            job.done = True
+            return b""
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            raise InstanceFailed(decode, f"failed mid-answer: {chunk['error'].get('message')}")
+        job.sent_ids += chunk.pop("pdserve_token_ids", [])
+        for choice in chunk.get("choices", ()):
+            job.sent_chars += len(_choice_text(choice))
+            job.finished = job.finished or bool(choice.get("finish_reason"))
+        return P.sse(_continuing(job, chunk))
+
+    async def _send(self, job: Job, resp: aiohttp.ClientResponse, event: bytes) -> None:
+        if job.out is None:
+            job.first_at = time.monotonic()
+            job.out = web.StreamResponse(status=200, headers=_relay_headers(resp))
+            await job.out.prepare(job.http)
+        try:
+            await job.out.write(event)
+        except OSError as exc:  # kept apart from the decode instance's failures
+            raise ClientGone(str(exc)) from None
+
+    async def _finish(self, job: Job) -> web.StreamResponse:
+        await job.out.write(P.SSE_DONE)
+        await job.out.write_eof()
+        end = time.monotonic()
+        self.metrics.answered(job.scenario, 200, (job.first_at or end) - job.start,
+                              end - job.start, job.start)
+        return job.out
+
+    async def _end_with_error(self, job: Job, error: P.APIError) -> web.StreamResponse:
+        """Headers are out: the stream ends with an error event, as a server's own failure
+        mid-stream would."""
+        self.metrics.answered(job.scenario, error.status, 0.0, 0.0, job.start)
+        await job.out.write(P.sse(error.body()) + P.SSE_DONE)
+        await job.out.write_eof()
+        return job.out
 
     def _headers(self) -> dict[str, str]:
-        key = self.config.api_key
-        return {"Authorization": f"Bearer {key}"} if key else {}
+        return self._secret_headers
 
     # ---- what the group looks like ------------------------------------------------------
 
@@ -336,6 +466,38 @@ class WaitLine:
             if not future.done():
                 future.set_result(None)
                 return
+
+
+async def _upstream_lines(resp: aiohttp.ClientResponse, decode: Instance
+                          ) -> AsyncIterator[bytes]:
+    """The decode instance's stream line by line; its failures become ``InstanceFailed``
+    (a failure to write to the client is not one: that happens outside this iterator)."""
+    try:
+        async for line in resp.content:
+            yield line
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
+        raise InstanceFailed(decode, f"failed mid-answer: {exc or type(exc).__name__}"
+                             ) from None
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    delta = choice.get("delta")
+    text = choice.get("text") if delta is None else delta.get("content")
+    return text or ""
+
+
+def _continuing(job: Job, chunk: dict[str, Any]) -> dict[str, Any]:
+    """A chunk as part of the client's one stream: the first attempt's id and created on
+    every chunk, and no second "role" delta from a resumed attempt."""
+    if job.identity is None:
+        job.identity = (chunk.get("id"), chunk.get("created"))
+    elif job.out is not None:
+        for choice in chunk.get("choices", ()):
+            choice.get("delta", {}).pop("role", None)
+    for key, value in zip(("id", "created"), job.identity, strict=True):
+        if key in chunk:
+            chunk[key] = value
+    return chunk
 
 
 def _relay_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:

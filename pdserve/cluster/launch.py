@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -25,6 +26,7 @@ from dataclasses import dataclass, replace
 from pdserve.cluster.app import start_gateway, stop_gateway
 from pdserve.cluster.config import GatewayConfig
 from pdserve.cluster.registry import Instance, Registry, make_registry
+from pdserve.server.pd import SECRET_ENV, resolve_secret, secret_headers
 
 log = logging.getLogger("pdserve.launch")
 HEALTH_TIMEOUT_S = 900.0
@@ -45,7 +47,9 @@ def free_port() -> int:
 
 
 def spawn_members(model: str, num_prefill: int, num_decode: int, serve_args: list[str],
-                  gpus: list[str], registry_url: str, scenario: str) -> list[Member]:
+                  gpus: list[str], registry_url: str, scenario: str,
+                  secret: str | None = None) -> list[Member]:
+    """Starts the instances; ``secret`` reaches them in the environment (not in ``ps``)."""
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
     members = []
     for index, role in enumerate(roles):
@@ -56,13 +60,16 @@ def spawn_members(model: str, num_prefill: int, num_decode: int, serve_args: lis
         if registry_url.startswith("zk://"):
             cmd += ["--role", role, "--registry", registry_url, "--scenario", scenario]
         env = dict(os.environ)
+        if secret:
+            env[SECRET_ENV] = secret
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         members.append(Member(role, port, subprocess.Popen(cmd, env=env), gpu))
     return members
 
 
-def wait_ready(members: list[Member], timeout_s: float = HEALTH_TIMEOUT_S) -> dict[int, dict]:
+def wait_ready(members: list[Member], secret: str | None = None,
+               timeout_s: float = HEALTH_TIMEOUT_S) -> dict[int, dict]:
     """Each member's ``/pd/info`` once it is healthy; raises if one dies or times out."""
     infos, deadline = {}, time.monotonic() + timeout_s
     while len(infos) < len(members):
@@ -72,7 +79,7 @@ def wait_ready(members: list[Member], timeout_s: float = HEALTH_TIMEOUT_S) -> di
             if member.process.poll() is not None:
                 raise RuntimeError(f"the {member.role} instance on port {member.port} exited "
                                    f"with code {member.process.returncode}")
-            info = _info(member.port)
+            info = _info(member.port, secret)
             if info is not None:
                 infos[member.port] = info
         if time.monotonic() > deadline:
@@ -81,12 +88,14 @@ def wait_ready(members: list[Member], timeout_s: float = HEALTH_TIMEOUT_S) -> di
     return infos
 
 
-def _info(port: int) -> dict | None:
+def _info(port: int, secret: str | None) -> dict | None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
             if resp.status != 200:
                 return None
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/pd/info", timeout=2) as resp:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/pd/info",
+                                         headers=secret_headers(secret))
+        with urllib.request.urlopen(request, timeout=2) as resp:
             return json.loads(resp.read())
     except OSError:
         return None
@@ -126,10 +135,14 @@ def stop_members(members: list[Member], timeout_s: float = 60.0) -> None:
 
 async def run_cluster(args: argparse.Namespace, gateway_config: GatewayConfig) -> None:
     gpus = [g for g in args.gpus.split(",") if g] if args.gpus else []
+    # One command, one group: a fresh secret guards its internal routes unless one is given.
+    secret = resolve_secret(gateway_config.cluster_secret) or secrets.token_urlsafe(32)
+    gateway_config = replace(gateway_config, cluster_secret=secret)
     members = spawn_members(args.model, args.prefill, args.decode, args.serve_args, gpus,
-                            gateway_config.registry, gateway_config.default_scenario)
+                            gateway_config.registry, gateway_config.default_scenario, secret)
     try:
-        infos = await asyncio.get_running_loop().run_in_executor(None, wait_ready, members)
+        infos = await asyncio.get_running_loop().run_in_executor(None, wait_ready, members,
+                                                                 secret)
         registry = make_registry(gateway_config.registry)
         if not gateway_config.registry.startswith("zk://"):
             list_members(registry, members, infos, gateway_config.default_scenario)

@@ -110,6 +110,9 @@ class GatewayMetrics:
         self.unserved = Counter("pdserve_gateway_unserved", "Requests every prefill instance "
                                 "refused until max_wait_s (answered 503).", ["scenario"],
                                 registry=r)
+        self.retries = Counter("pdserve_gateway_retries", "Attempts that failed on an "
+                               "instance and went to another one, by what was retried.",
+                               ["scenario", "stage"], registry=r)
         self.moves = Counter("pdserve_gateway_role_moves", "Instances the ratio controller "
                              "moved, by scenario and new role.", ["scenario", "role"],
                              registry=r)
@@ -152,6 +155,11 @@ class GatewayMetrics:
     def count_refused_request(self, scenario: str) -> None:
         """A request no prefill instance took at its first offer round (it had to wait)."""
         self.window(scenario).refused_at_first()
+
+    def count_retry(self, scenario: str, stage: str) -> None:
+        """An instance failed a request: ``stage`` is "prefill" (nothing sent yet, offered
+        afresh) or "resume" (part of the answer was out; it resumes elsewhere)."""
+        self.retries.labels(scenario, stage).inc()
 
     def count_unserved(self, scenario: str) -> None:
         self.unserved.labels(scenario).inc()

@@ -21,6 +21,7 @@ from pdserve.server.auth import APIKeyFileError, is_authorized, load_api_keys
 from pdserve.server.client import EngineClient
 from pdserve.server.config import ServerConfig
 from pdserve.server.engine_process import DEFAULT_CORE
+from pdserve.server.limits import HTTPLimits
 from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from pdserve.server.pd import PDRoutes
 from pdserve.server.serving import OpenAIServing
@@ -29,8 +30,10 @@ from pdserve.server.tokenization import TokenizationRoutes
 logger = logging.getLogger("pdserve.server")
 
 STATE_KEY = web.AppKey("state", object)
-# API key, draining and in-flight counting apply here
+# Draining and in-flight counting apply here; user API keys guard all but /pd/, which has
+# its own cluster secret (pdserve/server/pd.py).
 GUARDED_PATHS = ("/v1", "/pd/", "/tokenize", "/detokenize")
+API_KEY_PATHS = ("/v1", "/tokenize", "/detokenize")
 
 
 @dataclass
@@ -68,8 +71,9 @@ def build_app(client: EngineClient, config: ServerConfig,
         client.tokenizer.chat_template = load_chat_template(config.chat_template)
     serving = OpenAIServing(client, client.tokenizer, names[0], metrics, config.log_requests,
                             tuple(names[1:]), sampling_defaults)
-    app = web.Application(client_max_size=config.max_request_bytes,
-                          middlewares=[_errors, _api_key, _admission])
+    limits = HTTPLimits.of(config)
+    app = web.Application(client_max_size=limits.max_body_bytes,
+                          middlewares=[_errors, _api_key, _admission, limits.middleware()])
     app[STATE_KEY] = state
     app.router.add_post("/v1/completions", serving.completions)
     app.router.add_post("/v1/chat/completions", serving.chat)
@@ -77,7 +81,7 @@ def build_app(client: EngineClient, config: ServerConfig,
     app.router.add_get("/v1/engine/timeline", _timeline)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
-    PDRoutes(serving).add_to(app)
+    PDRoutes(serving, config.cluster_secret).add_to(app)
     TokenizationRoutes(serving).add_to(app)
     return app
 
@@ -120,7 +124,7 @@ def _error_response(request: web.Request, exc: P.APIError) -> web.Response:
 @web.middleware
 async def _api_key(request: web.Request, handler) -> web.StreamResponse:
     keys = _state(request).api_keys
-    if keys and request.path.startswith(GUARDED_PATHS):
+    if keys and request.path.startswith(API_KEY_PATHS):
         if not is_authorized(request.headers.get("Authorization", ""), keys):
             raise P.APIError(401, "invalid or missing API key", code="invalid_api_key")
     return await handler(request)
@@ -228,7 +232,8 @@ async def _serve(engine_config: Any, config: ServerConfig, api_keys: tuple[bytes
     state = app[STATE_KEY]
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup
     # aborts the request and frees its KV blocks at once.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+                           **HTTPLimits.of(config).runner_options())
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     logger.info("serving '%s' on http://%s:%d (max_model_len %d)", state.model_name,

@@ -22,6 +22,9 @@ class ServerConfig:
     api_key_file: str | None = doc(None, "A file of API keys, one per line (blank lines and "
                                    "lines starting with # are skipped); any of them is "
                                    "accepted, as are --api-key and PDSERVE_API_KEY.")
+    cluster_secret: str | None = doc(None, "If set, the internal /pd/ routes (P/D groups) need "
+                                     "it in the X-PDServe-Cluster-Secret header; default: "
+                                     "$PDSERVE_CLUSTER_SECRET. API keys never open them.")
     served_model_name: tuple[str, ...] | None = doc(
         None, "Model name(s) clients may send; the first is the one responses and /v1/models "
         "carry (default: the model argument as given).")
@@ -31,6 +34,10 @@ class ServerConfig:
                                   "before they are aborted.")
     retry_after: int = doc(1, "Seconds sent in Retry-After when the waiting queue is full.")
     max_request_bytes: int = doc(16 * 1024 * 1024, "Largest HTTP request body accepted.")
+    body_timeout_s: float = doc(30.0, "A request's body must arrive within this long (a slow "
+                                "or stalled client gets 408).")
+    max_concurrent_requests: int = doc(4096, "Requests answered at once, streams included; "
+                                       "more get 429 with Retry-After.")
     log_requests: bool = doc(False, "Log one line per finished request.")
     engine_start_timeout: float = doc(600.0, "Seconds the engine process may take to load "
                                       "the model before the server gives up.")

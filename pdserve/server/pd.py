@@ -12,6 +12,19 @@
 - ``POST /pd/decode`` ``{"kind", "request", "transfer_id", "first_token", ...}``: answers
   ``request`` exactly as ``/v1/completions`` or ``/v1/chat/completions`` would (streamed or
   not), decoding from the second token on with the KV that arrived under ``transfer_id``.
+  Each streamed chunk also carries ``pdserve_token_ids``, the ids of its tokens: the
+  gateway keeps them (and strips them) so that it can resume the answer elsewhere.
+
+Resuming: both routes take ``resume_token_ids``, output tokens an instance that failed had
+already streamed, and ``/pd/decode`` also ``resume_text_chars``, the characters of text the
+client got. The tokens follow the prompt's ids as if they were prompt, the sampling budget
+shrinks by as many, and the answer counts them as output (usage, stop strings); text the
+failed instance's detokenizer still held back goes out first: the client's stream goes on
+exactly where it broke.
+
+With a cluster secret set (``--cluster-secret`` or ``PDSERVE_CLUSTER_SECRET``), every
+``/pd/`` route needs the header ``X-PDServe-Cluster-Secret`` (compared in constant time);
+user API keys never open them.
 
 Both instances tokenize the same body with the same tokenizer and template, so they agree
 on the prompt's token ids without sending them.
@@ -19,8 +32,10 @@ on the prompt's token ids without sending them.
 
 from __future__ import annotations
 
+import hmac
+import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from aiohttp import web
@@ -28,9 +43,21 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
 from pdserve.server import protocol as P
-from pdserve.server.serving import OpenAIServing
+from pdserve.server.serving import OpenAIServing, Resumed, resumed_params
 
 RATE_SMOOTHING = 0.3  # weight of the newest prefill in the throughput estimate
+SECRET_HEADER = "X-PDServe-Cluster-Secret"
+SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+
+
+def resolve_secret(flag: str | None) -> str | None:
+    """The cluster secret: the flag, else the environment (kept out of ``ps``), else None."""
+    return flag or os.environ.get(SECRET_ENV) or None
+
+
+def secret_headers(secret: str | None) -> dict[str, str]:
+    """What a caller of the ``/pd/`` routes sends."""
+    return {SECRET_HEADER: secret} if secret else {}
 
 
 class PrefillAdmission:
@@ -104,15 +131,29 @@ class AdmissionCollector:
 
 
 class PDRoutes:
-    def __init__(self, serving: OpenAIServing) -> None:
+    def __init__(self, serving: OpenAIServing, secret: str | None = None) -> None:
         self.serving = serving
+        self.secret = resolve_secret(secret)
         self.admission = PrefillAdmission()
         serving.metrics.registry.register(AdmissionCollector(self.admission))
 
     def add_to(self, app: web.Application) -> None:
-        app.router.add_post("/pd/prefill", self.prefill)
-        app.router.add_post("/pd/decode", self.decode)
-        app.router.add_get("/pd/info", self.info)
+        app.router.add_post("/pd/prefill", self._guarded(self.prefill))
+        app.router.add_post("/pd/decode", self._guarded(self.decode))
+        app.router.add_get("/pd/info", self._guarded(self.info))
+
+    def _guarded(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        secret = self.secret.encode() if self.secret else None
+
+        async def guarded(http: web.Request) -> web.StreamResponse:
+            if secret is not None:
+                given = http.headers.get(SECRET_HEADER, "").encode()
+                if not hmac.compare_digest(given, secret):
+                    raise P.APIError(401, f"the internal /pd/ routes need the cluster secret "
+                                     f"in the {SECRET_HEADER} header", code="invalid_secret")
+            return await handler(http)
+
+        return guarded
 
     async def info(self, http: web.Request) -> web.Response:
         """What a launcher or registry needs to list this instance in a P/D group."""
@@ -128,7 +169,9 @@ class PDRoutes:
         transfer_id, target = _get_str(body, "transfer_id"), _get_str(body, "kv_target")
         budget_ms = P.get_number(body, "ttft_budget_ms")
         fmt, prompt_ids, default_max = await self.serving.prepare(*_inner(body))
-        params = self.serving.params(fmt, prompt_ids, default_max)
+        resumed = self._resumed(body).token_ids
+        params = resumed_params(self.serving.params(fmt, prompt_ids, default_max), len(resumed))
+        prompt_ids = prompt_ids + resumed
         self.admission.admit(len(prompt_ids), budget_ms)
         arrival, computed = time.monotonic(), None
         try:
@@ -156,7 +199,14 @@ class PDRoutes:
                             first_logprob=P.get_number(body, "first_logprob"),
                             num_cached_tokens=_get_count(body, "num_cached_tokens", 0))
         fmt, prompt_ids, default_max = await self.serving.prepare(*_inner(body))
-        return await self.serving.run(http, fmt, prompt_ids, default_max, handoff)
+        fmt.with_token_ids = True
+        return await self.serving.run(http, fmt, prompt_ids, default_max, handoff,
+                                      self._resumed(body))
+
+    def _resumed(self, body: dict) -> Resumed:
+        token_ids = P.get_int_list(body, "resume_token_ids")
+        P.check_token_ids(token_ids, self.serving.client.vocab_size)
+        return Resumed(token_ids, _get_count(body, "resume_text_chars", 0))
 
 
 async def _first_token(stream) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -36,15 +36,29 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 INLINE_WRITE_LIMIT = 16 * 1024
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """Output an instance that failed had already streamed (``pdserve/server/pd.py``): its
+    token ids, and how many characters of text the client got. The detokenizer may have
+    held back the text of the last tokens (a partial character, a possible stop string), so
+    the two need not match."""
+
+    token_ids: list[int]
+    text_chars: int
+
+
 class Generation:
     """One request in flight: engine deltas in, ``Piece``s out."""
 
     def __init__(self, client: EngineClient, stream: RequestStream, tokenizer: Tokenizer,
-                 prompt_ids: list[int], params: SamplingParams) -> None:
+                 prompt_ids: list[int], params: SamplingParams,
+                 resumed: Resumed | None = None) -> None:
         self.client = client
         self.stream = stream
         self.output = OutputProcessor(tokenizer, prompt_ids, params)
         self.num_prompt_tokens = len(prompt_ids)
+        if resumed is not None:
+            self.output.resume(resumed.token_ids, resumed.text_chars)
         self.engine_arrival: float | None = None
         self.timing = RequestTiming(arrival=stream.arrival_time)
         self.done = False
@@ -101,6 +115,9 @@ class Format:
     sampling: P.SamplingRequest
     echo: str = ""
     """Completions with ``echo``: the prompt's text, sent before the output."""
+
+    with_token_ids: bool = False
+    """Internal P/D route: chunks also carry ``pdserve_token_ids`` (the gateway strips them)."""
 
     _text_prefix: bytes = b""
     _text_suffix: bytes = b""
@@ -256,13 +273,16 @@ class OpenAIServing:
                                           add_special_tokens)
 
     async def run(self, http: web.Request, fmt: Format, prompt_ids: list[int],
-                   default_max_tokens: int | None, handoff: KVHandoff | None = None
-                   ) -> web.StreamResponse:
-        """Answers the request; ``handoff``: the prompt was prefilled on another instance."""
+                   default_max_tokens: int | None, handoff: KVHandoff | None = None,
+                   resumed: Resumed | None = None) -> web.StreamResponse:
+        """Answers the request; ``handoff``: the prompt was prefilled on another instance;
+        ``resumed``: output tokens another instance already sent (the engine runs them as
+        prompt, the answer counts them as output)."""
         arrival = time.monotonic()
-        params = self.params(fmt, prompt_ids, default_max_tokens)
-        stream = self.client.add(fmt.request_id, prompt_ids, params, arrival, handoff)
-        gen = Generation(self.client, stream, self.tokenizer, prompt_ids, params)
+        done = resumed.token_ids if resumed else []
+        params = resumed_params(self.params(fmt, prompt_ids, default_max_tokens), len(done))
+        stream = self.client.add(fmt.request_id, prompt_ids + done, params, arrival, handoff)
+        gen = Generation(self.client, stream, self.tokenizer, prompt_ids, params, resumed)
         try:
             if fmt.sampling.stream:
                 return await self._stream(http, fmt, gen)
@@ -345,16 +365,18 @@ class _SSEWriter:
     def encode(self, piece: P.Piece) -> bytes:
         """The SSE bytes of a piece; b"" for one not worth a chunk."""
         wanted = piece.text or piece.finish_reason or (piece.token_ids and (
-            self.fmt.sampling.logprobs or self.timed))
+            self.fmt.sampling.logprobs or self.timed or self.fmt.with_token_ids))
         if self.sent_first and not wanted:
             return b""
         self.offset += len(piece.text)
         if self.sent_first and not piece.finish_reason and not self.fmt.sampling.logprobs:
             timing = self._timing_bytes(piece) if self.timed else b""
-            return self.fmt.text_chunk(piece.text, timing)
+            return self.fmt.text_chunk(piece.text, timing + self._token_id_bytes(piece))
         chunk = self.fmt.chunk(piece, self.offset - len(piece.text), first=not self.sent_first)
         if self.timed:
             self._add_timing(chunk, piece)
+        if self.fmt.with_token_ids:
+            chunk["pdserve_token_ids"] = piece.token_ids
         self.sent_first = True
         return P.sse(chunk)
 
@@ -402,6 +424,11 @@ class _SSEWriter:
             self._backlog.clear()
             await self.response.write(data)
 
+    def _token_id_bytes(self, piece: P.Piece) -> bytes:
+        if not self.fmt.with_token_ids:
+            return b""
+        return b',"pdserve_token_ids":[' + ",".join(map(str, piece.token_ids)).encode() + b"]"
+
     @staticmethod
     def _timing_bytes(piece: P.Piece) -> bytes:
         return b',"engine_time":%r,"num_tokens":%d' % (piece.engine_time, len(piece.token_ids))
@@ -422,6 +449,17 @@ class _SSEWriter:
             tail = P.sse(usage_chunk)
         await self.response.write(tail + P.SSE_DONE)
         await self.response.write_eof()
+
+
+def resumed_params(params: SamplingParams, done: int) -> SamplingParams:
+    """The sampling left for an answer whose first ``done`` tokens are already out."""
+    if not done:
+        return params
+    if done >= params.max_tokens:
+        raise P.bad_request(f"{done} resumed tokens leave nothing of max_tokens "
+                            f"({params.max_tokens}) to generate", param="resume_token_ids")
+    return replace(params, max_tokens=params.max_tokens - done,
+                   min_tokens=max(0, params.min_tokens - done))
 
 
 def _write_now(response: web.StreamResponse, data: bytes) -> None:

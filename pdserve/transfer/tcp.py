@@ -6,15 +6,21 @@ one another on a persistent connection per (sender, receiver) pair:
     offset 0      4 bytes   magic b"PDKV"
     offset 4      4 bytes   header length H, unsigned big-endian, 1 <= H <= 64 KiB
     offset 8      H bytes   UTF-8 JSON header:
-                            {"version": 1, "transfer_id": "req-42",
+                            {"version": 2, "transfer_id": "req-42",
                              "layout": {"num_layers": 32, "num_tokens": 4096, "kv_heads": 8,
                                         "head_dim": 128, "dtype": "bfloat16"}}
     offset 8 + H            exactly ``KVLayout.num_bytes`` raw bytes: the contiguous buffer
                             ``[num_layers, 2, num_tokens, kv_heads, head_dim]`` (K at index 0,
                             V at 1) in the hosts' native byte order (little-endian on every
                             host torch supports for serving)
+    then          8 bytes   XXH3-64 digest of the raw bytes, unsigned big-endian
 
 dtype is one of float32, float16, bfloat16; every size is a positive integer.
+
+The digest is checked on receipt: a buffer whose bytes changed on the way (a faulty NIC or
+switch, a bug in a proxy) is dropped and counted (``TransferStats.num_corrupt``), never
+handed to the engine, so no token is ever computed from wrong KV; its request fails like
+one whose KV never came. The connection stays up: the framing does not depend on the bytes.
 
 The receiver allocates the CPU tensor from the header and ``recv_into``s the payload straight
 into its memory: a long prompt's KV is hundreds of MB, so no intermediate ``bytes`` exist on
@@ -55,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 from pdserve.transfer.kv_blocks import host_empty
 from pdserve.transfer.transport import KVLayout, TransferStats
@@ -62,8 +69,9 @@ from pdserve.transfer.transport import KVLayout, TransferStats
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2
 PREFIX = struct.Struct(">4sI")
+DIGEST = struct.Struct(">Q")
 MAX_HEADER_BYTES = 64 * 1024
 # A sanity bound, not a memory budget: 128k tokens of a 70B model (80 layers, 8 KV heads,
 # head_dim 128, bf16) are 40 GiB. CPU pages are only touched as bytes arrive, so a lying
@@ -366,11 +374,24 @@ class TcpKVReceiver:
         transfer_id, layout = decode_header(raw)
         if staging is None:
             buffer = _allocate(layout)
-            recv_exactly(conn, byte_view(buffer))  # one recv_into per burst the kernel has
+            view = byte_view(buffer)
+            recv_exactly(conn, view)  # one recv_into per burst the kernel has
+            digest = xxhash.xxh3_64_intdigest(view)
         else:
-            buffer = staging.receive(conn, layout)
-        self._deliver(transfer_id, buffer)
+            buffer, digest = staging.receive(conn, layout)
+        sent = bytearray(DIGEST.size)
+        recv_exactly(conn, memoryview(sent))
+        if DIGEST.unpack(sent)[0] != digest:
+            self._drop_corrupt(transfer_id)
+        else:
+            self._deliver(transfer_id, buffer)
         return True
+
+    def _drop_corrupt(self, transfer_id: str) -> None:
+        logger.error("dropped KV buffer %r: its bytes do not match the sender's checksum",
+                     transfer_id)
+        with self._cond:
+            self.stats.num_corrupt += 1
 
     def _deliver(self, transfer_id: str, buffer: torch.Tensor) -> None:
         now = time.monotonic()
@@ -410,7 +431,9 @@ class _DeviceStaging:
                            for _ in range(2)]
             self.copied = [torch.cuda.Event() for _ in range(2)]
 
-    def receive(self, conn: socket.socket, layout: KVLayout) -> torch.Tensor:
+    def receive(self, conn: socket.socket, layout: KVLayout) -> tuple[torch.Tensor, int]:
+        """The device buffer and the XXH3-64 digest of the bytes read into it."""
+        hasher = xxhash.xxh3_64()
         with torch.cuda.device(self.device):
             try:
                 buffer = torch.empty(_shape(layout), dtype=layout.dtype, device=self.device)
@@ -426,11 +449,12 @@ class _DeviceStaging:
                 chunk, copied = self.chunks[index % 2][: end - start], self.copied[index % 2]
                 copied.synchronize()  # this chunk's previous copy to the device has finished
                 recv_exactly(conn, byte_view(chunk))
+                hasher.update(byte_view(chunk))
                 with torch.cuda.stream(self.stream):
                     flat[start:end].copy_(chunk, non_blocking=True)
                 copied.record(self.stream)
             self.stream.synchronize()  # handed over complete: any stream may read it
-        return buffer
+        return buffer, hasher.intdigest()
 
 
 def _shutdown(sock: socket.socket) -> None:
@@ -607,14 +631,19 @@ def _pieces(num_bytes: int) -> Iterator[tuple[int, int]]:
 def _send_payload(sock: socket.socket, payload: memoryview,
                   copied: list[tuple[int, Any]]) -> None:
     """Writes the payload from its own memory (no copy in Python): a CPU buffer in one
-    ``sendall``; a staged device buffer piece by piece, each once its copy has landed."""
+    ``sendall``; a staged device buffer piece by piece, each once its copy has landed. Its
+    digest follows."""
+    hasher = xxhash.xxh3_64()
     start = 0
     for end, event in copied:
         event.synchronize()
+        hasher.update(payload[start:end])
         sock.sendall(payload[start:end])
         start = end
     if start < len(payload):
+        hasher.update(payload[start:])
         sock.sendall(payload[start:])
+    sock.sendall(DIGEST.pack(hasher.intdigest()))
 
 
 def _stage_on_host(buffer: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, Any]]]:

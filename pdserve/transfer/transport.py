@@ -56,6 +56,8 @@ class KVTransport(Protocol):
 class TransferStats:
     num_transfers: int = 0
     num_bytes: int = 0
+    num_corrupt: int = 0
+    """Buffers dropped on receipt because their checksum did not match (TCP only)."""
 
 
 class LocalTransport:

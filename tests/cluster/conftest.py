@@ -43,25 +43,30 @@ def _write_config(workdir: Path, port: int) -> Path:
     return config
 
 
-def _is_serving(port: int) -> bool:
-    # Not 'ruok': it answers "imok" about a second before sessions are accepted,
-    # while 'srvr' says "not currently serving requests" until they are.
+def _srvr(port: int) -> bytes:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
             sock.sendall(b"srvr")
-            return sock.makefile("rb").read().startswith(b"Zookeeper version")
+            return sock.makefile("rb").read()
     except OSError:
-        return False
+        return b""
 
 
-def _server_command(java: str, config: Path, workdir: Path) -> list[str]:
+def _is_serving(port: int) -> bool:
+    # Not 'ruok': it answers "imok" about a second before sessions are accepted,
+    # while 'srvr' says "not currently serving requests" until they are.
+    return _srvr(port).startswith(b"Zookeeper version")
+
+
+def _server_command(java: str, config: Path, workdir: Path,
+                    main: str = SERVER_MAIN) -> list[str]:
     # setpriv's parent-death signal: a pytest killed outright must not leave
     # a JVM behind holding the port.
     guard = ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
     jvm = ["-Xmx256m", "-XX:+UseSerialGC", f"-Dzookeeper.log.dir={workdir}"]
     jars = [ZOOKEEPER_JAR, *([LOG_BINDING_JAR] if LOG_BINDING_JAR.exists() else [])]
     classpath = ":".join(str(jar) for jar in jars)
-    return [*guard, java, *jvm, "-cp", classpath, SERVER_MAIN, str(config)]
+    return [*guard, java, *jvm, "-cp", classpath, main, str(config)]
 
 
 def _wait_until_serving(process: subprocess.Popen, port: int, log: Path) -> None:
@@ -110,3 +115,81 @@ def zookeeper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield f"127.0.0.1:{port}"
     finally:
         _stop(process)
+
+
+# ---- a three-server ensemble ----------------------------------------------------------------
+
+QUORUM_MAIN = "org.apache.zookeeper.server.quorum.QuorumPeerMain"
+
+
+class Ensemble:
+    """Three ZooKeeper servers on loopback ports; each can be stopped and started again."""
+
+    def __init__(self, java: str, workdir: Path) -> None:
+        self.java, self.workdir = java, workdir
+        self.client_ports = [_free_port() for _ in range(3)]
+        peers = [(_free_port(), _free_port()) for _ in range(3)]
+        self.servers = [f"server.{i + 1}=127.0.0.1:{a}:{b}" for i, (a, b) in enumerate(peers)]
+        self.processes: list[subprocess.Popen | None] = [None] * 3
+
+    @property
+    def hosts(self) -> str:
+        return ",".join(f"127.0.0.1:{port}" for port in self.client_ports)
+
+    def start(self, index: int) -> None:
+        server_dir = self.workdir / f"zk{index + 1}"
+        (server_dir / "data").mkdir(parents=True, exist_ok=True)
+        (server_dir / "data" / "myid").write_text(f"{index + 1}\n")
+        config = _write_config(server_dir, self.client_ports[index])
+        with config.open("a") as out:
+            out.write("initLimit=10\nsyncLimit=5\n" + "\n".join(self.servers) + "\n")
+        with (server_dir / "server.log").open("ab") as log:
+            self.processes[index] = subprocess.Popen(
+                _server_command(self.java, config, server_dir, QUORUM_MAIN),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+
+    def stop(self, index: int) -> None:
+        process = self.processes[index]
+        if process is not None:
+            _stop(process)
+            self.processes[index] = None
+
+    def mode(self, index: int) -> str | None:
+        """'leader', 'follower', or None while it serves no requests."""
+        for line in _srvr(self.client_ports[index]).decode(errors="replace").splitlines():
+            if line.startswith("Mode: "):
+                return line.removeprefix("Mode: ").strip()
+        return None
+
+    def wait_for_quorum(self, timeout_s: float = START_TIMEOUT_S * 2) -> None:
+        deadline = time.monotonic() + timeout_s
+        running = [i for i, p in enumerate(self.processes) if p is not None]
+        while sorted(filter(None, map(self.mode, running))) != \
+                sorted(["leader"] + ["follower"] * (len(running) - 1)):
+            if time.monotonic() > deadline:
+                logs = [_tail(self.workdir / f"zk{i + 1}" / "server.log") for i in running]
+                raise RuntimeError("no ZooKeeper quorum:\n" + "\n".join(logs))
+            time.sleep(0.1)
+
+    def leader(self) -> int:
+        return next(i for i in range(3) if self.processes[i] and self.mode(i) == "leader")
+
+    def close(self) -> None:
+        for index in range(3):
+            self.stop(index)
+
+
+@pytest.fixture
+def ensemble(tmp_path: Path) -> Iterator[Ensemble]:
+    pytest.importorskip("kazoo", reason="kazoo not installed; pip install -e '.[cluster]'")
+    java = shutil.which("java")
+    if java is None or not ZOOKEEPER_JAR.exists():
+        pytest.skip(NOT_INSTALLED)
+    ensemble = Ensemble(java, tmp_path)
+    try:
+        for index in range(3):
+            ensemble.start(index)
+        ensemble.wait_for_quorum()
+        yield ensemble
+    finally:
+        ensemble.close()

@@ -296,6 +296,8 @@ def test_blind_dispatch_never_lets_an_instance_refuse(instances, registry, dispa
 def test_unknown_dispatch_is_refused(registry):
     with pytest.raises(ValueError, match="--dispatch must be one of"):
         GatewayThread(registry, dispatch="random")
+    with pytest.raises(ValueError, match="--max-attempts must be at least 1"):
+        GatewayThread(registry, max_attempts=0)
 
 
 class DyingDecodeInstance(StandIn):
@@ -318,7 +320,8 @@ class DyingDecodeInstance(StandIn):
                         "127.0.0.1:1", "tiny")
 
 
-def test_decode_instance_dying_mid_stream_ends_the_stream_with_an_error(instances):
+def test_decode_instance_dying_mid_stream_with_none_left_ends_the_stream_with_an_error(
+        instances):
     dying = DyingDecodeInstance()
     registry = MemoryRegistry()
     registry.register(_instance(instances[0], "prefill"))
@@ -329,7 +332,8 @@ def test_decode_instance_dying_mid_stream_ends_the_stream_with_an_error(instance
         events = [line for line in raw.decode().split("\n\n") if line]
         assert status == 200 and len(events) == 4, raw
         error = json.loads(events[2].removeprefix("data: "))["error"]
-        assert "failed mid-answer" in error["message"] and events[3] == "data: [DONE]"
+        # no other decode instance to resume on: the stream ends, saying why
+        assert "no decode instance" in error["message"] and events[3] == "data: [DONE]"
         # the gateway skips it now rather than sending it more answers to lose
         status, _, _ = gateway.http.request("POST", "/v1/completions", BODY)
         assert status == 503

@@ -4,22 +4,15 @@ gateway finds them there, a role request moves one, and a stopped instance leave
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
 from pdserve.cluster.registry import ZooKeeperRegistry
+from tests.cluster.group import wait_until
 from tests.cluster.test_pd_e2e import BODY, GatewayThread
 from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.slow
-
-
-def _wait(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 def _ids(registry, role: str) -> list[str]:
@@ -35,18 +28,18 @@ def test_group_in_zookeeper(zookeeper):
     registry = ZooKeeperRegistry(zookeeper, "/pdtest")
     gateway = GatewayThread(registry, default_scenario="chat")
     try:
-        _wait(lambda: _ids(registry, "prefill") == ["p0"]
+        wait_until(timeout=20, predicate=lambda: _ids(registry, "prefill") == ["p0"]
               and _ids(registry, "decode") == ["d0", "d1"])
         status, _, raw = gateway.http.request("POST", "/v1/completions", BODY)
         assert status == 200, raw
         assert json.loads(raw)["usage"]["completion_tokens"] == BODY["max_tokens"]
 
         registry.request_role("d1", "prefill")  # what the ratio controller does
-        _wait(lambda: _ids(registry, "prefill") == ["d1", "p0"])
+        wait_until(timeout=20, predicate=lambda: _ids(registry, "prefill") == ["d1", "p0"])
         assert _ids(registry, "decode") == ["d0"]
 
         assert spare.stop() == 0  # SIGTERM: it leaves the group before draining
-        _wait(lambda: _ids(registry, "prefill") == ["p0"])
+        wait_until(timeout=20, predicate=lambda: _ids(registry, "prefill") == ["p0"])
         status, _, _ = gateway.http.request("POST", "/v1/completions", BODY)
         assert status == 200
     finally:

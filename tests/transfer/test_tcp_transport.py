@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+import xxhash
 
 from pdserve.cache.kv_pool import allocate_kv_pool
 from pdserve.config import ModelConfig
@@ -68,11 +69,13 @@ def _closed_by_peer(sock: socket.socket) -> bool:
 
 
 def _raw_message(transfer_id: object, layout: object, payload: bytes = b"",
-                 version: object = 1) -> bytes:
-    """A message built from the documented wire format alone, not from the module's code."""
+                 version: object = 2) -> bytes:
+    """A message built from the documented wire format alone, not from the module's code;
+    the payload's XXH3-64 digest follows it."""
     header = json.dumps({"version": version, "transfer_id": transfer_id,
                          "layout": layout}).encode()
-    return b"PDKV" + struct.pack(">I", len(header)) + header + payload
+    digest = struct.pack(">Q", xxhash.xxh3_64_intdigest(payload)) if payload else b""
+    return b"PDKV" + struct.pack(">I", len(header)) + header + payload + digest
 
 
 @pytest.fixture
@@ -264,7 +267,7 @@ BAD_STREAMS = {
     "empty-header": b"PDKV" + struct.pack(">I", 0),
     "not-utf8": b"PDKV" + struct.pack(">I", 4) + b"\xff\xfe{]",
     "json-list": b"PDKV" + struct.pack(">I", 2) + b"[]",
-    "version-2": _raw_message("x", GOOD_LAYOUT, version=2),
+    "version-1": _raw_message("x", GOOD_LAYOUT, version=1),
     "id-not-string": _raw_message(7, GOOD_LAYOUT),
     "layout-not-dict": _raw_message("x", [1, 2, 2, 1, 4]),
     "int8": _raw_message("x", {**GOOD_LAYOUT, "dtype": "int8"}),
@@ -291,6 +294,29 @@ def test_malformed_stream_closes_only_its_connection(receiver, sender, caplog, s
     sender.send(receiver.address, "after", good)
     _assert_same_bits(receiver.recv("after", timeout=WAIT_S), good)
     assert receiver.pending() == 0
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last", "digest"])
+def test_corrupted_bytes_are_dropped_and_the_connection_goes_on(receiver, caplog, where):
+    """One flipped bit anywhere in the payload or its digest: the buffer never reaches the
+    engine; the next message on the same connection arrives intact."""
+    bad = _random_kv((2, 2, 5, 2, 8), torch.float32, seed=3)
+    good = _random_kv((2, 2, 5, 2, 8), torch.float32, seed=4)
+    message = bytearray(_raw_message("bad", KV_LAYOUT_JSON, bad.numpy().tobytes()))
+    payload_start = len(message) - KVLayout.of(bad).num_bytes - 8
+    index = {"first": payload_start, "middle": payload_start + KVLayout.of(bad).num_bytes // 2,
+             "last": len(message) - 9, "digest": len(message) - 1}[where]
+    message[index] ^= 0x01
+    with caplog.at_level(logging.ERROR, logger="pdserve.transfer.tcp"), \
+            socket.create_connection(tcp.split_address(receiver.address)) as raw:
+        raw.sendall(bytes(message) + _raw_message("good", KV_LAYOUT_JSON, good.numpy().tobytes()))
+        _assert_same_bits(receiver.recv("good", timeout=WAIT_S), good)
+    assert receiver.poll("bad") is None and receiver.stats.num_corrupt == 1
+    assert any("checksum" in record.message for record in caplog.records)
+
+
+KV_LAYOUT_JSON = {"num_layers": 2, "num_tokens": 5, "kv_heads": 2, "head_dim": 8,
+                  "dtype": "float32"}
 
 
 def test_truncated_message_is_dropped(receiver, sender):
@@ -383,18 +409,20 @@ def test_round_trip_from_a_forked_process(receiver):
 
 
 STDLIB_CHILD = """
-import json, random, socket, struct, sys
+import json, random, socket, struct, sys, xxhash
 host, port = sys.argv[1].rsplit(":", 1)
 payload = random.Random(5).randbytes(3 * 2 * 10 * 2 * 8 * 2)
 layout = {"num_layers": 3, "num_tokens": 10, "kv_heads": 2, "head_dim": 8, "dtype": "float16"}
-header = json.dumps({"version": 1, "transfer_id": "from-script", "layout": layout}).encode()
+header = json.dumps({"version": 2, "transfer_id": "from-script", "layout": layout}).encode()
+digest = struct.pack(">Q", xxhash.xxh3_64_intdigest(payload))
 with socket.create_connection((host, int(port))) as sock:
-    sock.sendall(b"PDKV" + struct.pack(">I", len(header)) + header + payload)
+    sock.sendall(b"PDKV" + struct.pack(">I", len(header)) + header + payload + digest)
 """
 
 
 def test_round_trip_from_a_script_without_torch(receiver):
-    """A fresh interpreter speaking only the documented wire format (no torch, so quick)."""
+    """A fresh interpreter speaking only the documented wire format (no torch, so quick;
+    xxhash for the digest)."""
     child = subprocess.run([sys.executable, "-c", STDLIB_CHILD, receiver.address],
                            timeout=WAIT_S, capture_output=True, text=True)
     assert child.returncode == 0, child.stderr
