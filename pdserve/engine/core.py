@@ -375,6 +375,13 @@ class EngineCore:
         """Stops background threads (KV transfer); the engine is unusable afterwards."""
         self.kv.close()
 
+    def describe(self) -> dict:
+        """What actually runs, for results to record: never a silent fallback."""
+        return {"schedule": self.config.scheduler.schedule, "device": str(self.runner.device),
+                "attention_backend": type(self.runner.attn_backend).__name__,
+                "cuda_graphs": any(pool.graphs for pool in self.runner.pools.values()),
+                **self.scheduler.describe()}
+
     def timeline(self, since: float | None = None) -> list[dict]:
         """Policies that split the GPU: the split over time (time, mode, decode/prefill SMs,
         decode batch, prefill tokens); empty under the others."""
