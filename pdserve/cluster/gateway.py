@@ -50,6 +50,11 @@ log = logging.getLogger("pdserve.gateway")
 DISPATCH = ("on-demand", "least-connections", "round-robin")
 RELAYED_ERRORS = (400, 401, 404, 413)  # the request itself is wrong: no other instance helps
 INSTANCE_COOLDOWN_S = 5.0  # an instance that failed to answer is skipped this long
+# A role whose every instance vanished from the registry is served from the members last
+# listed for this long: when ZooKeeper regains quorum it deletes the nodes of sessions that
+# lapsed before their instances (alive all along) register again. A member that is really
+# gone fails on contact and is skipped like any failed instance.
+MEMBERSHIP_GRACE_S = 30.0
 
 
 class ClientGone(Exception):
@@ -113,6 +118,7 @@ class Gateway:
         # when their answer starts), so that a burst spreads over the instances.
         self.decode_load: Counter[str] = Counter()
         self._failed_at: dict[str, float] = {}
+        self._last_listed: dict[tuple[str, str], tuple[float, list[Instance]]] = {}
         self._turn = 0  # round-robin position
         self._lines: dict[str, WaitLine] = {}  # refused requests, by scenario
         self._session: aiohttp.ClientSession | None = None
@@ -198,14 +204,22 @@ class Gateway:
         return min(candidates, key=lambda i: (self.decode_load[i.instance_id], i.instance_id))
 
     def _cooling(self, scenario: str, role: str) -> str:
-        listed = len(self.registry.instances(scenario, role))
+        listed = len(self._listed(scenario, role))
         return f" ({listed} listed, each failed in the last {INSTANCE_COOLDOWN_S:.0f} s)" \
             if listed else ""
 
     def _live(self, scenario: str, role: str) -> list[Instance]:
         now = time.monotonic()
-        return [i for i in self.registry.instances(scenario, role)
+        return [i for i in self._listed(scenario, role)
                 if now - self._failed_at.get(i.instance_id, -1e9) > INSTANCE_COOLDOWN_S]
+
+    def _listed(self, scenario: str, role: str) -> list[Instance]:
+        listed, now = self.registry.instances(scenario, role), time.monotonic()
+        if listed:
+            self._last_listed[(scenario, role)] = (now, listed)
+            return listed
+        seen_at, seen = self._last_listed.get((scenario, role), (-1e9, []))
+        return seen if now - seen_at < MEMBERSHIP_GRACE_S else []
 
     async def _prefill(self, job: Job, transfer_id: str, decode: Instance) -> Prefilled:
         """Offers the prefill round the group until one instance takes it. Refused requests
