@@ -88,6 +88,7 @@ class SimRequest:
     offers: int = 0
     gateway: GatewaySim | None = None  # the gateway that took it in
     wait_token: int = 0  # which entry of its gateway's wait line is live
+    scenario: int = 0  # its index in a fleet's scenarios
 
 
 class EventLoop:
@@ -346,6 +347,9 @@ class GroupSim:
         self.decode = {n: DecodeSim(n, self.loop, self.model, self._finished) for n in names}
         self.roles = {n: "prefill" if i < self.num_prefill else "decode"
                       for i, n in enumerate(names)}
+        for gateway in self.gateways:  # a zero entry is a plain dict hit, not Counter.__missing__
+            for counts in (gateway.load, gateway.decode_load):
+                counts.update(dict.fromkeys(names, 0))
         self.draining: dict[str, str] = {}  # instance -> the role it moves to
         self.window = ScenarioWindow()
         self.moves: list[tuple[float, str, str]] = []
