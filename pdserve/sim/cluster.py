@@ -48,9 +48,11 @@ class LatencyModel:
     kv_bytes_per_token: int
     link_gb_per_s: float = 25.0
     decode_kv_tokens: int = 290_000
+    prefill_base_s: float = 0.0  # per prefill whatever its length: a step, an HTTP hop
 
     def prefill_s(self, tokens: int) -> float:
-        return self.prefill_per_token_s * tokens + self.prefill_per_token_sq_s * tokens ** 2
+        return (self.prefill_base_s + self.prefill_per_token_s * tokens
+                + self.prefill_per_token_sq_s * tokens ** 2)
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         return (self.decode_base_s + self.decode_per_request_s * batch
@@ -65,15 +67,37 @@ class LatencyModel:
         """Least-squares fit to a ``bench_engine.py`` result's prefill and decode points."""
         with open(path) as f:
             measured = json.load(f)["models"][0]
-        pre = measured["prefill"]
-        a = np.array([[p["tokens"], p["tokens"] ** 2] for p in pre], dtype=float)
-        prefill = np.linalg.lstsq(a, [p["seconds"] for p in pre], rcond=None)[0]
-        dec = [d for d in measured["decode"] if "step_ms" in d]  # some points were skipped
-        a = np.array([[1.0, d["batch"], d["batch"] * d["context"]] for d in dec])
-        decode = np.linalg.lstsq(a, [d["step_ms"] / 1e3 for d in dec], rcond=None)[0]
-        return cls(float(prefill[0]), float(max(prefill[1], 0.0)), *map(float, decode),
-                   kv_bytes_per_token=kv_bytes_per_token,
-                   decode_kv_tokens=int(measured.get("kv_pool_tokens", 290_000)), **options)
+        decode = [d for d in measured["decode"] if "step_ms" in d]  # some points were skipped
+        return cls.fit(measured["prefill"], decode, kv_bytes_per_token,
+                       decode_kv_tokens=int(measured.get("kv_pool_tokens", 290_000)), **options)
+
+    @classmethod
+    def fit(cls, prefill: list[dict], decode: list[dict], kv_bytes_per_token: int,
+            **options: float) -> LatencyModel:
+        """Least squares, no coefficient negative, over measured points: prefill
+        ``{"tokens", "seconds"}``, decode ``{"batch", "context", "step_ms"}`` (``context``
+        per request)."""
+        a = np.array([[1.0, p["tokens"], p["tokens"] ** 2] for p in prefill])
+        base, per_token, per_token_sq = _fit_nonnegative(a, [p["seconds"] for p in prefill])
+        a = np.array([[1.0, d["batch"], d["batch"] * d["context"]] for d in decode])
+        decode_fit = _fit_nonnegative(a, [d["step_ms"] / 1e3 for d in decode])
+        return cls(per_token, per_token_sq, *decode_fit, kv_bytes_per_token=kv_bytes_per_token,
+                   prefill_base_s=base, **options)
+
+
+def _fit_nonnegative(a: np.ndarray, b: list[float]) -> list[float]:
+    """Least squares; a coefficient that comes out negative (noise: no cost shrinks as the
+    work grows) is fixed at zero and the rest refitted."""
+    free, coefficients = list(range(a.shape[1])), []
+    while free:
+        coefficients = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+        if (coefficients >= 0).all():
+            break
+        free = [f for f, c in zip(free, coefficients, strict=True) if c >= 0]
+    result = [0.0] * a.shape[1]
+    for f, c in zip(free, coefficients, strict=True):
+        result[f] = float(c)
+    return result
 
 
 @dataclass(slots=True)

@@ -136,3 +136,14 @@ def test_ratio_controller_rescues_a_decode_starved_group():
     assert sim.moves[0][2] == "decode"
     assert len(sim.active("decode")) >= 2 and len(sim.active("prefill")) >= 3
     assert median_e2e < 10.0
+
+
+def test_fit_finds_a_fixed_cost_per_prefill_and_never_a_negative_one():
+    prefill = [{"tokens": n, "seconds": 0.1 + 1e-4 * n} for n in (64, 256, 1024)]
+    # Decode noise that would pull the per-request cost below zero.
+    decode = [{"batch": b, "context": 100, "step_ms": ms}
+              for b, ms in ((1, 35.0), (4, 34.0), (8, 33.5))]
+    model = LatencyModel.fit(prefill, decode, kv_bytes_per_token=1)
+    assert model.prefill_s(512) == pytest.approx(0.1 + 1e-4 * 512, rel=1e-6)
+    assert model.decode_per_request_s == 0.0 and model.decode_per_kv_token_s >= 0.0
+    assert model.decode_step_s(8, 800) > 0.03
