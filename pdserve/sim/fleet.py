@@ -96,11 +96,17 @@ def _size(draft: Scenario, size: int, model: LatencyModel, lengths: Lengths,
           peak_load: float, prefill_share: float | None) -> Scenario:
     sample = lengths.draw(np.random.default_rng(1), 2000, draft, model.decode_kv_tokens)
     prefill_s = float(np.mean([model.prefill_s(int(n)) for n in sample[0]]))
-    share = prefill_share or ideal_prefill_share(model, *sample)
-    num_prefill = min(size - 1, max(1, round(size * share)))
-    peak = peak_load * num_prefill / prefill_s
+    ideal = _split(size, ideal_prefill_share(model, *sample))
+    # The load follows the group's size alone: a fleet-wide split starts the same traffic
+    # on other roles.
+    num_prefill = ideal if prefill_share is None else _split(size, prefill_share)
+    peak = peak_load * ideal / prefill_s
     return Scenario(draft.name, num_prefill, size - num_prefill, peak, draft.phase_s,
                     draft.input_scale, draft.output_scale)
+
+
+def _split(size: int, prefill_share: float) -> int:
+    return min(size - 1, max(1, round(size * prefill_share)))
 
 
 def ideal_prefill_share(model: LatencyModel, inputs: np.ndarray, outputs: np.ndarray) -> float:

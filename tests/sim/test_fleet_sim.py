@@ -90,3 +90,14 @@ def test_one_pool_has_the_instances_of_all_groups():
     groups = FleetSim(plan, MODEL, LENGTHS)
     assert len({id(g) for g in pool.groups}) == 1
     assert len(pool.groups[0].prefill) == sum(len(g.prefill) for g in groups.groups) == 40
+
+
+def test_a_fleet_wide_split_changes_the_roles_not_the_traffic():
+    ideal = plan_fleet(MODEL, LENGTHS, num_instances=200, num_scenarios=5)
+    fixed = plan_fleet(MODEL, LENGTHS, num_instances=200, num_scenarios=5, prefill_share=0.3)
+    assert [s.peak_rate for s in fixed.scenarios] == [s.peak_rate for s in ideal.scenarios]
+    assert [s.num_prefill + s.num_decode for s in fixed.scenarios] == \
+        [s.num_prefill + s.num_decode for s in ideal.scenarios]
+    assert [s.num_prefill for s in fixed.scenarios] == \
+        [round(0.3 * (s.num_prefill + s.num_decode)) for s in fixed.scenarios]
+    assert [s.num_prefill for s in fixed.scenarios] != [s.num_prefill for s in ideal.scenarios]
