@@ -410,9 +410,10 @@ class GroupSim:
         return instances
 
     def _decode_names(self) -> list[str]:
+        """Sorted, so that ``min`` by load alone breaks ties by name, as the gateway does."""
         names = self._active.get("decode")
         if names is None:
-            names = self._active["decode"] = self.active("decode")
+            names = self._active["decode"] = sorted(self.active("decode"))
         return names
 
     def arrive(self, request: SimRequest) -> None:
@@ -464,8 +465,7 @@ class GroupSim:
         gateway.load[name] -= 1
         self.window.prefill_ended()
         # Counted from the pick, as the gateway does: KV still on the link counts too.
-        decode = self.decode[min(self._decode_names(),
-                                 key=lambda n: (gateway.decode_load[n], n))]
+        decode = self.decode[min(self._decode_names(), key=gateway.decode_load.__getitem__)]
         gateway.decode_load[decode.name] += 1
         self.loop.at(self.loop.now + self.model.transfer_s(request.input_len), decode.receive,
                      request)
