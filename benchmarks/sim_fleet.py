@@ -98,11 +98,12 @@ def main() -> int:
                                              kv_bytes_per_token(args.model),
                                              link_gb_per_s=args.link_gb_per_s)
     lengths = Lengths.from_trace(args.trace)
-    rows = [run_row(args, model, lengths, labels) for labels in configurations(args.compare)]
     config = {k: v for k, v in vars(args).items() if k != "out"}
     config["latency_model"] = model.__dict__
-    result = {**result_header(config), "kind": "simulation",
-              "num_instances": rows[0]["num_instances"], "rows": rows}
+    header = result_header(config)  # before the run: the revision that ran
+    rows = [run_row(args, model, lengths, labels) for labels in configurations(args.compare)]
+    result = {**header, "kind": "simulation", "num_instances": rows[0]["num_instances"],
+              "rows": rows}
     if args.out:
         write_json(result, args.out)
     return 0
