@@ -6,7 +6,9 @@ controller's judgement; service times fitted to a measured ``bench_engine.py`` r
 Comparisons P/D-Serve reports, each a row: ``--compare dispatch`` (on-demand forwarding
 against least-connections and round-robin), ``ratio`` (the dynamic P/D ratio against the
 static one it starts from: one fleet-wide split), ``pool`` (a group per scenario against
-one pool of the same instances serving every scenario). ``--compare none`` runs one
+one pool of the same instances serving every scenario), ``multiplex`` (pure P/D groups
+against groups of PD-multiplexing instances, slowdowns from a ``bench_multiplex.py``
+result). ``--compare none`` runs one
 configuration and reports how long the simulation took (CPU seconds, one core).
 
 These are a model's predictions, not measurements.
@@ -29,10 +31,10 @@ from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.cluster.config import RatioConfig  # noqa: E402
 from pdserve.cluster.gateway import DISPATCH  # noqa: E402
-from pdserve.sim.cluster import LatencyModel  # noqa: E402
+from pdserve.sim.cluster import LatencyModel, Multiplexing  # noqa: E402
 from pdserve.sim.fleet import FleetSim, Lengths, plan_fleet  # noqa: E402
 
-COMPARISONS = ("none", "dispatch", "ratio", "pool")
+COMPARISONS = ("none", "dispatch", "ratio", "pool", "multiplex")
 
 
 def configurations(compare: str) -> list[dict]:
@@ -43,6 +45,8 @@ def configurations(compare: str) -> list[dict]:
         return [{"fleet_split": True, "dynamic": False}, {"fleet_split": True, "dynamic": True}]
     if compare == "pool":
         return [{"pooled": False}, {"pooled": True}]
+    if compare == "multiplex":  # no controller on either: a multiplexing group has no ratio
+        return [{"multiplex": False, "dynamic": False}, {"multiplex": True, "dynamic": False}]
     return [{"dynamic": True}]
 
 
@@ -55,7 +59,9 @@ def run_row(args: argparse.Namespace, model: LatencyModel, lengths: Lengths,
                      ttft_slo_s=args.ttft_slo_s, max_wait_s=args.max_wait_s,
                      num_gateways=args.gateways,
                      ratio=RatioConfig() if labels.get("dynamic", True) else None,
-                     pooled=labels.get("pooled", False), seed=args.seed)
+                     pooled=labels.get("pooled", False),
+                     multiplexing=multiplexing(args, model) if labels.get("multiplex") else None,
+                     seed=args.seed)
     wall, cpu = time.monotonic(), time.process_time()
     summary = fleet.run(args.duration_s)
     cpu, wall = time.process_time() - cpu, time.monotonic() - wall
@@ -66,6 +72,11 @@ def run_row(args: argparse.Namespace, model: LatencyModel, lengths: Lengths,
           f"{summary['slo_attainment']:.1%}, TTFT P99 {summary['ttft_p99_s']:.2f} s, "
           f"{moves} moves; {cpu:.0f} s CPU", flush=True)
     return row
+
+
+def multiplexing(args: argparse.Namespace, model: LatencyModel) -> Multiplexing:
+    return Multiplexing.from_multiplex_results(args.multiplex_results, model,
+                                               args.multiplex_itl_slo_ms)
 
 
 def parse_args() -> argparse.Namespace:
@@ -87,6 +98,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ttft-slo-s", type=float, default=5.0)
     parser.add_argument("--max-wait-s", type=float, default=60.0)
     parser.add_argument("--link-gb-per-s", type=float, default=25.0)
+    parser.add_argument("--multiplex-results",
+                        default="benchmarks/results/bench_multiplex_h200.json",
+                        help="--compare multiplex: bench_multiplex.py result the slowdowns of "
+                        "a multiplexing instance come from.")
+    parser.add_argument("--multiplex-itl-slo-ms", type=float, default=40.0,
+                        help="Which of its runs.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
     return parser.parse_args()

@@ -100,6 +100,34 @@ def _fit_nonnegative(a: np.ndarray, b: list[float]) -> list[float]:
     return result
 
 
+@dataclass(frozen=True)
+class Multiplexing:
+    """How the two sides of a PD-multiplexing instance (prefill and decode on one GPU's SM
+    partitions) slow each other: a decode step takes ``decode_slowdown`` times as long while
+    a prompt prefills beside it, and a prompt ``prefill_slowdown`` times as long while a
+    batch decodes beside it. Each side's factor is fixed when its stretch of work starts: a
+    prompt's for the whole prompt, decode's until its batch next changes or the prefill side
+    starts or ends a prompt (the decode side is then resynced at its next step)."""
+
+    decode_slowdown: float
+    prefill_slowdown: float
+
+    @classmethod
+    def from_multiplex_results(cls, path: str, model: LatencyModel,
+                               itl_slo_ms: float = 40.0) -> Multiplexing:
+        """From a ``bench_multiplex.py`` result's multiplex run at ``itl_slo_ms``: decode's
+        P50 step while prefilling over alone, and the prompt's time at the measured
+        multiplexed rate over ``model``'s time for it alone."""
+        with open(path) as f:
+            runs = json.load(f)["runs"]
+        run = next(r["multiplex"] for r in runs if r["itl_slo_ms"] == itl_slo_ms)
+        decode = (run["decode_step_ms_while_prefilling"]["p50"]
+                  / run["decode_step_ms_alone"]["p50"])
+        tokens = run["prompt_tokens"]
+        prefill = tokens / run["prefill_tokens_per_s"] / model.prefill_s(tokens)
+        return cls(decode, prefill)
+
+
 @dataclass(slots=True)
 class SimRequest:
     arrival: float
@@ -201,6 +229,8 @@ class PrefillSim:
         self.admission = PrefillAdmission(clock=lambda: loop.now)
         self.queue: deque[tuple[SimRequest, float]] = deque()
         self.busy = False
+        self.partner: DecodeSim | None = None  # the decode side of a multiplexing instance
+        self.multiplexing: Multiplexing | None = None
 
     def idle(self) -> bool:
         return not (self.busy or self.queue)
@@ -218,7 +248,12 @@ class PrefillSim:
     def _start_next(self) -> None:
         job = self.queue.popleft()
         self.busy = True
-        self.loop.at(self.loop.now + self.model.prefill_s(job[0].input_len), self._finish, job)
+        service = self.model.prefill_s(job[0].input_len)
+        if self.partner is not None:
+            if self.partner.running:
+                service *= self.multiplexing.prefill_slowdown
+            self.partner.resync()
+        self.loop.at(self.loop.now + service, self._finish, job)
 
     def _finish(self, job: tuple[SimRequest, float]) -> None:
         request, arrived = job
@@ -229,6 +264,8 @@ class PrefillSim:
         self.busy = False
         if self.queue:
             self._start_next()
+        elif self.partner is not None:
+            self.partner.resync()
         self.on_done(self, request)
 
 
@@ -257,6 +294,9 @@ class DecodeSim:
         self._since = 0.0
         self._sync_step: int | None = None  # the step at which a sync is scheduled
         self._version = 0  # a sync scheduled before the latest change is stale
+        self.partner: PrefillSim | None = None  # the prefill side of a multiplexing instance
+        self.multiplexing: Multiplexing | None = None
+        self._slowdown = 1.0  # of the current stretch
 
     def idle(self) -> bool:
         return not (self.running or self.waiting)
@@ -264,7 +304,7 @@ class DecodeSim:
     def receive(self, request: SimRequest) -> None:
         self.waiting.append(request)
         if not self.running:
-            self._step, self._since = 0, self.loop.now
+            self._begin_stretch(0)
             self._admit()
             self._schedule(self._next_finish())
         elif len(self.waiting) == 1 and self._fits(request):
@@ -287,8 +327,20 @@ class DecodeSim:
         """(a, b): step k (from 0) of the current stretch takes a + b*k seconds."""
         m, batch = self.model, len(self.running)
         context = self._context_base + batch * self._step
-        return (m.decode_base_s + m.decode_per_request_s * batch
-                + m.decode_per_kv_token_s * context, m.decode_per_kv_token_s * batch)
+        return ((m.decode_base_s + m.decode_per_request_s * batch
+                 + m.decode_per_kv_token_s * context) * self._slowdown,
+                m.decode_per_kv_token_s * batch * self._slowdown)
+
+    def _begin_stretch(self, step: int) -> None:
+        self._step, self._since = step, self.loop.now
+        beside = self.partner is not None and self.partner.busy
+        self._slowdown = self.multiplexing.decode_slowdown if beside else 1.0
+
+    def resync(self) -> None:
+        """The prefill side beside it started or ended a prompt: a new stretch at the next
+        step boundary."""
+        if self.running:
+            self._schedule(self._steps_done(self.loop.now) + 1)
 
     def _time_of(self, step: int) -> float:
         a, b = self._stretch()
@@ -324,7 +376,8 @@ class DecodeSim:
         version, step = event
         if version != self._version:
             return
-        self._step, self._since, self._sync_step = step, self.loop.now, None
+        self._begin_stretch(step)
+        self._sync_step = None
         done = []
         while self.running and self.running[0][0] <= step:
             last, _, request = heapq.heappop(self.running)
@@ -361,16 +414,21 @@ class GroupSim:
     gateways: list[GatewaySim] = field(default_factory=lambda: [GatewaySim()])
     name: str = "sim"
     on_answer: Callable[[GroupSim, SimRequest], None] | None = None
+    multiplexing: Multiplexing | None = None  # every instance prefills and decodes itself
 
     def __post_init__(self) -> None:
         if self.dispatch not in DISPATCH:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCH)}")
+        if self.multiplexing is not None and self.ratio is not None:
+            raise ValueError("multiplexing instances have no P/D ratio to move")
         names = [f"{self.name}-n{i}" if self.name != "sim" else f"n{i}"
                  for i in range(self.num_prefill + self.num_decode)]
         self.prefill = {n: PrefillSim(n, self.loop, self.model, self._prefilled) for n in names}
         self.decode = {n: DecodeSim(n, self.loop, self.model, self._finished) for n in names}
         self.roles = {n: "prefill" if i < self.num_prefill else "decode"
                       for i, n in enumerate(names)}
+        if self.multiplexing is not None:
+            self._pair(names)
         for gateway in self.gateways:  # a zero entry is a plain dict hit, not Counter.__missing__
             for counts in (gateway.load, gateway.decode_load):
                 counts.update(dict.fromkeys(names, 0))
@@ -382,6 +440,14 @@ class GroupSim:
         self.until = 0.0  # the ratio controller looks at least until then
         self._last_move = -1e9
         self._decode_short_at: tuple[int, float] | None = None  # as RatioController keeps
+
+    def _pair(self, names: list[str]) -> None:
+        """Each instance offers prefills and decodes what it prefilled, on one GPU."""
+        for name in names:
+            prefill, decode = self.prefill[name], self.decode[name]
+            prefill.partner, decode.partner = decode, prefill
+            prefill.multiplexing = decode.multiplexing = self.multiplexing
+            self.roles[name] = "prefill"
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
         gateway = self.gateways[0]
@@ -464,11 +530,16 @@ class GroupSim:
         gateway = request.gateway
         gateway.load[name] -= 1
         self.window.prefill_ended()
-        # Counted from the pick, as the gateway does: KV still on the link counts too.
-        decode = self.decode[min(self._decode_names(), key=gateway.decode_load.__getitem__)]
-        gateway.decode_load[decode.name] += 1
-        self.loop.at(self.loop.now + self.model.transfer_s(request.input_len), decode.receive,
-                     request)
+        if self.multiplexing is not None:  # its KV is already where it decodes
+            gateway.decode_load[name] += 1
+            self.decode[name].receive(request)
+        else:
+            # Counted from the pick, as the gateway does: KV still on the link counts too.
+            decode = self.decode[min(self._decode_names(),
+                                     key=gateway.decode_load.__getitem__)]
+            gateway.decode_load[decode.name] += 1
+            self.loop.at(self.loop.now + self.model.transfer_s(request.input_len),
+                         decode.receive, request)
         self._settle(name)
         waiting = gateway.line(self).pop()
         if waiting is not None:  # room on that instance: the head of the line tries again

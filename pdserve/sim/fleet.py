@@ -8,7 +8,8 @@ request enters through a gateway picked at random. Arrivals are drawn a minute a
 vectorised, and only the next one sits in the event heap.
 
 ``pooled=True`` puts every instance in one group that serves all scenarios (the baseline
-P/D-Serve compares per-scenario groups with).
+P/D-Serve compares per-scenario groups with); ``multiplexing`` makes every instance a
+PD-multiplexing one (it prefills and decodes, ``cluster.Multiplexing``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.cluster.config import RatioConfig
-from pdserve.sim.cluster import EventLoop, GatewaySim, GroupSim, LatencyModel, SimRequest
+from pdserve.sim.cluster import (
+    EventLoop,
+    GatewaySim,
+    GroupSim,
+    LatencyModel,
+    Multiplexing,
+    SimRequest,
+)
 
 CHUNK_S = 60.0  # arrivals are drawn this much simulated time at once
 
@@ -173,7 +181,7 @@ class FleetSim:
                  dispatch: str = "on-demand", ttft_slo_s: float = 5.0,
                  max_wait_s: float = 60.0, num_gateways: int = 4,
                  ratio: RatioConfig | None = None, pooled: bool = False,
-                 seed: int = 0) -> None:
+                 multiplexing: Multiplexing | None = None, seed: int = 0) -> None:
         self.plan, self.model, self.lengths = plan, model, lengths
         self.loop = EventLoop()
         self.gateways = [GatewaySim(f"g{i}") for i in range(num_gateways)]
@@ -181,7 +189,7 @@ class FleetSim:
         self.rng = np.random.default_rng(seed)
         options = dict(dispatch=dispatch, ttft_slo_s=ttft_slo_s, max_wait_s=max_wait_s,
                        ratio=ratio, loop=self.loop, gateways=self.gateways,
-                       on_answer=self._answered)
+                       on_answer=self._answered, multiplexing=multiplexing)
         if pooled:
             pool = GroupSim(model, sum(s.num_prefill for s in plan.scenarios),
                             sum(s.num_decode for s in plan.scenarios), name="pool", **options)
