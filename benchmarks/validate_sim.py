@@ -138,6 +138,7 @@ async def run(args) -> dict:
     from pdserve.cluster.config import GatewayConfig
     from pdserve.cluster.registry import Instance, MemoryRegistry
 
+    load_average = {"start": os.getloadavg()[0]}
     prefill, decode = start_instance(args), start_instance(args)
     rng = np.random.default_rng(args.seed)
     try:
@@ -161,6 +162,7 @@ async def run(args) -> dict:
                                    max_wait_s=args.max_wait_s)
             gateway = await start_gateway(config, registry)
             requests = workload(args, rng)
+            load_average["calibrated"] = os.getloadavg()[0]
             try:
                 measured = await replay(session, f"http://127.0.0.1:{port}/v1/completions",
                                         requests, args, rng)
@@ -170,10 +172,12 @@ async def run(args) -> dict:
         for server in (prefill, decode):
             server.process.terminate()
             server.process.wait()
+    load_average["replayed"] = os.getloadavg()[0]
     simulated = simulate(model, requests, args)
     prefill_busy = sum(model.prefill_s(r.input_len) for r in requests) / requests[-1].arrival
     return {"service_points": {"prefill": prefill_points, "decode": decode_points},
             "latency_model": model.__dict__, "prefill_utilisation": prefill_busy,
+            "host_load_average_1min": load_average,  # other work on the cores skews both
             "compare": {key: {"measured": percentiles(measured, key),
                               "simulated": percentiles(simulated, key)}
                         for key in ("ttft_s", "tpot_s")}}

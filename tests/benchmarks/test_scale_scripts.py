@@ -56,3 +56,15 @@ def test_registry_scale_on_a_real_zookeeper(tmp_path):
         assert result["propagation_to_every_watcher"][change]["samples"] == 2
     rss = result["zookeeper_rss_mib"]
     assert 0 < rss["empty"] <= rss["with_watchers"] * 2  # the JVM's own, read from /proc
+
+
+def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
+    result = _run("validate_sim.py", "--requests", "6", "--repeats", "1", "--rate", "2",
+                  "--prompt-lens", "32,64", "--decode-batches", "1,2",
+                  "--decode-contexts", "32", "--min-output", "12", "--max-output", "20",
+                  out=tmp_path / "validation.json")
+    assert result["kind"] == "validation"
+    assert len(result["service_points"]["prefill"]) == 2
+    for key in ("ttft_s", "tpot_s"):
+        for side in ("measured", "simulated"):
+            assert 0 < result["compare"][key][side]["p50"] <= result["compare"][key][side]["p99"]
