@@ -436,6 +436,7 @@ class GroupSim:
         self.window = ScenarioWindow()
         self.moves: list[tuple[float, str, str]] = []
         self._active: dict[str, list] = {}  # role -> its active instances, rebuilt on a move
+        self._last_order: dict[str, list[Instance]] = {}  # gateway -> its last offer order
         self._open = 0  # requests in the group, not yet finished or given up on
         self.until = 0.0  # the ratio controller looks at least until then
         self._last_move = -1e9
@@ -475,6 +476,14 @@ class GroupSim:
                                                    for n in self.active("prefill")]
         return instances
 
+    def _candidates(self, gateway: GatewaySim) -> list[Instance]:
+        """The prefill instances, in the order this gateway last offered them when that is
+        by load: sorting by load again then finds them nearly sorted (a handful of
+        comparisons instead of n log n) and returns the same order, the sort key being
+        unique. A round-robin turn depends on the list's own order: it gets the plain one."""
+        last = self._last_order.get(gateway.name)
+        return last if last is not None else self._prefill_instances()
+
     def _decode_names(self) -> list[str]:
         """Sorted, so that ``min`` by load alone breaks ties by name, as the gateway does."""
         names = self._active.get("decode")
@@ -493,8 +502,10 @@ class GroupSim:
     def _try(self, request: SimRequest) -> None:
         gateway = request.gateway
         gateway.turn += 1
-        order = order_prefill(self._prefill_instances(), self.dispatch, gateway.load,
+        order = order_prefill(self._candidates(gateway), self.dispatch, gateway.load,
                               gateway.turn)
+        if self.dispatch != "round-robin":
+            self._last_order[gateway.name] = order
         first_round = request.offers == 0
         budget = self._budget_ms(request)
         for instance in order:
@@ -582,6 +593,7 @@ class GroupSim:
         name = min(donors, key=lambda n: (self._busy(n, role), n))
         self.draining[name] = role
         self._active.clear()
+        self._last_order.clear()
         self.moves.append((self.loop.now, name, role))
         self._last_move = self.loop.now
         self.window.clear(self.loop.now)
@@ -602,6 +614,7 @@ class GroupSim:
             self.roles[name] = role
             del self.draining[name]
             self._active.clear()
+            self._last_order.clear()
 
 
 def summarize(requests: list[SimRequest], ttft_slo_s: float) -> dict:
