@@ -167,7 +167,7 @@ def main() -> int:
     parser.add_argument("--gateways", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 2], help="Gateway process counts to measure.")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[1, 16, 64])
+                        default=[2, 16, 64], help="Requests in flight, over all clients.")
     parser.add_argument("--group-size", type=int, default=50,
                         help="Prefill instances (and as many decode) the gateway routes over.")
     parser.add_argument("--standins", type=int, default=2, help="Stand-in server ports.")
