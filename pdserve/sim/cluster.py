@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import math
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,9 +48,11 @@ class LatencyModel:
     kv_bytes_per_token: int
     link_gb_per_s: float = 25.0
     decode_kv_tokens: int = 290_000
+    prefill_base_s: float = 0.0  # per prefill whatever its length: a step, an HTTP hop
 
     def prefill_s(self, tokens: int) -> float:
-        return self.prefill_per_token_s * tokens + self.prefill_per_token_sq_s * tokens ** 2
+        return (self.prefill_base_s + self.prefill_per_token_s * tokens
+                + self.prefill_per_token_sq_s * tokens ** 2)
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         return (self.decode_base_s + self.decode_per_request_s * batch
@@ -64,18 +67,68 @@ class LatencyModel:
         """Least-squares fit to a ``bench_engine.py`` result's prefill and decode points."""
         with open(path) as f:
             measured = json.load(f)["models"][0]
-        pre = measured["prefill"]
-        a = np.array([[p["tokens"], p["tokens"] ** 2] for p in pre], dtype=float)
-        prefill = np.linalg.lstsq(a, [p["seconds"] for p in pre], rcond=None)[0]
-        dec = [d for d in measured["decode"] if "step_ms" in d]  # some points were skipped
-        a = np.array([[1.0, d["batch"], d["batch"] * d["context"]] for d in dec])
-        decode = np.linalg.lstsq(a, [d["step_ms"] / 1e3 for d in dec], rcond=None)[0]
-        return cls(float(prefill[0]), float(max(prefill[1], 0.0)), *map(float, decode),
-                   kv_bytes_per_token=kv_bytes_per_token,
-                   decode_kv_tokens=int(measured.get("kv_pool_tokens", 290_000)), **options)
+        decode = [d for d in measured["decode"] if "step_ms" in d]  # some points were skipped
+        return cls.fit(measured["prefill"], decode, kv_bytes_per_token,
+                       decode_kv_tokens=int(measured.get("kv_pool_tokens", 290_000)), **options)
+
+    @classmethod
+    def fit(cls, prefill: list[dict], decode: list[dict], kv_bytes_per_token: int,
+            **options: float) -> LatencyModel:
+        """Least squares, no coefficient negative, over measured points: prefill
+        ``{"tokens", "seconds"}``, decode ``{"batch", "context", "step_ms"}`` (``context``
+        per request)."""
+        a = np.array([[1.0, p["tokens"], p["tokens"] ** 2] for p in prefill])
+        base, per_token, per_token_sq = _fit_nonnegative(a, [p["seconds"] for p in prefill])
+        a = np.array([[1.0, d["batch"], d["batch"] * d["context"]] for d in decode])
+        decode_fit = _fit_nonnegative(a, [d["step_ms"] / 1e3 for d in decode])
+        return cls(per_token, per_token_sq, *decode_fit, kv_bytes_per_token=kv_bytes_per_token,
+                   prefill_base_s=base, **options)
 
 
-@dataclass
+def _fit_nonnegative(a: np.ndarray, b: list[float]) -> list[float]:
+    """Least squares; a coefficient that comes out negative (noise: no cost shrinks as the
+    work grows) is fixed at zero and the rest refitted."""
+    free, coefficients = list(range(a.shape[1])), []
+    while free:
+        coefficients = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+        if (coefficients >= 0).all():
+            break
+        free = [f for f, c in zip(free, coefficients, strict=True) if c >= 0]
+    result = [0.0] * a.shape[1]
+    for f, c in zip(free, coefficients, strict=True):
+        result[f] = float(c)
+    return result
+
+
+@dataclass(frozen=True)
+class Multiplexing:
+    """How the two sides of a PD-multiplexing instance (prefill and decode on one GPU's SM
+    partitions) slow each other: a decode step takes ``decode_slowdown`` times as long while
+    a prompt prefills beside it, and a prompt ``prefill_slowdown`` times as long while a
+    batch decodes beside it. Each side's factor is fixed when its stretch of work starts: a
+    prompt's for the whole prompt, decode's until its batch next changes or the prefill side
+    starts or ends a prompt (the decode side is then resynced at its next step)."""
+
+    decode_slowdown: float
+    prefill_slowdown: float
+
+    @classmethod
+    def from_multiplex_results(cls, path: str, model: LatencyModel,
+                               itl_slo_ms: float = 40.0) -> Multiplexing:
+        """From a ``bench_multiplex.py`` result's multiplex run at ``itl_slo_ms``: decode's
+        P50 step while prefilling over alone, and the prompt's time at the measured
+        multiplexed rate over ``model``'s time for it alone."""
+        with open(path) as f:
+            runs = json.load(f)["runs"]
+        run = next(r["multiplex"] for r in runs if r["itl_slo_ms"] == itl_slo_ms)
+        decode = (run["decode_step_ms_while_prefilling"]["p50"]
+                  / run["decode_step_ms_alone"]["p50"])
+        tokens = run["prompt_tokens"]
+        prefill = tokens / run["prefill_tokens_per_s"] / model.prefill_s(tokens)
+        return cls(decode, prefill)
+
+
+@dataclass(slots=True)
 class SimRequest:
     arrival: float
     input_len: int
@@ -85,21 +138,85 @@ class SimRequest:
     finished: float | None = None
     unserved: bool = False
     offers: int = 0
+    gateway: GatewaySim | None = None  # the gateway that took it in
+    wait_token: int = 0  # which entry of its gateway's wait line is live
+    scenario: int = 0  # its index in a fleet's scenarios
 
 
 class EventLoop:
+    """A heap of timed actions. An action is a callable and one argument, so that the hot
+    paths schedule bound methods instead of building a closure per event."""
+
     def __init__(self) -> None:
         self.now = 0.0
         self._events: list = []
         self._order = itertools.count()
 
-    def at(self, when: float, action: Callable[[], None]) -> None:
-        heapq.heappush(self._events, (when, next(self._order), action))
+    def at(self, when: float, action: Callable[..., None], arg: object = None) -> None:
+        heapq.heappush(self._events, (when, next(self._order), action, arg))
 
     def run(self) -> None:
-        while self._events:
-            self.now, _, action = heapq.heappop(self._events)
-            action()
+        events, pop = self._events, heapq.heappop
+        while events:
+            self.now, _, action, arg = pop(events)
+            if arg is None:
+                action()
+            else:
+                action(arg)
+
+
+class GatewaySim:
+    """What one gateway knows on its own: the prefills it placed that are still in flight
+    and the answers it relays, by instance, its round-robin turn, and its line of refused
+    requests per group. Several gateways in front of one group do not see each other's
+    counts, as real ones do not."""
+
+    def __init__(self, name: str = "g0") -> None:
+        self.name = name
+        self.load: Counter[str] = Counter()
+        self.decode_load: Counter[str] = Counter()
+        self.turn = 0
+        self.lines: dict[int, WaitLine] = {}
+
+    def line(self, group: GroupSim) -> WaitLine:
+        line = self.lines.get(id(group))
+        if line is None:
+            line = self.lines[id(group)] = WaitLine()
+        return line
+
+
+class WaitLine:
+    """A gateway's first-come line of refused requests for one group. A request that leaves
+    it by its own poll stays in the deque as a dead entry (its ``wait_token`` moved on):
+    removing it from the middle would cost a scan of the line per poll."""
+
+    def __init__(self) -> None:
+        self._entries: deque[tuple[int, SimRequest]] = deque()
+        self.live = 0
+
+    def __bool__(self) -> bool:
+        return self.live > 0
+
+    def put(self, request: SimRequest, first: bool) -> None:
+        request.wait_token += 1
+        entry = (request.wait_token, request)
+        (self._entries.appendleft if first else self._entries.append)(entry)
+        self.live += 1
+
+    def take(self, request: SimRequest, token: int) -> bool:
+        """Takes ``request`` out if its entry ``token`` is still live."""
+        if request.wait_token != token:
+            return False
+        request.wait_token += 1
+        self.live -= 1
+        return True
+
+    def pop(self) -> SimRequest | None:
+        while self._entries:
+            token, request = self._entries.popleft()
+            if self.take(request, token):
+                return request
+        return None
 
 
 class PrefillSim:
@@ -112,6 +229,8 @@ class PrefillSim:
         self.admission = PrefillAdmission(clock=lambda: loop.now)
         self.queue: deque[tuple[SimRequest, float]] = deque()
         self.busy = False
+        self.partner: DecodeSim | None = None  # the decode side of a multiplexing instance
+        self.multiplexing: Multiplexing | None = None
 
     def idle(self) -> bool:
         return not (self.busy or self.queue)
@@ -127,12 +246,17 @@ class PrefillSim:
         return True
 
     def _start_next(self) -> None:
-        request, arrived = self.queue.popleft()
+        job = self.queue.popleft()
         self.busy = True
-        done = self.loop.now + self.model.prefill_s(request.input_len)
-        self.loop.at(done, lambda: self._finish(request, arrived))
+        service = self.model.prefill_s(job[0].input_len)
+        if self.partner is not None:
+            if self.partner.running:
+                service *= self.multiplexing.prefill_slowdown
+            self.partner.resync()
+        self.loop.at(self.loop.now + service, self._finish, job)
 
-    def _finish(self, request: SimRequest, arrived: float) -> None:
+    def _finish(self, job: tuple[SimRequest, float]) -> None:
+        request, arrived = job
         self.admission.done(request.input_len, request.input_len, arrived)
         # The gateway relays the first token as soon as the decode instance is asked, before
         # the KV has crossed the link (``pdserve/server/pd.py``).
@@ -140,11 +264,21 @@ class PrefillSim:
         self.busy = False
         if self.queue:
             self._start_next()
+        elif self.partner is not None:
+            self.partner.resync()
         self.on_done(self, request)
 
 
 class DecodeSim:
-    """One decode instance: continuous batching within a KV pool of fixed size."""
+    """One decode instance: continuous batching within a KV pool of fixed size.
+
+    Simulated step by step it would cost one event per step (tens a second per instance);
+    instead it jumps from one change of the batch to the next. Between changes the batch is
+    fixed and each step's context grows by one token per request, so step ``k`` of the
+    stretch takes ``a + b*k`` and ``k`` steps take ``k*a + b*k*(k-1)/2``: the time of any
+    later step boundary is exact. The batch changes only when a request ends (a step
+    boundary counted in advance) or a newcomer is admitted (at the boundary after it came).
+    """
 
     def __init__(self, name: str, loop: EventLoop, model: LatencyModel,
                  on_finish: Callable[[DecodeSim, SimRequest], None] | None = None,
@@ -152,59 +286,120 @@ class DecodeSim:
         self.name, self.loop, self.model, self.max_batch = name, loop, model, max_batch
         self.on_finish = on_finish
         self.waiting: deque[SimRequest] = deque()
-        self.running: list[tuple[SimRequest, int]] = []  # (request, tokens still to make)
-        self.stepping = False
+        self.running: list[tuple[int, int, SimRequest]] = []  # heap: (last step, seq, request)
+        self.kv_in_use = 0  # tokens reserved: prompt plus whole answer of each running one
+        self._context_base = 0  # context at step s is _context_base + len(running) * s
+        self._seq = itertools.count()
+        self._step = 0  # steps done at _since
+        self._since = 0.0
+        self._sync_step: int | None = None  # the step at which a sync is scheduled
+        self._version = 0  # a sync scheduled before the latest change is stale
+        self.partner: PrefillSim | None = None  # the prefill side of a multiplexing instance
+        self.multiplexing: Multiplexing | None = None
+        self._slowdown = 1.0  # of the current stretch
 
     def idle(self) -> bool:
         return not (self.running or self.waiting)
 
-    def kv_in_use(self) -> int:
-        return sum(r.input_len + r.output_len for r, _ in self.running)
-
     def receive(self, request: SimRequest) -> None:
         self.waiting.append(request)
-        if not self.stepping:
-            self._step()
+        if not self.running:
+            self._begin_stretch(0)
+            self._admit()
+            self._schedule(self._next_finish())
+        elif len(self.waiting) == 1 and self._fits(request):
+            self._schedule(self._steps_done(self.loop.now) + 1)
+
+    def _fits(self, request: SimRequest) -> bool:
+        need = request.input_len + request.output_len
+        return len(self.running) < self.max_batch and (
+            self.kv_in_use + need <= self.model.decode_kv_tokens or not self.running)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch:
-            request = self.waiting[0]
-            if self.kv_in_use() + request.input_len + request.output_len > \
-                    self.model.decode_kv_tokens and self.running:
-                return
-            self.running.append((self.waiting.popleft(), request.output_len - 1))
+        while self.waiting and self._fits(self.waiting[0]):
+            request = self.waiting.popleft()
+            last = self._step + max(1, request.output_len - 1)
+            heapq.heappush(self.running, (last, next(self._seq), request))
+            self.kv_in_use += request.input_len + request.output_len
+            self._context_base += request.input_len + request.output_len - last
 
-    def _step(self) -> None:
-        self._admit()
-        if not self.running:
-            self.stepping = False
+    def _stretch(self) -> tuple[float, float]:
+        """(a, b): step k (from 0) of the current stretch takes a + b*k seconds."""
+        m, batch = self.model, len(self.running)
+        context = self._context_base + batch * self._step
+        return ((m.decode_base_s + m.decode_per_request_s * batch
+                 + m.decode_per_kv_token_s * context) * self._slowdown,
+                m.decode_per_kv_token_s * batch * self._slowdown)
+
+    def _begin_stretch(self, step: int) -> None:
+        self._step, self._since = step, self.loop.now
+        beside = self.partner is not None and self.partner.busy
+        self._slowdown = self.multiplexing.decode_slowdown if beside else 1.0
+
+    def resync(self) -> None:
+        """The prefill side beside it started or ended a prompt: a new stretch at the next
+        step boundary."""
+        if self.running:
+            self._schedule(self._steps_done(self.loop.now) + 1)
+
+    def _time_of(self, step: int) -> float:
+        a, b = self._stretch()
+        k = step - self._step
+        return self._since + k * a + b * k * (k - 1) / 2
+
+    def _steps_done(self, now: float) -> int:
+        """Whole steps of the current stretch done by ``now`` (plus the steps before it)."""
+        a, b = self._stretch()
+        elapsed = now - self._since
+        if b > 0:
+            c = a - b / 2
+            k = int((math.sqrt(c * c + 2 * b * elapsed) - c) / b)
+        else:
+            k = int(elapsed / a)
+        while k > 0 and self._time_of(self._step + k) > now:  # float rounding
+            k -= 1
+        while self._time_of(self._step + k + 1) <= now:
+            k += 1
+        return self._step + k
+
+    def _next_finish(self) -> int | None:
+        return self.running[0][0] if self.running else None
+
+    def _schedule(self, step: int | None) -> None:
+        if step is None or (self._sync_step is not None and self._sync_step <= step):
             return
-        self.stepping = True
-        context = sum(r.input_len + r.output_len - left for r, left in self.running)
-        self.loop.at(self.loop.now + self.model.decode_step_s(len(self.running), context),
-                     self._end_step)
+        self._version += 1
+        self._sync_step = step
+        self.loop.at(self._time_of(step), self._sync, (self._version, step))
 
-    def _end_step(self) -> None:
-        still, done = [], []
-        for request, left in self.running:
-            if left <= 1:
-                request.finished = self.loop.now
-                done.append(request)
-            else:
-                still.append((request, left - 1))
-        self.running = still
-        for request in done:  # after the batch shrank: the callback may find it idle
-            if self.on_finish is not None:
+    def _sync(self, event: tuple[int, int]) -> None:
+        version, step = event
+        if version != self._version:
+            return
+        self._begin_stretch(step)
+        self._sync_step = None
+        done = []
+        while self.running and self.running[0][0] <= step:
+            last, _, request = heapq.heappop(self.running)
+            self.kv_in_use -= request.input_len + request.output_len
+            self._context_base -= request.input_len + request.output_len - last
+            request.finished = self.loop.now
+            done.append(request)
+        self._admit()
+        self._schedule(self._next_finish())
+        if self.on_finish is not None:
+            for request in done:  # after the batch shrank: the callback may find it idle
                 self.on_finish(self, request)
-        self._step()
 
 
 @dataclass
 class GroupSim:
-    """The gateway and one scenario's group, driven by a request list. Every instance can
-    take either role (as a real one does); with ``ratio`` set, the real ratio controller's
-    judgement (``judge``) moves one between roles every ``ratio_interval_s``, and a moved
-    instance joins its new role once the work of its old one has drained."""
+    """One scenario's group behind its gateways, driven by a request list (``run``) or by a
+    fleet (``FleetSim`` calls ``arrive``). Every instance can take either role (as a real
+    one does); with ``ratio`` set, the real ratio controller's judgement (``judge``) moves
+    one between roles every ``ratio_interval_s``, and a moved instance joins its new role
+    once the work of its old one has drained. ``on_answer`` sees each request that ended:
+    answered, or given up on (``unserved``)."""
 
     model: LatencyModel
     num_prefill: int
@@ -216,60 +411,113 @@ class GroupSim:
     ratio: RatioConfig | None = None
     ratio_interval_s: float = 10.0
     loop: EventLoop = field(default_factory=EventLoop)
+    gateways: list[GatewaySim] = field(default_factory=lambda: [GatewaySim()])
+    name: str = "sim"
+    on_answer: Callable[[GroupSim, SimRequest], None] | None = None
+    multiplexing: Multiplexing | None = None  # every instance prefills and decodes itself
 
     def __post_init__(self) -> None:
         if self.dispatch not in DISPATCH:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCH)}")
-        names = [f"n{i}" for i in range(self.num_prefill + self.num_decode)]
+        if self.multiplexing is not None and self.ratio is not None:
+            raise ValueError("multiplexing instances have no P/D ratio to move")
+        names = [f"{self.name}-n{i}" if self.name != "sim" else f"n{i}"
+                 for i in range(self.num_prefill + self.num_decode)]
         self.prefill = {n: PrefillSim(n, self.loop, self.model, self._prefilled) for n in names}
         self.decode = {n: DecodeSim(n, self.loop, self.model, self._finished) for n in names}
         self.roles = {n: "prefill" if i < self.num_prefill else "decode"
                       for i, n in enumerate(names)}
+        if self.multiplexing is not None:
+            self._pair(names)
+        for gateway in self.gateways:  # a zero entry is a plain dict hit, not Counter.__missing__
+            for counts in (gateway.load, gateway.decode_load):
+                counts.update(dict.fromkeys(names, 0))
         self.draining: dict[str, str] = {}  # instance -> the role it moves to
         self.window = ScenarioWindow()
         self.moves: list[tuple[float, str, str]] = []
-        self.load: Counter[str] = Counter()  # prefills in flight, by instance
-        self.decode_load: Counter[str] = Counter()  # requests sent to decode, not finished
-        self.line: deque[SimRequest] = deque()
-        self._turn = 0
-        self._open = 0  # requests not yet finished or given up on
+        self._active: dict[str, list] = {}  # role -> its active instances, rebuilt on a move
+        self._last_order: dict[str, list[Instance]] = {}  # gateway -> its last offer order
+        self._open = 0  # requests in the group, not yet finished or given up on
+        self.until = 0.0  # the ratio controller looks at least until then
         self._last_move = -1e9
         self._decode_short_at: tuple[int, float] | None = None  # as RatioController keeps
 
+    def _pair(self, names: list[str]) -> None:
+        """Each instance offers prefills and decodes what it prefilled, on one GPU."""
+        for name in names:
+            prefill, decode = self.prefill[name], self.decode[name]
+            prefill.partner, decode.partner = decode, prefill
+            prefill.multiplexing = decode.multiplexing = self.multiplexing
+            self.roles[name] = "prefill"
+
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
-        self._open = len(requests)
+        gateway = self.gateways[0]
         for request in requests:
-            self.loop.at(request.arrival, lambda r=request: self._arrive(r))
-        if self.ratio is not None:
-            self.loop.at(self.ratio_interval_s, self._tick)
+            request.gateway = gateway
+            self.loop.at(request.arrival, self.arrive, request)
+        self.start(max((r.arrival for r in requests), default=0.0))
         self.loop.run()
         return requests
+
+    def start(self, until: float) -> None:
+        """Before the loop runs: requests come until ``until``; the ratio controller looks
+        until then and on while requests are still in the group."""
+        self.until = until
+        if self.ratio is not None:
+            self.loop.at(self.ratio_interval_s, self._tick)
 
     def active(self, role: str) -> list[str]:
         return [n for n, r in self.roles.items() if r == role and n not in self.draining]
 
-    def _arrive(self, request: SimRequest) -> None:
+    def _prefill_instances(self) -> list[Instance]:
+        instances = self._active.get("prefill")
+        if instances is None:
+            instances = self._active["prefill"] = [self.prefill[n].instance
+                                                   for n in self.active("prefill")]
+        return instances
+
+    def _candidates(self, gateway: GatewaySim) -> list[Instance]:
+        """The prefill instances, in the order this gateway last offered them when that is
+        by load: sorting by load again then finds them nearly sorted (a handful of
+        comparisons instead of n log n) and returns the same order, the sort key being
+        unique. A round-robin turn depends on the list's own order: it gets the plain one."""
+        last = self._last_order.get(gateway.name)
+        return last if last is not None else self._prefill_instances()
+
+    def _decode_names(self) -> list[str]:
+        """Sorted, so that ``min`` by load alone breaks ties by name, as the gateway does."""
+        names = self._active.get("decode")
+        if names is None:
+            names = self._active["decode"] = sorted(self.active("decode"))
+        return names
+
+    def arrive(self, request: SimRequest) -> None:
+        self._open += 1
         self.window.request_arrived()
-        if self.line:  # a newcomer queues behind requests already waiting
+        if request.gateway.line(self):  # a newcomer queues behind requests already waiting
             self._wait(request, first=False)
         else:
             self._try(request)
 
     def _try(self, request: SimRequest) -> None:
-        self._turn += 1
-        order = order_prefill([self.prefill[n].instance for n in self.active("prefill")],
-                              self.dispatch, self.load, self._turn)
+        gateway = request.gateway
+        gateway.turn += 1
+        order = order_prefill(self._candidates(gateway), self.dispatch, gateway.load,
+                              gateway.turn)
+        if self.dispatch != "round-robin":
+            self._last_order[gateway.name] = order
         first_round = request.offers == 0
+        budget = self._budget_ms(request)
         for instance in order:
             request.offers += 1
-            if self.prefill[instance.instance_id].offer(request, self._budget_ms(request)):
-                self.load[instance.instance_id] += 1
+            if self.prefill[instance.instance_id].offer(request, budget):
+                gateway.load[instance.instance_id] += 1
                 return
         if first_round:
             self.window.refused_at_first()
         if self.loop.now - request.arrival + self.retry_poll_s > self.max_wait_s:
             request.unserved = True
-            self._open -= 1
+            self._ended(request)
             return
         self._wait(request, first=True)
 
@@ -279,39 +527,52 @@ class GroupSim:
         return max(0.0, (self.ttft_slo_s - (self.loop.now - request.arrival)) * 1e3)
 
     def _wait(self, request: SimRequest, first: bool) -> None:
-        (self.line.appendleft if first else self.line.append)(request)
-        self.loop.at(self.loop.now + self.retry_poll_s, lambda: self._poll(request))
+        request.gateway.line(self).put(request, first)
+        self.loop.at(self.loop.now + self.retry_poll_s, self._poll,
+                     (request, request.wait_token))
 
-    def _poll(self, request: SimRequest) -> None:
-        if request in self.line:
-            self.line.remove(request)
+    def _poll(self, entry: tuple[SimRequest, int]) -> None:
+        request, token = entry
+        if request.gateway.line(self).take(request, token):
             self._try(request)
 
     def _prefilled(self, prefill: PrefillSim, request: SimRequest) -> None:
         name = prefill.instance.instance_id
-        self.load[name] -= 1
+        gateway = request.gateway
+        gateway.load[name] -= 1
         self.window.prefill_ended()
-        # Counted from the pick, as the gateway does: KV still on the link counts too.
-        decode = self.decode[min(self.active("decode"), key=lambda n: (self.decode_load[n], n))]
-        self.decode_load[decode.name] += 1
-        arrive = self.loop.now + self.model.transfer_s(request.input_len)
-        self.loop.at(arrive, lambda: decode.receive(request))
+        if self.multiplexing is not None:  # its KV is already where it decodes
+            gateway.decode_load[name] += 1
+            self.decode[name].receive(request)
+        else:
+            # Counted from the pick, as the gateway does: KV still on the link counts too.
+            decode = self.decode[min(self._decode_names(),
+                                     key=gateway.decode_load.__getitem__)]
+            gateway.decode_load[decode.name] += 1
+            self.loop.at(self.loop.now + self.model.transfer_s(request.input_len),
+                         decode.receive, request)
         self._settle(name)
-        if self.line:  # room on that instance: the head of the line tries again
-            self._try(self.line.popleft())
+        waiting = gateway.line(self).pop()
+        if waiting is not None:  # room on that instance: the head of the line tries again
+            self._try(waiting)
 
     def _finished(self, decode: DecodeSim, request: SimRequest) -> None:
-        self._open -= 1
-        self.decode_load[decode.name] -= 1
+        request.gateway.decode_load[decode.name] -= 1
         self.window.answer_ended()
         self.window.latencies(request.arrival, request.first_token - request.arrival,
                               request.finished - request.arrival)
+        self._ended(request)
         self._settle(decode.name)
+
+    def _ended(self, request: SimRequest) -> None:
+        self._open -= 1
+        if self.on_answer is not None:
+            self.on_answer(self, request)
 
     # ---- dynamic P/D ratio ----
 
     def _tick(self) -> None:
-        if self._open <= 0:
+        if self._open <= 0 and self.loop.now >= self.until:
             return
         self.loop.at(self.loop.now + self.ratio_interval_s, self._tick)
         if self.draining or self.loop.now - self._last_move < self.ratio.cooldown_s:
@@ -329,14 +590,19 @@ class GroupSim:
 
     def _move(self, role: str) -> None:
         donors = self.active("decode" if role == "prefill" else "prefill")
-        busy = (lambda n: self.decode_load[n]) if role == "prefill" else \
-            (lambda n: self.load[n])
-        name = min(donors, key=lambda n: (busy(n), n))
+        name = min(donors, key=lambda n: (self._busy(n, role), n))
         self.draining[name] = role
+        self._active.clear()
+        self._last_order.clear()
         self.moves.append((self.loop.now, name, role))
         self._last_move = self.loop.now
         self.window.clear(self.loop.now)
         self._settle(name)
+
+    def _busy(self, name: str, role: str) -> int:
+        """In-flight work on ``name`` in the role it leaves, summed over the gateways."""
+        counts = [g.decode_load if role == "prefill" else g.load for g in self.gateways]
+        return sum(c[name] for c in counts)
 
     def _settle(self, name: str) -> None:
         """A moving instance takes its new role once its old role's work is done."""
@@ -347,6 +613,8 @@ class GroupSim:
         if old.idle():
             self.roles[name] = role
             del self.draining[name]
+            self._active.clear()
+            self._last_order.clear()
 
 
 def summarize(requests: list[SimRequest], ttft_slo_s: float) -> dict:

@@ -136,3 +136,44 @@ def test_ratio_controller_rescues_a_decode_starved_group():
     assert sim.moves[0][2] == "decode"
     assert len(sim.active("decode")) >= 2 and len(sim.active("prefill")) >= 3
     assert median_e2e < 10.0
+
+
+def test_fit_finds_a_fixed_cost_per_prefill_and_never_a_negative_one():
+    prefill = [{"tokens": n, "seconds": 0.1 + 1e-4 * n} for n in (64, 256, 1024)]
+    # Decode noise that would pull the per-request cost below zero.
+    decode = [{"batch": b, "context": 100, "step_ms": ms}
+              for b, ms in ((1, 35.0), (4, 34.0), (8, 33.5))]
+    model = LatencyModel.fit(prefill, decode, kv_bytes_per_token=1)
+    assert model.prefill_s(512) == pytest.approx(0.1 + 1e-4 * 512, rel=1e-6)
+    assert model.decode_per_request_s == 0.0 and model.decode_per_kv_token_s >= 0.0
+    assert model.decode_step_s(8, 800) > 0.03
+
+
+def test_multiplexing_instance_slows_each_side_while_the_other_works():
+    from pdserve.sim.cluster import Multiplexing
+
+    sim = GroupSim(MODEL, 1, 0, multiplexing=Multiplexing(decode_slowdown=2.0,
+                                                          prefill_slowdown=3.0))
+    first, second = sim.run([SimRequest(0.0, 100, 11), SimRequest(0.125, 100, 3)])
+    assert first.first_token == pytest.approx(0.1)  # nothing decoding beside it
+    # Decode starts at 0.1 s, no KV transfer; 3 steps of 10 ms, then the second prompt
+    # prefills beside it from 0.125 s: from the next step (0.13 s) steps take 20 ms.
+    assert first.finished == pytest.approx(0.13 + 7 * 0.02)
+    assert second.first_token == pytest.approx(0.125 + 3 * 0.1)  # a batch decoded beside it
+    assert second.finished == pytest.approx(0.425 + 2 * 0.01)
+
+
+def test_multiplexing_slowdowns_from_a_multiplex_result(tmp_path):
+    from pdserve.sim.cluster import Multiplexing
+
+    run = {"itl_slo_ms": 40.0, "multiplex": {
+        "decode_step_ms_alone": {"p50": 20.0}, "decode_step_ms_while_prefilling": {"p50": 30.0},
+        "prompt_tokens": 1000, "prefill_tokens_per_s": 500.0}}
+    path = tmp_path / "multiplex.json"
+    path.write_text(__import__("json").dumps({"runs": [run]}))
+    mux = Multiplexing.from_multiplex_results(str(path), MODEL)  # MODEL: 1 s for 1000 tokens
+    assert mux == Multiplexing(decode_slowdown=1.5, prefill_slowdown=2.0)
+    with pytest.raises(ValueError, match="no P/D ratio"):
+        from pdserve.cluster.config import RatioConfig
+
+        GroupSim(MODEL, 1, 1, multiplexing=mux, ratio=RatioConfig())

@@ -1,0 +1,223 @@
+"""Validation: a real P/D group (one prefill and one decode instance behind the real gateway)
+against the simulator fitted to those instances.
+
+1. Measure the instances' service times over HTTP: prefill as the latency of one-token
+   completions of several prompt lengths (one at a time), decode as the interval between
+   streamed tokens of ``batch`` requests running together at two prompt lengths.
+2. Fit ``LatencyModel.fit`` to those points.
+3. Replay one request list (Poisson arrivals, random prompt and answer lengths, answers
+   of exactly their length) through the gateway, streamed, and through ``GroupSim`` with
+   the fitted model; report measured and simulated TTFT and TPOT percentiles side by side.
+
+On CPU (the default: the tiny model) the instances, the gateway and the client share the
+host's cores; keep ``--rate`` low enough that requests rarely overlap (the report records
+how busy the prefill side was). On GPUs, e.g.::
+
+    python benchmarks/validate_sim.py --model codellama-34b \\
+        --serve-args "--device cuda --dtype bfloat16" --prompt-lens 1024,4096,8192,16384 \\
+        --decode-batches 1,16,64 --decode-contexts 1024,8192 --rate 0.5 --requests 300 \\
+        --out benchmarks/results/validation_h200_codellama34b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
+from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.sim.cluster import GroupSim, LatencyModel, SimRequest  # noqa: E402
+from tests.server.conftest import Server, free_port, wait_healthy  # noqa: E402
+
+VOCAB = 250  # token ids below the tiny model's special tokens
+
+
+def start_instance(args) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve", "serve", args.model, "--host", "127.0.0.1",
+           "--port", str(port), "--kv-transfer-port", "0", *shlex.split(args.serve_args)]
+    log = tempfile.TemporaryFile()
+    server = Server(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), port, None, log)
+    wait_healthy(server)
+    return server
+
+
+def prompt(rng: np.random.Generator, tokens: int) -> list[int]:
+    return rng.integers(0, VOCAB, tokens).tolist()
+
+
+async def stream(session, url: str, body: dict) -> list[float]:
+    """Arrival times of the streamed chunks that carry text, from the send."""
+    start, times = time.monotonic(), []
+    async with session.post(url, json={**body, "stream": True}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
+        async for line in resp.content:
+            if line.startswith(b"data: {") and b'"text"' in line:
+                times.append(time.monotonic() - start)
+    return times
+
+
+async def measure_prefill(session, url: str, args, rng) -> list[dict]:
+    points = []
+    for tokens in args.prompt_lens:
+        seconds = []
+        for _ in range(args.repeats):
+            body = {"model": args.model, "prompt": prompt(rng, tokens), "max_tokens": 1}
+            start = time.monotonic()
+            async with session.post(url, json=body) as resp:
+                await resp.read()
+            seconds.append(time.monotonic() - start)
+        points.append({"tokens": tokens, "seconds": float(np.median(seconds))})
+    return points
+
+
+async def measure_decode(session, url: str, args, rng) -> list[dict]:
+    points, steps = [], 48
+    for context in args.decode_contexts:
+        for batch in args.decode_batches:
+            body = {"model": args.model, "max_tokens": steps, "ignore_eos": True}
+            runs = await asyncio.gather(*(stream(session, url, {**body,
+                                                                "prompt": prompt(rng, context)})
+                                          for _ in range(batch)))
+            # Steady state: every request past its prefill and none yet finished.
+            gaps = np.concatenate([np.diff(t[8:steps - 8]) for t in runs])
+            points.append({"batch": batch, "context": context + steps // 2,
+                           "step_ms": float(np.median(gaps)) * 1e3})
+    return points
+
+
+def workload(args, rng) -> list[SimRequest]:
+    arrivals = np.cumsum(rng.exponential(1 / args.rate, args.requests))
+    return [SimRequest(float(t), int(rng.choice(args.prompt_lens)),
+                       int(rng.integers(args.min_output, args.max_output + 1)))
+            for t in arrivals]
+
+
+async def replay(session, url: str, requests: list[SimRequest], args, rng) -> list[dict]:
+    start = time.monotonic()
+
+    async def one(request: SimRequest) -> dict:
+        await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
+        body = {"model": args.model, "prompt": prompt(rng, request.input_len),
+                "max_tokens": request.output_len, "ignore_eos": True}
+        times = await stream(session, url, body)
+        return {"ttft_s": times[0], "tpot_s": (times[-1] - times[0]) / (request.output_len - 1)}
+
+    return await asyncio.gather(*(one(r) for r in requests))
+
+
+def percentiles(rows: list[dict], key: str) -> dict:
+    values = [r[key] for r in rows]
+    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
+
+
+def simulate(model: LatencyModel, requests: list[SimRequest], args) -> list[dict]:
+    sim = GroupSim(model, 1, 1, ttft_slo_s=args.ttft_slo_s, max_wait_s=args.max_wait_s)
+    fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
+    return [{"ttft_s": r.first_token - r.arrival,
+             "tpot_s": (r.finished - r.first_token) / (r.output_len - 1)}
+            for r in sim.run(fresh)]
+
+
+async def run(args) -> dict:
+    from aiohttp import ClientSession, ClientTimeout
+
+    from pdserve.cluster.app import start_gateway, stop_gateway
+    from pdserve.cluster.config import GatewayConfig
+    from pdserve.cluster.registry import Instance, MemoryRegistry
+
+    load_average = {"start": os.getloadavg()[0]}
+    prefill, decode = start_instance(args), start_instance(args)
+    rng = np.random.default_rng(args.seed)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=None)) as session:
+            prefill_points = await measure_prefill(session, prefill.url + "/v1/completions",
+                                                   args, rng)
+            decode_points = await measure_decode(session, decode.url + "/v1/completions",
+                                                 args, rng)
+            model = LatencyModel.fit(prefill_points, decode_points,
+                                     kv_bytes_per_token(args.model),
+                                     link_gb_per_s=args.link_gb_per_s,
+                                     decode_kv_tokens=args.decode_kv_tokens)
+            registry = MemoryRegistry()
+            for name, server, role in (("p", prefill, "prefill"), ("d", decode, "decode")):
+                info = await (await session.get(server.url + "/pd/info")).json()
+                registry.register(Instance(name, "default", role, f"127.0.0.1:{server.port}",
+                                           info["kv_address"], info["model"]))
+            port = free_port()
+            config = GatewayConfig(host="127.0.0.1", port=port,
+                                   ttft_slo_ms=args.ttft_slo_s * 1e3,
+                                   max_wait_s=args.max_wait_s)
+            gateway = await start_gateway(config, registry)
+            requests = workload(args, rng)
+            load_average["calibrated"] = os.getloadavg()[0]
+            try:
+                measured = await replay(session, f"http://127.0.0.1:{port}/v1/completions",
+                                        requests, args, rng)
+            finally:
+                await stop_gateway(*gateway)
+    finally:
+        for server in (prefill, decode):
+            server.process.terminate()
+            server.process.wait()
+    load_average["replayed"] = os.getloadavg()[0]
+    simulated = simulate(model, requests, args)
+    prefill_busy = sum(model.prefill_s(r.input_len) for r in requests) / requests[-1].arrival
+    return {"service_points": {"prefill": prefill_points, "decode": decode_points},
+            "latency_model": model.__dict__, "prefill_utilisation": prefill_busy,
+            "host_load_average_1min": load_average,  # other work on the cores skews both
+            "compare": {key: {"measured": percentiles(measured, key),
+                              "simulated": percentiles(simulated, key)}
+                        for key in ("ttft_s", "tpot_s")}}
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--serve-args", default="--dtype float32 --device cpu")
+    parser.add_argument("--prompt-lens", type=ints, default=[64, 256, 512, 1024])
+    parser.add_argument("--decode-batches", type=ints, default=[1, 4, 8])
+    parser.add_argument("--decode-contexts", type=ints, default=[64, 1024])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=100)
+    parser.add_argument("--rate", type=float, default=0.5, help="Requests a second.")
+    parser.add_argument("--min-output", type=int, default=16)
+    parser.add_argument("--max-output", type=int, default=64)
+    parser.add_argument("--ttft-slo-s", type=float, default=2.0)
+    parser.add_argument("--max-wait-s", type=float, default=30.0)
+    parser.add_argument("--link-gb-per-s", type=float, default=1.5,
+                        help="KV link speed (1.5: kv_transfer_cpu.json's loopback result).")
+    parser.add_argument("--decode-kv-tokens", type=int, default=100_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # instances: one core each, not all
+    result = asyncio.run(run(args))
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    report = {**result_header(config), "kind": "validation", **result}
+    for key, sides in report["compare"].items():
+        print(key, sides)
+    if args.out:
+        write_json(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""A fleet of P/D groups behind several gateways: the group simulator of ``cluster.py``
+(one ``GroupSim`` per scenario, all on one event loop) fed by tidal traffic.
+
+Each scenario's request rate rises and falls over ``period_s`` on its own phase, between
+``trough`` and 1 times its peak; its prompts and answers are lengths drawn from a trace
+(the Mooncake conversation trace's, say), scaled by the scenario's own factors. Each
+request enters through a gateway picked at random. Arrivals are drawn a minute at a time,
+vectorised, and only the next one sits in the event heap.
+
+``pooled=True`` puts every instance in one group that serves all scenarios (the baseline
+P/D-Serve compares per-scenario groups with); ``multiplexing`` makes every instance a
+PD-multiplexing one (it prefills and decodes, ``cluster.Multiplexing``).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.cluster.config import RatioConfig
+from pdserve.sim.cluster import (
+    EventLoop,
+    GatewaySim,
+    GroupSim,
+    LatencyModel,
+    Multiplexing,
+    SimRequest,
+)
+
+CHUNK_S = 60.0  # arrivals are drawn this much simulated time at once
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    num_prefill: int
+    num_decode: int
+    peak_rate: float  # requests/s at the top of the tide
+    phase_s: float  # when in the period the tide peaks
+    input_scale: float
+    output_scale: float
+
+    def rate(self, t: np.ndarray, period_s: float, trough: float) -> np.ndarray:
+        tide = 0.5 * (1 + np.cos(2 * math.pi * (t - self.phase_s) / period_s))
+        return self.peak_rate * (trough + (1 - trough) * tide)
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Prompt and answer lengths to draw from (pairs kept together, as in the trace)."""
+
+    inputs: np.ndarray
+    outputs: np.ndarray
+
+    @classmethod
+    def from_trace(cls, path: str) -> Lengths:
+        import json
+
+        rows = [json.loads(line) for line in open(path)]
+        return cls(np.array([r["input_length"] for r in rows]),
+                   np.array([max(1, r["output_length"]) for r in rows]))
+
+    def draw(self, rng: np.random.Generator, n: int, scenario: Scenario,
+             max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        pick = rng.integers(0, len(self.inputs), n)
+        inputs = np.maximum(1, (self.inputs[pick] * scenario.input_scale).astype(np.int64))
+        outputs = np.maximum(1, (self.outputs[pick] * scenario.output_scale).astype(np.int64))
+        # A request longer than a decode instance's KV pool could never be served.
+        inputs = np.minimum(inputs, max_tokens // 2)
+        return inputs, np.minimum(outputs, max_tokens - inputs)
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    scenarios: list[Scenario]
+    period_s: float = 3600.0
+    trough: float = 0.3
+
+
+def plan_fleet(model: LatencyModel, lengths: Lengths, num_instances: int, num_scenarios: int,
+               peak_load: float = 0.8, prefill_share: float | None = None,
+               period_s: float = 3600.0, seed: int = 0) -> FleetPlan:
+    """Scenarios of random size, length scales and phase; each group sized so that at its
+    peak its prefill side is ``peak_load`` busy. Its P/D split is what its lengths need
+    (``ideal_prefill_share``), or ``prefill_share`` for every group (one fleet-wide ratio,
+    as deployed without per-scenario knowledge: the dynamic ratio's starting point)."""
+    rng = np.random.default_rng(seed)
+    weights = rng.lognormal(0.0, 0.6, num_scenarios)
+    sizes = np.maximum(4, np.floor(weights / weights.sum() * num_instances)).astype(int)
+    sizes[np.argmax(sizes)] += num_instances - sizes.sum()
+    scenarios = []
+    for i, size in enumerate(sizes):
+        draft = Scenario(f"s{i:03d}", 0, 0, 0.0, float(rng.uniform(0, period_s)),
+                         float(rng.choice([0.25, 0.5, 1.0, 2.0])),
+                         float(rng.choice([0.5, 1.0, 2.0])))
+        scenarios.append(_size(draft, int(size), model, lengths, peak_load, prefill_share))
+    return FleetPlan(scenarios, period_s)
+
+
+def _size(draft: Scenario, size: int, model: LatencyModel, lengths: Lengths,
+          peak_load: float, prefill_share: float | None) -> Scenario:
+    sample = lengths.draw(np.random.default_rng(1), 2000, draft, model.decode_kv_tokens)
+    prefill_s = float(np.mean([model.prefill_s(int(n)) for n in sample[0]]))
+    ideal = _split(size, ideal_prefill_share(model, *sample))
+    # The load follows the group's size alone: a fleet-wide split starts the same traffic
+    # on other roles.
+    num_prefill = ideal if prefill_share is None else _split(size, prefill_share)
+    peak = peak_load * ideal / prefill_s
+    return Scenario(draft.name, num_prefill, size - num_prefill, peak, draft.phase_s,
+                    draft.input_scale, draft.output_scale)
+
+
+def _split(size: int, prefill_share: float) -> int:
+    return min(size - 1, max(1, round(size * prefill_share)))
+
+
+def ideal_prefill_share(model: LatencyModel, inputs: np.ndarray, outputs: np.ndarray) -> float:
+    """Share of instances prefill needs so both sides keep up at the same rate: prefill
+    seconds per request against a full decode batch's requests per second."""
+    prefill_s = float(np.mean([model.prefill_s(int(n)) for n in inputs]))
+    per_request = float(np.mean(inputs + outputs))
+    batch = max(1, min(256, int(model.decode_kv_tokens / per_request)))
+    context = batch * float(np.mean(inputs + outputs / 2))
+    step = model.decode_step_s(batch, int(context))
+    decode_s = float(np.mean(outputs)) * step / batch  # instance-seconds per request
+    return prefill_s / (prefill_s + decode_s)
+
+
+class Tally:
+    """What the fleet's requests came to, kept as counts and flat arrays (millions of
+    requests: no request object outlives its answer)."""
+
+    def __init__(self, num_scenarios: int, slo_s: float, bin_s: float = 60.0) -> None:
+        self.slo_s, self.bin_s = slo_s, bin_s
+        self.requests = np.zeros(num_scenarios, dtype=np.int64)
+        self.met = np.zeros(num_scenarios, dtype=np.int64)
+        self.unserved = np.zeros(num_scenarios, dtype=np.int64)
+        self.ttft_s = array("f")
+        self.tpot_s = array("f")
+        self.by_minute: dict[int, list[int]] = {}  # minute -> [requests, met]
+
+    def record(self, scenario: int, request: SimRequest) -> None:
+        self.requests[scenario] += 1
+        minute = self.by_minute.setdefault(int(request.arrival // self.bin_s), [0, 0])
+        minute[0] += 1
+        if request.unserved:
+            self.unserved[scenario] += 1
+            return
+        ttft = request.first_token - request.arrival
+        self.ttft_s.append(ttft)
+        if request.output_len > 1:
+            self.tpot_s.append((request.finished - request.first_token)
+                               / (request.output_len - 1))
+        if ttft <= self.slo_s:
+            self.met[scenario] += 1
+            minute[1] += 1
+
+    def summary(self) -> dict:
+        ttft, tpot = np.frombuffer(self.ttft_s, np.float32), np.frombuffer(self.tpot_s, np.float32)
+        total = int(self.requests.sum())
+        per_scenario = self.met / np.maximum(1, self.requests)
+        return {"requests": total, "slo_attainment": float(self.met.sum() / max(1, total)),
+                "unserved": int(self.unserved.sum()),
+                "worst_scenario_attainment": float(per_scenario.min()),
+                "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
+                "tpot_p50_s": _percentile(tpot, 50), "tpot_p99_s": _percentile(tpot, 99),
+                "by_minute": [[m, *v] for m, v in sorted(self.by_minute.items())]}
+
+
+def _percentile(values: np.ndarray, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+class FleetSim:
+    """Every scenario's group (or one pool) on one event loop behind ``num_gateways``."""
+
+    def __init__(self, plan: FleetPlan, model: LatencyModel, lengths: Lengths, *,
+                 dispatch: str = "on-demand", ttft_slo_s: float = 5.0,
+                 max_wait_s: float = 60.0, num_gateways: int = 4,
+                 ratio: RatioConfig | None = None, pooled: bool = False,
+                 multiplexing: Multiplexing | None = None, seed: int = 0) -> None:
+        self.plan, self.model, self.lengths = plan, model, lengths
+        self.loop = EventLoop()
+        self.gateways = [GatewaySim(f"g{i}") for i in range(num_gateways)]
+        self.tally = Tally(len(plan.scenarios), ttft_slo_s)
+        self.rng = np.random.default_rng(seed)
+        options = dict(dispatch=dispatch, ttft_slo_s=ttft_slo_s, max_wait_s=max_wait_s,
+                       ratio=ratio, loop=self.loop, gateways=self.gateways,
+                       on_answer=self._answered, multiplexing=multiplexing)
+        if pooled:
+            pool = GroupSim(model, sum(s.num_prefill for s in plan.scenarios),
+                            sum(s.num_decode for s in plan.scenarios), name="pool", **options)
+            self.groups = [pool] * len(plan.scenarios)
+        else:
+            self.groups = [GroupSim(model, s.num_prefill, s.num_decode, name=s.name, **options)
+                           for s in plan.scenarios]
+        self._pending: list[tuple[float, int, int, int, int]] = []
+        self._next = 0
+
+    @property
+    def num_instances(self) -> int:
+        return sum(s.num_prefill + s.num_decode for s in self.plan.scenarios)
+
+    def run(self, duration_s: float) -> dict:
+        for group in {id(g): g for g in self.groups}.values():
+            group.start(duration_s)
+        self._duration = duration_s
+        self._draw(0.0)
+        self.loop.run()
+        return self.tally.summary()
+
+    def _draw(self, start: float) -> None:
+        """Arrivals of every scenario in [start, start + CHUNK_S), in time order."""
+        end = min(start + CHUNK_S, self._duration)
+        times, scenarios, inputs, outputs = [], [], [], []
+        for index, scenario in enumerate(self.plan.scenarios):
+            t = self._poisson(scenario, start, end)
+            ins, outs = self.lengths.draw(self.rng, len(t), scenario, self.model.decode_kv_tokens)
+            times.append(t), inputs.append(ins), outputs.append(outs)
+            scenarios.append(np.full(len(t), index))
+        times = np.concatenate(times)
+        order = np.argsort(times, kind="stable")
+        gateways = self.rng.integers(0, len(self.gateways), len(times))
+        columns = [times, np.concatenate(scenarios), np.concatenate(inputs),
+                   np.concatenate(outputs)]
+        self._pending = list(zip(*(c[order].tolist() for c in columns), gateways.tolist(),
+                                 strict=True))
+        self._next = 0
+        if end < self._duration:
+            self.loop.at(end, self._draw, end)
+        self._schedule_next()
+
+    def _poisson(self, scenario: Scenario, start: float, end: float) -> np.ndarray:
+        """A Poisson process of the scenario's tidal rate, by thinning one at its peak."""
+        n = self.rng.poisson(scenario.peak_rate * (end - start))
+        t = np.sort(self.rng.uniform(start, end, n))
+        rate = scenario.rate(t, self.plan.period_s, self.plan.trough)
+        return t[self.rng.random(n) * scenario.peak_rate < rate]
+
+    def _schedule_next(self) -> None:
+        if self._next < len(self._pending):
+            self.loop.at(self._pending[self._next][0], self._arrive)
+
+    def _arrive(self) -> None:
+        arrival, scenario, input_len, output_len, gateway = self._pending[self._next]
+        self._next += 1
+        request = SimRequest(arrival, input_len, output_len, gateway=self.gateways[gateway],
+                             scenario=scenario)
+        self.groups[scenario].arrive(request)
+        self._schedule_next()
+
+    def _answered(self, group: GroupSim, request: SimRequest) -> None:
+        self.tally.record(request.scenario, request)

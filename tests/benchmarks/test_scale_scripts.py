@@ -1,0 +1,70 @@
+"""The fleet simulation and scale scripts, run small: real processes, real HTTP, a real
+ZooKeeper (the scale script starts one, as the cluster tests do)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT / "tests" / "data" / "mooncake_conversation_trace_300.jsonl"  # its first 300 rows
+ENGINE = ROOT / "benchmarks" / "results" / "engine_h200_codellama34b.json"
+
+
+def _run(script: str, *args: str, out: Path) -> dict:
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args, "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=600)
+    return json.loads(out.read_text())
+
+
+def test_fleet_dispatch_comparison_reports_each_policy_as_a_simulation(tmp_path):
+    result = _run("sim_fleet.py", "--trace", str(TRACE), "--engine-results", str(ENGINE),
+                  "--compare", "dispatch", "--instances", "120", "--scenarios", "6",
+                  "--duration-s", "120", out=tmp_path / "fleet.json")
+    assert result["kind"] == "simulation" and result["num_instances"] == 120
+    assert [r["dispatch"] for r in result["rows"]] == ["on-demand", "least-connections",
+                                                       "round-robin"]
+    assert all(r["requests"] > 500 and len(r["by_minute"]) == 2 for r in result["rows"])
+    assert result["command"][0].endswith("sim_fleet.py") and result["git_revision"]
+
+
+def test_gateway_capacity_through_the_real_gateway_and_stand_ins(tmp_path):
+    result = _run("scale_gateway.py", "--gateways", "1,2", "--concurrency", "2",
+                  "--duration-s", "1", "--group-size", "5", out=tmp_path / "gateway.json")
+    assert result["kind"] == "measured"
+    paths = [(r["path"], r.get("gateways")) for r in result["rows"]]
+    assert paths == [("direct to a stand-in's /pd/decode", None),
+                     ("through the gateway", 1), ("through the gateway", 2)]
+    assert all(r["requests"] > 0 and r["errors"] == 0 for r in result["rows"])
+
+
+def test_registry_scale_on_a_real_zookeeper(tmp_path):
+    pytest.importorskip("kazoo")
+    if shutil.which("java") is None or not Path("/usr/share/java/zookeeper.jar").exists():
+        pytest.skip("Debian package zookeeper not installed")
+    result = _run("scale_registry.py", "--instances", "40", "--scenarios", "4",
+                  "--registrars", "2", "--watchers", "2", "--probes", "2",
+                  out=tmp_path / "registry.json")
+    assert result["registration"]["instances"] == 40
+    assert len(result["gateway_start"]["cache_fill_s"]) == 2
+    for change in ("register", "move", "unregister"):
+        assert result["propagation_to_every_watcher"][change]["samples"] == 2
+    rss = result["zookeeper_rss_mib"]
+    assert 0 < rss["empty"] <= rss["with_watchers"] * 2  # the JVM's own, read from /proc
+
+
+def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
+    result = _run("validate_sim.py", "--requests", "6", "--repeats", "1", "--rate", "2",
+                  "--prompt-lens", "32,64", "--decode-batches", "1,2",
+                  "--decode-contexts", "32", "--min-output", "12", "--max-output", "20",
+                  out=tmp_path / "validation.json")
+    assert result["kind"] == "validation"
+    assert len(result["service_points"]["prefill"]) == 2
+    for key in ("ttft_s", "tpot_s"):
+        for side in ("measured", "simulated"):
+            assert 0 < result["compare"][key][side]["p50"] <= result["compare"][key][side]["p99"]

@@ -1,0 +1,103 @@
+"""The fleet simulator: decode's jumps against a step-by-step reference, tidal arrivals,
+several gateways, groups and one pool over the same instances."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pdserve.cluster.config import RatioConfig
+from pdserve.sim.cluster import DecodeSim, EventLoop, LatencyModel, SimRequest
+from pdserve.sim.fleet import FleetPlan, FleetSim, Lengths, Scenario, plan_fleet
+
+MODEL = LatencyModel(1e-4, 1e-9, 0.015, 1e-4, 1e-7, kv_bytes_per_token=1000,
+                     link_gb_per_s=1.0, decode_kv_tokens=20_000)
+LENGTHS = Lengths(np.array([200, 1000, 3000, 500]), np.array([20, 50, 5, 100]))
+
+
+def _stepwise_finish_times(model: LatencyModel, arrivals: list[SimRequest],
+                           max_batch: int) -> list[float]:
+    """Reference: continuous batching one step at a time (admit at each step's start, in
+    order, while the KV pool has room)."""
+    pending = sorted(arrivals, key=lambda r: r.arrival)
+    waiting, running, now, done = [], [], 0.0, {}
+    while pending or waiting or running:
+        if not running and not waiting:
+            now = max(now, pending[0].arrival)
+        while pending and pending[0].arrival <= now:
+            waiting.append(pending.pop(0))
+        while waiting and len(running) < max_batch and (
+                not running or sum(r.input_len + r.output_len for r, _ in running)
+                + waiting[0].input_len + waiting[0].output_len <= model.decode_kv_tokens):
+            request = waiting.pop(0)
+            running.append((request, max(1, request.output_len - 1)))
+        context = sum(r.input_len + r.output_len - left for r, left in running)
+        now += model.decode_step_s(len(running), context)
+        running = [(r, left - 1) for r, left in running]
+        for request, left in running:
+            if left == 0:
+                done[id(request)] = now
+        running = [(r, left) for r, left in running if left > 0]
+    return [done[id(r)] for r in arrivals]
+
+
+@pytest.mark.parametrize("max_batch", [4, 256])
+def test_decode_jumps_land_where_stepping_one_step_at_a_time_does(max_batch):
+    rng = np.random.default_rng(3)
+    requests = [SimRequest(float(t), int(i), int(o)) for t, i, o in
+                zip(np.sort(rng.uniform(0, 5, 60)), rng.integers(100, 4000, 60),
+                    rng.integers(1, 120, 60), strict=True)]
+    loop = EventLoop()
+    decode = DecodeSim("d", loop, MODEL, max_batch=max_batch)
+    for request in requests:
+        loop.at(request.arrival, decode.receive, request)
+    loop.run()
+    expected = _stepwise_finish_times(MODEL, requests, max_batch)
+    assert [r.finished for r in requests] == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+def test_a_scenario_gets_more_requests_at_its_peak_than_in_its_trough():
+    # a peaks at 0 s, b at 50 s, in a 100 s period whose trough is a tenth of the peak.
+    scenarios = [Scenario("a", 2, 2, 20.0, 0.0, 0.2, 1.0),
+                 Scenario("b", 2, 2, 20.0, 50.0, 0.2, 1.0)]
+    fleet = FleetSim(FleetPlan(scenarios, period_s=100.0, trough=0.1), MODEL, LENGTHS)
+    halves = {}
+    for scenario in scenarios:
+        t = fleet._poisson(scenario, 0.0, 100.0)
+        around_zero = int(((t < 25) | (t >= 75)).sum())
+        halves[scenario.name] = (around_zero, len(t) - around_zero)
+    assert halves["a"][0] > 2 * halves["a"][1] and halves["b"][1] > 2 * halves["b"][0]
+    summary = fleet.run(100.0)
+    assert sum(n for _, n, _ in summary["by_minute"]) == summary["requests"] > 0
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_every_request_is_answered_or_given_up_and_gateways_end_with_nothing_in_flight(pooled):
+    plan = plan_fleet(MODEL, LENGTHS, num_instances=60, num_scenarios=6, period_s=60.0)
+    assert sum(s.num_prefill + s.num_decode for s in plan.scenarios) == 60
+    fleet = FleetSim(plan, MODEL, LENGTHS, num_gateways=3, ratio=RatioConfig(), pooled=pooled)
+    summary = fleet.run(60.0)
+    assert summary["requests"] > 1000
+    assert 0.5 < summary["slo_attainment"] <= 1.0
+    for gateway in fleet.gateways:
+        assert not any(gateway.load.values()) and not any(gateway.decode_load.values())
+    assert all(g.turn > 0 for g in fleet.gateways)  # requests spread over every gateway
+
+
+def test_one_pool_has_the_instances_of_all_groups():
+    plan = plan_fleet(MODEL, LENGTHS, num_instances=40, num_scenarios=4)
+    pool = FleetSim(plan, MODEL, LENGTHS, pooled=True)
+    groups = FleetSim(plan, MODEL, LENGTHS)
+    assert len({id(g) for g in pool.groups}) == 1
+    assert len(pool.groups[0].prefill) == sum(len(g.prefill) for g in groups.groups) == 40
+
+
+def test_a_fleet_wide_split_changes_the_roles_not_the_traffic():
+    ideal = plan_fleet(MODEL, LENGTHS, num_instances=200, num_scenarios=5)
+    fixed = plan_fleet(MODEL, LENGTHS, num_instances=200, num_scenarios=5, prefill_share=0.3)
+    assert [s.peak_rate for s in fixed.scenarios] == [s.peak_rate for s in ideal.scenarios]
+    assert [s.num_prefill + s.num_decode for s in fixed.scenarios] == \
+        [s.num_prefill + s.num_decode for s in ideal.scenarios]
+    assert [s.num_prefill for s in fixed.scenarios] == \
+        [round(0.3 * (s.num_prefill + s.num_decode)) for s in fixed.scenarios]
+    assert [s.num_prefill for s in fixed.scenarios] != [s.num_prefill for s in ideal.scenarios]
