@@ -97,3 +97,11 @@ def store_kv(
     if uses_triton(k_cache):
         return _fused().store_kv(k, v, k_cache, v_cache, slot_mapping)
     return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Rotates q and k in place, then writes k and v into their cache slots (-1: none)."""
+    backend = _fused() if uses_triton(q) else reference
+    backend.rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)

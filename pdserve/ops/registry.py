@@ -14,9 +14,14 @@ BACKEND_NAMES = ("auto", "torch", "triton")
 
 
 class AttentionBackend(Protocol):
-    """Stores the step's K/V at ``meta.slot_mapping``, then attends over the whole context."""
+    """``forward`` stores the step's K/V at ``meta.slot_mapping``, then attends over the whole
+    context; ``attend`` only attends, for callers that stored K/V themselves (the model does,
+    fused with the rotary embedding)."""
 
     name: str
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
     def forward(
         self,

@@ -529,6 +529,11 @@ class TritonAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention over the cache, which already holds this step's K/V."""
         out = torch.empty_like(q)
         num_decode = meta.num_decode_seqs
         if num_decode > 0:
