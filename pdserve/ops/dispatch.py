@@ -22,6 +22,7 @@ from pdserve.ops import reference
 REFERENCE_OPS_ENV = "PDSERVE_REFERENCE_OPS"
 
 _force_reference = os.environ.get(REFERENCE_OPS_ENV, "0") not in ("", "0", "false", "False")
+_interpret_on_cpu = False
 
 
 def force_reference_ops(enabled: bool) -> None:
@@ -41,14 +42,39 @@ def reference_ops() -> Iterator[None]:
         force_reference_ops(previous)
 
 
+@contextlib.contextmanager
+def interpreted_triton_ops() -> Iterator[None]:
+    """Within the block, ops on CPU tensors run the Triton kernels in Triton's interpreter:
+    for tests and launch counts on machines without a GPU. Needs ``TRITON_INTERPRET=1`` set
+    before triton is imported (Triton reads it when a kernel module is imported)."""
+    global _interpret_on_cpu
+    if not (triton_available() and triton_interpreted()):
+        raise RuntimeError("interpreted Triton ops need the triton package and "
+                           "TRITON_INTERPRET=1 in the environment before triton is imported")
+    from pdserve.ops.interpreter import patch_interpreter_for_numpy_2_4
+
+    patch_interpreter_for_numpy_2_4()
+    previous, _interpret_on_cpu = _interpret_on_cpu, True
+    try:
+        yield
+    finally:
+        _interpret_on_cpu = previous
+
+
 @functools.cache
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET`` set)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def uses_triton(x: torch.Tensor) -> bool:
     """Whether an op on ``x`` runs the Triton kernel."""
-    return x.is_cuda and not _force_reference and triton_available()
+    on_device = x.is_cuda or (_interpret_on_cpu and x.device.type == "cpu")
+    return on_device and not _force_reference and triton_available()
 
 
 @functools.cache
