@@ -307,9 +307,10 @@ def _rope_store_kv_kernel(
     rot_mask = offs < HALF_ROT
     cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=rot_mask, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF_ROT + offs, mask=rot_mask, other=0.0)
+    # Names differ between the branches: compiled Triton needs one type per name.
     if block < q_blocks:
-        heads = block * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
-        _rotate_in_place(q_ptr + token * stride_qt, heads, heads < num_q_heads, stride_qh,
+        q_heads = block * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
+        _rotate_in_place(q_ptr + token * stride_qt, q_heads, q_heads < num_q_heads, stride_qh,
                          cos, sin, offs, rot_mask, HALF_ROT)
     else:
         heads = (block - q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV)
