@@ -68,10 +68,11 @@ def attention_cases(dtype: str):
             ext.num_stages,
         )
         dec = ta.default_decode_config(head_dim, cuda)
-        yield ta._decode_split_kernel, dtype, dict(
-            GROUP=8, BLOCK_H=16, HEAD_DIM=head_dim, BLOCK_N=dec.block_n, NUM_SPLITS=32,
-            MIN_SPLIT_TOKENS=128,
-        ), dec.num_warps, dec.num_stages  # fmt: skip
+        for splits in (32, 1):  # one split writes the output itself
+            yield ta._decode_split_kernel, dtype, dict(
+                GROUP=8, BLOCK_H=16, HEAD_DIM=head_dim, BLOCK_N=dec.block_n, NUM_SPLITS=splits,
+                MIN_SPLIT_TOKENS=128,
+            ), dec.num_warps, dec.num_stages  # fmt: skip
         yield ta._decode_reduce_kernel, dtype, dict(NUM_SPLITS=32, HEAD_DIM=head_dim), 4, 2
 
 

@@ -68,3 +68,14 @@ def test_decode_layer_launches_on_the_triton_path(model):
         "triton::_silu_and_mul_kernel": 1,
     }
     assert count.total == 10
+
+
+@interpreted
+def test_decode_layer_with_one_kv_split_skips_the_reduce():
+    """A decode batch large enough for one KV split per sequence (here 140 sequences x 2 KV
+    heads against 2 programs per SM on 132 SMs) launches no reduce kernel."""
+    script = _count_script()
+    count = script.count_decode_layer(PRESETS["tiny"], 140, 20, "cpu", torch.float32, "triton")
+    assert count.by_name["triton::_decode_split_kernel"] == 1
+    assert "triton::_decode_reduce_kernel" not in count.by_name
+    assert count.total == 9
