@@ -3,7 +3,8 @@
 The model calls these; it never imports a backend directly. Triton is imported lazily, on
 the first CUDA call, so a CPU install never imports it. Setting ``PDSERVE_REFERENCE_OPS=1``
 (or calling ``force_reference_ops(True)``) routes CUDA tensors to the reference too, for
-A/B comparisons.
+A/B comparisons; ``interpreted_triton_ops()`` routes CPU tensors to the Triton kernels run
+by Triton's interpreter, for tests and launch counts without a GPU.
 """
 
 from __future__ import annotations
