@@ -4,6 +4,9 @@ Records the engine's memory accounting at start-up (weights and context in use, 
 measured activation peak, decode-graph memory, KV pool), times decode steps replayed as
 CUDA graphs and run eagerly, and sums the GPU time of every kernel of eager decode steps
 (torch profiler), so a step that misses its roofline shows which kernels take the time.
+Also counts the kernels one decode layer launches: a middle layer replayed on the inputs it
+had in an eager step, by the profiler (every CUDA kernel, cuBLAS's own included) and from
+the Python side (``pdserve.ops.launch_count``, the count ``count_launches.py`` makes on CPU).
 
     python benchmarks/profile_decode.py --model llama3-8b --batch 1 --context 1024 --out p.json
 """
@@ -16,6 +19,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -25,6 +29,7 @@ from bench_engine import (  # noqa: E402, I001
 
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.core import EngineCore  # noqa: E402
+from pdserve.ops.launch_count import count_calls  # noqa: E402
 
 
 def time_steps(engine: EngineCore, steps: int) -> float:
@@ -36,23 +41,53 @@ def time_steps(engine: EngineCore, steps: int) -> float:
     return (time.perf_counter() - started) * 1e3 / steps
 
 
-def kernel_breakdown(engine: EngineCore, steps: int) -> dict:
+def profile_kernels(fn: Callable[[], object], calls: int, unit: str) -> list[dict]:
+    """GPU time and launches of every CUDA kernel per call of ``fn`` (per ``unit`` in the
+    keys), slowest first."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             entry = per_kernel[event.name[:90]]
-            entry[0] += event.device_time_total / 1e3 / steps
-            entry[1] += 1 / steps
-    rows = sorted(({"kernel": k, "ms_per_step": v[0], "launches_per_step": v[1]}
-                   for k, v in per_kernel.items()), key=lambda r: -r["ms_per_step"])
+            entry[0] += event.device_time_total / 1e3 / calls
+            entry[1] += 1 / calls
+    return sorted(({"kernel": k, f"ms_per_{unit}": v[0], f"launches_per_{unit}": v[1]}
+                   for k, v in per_kernel.items()), key=lambda r: -r[f"ms_per_{unit}"])
+
+
+def kernel_breakdown(engine: EngineCore, steps: int) -> dict:
+    rows = profile_kernels(engine.step, steps, "step")
     return {"kernel_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "launches_per_step": sum(r["launches_per_step"] for r in rows), "top": rows[:20]}
+
+
+def layer_launches(engine: EngineCore, calls: int) -> dict:
+    """Kernels of one decode layer (eager), replayed on the inputs it had in a real step."""
+    layers = engine.runner.model.model.layers
+    layer = layers[len(layers) // 2]  # a middle layer: it has a residual to add
+    captured: dict[str, tuple] = {}
+    hook = layer.register_forward_pre_hook(lambda _, args: captured.setdefault("args", args))
+    try:
+        engine.step()
+    finally:
+        hook.remove()
+
+    @torch.inference_mode()
+    def call() -> object:  # rewrites the same K/V into the same slots: no state changes
+        return layer(*captured["args"])
+
+    rows = profile_kernels(call, calls, "layer")
+    python_side = count_calls(call, calls)
+    return {"layer": len(layers) // 2,
+            "launches_per_layer": sum(r["launches_per_layer"] for r in rows),
+            "kernel_ms_per_layer": sum(r["ms_per_layer"] for r in rows), "kernels": rows,
+            "python_side_launches_per_layer": python_side.total / calls,
+            "python_side_by_name": python_side.per_call(calls)}
 
 
 def main() -> None:
@@ -84,9 +119,14 @@ def main() -> None:
     time_steps(engine, 3)
     report["eager_step_ms"] = time_steps(engine, 20)
     report["eager_kernels"] = kernel_breakdown(engine, 5)
+    report["decode_layer"] = layer_launches(engine, 5)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(json.dumps({k: v for k, v in report.items() if k != "eager_kernels"}, indent=1))
+    layer = report["decode_layer"]
+    print(json.dumps({k: v for k, v in report.items() if k not in ("eager_kernels",
+                                                                   "decode_layer")}, indent=1))
+    print(json.dumps({k: layer[k] for k in ("launches_per_layer", "kernel_ms_per_layer",
+                                            "python_side_launches_per_layer")}))
     for row in report["eager_kernels"]["top"][:12]:
         print(json.dumps(row))
 

@@ -22,8 +22,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class AttentionBackend(Protocol):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
 
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
@@ -105,8 +105,10 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = dispatch.apply_rope(q, k, positions, cos_sin_cache)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        # One launch rotates q and k in place and stores k and v; the backend only attends.
+        dispatch.rope_store_kv(q, k, v, positions, cos_sin_cache, kv_cache[0], kv_cache[1],
+                               meta.slot_mapping)
+        out = self.backend.attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

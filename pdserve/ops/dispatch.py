@@ -3,7 +3,8 @@
 The model calls these; it never imports a backend directly. Triton is imported lazily, on
 the first CUDA call, so a CPU install never imports it. Setting ``PDSERVE_REFERENCE_OPS=1``
 (or calling ``force_reference_ops(True)``) routes CUDA tensors to the reference too, for
-A/B comparisons.
+A/B comparisons; ``interpreted_triton_ops()`` routes CPU tensors to the Triton kernels run
+by Triton's interpreter, for tests and launch counts without a GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pdserve.ops import reference
 REFERENCE_OPS_ENV = "PDSERVE_REFERENCE_OPS"
 
 _force_reference = os.environ.get(REFERENCE_OPS_ENV, "0") not in ("", "0", "false", "False")
+_interpret_on_cpu = False
 
 
 def force_reference_ops(enabled: bool) -> None:
@@ -41,14 +43,39 @@ def reference_ops() -> Iterator[None]:
         force_reference_ops(previous)
 
 
+@contextlib.contextmanager
+def interpreted_triton_ops() -> Iterator[None]:
+    """Within the block, ops on CPU tensors run the Triton kernels in Triton's interpreter:
+    for tests and launch counts on machines without a GPU. Needs ``TRITON_INTERPRET=1`` set
+    before triton is imported (Triton reads it when a kernel module is imported)."""
+    global _interpret_on_cpu
+    if not (triton_available() and triton_interpreted()):
+        raise RuntimeError("interpreted Triton ops need the triton package and "
+                           "TRITON_INTERPRET=1 in the environment before triton is imported")
+    from pdserve.ops.interpreter import patch_interpreter_for_numpy_2_4
+
+    patch_interpreter_for_numpy_2_4()
+    previous, _interpret_on_cpu = _interpret_on_cpu, True
+    try:
+        yield
+    finally:
+        _interpret_on_cpu = previous
+
+
 @functools.cache
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET`` set)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def uses_triton(x: torch.Tensor) -> bool:
     """Whether an op on ``x`` runs the Triton kernel."""
-    return x.is_cuda and not _force_reference and triton_available()
+    on_device = x.is_cuda or (_interpret_on_cpu and x.device.type == "cpu")
+    return on_device and not _force_reference and triton_available()
 
 
 @functools.cache
@@ -97,3 +124,11 @@ def store_kv(
     if uses_triton(k_cache):
         return _fused().store_kv(k, v, k_cache, v_cache, slot_mapping)
     return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Rotates q and k in place, then writes k and v into their cache slots (-1: none)."""
+    backend = _fused() if uses_triton(q) else reference
+    backend.rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)

@@ -64,6 +64,16 @@ def store_kv(
     v_cache[pages, offsets] = v[valid].to(v_cache.dtype)
 
 
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """``apply_rope`` on q and k in place, then ``store_kv`` of the rotated k and v."""
+    q_rot, k_rot = apply_rope(q, k, positions, cos_sin_cache)
+    q.copy_(q_rot)
+    k.copy_(k_rot)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -110,6 +120,11 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention over the cache, which already holds this step's K/V."""
+        return paged_attention(q, k_cache, v_cache, meta, scale)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -121,4 +136,4 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale)

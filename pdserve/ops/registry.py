@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 import torch
 
-from pdserve.ops.dispatch import triton_available
+from pdserve.ops.dispatch import triton_available, triton_interpreted
 from pdserve.ops.metadata import AttentionMetadata
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 
 
 class AttentionBackend(Protocol):
-    """Stores the step's K/V at ``meta.slot_mapping``, then attends over the whole context."""
+    """``forward`` stores the step's K/V at ``meta.slot_mapping``, then attends over the whole
+    context; ``attend`` only attends, for callers that stored K/V themselves (the model does,
+    fused with the rotary embedding)."""
 
     name: str
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
     def forward(
         self,
@@ -60,8 +64,7 @@ def get_attention_backend(
 def _check_triton_usable(device: torch.device) -> None:
     if not triton_available():
         raise RuntimeError("attention backend 'triton' needs the triton package")
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if device.type != "cuda" and not interpreted:
+    if device.type != "cuda" and not triton_interpreted():
         raise RuntimeError(
             f"attention backend 'triton' runs on CUDA devices, not {device.type!r} "
             "(set TRITON_INTERPRET=1 before importing triton to run its kernels on CPU)"

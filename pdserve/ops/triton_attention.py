@@ -85,6 +85,7 @@ def _decode_split_kernel(
     seq_lens_ptr,
     mid_o_ptr,
     mid_lse_ptr,
+    out_ptr,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -99,6 +100,8 @@ def _decode_split_kernel(
     stride_mo_split,
     stride_ml_s,
     stride_ml_h,
+    stride_ot,
+    stride_oh,
     qk_scale,
     page_size,
     GROUP: tl.constexpr,
@@ -161,18 +164,19 @@ def _decode_split_kernel(
 
     # An empty split leaves l_i == 0: its log-sum-exp is -inf and the reduce ignores it.
     has_work = l_i > 0.0
-    lse = tl.where(has_work, m_i + tl.log2(tl.where(has_work, l_i, 1.0)), float("-inf"))
-    tl.store(mid_lse_ptr + seq * stride_ml_s + heads * stride_ml_h + split, lse, mask=head_mask)
     o = acc / tl.where(has_work, l_i, 1.0)[:, None]
-    tl.store(
-        mid_o_ptr
-        + seq * stride_mo_s
-        + heads[:, None] * stride_mo_h
-        + split * stride_mo_split
-        + offs_d[None, :],
-        o,
-        mask=head_mask[:, None] & (start < end),
-    )
+    if NUM_SPLITS == 1:
+        # The one split is the whole answer: written here, no reduce launch (what the reduce
+        # would compute from one split is this very value).
+        out = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+    else:
+        lse = tl.where(has_work, m_i + tl.log2(tl.where(has_work, l_i, 1.0)), float("-inf"))
+        tl.store(mid_lse_ptr + seq * stride_ml_s + heads * stride_ml_h + split, lse,
+                 mask=head_mask)  # fmt: skip
+        mid_o = (mid_o_ptr + seq * stride_mo_s + heads[:, None] * stride_mo_h
+                 + split * stride_mo_split + offs_d[None, :])  # fmt: skip
+        tl.store(mid_o, o, mask=head_mask[:, None] & (start < end))
 
 
 @triton.jit
@@ -251,13 +255,14 @@ def decode_attention(
     mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     grid = (batch, num_kv_heads * triton.cdiv(group, _DECODE_BLOCK_H), num_splits)
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, out,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
         scale * math.log2(math.e),
         page_size,
         GROUP=group,
@@ -269,6 +274,8 @@ def decode_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
+    if num_splits == 1:  # the split kernel wrote ``out`` itself
+        return
     _decode_reduce_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
@@ -529,6 +536,11 @@ class TritonAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention over the cache, which already holds this step's K/V."""
         out = torch.empty_like(q)
         num_decode = meta.num_decode_seqs
         if num_decode > 0:

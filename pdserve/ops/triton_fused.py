@@ -269,6 +269,120 @@ def store_kv(
     )  # fmt: skip
 
 
+# --------------------------------------------------------------------------- rotary + KV store
+
+
+@triton.jit
+def _rotate_in_place(row_ptr, heads, head_mask, stride_h, cos, sin, offs, rot_mask,
+                     HALF_ROT: tl.constexpr):
+    """Rotates the first 2 * HALF_ROT channels of ``heads`` in place; returns both halves."""
+    mask = head_mask[:, None] & rot_mask[None, :]
+    ptrs = row_ptr + heads[:, None] * stride_h + offs[None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0)
+    x2 = tl.load(ptrs + HALF_ROT, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    out1 = (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype)
+    out2 = (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype)
+    tl.store(ptrs, out1, mask=mask)
+    tl.store(ptrs + HALF_ROT, out2, mask=mask)
+    return out1, out2
+
+
+@triton.jit
+def _rope_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcp, stride_kcb, stride_kch, stride_vcp, stride_vcb, stride_vch,
+    stride_cs, num_q_heads, num_kv_heads, q_blocks, page_size,
+    HALF_ROT: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Axis 1: the first ``q_blocks`` programs rotate q heads; the rest rotate k heads and
+    write them, with their v heads, into the token's cache slot (none for slot -1)."""
+    token = tl.program_id(0)
+    block = tl.program_id(1)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    rot_mask = offs < HALF_ROT
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=rot_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF_ROT + offs, mask=rot_mask, other=0.0)
+    # Names differ between the branches: compiled Triton needs one type per name.
+    if block < q_blocks:
+        q_heads = block * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
+        _rotate_in_place(q_ptr + token * stride_qt, q_heads, q_heads < num_q_heads, stride_qh,
+                         cos, sin, offs, rot_mask, HALF_ROT)
+    else:
+        heads = (block - q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV)
+        head_mask = heads < num_kv_heads
+        k_row = k_ptr + token * stride_kt
+        k1, k2 = _rotate_in_place(k_row, heads, head_mask, stride_kh, cos, sin, offs,
+                                  rot_mask, HALF_ROT)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        # Padding tokens (slot -1) write nothing; the mask keeps the grid fixed for graphs.
+        store_mask = head_mask[:, None] & (slot >= 0)
+        page, in_page = slot // page_size, slot % page_size
+        k_dst = k_cache_ptr + page * stride_kcp + in_page * stride_kcb + heads[:, None] * stride_kch
+        v_dst = v_cache_ptr + page * stride_vcp + in_page * stride_vcb + heads[:, None] * stride_vch
+        k_ty = k_cache_ptr.dtype.element_ty
+        rot_store = store_mask & rot_mask[None, :]
+        tl.store(k_dst + offs[None, :], k1.to(k_ty), mask=rot_store)
+        tl.store(k_dst + HALF_ROT + offs[None, :], k2.to(k_ty), mask=rot_store)
+        if BLOCK_PASS > 0:  # partial rotary: channels past rot_dim are stored unrotated
+            offs_p = 2 * HALF_ROT + tl.arange(0, BLOCK_PASS)
+            pass_mask = store_mask & (offs_p < HEAD_DIM)[None, :]
+            k_pass = tl.load(k_row + heads[:, None] * stride_kh + offs_p[None, :], mask=pass_mask)
+            tl.store(k_dst + offs_p[None, :], k_pass.to(k_ty), mask=pass_mask)
+        offs_d = tl.arange(0, BLOCK_D)
+        v_mask = store_mask & (offs_d < HEAD_DIM)[None, :]
+        v_src = v_ptr + token * stride_vt + heads[:, None] * stride_vh + offs_d[None, :]
+        v = tl.load(v_src, mask=v_mask)
+        tl.store(v_dst + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """``apply_rope`` on q and k in place, then ``store_kv`` of the rotated k and v: one launch.
+
+    q, k, v are [T, heads, head_dim] with a unit stride on head_dim (views of the fused QKV
+    projection are fine); caches are [pages, block, kv_heads, head_dim].
+    """
+    tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    _check_rope_store_shapes(q, k, v, k_cache, v_cache)
+    if tokens == 0:
+        return
+    cos_sin_cache = _last_dim_contiguous(cos_sin_cache)
+    half_rot = cos_sin_cache.shape[1] // 2
+    pass_dim = head_dim - 2 * half_rot
+    max_heads = max(1, 2048 // head_dim)  # ~16 values per thread at 4 warps
+    block_hq = min(triton.next_power_of_2(num_q_heads), max_heads)
+    block_hkv = min(triton.next_power_of_2(num_kv_heads), max_heads)
+    q_blocks = triton.cdiv(num_q_heads, block_hq)
+    grid = (tokens, q_blocks + triton.cdiv(num_kv_heads, block_hkv))
+    _rope_store_kv_kernel[grid](
+        q, k, v, k_cache, v_cache, positions.contiguous(), cos_sin_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        cos_sin_cache.stride(0), num_q_heads, num_kv_heads, q_blocks, k_cache.shape[1],
+        HALF_ROT=half_rot, HEAD_DIM=head_dim, BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv,
+        BLOCK_HALF=triton.next_power_of_2(half_rot),
+        BLOCK_PASS=triton.next_power_of_2(pass_dim) if pass_dim > 0 else 0,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )  # fmt: skip
+
+
+def _check_rope_store_shapes(q, k, v, k_cache, v_cache) -> None:
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("rope_store_kv works in place: q, k and v need a unit head_dim stride")
+    if k.shape != v.shape or k_cache.shape != v_cache.shape or k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} and caches "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not agree")
+
+
 # --------------------------------------------------------------------------- helpers
 
 

@@ -20,29 +20,9 @@ INTERPRETED = HAS_TRITON and not torch.cuda.is_available()
 
 if INTERPRETED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from pdserve.ops.interpreter import patch_interpreter_for_numpy_2_4
 
-
-def _patch_interpreter_for_numpy_2_4() -> None:
-    """Triton 3.6's interpreter turns a loaded scalar (a 1-element array) into a Python int
-    with ``int(array)``, which NumPy 2.4 rejects (triton-lang/triton#9171), so a loop bound
-    read from memory fails. Only the interpreter is patched; compiled kernels are untouched.
-    """
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_pdserve_patched", False):
-        return
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._pdserve_patched = True
-    interpreter._patch_lang_tensor = patched
-
-
-if INTERPRETED:
-    _patch_interpreter_for_numpy_2_4()
+    patch_interpreter_for_numpy_2_4()
 
 # Tests that run Triton kernels on CPU tensors through the interpreter.
 interpreted = pytest.mark.skipif(

@@ -21,7 +21,8 @@ from pdserve.ops import triton_fused as tf
 HOPPER = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024
 # Small ints that are not 16-divisible in practice (head counts, row lengths, offsets).
-PLAIN_INTS = {"first_seq", "num_heads", "num_kv_heads", "hidden", "head_dim", "inter"}
+PLAIN_INTS = {"first_seq", "num_heads", "num_kv_heads", "hidden", "head_dim", "inter",
+              "num_q_heads", "q_blocks"}
 
 
 def compile_kernel(kernel, dtype: str, constexprs: dict, num_warps: int, num_stages: int):
@@ -67,10 +68,11 @@ def attention_cases(dtype: str):
             ext.num_stages,
         )
         dec = ta.default_decode_config(head_dim, cuda)
-        yield ta._decode_split_kernel, dtype, dict(
-            GROUP=8, BLOCK_H=16, HEAD_DIM=head_dim, BLOCK_N=dec.block_n, NUM_SPLITS=32,
-            MIN_SPLIT_TOKENS=128,
-        ), dec.num_warps, dec.num_stages  # fmt: skip
+        for splits in (32, 1):  # one split writes the output itself
+            yield ta._decode_split_kernel, dtype, dict(
+                GROUP=8, BLOCK_H=16, HEAD_DIM=head_dim, BLOCK_N=dec.block_n, NUM_SPLITS=splits,
+                MIN_SPLIT_TOKENS=128,
+            ), dec.num_warps, dec.num_stages  # fmt: skip
         yield ta._decode_reduce_kernel, dtype, dict(NUM_SPLITS=32, HEAD_DIM=head_dim), 4, 2
 
 
@@ -79,6 +81,11 @@ def fused_cases(dtype: str):
     yield tf._silu_and_mul_kernel, dtype, dict(BLOCK=1024), 4, 1
     yield tf._rope_kernel, dtype, dict(HALF_ROT=32, BLOCK_H=16, BLOCK_HALF=32, BLOCK_PASS=64), 4, 1
     yield tf._store_kv_kernel, dtype, dict(BLOCK_H=8, HEAD_DIM=128), 4, 1
+    for half_rot, block_pass in ((64, 0), (32, 64)):  # full and partial rotary
+        yield tf._rope_store_kv_kernel, dtype, dict(
+            HALF_ROT=half_rot, HEAD_DIM=128, BLOCK_HQ=16, BLOCK_HKV=8, BLOCK_HALF=half_rot,
+            BLOCK_PASS=block_pass, BLOCK_D=128,
+        ), 4, 1  # fmt: skip
 
 
 def main(dtypes: list[str]) -> None:

@@ -64,6 +64,13 @@ def test_decode_interpreted(decode_lens, page_size, q_heads, kv_heads, head_dim,
 
 
 @interpreted
+def test_decode_one_split_interpreted():
+    """One split: the split kernel writes the output itself and no reduce runs."""
+    batch = make_paged_batch([1, 15, 40, 100], [], 4, 2, 16, 16, pad_decode=2, seed=11)
+    _check(batch, _backend(max_kv_splits=1), INTERP_TOL)
+
+
+@interpreted
 @pytest.mark.parametrize(
     "extend, page_size, q_heads, kv_heads",
     [
@@ -177,3 +184,12 @@ def _load_into(static: PagedBatch, batch: PagedBatch) -> None:
         getattr(static, name).copy_(getattr(batch, name))
     for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
         getattr(static.meta, name).copy_(getattr(batch.meta, name))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_one_split_gpu(dtype):
+    """Large decode batches get one split: the split kernel writes the output directly."""
+    lens = [1, 15, 16, 17, 255, 1000, 4097, 9000]
+    batch = make_paged_batch(lens, [], 32, 8, 128, 16, dtype, "cuda", pad_decode=2, seed=1)
+    _check(batch, _backend(max_kv_splits=1), GPU_TOL[dtype], GPU_MEAN_TOL[dtype])

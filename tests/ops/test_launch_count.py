@@ -1,0 +1,81 @@
+"""Kernel-launch counting, and what one decode layer launches on the Triton path."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_env import interpreted
+
+from pdserve.model.arch import PRESETS
+from pdserve.ops import dispatch
+from pdserve.ops.launch_count import count_launches
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "count_launches.py"
+
+
+def _count_script():
+    spec = importlib.util.spec_from_file_location("count_launches", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["count_launches"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_counter_counts_kernels_not_views_or_allocations():
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with count_launches() as count:
+        a.view(8, 4).t()
+        torch.empty(5)
+        a[1:].reshape(-1)
+    assert count.total == 0
+    with count_launches() as count:
+        a @ b
+        a + 1
+    assert count.total == 2, count.by_name
+
+
+def test_interpreted_ops_need_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"), dispatch.interpreted_triton_ops():
+        pass
+
+
+@interpreted
+def test_interpreted_triton_launches_are_counted():
+    x, w = torch.randn(3, 16), torch.randn(16)
+    with dispatch.interpreted_triton_ops(), count_launches() as count:
+        dispatch.rms_norm(x, w, 1e-6)
+    assert dict(count.by_name) == {"triton::_rms_norm_kernel": 1}
+
+
+@interpreted
+@pytest.mark.parametrize("model", ["tiny", "tiny-qwen2"])
+def test_decode_layer_launches_on_the_triton_path(model):
+    """Two norms (residual add fused in), QKV GEMM, one rotary+KV-store kernel, split-KV
+    decode attention (split + reduce), o_proj, gate/up GEMM, silu-and-mul, down GEMM."""
+    script = _count_script()
+    count = script.count_decode_layer(PRESETS[model], 3, 40, "cpu", torch.float32, "triton")
+    assert dict(count.by_name) == {
+        "triton::_rms_norm_kernel": 2,
+        "aten::linear": 4,
+        "triton::_rope_store_kv_kernel": 1,
+        "triton::_decode_split_kernel": 1,
+        "triton::_decode_reduce_kernel": 1,
+        "triton::_silu_and_mul_kernel": 1,
+    }
+    assert count.total == 10
+
+
+@interpreted
+def test_decode_layer_with_one_kv_split_skips_the_reduce():
+    """A decode batch large enough for one KV split per sequence (here 140 sequences x 2 KV
+    heads against 2 programs per SM on 132 SMs) launches no reduce kernel."""
+    script = _count_script()
+    count = script.count_decode_layer(PRESETS["tiny"], 140, 20, "cpu", torch.float32, "triton")
+    assert count.by_name["triton::_decode_split_kernel"] == 1
+    assert "triton::_decode_reduce_kernel" not in count.by_name
+    assert count.total == 9
