@@ -22,7 +22,11 @@ def test_completion_defaults_and_budget():
     ({"prompt": "x", "temperature": "1"}, "temperature"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": "x", "stream_options": {"include_usage": 1}}, "include_usage"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
 ])
 def test_bad_fields_name_the_param(body, param):
     with pytest.raises(P.APIError) as err:
