@@ -285,6 +285,12 @@ def _check_serve(args: argparse.Namespace) -> None:
     if server.chat_template is not None:
         load_chat_template(server.chat_template)
     args.instance = _config_from_args(InstanceConfig, args)
+    if args.engine_config.transfer.kv_transfer_port is not None:
+        from pdserve.sched.policies import role_refusal
+
+        why = role_refusal(args.engine_config.scheduler.schedule)
+        if why is not None:
+            raise UsageError(why)
     if args.instance.role is not None:
         if args.engine_config.transfer.kv_transfer_port is None:
             raise UsageError("--role needs --kv-transfer-port (0 picks a free port)")

@@ -72,6 +72,9 @@ class SchedulerConfig:
     mux_time_slice: bool = doc(True, "multiplex: let the planner weigh whole-GPU time "
                                "slicing (decode alone, then a prefill layer range sized to the "
                                "rest of the ITL budget) beside spatial and mixed steps.")
+    mux_allow_unprofiled: bool = doc(False, "multiplex: answer the SM splits a fitted profile "
+                                      "never timed with the roofline model, instead of "
+                                      "stopping at start-up with the groups it lacks.")
     mux_predictor: str | None = doc(None, "multiplex: latency predictor JSON from `pdserve "
                                     "profile`, or a folder of them keyed by GPU and model "
                                     "(default: $PDSERVE_PROFILE_DIR or ~/.cache/pdserve/"

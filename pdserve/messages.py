@@ -68,6 +68,9 @@ class EngineReady:
     """Token ids at or past this are refused before they reach the engine."""
     kv_address: str | None = None
     """"host:port" of the engine's KV receiver; None when it takes no part in KV transfer."""
+    setup: dict = field(default_factory=dict)
+    """What actually runs (``EngineCore.describe()``): schedule, attention backend, SM
+    partitions (real or emulated), latency predictor; results record it."""
 
 
 @dataclass(slots=True)

@@ -72,10 +72,6 @@ class Request:
         return len(self.token_ids) - self.num_computed
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -106,6 +106,23 @@ def test_missing_kazoo_for_zk_registry(tmp_path):
     assert_one_line_error(serve, "kazoo")
 
 
+@pytest.mark.parametrize("schedule", ["prefill-first", "chunked", "multiplex", "disagg"])
+def test_every_schedule_with_a_role_starts_or_is_refused_in_one_line(schedule):
+    """Disaggregation already hands KV between its own pools: a P/D role is refused before
+    the model loads. The other schedules pass this check (they serve both roles)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = pdserve("serve", "tiny", "--schedule", schedule, "--role", "decode",
+                         "--kv-transfer-port", "0", "--registry", "zk://127.0.0.1:1",
+                         "--host", "127.0.0.1", "--port", str(port))
+    if schedule == "disagg":
+        assert_one_line_error(result, "cannot serve a P/D role")
+    else:  # past the role check: stopped by the next one, the port in use
+        assert_one_line_error(result, f"--port {port}", "cannot listen")
+
+
 def test_chat_template_file_that_does_not_exist(tmp_path):
     missing = tmp_path / "nope.jinja"
     result = pdserve("serve", "tiny", "--chat-template", str(missing), "--port", str(free_port()))

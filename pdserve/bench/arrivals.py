@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from pdserve.bench.workloads import BenchError, BenchRequest
+from pdserve.bench.workloads import BenchError
 
 
 def gamma_arrivals(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -25,12 +25,3 @@ def gamma_arrivals(num: int, rate: float, burstiness: float = 1.0, seed: int = 0
     rng = np.random.default_rng([seed, 4])
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num - 1)
     return [0.0] + np.cumsum(gaps).tolist()
-
-
-def assign_arrivals(requests: list[BenchRequest], rate: float, burstiness: float = 1.0,
-                    seed: int = 0, use_trace: bool = False) -> list[float]:
-    """The send offsets for ``requests``: their trace timestamps when ``use_trace`` (and every
-    request has one), else a gamma process at ``rate``."""
-    if use_trace and all(r.arrival_s is not None for r in requests):
-        return [float(r.arrival_s) for r in requests]
-    return gamma_arrivals(len(requests), rate, burstiness, seed)

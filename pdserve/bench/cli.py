@@ -259,6 +259,7 @@ async def _serve(args: argparse.Namespace) -> dict:
     await backend.start()
     config["name"] = getattr(backend, "model", None) or config["name"]
     config["extra_body"] = getattr(backend, "extra_body", None)
+    config["engine"] = getattr(backend, "engine_info", None)
     owned_by = getattr(backend, "owned_by", "pdserve")  # the in-process engine is pdserve's
     try:
         ctx = dataclasses.replace(ctx, tokenizer=_tokenizer(args, config["name"], owned_by))

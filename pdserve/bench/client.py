@@ -100,6 +100,17 @@ class HttpBackend:
         """The server's ``owned_by`` for the model (``pdserve`` for ours)."""
         self.session: aiohttp.ClientSession | None = None
 
+    engine_info: dict | None = None
+    """A pdserve server's ``/v1/engine/info`` (schedule, partitions, predictor): results
+    record what actually ran."""
+
+    async def _engine_info(self) -> dict | None:
+        try:
+            async with self.session.get(self.base_url + "/v1/engine/info") as resp:
+                return await resp.json() if resp.status == 200 else None
+        except (aiohttp.ClientError, ValueError):
+            return None
+
     async def start(self) -> None:
         # limit=0: an open-loop run must never queue requests inside the client.
         connector = aiohttp.TCPConnector(limit=0)
@@ -113,6 +124,8 @@ class HttpBackend:
         self.model = self.model or card["id"]
         if self.extra_body is None:
             self.extra_body = dict(PDSERVE_EXTRA_BODY) if self.owned_by == "pdserve" else {}
+        if self.owned_by == "pdserve":
+            self.engine_info = await self._engine_info()
 
     async def model_card(self) -> dict:
         """The first ``/v1/models`` entry ({} when the server has no such list); a server

@@ -178,7 +178,7 @@ async def _run_specs(config: ServerConfig, url: str, specs: list[WorkloadSpec],
     try:
         for spec in specs:
             result = await run_workload(backend, spec, slo, goodput, run_ctx)
-            runs.append({**_describe(config), **result})
+            runs.append({**_describe(config), "engine": backend.engine_info, **result})
             print_summary(result, f"{config.name} / {spec.name}")
     finally:
         await backend.close()

@@ -75,9 +75,6 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_grow(self, request: Request, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) - len(request.block_ids) <= self.num_free_blocks
-
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Makes room for ``num_tokens`` tokens in the request's blocks; False if out of blocks."""
         missing = self.blocks_needed(num_tokens) - len(request.block_ids)

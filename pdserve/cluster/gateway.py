@@ -70,7 +70,7 @@ class InstanceFailed(Exception):
 @dataclass
 class Prefilled:
     instance: Instance
-    answer: dict[str, Any]
+    answer: dict[str, Any] | None  # None: the decode instance prefills it itself
 
 
 @dataclass
@@ -216,10 +216,15 @@ class Gateway:
         if len(line):
             await line.wait(poll_s, first=False)
         for round_number in itertools.count():
-            for instance in self._prefill_order(job.scenario):
+            for instance in self._prefill_order(job.scenario, decode):
                 answer = await self._offer(instance, job, transfer_id, decode)
                 if answer is not None:
                     return Prefilled(instance, answer)
+            if decode.schedule == "multiplex":
+                # Last resort, in no other system: a multiplexing decode instance prefills
+                # beside its decodes, its planner holding their ITL SLO; no KV moves.
+                self.metrics.count_local_prefill(job.scenario)
+                return Prefilled(decode, None)
             if round_number == 0:
                 self.metrics.count_refused_request(job.scenario)
             if time.monotonic() - job.start + poll_s > self.config.max_wait_s:
@@ -228,8 +233,10 @@ class Gateway:
                                  f"stayed busy for {self.config.max_wait_s:.0f} s")
             await line.wait(poll_s, first=True)
 
-    def _prefill_order(self, scenario: str) -> list[Instance]:
+    def _prefill_order(self, scenario: str, decode: Instance) -> list[Instance]:
         candidates = self._live(scenario, "prefill")
+        if not candidates and decode.schedule == "multiplex":
+            return []  # the multiplexing decode instance takes it (see ``_prefill``)
         if not candidates:
             raise P.APIError(503, f"no prefill instance serves scenario '{scenario}'"
                              + self._cooling(scenario, "prefill"))
@@ -286,11 +293,14 @@ class Gateway:
     async def _decode(self, job: Job, transfer_id: str, decode: Instance,
                       prefilled: Prefilled) -> web.StreamResponse:
         answer = prefilled.answer
-        ask = {"kind": job.kind, "request": job.body, "transfer_id": transfer_id,
-               "first_token": answer["first_token"],
-               "first_logprob": answer.get("first_logprob"),
-               "num_cached_tokens": answer.get("num_cached_tokens", 0),
+        ask = {"kind": job.kind, "request": job.body,
                "resume_token_ids": job.sent_ids, "resume_text_chars": job.sent_chars}
+        if answer is None:
+            ask["prefill_here"] = True
+        else:
+            ask.update(transfer_id=transfer_id, first_token=answer["first_token"],
+                       first_logprob=answer.get("first_logprob"),
+                       num_cached_tokens=answer.get("num_cached_tokens", 0))
         try:
             async with self._session.post(f"http://{decode.http}/pd/decode", json=ask,
                                           headers=self._headers()) as resp:

@@ -30,7 +30,8 @@ class GroupMembership:
         kv_port = client.kv_address.rpartition(":")[2]
         self.instance = Instance(self.config.instance_id or self.http, self.config.scenario,
                                  self.config.role, self.http,
-                                 f"{self.config.advertise_host}:{kv_port}", self.model)
+                                 f"{self.config.advertise_host}:{kv_port}", self.model,
+                                 client.setup.get("schedule", ""))
         self.registry = make_registry(self.config.registry)
         self.registry.register(self.instance)
         self.registry.watch_role_requests(self.instance.instance_id, self._move)

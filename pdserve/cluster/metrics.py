@@ -113,6 +113,10 @@ class GatewayMetrics:
         self.retries = Counter("pdserve_gateway_retries", "Attempts that failed on an "
                                "instance and went to another one, by what was retried.",
                                ["scenario", "stage"], registry=r)
+        self.local_prefills = Counter(
+            "pdserve_gateway_local_prefills", "Requests every prefill instance refused that a "
+            "multiplexing decode instance prefilled itself (no KV transfer).", ["scenario"],
+            registry=r)
         self.moves = Counter("pdserve_gateway_role_moves", "Instances the ratio controller "
                              "moved, by scenario and new role.", ["scenario", "role"],
                              registry=r)
@@ -155,6 +159,9 @@ class GatewayMetrics:
     def count_refused_request(self, scenario: str) -> None:
         """A request no prefill instance took at its first offer round (it had to wait)."""
         self.window(scenario).refused_at_first()
+
+    def count_local_prefill(self, scenario: str) -> None:
+        self.local_prefills.labels(scenario).inc()
 
     def count_retry(self, scenario: str, stage: str) -> None:
         """An instance failed a request: ``stage`` is "prefill" (nothing sent yet, offered

@@ -98,6 +98,9 @@ class Instance:
     """"host:port" of its KV receiver."""
     model: str = ""
     """Served model name."""
+    schedule: str = ""
+    """Its engine's ``--schedule``: a multiplexing decode instance may also take a prefill
+    every prefill instance refused (the gateway's last resort)."""
 
     def __post_init__(self) -> None:
         _check_name("instance_id", self.instance_id)

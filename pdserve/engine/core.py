@@ -35,7 +35,7 @@ from pdserve.model.tokenizer import load_tokenizer
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.sched.base import Work
-from pdserve.sched.policies import make_scheduler, scheduler_class
+from pdserve.sched.policies import make_scheduler, role_refusal
 
 log = logging.getLogger(__name__)
 WAIT_FOR_COMPLETION_S = 0.002  # longest a step spins on events before returning empty
@@ -77,11 +77,9 @@ class EngineCore:
         """A schedule that cannot serve a P/D role is refused before the model loads."""
         if config.transfer.kv_transfer_port is None:
             return
-        cls = scheduler_class(config.scheduler.schedule)
-        if "prefill" not in cls.roles:
-            raise ValueError(f"--schedule {config.scheduler.schedule} cannot serve a P/D role "
-                             "(it hands KV between its own two pools); use chunked, "
-                             "prefill-first or multiplex")
+        why = role_refusal(config.scheduler.schedule)
+        if why is not None:
+            raise ValueError(why)
 
     @property
     def kv_address(self) -> str | None:
@@ -375,6 +373,13 @@ class EngineCore:
     def close(self) -> None:
         """Stops background threads (KV transfer); the engine is unusable afterwards."""
         self.kv.close()
+
+    def describe(self) -> dict:
+        """What actually runs, for results to record: never a silent fallback."""
+        return {"schedule": self.config.scheduler.schedule, "device": str(self.runner.device),
+                "attention_backend": type(self.runner.attn_backend).__name__,
+                "cuda_graphs": any(pool.graphs for pool in self.runner.pools.values()),
+                **self.scheduler.describe()}
 
     def timeline(self, since: float | None = None) -> list[dict]:
         """Policies that split the GPU: the split over time (time, mode, decode/prefill SMs,

@@ -53,7 +53,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ProfileGrid:
-    decode_sms: tuple[int, ...] = (16, 32, 64)  # the whole GPU is always profiled too
+    # The engine's default splits (``mux_decode_sms``): every split the planner may pick has
+    # its own rows. The whole GPU is always profiled too.
+    decode_sms: tuple[int, ...] = (16, 24, 32, 48, 64)
     # (batch, context per request); points whose KV does not fit the pool are skipped
     decode_points: tuple[tuple[int, int], ...] = (
         (1, 1024), (1, 8192), (8, 2048), (16, 1024), (16, 8192), (32, 4096), (64, 2048),
@@ -460,7 +462,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--out", default=None, help="A .json file, or a folder (default: "
                         "$PDSERVE_PROFILE_DIR or ~/.cache/pdserve/profiles).")
     parser.add_argument("--decode-sms", default=None,
-                        help="Decode SM counts to profile, comma-separated (default 16,32,64).")
+                        help="Decode SM counts to profile, comma-separated (default "
+                        "16,24,32,48,64, the serving default).")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--quick", action="store_true",

@@ -112,7 +112,7 @@ def _penalties(requests: list[Request], vocab_size: int, device) -> Penalties | 
         return None
     params = [r.params for r in requests]
     use_repetition = any(p.repetition_penalty != 1 for p in params)
-    outputs = [_flat(i, requests[i].output_token_ids, vocab_size) for i in rows]
+    outputs = [_flat(i, _output_ids(requests[i]), vocab_size) for i in rows]
     prompts = [_flat(i, _prompt_ids(requests[i]), vocab_size) for i in rows] \
         if use_repetition else []
     num_output = sum(len(f) for f in outputs)
@@ -132,6 +132,10 @@ def _penalties(requests: list[Request], vocab_size: int, device) -> Penalties | 
         repetition=torch.tensor([p.repetition_penalty for p in params], device=device)
         if use_repetition else None,
         output_counts=counts.view(shape), prompt_seen=seen)
+
+
+def _output_ids(request: Request) -> list[int]:
+    return request.token_ids[request.num_prompt_tokens:]
 
 
 def _prompt_ids(request: Request) -> np.ndarray:

@@ -3,6 +3,7 @@ loud when the GPU cannot give what was asked (no silent fallback)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -14,7 +15,8 @@ from pdserve.config import EngineConfig
 from pdserve.engine.streams import StreamOps
 from pdserve.gpu.driver import EmulatedDriver
 from pdserve.gpu.partitions import Partition, PartitionSet
-from pdserve.sched.predictor import LatencyPredictor, predictor_path
+from pdserve.sched.mux_planner import profile_groups
+from pdserve.sched.predictor import LatencyPredictor, predictor_path, require_coverage
 from pdserve.sched.roofline import GpuCost, ModelCost, RooflinePredictor
 
 log = logging.getLogger(__name__)
@@ -108,23 +110,33 @@ class PredictorError(RuntimeError):
     """No latency profile fits this GPU and model (and the roofline was not asked for)."""
 
 
-def load_predictor(config: EngineConfig, runner, total_sms: int):
-    """The saved profile of this (GPU, model). The roofline model only when asked for
-    (``--mux-predictor roofline``) or on the CPU, where no profile means anything."""
+def load_predictor(config: EngineConfig, runner, partitions: PartitionSet
+                   ) -> tuple[object, dict]:
+    """(latency model, where it came from): the saved profile of this (GPU, model); the
+    roofline model only when asked for (``--mux-predictor roofline``) or on the CPU, where
+    no profile means anything. A fitted profile must have timed every group the planner can
+    ask about (``profile_groups``) unless ``mux_allow_unprofiled``."""
+    total_sms = partitions.total_sms
     roofline = roofline_for(runner.arch, total_sms, runner.dtype.itemsize)
     if config.scheduler.mux_predictor == "roofline":
         log.info("multiplex: roofline latency model (asked for)")
-        return roofline
+        return roofline, {"kind": "roofline", "why": "asked for"}
     path = profile_path(config, runner.device)
     why = _profile_problem(path, runner.model.num_layers, total_sms)
     if why is None:
         log.info("multiplex: latency predictor from %s", path)
-        return LatencyPredictor.load(path)
+        held_out = json.loads(path.read_text()).get("held_out")
+        groups = profile_groups(partitions.decode_sm_choices(), total_sms)
+        fallback = roofline if config.scheduler.mux_allow_unprofiled else None
+        predictor = require_coverage(LatencyPredictor.load(path), groups, fallback)
+        missing = sorted(getattr(predictor, "missing", ()))
+        return predictor, {"kind": "fitted", "path": str(path), "held_out": held_out,
+                           "roofline_for_unprofiled": missing}
     if runner.device.type == "cuda":
         raise PredictorError(f"{why}; run `pdserve profile` for this GPU and model, or ask "
                              "for --mux-predictor roofline")
     log.info("multiplex: %s; roofline latency model on the CPU", why)
-    return roofline
+    return roofline, {"kind": "roofline", "why": why}
 
 
 def _profile_problem(path: Path, num_layers: int, total_sms: int) -> str | None:
@@ -145,8 +157,12 @@ def policy_args(config: EngineConfig, runner, setup: EngineSetup) -> dict:
     schedule = config.scheduler.schedule
     if schedule == "multiplex":
         partitions = setup.partitions or build_partitions(config, runner.device)
-        predictor = setup.predictor or load_predictor(config, runner, partitions.total_sms)
-        return {"partitions": partitions, "predictor": predictor,
+        if setup.predictor is not None:
+            predictor, source = setup.predictor, {"kind": "given", "type":
+                                                  type(setup.predictor).__name__}
+        else:
+            predictor, source = load_predictor(config, runner, partitions)
+        return {"partitions": partitions, "predictor": predictor, "predictor_source": source,
                 "num_layers": runner.model.num_layers}
     if schedule == "disagg":
         return {"partition": setup.disagg_partition or build_disagg_partition(config,

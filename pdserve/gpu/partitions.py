@@ -109,6 +109,11 @@ class PartitionSet:
             raise KeyError(f"no partition with {decode_sms} decode SMs; "
                            f"choices: {list(self._by_decode)}") from None
 
+    def describe(self) -> dict:
+        return {"kind": "emulated" if self.emulated else "green contexts",
+                "emulation_reason": self.emulation_reason, "total_sms": self.total_sms,
+                "splits": self.decode_sm_choices()}
+
     def __len__(self) -> int:
         return len(self._by_decode)
 

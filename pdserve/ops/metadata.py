@@ -34,11 +34,3 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decode_seqs
-
-    @property
-    def is_pure_decode(self) -> bool:
-        return self.num_decode_seqs == self.num_seqs

@@ -181,6 +181,10 @@ class Scheduler:
         """Requests holding pages of ``pool`` (for the integrity check)."""
         return list(self.running) + list(self.waiting)
 
+    def describe(self) -> dict:
+        """This policy's own set-up (partitions, latency model) for results to record."""
+        return {}
+
     def timeline(self, since: float | None = None) -> list[dict]:
         """The SM split over time (policies that split the GPU); empty otherwise."""
         return []

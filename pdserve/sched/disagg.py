@@ -103,6 +103,11 @@ class DisaggScheduler(Scheduler):
             return list(self.prefill.running) + list(self.prefill.waiting) + list(self.ready)
         return list(self.decode.running)
 
+    def describe(self) -> dict:
+        part = self.partition
+        return {"partitions": {"kind": "emulated" if part.emulated else "green contexts",
+                               "splits": [(part.decode_sms, part.prefill_sms)]}}
+
     def graph_partitions(self) -> list[Partition]:
         return [self.partition]
 

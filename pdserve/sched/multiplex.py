@@ -103,8 +103,9 @@ class MultiplexScheduler(InFlightScheduler):
     lanes = (DECODE_LANE, PREFILL_LANE)
 
     def __init__(self, config, block_manager, max_model_len, *, partitions: PartitionSet,
-                 predictor, num_layers: int):
+                 predictor, num_layers: int, predictor_source: dict | None = None):
         super().__init__(config, block_manager, max_model_len)
+        self.predictor_source = predictor_source or {"kind": type(predictor).__name__}
         self.partitions, self.num_layers = partitions, num_layers
         self.set_predictor(predictor)
         self.current: Partition = partitions.whole_gpu
@@ -133,6 +134,10 @@ class MultiplexScheduler(InFlightScheduler):
                       max_prefill_tokens=sched.max_num_batched_tokens,
                       time_slice=sched.mux_time_slice)
         return MuxPlannerConfig(**{**fields, **self._overrides, **overrides})
+
+    def describe(self) -> dict:
+        return {"partitions": self.partitions.describe(), "predictor": self.predictor_source,
+                "time_slice": self.config.mux_time_slice, "itl_slo_ms": self.config.itl_slo_ms}
 
     def graph_partitions(self) -> list[Partition]:
         """Where decode graphs are replayed: every split and the whole GPU."""

@@ -151,10 +151,6 @@ class PrefillPiece:
     num_layers: int
     predicted_ms: float
 
-    @property
-    def end_layer(self) -> int:
-        return self.start_layer + self.num_layers
-
 
 @dataclass(frozen=True)
 class MuxPlan:
@@ -162,7 +158,7 @@ class MuxPlan:
 
     TIME_SLICE: ``decode_sms == prefill_sms ==`` the device's SMs; the decode step
     (``decode_ms``) runs first, then the piece (``prefill.predicted_ms``, layers
-    ``prefill.start_layer`` to ``prefill.end_layer``), never overlapping;
+    ``prefill.start_layer`` for ``prefill.num_layers`` layers), never overlapping;
     ``cycle_ms`` is their sum.
     """
 

@@ -80,6 +80,14 @@ def make_scheduler(config, block_manager, max_model_len, **policy_args) -> Sched
     return scheduler_class(config.schedule)(config, block_manager, max_model_len, **policy_args)
 
 
+def role_refusal(schedule: str) -> str | None:
+    """Why ``schedule`` cannot serve a P/D role (prefill or decode instance), or None."""
+    if "prefill" in scheduler_class(schedule).roles:
+        return None
+    return (f"--schedule {schedule} cannot serve a P/D role (it hands KV between its own two "
+            "pools); use chunked, prefill-first or multiplex")
+
+
 def scheduler_class(schedule: str) -> type[Scheduler]:
     try:
         return SCHEDULERS[schedule]

@@ -79,6 +79,7 @@ def build_app(client: EngineClient, config: ServerConfig,
     app.router.add_post("/v1/chat/completions", serving.chat)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/engine/timeline", _timeline)
+    app.router.add_get("/v1/engine/info", _engine_info)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     PDRoutes(serving, config.cluster_secret).add_to(app)
@@ -166,6 +167,12 @@ async def _timeline(request: web.Request) -> web.Response:
     since = _float_query(request, "since")
     entries = await _state(request).client.timeline(since)
     body = {"object": "engine.timeline", "now": time.monotonic(), "entries": entries}
+    return web.Response(body=P.dumps(body), content_type="application/json")
+
+
+async def _engine_info(request: web.Request) -> web.Response:
+    """What runs: schedule, attention backend, SM partitions (real or emulated), predictor."""
+    body = {"object": "engine.info", **_state(request).client.setup}
     return web.Response(body=P.dumps(body), content_type="application/json")
 
 

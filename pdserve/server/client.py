@@ -115,6 +115,7 @@ class EngineClient:
         self.tokenizer: Any = None
         self.vocab_size: int | None = None
         self.kv_address: str | None = None
+        self.setup: dict = {}
         self.stats = EngineStats()
         self.dead_reason: str | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -146,6 +147,7 @@ class EngineClient:
         self.tokenizer = ready.tokenizer
         self.vocab_size = ready.vocab_size
         self.kv_address = ready.kv_address
+        self.setup = ready.setup
 
     @property
     def alive(self) -> bool:

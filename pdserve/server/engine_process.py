@@ -51,7 +51,7 @@ def run_engine_process(config: Any, reader: Connection, writer: Connection,
         raise SystemExit(1) from None
     channel.send(EngineReady(core.model_name, core.max_model_len, os.getpid(),
                              getattr(core, "tokenizer", None), _vocab_size(core),
-                             getattr(core, "kv_address", None)))
+                             getattr(core, "kv_address", None), _describe(core)))
     try:
         code = EngineLoop(core, channel).run()
     finally:
@@ -69,6 +69,11 @@ def _vocab_size(core: Any) -> int | None:
         if isinstance(size, int):
             return size
     return None
+
+
+def _describe(core: Any) -> dict:
+    describe = getattr(core, "describe", None)  # test stand-ins have none
+    return describe() if describe is not None else {}
 
 
 def _load_factory(spec: str):

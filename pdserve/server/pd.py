@@ -9,6 +9,8 @@
   (what is left of the TTFT SLO): the gateway then offers the
   request to another prefill instance (on-demand forwarding, no blind queueing).
 - ``GET /pd/info``: the KV receiver's address and the admission counters.
+- ``POST /pd/decode`` with ``"prefill_here": true`` instead of a transfer: a multiplexing
+  instance runs the whole request itself (prefill beside its decodes, no KV transfer).
 - ``POST /pd/decode`` ``{"kind", "request", "transfer_id", "first_token", ...}``: answers
   ``request`` exactly as ``/v1/completions`` or ``/v1/chat/completions`` would (streamed or
   not), decoding from the second token on with the KV that arrived under ``transfer_id``.
@@ -159,6 +161,7 @@ class PDRoutes:
         """What a launcher or registry needs to list this instance in a P/D group."""
         client, admission = self.serving.client, self.admission
         body = {"model": self.serving.model_name, "kv_address": client.kv_address,
+                "schedule": client.setup.get("schedule", ""),
                 "queued_prefill_tokens": admission.queued_tokens,
                 "prefill_tokens_per_s": admission.tokens_per_s,
                 "accepted": admission.accepted, "rejected": admission.rejected}
@@ -195,6 +198,8 @@ class PDRoutes:
 
     async def decode(self, http: web.Request) -> web.StreamResponse:
         body = P.parse_json_body(await http.read())
+        if body.get("prefill_here") is True:
+            return await self._prefill_and_decode(http, body)
         handoff = KVHandoff(_get_str(body, "transfer_id"),
                             first_token=_get_count(body, "first_token"),
                             first_logprob=P.get_number(body, "first_logprob"),
@@ -202,6 +207,18 @@ class PDRoutes:
         fmt, prompt_ids, default_max = await self.serving.prepare(*_inner(body))
         fmt.with_token_ids = True
         return await self.serving.run(http, fmt, prompt_ids, default_max, handoff,
+                                      self._resumed(body))
+
+    async def _prefill_and_decode(self, http: web.Request, body: dict) -> web.StreamResponse:
+        """The whole request here, no KV transfer: what the gateway asks of a multiplexing
+        decode instance when every prefill instance refused. Its planner keeps the decodes
+        it runs within their ITL SLO while the prompt is prefilled beside them."""
+        if self.serving.client.setup.get("schedule") != "multiplex":
+            raise P.bad_request("'prefill_here' needs an instance running --schedule multiplex",
+                                param="prefill_here")
+        fmt, prompt_ids, default_max = await self.serving.prepare(*_inner(body))
+        fmt.with_token_ids = True
+        return await self.serving.run(http, fmt, prompt_ids, default_max, None,
                                       self._resumed(body))
 
     def _resumed(self, body: dict) -> Resumed:

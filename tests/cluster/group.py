@@ -100,7 +100,7 @@ class Group:
     def close(self) -> None:
         if self.gateway is not None:
             self.gateway.stop()
-        for server in self.members.values():
+        for server in list(self.members.values()):  # replacements may still be joining
             server.stop()
         self.registry.close()
 

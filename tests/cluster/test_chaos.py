@@ -14,7 +14,8 @@ import pytest
 
 from tests.cluster.group import Group, kill, start_group, stream, wait_until
 
-pytestmark = pytest.mark.slow
+# ~105 s on an idle 2-core machine; several times that when other work shares the cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 NUM_REQUESTS = 120
 CONCURRENCY = 8

@@ -101,6 +101,6 @@ def test_slow_client_is_408_and_holds_the_only_slot_until_then(target):
 def _past_the_limits(status: int, raw: bytes) -> bool:
     """Answered by what is behind the limits: the server refuses a suffix (400), the
     gateway, with no instance listed, has nobody to send it to (503)."""
-    message = json.loads(raw)["error"]["message"]
-    return (status, "suffix" in message or "no decode instance" in message) in \
-        ((400, True), (503, True))
+    error = json.loads(raw)["error"]
+    refused_suffix = status == 400 and error.get("param") == "suffix"
+    return refused_suffix or (status == 503 and "no decode instance" in error["message"])

@@ -44,7 +44,8 @@ def _instance(server: Server, role: str, name: str | None = None) -> Instance:
     _, _, raw = server.request("GET", "/pd/info")
     info = json.loads(raw)
     address = f"127.0.0.1:{server.port}"
-    return Instance(name or address, SCENARIO, role, address, info["kv_address"], info["model"])
+    return Instance(name or address, SCENARIO, role, address, info["kv_address"], info["model"],
+                    info["schedule"])
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +231,45 @@ def test_when_every_prefill_instance_refuses_the_gateway_answers_503(instances):
         gateway.stop()
         refusing.stop()
         registry.close()
+
+
+@pytest.fixture(scope="module")
+def multiplex_decode():
+    server = start_server("--kv-transfer-port", "0", "--schedule", "multiplex")
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("with_prefill", [True, False])
+def test_multiplexing_decode_instance_prefills_what_every_prefill_instance_refused(
+        instances, multiplex_decode, with_prefill):
+    """The gateway's last resort: the request runs whole on the multiplexing decode
+    instance (no KV transfer), with the tokens one instance gives alone."""
+    refusing = RefusingInstance()
+    registry = MemoryRegistry()
+    if with_prefill:
+        registry.register(refusing.instance())
+    registry.register(_instance(multiplex_decode, "decode"))
+    gateway = GatewayThread(registry, max_wait_s=0.3)
+    try:
+        answer = _complete(gateway.http, BODY)
+        assert answer["choices"][0]["text"] == _complete(instances[0], BODY)["choices"][0]["text"]
+        assert answer["usage"]["completion_tokens"] == BODY["max_tokens"]
+        assert refusing.offers == (1 if with_prefill else 0)
+        metrics = gateway.http.metrics()
+        assert metrics['pdserve_gateway_local_prefills_total{scenario="default"}'] == 1
+        _, _, raw = multiplex_decode.request("GET", "/pd/info")
+        assert json.loads(raw)["schedule"] == "multiplex"
+    finally:
+        gateway.stop()
+        refusing.stop()
+        registry.close()
+
+
+def test_prefill_here_is_refused_by_an_instance_that_does_not_multiplex(instances):
+    body = {"kind": "completions", "request": BODY, "prefill_here": True}
+    status, _, raw = instances[1].request("POST", "/pd/decode", body)
+    assert status == 400 and "multiplex" in json.loads(raw)["error"]["message"]
 
 
 def test_no_decode_instance_is_a_clear_503(instances):

@@ -46,8 +46,28 @@ def test_multiplex_engine_loads_the_saved_profile(profiled):
 
     _, path = profiled
     config = EngineConfig.from_flat(model="tiny", device="cpu", dtype="float32",
-                                    schedule="multiplex", mux_predictor=str(path))
-    assert isinstance(EngineCore(config).scheduler.predictor, LatencyPredictor)
+                                    schedule="multiplex", mux_predictor=str(path),
+                                    mux_decode_sms="16")  # the split the profile timed
+    engine = EngineCore(config)
+    assert isinstance(engine.scheduler.predictor, LatencyPredictor)
+    assert engine.describe()["predictor"]["kind"] == "fitted"
+
+
+def test_a_profile_that_never_timed_a_split_stops_start_up(profiled):
+    """The planner could pick 24 decode SMs; a profile of 16 only would have it guess."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.core import EngineCore
+    from pdserve.sched.predictor import UncoveredGroupsError
+
+    _, path = profiled
+    options = dict(model="tiny", device="cpu", dtype="float32", schedule="multiplex",
+                   mux_predictor=str(path), mux_decode_sms="16,24")
+    with pytest.raises(UncoveredGroupsError, match="24 SMs"):
+        EngineCore(EngineConfig.from_flat(**options))
+    engine = EngineCore(EngineConfig.from_flat(mux_allow_unprofiled=True, **options))
+    source = engine.describe()["predictor"]
+    assert source["kind"] == "fitted" and ("decode", 24, True) in [
+        tuple(g) for g in source["roofline_for_unprofiled"]]
 
 
 def test_cli_entry_point_parses(tmp_path, monkeypatch):

@@ -96,3 +96,15 @@ def _wait_snapshot(server, last: dict, timeout: float = 10) -> dict[str, float]:
 def test_timeline_needs_the_api_key(mux):
     status, _, _ = mux.request("GET", "/v1/engine/timeline", headers={"Authorization": ""})
     assert status == 401
+
+
+def test_engine_info_says_what_runs(server, mux):
+    """Results record this: a CPU run must read as emulated partitions and the roofline."""
+    _, _, body = mux.request("GET", "/v1/engine/info")
+    info = json.loads(body)
+    assert info["schedule"] == "multiplex" and info["device"] == "cpu"
+    assert info["partitions"]["kind"] == "emulated" and info["partitions"]["splits"]
+    assert info["predictor"]["kind"] == "roofline" and info["predictor"]["why"]
+    _, _, body = server.request("GET", "/v1/engine/info")
+    info = json.loads(body)
+    assert info["schedule"] == "chunked" and "partitions" not in info
