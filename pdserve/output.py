@@ -30,6 +30,9 @@ class OutputDelta:
     finish_reason: str | None = None
     abort: bool = False
     """A stop string ended the request while the engine still runs it: abort it there."""
+    top_logprobs: list[list[tuple[str, float]]] | None = None
+    """Per token, the most likely tokens at its step as (text, logprob), best first; None
+    unless alternatives were asked for."""
 
 
 class OutputProcessor:
@@ -39,6 +42,7 @@ class OutputProcessor:
                  params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.want_logprobs = params.logprobs
+        self.want_top_logprobs = params.logprobs and params.top_logprobs > 0
         self.include_stop = params.include_stop_str_in_output
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop,
                                             params.skip_special_tokens)
@@ -51,7 +55,8 @@ class OutputProcessor:
     def process(self, updates: Iterable[RequestUpdate]) -> OutputDelta:
         """The output these updates add; nothing once the request has finished."""
         if self.finished:  # tokens past a stop string, sent before the engine saw the abort
-            return OutputDelta("", [], [], [] if self.want_logprobs else None)
+            return OutputDelta("", [], [], [] if self.want_logprobs else None,
+                               top_logprobs=[] if self.want_top_logprobs else None)
         ids, logprobs, reason = self._gather(updates)
         text, ids = self._text(ids, reason)
         text = self._after_resume(text)
@@ -62,7 +67,8 @@ class OutputProcessor:
         self.finished = reason is not None
         self.num_generated += len(ids)
         return OutputDelta(text, ids, self._token_texts(ids),
-                           logprobs if self.want_logprobs else None, reason, abort)
+                           logprobs if self.want_logprobs else None, reason, abort,
+                           self._alternatives(logprobs))
 
     def resume(self, token_ids: list[int], text_chars: int) -> None:
         """Output another instance already streamed (P/D resume): ``token_ids``, of whose text
@@ -117,6 +123,13 @@ class OutputProcessor:
             if self.detok.stopped:
                 return "".join(pieces), ids[:used]
         return "".join(pieces), ids
+
+    def _alternatives(self, logprobs: list[float]) -> list[list[tuple[str, float]]] | None:
+        if not self.want_top_logprobs:
+            return None
+        decode, skip = self.tokenizer.decode, self.detok.skip_special_tokens
+        return [[(decode([token], skip), value) for token, value in getattr(lp, "top", ())]
+                for lp in logprobs]
 
     def _token_texts(self, ids: list[int]) -> list[str]:
         if not self.want_logprobs:

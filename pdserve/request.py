@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
@@ -47,6 +48,7 @@ class Request:
     handoff: KVHandoff | None = None  # P/D across instances (see pdserve/handoff.py)
     kv_buffer: torch.Tensor | None = None  # decode side: received KV not yet scattered
     deadline: float = 0.0  # decode side: fail if the KV has not arrived by then
+    distinct_prompt_ids: np.ndarray | None = None  # for the repetition penalty, made once
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

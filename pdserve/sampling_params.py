@@ -2,7 +2,30 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token (OpenAI's limit)."""
+LOGIT_BIAS_LIMIT = 100.0
+"""Biases are clamped to [-100, 100], as OpenAI documents and vLLM does."""
+
+
+class TokenLogprob(float):
+    """A sampled token's logprob carrying the most likely tokens at its step, ``top``:
+    (token id, logprob) pairs, best first. Where no alternatives were asked for, logprobs
+    are plain floats; this one reads as a float everywhere, so every layer between the
+    sampler and the output passes it on unchanged."""
+
+    __slots__ = ("top",)
+
+    def __new__(cls, value: float, top: list[tuple[int, float]]) -> TokenLogprob:
+        logprob = super().__new__(cls, value)
+        logprob.top = top
+        return logprob
+
+    def __reduce__(self) -> tuple:
+        return (TokenLogprob, (float(self), self.top))
 
 
 class InvalidRequestError(ValueError):
@@ -29,6 +52,18 @@ class SamplingParams:
     """Keep generating past EOS (benchmarks use this to fix the output length)."""
     logprobs: bool = False
     """Return the log-probability of each sampled token."""
+    top_logprobs: int = 0
+    """With ``logprobs``: also this many most likely tokens at each step (up to 20)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated ([-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per time a token was already generated ([-2, 2])."""
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens in the prompt or output (> 0)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely one's ([0, 1])."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> added to its logit before sampling (clamped to [-100, 100])."""
     min_tokens: int = 0
     """EOS and stop tokens are ignored until this many tokens are generated."""
     include_stop_str_in_output: bool = False
@@ -41,7 +76,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self.validate()
+        self.logit_bias = {t: min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(b)))
+                           for t, b in self.logit_bias.items()}
 
     def validate(self) -> None:
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
@@ -55,6 +93,30 @@ class SamplingParams:
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be integers >= 0")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be >= 0")
+        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+               f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        self._validate_penalties()
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_num(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]")
+        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty must be > 0")
+        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
+        _check(all(_is_int(t) and t >= 0 and _is_num(b) and math.isfinite(b)
+                   for t, b in self.logit_bias.items()),
+               "logit_bias must map token ids >= 0 to finite numbers")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuses token ids the model does not have (they would index past its logits)."""
+        _check(all(t < vocab_size for t in self.logit_bias),
+               f"logit_bias token ids must be below the vocabulary size {vocab_size}")
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:

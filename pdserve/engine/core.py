@@ -146,6 +146,7 @@ class EngineCore:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         params.validate()
+        params.check_vocab(vocab)
         limit = self.max_model_len
         if len(prompt) >= limit:
             raise InvalidRequestError(f"the prompt has {len(prompt)} tokens; this model's context "

@@ -24,8 +24,9 @@ import torch
 
 from pdserve.engine.batch import BlockTables, HostBatch, build_host_batch
 from pdserve.engine.graph_runner import GraphRunner
-from pdserve.engine.sampler import SamplingBatch, sample
+from pdserve.engine.sampler import SamplingBatch, num_top_logprobs, sample
 from pdserve.engine.streams import Event, StreamOps, same_stream
+from pdserve.sampling_params import MAX_TOP_LOGPROBS, TokenLogprob
 from pdserve.sched.base import Plan, StepOutput, Work
 
 log = logging.getLogger(__name__)
@@ -33,14 +34,19 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class HostBuffers:
-    """Pinned landing places for one lane's sampled tokens and logprobs."""
+    """Pinned landing places for one lane's sampled tokens, logprobs and top alternatives
+    (``top_*``: flat, a step's rows each ``K`` wide, K the most any of them asked for)."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
 
     @classmethod
     def make(cls, ops: StreamOps, size: int) -> HostBuffers:
-        return cls(ops.host_buffer(size, torch.int64), ops.host_buffer(size, torch.float32))
+        top = size * MAX_TOP_LOGPROBS
+        return cls(ops.host_buffer(size, torch.int64), ops.host_buffer(size, torch.float32),
+                   ops.host_buffer(top, torch.int64), ops.host_buffer(top, torch.float32))
 
 
 @dataclass
@@ -77,8 +83,21 @@ class Launch:
             return StepOutput(token_ids=[], elapsed_ms=elapsed)
         n = self.num_sampled
         tokens = self.buffers.tokens[:n].tolist()
-        logprobs = self.buffers.logprobs[:n].tolist() if self.want_logprobs else None
+        logprobs = self._logprobs() if self.want_logprobs else None
         return StepOutput(token_ids=tokens, logprobs=logprobs, elapsed_ms=elapsed)
+
+    def _logprobs(self) -> list[float]:
+        logprobs = self.buffers.logprobs[:self.num_sampled].tolist()
+        params = [s.request.params for s in self.plan.sampling]
+        width = num_top_logprobs(params)
+        if width == 0:
+            return logprobs
+        size = self.num_sampled * width
+        ids = self.buffers.top_ids[:size].view(-1, width).tolist()
+        values = self.buffers.top_logprobs[:size].view(-1, width).tolist()
+        return [TokenLogprob(lp, list(zip(i[:p.top_logprobs], v[:p.top_logprobs], strict=True)))
+                if p.logprobs and p.top_logprobs else lp
+                for lp, i, v, p in zip(logprobs, ids, values, params, strict=True)]
 
 
 @dataclass
@@ -114,7 +133,11 @@ def sample_into(model, hidden: torch.Tensor, inputs: SamplingInputs | None,
     n = tokens.shape[0]
     buffers.tokens[:n].copy_(tokens, non_blocking=True)
     if logprobs is not None:
-        buffers.logprobs[:n].copy_(logprobs, non_blocking=True)
+        buffers.logprobs[:n].copy_(logprobs.sampled, non_blocking=True)
+    if logprobs is not None and logprobs.top_ids is not None:
+        size = logprobs.top_ids.numel()
+        buffers.top_ids[:size].copy_(logprobs.top_ids.flatten(), non_blocking=True)
+        buffers.top_logprobs[:size].copy_(logprobs.top_values.flatten(), non_blocking=True)
     return n, logprobs is not None
 
 

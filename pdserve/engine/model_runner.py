@@ -122,9 +122,11 @@ class ModelRunner:
         input_ids, positions, meta = batch.metadata(self.device)
         hidden = self.model.forward(input_ids, positions, meta, scratch)
         rows = min(num_tokens, self.config.scheduler.max_num_seqs)
-        # Top-k/top-p sampling sorts the whole vocabulary of every row: with a large vocab
-        # and a full batch that can outgrow a small step's activations.
-        sample(self.model.compute_logits(hidden[-rows:]), worst_case_sampling(rows, self.device))
+        # Top-p sampling sorts the whole vocabulary of every row and penalties add [rows, vocab]
+        # tensors: with a large vocab and a full batch that can outgrow a small step's
+        # activations.
+        sample(self.model.compute_logits(hidden[-rows:]),
+               worst_case_sampling(rows, self.arch.vocab_size, self.device))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del scratch, hidden

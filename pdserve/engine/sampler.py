@@ -1,12 +1,47 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Batched sampling in one pass on the device: logit bias, presence / frequency / repetition
+penalties, greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs and the
+top alternatives.
+
+Order as vLLM's sampler: logprobs come from the model's raw logits; bias, then penalties
+change the logits that greedy and sampling see; temperature, min-p, top-k and top-p only
+shape the distribution that is sampled.
+
+Every per-row setting becomes a device tensor once per step. Penalties need each request's
+token counts: the host lists the (row, token) pairs as flat indices and copies them in one
+transfer; the counts are then built on the device with one ``index_add_``. Nothing here
+waits for the device.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.request import Request
+from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+
+TOP_K_FIRST_LIMIT = 1024
+"""Up to this k, top-k (and top-p inside it) runs on ``torch.topk`` instead of sorting the
+whole vocabulary; past it a full sort is as cheap and keeps one code path."""
+
+
+@dataclass
+class Penalties:
+    """Per-row penalty settings and the token counts they act on, on the device."""
+
+    presence: torch.Tensor  # [B] float32
+    frequency: torch.Tensor  # [B] float32
+    repetition: torch.Tensor | None  # [B] float32; None when no row uses it
+    output_counts: torch.Tensor  # [B, V] float32: times each token was generated
+    prompt_seen: torch.Tensor | None  # [B, V] bool: tokens in the prompt (repetition only)
+
+
+@dataclass
+class LogitBias:
+    flat_index: torch.Tensor  # row * vocab + token
+    values: torch.Tensor
 
 
 @dataclass
@@ -22,64 +57,224 @@ class SamplingBatch:
     greedy_rows: torch.Tensor  # [B] bool
     generators: list[torch.Generator | None]
     want_logprobs: bool
+    num_top_logprobs: int = 0  # most alternatives any row asked for
+    min_p: torch.Tensor | None = None  # [B] float32; None when no row uses it
+    top_k_width: int | None = None  # k of the top-k-first path; None: sort the vocabulary
+    penalties: Penalties | None = None
+    logit_bias: LogitBias | None = None
 
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int, device) -> SamplingBatch:
         params = [r.params for r in requests]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        top_p = [p.top_p for p in params]
         return cls(
             temperature=torch.tensor([p.temperature or 1.0 for p in params], device=device),
             top_k=torch.tensor(top_k, device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
+            top_p=torch.tensor(top_p, device=device),
             all_greedy=all(p.greedy for p in params),
             any_top_k=any(k < vocab_size for k in top_k),
-            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_top_p=any(p < 1.0 for p in top_p),
             greedy_rows=torch.tensor([p.greedy for p in params], device=device),
             generators=[r.generator for r in requests],
             want_logprobs=any(p.logprobs for p in params),
+            num_top_logprobs=num_top_logprobs(params),
+            min_p=_min_p(params, device),
+            top_k_width=_top_k_width(top_k, top_p, vocab_size),
+            penalties=_penalties(requests, vocab_size, device),
+            logit_bias=_logit_bias(params, vocab_size, device),
         )
 
 
-def worst_case_sampling(rows: int, device) -> SamplingBatch:
-    """Every row filtered by top-k and top-p with logprobs: the sampler's largest footprint."""
+def num_top_logprobs(params: list[SamplingParams]) -> int:
+    """How many alternatives a step returns per row: the most any of its rows asked for."""
+    return max((p.top_logprobs for p in params if p.logprobs), default=0)
+
+
+def _min_p(params, device) -> torch.Tensor | None:
+    if all(p.min_p == 0 for p in params):
+        return None
+    return torch.tensor([p.min_p for p in params], device=device)
+
+
+def _top_k_width(top_k: list[int], top_p: list[float], vocab_size: int) -> int | None:
+    """The k to take with ``torch.topk`` when every filtering row has a top-k within the
+    limit; a row with top-p but no top-k needs the whole vocabulary sorted (None)."""
+    widths = [k for k, p in zip(top_k, top_p, strict=True) if k < vocab_size or p < 1.0]
+    if not widths or max(widths) > min(TOP_K_FIRST_LIMIT, vocab_size - 1):
+        return None
+    return max(widths)
+
+
+def _penalties(requests: list[Request], vocab_size: int, device) -> Penalties | None:
+    rows = [i for i, r in enumerate(requests) if r.params.penalized]
+    if not rows:
+        return None
+    params = [r.params for r in requests]
+    use_repetition = any(p.repetition_penalty != 1 for p in params)
+    outputs = [_flat(i, _output_ids(requests[i]), vocab_size) for i in rows]
+    prompts = [_flat(i, _prompt_ids(requests[i]), vocab_size) for i in rows] \
+        if use_repetition else []
+    num_output = sum(len(f) for f in outputs)
+    flat = _to_device(np.concatenate(outputs + prompts), device)  # the one copy
+    output_index, prompt_index = flat[:num_output], flat[num_output:]
+    shape = (len(requests), vocab_size)
+    counts = torch.zeros(shape[0] * vocab_size, device=device)
+    counts.index_add_(0, output_index, torch.ones_like(output_index, dtype=counts.dtype))
+    seen = None
+    if use_repetition:
+        seen = torch.zeros(shape[0] * vocab_size, dtype=torch.bool, device=device)
+        seen[prompt_index] = True
+        seen = seen.view(shape)
+    return Penalties(
+        presence=torch.tensor([p.presence_penalty for p in params], device=device),
+        frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
+        repetition=torch.tensor([p.repetition_penalty for p in params], device=device)
+        if use_repetition else None,
+        output_counts=counts.view(shape), prompt_seen=seen)
+
+
+def _output_ids(request: Request) -> list[int]:
+    return request.token_ids[request.num_prompt_tokens:]
+
+
+def _prompt_ids(request: Request) -> np.ndarray:
+    # The prompt never changes: its distinct ids are worked out once per request.
+    if request.distinct_prompt_ids is None:
+        request.distinct_prompt_ids = np.unique(np.asarray(request.prompt_token_ids))
+    return request.distinct_prompt_ids
+
+
+def _flat(row: int, token_ids, vocab_size: int) -> np.ndarray:
+    return np.asarray(token_ids, dtype=np.int64) + row * vocab_size
+
+
+def _to_device(array: np.ndarray, device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if torch.device(device).type == "cuda":
+        tensor = tensor.pin_memory()  # a pageable copy would wait for the stream to drain
+    return tensor.to(device, non_blocking=True)
+
+
+def _logit_bias(params, vocab_size: int, device) -> LogitBias | None:
+    pairs = [(row * vocab_size + t, b) for row, p in enumerate(params)
+             for t, b in p.logit_bias.items()]
+    if not pairs:
+        return None
+    index, values = zip(*pairs, strict=True)
+    return LogitBias(_to_device(np.asarray(index, dtype=np.int64), device),
+                     _to_device(np.asarray(values, dtype=np.float32), device))
+
+
+def worst_case_sampling(rows: int, vocab_size: int, device) -> SamplingBatch:
+    """Every row penalized, filtered by min-p and top-p over the sorted vocabulary, with 20
+    alternatives: the sampler's largest footprint."""
+    counts = torch.zeros(rows, vocab_size, device=device)
     return SamplingBatch(
         temperature=torch.ones(rows, device=device),
-        top_k=torch.full((rows,), 50, device=device),
+        top_k=torch.full((rows,), vocab_size, device=device),
         top_p=torch.full((rows,), 0.9, device=device),
-        all_greedy=False, any_top_k=True, any_top_p=True,
+        all_greedy=False, any_top_k=False, any_top_p=True,
         greedy_rows=torch.zeros(rows, dtype=torch.bool, device=device),
-        generators=[None] * rows, want_logprobs=True)
+        generators=[None] * rows, want_logprobs=True, num_top_logprobs=MAX_TOP_LOGPROBS,
+        min_p=torch.full((rows,), 0.05, device=device),
+        penalties=Penalties(
+            presence=torch.full((rows,), 0.5, device=device),
+            frequency=torch.full((rows,), 0.5, device=device),
+            repetition=torch.full((rows,), 1.1, device=device), output_counts=counts,
+            prompt_seen=torch.zeros(rows, vocab_size, dtype=torch.bool, device=device)))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns (token ids [B], logprobs of those tokens under the model's distribution [B])."""
-    logits = logits.float()
+@dataclass
+class SampledLogprobs:
+    """Logprobs under the model's raw distribution, on the device."""
+
+    sampled: torch.Tensor  # [B] of the sampled tokens
+    top_ids: torch.Tensor | None  # [B, K] most likely tokens, best first; None when K = 0
+    top_values: torch.Tensor | None  # [B, K]
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch
+           ) -> tuple[torch.Tensor, SampledLogprobs | None]:
+    """Returns (token ids [B], their logprobs and the top alternatives when asked for)."""
+    raw = logits.float()
+    logits = _penalized(_biased(raw, batch.logit_bias), batch.penalties)
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         tokens = greedy
     else:
         probs = _filtered_probs(logits / batch.temperature[:, None], batch)
         tokens = torch.where(batch.greedy_rows, greedy, _draw(probs, batch.generators))
-    logprobs = None
-    if batch.want_logprobs:
-        logprobs = logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
+    logprobs = _logprobs(raw, tokens, batch.num_top_logprobs) if batch.want_logprobs else None
     return tokens, logprobs
 
 
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_top: int) -> SampledLogprobs:
+    all_logprobs = raw.log_softmax(-1)
+    sampled = all_logprobs.gather(1, tokens[:, None]).squeeze(1)
+    if num_top == 0:
+        return SampledLogprobs(sampled, None, None)
+    top = all_logprobs.topk(num_top, dim=-1)
+    return SampledLogprobs(sampled, top.indices, top.values)
+
+
+def _biased(logits: torch.Tensor, bias: LogitBias | None) -> torch.Tensor:
+    if bias is None:
+        return logits
+    # Out of place: the raw logits still give the logprobs.
+    return logits.flatten().index_add(0, bias.flat_index, bias.values).view_as(logits)
+
+
+def _penalized(logits: torch.Tensor, penalties: Penalties | None) -> torch.Tensor:
+    if penalties is None:
+        return logits
+    counts = penalties.output_counts
+    generated = counts > 0
+    if penalties.repetition is not None:
+        seen = generated | penalties.prompt_seen
+        scale = torch.where(seen, penalties.repetition[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / scale, logits * scale)
+    logits = logits - penalties.frequency[:, None] * counts
+    return logits - penalties.presence[:, None] * generated
+
+
 def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.min_p is not None:
+        # p < min_p * p_max  <=>  logit < max_logit + log(min_p): no softmax needed.
+        floor = logits.amax(-1, keepdim=True) + batch.min_p.log()[:, None]
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if not (batch.any_top_k or batch.any_top_p):
         return logits.softmax(-1)
+    if batch.top_k_width is not None:
+        return _top_k_first(logits, batch, batch.top_k_width).softmax(-1)
+    return _sorted_filter(logits, batch).softmax(-1)
+
+
+def _top_k_first(logits: torch.Tensor, batch: SamplingBatch, width: int) -> torch.Tensor:
+    """Top-k, and top-p among those k, on ``torch.topk``'s ``width`` best (sorted) only."""
+    values, order = logits.topk(width, dim=-1)
+    kept = _keep_in_sorted(values, batch)
+    filtering = (batch.top_k < logits.shape[-1]) | (batch.top_p < 1.0)
+    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, kept)
+    return torch.where(filtering[:, None], filtered, logits)
+
+
+def _sorted_filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    kept = _keep_in_sorted(sorted_logits, batch)
+    return torch.full_like(logits, float("-inf")).scatter(1, order, kept)
+
+
+def _keep_in_sorted(sorted_logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Sorted logits with those past each row's top-k and top-p set to -inf."""
+    ranks = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)[None, :]
     drop = ranks >= batch.top_k[:, None]
     if batch.any_top_p:
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         # Keep a token while the mass before it is below top_p (the top token always stays).
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         drop |= mass_before >= batch.top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    return filtered.softmax(-1)
+    return sorted_logits.masked_fill(drop, float("-inf"))
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -92,3 +287,4 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
             cpu_noise = torch.empty(probs.shape[-1]).exponential_(generator=generator)
             noise[row] = cpu_noise.to(probs.device, non_blocking=True)
     return (probs / noise).argmax(dim=-1)
+

@@ -45,7 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
 from pdserve.server import protocol as P
-from pdserve.server.serving import OpenAIServing, Resumed, resumed_params
+from pdserve.server.serving import OpenAIServing, Resumed, refuse_split_features, resumed_params
 
 RATE_SMOOTHING = 0.3  # weight of the newest prefill in the throughput estimate
 SECRET_HEADER = "X-PDServe-Cluster-Secret"
@@ -172,6 +172,7 @@ class PDRoutes:
         transfer_id, target = _get_str(body, "transfer_id"), _get_str(body, "kv_target")
         budget_ms = P.get_number(body, "ttft_budget_ms")
         fmt, prompt_ids, default_max = await self.serving.prepare(*_inner(body))
+        refuse_split_features(fmt)
         resumed = self._resumed(body).token_ids
         params = resumed_params(self.serving.params(fmt, prompt_ids, default_max), len(resumed))
         prompt_ids = prompt_ids + resumed

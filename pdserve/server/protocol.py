@@ -13,9 +13,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.sampling_params import MAX_TOP_LOGPROBS, InvalidRequestError, SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 64
+"""Most choices (``n``, ``best_of``) per request: each is an engine request of its own."""
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -136,7 +138,6 @@ HONOURED = "honoured"
 FieldRule = str | Refused
 
 _SAMPLER = "the engine's sampler does not implement it"
-_ONE_CHOICE = "one choice per request; send several requests instead"
 _GUIDED = "guided decoding (structured output) is not implemented"
 _BEAM = "beam search is not implemented"
 _TOOLS = "tool calling is not implemented"
@@ -146,13 +147,9 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
     **dict.fromkeys(("model", "stream", "stream_options", "max_tokens", "temperature", "top_p",
                      "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
                      "logprobs", "skip_special_tokens", "include_stop_str_in_output",
-                     "add_special_tokens", "user", "return_engine_timing"), HONOURED),
-    "n": Refused(_ONE_CHOICE, (1,)),
-    "presence_penalty": Refused(_SAMPLER, (0, 0.0)),
-    "frequency_penalty": Refused(_SAMPLER, (0, 0.0)),
-    "repetition_penalty": Refused(_SAMPLER, (1, 1.0)),
-    "logit_bias": Refused(_SAMPLER, ({},)),
-    "min_p": Refused(_SAMPLER, (0, 0.0)),
+                     "add_special_tokens", "user", "return_engine_timing", "n",
+                     "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "logit_bias", "min_p"), HONOURED),
     "allowed_token_ids": Refused(_SAMPLER),
     "bad_words": Refused(_SAMPLER, ([],)),
     "logits_processors": Refused(_SAMPLER, ([],)),
@@ -173,7 +170,7 @@ COMPLETION_FIELDS: dict[str, FieldRule] = {
     **_SHARED_FIELDS,
     "prompt": HONOURED,
     "echo": HONOURED,
-    "best_of": Refused(_ONE_CHOICE, (1,)),
+    "best_of": HONOURED,
     "suffix": Refused("insertion (suffix) is not implemented", ("",)),
 }
 """``/v1/completions``: every field it takes; any other is refused with 400."""
@@ -183,7 +180,7 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     **dict.fromkeys(("messages", "max_completion_tokens", "add_generation_prompt",
                      "continue_final_message", "chat_template", "chat_template_kwargs"),
                     HONOURED),
-    "top_logprobs": Refused("only the sampled token's logprob is returned", (0,)),
+    "top_logprobs": HONOURED,
     "tools": Refused(_TOOLS, ([],)),
     "tool_choice": Refused(_TOOLS, ("none",)),
     "parallel_tool_calls": Refused(_TOOLS),
@@ -248,6 +245,15 @@ class SamplingRequest:
     """The caller's end-user id; written in the request log line."""
     return_engine_timing: bool
     """Extension: chunks carry engine-side times (the overhead benchmark reads them)."""
+    penalties: dict[str, float]
+    """presence_penalty, frequency_penalty, repetition_penalty, min_p as sent."""
+    logit_bias: dict[int, float]
+    n: int
+    """Choices returned."""
+    top_logprobs: int = 0
+    """Alternatives per token (chat ``top_logprobs``, completions ``logprobs: N``)."""
+    best_of: int = 1
+    """Choices generated (completions): the ``n`` with the highest sum of logprobs return."""
 
     @classmethod
     def read(cls, body: dict, max_tokens: int | None) -> SamplingRequest:
@@ -270,6 +276,9 @@ class SamplingRequest:
             add_special_tokens=_optional_bool(body, "add_special_tokens"),
             user=get_str(body, "user"),
             return_engine_timing=get_bool(body, "return_engine_timing"),
+            penalties={name: get_number(body, name, off) for name, off in _PENALTIES.items()},
+            logit_bias=_logit_bias(body),
+            n=_choices(body, "n"),
         )
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
@@ -292,9 +301,48 @@ class SamplingRequest:
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 logprobs=self.logprobs, min_tokens=self.min_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens)
+                skip_special_tokens=self.skip_special_tokens, top_logprobs=self.top_logprobs,
+                logit_bias=self.logit_bias, **self.penalties)
         except InvalidRequestError as exc:
-            raise bad_request(str(exc)) from None
+            raise bad_request(str(exc), param=_field_named(str(exc))) from None
+
+    @property
+    def num_generated_choices(self) -> int:
+        return max(self.n, self.best_of)
+
+
+_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+              "min_p": 0.0}
+_PARAM_NAMES = {*_PENALTIES, "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                "stop_token_ids", "min_tokens", "top_logprobs", "logit_bias"}
+
+
+def _field_named(message: str) -> str | None:
+    """The request field a ``SamplingParams`` message starts with (they all name it first)."""
+    first = message.split(" ", 1)[0]
+    return first if first in _PARAM_NAMES else None
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    bias = _get(body, "logit_bias", lambda v: isinstance(v, dict), "an object", {})
+    try:  # JSON object keys are strings: OpenAI sends token ids as "50256"
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise bad_request("'logit_bias' keys must be token ids (integers as strings)",
+                          param="logit_bias") from None
+
+
+def _choices(body: dict, name: str, least: int = 1) -> int:
+    value = get_int(body, name, least)
+    if not least <= value <= MAX_CHOICES:
+        raise bad_request(f"'{name}' must be in [{least}, {MAX_CHOICES}]", param=name)
+    return value
+
+
+def _top_logprobs(value: int | None, name: str) -> int:
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"'{name}' must be in [0, {MAX_TOP_LOGPROBS}]", param=name)
+    return value or 0
 
 
 def _optional_bool(body: dict, name: str) -> bool | None:
@@ -322,11 +370,12 @@ class CompletionRequest:
         max_tokens = _positive(body, "max_tokens")
         sampling = SamplingRequest.read(body, max_tokens)
         logprobs = get_int(body, "logprobs")
-        if logprobs is not None and logprobs != 0:
-            raise bad_request("'logprobs' must be 0 (the sampled token's logprob, in "
-                              "token_logprobs): the top alternatives are not returned",
-                              param="logprobs")
+        sampling.top_logprobs = _top_logprobs(logprobs, "logprobs")
         sampling.logprobs = logprobs is not None
+        sampling.best_of = _choices(body, "best_of", least=sampling.n)
+        if sampling.best_of > sampling.n and sampling.stream:
+            raise bad_request("'best_of' larger than 'n' cannot stream: the best choices are "
+                              "known only at the end", param="best_of")
         echo = get_bool(body, "echo")
         if echo and sampling.logprobs:
             raise bad_request("'echo' with 'logprobs' needs the prompt's logprobs, which the "
@@ -375,6 +424,9 @@ class ChatRequest:
         max_tokens = _positive(body, "max_completion_tokens") or _positive(body, "max_tokens")
         sampling = SamplingRequest.read(body, max_tokens)
         sampling.logprobs = get_bool(body, "logprobs")
+        sampling.top_logprobs = _top_logprobs(get_int(body, "top_logprobs"), "top_logprobs")
+        if sampling.top_logprobs and not sampling.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         return cls(sampling, read_messages(body.get("messages")), **read_template_options(body))
 
 
@@ -467,6 +519,10 @@ class Piece:
     logprobs: list[float] | None
     finish_reason: str | None = None
     engine_time: float | None = None
+    top_logprobs: list[list[tuple[str, float]]] | None = None
+    """Per token, (text, logprob) of the most likely tokens; None unless asked for."""
+    index: int = 0
+    """Which choice (``n`` > 1) this output belongs to."""
 
 
 def completion_logprobs(piece: Piece, offset: int) -> dict[str, Any]:
@@ -475,18 +531,34 @@ def completion_logprobs(piece: Piece, offset: int) -> dict[str, Any]:
         offsets.append(offset)
         offset += len(text)
     return {"tokens": piece.token_texts, "token_logprobs": piece.logprobs or [],
-            "top_logprobs": None, "text_offset": offsets}
+            "top_logprobs": _completion_top(piece), "text_offset": offsets}
+
+
+def _completion_top(piece: Piece) -> list[dict[str, float]] | None:
+    # As OpenAI's legacy completions (and vLLM): the N best, plus the sampled token when it
+    # is not among them. Keys are texts: two tokens with one text (byte tokens that decode
+    # to U+FFFD) share an entry, and the sampled token's own logprob is the one kept.
+    if piece.top_logprobs is None:
+        return None
+    return [{**dict(top), text: lp} for text, lp, top in
+            zip(piece.token_texts, piece.logprobs or [], piece.top_logprobs, strict=True)]
 
 
 def chat_logprobs(piece: Piece) -> dict[str, Any]:
-    content = [{"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
-               for text, lp in zip(piece.token_texts, piece.logprobs or [], strict=False)]
+    tops = piece.top_logprobs or [[]] * len(piece.token_texts)
+    content = [{**_chat_token(text, lp), "top_logprobs": [_chat_token(*t) for t in top]}
+               for text, lp, top in zip(piece.token_texts, piece.logprobs or [], tops,
+                                        strict=False)]
     return {"content": content}
+
+
+def _chat_token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def completion_choice(piece: Piece, with_logprobs: bool, offset: int = 0) -> dict[str, Any]:
     logprobs = completion_logprobs(piece, offset) if with_logprobs else None
-    return {"index": 0, "text": piece.text, "logprobs": logprobs,
+    return {"index": piece.index, "text": piece.text, "logprobs": logprobs,
             "finish_reason": piece.finish_reason}
 
 
@@ -496,7 +568,8 @@ def chat_choice(piece: Piece, with_logprobs: bool, delta: bool) -> dict[str, Any
     if not delta:
         message["role"] = "assistant"
     key = "delta" if delta else "message"
-    return {"index": 0, key: message, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+    return {"index": piece.index, key: message, "logprobs": logprobs,
+            "finish_reason": piece.finish_reason}
 
 
 def envelope(request_id: str, kind: str, model: str, created: int,

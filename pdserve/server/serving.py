@@ -52,8 +52,9 @@ class Generation:
 
     def __init__(self, client: EngineClient, stream: RequestStream, tokenizer: Tokenizer,
                  prompt_ids: list[int], params: SamplingParams,
-                 resumed: Resumed | None = None) -> None:
+                 resumed: Resumed | None = None, index: int = 0) -> None:
         self.client = client
+        self.index = index  # which choice of the answer
         self.stream = stream
         self.output = OutputProcessor(tokenizer, prompt_ids, params)
         self.num_prompt_tokens = len(prompt_ids)
@@ -86,7 +87,7 @@ class Generation:
         self.done = self.output.finished
         self.timing.finish_reason = out.finish_reason
         return P.Piece(out.text, out.token_ids, out.token_texts, out.logprobs,
-                       out.finish_reason, items[-1][1])
+                       out.finish_reason, items[-1][1], out.top_logprobs, self.index)
 
     def _note(self, delta: RequestUpdate, step_time: float) -> None:
         if delta.engine_arrival_time is not None:
@@ -155,14 +156,14 @@ class Format:
         return P.envelope(self.request_id, self.chunk_kind, self.model, self.created, [choice],
                           with_usage_key=self.sampling.include_usage)
 
-    def full(self, piece: P.Piece, usage: dict[str, Any]) -> dict[str, Any]:
+    def full(self, pieces: list[P.Piece], usage: dict[str, Any]) -> dict[str, Any]:
         if self.chat:
-            choice = P.chat_choice(piece, self.sampling.logprobs, delta=False)
+            choices = [P.chat_choice(p, self.sampling.logprobs, delta=False) for p in pieces]
             kind = "chat.completion"
         else:
-            choice = P.completion_choice(piece, self.sampling.logprobs)
+            choices = [P.completion_choice(p, self.sampling.logprobs) for p in pieces]
             kind = "text_completion"
-        return P.envelope(self.request_id, kind, self.model, self.created, [choice], usage)
+        return P.envelope(self.request_id, kind, self.model, self.created, choices, usage)
 
 
 class OpenAIServing:
@@ -217,6 +218,7 @@ class OpenAIServing:
         else:
             prompt_ids = request.prompt
             P.check_token_ids(prompt_ids, self.client.vocab_size)
+        P.check_token_ids(list(request.sampling.logit_bias), self.client.vocab_size, "logit_bias")
         fmt = Format(False, P.new_id("cmpl"), self.model_name, P.now_s(), request.sampling)
         if request.echo:
             fmt.echo = self._prompt_text(request.prompt, request.sampling.skip_special_tokens)
@@ -234,6 +236,7 @@ class OpenAIServing:
                                 request.continue_final_message, request.chat_template,
                                 request.chat_template_kwargs)
         prompt_ids = await self.encode_chat(text, request.sampling.add_special_tokens)
+        P.check_token_ids(list(request.sampling.logit_bias), self.client.vocab_size, "logit_bias")
         fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling)
         return fmt, prompt_ids, self.default_max_tokens
 
@@ -279,8 +282,12 @@ class OpenAIServing:
         ``resumed``: output tokens another instance already sent (the engine runs them as
         prompt, the answer counts them as output)."""
         arrival = time.monotonic()
+        if handoff is not None or resumed is not None:
+            refuse_split_features(fmt)
         done = resumed.token_ids if resumed else []
         params = resumed_params(self.params(fmt, prompt_ids, default_max_tokens), len(done))
+        if fmt.sampling.num_generated_choices > 1:
+            return await self._run_choices(http, fmt, prompt_ids, params, arrival)
         stream = self.client.add(fmt.request_id, prompt_ids + done, params, arrival, handoff)
         gen = Generation(self.client, stream, self.tokenizer, prompt_ids, params, resumed)
         try:
@@ -297,17 +304,56 @@ class OpenAIServing:
                                             default_max_tokens)
 
     async def _collect(self, fmt: Format, gen: Generation) -> web.Response:
-        text: list[str] = []
-        token_texts: list[str] = []
-        logprobs: list[float] = []
-        last = None
-        async for piece in gen.pieces():
-            text.append(piece.text)
-            token_texts += piece.token_texts
-            logprobs += piece.logprobs or []
-            last = piece
-        whole = P.Piece(fmt.echo + "".join(text), [], token_texts, logprobs, last.finish_reason)
-        return _json_response(fmt.full(whole, gen.usage()))
+        whole = await _whole(fmt, gen)
+        return _json_response(fmt.full([whole], gen.usage()))
+
+    async def _run_choices(self, http: web.Request, fmt: Format, prompt_ids: list[int],
+                           params: SamplingParams, arrival: float) -> web.StreamResponse:
+        """``n`` / ``best_of`` > 1: one engine request per choice, sharing the prompt."""
+        gens = [self._start_choice(fmt, 0, prompt_ids, params, arrival)]
+        try:
+            first = gens[0].fold(await gens[0].stream.get())
+            # Choice 0's first token means its prompt's full pages are in the prefix cache:
+            # started now, the other choices reuse them instead of computing the prompt again.
+            gens += [self._start_choice(fmt, i, prompt_ids, params, arrival)
+                     for i in range(1, fmt.sampling.num_generated_choices)]
+            if fmt.sampling.stream:
+                return await self._stream_choices(http, fmt, gens, first)
+            wholes = await asyncio.gather(_whole(fmt, gens[0], first),
+                                          *(_whole(fmt, g) for g in gens[1:]))
+            return _json_response(fmt.full(_best(wholes, fmt.sampling.n), _usage(gens)))
+        finally:
+            for gen in gens:
+                gen.close()
+                self._record(fmt, gen)
+
+    def _start_choice(self, fmt: Format, index: int, prompt_ids: list[int],
+                      params: SamplingParams, arrival: float) -> Generation:
+        # Choice i draws with seed + i, as vLLM does; best_of ranks choices by their logprobs.
+        seed = None if params.seed is None else params.seed + index
+        ranked = fmt.sampling.best_of > fmt.sampling.n
+        params = replace(params, seed=seed, logprobs=params.logprobs or ranked)
+        stream = self.client.add(f"{fmt.request_id}-{index}", prompt_ids, params, arrival)
+        return Generation(self.client, stream, self.tokenizer, prompt_ids, params, index=index)
+
+    async def _stream_choices(self, http: web.Request, fmt: Format, gens: list[Generation],
+                              first: P.Piece) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(http)
+        chunks: asyncio.Queue = asyncio.Queue()
+        writers = [_SSEWriter(http, response, fmt, gen) for gen in gens]
+        tasks = [asyncio.create_task(_pump(w, chunks, first if w.gen.index == 0 else None))
+                 for w in writers]
+        try:
+            await _write_chunks(response, chunks, len(tasks))
+            await writers[0].finish(_usage(gens))
+        except P.APIError as exc:
+            await response.write(P.sse(exc.body()) + P.SSE_DONE)
+        finally:
+            for task in tasks:
+                task.cancel()
+        return response
 
     async def _stream(self, http: web.Request, fmt: Format, gen: Generation
                       ) -> web.StreamResponse:
@@ -321,7 +367,7 @@ class OpenAIServing:
         try:
             await writer.write(first)
             await writer.follow()
-            await writer.finish()
+            await writer.finish(gen.usage())
         except P.APIError as exc:
             await response.write(P.sse(exc.body()) + P.SSE_DONE)
         return response
@@ -369,7 +415,8 @@ class _SSEWriter:
         if self.sent_first and not wanted:
             return b""
         self.offset += len(piece.text)
-        if self.sent_first and not piece.finish_reason and not self.fmt.sampling.logprobs:
+        if self.sent_first and not (piece.finish_reason or self.fmt.sampling.logprobs
+                                    or piece.index):
             timing = self._timing_bytes(piece) if self.timed else b""
             return self.fmt.text_chunk(piece.text, timing + self._token_id_bytes(piece))
         chunk = self.fmt.chunk(piece, self.offset - len(piece.text), first=not self.sent_first)
@@ -441,14 +488,85 @@ class _SSEWriter:
             chunk["engine_arrival_time"] = self.gen.engine_arrival
             chunk["server_arrival_time"] = self.gen.timing.arrival
 
-    async def finish(self) -> None:
+    async def finish(self, usage: dict[str, Any]) -> None:
         tail = b""
         if self.fmt.sampling.include_usage:
             usage_chunk = P.envelope(self.fmt.request_id, self.fmt.chunk_kind, self.fmt.model,
-                                     self.fmt.created, [], self.gen.usage())
+                                     self.fmt.created, [], usage)
             tail = P.sse(usage_chunk)
         await self.response.write(tail + P.SSE_DONE)
         await self.response.write_eof()
+
+
+async def _whole(fmt: Format, gen: Generation, first: P.Piece | None = None) -> P.Piece:
+    """A generation's whole output as one piece (the echo first)."""
+    pieces = [first] if first is not None else []
+    pieces += [piece async for piece in gen.pieces()]
+    tops = [p.top_logprobs for p in pieces if p.top_logprobs is not None]
+    return P.Piece(fmt.echo + "".join(p.text for p in pieces), [],
+                   [t for p in pieces for t in p.token_texts],
+                   [lp for p in pieces for lp in p.logprobs or []], pieces[-1].finish_reason,
+                   top_logprobs=[t for top in tops for t in top] if tops else None,
+                   index=gen.index)
+
+
+def _best(wholes: list[P.Piece], n: int) -> list[P.Piece]:
+    """The ``n`` choices with the highest sum of token logprobs (all of them when there are
+    ``n``), numbered from 0 in that order."""
+    if len(wholes) == n:
+        return wholes
+    best = sorted(wholes, key=lambda p: sum(p.logprobs or []), reverse=True)[:n]
+    return [replace(piece, index=i) for i, piece in enumerate(best)]
+
+
+def _usage(gens: list[Generation]) -> dict[str, Any]:
+    # The prompt counts once (the choices share it); every generated token counts, those of
+    # best_of choices not returned included: they were computed.
+    return P.usage(gens[0].num_prompt_tokens, sum(g.num_generated for g in gens),
+                   gens[0].output.num_cached_tokens)
+
+
+async def _pump(writer: _SSEWriter, chunks: asyncio.Queue, first: P.Piece | None) -> None:
+    """One choice's chunks into the shared queue; None when it is done (or an error)."""
+    try:
+        if first is not None:
+            first.text = writer.fmt.echo + first.text
+            chunks.put_nowait(writer.encode(first))
+        async for piece in writer.gen.pieces():
+            if not writer.sent_first:
+                piece.text = writer.fmt.echo + piece.text
+            chunks.put_nowait(writer.encode(piece))
+    except P.APIError as exc:
+        chunks.put_nowait(exc)
+    finally:
+        chunks.put_nowait(None)
+
+
+async def _write_chunks(response: web.StreamResponse, chunks: asyncio.Queue, sources: int
+                        ) -> None:
+    while sources:
+        item = await chunks.get()
+        if item is None:
+            sources -= 1
+        elif isinstance(item, P.APIError):
+            raise item
+        elif item:
+            await response.write(item)
+
+
+def refuse_split_features(fmt: Format) -> None:
+    """What a request split between a prefill and a decode instance cannot do: several
+    choices (one hand-off each), and the first token's alternatives (only its logprob
+    crosses)."""
+    sampling = fmt.sampling
+    if sampling.num_generated_choices > 1:
+        name = "n" if sampling.n > 1 else "best_of"
+        raise P.bad_request(f"'{name}' > 1 is not supported when prefill and decode run on "
+                            "different instances", param=name)
+    if sampling.top_logprobs:
+        name = "top_logprobs" if fmt.chat else "logprobs"
+        raise P.bad_request("top alternatives are not returned when prefill and decode run "
+                            "on different instances", param=name)
 
 
 def resumed_params(params: SamplingParams, done: int) -> SamplingParams:

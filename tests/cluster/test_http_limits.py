@@ -77,7 +77,7 @@ def test_deeply_nested_json_is_400(target):
     status, raw = _raw(target.port, _post(body))
     assert status == 400 and "nests deeper than 32" in json.loads(raw)["error"]["message"]
     # brackets inside strings are text, not nesting: this one gets past the limit
-    status, raw = _raw(target.port, _post(json.dumps({"prompt": "[" * 40, "n": 2}).encode()))
+    status, raw = _raw(target.port, _post(json.dumps({"prompt": "[" * 40, "suffix": "s"}).encode()))
     assert _past_the_limits(status, raw)
 
 
@@ -90,17 +90,17 @@ def test_slow_client_is_408_and_holds_the_only_slot_until_then(target):
     with socket.create_connection(("127.0.0.1", target.port)) as slow:
         slow.sendall(_post(b'{"prompt": ', length=100))  # the rest never comes
         # the slow request holds the one slot: another one is refused meanwhile
-        status, raw = _raw(target.port, _post(b'{"prompt": "a", "n": 2}'))
+        status, raw = _raw(target.port, _post(b'{"prompt": "a", "suffix": "s"}'))
         assert status == 429 and "limit" in json.loads(raw)["error"]["message"]
         status, raw = _answer(slow, wait_s=10.0)
     assert status == 408 and "did not arrive within 1 s" in json.loads(raw)["error"]["message"]
-    status, raw = _raw(target.port, _post(b'{"prompt": "a", "n": 2}'))  # the slot is free
+    status, raw = _raw(target.port, _post(b'{"prompt": "a", "suffix": "s"}'))  # the slot is free
     assert _past_the_limits(status, raw)
 
 
 def _past_the_limits(status: int, raw: bytes) -> bool:
-    """Answered by what is behind the limits: the server refuses n=2 (400), the gateway,
-    with no instance listed, has nobody to send it to (503)."""
+    """Answered by what is behind the limits: the server refuses a suffix (400), the
+    gateway, with no instance listed, has nobody to send it to (503)."""
     error = json.loads(raw)["error"]
-    refused_n = status == 400 and error.get("param") == "n"
-    return refused_n or (status == 503 and "no decode instance" in error["message"])
+    refused_suffix = status == 400 and error.get("param") == "suffix"
+    return refused_suffix or (status == 503 and "no decode instance" in error["message"])

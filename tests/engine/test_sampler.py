@@ -21,7 +21,8 @@ def test_greedy_is_argmax_and_logprobs_are_log_softmax():
     tokens, logprobs = sample(logits, _batch([greedy] * 3, 50))
     assert tokens.tolist() == logits.argmax(-1).tolist()
     want = logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
-    torch.testing.assert_close(logprobs, want)
+    torch.testing.assert_close(logprobs.sampled, want)
+    assert logprobs.top_ids is None
 
 
 def test_top_k_one_and_tiny_top_p_pick_the_top_token():
@@ -61,8 +62,153 @@ def test_draws_follow_the_distribution():
 def test_worst_case_sampling_runs_every_filter():
     from pdserve.engine.sampler import worst_case_sampling
 
-    logits = torch.randn(4, 300)
-    tokens, logprobs = sample(logits, worst_case_sampling(4, "cpu"))
-    top50 = logits.topk(50).indices
-    assert all(t in top50[i] for i, t in enumerate(tokens.tolist()))
-    assert logprobs is not None and logprobs.shape == (4,)
+    logits = torch.randn(4, 300) * 3
+    tokens, logprobs = sample(logits, worst_case_sampling(4, 300, "cpu"))
+    probs = logits.softmax(-1)
+    # min-p 0.05 keeps only tokens at 5% of the best one's probability or more.
+    assert all(probs[i, t] >= 0.05 * probs[i].max() for i, t in enumerate(tokens.tolist()))
+    assert logprobs.sampled.shape == (4,) and logprobs.top_ids.shape == (4, 20)
+
+
+def _seeded_tokens(logits: torch.Tensor, params: list[SamplingParams], width) -> list[int]:
+    batch = _batch(params, logits.shape[-1])
+    batch.top_k_width = width
+    return sample(logits, batch)[0].tolist()
+
+
+def test_top_k_first_draws_the_same_tokens_as_the_full_sort():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 4000) * 2
+    params = [SamplingParams(temperature=0.8, top_k=k, top_p=p, seed=100 + i)
+              for i, (k, p) in enumerate([(5, 1.0), (40, 0.9), (200, 0.5), (1000, 0.95),
+                                          (3, 0.3), (1, 1.0)])]
+    batch = _batch(params, 4000)
+    assert batch.top_k_width == 1000  # the test covers the topk path, not the sort fallback
+    for _ in range(20):
+        assert _seeded_tokens(logits, params, 1000) == _seeded_tokens(logits, params, None)
+
+
+def test_a_row_with_top_p_but_no_top_k_sorts_the_vocabulary():
+    params = [SamplingParams(top_k=5), SamplingParams(top_p=0.9)]
+    assert _batch(params, 100).top_k_width is None
+    assert _batch([SamplingParams(top_k=5), SamplingParams()], 100).top_k_width == 5
+
+
+def test_rows_without_filters_are_untouched_on_the_top_k_path():
+    logits = torch.randn(2, 64)
+    params = [SamplingParams(temperature=2.0, top_k=2), SamplingParams(temperature=5.0)]
+    batch = _batch(params, 64)
+    drawn = {sample(logits, batch)[0][1].item() for _ in range(300)}
+    assert len(drawn) > 2  # the second row samples from the whole vocabulary
+
+
+def _reference_penalties(logits, prompt, output, presence, frequency, repetition):
+    """One row, token by token, as vLLM documents the three penalties."""
+    out = logits.clone()
+    for token in set(prompt) | set(output):
+        value = out[token]
+        out[token] = value / repetition if value > 0 else value * repetition
+    for token in set(output):
+        out[token] -= frequency * output.count(token) + presence
+    return out
+
+
+def _request_with(prompt: list[int], output: list[int], params: SamplingParams):
+    request = make_request(1)
+    request.prompt_token_ids, request.token_ids = prompt, prompt + output
+    request.params = params
+    return request
+
+
+def test_penalties_match_a_per_token_reference():
+    torch.manual_seed(1)
+    vocab = 40
+    logits = torch.randn(3, vocab) * 3
+    rows = [([1, 2, 3, 3], [4, 4, 4, 5, 1], SamplingParams(temperature=0, presence_penalty=0.5,
+                                                          frequency_penalty=0.3,
+                                                          repetition_penalty=1.3)),
+            ([7, 8], [9, 9], SamplingParams(temperature=0)),
+            ([10], [11, 11, 12], SamplingParams(temperature=0, frequency_penalty=-1.5))]
+    requests = [_request_with(*row) for row in rows]
+    batch = SamplingBatch.from_requests(requests, vocab, "cpu")
+    from pdserve.engine.sampler import _penalized
+
+    got = _penalized(logits, batch.penalties)
+    for i, (prompt, output, p) in enumerate(rows):
+        want = _reference_penalties(logits[i], prompt, output, p.presence_penalty,
+                                    p.frequency_penalty, p.repetition_penalty)
+        torch.testing.assert_close(got[i], want)
+
+
+def test_greedy_sees_the_penalties_and_logprobs_the_raw_logits():
+    logits = torch.zeros(1, 10)
+    logits[0, 4] = 3.0
+    request = _request_with([1], [4, 4], SamplingParams(temperature=0, frequency_penalty=2.0,
+                                                        logprobs=True))
+    tokens, logprobs = sample(logits, SamplingBatch.from_requests([request], 10, "cpu"))
+    assert tokens.item() != 4  # 3 - 2 * 2 < 0: every other token now beats it
+    torch.testing.assert_close(logprobs.sampled, logits.log_softmax(-1)[0, tokens])
+
+
+def test_logit_bias_moves_the_greedy_choice_and_is_clamped():
+    logits = torch.zeros(2, 10)
+    logits[:, 3] = 150.0
+    params = [SamplingParams(temperature=0, logit_bias={7: 1000.0}),
+              SamplingParams(temperature=0, logit_bias={7: 49.0})]
+    assert params[0].logit_bias == {7: 100.0}
+    tokens, _ = sample(logits, _batch(params, 10))
+    assert tokens.tolist() == [3, 3]  # 150 beats a bias clamped to 100
+    logits[:, 3] = 40.0
+    assert sample(logits, _batch(params, 10))[0].tolist() == [7, 7]
+
+
+def test_min_p_never_draws_below_its_floor():
+    logits = torch.tensor([[4.0, 3.5, 1.0, 0.0, -1.0]])
+    batch = _batch([SamplingParams(temperature=1.0, min_p=0.5)], 5)
+    probs = logits.softmax(-1)[0]
+    allowed = {i for i in range(5) if probs[i] >= 0.5 * probs.max()}
+    drawn = {sample(logits, batch)[0].item() for _ in range(300)}
+    assert drawn == allowed == {0, 1}
+
+
+def test_top_logprobs_are_the_raw_distributions_best():
+    logits = torch.randn(2, 100)
+    params = [SamplingParams(temperature=1.0, logprobs=True, top_logprobs=5),
+              SamplingParams(temperature=0, logprobs=True, top_logprobs=2, presence_penalty=1)]
+    _, logprobs = sample(logits, _batch(params, 100))
+    want = logits.log_softmax(-1).topk(5)
+    assert logprobs.top_ids.tolist() == want.indices.tolist()
+    torch.testing.assert_close(logprobs.top_values, want.values)
+
+
+def test_sampling_params_refuse_out_of_range_values():
+    import pytest
+
+    from pdserve.sampling_params import InvalidRequestError
+
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"min_p": 1.5},
+                {"repetition_penalty": 0}, {"top_logprobs": 21}, {"logit_bias": {-1: 1.0}},
+                {"logit_bias": {5: float("nan")}}):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**bad)
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        SamplingParams(logit_bias={100: 1.0}).check_vocab(100)
+
+
+def test_the_engine_returns_each_tokens_alternatives_and_refuses_unknown_bias_ids():
+    import pytest
+
+    from pdserve import LLM
+    from pdserve.sampling_params import InvalidRequestError, TokenLogprob
+
+    llm = LLM("tiny", max_model_len=64)
+    params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True,
+                             top_logprobs=k) for k in (3, 0)]
+    with_top, without = llm.generate(["abc", "de"], params)
+    for token, logprob in zip(with_top.outputs[0].token_ids, with_top.outputs[0].logprobs,
+                              strict=True):
+        assert isinstance(logprob, TokenLogprob) and len(logprob.top) == 3
+        assert logprob.top[0] == (token, pytest.approx(float(logprob)))  # greedy: the best
+    assert not any(isinstance(lp, TokenLogprob) for lp in without.outputs[0].logprobs)
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        llm.engine.add_request("bad", [1], SamplingParams(logit_bias={10**6: 1.0}))

@@ -178,7 +178,7 @@ def _error(server, path: str, body, status: int = 400) -> dict:
     {"prompt": [1, 2, 99999]}, {"prompt": "x", "temperature": "hot"},
     {"prompt": "x", "temperature": -1}, {"prompt": "x", "top_p": 0},
     {"prompt": "x", "top_p": 1.5}, {"prompt": "x", "top_k": -5}, {"prompt": "x", "max_tokens": 0},
-    {"prompt": "x", "stop": 3}, {"prompt": "x", "seed": 1.5}, {"prompt": "x", "n": 2},
+    {"prompt": "x", "stop": 3}, {"prompt": "x", "seed": 1.5}, {"prompt": "x", "n": 0},
     {"prompt": "x", "stream": "yes"}, {"prompt": "x", "model": "gpt-4"},
     {"prompt": "x" * 5000}, {"prompt": "x", "max_tokens": 5000},
 ])

@@ -98,8 +98,9 @@ def test_an_unknown_field_is_refused_by_name(server):
         assert "unknown field 'temprature'" in error["message"]
 
 
-def test_a_refused_penalty_through_the_openai_client(server):
+def test_a_refused_field_through_the_openai_client(server):
     openai = pytest.importorskip("openai")
-    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+    with pytest.raises(openai.BadRequestError, match="response_format"):
         server.openai().chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], presence_penalty=0.5)
+            model="tiny", messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_object"})

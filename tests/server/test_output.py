@@ -101,3 +101,18 @@ def test_special_tokens_follow_skip_special_tokens():
     kept = _processor(skip_special_tokens=False).process([_update(ids, "stop")])
     skipped = _processor().process([_update(ids, "stop")])
     assert kept.text == "a</s>" and skipped.text == "a"
+
+
+def test_alternatives_are_decoded_and_cut_with_the_tokens_at_a_stop_string():
+    import pickle
+
+    from pdserve.sampling_params import TokenLogprob
+
+    processor = _processor(stop=["cd"], logprobs=True, top_logprobs=2)
+    ids = _bytes("abcdef")
+    logprobs = [TokenLogprob(-0.5, [(i, -0.5), (ord("z"), -1.0)]) for i in ids]
+    update = pickle.loads(pickle.dumps(_update(ids, logprobs=logprobs)))  # as the pipe does
+    delta = processor.process([update])
+    assert delta.token_ids == _bytes("abcd")
+    assert delta.top_logprobs == [[(c, -0.5), ("z", -1.0)] for c in "abcd"]
+    assert _processor(logprobs=True).process([update]).top_logprobs is None

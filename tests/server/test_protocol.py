@@ -22,7 +22,11 @@ def test_completion_defaults_and_budget():
     ({"prompt": "x", "temperature": "1"}, "temperature"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": "x", "stream_options": {"include_usage": 1}}, "include_usage"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
 ])
 def test_bad_fields_name_the_param(body, param):
     with pytest.raises(P.APIError) as err:
@@ -55,3 +59,22 @@ def test_frames_survive_any_split():
         reader.data_received(wire[cut:])
         # Frames read together are handed over as one batch; order and content are kept.
         assert [m for batch in got for m in batch] == [m for batch in batches for m in batch]
+
+
+@pytest.mark.parametrize("kind, body, param", [
+    ("completions", {"prompt": "x", "n": 2}, "n"),
+    ("completions", {"prompt": "x", "best_of": 2}, "best_of"),
+    ("completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+              "top_logprobs": 2}, "top_logprobs"),
+])
+def test_a_request_split_across_instances_refuses_choices_and_alternatives(kind, body, param):
+    from pdserve.server.serving import Format, refuse_split_features
+
+    parse = P.CompletionRequest.parse if kind == "completions" else P.ChatRequest.parse
+    fmt = Format(kind == "chat", "id", "tiny", 0, parse(body).sampling)
+    with pytest.raises(P.APIError) as err:
+        refuse_split_features(fmt)
+    assert err.value.status == 400 and err.value.param == param
+    refuse_split_features(Format(False, "id", "tiny", 0,
+                                 P.CompletionRequest.parse({"prompt": "x"}).sampling))

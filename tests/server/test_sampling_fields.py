@@ -1,0 +1,153 @@
+"""The sampling fields a vLLM user expects, through the openai client against a real server:
+penalties, logit_bias, min_p, top alternatives, n and best_of (seeds, streaming, usage, the
+prefix cache shared by the choices)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.conftest import wait_engine_idle
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny"
+USER = [{"role": "user", "content": "Tell me"}]
+A = "65"  # the byte tokenizer's id of "A"
+
+
+def _complete(server, **fields):
+    extra = {"ignore_eos": True, **fields.pop("extra_body", {})}
+    return server.openai().completions.create(model=MODEL, prompt=fields.pop("prompt", "Hi"),
+                                              extra_body=extra, **fields)
+
+
+def test_logit_bias_and_frequency_penalty_steer_greedy_decoding(server):
+    biased = _complete(server, max_tokens=8, temperature=0, logit_bias={A: 10})
+    assert biased.choices[0].text == "A" * 8
+    # Each "A" costs 2: after about five of them the bias of 10 no longer carries it.
+    penalized = _complete(server, max_tokens=8, temperature=0, logit_bias={A: 10},
+                          frequency_penalty=2.0)
+    assert 3 <= penalized.choices[0].text.count("A") <= 6
+    banned = _complete(server, max_tokens=8, temperature=0, logit_bias={A: -100})
+    assert "A" not in banned.choices[0].text
+
+
+def test_min_p_one_keeps_only_the_greedy_token(server):
+    greedy = _complete(server, max_tokens=8, temperature=0)
+    sampled = _complete(server, max_tokens=8, temperature=1.5, seed=3,
+                        extra_body={"min_p": 1.0})
+    assert sampled.choices[0].text == greedy.choices[0].text
+
+
+def test_penalties_are_accepted_on_chat_and_change_nothing_at_their_off_values(server):
+    client = server.openai()
+    plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6,
+                                           temperature=0)
+    off = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6,
+                                         temperature=0, presence_penalty=0.0,
+                                         frequency_penalty=0.0,
+                                         extra_body={"repetition_penalty": 1.0, "min_p": 0.0})
+    assert off.choices[0].message.content == plain.choices[0].message.content
+    on = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6,
+                                        temperature=0, presence_penalty=1.5,
+                                        extra_body={"repetition_penalty": 1.3})
+    assert on.choices[0].finish_reason == "length"
+
+
+def test_chat_top_logprobs_in_openais_shape(server):
+    out = server.openai().chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=5, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        values = [t.logprob for t in entry.top_logprobs]
+        assert len(values) == 5 and values == sorted(values, reverse=True)
+        assert entry.logprob == pytest.approx(values[0])  # greedy takes the most likely
+        assert all(t.bytes == list(t.token.encode()) for t in entry.top_logprobs)
+
+
+def test_completions_logprobs_n_lists_the_alternatives_and_the_sampled_token(server):
+    out = _complete(server, max_tokens=5, temperature=1.0, seed=11, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == 5
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        # Three alternatives and the sampled token with its own logprob (fewer keys when
+        # byte tokens decode to the same text).
+        assert 1 <= len(top) <= 4 and top[token] == pytest.approx(value)
+
+
+def test_n_choices_use_seed_plus_index_and_sum_their_usage(server):
+    out = _complete(server, max_tokens=6, temperature=1.0, seed=10, n=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    alone = [_complete(server, max_tokens=6, temperature=1.0, seed=10 + i).choices[0].text
+             for i in range(3)]
+    assert [c.text for c in out.choices] == alone
+    assert out.usage.completion_tokens == 18
+    assert out.usage.prompt_tokens == len(b"Hi") + 1  # BOS + bytes, counted once
+
+
+def test_chat_n_streams_every_choice_with_its_index(server):
+    chunks = list(server.openai().chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=5, temperature=1.0, seed=4, n=2, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text = {0: "", 1: ""}
+    finished = set()
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        text[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finished.add(choice.index)
+    assert finished == {0, 1} and chunks[-1].usage.completion_tokens == 10
+    whole = server.openai().chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=5, temperature=1.0, seed=4, n=2,
+        extra_body={"ignore_eos": True})
+    assert text == {c.index: c.message.content for c in whole.choices}
+
+
+def test_best_of_returns_the_choice_with_the_highest_logprob_sum(server):
+    fields = {"max_tokens": 5, "temperature": 1.0}
+    sums = {}
+    for seed in (7, 8, 9):
+        lp = _complete(server, seed=seed, logprobs=0, **fields).choices[0]
+        sums[lp.text] = sum(lp.logprobs.token_logprobs)
+    best = _complete(server, seed=7, best_of=3, **fields)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert best.choices[0].text == max(sums, key=sums.get)
+    assert best.usage.completion_tokens == 15  # every generated token is billed
+
+
+def test_choices_after_the_first_take_the_prompt_from_the_prefix_cache(server):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8  # 361 tokens with BOS
+    before = wait_engine_idle(server)
+    _complete(server, prompt=prompt, max_tokens=3, temperature=1.0, n=3)
+    after = wait_engine_idle(server)
+    full_pages = (len(prompt) + 1) // 16 * 16  # pages of 16 tokens
+    hits = after["pdserve_prefix_cache_hits_total"] - before["pdserve_prefix_cache_hits_total"]
+    queries = after["pdserve_prefix_cache_queries_total"] \
+        - before["pdserve_prefix_cache_queries_total"]
+    assert queries == 3 * (len(prompt) + 1)
+    assert hits >= 2 * full_pages  # choices 2 and 3 computed at most the last partial page
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "x", "n": 65}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
+    ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "frequency_penalty": -3}, "frequency_penalty"),
+])
+def test_out_of_range_values_are_400_naming_the_field(server, path, body, param):
+    status, _, raw = server.request("POST", path, {"model": MODEL, "max_tokens": 1, **body})
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == param, raw
