@@ -382,7 +382,8 @@ class EngineClient:
 
     def _give_up(self, reason: str) -> None:
         attempts = self.restart_policy.attempts
-        tried = f"{attempts} restart(s) in a row failed" if attempts else "restarts are off"
+        tried = (f"it died or failed to load after {attempts} restart(s) in a row" if attempts
+                 else "restarts are off (--engine-restarts 0)")
         if not self.gave_up.done():
             self.gave_up.set_result(f"the engine process is gone ({reason}); {tried}")
 

@@ -8,6 +8,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -82,5 +84,14 @@ def test_server_gives_up_after_its_restarts_and_exits_non_zero(launch):
     os.kill(second, signal.SIGKILL)  # within 60 s of the restart: the second in a row
     assert server.process.wait(60) != 0
     log = server.log_text()
-    assert "1 restart(s) in a row failed" in log and "the engine process exited" in log
+    assert "pdserve serve: the engine process is gone (the engine process exited); it died " \
+        "or failed to load after 1 restart(s) in a row" in log
     assert server.engine_pids() == []
+
+
+@pytest.mark.parametrize("flag, value", [("--engine-restarts", "-1"),
+                                         ("--engine-restart-backoff-s", "nan")])
+def test_bad_restart_flags_stop_before_the_model_loads(flag, value):
+    done = subprocess.run([sys.executable, "-m", "pdserve", "serve", "tiny", flag, value],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and flag in done.stderr and "model loaded" not in done.stderr
