@@ -44,9 +44,11 @@ def _settings(examples: int):
 
 @pytest.fixture(scope="module")
 def target(launch):
-    # A short body timeout: a body announced longer than it is gets its 408 soon.
+    # A short body timeout: a body announced longer than it is gets its 408 soon. One torch
+    # thread: on a 2-core host shared with this test's clients, torch's default pool of two
+    # made the engine's steps stall for seconds at a time (see benchmarks/soak.py).
     server = launch("--num-blocks", "512", "--max-num-seqs", "32", "--max-model-len", "512",
-                    "--body-timeout-s", "2")
+                    "--body-timeout-s", "2", env={"OMP_NUM_THREADS": "1"})
     yield server
     print("\nfuzz answers:", dict(sorted(TALLY.items(), key=str)), "total", sum(TALLY.values()))
 
