@@ -237,6 +237,19 @@ def test_fuzz_chat(clients, batch):
         _check("chat", *answer)
 
 
+@pytest.mark.parametrize("field, value, status", [
+    ("seed", 2**64, 400), ("seed", -(2**63) - 1, 400), ("seed", 2**64 - 1, 200),
+    ("top_k", 2**70, 200)])
+def test_numbers_past_int64_are_refused_or_honoured(conn, field, value, status):
+    """Found by the fuzzing above: a seed past 64 bits answered 500 (the engine's generator
+    raised), a top_k past int64 failed the whole launch (every request batched with it)."""
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, field: value}
+    answer = conn.send("POST", "/v1/completions", json.dumps(body).encode(),
+                       {"Content-Type": "application/json"})
+    _check("completions", *answer)
+    assert answer[0] == status, answer[2]
+
+
 # ---- malformed HTTP -----------------------------------------------------------------------
 
 PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/models",
