@@ -88,7 +88,10 @@ class SamplingParams:
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
         _check(_is_int(self.top_k) and self.top_k >= -1,
                "top_k must be -1, 0 or a positive integer")
-        _check(self.seed is None or _is_int(self.seed), "seed must be an integer")
+        # torch.Generator takes a signed or unsigned 64-bit seed; past that it raises
+        # inside the engine, which would answer 500 instead of naming the field.
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
+               "seed must be an integer in [-2**63, 2**64)")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be integers >= 0")

@@ -300,7 +300,9 @@ class EngineCore:
             if request.kv_buffer is None:
                 request.kv_buffer = self.kv.arrived(transfer_id)
             if request.kv_buffer is None:
-                if now > request.deadline:
+                if self.kv.dropped(transfer_id):
+                    failed.append(self._fail_awaiting(transfer_id, "its KV came corrupt"))
+                elif now > request.deadline:
                     failed.append(self._fail_awaiting(transfer_id, "its KV never arrived"))
                 continue
             admitted = self._admit_prefilled(request)

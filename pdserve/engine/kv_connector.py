@@ -97,6 +97,11 @@ class KVConnector:
         buffer = self._waited.pop(transfer_id, None)
         return buffer if buffer is not None else self.receiver.poll(transfer_id)
 
+    def dropped(self, transfer_id: str) -> bool:
+        """True (once) when the receiver dropped this transfer's buffer as corrupt: no KV
+        will come under this id, so its request can fail now, not at the timeout."""
+        return self.receiver.take_dropped(transfer_id)
+
     def scatter(self, buffer: torch.Tensor, pool: str, block_ids: list[int]) -> Event:
         scatter_blocks(buffer, self.runner.pools[pool].kv_caches, block_ids)
         return self.ops.record(None)

@@ -66,7 +66,9 @@ class SamplingBatch:
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int, device) -> SamplingBatch:
         params = [r.params for r in requests]
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        # k past the vocabulary keeps every token, as 0 does; capped here because a k past
+        # int64 would fail the whole launch, every request batched with it included.
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         top_p = [p.top_p for p in params]
         return cls(
             temperature=torch.tensor([p.temperature or 1.0 for p in params], device=device),

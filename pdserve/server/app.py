@@ -18,7 +18,7 @@ from pdserve.model.generation_config import sampling_defaults
 from pdserve.model.tokenizer import load_chat_template
 from pdserve.server import protocol as P
 from pdserve.server.auth import APIKeyFileError, is_authorized, load_api_keys
-from pdserve.server.client import EngineClient
+from pdserve.server.client import EngineClient, RestartPolicy
 from pdserve.server.config import ServerConfig
 from pdserve.server.engine_process import DEFAULT_CORE
 from pdserve.server.limits import HTTPLimits
@@ -232,7 +232,9 @@ def serve(engine_config: Any, config: ServerConfig, core_factory: str = DEFAULT_
 async def _serve(engine_config: Any, config: ServerConfig, api_keys: tuple[bytes, ...],
                  core_factory: str, lifecycle: Lifecycle | None) -> None:
     logger.info("starting the engine process")
-    client = await EngineClient.start(engine_config, core_factory, config.engine_start_timeout)
+    restart = RestartPolicy(config.engine_restarts, config.engine_restart_backoff_s)
+    client = await EngineClient.start(engine_config, core_factory, config.engine_start_timeout,
+                                      restart)
     model = engine_config.model
     app = build_app(client, config, api_keys,
                     sampling_defaults(model.generation_config, model.model))
@@ -250,12 +252,15 @@ async def _serve(engine_config: Any, config: ServerConfig, api_keys: tuple[bytes
     stop, force = _install_signals()
     if lifecycle is not None:
         lifecycle.started(client)
-    await stop.wait()
+    await asyncio.wait([asyncio.ensure_future(stop.wait()), client.gave_up],
+                       return_when=asyncio.FIRST_COMPLETED)
     if lifecycle is not None:
         lifecycle.stopping()
     await _drain(state, config.shutdown_timeout, force)
     await runner.cleanup()
     await client.shutdown()
+    if client.gave_up.done():
+        raise SystemExit(f"pdserve serve: {client.gave_up.result()}")
     logger.info("stopped")
 
 

@@ -1,14 +1,20 @@
 """The engine as the HTTP process sees it: start the engine process, submit and abort
 requests, receive their token deltas. Reading the channel happens on the event loop (a
 reader callback on the pipe), so the server never blocks on the engine.
+
+When the engine process dies, the requests it held fail with a retryable 503 and a new
+process is started (``RestartPolicy``); ``alive`` is False until it is ready.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -106,9 +112,29 @@ class RequestStream:
         return self.take()
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a dead engine process is replaced."""
+
+    attempts: int = 3
+    """Restarts in a row before the server gives up (0: never restart)."""
+    backoff_s: float = 1.0
+    """Wait before the first restart of an outage; each further attempt doubles it."""
+    stable_s: float = 60.0
+    """An engine that ran this long before dying starts the count of restarts again."""
+
+    def delay(self, attempt: int) -> float:
+        return self.backoff_s * 2 ** (attempt - 1)
+
+
 class EngineClient:
-    def __init__(self, process: mp.process.BaseProcess) -> None:
-        self.process = process
+    def __init__(self, engine_config: Any, core_factory: str = DEFAULT_CORE,
+                 start_timeout: float = 600.0, restart: RestartPolicy | None = None) -> None:
+        self.engine_config = engine_config
+        self.core_factory = core_factory
+        self.start_timeout = start_timeout
+        self.restart_policy = restart or RestartPolicy()
+        self.process: mp.process.BaseProcess | None = None
         self.channel: ServerChannel | None = None
         self.model_name = ""
         self.max_model_len = 0
@@ -118,28 +144,59 @@ class EngineClient:
         self.setup: dict = {}
         self.stats = EngineStats()
         self.dead_reason: str | None = None
+        self.restarts = 0  # engine processes started after the first
         self._streams: dict[str, RequestStream] = {}
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[EngineReady] = self._loop.create_future()
         self._closing = False
         self._queries: dict[int, asyncio.Future[list[dict]]] = {}
         self._next_query = 0
+        self._generation = 0  # which process the channel callbacks belong to
+        self._up_since = 0.0
+        self._attempts_in_row = 0
+        self._restarter: asyncio.Task | None = None
+        self.gave_up: asyncio.Future[str] = self._loop.create_future()
+        """Resolves with the reason once the engine is dead and no restart is left."""
 
     @classmethod
     async def start(cls, engine_config: Any, core_factory: str = DEFAULT_CORE,
-                    timeout: float = 600.0) -> EngineClient:
+                    timeout: float = 600.0, restart: RestartPolicy | None = None
+                    ) -> EngineClient:
         """Spawns the engine process and waits until its model is loaded."""
-        process, reader, writer = _spawn(engine_config, core_factory)
-        client = cls(process)
-        client.channel = await ServerChannel.open(reader, writer, client._on_batch,
-                                                  client._on_eof)
-        try:
-            ready = await asyncio.wait_for(asyncio.shield(client._ready), timeout)
-        except TimeoutError:
-            process.kill()
-            raise RuntimeError(f"the engine did not load within {timeout:.0f} s") from None
-        client._apply_ready(ready)
+        client = cls(engine_config, core_factory, timeout, restart)
+        await client._launch()
         return client
+
+    async def _launch(self) -> None:
+        """Starts an engine process on a fresh channel; RuntimeError if it does not load."""
+        self._generation += 1
+        self._ready = self._loop.create_future()
+        self.process, reader, writer = _spawn(self.engine_config, self.core_factory)
+        on_batch, on_eof = self._callbacks(self._generation)
+        self.channel = await ServerChannel.open(reader, writer, on_batch, on_eof)
+        try:
+            ready = await asyncio.wait_for(asyncio.shield(self._ready), self.start_timeout)
+        except TimeoutError:
+            self.process.kill()
+            raise RuntimeError(f"the engine did not load within {self.start_timeout:.0f} s"
+                               ) from None
+        self._apply_ready(ready)
+        self._up_since = time.monotonic()
+
+    def _callbacks(self, generation: int) -> tuple[Callable[[list[Any]], None],
+                                                   Callable[[], None]]:
+        """Channel callbacks that go quiet once a later process has replaced this one: a
+        dead process's pipe may report its end after the new one is up."""
+
+        def on_batch(batch: list[Any]) -> None:
+            if generation == self._generation:
+                self._on_batch(batch)
+
+        def on_eof() -> None:
+            if generation == self._generation:
+                self._on_eof()
+
+        return on_batch, on_eof
 
     def _apply_ready(self, ready: EngineReady) -> None:
         self.model_name = ready.model_name
@@ -198,6 +255,8 @@ class EngineClient:
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the engine process and waits for it; kills it if it does not leave in time."""
         self._closing = True
+        if self._restarter is not None:
+            self._restarter.cancel()
         if self.process.is_alive():
             self.channel.send(Shutdown())
         await self._loop.run_in_executor(None, self.process.join, timeout)
@@ -288,7 +347,66 @@ class EngineClient:
             if not future.done():
                 future.set_exception(APIError(503, reason))
         self.dead_reason = reason
+        self.stats = EngineStats()  # the dead engine's pages and queues are gone with it
         logger.error("%s; /health now answers 503", reason)
+        self._restarter = asyncio.ensure_future(self._restart(reason))
+
+    # ---- restarts -------------------------------------------------------------------------
+
+    async def _restart(self, reason: str) -> None:
+        """Replaces the dead process, waiting longer after each failed attempt; resolves
+        ``gave_up`` once the policy's attempts are spent."""
+        await self._reap()
+        self.engine_config = self._config_keeping_kv_port()
+        policy = self.restart_policy
+        if time.monotonic() - self._up_since >= policy.stable_s:
+            self._attempts_in_row = 0
+        while not self._closing:
+            self._attempts_in_row += 1
+            attempt = self._attempts_in_row
+            if attempt > policy.attempts:
+                self._give_up(reason)
+                return
+            logger.warning("restarting the engine in %.1f s (attempt %d of %d)",
+                           policy.delay(attempt), attempt, policy.attempts)
+            await asyncio.sleep(policy.delay(attempt))
+            try:
+                await self._launch()
+            except RuntimeError as exc:
+                reason = str(exc)
+                logger.error("engine restart failed: %s", reason)
+                await self._reap()
+                continue
+            self.restarts += 1
+            self.dead_reason = None
+            logger.info("engine restarted (pid %d); /health answers 200", self.process.pid)
+            return
+
+    def _give_up(self, reason: str) -> None:
+        attempts = self.restart_policy.attempts
+        tried = (f"it died or failed to load after {attempts} restart(s) in a row" if attempts
+                 else "restarts are off (--engine-restarts 0)")
+        if not self.gave_up.done():
+            self.gave_up.set_result(f"the engine process is gone ({reason}); {tried}")
+
+    async def _reap(self) -> None:
+        """Kills what is left of the current process (a failed step's engine may still be
+        leaving, holding its KV port) and closes its channel."""
+        process = self.process
+        if process.is_alive():
+            process.kill()
+        await self._loop.run_in_executor(None, process.join, 10.0)
+        self.channel.close()
+
+    def _config_keeping_kv_port(self) -> Any:
+        """The engine config for a new process: a KV receiver keeps the port it had, so the
+        address a P/D group knows stays right."""
+        transfer = getattr(self.engine_config, "transfer", None)
+        if self.kv_address is None or transfer is None:
+            return self.engine_config
+        port = int(self.kv_address.rpartition(":")[2])
+        return dataclasses.replace(self.engine_config, transfer=dataclasses.replace(
+            transfer, kv_transfer_port=port))
 
 
 def _put_all(deliveries: list[tuple[RequestStream, Items]]) -> None:

@@ -41,3 +41,16 @@ class ServerConfig:
     log_requests: bool = doc(False, "Log one line per finished request.")
     engine_start_timeout: float = doc(600.0, "Seconds the engine process may take to load "
                                       "the model before the server gives up.")
+    engine_restarts: int = doc(3, "When the engine process dies, its requests fail with 503 "
+                               "(Retry-After) and a new one is started, up to this many "
+                               "times in a row (an engine that ran 60 s starts the count "
+                               "again); then the server exits non-zero. 0: never restart.")
+    engine_restart_backoff_s: float = doc(1.0, "Seconds before the first restart; each "
+                                          "further attempt of one outage waits twice as long.")
+
+    def __post_init__(self) -> None:
+        if self.engine_restarts < 0:
+            raise ValueError(f"--engine-restarts must be >= 0, not {self.engine_restarts}")
+        if not self.engine_restart_backoff_s >= 0:  # NaN included
+            raise ValueError(f"--engine-restart-backoff-s must be >= 0, not "
+                             f"{self.engine_restart_backoff_s}")

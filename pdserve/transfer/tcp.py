@@ -19,8 +19,9 @@ dtype is one of float32, float16, bfloat16; every size is a positive integer.
 
 The digest is checked on receipt: a buffer whose bytes changed on the way (a faulty NIC or
 switch, a bug in a proxy) is dropped and counted (``TransferStats.num_corrupt``), never
-handed to the engine, so no token is ever computed from wrong KV; its request fails like
-one whose KV never came. The connection stays up: the framing does not depend on the bytes.
+handed to the engine, so no token is ever computed from wrong KV; its id is reported
+(``take_dropped``) so the decode engine fails the waiting request at once. The connection
+stays up: the framing does not depend on the bytes.
 
 The receiver allocates the CPU tensor from the header and ``recv_into``s the payload straight
 into its memory: a long prompt's KV is hundreds of MB, so no intermediate ``bytes`` exist on
@@ -210,9 +211,10 @@ class TcpKVReceiver:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"KV receiver for {self.device}: CUDA is not available")
         self.stats = TransferStats()
-        self._cond = threading.Condition()  # guards the three dicts, _closed and stats
+        self._cond = threading.Condition()  # guards the four dicts, _closed and stats
         self._arrived: dict[str, tuple[torch.Tensor, float]] = {}  # id -> (buffer, arrival)
         self._discarded: dict[str, float] = {}  # ids to drop on arrival -> when discarded
+        self._dropped: dict[str, float] = {}  # ids whose buffer failed its checksum -> when
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._closed = False
         self._listener: socket.socket | None = None
@@ -274,6 +276,13 @@ class TcpKVReceiver:
             if self._arrived.pop(transfer_id, None) is None:
                 self._discarded[transfer_id] = now
 
+    def take_dropped(self, transfer_id: str) -> bool:
+        """True (once) if a buffer sent under ``transfer_id`` was dropped because its bytes
+        failed the checksum: its waiter can fail at once instead of at its timeout."""
+        with self._cond:
+            self._expire(time.monotonic())
+            return self._dropped.pop(transfer_id, None) is not None
+
     def pending(self) -> int:
         """Buffers arrived and not yet taken."""
         with self._cond:
@@ -287,6 +296,7 @@ class TcpKVReceiver:
             self._closed = True
             self._arrived.clear()
             self._discarded.clear()
+            self._dropped.clear()
             self._cond.notify_all()
         self._stop_accepting()
         with self._cond:
@@ -308,8 +318,9 @@ class TcpKVReceiver:
             del self._arrived[transfer_id]
             logger.warning("dropped KV buffer %r: not taken within %s s", transfer_id,
                            self.ttl_s)
-        for transfer_id in [t for t, at in self._discarded.items() if at < cutoff]:
-            del self._discarded[transfer_id]
+        for marks in (self._discarded, self._dropped):
+            for transfer_id in [t for t, at in marks.items() if at < cutoff]:
+                del marks[transfer_id]
 
     def _stop_accepting(self) -> None:
         if self._listener is None:
@@ -392,6 +403,9 @@ class TcpKVReceiver:
                      transfer_id)
         with self._cond:
             self.stats.num_corrupt += 1
+            if not self._closed and self._discarded.pop(transfer_id, None) is None:
+                self._dropped[transfer_id] = time.monotonic()
+            self._cond.notify_all()
 
     def _deliver(self, transfer_id: str, buffer: torch.Tensor) -> None:
         now = time.monotonic()

@@ -5,14 +5,19 @@ equal one engine doing both."""
 from __future__ import annotations
 
 import random
+import socket
 import time
 
 import pytest
+import torch
+import xxhash
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.core import EngineCore
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
 from pdserve.sampling_params import InvalidRequestError
+from pdserve.transfer import tcp
+from pdserve.transfer.transport import KVLayout
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
@@ -141,6 +146,33 @@ def test_kv_that_never_arrives_fails_only_that_request():
         decode.check_integrity()
     finally:
         decode.close()
+
+
+def test_corrupt_kv_fails_its_request_at_once_not_at_the_timeout():
+    """A buffer whose digest does not match is dropped by the receiver, and the engine fails
+    the request awaiting it on the next step; with a 600 s timeout, waiting for it would hang
+    the drain below."""
+    decode = _engine(kv_transfer_timeout=600)
+    try:
+        decode.add_request("bad", [1, 2, 3], GREEDY, handoff=KVHandoff("tc", first_token=4))
+        decode.add_request("fine", [1, 2, 3], GREEDY)
+        _send_corrupt(decode.kv_address, "tc")
+        finish = {u.request_id: u.finish_reason for u in _drain(decode) if u.finished}
+        assert finish == {"bad": "error", "fine": "length"}
+        assert decode.kv.receiver.stats.num_corrupt == 1
+        decode.check_integrity()
+        assert decode.blocks.num_free_blocks == decode.blocks.num_blocks
+    finally:
+        decode.close()
+
+
+def _send_corrupt(address: str, transfer_id: str) -> None:
+    """One KV message on the wire with a digest that does not match its bytes."""
+    payload = torch.randn(2, 2, 3, 2, 8)
+    header = tcp.encode_header(transfer_id, KVLayout.of(payload))
+    digest = tcp.DIGEST.pack(xxhash.xxh3_64_intdigest(payload.numpy().tobytes()) ^ 1)
+    with socket.create_connection(tcp.split_address(address)) as sock:
+        sock.sendall(header + payload.numpy().tobytes() + digest)
 
 
 @pytest.mark.parametrize("handoff, match", [

@@ -105,6 +105,17 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
+def engine_pid(server: Server, missing_ok: bool = False) -> int | None:
+    """The server's engine process (a ``multiprocessing`` spawn child)."""
+    for pid in server.engine_pids():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return pid
+    if missing_ok:
+        return None
+    raise AssertionError("no engine process")
+
+
 def start_server(*flags: str, api_key: str | None = None, env: dict[str, str] | None = None,
                  client_key: str | None = None) -> Server:
     """``api_key`` goes on the command line; ``env`` adds environment variables;

@@ -1,4 +1,5 @@
-"""API key, a full waiting queue, SIGTERM draining and a dead engine, on real servers."""
+"""API key, a full waiting queue and SIGTERM draining, on real servers (a dead engine:
+test_restart.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 
 import aiohttp
 import pytest
+
+from tests.server.conftest import engine_pid
 
 openai = pytest.importorskip("openai")
 
@@ -71,29 +74,10 @@ def test_queue_full(guarded):
         time.sleep(0.1)
 
 
-def _engine_pid(server) -> int:
-    for pid in server.engine_pids():
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                return pid
-    raise AssertionError("no engine process")
-
-
-def test_engine_death_turns_health_503(guarded):
-    os.kill(_engine_pid(guarded), signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while guarded.request("GET", "/health")[0] != 503:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    status, headers, _ = guarded.request("POST", "/v1/completions", {"prompt": "x"})
-    assert status == 503 and "Retry-After" in headers
-    assert guarded.stop(timeout=30) == 0
-
-
 def test_sigterm_drains_then_aborts(launch):
     server = launch("--shutdown-timeout", "4")
     url = server.url + "/v1/completions"
-    engine = _engine_pid(server)
+    engine = engine_pid(server)
 
     async def run() -> tuple[bytes, bytes]:
         async with aiohttp.ClientSession() as session:

@@ -313,6 +313,20 @@ def test_corrupted_bytes_are_dropped_and_the_connection_goes_on(receiver, caplog
         _assert_same_bits(receiver.recv("good", timeout=WAIT_S), good)
     assert receiver.poll("bad") is None and receiver.stats.num_corrupt == 1
     assert any("checksum" in record.message for record in caplog.records)
+    # Its waiter hears of the drop once; the good one was never dropped.
+    assert receiver.take_dropped("bad") and not receiver.take_dropped("bad")
+    assert not receiver.take_dropped("good")
+
+
+def test_a_corrupt_buffer_already_discarded_is_not_reported(receiver):
+    bad = _random_kv((1, 2, 2, 1, 4), torch.float32)
+    message = bytearray(_raw_message("gone", GOOD_LAYOUT, bad.numpy().tobytes()))
+    message[-1] ^= 0x01
+    receiver.discard("gone")  # its request was aborted before the buffer came
+    with socket.create_connection(tcp.split_address(receiver.address)) as raw:
+        raw.sendall(bytes(message) + _raw_message("next", GOOD_LAYOUT, bad.numpy().tobytes()))
+        receiver.recv("next", timeout=WAIT_S)
+    assert receiver.stats.num_corrupt == 1 and not receiver.take_dropped("gone")
 
 
 KV_LAYOUT_JSON = {"num_layers": 2, "num_tokens": 5, "kv_heads": 2, "head_dim": 8,
