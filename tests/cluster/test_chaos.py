@@ -1,5 +1,5 @@
 """Chaos: a group of 2 prefill + 2 decode instances (real processes, tiny model, CPU) answers
-120 streaming requests while instances are SIGKILLed and restarted. Nothing may be lost:
+200 streaming requests while instances are SIGKILLed and restarted. Nothing may be lost:
 every request completes, with the text a fault-free run gave (greedy)."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from tests.cluster.group import Group, kill, start_group, stream, wait_until
 # ~105 s on an idle 2-core machine; several times that when other work shares the cores.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-NUM_REQUESTS = 120
+NUM_REQUESTS = 200
 CONCURRENCY = 8
 PROMPTS = [f"Chaos request {i} begins with" for i in range(10)]
 BODY = {"model": "tiny", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
         "stream_options": {"include_usage": True}}
-KILL_AFTER = (10, 30, 50, 70, 90)  # completed requests at which one instance is killed
+KILL_AFTER = (15, 50, 85, 120, 155)  # completed requests at which one instance is killed
 
 
 class Chaos:
