@@ -61,7 +61,8 @@ class EngineCore:
                                    config.cache.enable_prefix_caching)
         self.scheduler = make_scheduler(config.scheduler, self.blocks, self.max_model_len,
                                         **policy_args(config, self.runner, setup))
-        self.runner.configure(self.scheduler.pool_layout(), self.scheduler.graph_partitions())
+        self.runner.configure(self.scheduler.pool_layout(), self.scheduler.decode_pool,
+                              self.scheduler.graph_partitions())
         self.kv = KVConnector(self.runner, config.transfer)
         self.requests: dict[str, Request] = {}
         self._queued: list[RequestUpdate] = []  # aborts and first tokens, out with the next step

@@ -26,6 +26,7 @@ from pdserve.engine.launch import (
     sample_into,
 )
 from pdserve.engine.sampler import sample, worst_case_sampling
+from pdserve.engine.setup import parse_ints
 from pdserve.engine.streams import Event, StreamOps, make_stream_ops
 from pdserve.gpu.partitions import Partition
 from pdserve.model.arch import ModelArch
@@ -67,18 +68,18 @@ class ModelRunner:
     def tables(self) -> BlockTables:
         return self.pools[MAIN_POOL].tables
 
-    def configure(self, layout: dict[str, tuple[int, int]],
+    def configure(self, layout: dict[str, tuple[int, int]], decode_pool: str,
                   graph_partitions: list[Partition] | None) -> None:
-        """Cuts the pages into the policy's pools and captures its decode graphs."""
+        """Cuts the pages into the policy's pools and captures its decode graphs over
+        ``decode_pool``."""
         if set(layout) != {MAIN_POOL}:
             self.pools = {name: KVPool(page_range(self.kv_caches, start, count),
                                        self._new_tables())
                           for name, (start, count) in layout.items()}
-        graph_pool = next(reversed(self.pools))  # the last pool decodes (disagg: "decode")
         if graph_partitions is None:
-            self._capture_whole_gpu_graphs(self.pools[graph_pool])
+            self._capture_whole_gpu_graphs(self.pools[decode_pool])
         else:
-            self._capture_partition_graphs(self.pools[graph_pool], graph_partitions)
+            self._capture_partition_graphs(self.pools[decode_pool], graph_partitions)
 
     # ---- memory ----
 
@@ -239,8 +240,7 @@ def graph_buckets(config: EngineConfig) -> list[int]:
     if config.device.enforce_eager:
         return []
     most = min(config.device.cuda_graph_max_batch, config.scheduler.max_num_seqs)
-    asked = {int(b) for b in str(config.scheduler.mux_graph_batches).split(",") if b.strip()}
-    buckets = [b for b in asked if b <= most]
+    buckets = [b for b in parse_ints(config.scheduler.mux_graph_batches) if b <= most]
     return sorted(set(buckets) | {most}) if buckets else [most]
 
 

@@ -122,34 +122,37 @@ def load_predictor(config: EngineConfig, runner, partitions: PartitionSet
         log.info("multiplex: roofline latency model (asked for)")
         return roofline, {"kind": "roofline", "why": "asked for"}
     path = profile_path(config, runner.device)
-    why = _profile_problem(path, runner.model.num_layers, total_sms)
-    if why is None:
-        log.info("multiplex: latency predictor from %s", path)
-        held_out = json.loads(path.read_text()).get("held_out")
-        groups = profile_groups(partitions.decode_sm_choices(), total_sms)
-        fallback = roofline if config.scheduler.mux_allow_unprofiled else None
-        predictor = require_coverage(LatencyPredictor.load(path), groups, fallback)
-        missing = sorted(getattr(predictor, "missing", ()))
-        return predictor, {"kind": "fitted", "path": str(path), "held_out": held_out,
-                           "roofline_for_unprofiled": missing}
-    if runner.device.type == "cuda":
-        raise PredictorError(f"{why}; run `pdserve profile` for this GPU and model, or ask "
-                             "for --mux-predictor roofline")
-    log.info("multiplex: %s; roofline latency model on the CPU", why)
-    return roofline, {"kind": "roofline", "why": why}
-
-
-def _profile_problem(path: Path, num_layers: int, total_sms: int) -> str | None:
-    if not path.exists():
-        return f"no latency profile at {path}"
     try:
+        fitted, held_out = _read_profile(path, runner.model.num_layers, total_sms)
+    except ValueError as exc:
+        if runner.device.type == "cuda":
+            raise PredictorError(f"{exc}; run `pdserve profile` for this GPU and model, or "
+                                 "ask for --mux-predictor roofline") from None
+        log.info("multiplex: %s; roofline latency model on the CPU", exc)
+        return roofline, {"kind": "roofline", "why": str(exc)}
+    log.info("multiplex: latency predictor from %s", path)
+    groups = profile_groups(partitions.decode_sm_choices(), total_sms)
+    fallback = roofline if config.scheduler.mux_allow_unprofiled else None
+    predictor = require_coverage(fitted, groups, fallback)
+    missing = sorted(getattr(predictor, "missing", ()))
+    return predictor, {"kind": "fitted", "path": str(path), "held_out": held_out,
+                       "roofline_for_unprofiled": missing}
+
+
+def _read_profile(path: Path, num_layers: int, total_sms: int
+                  ) -> tuple[LatencyPredictor, dict | None]:
+    """The profile's predictor and held-out error, read once; ValueError says why not."""
+    if not path.exists():
+        raise ValueError(f"no latency profile at {path}")
+    try:
+        held_out = json.loads(path.read_text()).get("held_out")
         pred = LatencyPredictor.load(path)
     except Exception as exc:
-        return f"the latency profile {path} cannot be read: {exc}"
+        raise ValueError(f"the latency profile {path} cannot be read: {exc}") from None
     if pred.num_layers != num_layers or pred.total_sms != total_sms:
-        return (f"{path} was fitted for {pred.num_layers} layers / {pred.total_sms} SMs, not "
-                f"{num_layers} / {total_sms}")
-    return None
+        raise ValueError(f"{path} was fitted for {pred.num_layers} layers / {pred.total_sms} "
+                         f"SMs, not {num_layers} / {total_sms}")
+    return pred, held_out
 
 
 def policy_args(config: EngineConfig, runner, setup: EngineSetup) -> dict:

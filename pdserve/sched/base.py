@@ -122,7 +122,8 @@ class Scheduler:
 
     lanes: tuple[str, ...] = (MAIN_LANE,)
     waits_for_launches = True
-    roles: tuple[str, ...] = ("standalone", "prefill", "decode")  # P/D roles it can serve
+    serves_pd_roles = True  # may run as a P/D prefill or decode instance
+    decode_pool = MAIN_POOL  # the pool decode graphs are captured over
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config

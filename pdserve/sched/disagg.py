@@ -67,7 +67,8 @@ class DisaggScheduler(Scheduler):
     name = "disagg"
     lanes = (DECODE_LANE, PREFILL_LANE)
     waits_for_launches = False
-    roles = ("standalone",)  # its decode side already takes KV from its own prefill side
+    serves_pd_roles = False  # its decode side already takes KV from its own prefill side
+    decode_pool = DECODE_LANE
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
                  *, partition: Partition):
@@ -288,10 +289,6 @@ class DisaggScheduler(Scheduler):
             self.prefill.waiting.extendleft(reversed(victims))
         return plan
 
-    def check_integrity(self) -> None:
-        self.prefill.blocks.check_integrity(
-            list(self.prefill.running) + list(self.prefill.waiting) + list(self.ready))
-        self.decode.blocks.check_integrity(list(self.decode.running))
 
 
 def _finish(request: Request, blocks: BlockManager, reason: str) -> None:

@@ -82,7 +82,7 @@ def make_scheduler(config, block_manager, max_model_len, **policy_args) -> Sched
 
 def role_refusal(schedule: str) -> str | None:
     """Why ``schedule`` cannot serve a P/D role (prefill or decode instance), or None."""
-    if "prefill" in scheduler_class(schedule).roles:
+    if scheduler_class(schedule).serves_pd_roles:
         return None
     return (f"--schedule {schedule} cannot serve a P/D role (it hands KV between its own two "
             "pools); use chunked, prefill-first or multiplex")
