@@ -99,6 +99,9 @@ class DeviceConfig:
         "nominal partitions on ordinary streams (no real SM split; for debugging only) "
         "instead of stopping at start-up.")
     cuda_graph_max_batch: int = doc(256, "Largest decode batch captured as a CUDA graph.")
+    piecewise_graph_max_tokens: int = doc(
+        2048, "Largest whole-GPU step with prompt tokens (chunked prefill, mixed steps) run as "
+        "CUDA graphs between its attentions; 0: such steps run eagerly.")
 
 
 @dataclass(frozen=True)

@@ -52,11 +52,13 @@ class HostBuffers:
 @dataclass
 class KVPool:
     """A range of the engine's KV pages as one policy pool sees it: its own page ids from 0,
-    its own block tables, and decode graphs captured over it (by decode SMs)."""
+    its own block tables, decode graphs captured over it (by decode SMs) and, on the whole
+    GPU, the graphs of steps with prompt tokens (``piecewise.py``)."""
 
     kv_caches: list
     tables: BlockTables
     graphs: dict[int, GraphRunner] = field(default_factory=dict)
+    piecewise: Any = None  # PiecewiseGraphs: whole-GPU steps with prompt tokens
 
 
 @dataclass

@@ -25,6 +25,7 @@ from pdserve.engine.launch import (
     SamplingInputs,
     sample_into,
 )
+from pdserve.engine.piecewise import PiecewiseGraphs
 from pdserve.engine.sampler import sample, worst_case_sampling
 from pdserve.engine.setup import parse_ints
 from pdserve.engine.streams import Event, StreamOps, make_stream_ops
@@ -80,6 +81,8 @@ class ModelRunner:
             self._capture_whole_gpu_graphs(self.pools[decode_pool])
         else:
             self._capture_partition_graphs(self.pools[decode_pool], graph_partitions)
+        if set(layout) == {MAIN_POOL}:  # split pools (disagg) never run a whole-GPU prefill
+            self._capture_piecewise_graphs(self.pools[MAIN_POOL])
 
     # ---- memory ----
 
@@ -106,7 +109,8 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         in_use = total - free
         peak = self._profile_step_peak()
-        graph_reserve = 0 if self.config.device.enforce_eager else 256 << 20
+        graph_reserve = 0 if self.config.device.enforce_eager else (256 << 20) + \
+            self._piecewise_reserve()
         budget = total * self.config.cache.gpu_memory_utilization - in_use - peak - graph_reserve
         log.info("memory: total %.1f GiB, in use %.1f GiB, step peak %.2f GiB", total / GiB,
                  in_use / GiB, peak / GiB)
@@ -148,6 +152,31 @@ class ModelRunner:
         used = before - torch.cuda.mem_get_info(self.device)[0]
         log.info("decode graphs use %.2f GiB", used / GiB)
         pool.graphs[None] = graphs
+
+    def _piecewise_tokens(self) -> int:
+        if not self._graphs_enabled():
+            return 0
+        return min(self.config.device.piecewise_graph_max_tokens,
+                   largest_step_tokens(self.config.scheduler))
+
+    def _piecewise_reserve(self) -> int:
+        """Bytes the prefill-step graphs hold: their static buffers and the largest
+        segment's activations (the MLP's), with a quarter more for the allocator."""
+        tokens, arch = self._piecewise_tokens(), self.arch
+        width = 3 * arch.intermediate_size + 7 * arch.hidden_size + 2 * arch.q_size + \
+            4 * arch.kv_size
+        return int(1.25 * tokens * width * self.dtype.itemsize)
+
+    def _capture_piecewise_graphs(self, pool: KVPool) -> None:
+        tokens = self._piecewise_tokens()
+        if tokens <= 0:
+            return
+        graphs = PiecewiseGraphs(self.model, pool.kv_caches, tokens, self.device)
+        before = torch.cuda.mem_get_info(self.device)[0]
+        graphs.capture()
+        used = before - torch.cuda.mem_get_info(self.device)[0]
+        log.info("prefill step graphs (up to %d tokens) use %.2f GiB", tokens, used / GiB)
+        pool.piecewise = graphs
 
     def _capture_partition_graphs(self, pool: KVPool, partitions: list[Partition]) -> None:
         """One graph set per partition, captured on its own decode stream (a graph keeps the
@@ -208,6 +237,9 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(batch):
             return graphs.run(batch)
         input_ids, positions, meta = batch.metadata(self.device)
+        whole_gpu = part is None or part.whole_gpu
+        if whole_gpu and pool.piecewise is not None and pool.piecewise.can_run(batch):
+            return pool.piecewise.run(batch, meta)
         return self.model.forward(input_ids, positions, meta, pool.kv_caches)
 
     def execute(self, plan: Plan, buffers: HostBuffers | None = None) -> StepOutput:

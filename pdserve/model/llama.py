@@ -100,16 +100,34 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        qkv = self.project_qkv(hidden, positions, meta.slot_mapping, kv_cache, cos_sin_cache)
+        return self.project_out(self.attend(qkv, meta, kv_cache))
+
+    def project_qkv(self, hidden: torch.Tensor, positions: torch.Tensor,
+                    slot_mapping: torch.Tensor, kv_cache: KVCache,
+                    cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """[T, q + 2 kv] with q and k rotated and k and v stored: everything before the
+        attention itself, which depends on the batch's shape only through T."""
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.split_qkv(qkv)
         # One launch rotates q and k in place and stores k and v; the backend only attends.
         dispatch.rope_store_kv(q, k, v, positions, cos_sin_cache, kv_cache[0], kv_cache[1],
-                               meta.slot_mapping)
-        out = self.backend.attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+                               slot_mapping)
+        return qkv
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim),
+                k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
+
+    def attend(self, qkv: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+               ) -> torch.Tensor:
+        q, k, v = self.split_qkv(qkv)
+        return self.backend.attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+
+    def project_out(self, attn_out: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attn_out.reshape(-1, self.q_size))
 
 
 # The MLP of a big step runs in slices of this many tokens: its [tokens, 2 x intermediate]
@@ -151,6 +169,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qkv, residual = self.pre_attention(hidden, residual, positions, meta.slot_mapping,
+                                           kv_cache, cos_sin_cache)
+        return self.post_attention(self.self_attn.attend(qkv, meta, kv_cache), residual)
+
+    def pre_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                      positions: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: KVCache,
+                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm and q/k/v (rotated, stored): returns (qkv, residual)."""
         # The residual add is fused into the next norm; before layer 0 there is none yet.
         # ``residual is None`` depends on the layer index only, never on data.
         norm = self.input_layernorm
@@ -160,7 +186,14 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = dispatch.fused_add_rms_norm(hidden, residual, norm.weight,
                                                            norm.eps)
-        hidden = self.self_attn(hidden, positions, meta, kv_cache, cos_sin_cache)
+        qkv = self.self_attn.project_qkv(hidden, positions, slot_mapping, kv_cache,
+                                         cos_sin_cache)
+        return qkv, residual
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output projection, norm and MLP: returns (hidden, residual)."""
+        hidden = self.self_attn.project_out(attn_out)
         norm = self.post_attention_layernorm
         hidden, residual = dispatch.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
         return self.mlp(hidden), residual

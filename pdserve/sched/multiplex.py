@@ -312,11 +312,14 @@ class MultiplexScheduler(InFlightScheduler):
         note, measured = work.note, output.elapsed_ms
         if measured is None:
             return
-        if note.entry is not None:
-            note.entry.measured_cycle_ms = measured
-        mixed = note.mixed
+        entry, mixed = note.entry, note.mixed
+        if entry is not None:
+            entry.measured_cycle_ms = measured
         if mixed is not None and mixed.as_planned:
             self.model.observe_mixed(mixed.plan.decode_ms, measured)
+        elif entry is not None and entry.mode == MuxMode.SPATIAL and not entry.switch_pending:
+            # Its prediction was for this very partition (a pending switch planned another).
+            self.model.observe_decode(entry.predicted_decode_ms, measured)
 
     def _drop_aborted_batch(self) -> list:
         aborted = self.drop_if_aborted(self.batch.plan)

@@ -177,3 +177,25 @@ def test_calibration_is_bounded_and_ignores_nonsense():
     assert model.mixed_correction == pytest.approx(2.0)
     assert model.predict("decode", 4, 2000, 4, 100) == HandModel().predict(
         "decode", 4, 2000, 4, 100)
+
+
+def test_decode_measured_faster_than_predicted_moves_to_a_smaller_partition():
+    """Co-running decode steps that run at 0.8 of their prediction let decode take fewer
+    SMs (prefill more) while the true step still fits the budget; decode alone is
+    untouched."""
+    model = OnlineCalibration(HandModel())
+    plan = MuxPlanner(model, PARTITIONS, MuxPlannerConfig(
+        itl_slo_ms=50.0, token_align=8, min_chunk_tokens=16, temporal=False))
+    first = plan.plan(HEAVY, PROMPTS)
+    for _ in range(60):
+        step = plan.plan(HEAVY, PROMPTS)
+        truth = 0.8 * HandModel().predict("decode", 32, HEAVY.context_tokens, 32,
+                                          step.decode_sms, True)
+        model.observe_decode(step.decode_ms, truth)
+    later = plan.plan(HEAVY, PROMPTS)
+    assert later.mode == MuxMode.SPATIAL and later.decode_sms < first.decode_sms
+    truth = 0.8 * HandModel().predict("decode", 32, HEAVY.context_tokens, 32,
+                                      later.decode_sms, True)
+    assert truth <= 50.0 * 0.9
+    assert model.predict("decode", 4, 2000, 4, 50) == HandModel().predict(
+        "decode", 4, 2000, 4, 50)

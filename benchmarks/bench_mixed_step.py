@@ -1,0 +1,135 @@
+"""Whole-GPU steps with prompt tokens: eager vs graph segments, against their kernels' time.
+
+Each case is one step of the real runner: a prefill chunk of P tokens after a prefix of C
+tokens already in the KV cache, plus D decodes at context X (a mixed step of chunked prefill
+or of multiplexing's temporal option). Timed the way serving runs it, from the host's first
+line of the step to its sampled tokens on the host, as the median of repeats:
+
+- eager: every kernel launched from Python;
+- piecewise: CUDA graphs between the attentions (``pdserve/engine/piecewise.py``);
+- kernel sum: the GPU time of the eager step's kernels (torch profiler), the floor a step
+  reaches once launching costs nothing.
+
+    python benchmarks/bench_mixed_step.py --model codellama-34b --out mixed_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from bench_engine import place_decoding_requests
+
+from pdserve.bench.report import git_revision
+from pdserve.config import EngineConfig
+from pdserve.engine.core import EngineCore
+from pdserve.request import Request, RequestStatus
+from pdserve.sampling_params import SamplingParams
+from pdserve.sched.base import MAIN_POOL, Plan
+
+# (prefill tokens, prefix tokens, decodes, decode context)
+CASES = ((512, 0, 64, 1024), (448, 0, 1, 16384), (256, 8192, 2, 16384), (1024, 0, 0, 0),
+         (64, 0, 16, 4096), (2048, 0, 0, 0))
+
+
+def place_prefill(engine: EngineCore, tokens: int, prefix: int) -> Request:
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    vocab = engine.arch.vocab_size
+    prompt = [(i * 7919) % (vocab - 3) + 3 for i in range(prefix + tokens)]
+    request = Request(f"p{tokens}-{prefix}", prompt, params)
+    engine.blocks.grow(request, prefix + tokens)
+    request.num_computed = prefix
+    request.status = RequestStatus.RUNNING
+    engine.requests[request.request_id] = request
+    return request
+
+
+def step_plan(engine: EngineCore, case: tuple[int, int, int, int]) -> tuple[Plan, list]:
+    tokens, prefix, decodes, context = case
+    placed = place_decoding_requests(engine, decodes, context) if decodes else []
+    if placed is None:
+        raise RuntimeError(f"KV pool too small for {decodes} x {context}")
+    plan = Plan()
+    for request in placed:
+        plan.add(request, 1)
+    prefill = place_prefill(engine, tokens, prefix)
+    plan.add(prefill, tokens)
+    return plan, [*placed, prefill]
+
+
+def wall_ms(engine: EngineCore, plan: Plan, repeats: int) -> float:
+    for _ in range(3):
+        engine.runner.execute(plan)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        engine.runner.execute(plan)  # waits for the sampled tokens, as a synchronous step does
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_sum_ms(engine: EngineCore, plan: Plan) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.runner.execute(plan)
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for event in prof.key_averages():
+        total_us += getattr(event, "self_device_time_total", None) or \
+            getattr(event, "self_cuda_time_total", 0.0)
+    return total_us / 1e3
+
+
+def measure(engine: EngineCore, case, repeats: int) -> dict:
+    plan, placed = step_plan(engine, case)
+    pool = engine.runner.pools[MAIN_POOL]
+    segments, row = pool.piecewise, dict(zip(("prefill_tokens", "prefix", "decodes",
+                                              "decode_context"), case, strict=True))
+    pool.piecewise = None
+    row["eager_ms"] = wall_ms(engine, plan, repeats)
+    row["kernel_sum_ms"] = kernel_sum_ms(engine, plan)
+    pool.piecewise = segments
+    if segments is not None and len(plan.scheduled) and case[0] + case[2] <= segments.max_tokens:
+        row["piecewise_ms"] = wall_ms(engine, plan, repeats)
+        row["piecewise_over_kernel_sum"] = row["piecewise_ms"] / row["kernel_sum_ms"]
+    row["eager_over_kernel_sum"] = row["eager_ms"] / row["kernel_sum_ms"]
+    for request in placed:
+        engine.blocks.free(request)
+        engine.requests.pop(request.request_id, None)
+        engine.runner.forget(request.request_id)
+        if request in engine.scheduler.running:
+            engine.scheduler.running.remove(request)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="codellama-34b")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", default="mixed_step.json")
+    args = parser.parse_args()
+    config = EngineConfig.from_flat(model=args.model, load_format="dummy", schedule="chunked",
+                                    chunk_size=2048, max_model_len=24576, max_num_seqs=256,
+                                    gpu_memory_utilization=0.85)
+    engine = EngineCore(config)
+    segments = engine.runner.pools[MAIN_POOL].piecewise
+    report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "python": platform.python_version(), "model": args.model,
+              "piecewise_buckets": segments.buckets if segments else None, "cases": []}
+    for case in CASES:
+        row = measure(engine, case, args.repeats)
+        print(json.dumps(row), flush=True)
+        report["cases"].append(row)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
