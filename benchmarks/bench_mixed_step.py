@@ -34,7 +34,7 @@ from pdserve.sched.base import MAIN_POOL, Plan
 
 # (prefill tokens, prefix tokens, decodes, decode context)
 CASES = ((512, 0, 64, 1024), (448, 0, 1, 16384), (256, 8192, 2, 16384), (1024, 0, 0, 0),
-         (64, 0, 16, 4096), (2048, 0, 0, 0))
+         (64, 0, 16, 4096), (128, 4096, 4, 8192), (2048, 0, 0, 0))
 
 
 def place_prefill(engine: EngineCore, tokens: int, prefix: int) -> Request:

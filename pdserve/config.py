@@ -100,8 +100,8 @@ class DeviceConfig:
         "instead of stopping at start-up.")
     cuda_graph_max_batch: int = doc(256, "Largest decode batch captured as a CUDA graph.")
     piecewise_graph_max_tokens: int = doc(
-        2048, "Largest whole-GPU step with prompt tokens (chunked prefill, mixed steps) run as "
-        "CUDA graphs between its attentions; 0: such steps run eagerly.")
+        256, "Largest whole-GPU step with prompt tokens (chunked prefill, mixed steps) run as "
+        "CUDA graphs between its attentions (larger ones are GPU-bound eagerly); 0: none.")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ graph segments with the L attentions between them, eager:
     segment L:      output projection, norm and MLP of the last layer -> final norm
 
 About 3 launches per layer instead of ~12, so a small mixed step is no longer bounded by
-how fast the host can issue kernels. Segments hand tensors to each other through static
+how fast the host can issue kernels (on the H200, codellama-34b: a step of 64 prompt
+tokens and 16 decodes took 38 ms eagerly, 25 ms as graphs, 23 ms of kernels; steps of 256
+tokens and more ran eagerly within 3-10% of their kernels' time, so graphs stop there). Segments hand tensors to each other through static
 buffers (q/k/v, residual, attention output, the final hidden states); the attention reads
 the real T rows only. Padding rows store no KV (slot -1) and are never read back: every
 operation inside a segment is row-wise, so whatever they hold cannot reach a real row.
@@ -36,15 +38,12 @@ from pdserve.progress import progress
 log = logging.getLogger(__name__)
 
 
-def token_buckets(max_tokens: int) -> list[int]:
-    """Step sizes captured: every 64 tokens up to 512, then coarser (padding costs compute)."""
-    steps = [(512, 64), (1024, 128), (2048, 256), (max_tokens, 512)]
-    buckets, size = [], 0
-    for limit, stride in steps:
-        while size + stride <= min(limit, max_tokens):
-            size += stride
-            buckets.append(size)
-    return buckets if buckets and buckets[-1] == max_tokens else buckets + [max_tokens]
+def token_buckets(max_tokens: int, stride: int = 16) -> list[int]:
+    """Step sizes captured: every ``stride`` tokens up to ``max_tokens``. Padding is compute
+    spent for nothing: on the H200 a 258-token step padded to 320 ran 12% slower as graphs
+    than eagerly, so buckets are fine and the graphs stop where eager steps already run at
+    their kernels' speed (a few hundred tokens)."""
+    return list(range(stride, max_tokens, stride)) + [max_tokens]
 
 
 class PiecewiseGraphs:
