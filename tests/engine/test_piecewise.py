@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from pdserve import LLM, SamplingParams
 from pdserve.engine.piecewise import PiecewiseGraphs, token_buckets
 from pdserve.sched.base import MAIN_POOL
