@@ -13,7 +13,9 @@ graph segments with the L attentions between them, eager:
 About 3 launches per layer instead of ~12, so a small mixed step is no longer bounded by
 how fast the host can issue kernels (on the H200, codellama-34b: a step of 64 prompt
 tokens and 16 decodes took 38 ms eagerly, 25 ms as graphs, 23 ms of kernels; steps of 256
-tokens and more ran eagerly within 3-10% of their kernels' time, so graphs stop there). Segments hand tensors to each other through static
+tokens and more ran eagerly within 3-10% of their kernels' time, so graphs stop there).
+
+Segments hand tensors to each other through static
 buffers (q/k/v, residual, attention output, the final hidden states); the attention reads
 the real T rows only. Padding rows store no KV (slot -1) and are never read back: every
 operation inside a segment is row-wise, so whatever they hold cannot reach a real row.
