@@ -137,7 +137,10 @@ class MultiplexScheduler(InFlightScheduler):
 
     def describe(self) -> dict:
         return {"partitions": self.partitions.describe(), "predictor": self.predictor_source,
-                "time_slice": self.config.mux_time_slice, "itl_slo_ms": self.config.itl_slo_ms}
+                "time_slice": self.config.mux_time_slice, "itl_slo_ms": self.config.itl_slo_ms,
+                # How far serving has moved the profile's predictions (1.0: not at all).
+                "calibration": {"mixed_steps": self.model.mixed_correction,
+                                "co_running_decode": self.model.decode_correction}}
 
     def graph_partitions(self) -> list[Partition]:
         """Where decode graphs are replayed: every split and the whole GPU."""

@@ -105,6 +105,8 @@ def test_engine_info_says_what_runs(server, mux):
     assert info["schedule"] == "multiplex" and info["device"] == "cpu"
     assert info["partitions"]["kind"] == "emulated" and info["partitions"]["splits"]
     assert info["predictor"]["kind"] == "roofline" and info["predictor"]["why"]
+    assert set(info["calibration"]) == {"mixed_steps", "co_running_decode"}
+    assert all(0.5 <= f <= 2.0 for f in info["calibration"].values())
     _, _, body = server.request("GET", "/v1/engine/info")
     info = json.loads(body)
     assert info["schedule"] == "chunked" and "partitions" not in info
