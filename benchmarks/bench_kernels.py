@@ -11,6 +11,7 @@
     python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h200.json
     python benchmarks/bench_kernels.py --quick              # a few points, for a smoke run
     python benchmarks/bench_kernels.py --sweep              # also try other tile configs
+    python benchmarks/bench_kernels.py --extend-sweep-only  # prefill-attention tiles only
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
+from pdserve.bench.report import git_revision
 from pdserve.ops import reference, triton_fused
 from pdserve.ops.metadata import AttentionMetadata
 from pdserve.ops.triton_attention import (
@@ -244,8 +246,12 @@ def bench_fused(tokens: int) -> list[dict]:
 
 EXTEND_SWEEP = [ExtendConfig(m, n, w, s) for m, n, w, s in [
     (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3),
-    (128, 64, 4, 3), (64, 32, 4, 4), (128, 128, 8, 3),
+    (128, 64, 4, 3), (64, 32, 4, 4), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4),
+    (64, 128, 4, 3), (128, 32, 8, 4),
 ]]  # fmt: skip
+# Prompt shapes the sweep times each extend config on: a whole prompt, and chunks over a
+# cached prefix (long-context serving spends most of its attention there).
+EXTEND_SWEEP_SHAPES = ((0, 8192), (16384, 2048), (8192, 512))
 DECODE_SWEEP = [DecodeConfig(n, w, s) for n, w, s in [
     (64, 4, 2), (32, 4, 3), (64, 4, 3), (128, 4, 2), (32, 2, 4), (64, 8, 2),
 ]]  # fmt: skip
@@ -253,14 +259,21 @@ DECODE_SWEEP = [DecodeConfig(n, w, s) for n, w, s in [
 
 def sweep(log: Callable[[dict], None]) -> list[dict]:
     rows = []
-    for cfg in EXTEND_SWEEP:
-        row = _guarded(bench_prefill, "34b", 0, 8192, cfg)
-        rows.append(log({"sweep": "extend", "config": cfg.__dict__, **row}))
+    rows = sweep_extend(log)
     backend = TritonAttentionBackend()
     for cfg in DECODE_SWEEP:
         for batch, context in ((1, 32768), (16, 8192), (64, 1024), (256, 8192)):
             row = _guarded(bench_decode, "34b", batch, context, backend, cfg)
             rows.append(log({"sweep": "decode", "config": cfg.__dict__, **row}))
+    return rows
+
+
+def sweep_extend(log: Callable[[dict], None]) -> list[dict]:
+    rows = []
+    for cfg in EXTEND_SWEEP:
+        for prefix, new in EXTEND_SWEEP_SHAPES:
+            row = _guarded(bench_prefill, "34b", prefix, new, cfg)
+            rows.append(log({"sweep": "extend", "config": cfg.__dict__, **row}))
     return rows
 
 
@@ -302,6 +315,10 @@ def run_all(args: argparse.Namespace, log: Callable[[dict], dict]) -> dict:
     return result
 
 
+def run_extend_sweep(log: Callable[[dict], dict]) -> dict:
+    return {"ceilings": log({"ceilings": measure_ceilings()}), "sweep": sweep_extend(log)}
+
+
 def environment() -> dict:
     return {
         "device": torch.cuda.get_device_name(),
@@ -310,7 +327,7 @@ def environment() -> dict:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "git_revision": _git("rev-parse", "HEAD"),
+        "git_revision": git_revision(),
         "git_dirty": bool(_git("status", "--porcelain", "--", "pdserve/ops")),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "decode_config_d128": default_decode_config(128, torch.device("cuda")).__dict__,
@@ -333,6 +350,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--quick", action="store_true", help="a few points only")
     parser.add_argument("--sweep", action="store_true", help="also sweep tile configs")
+    parser.add_argument("--extend-sweep-only", action="store_true",
+                        help="only the prefill-attention tile sweep (a few minutes)")
     parser.add_argument("--max-kv-gb", type=float, default=40.0,
                         help="skip decode points whose KV cache is larger")  # fmt: skip
     args = parser.parse_args()
@@ -343,7 +362,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         return row
 
-    record = {"environment": environment(), **run_all(args, log)}
+    results = run_extend_sweep(log) if args.extend_sweep_only else run_all(args, log)
+    record = {"environment": environment(), **results}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=2))
