@@ -472,13 +472,23 @@ def extend_attention(
     )  # fmt: skip
 
 
-def default_extend_config(head_dim: int, device: torch.device) -> ExtendConfig:
+def default_extend_config(head_dim: int, device: torch.device,
+                          hopper: bool | None = None) -> ExtendConfig:
+    """``hopper``: whether the tiles may use Hopper's shared memory (None: ask the device)."""
     if device.type != "cuda":  # interpreter: small tiles, several of them per sequence
         return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
     if head_dim <= 64:
         return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if hopper is None:
+        hopper = torch.cuda.get_device_capability(device) >= (9, 0)
+    if head_dim <= 128 and hopper:
+        # Q 32 KiB + 3 stages of 128-token K and V tiles (32 KiB each): 224 of Hopper's
+        # 227 KiB. On the H200 (codellama-34b heads) the fastest of 12 tile configs for a
+        # whole 8K prompt (+2% over 64-token tiles) and by far for chunks over a cached
+        # prefix (+12% at 2K over 16K, +17% at 512 over 8K; benchmarks/results/extend_sweep_*).
+        return ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     if head_dim <= 128:
-        # Q 32 KiB + 3 stages of K and V tiles (16 KiB each) stays well inside 227 KiB smem.
+        # Q 32 KiB + 3 stages of K and V tiles (16 KiB each) stays inside 164 KiB smem.
         return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
 

@@ -59,7 +59,7 @@ def _pointer_type(name: str, dtype: str) -> str:
 def attention_cases(dtype: str):
     cuda = torch.device("cuda")
     for head_dim in (64, 128, 256):
-        ext = ta.default_extend_config(head_dim, cuda)
+        ext = ta.default_extend_config(head_dim, cuda, hopper=True)
         yield (
             ta._extend_kernel,
             dtype,
