@@ -59,3 +59,30 @@ def test_gpu_test_record_keeps_every_case_and_outcome(tmp_path, monkeypatch):
         ("tests.ops.test_a::test_ok", "passed"), ("tests.ops.test_a::test_bad", "failed"),
         ("tests.server.test_e2e::test_skip", "skipped")]
     assert run["summary"].startswith("1 failed, 1 passed, 1 skipped")
+
+
+def test_loogle_timeline_summary_splits_time_and_cycles_by_mode():
+    loogle = _load("loogle_h200")
+    entry = lambda t, mode, measured, predicted, sms=132: {
+        "time": t, "mode": mode, "measured_cycle_ms": measured, "predicted_cycle_ms": predicted,
+        "decode_sms": sms}
+    entries = [entry(0.0, "warm-up", 0, 0), entry(10.0, "spatial", 30.0, 40.0, 24),
+               entry(10.5, "temporal", 54.0, 50.0), entry(11.0, "spatial", 36.0, 40.0, 16),
+               entry(12.0, "decode_only", 0, 20.0)]
+    summary = loogle.summarise_timeline(entries, since=5.0, itl_ms=60.0)
+    assert summary["decisions"] == 4
+    assert summary["seconds_by_mode"] == {"spatial": 1.5, "temporal": 0.5}
+    spatial = summary["decode_cycle"]["spatial"]
+    assert spatial["n"] == 2 and spatial["cycle_over_itl_p50"] == pytest.approx(0.55)
+    assert spatial["measured_over_predicted_p50"] == pytest.approx(0.825)
+    assert "decode_only" not in summary["decode_cycle"]  # never measured
+    assert summary["spatial_decode_sms"] == {"16": 1, "24": 1}
+
+
+def test_loogle_attainment_needs_both_slos():
+    loogle = _load("loogle_h200")
+    requests = [{"ok": True, "ttft": 14.0, "e2e": 14.0 + 63 * 0.059},  # meets both
+                {"ok": True, "ttft": 16.0, "e2e": 16.5},  # TTFT too late
+                {"ok": True, "ttft": 1.0, "e2e": 1.0 + 63 * 0.061},  # TPOT too slow
+                {"ok": False, "ttft": 0.0, "e2e": 0.0}]
+    assert loogle.attainment(requests, output_len=64) == 0.25

@@ -1,0 +1,203 @@
+"""The LooGLE-like comparison on one GPU: each configuration's server in turn, one client.
+
+For every configuration: start ``python -m pdserve serve`` with its flags, drive it with
+``benchmarks/loadgen_loogle.py`` (the client that also ran against SGLang) at each rate, read
+``/v1/engine/info`` and, for multiplexing, ``/v1/engine/timeline``, stop the server. Each
+(configuration, rate) writes one JSON beside the others: the client's summary and per-request
+records, SLO attainment (TTFT <= 15 s and TPOT <= 60 ms), what the engine says it ran, and
+the multiplexing timeline summarised (time per mode, decode cycle over the ITL target,
+measured over predicted cycle).
+
+    export PDSERVE_GIT_REVISION=$(git rev-parse HEAD)
+    python benchmarks/loogle_h200.py --configs multiplex,chunk1024 --rates 0.5 \
+        --profile --out results/loogle
+
+``--profile`` fits the multiplexing predictor first (``pdserve profile``, ~1.5 min on the
+H200) into the output folder; ``--predictor FILE`` reuses one. ``--model tiny --device cpu``
+with a few short prompts checks the set-up on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SPLITS = "16,24,32,48,64"
+CONFIGS = {
+    "multiplex": "--schedule multiplex --itl-slo-ms 60 --max-num-batched-tokens 24576 "
+                 f"--mux-decode-sms {SPLITS}",
+    "chunk512": "--schedule chunked --chunk-size 512",
+    "chunk1024": "--schedule chunked --chunk-size 1024",
+    "chunk2048": "--schedule chunked --chunk-size 2048",
+    "prefill-first": "--schedule prefill-first --max-num-batched-tokens 24576",
+}
+TTFT_SLO_S, TPOT_SLO_S = 15.0, 0.060
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str) -> dict | list:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode} while starting")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"the server was not healthy within {timeout_s:.0f} s")
+
+
+def serve_command(args, flags: str, port: int) -> list[str]:
+    command = [sys.executable, "-m", "pdserve", "serve", args.model, "--load-format", "dummy",
+               "--max-model-len", str(args.max_model_len), "--port", str(port), *flags.split()]
+    if args.device != "auto":
+        command += ["--device", args.device]
+    return command
+
+
+def run_config(args, name: str, out: Path) -> None:
+    flags = CONFIGS[name] + (f" --mux-predictor {args.predictor}" if name == "multiplex" and
+                             args.predictor else "") + (f" {args.server_flags}" if
+                                                        args.server_flags else "")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = serve_command(args, flags, port)
+    log = open(out / f"{name}_server.log", "w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        wait_healthy(url, server, args.start_timeout)
+        for rate in args.rates:
+            run_rate(args, name, rate, url, command, out)
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def run_rate(args, name: str, rate: float, url: str, command: list[str], out: Path) -> None:
+    records = out / f"{name}_rate{rate}_records.json"
+    client = [sys.executable, str(HERE / "loadgen_loogle.py"), "--api", "openai", "--url", url,
+              "--model", args.model, "--num-requests", str(args.num_requests), "--rate",
+              str(rate), "--input-min", str(args.input_min), "--input-max",
+              str(args.input_max), "--output-len", str(args.output_len), "--vocab",
+              str(args.vocab), "--warmup", "--seed", "0", "--label", f"{name}_{rate}",
+              "--out", str(records)]
+    since = time.monotonic()
+    subprocess.run(client, check=True, cwd=ROOT)
+    result = json.loads(records.read_text())
+    info = get_json(url + "/v1/engine/info")
+    row = {"config": name, "rate": rate, "git_revision": os.environ.get(
+               "PDSERVE_GIT_REVISION", "unknown"), "device": info.get("device"),
+           "server_command": _portable(command), "client_command": _portable(client),
+           "engine_info": info, "summary": result["summary"],
+           "attainment": attainment(result["requests"], args.output_len)}
+    if name == "multiplex":
+        entries = get_json(url + "/v1/engine/timeline")["entries"]
+        row["timeline"] = summarise_timeline(entries, since, info.get("itl_slo_ms") or 60.0)
+    (out / f"{name}_rate{rate}.json").write_text(json.dumps(row, indent=2))
+    print(json.dumps({k: row[k] for k in ("config", "rate", "attainment")} |
+                     {"ttft_p50_ms": row["summary"]["ttft_ms"]["p50"],
+                      "tpot_p99_ms": row["summary"]["tpot_ms"]["p99"],
+                      "input_tok_s": row["summary"]["input_throughput"]}), flush=True)
+
+
+def _portable(command: list[str]) -> str:
+    return " ".join("python" if part == sys.executable else
+                    part.replace(str(ROOT) + "/", "") for part in command)
+
+
+def attainment(requests: list[dict], output_len: int) -> float:
+    met = sum(1 for r in requests if r.get("ok") and r["ttft"] <= TTFT_SLO_S and
+              (r["e2e"] - r["ttft"]) / max(1, output_len - 1) <= TPOT_SLO_S)
+    return met / len(requests) if requests else 0.0
+
+
+def summarise_timeline(entries: list[dict], since: float, itl_ms: float) -> dict:
+    """Wall time per mode (each decision lasts until the next), and per mode the measured
+    decode cycle over the ITL target and over the prediction (medians, p90)."""
+    entries = [e for e in entries if e["time"] >= since]
+    seconds: dict[str, float] = {}
+    for entry, following in zip(entries, entries[1:], strict=False):
+        seconds[entry["mode"]] = seconds.get(entry["mode"], 0.0) + following["time"] - \
+            entry["time"]
+    cycles: dict[str, dict] = {}
+    for mode in sorted({e["mode"] for e in entries}):
+        measured = [e for e in entries if e["mode"] == mode and e["measured_cycle_ms"] > 0
+                    and e["predicted_cycle_ms"] > 0]
+        if measured:
+            use = sorted(e["measured_cycle_ms"] / itl_ms for e in measured)
+            ratio = [e["measured_cycle_ms"] / e["predicted_cycle_ms"] for e in measured]
+            cycles[mode] = {"n": len(measured), "cycle_over_itl_p50": statistics.median(use),
+                            "cycle_over_itl_p90": use[int(0.9 * (len(use) - 1))],
+                            "measured_over_predicted_p50": statistics.median(ratio)}
+    spatial = [e["decode_sms"] for e in entries if e["mode"] == "spatial"]
+    return {"decisions": len(entries), "seconds_by_mode": seconds, "decode_cycle": cycles,
+            "spatial_decode_sms": {str(s): spatial.count(s) for s in sorted(set(spatial))}}
+
+
+def profile(args, out: Path) -> str:
+    path = out / "predictor.json"
+    command = [sys.executable, "-m", "pdserve", "profile", args.model, "--load-format",
+               "dummy", "--decode-sms", SPLITS, "--out", str(path)]
+    if args.device != "auto":
+        command += ["--device", args.device]
+    subprocess.run(command, check=True, cwd=ROOT)
+    return str(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", default="multiplex,chunk1024")
+    parser.add_argument("--rates", type=lambda s: [float(r) for r in s.split(",")],
+                        default=[0.5])
+    parser.add_argument("--model", default="codellama-34b")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=24576)
+    parser.add_argument("--num-requests", type=int, default=40)
+    parser.add_argument("--input-min", type=int, default=12000)
+    parser.add_argument("--input-max", type=int, default=20000)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--profile", action="store_true", help="fit the predictor first")
+    parser.add_argument("--predictor", default="", help="a fitted predictor to reuse")
+    parser.add_argument("--server-flags", default="", help="more flags for every server")
+    parser.add_argument("--start-timeout", type=float, default=300)
+    parser.add_argument("--out", type=Path, default=Path("loogle"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configuration(s) {unknown}; choose from {sorted(CONFIGS)}")
+    if args.profile and "multiplex" in names:
+        args.predictor = profile(args, args.out)
+    for name in names:
+        run_config(args, name, args.out)
+
+
+if __name__ == "__main__":
+    main()
