@@ -118,6 +118,8 @@ def run_rate(args, name: str, rate: float, url: str, command: list[str], out: Pa
     if name == "multiplex":
         entries = get_json(url + "/v1/engine/timeline")["entries"]
         row["timeline"] = summarise_timeline(entries, since, info.get("itl_slo_ms") or 60.0)
+        (out / f"{name}_rate{rate}_timeline.json").write_text(json.dumps(
+            [e for e in entries if e["time"] >= since]))
     (out / f"{name}_rate{rate}.json").write_text(json.dumps(row, indent=2))
     print(json.dumps({k: row[k] for k in ("config", "rate", "attainment")} |
                      {"ttft_p50_ms": row["summary"]["ttft_ms"]["p50"],
@@ -153,7 +155,10 @@ def summarise_timeline(entries: list[dict], since: float, itl_ms: float) -> dict
             ratio = [e["measured_cycle_ms"] / e["predicted_cycle_ms"] for e in measured]
             cycles[mode] = {"n": len(measured), "cycle_over_itl_p50": statistics.median(use),
                             "cycle_over_itl_p90": use[int(0.9 * (len(use) - 1))],
-                            "measured_over_predicted_p50": statistics.median(ratio)}
+                            "measured_over_predicted_p50": statistics.median(ratio),
+                            "calibration_p50": statistics.median(
+                                e.get("calibration", 1.0) for e in measured),
+                            "calibration_last": measured[-1].get("calibration", 1.0)}
     spatial = [e["decode_sms"] for e in entries if e["mode"] == "spatial"]
     return {"decisions": len(entries), "seconds_by_mode": seconds, "decode_cycle": cycles,
             "spatial_decode_sms": {str(s): spatial.count(s) for s in sorted(set(spatial))}}

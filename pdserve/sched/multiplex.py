@@ -70,6 +70,9 @@ class TimelineEntry:
     switch_pending: bool
     predicted_cycle_ms: float = 0.0  # the planner's time between two decode tokens
     measured_cycle_ms: float = 0.0  # the decode launch's issue to observed completion
+    # The online correction in the cycle's prediction (mixed steps in temporal, co-running
+    # decode in spatial; 1.0 where none applies): how far serving moved the profile.
+    calibration: float = 1.0
 
 
 @dataclass
@@ -137,10 +140,7 @@ class MultiplexScheduler(InFlightScheduler):
 
     def describe(self) -> dict:
         return {"partitions": self.partitions.describe(), "predictor": self.predictor_source,
-                "time_slice": self.config.mux_time_slice, "itl_slo_ms": self.config.itl_slo_ms,
-                # How far serving has moved the profile's predictions (1.0: not at all).
-                "calibration": {"mixed_steps": self.model.mixed_correction,
-                                "co_running_decode": self.model.decode_correction}}
+                "time_slice": self.config.mux_time_slice, "itl_slo_ms": self.config.itl_slo_ms}
 
     def graph_partitions(self) -> list[Partition]:
         """Where decode graphs are replayed: every split and the whole GPU."""
@@ -352,11 +352,17 @@ class MultiplexScheduler(InFlightScheduler):
             layers = plan.prefill.num_layers if running and plan.prefill else 0
         entry = TimelineEntry(
             time.monotonic(), str(plan.mode), plan.decode_sms, plan.prefill_sms, decode_batch,
-            prefill_tokens, layers, plan.decode_ms, self.switch_pending, plan.cycle_ms)
+            prefill_tokens, layers, plan.decode_ms, self.switch_pending, plan.cycle_ms,
+            calibration=self._calibration_of(plan.mode))
         self._timeline.append(entry)
         note = self.decode_work.note if self.decode_work is not None else None
         if isinstance(note, DecodeNote) and note.entry is None:
             note.entry = entry
+
+    def _calibration_of(self, mode: MuxMode) -> float:
+        if mode == MuxMode.TEMPORAL:
+            return self.model.mixed_correction
+        return self.model.decode_correction if mode == MuxMode.SPATIAL else 1.0
 
     def timeline(self, since: float | None = None) -> list[dict]:
         """SM split over time: one dict per launching decision (``TimelineEntry`` fields)."""

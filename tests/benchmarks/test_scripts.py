@@ -75,6 +75,7 @@ def test_loogle_timeline_summary_splits_time_and_cycles_by_mode():
     spatial = summary["decode_cycle"]["spatial"]
     assert spatial["n"] == 2 and spatial["cycle_over_itl_p50"] == pytest.approx(0.55)
     assert spatial["measured_over_predicted_p50"] == pytest.approx(0.825)
+    assert spatial["calibration_p50"] == spatial["calibration_last"] == 1.0
     assert "decode_only" not in summary["decode_cycle"]  # never measured
     assert summary["spatial_decode_sms"] == {"16": 1, "24": 1}
 

@@ -76,6 +76,7 @@ def test_multiplex_split_flows_to_users(mux):
     assert any(e["decode_batch"] == 1 for e in entries)
     assert any(e["prefill_tokens"] > 0 for e in entries)
     assert all(e["decode_sms"] > 0 or e["prefill_sms"] > 0 for e in entries)
+    assert all(0.5 <= e["calibration"] <= 2.0 for e in entries)
     metrics = _wait_snapshot(mux, entries[-1])
     assert metrics["pdserve_decode_batch_size"] == metrics["pdserve_prefill_batch_tokens"] == 0
 
@@ -105,8 +106,6 @@ def test_engine_info_says_what_runs(server, mux):
     assert info["schedule"] == "multiplex" and info["device"] == "cpu"
     assert info["partitions"]["kind"] == "emulated" and info["partitions"]["splits"]
     assert info["predictor"]["kind"] == "roofline" and info["predictor"]["why"]
-    assert set(info["calibration"]) == {"mixed_steps", "co_running_decode"}
-    assert all(0.5 <= f <= 2.0 for f in info["calibration"].values())
     _, _, body = server.request("GET", "/v1/engine/info")
     info = json.loads(body)
     assert info["schedule"] == "chunked" and "partitions" not in info
