@@ -80,7 +80,7 @@ def test_definitions_cover_the_issue():
     assert {module.WORKLOADS[w].ttft_slo_ms for w in ("loogle", "sharegpt", "mooncake")} == {
         15000.0, 2000.0, 5000.0}
     loogle = module.WORKLOADS["loogle"].build_spec(0.3, module.TRACE).build()
-    assert len(loogle) == 40 and {r.output_len for r in loogle} == {64}
+    assert len(loogle) == 27 and {r.output_len for r in loogle} == {64}
     assert 12000 <= min(r.prompt_len for r in loogle) <= max(r.prompt_len for r in loogle) <= 20000
     trace = module.WORKLOADS["mooncake"].build_spec(0.5, module.TRACE)
     requests = trace.build()
