@@ -67,7 +67,7 @@ from pdserve.bench.evidence import (  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.bench.runner import RunContext, SloOptions, run_at_rate, warm_up  # noqa: E402
 from pdserve.bench.spec import WorkloadSpec, parse_spec  # noqa: E402
-from pdserve.bench.workloads import salted, workload_stats  # noqa: E402
+from pdserve.bench.workloads import BenchError, salted, workload_stats  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "goodput_h200"
 TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl"
@@ -222,6 +222,8 @@ class RunOptions:
     """Per configuration per call, for --search targets."""
     budget: Budget
     server_cmd: str = DEFAULT_SERVER_CMD
+    failed: list[str] = dataclasses.field(default_factory=list)
+    """Configurations whose server did not come up (the call's exit status is then 1)."""
 
 
 def probe_seconds(workload: ProbeWorkload, rate: float, trace: Path) -> float:
@@ -288,6 +290,10 @@ def next_probe(target: Target, run: ConfigRun) -> float | None:
     return next_search_rate(results, target.workload, target.config)
 
 
+class ServerFailed(RuntimeError):
+    """A configuration's server did not come up: its probes are skipped, the call goes on."""
+
+
 async def run_config(config: str, targets: list[Target], opts: RunOptions) -> bool:
     """Every target of one configuration; False once the budget stopped the call."""
     run = ConfigRun(config, opts)
@@ -295,6 +301,10 @@ async def run_config(config: str, targets: list[Target], opts: RunOptions) -> bo
         for target in targets:
             if not await _run_target(target, run):
                 return False
+        return True
+    except ServerFailed as exc:
+        print(f"[goodput] {config}: {exc}; its probes are not run", flush=True)
+        opts.failed.append(config)
         return True
     finally:
         await run.stop()
@@ -317,21 +327,19 @@ async def _run_target(target: Target, run: ConfigRun) -> bool:
 
 
 async def _probe(run: ConfigRun, workload: ProbeWorkload, rate: float) -> bool:
+    """One probe, recorded; False when the budget cut it (nothing is written then)."""
     if run.server is None:
-        await run.start()
+        try:
+            await run.start()
+        except (BenchError, RuntimeError, TimeoutError, OSError) as exc:
+            raise ServerFailed(f"server not up: {exc}") from None
     spec = workload.build_spec(rate, run.opts.trace)
     # Fresh tokens per rate: the server's prefix cache holds the previous probes' prompts.
     requests = salted(spec.build(), 1 + round(rate * 1000), spec.vocab_size)
-    if workload.name not in run.warmed:
-        await warm_up(run.backend, requests[:2])
-        run.warmed.add(workload.name)
-    ctx = RunContext(progress=False, keep_samples=True)
-    slo = SloOptions(workload.ttft_slo_ms, TPOT_SLO_MS)
     label = f"{workload.name}:{run.config}:{rate:g}"
     try:
-        result = await asyncio.wait_for(
-            run_at_rate(run.backend, spec, requests, rate, slo, ctx),
-            timeout=max(1.0, run.opts.budget.left() - STOP_S))
+        result = await asyncio.wait_for(_measure(run, workload, spec, requests, rate),
+                                        timeout=max(1.0, run.opts.budget.left() - STOP_S))
     except TimeoutError:
         print(f"[goodput] {label} cut at the budget limit; nothing written", flush=True)
         return False
@@ -340,6 +348,16 @@ async def _probe(run: ConfigRun, workload: ProbeWorkload, rate: float) -> bool:
     run.done += 1
     print(f"[goodput] {label}: attainment {result['slo_attainment']:.3f} -> {path}", flush=True)
     return True
+
+
+async def _measure(run: ConfigRun, workload: ProbeWorkload, spec: WorkloadSpec,
+                   requests: list, rate: float) -> dict:
+    if workload.name not in run.warmed:  # once per server: kernels compile on first use
+        await warm_up(run.backend, requests[:2])
+        run.warmed.add(workload.name)
+    ctx = RunContext(progress=False, keep_samples=True)
+    slo = SloOptions(workload.ttft_slo_ms, TPOT_SLO_MS)
+    return await run_at_rate(run.backend, spec, requests, rate, slo, ctx)
 
 
 def compact_samples(samples: list[dict]) -> list[dict]:
@@ -617,7 +635,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       args.server_args, args.port, args.startup_s, args.max_probes, budget,
                       args.server_cmd)
     asyncio.run(run_targets(targets, opts))
-    return 0
+    return 1 if opts.failed else 0
 
 
 def cmd_summarise(args: argparse.Namespace) -> int:

@@ -4,7 +4,10 @@ its summary on records whose answers are known."""
 from __future__ import annotations
 
 import re
+import shlex
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 from test_scripts import _load
@@ -150,3 +153,41 @@ def test_chunked_probes_serve_every_figure3_slo(tool, tmp_path):
     goodput = {s["tpot_slo_ms"]: s["goodput_rps"] for s in data["searches"]
                if s["config"] == "chunk256"}
     assert goodput == {40.0: 0.0, 60.0: 0.0, 80.0: 0.3, 100.0: 0.3}
+
+
+STANDIN = Path(__file__).resolve().parents[1] / "bench" / "bench_standin.py"
+
+
+def _quick(tool, monkeypatch) -> None:
+    quick = tool.ProbeWorkload("quick", "random:input_len=8,output_len=2,vocab_size=256",
+                               ttft_slo_ms=60_000.0, span_s=0.01, min_requests=3,
+                               max_requests=3, drain_s=0.1, ladder=(100.0,), start_rate=100.0)
+    monkeypatch.setitem(tool.WORKLOADS, "quick", quick)
+    monkeypatch.setitem(tool.CONFIGS, "slow", "--prefill-ms 5000")
+
+
+@pytest.mark.slow
+def test_a_probe_that_overruns_the_budget_is_cut_and_writes_nothing(tool, tmp_path,
+                                                                     monkeypatch, capsys):
+    # The stand-in prefills one request at a time, 5 s each: warm-up and probe need >= 25 s.
+    # The drain allowance (0.1 s) lets the probe start; the budget leaves it ~12 s.
+    _quick(tool, monkeypatch)
+    command = f"{shlex.quote(sys.executable)} {STANDIN} --host 127.0.0.1 --port {{port}}"
+    code = tool.main(["run", "--probe", "quick:slow:100", "--model", "standin",
+                      "--server-args", "", "--server-cmd", command, "--startup-s", "3",
+                      "--budget-s", "27", "--results", str(tmp_path),
+                      "--port", str(_free_port())])
+    assert code == 0
+    assert "quick:slow:100 cut at the budget limit; nothing written" in capsys.readouterr().out
+    assert not load_records(tmp_path)
+
+
+def test_a_server_that_never_comes_up_fails_the_call(tool, tmp_path, monkeypatch, capsys):
+    _quick(tool, monkeypatch)
+    code = tool.main(["run", "--probe", "quick:slow:100", "--server-args", "",
+                      "--server-cmd", "false {model} {port}", "--startup-s", "3",
+                      "--budget-s", "60",
+                      "--results", str(tmp_path), "--port", str(_free_port())])
+    assert code == 1
+    assert "slow: server not up: server exited with 1" in capsys.readouterr().out
+    assert not load_records(tmp_path)
