@@ -496,15 +496,24 @@ LOOGLE_H200 = ROOT / "benchmarks" / "results" / "loogle_h200"
 # seed 0 (Python's random rather than numpy's: the same distributions), but 40 requests
 # where a probe of 0.3 or 0.5 req/s sends 27 or 30: the same workload, a longer run.
 # The 36d9d59 multiplex runs at ITL 60 are left out: 4f22d08 reran them (newer code).
-LEGACY_LOOGLE = {
-    "36d9d59_pdserve_chunk512_rate0.3.json": ("chunk512", 0.3, "36d9d59"),
-    "36d9d59_pdserve_chunk512_rate0.5.json": ("chunk512", 0.5, "36d9d59"),
-    "36d9d59_pdserve_chunk1024_rate0.5.json": ("chunk1024", 0.5, "36d9d59"),
-    "36d9d59_pdserve_prefill_first_rate0.5.json": ("prefill-first", 0.5, "36d9d59"),
-    "36d9d59_pdserve_multiplex_itl80_rate0.5.json": ("multiplex-itl80", 0.5, "36d9d59"),
-    "mux_rate0.3_records.json": ("multiplex-itl60", 0.3, "4f22d08"),
-    "mux_rate0.5_records.json": ("multiplex-itl60", 0.5, "4f22d08"),
+_MUX_36D9D59 = "--schedule multiplex --max-num-batched-tokens 24576"  # profiled in that run
+_MUX_4F22D08 = (f"{_MUX_36D9D59} --itl-slo-ms 60 --mux-decode-sms 16,24,32,48,64 "
+                f"--mux-predictor {PREDICTOR.relative_to(ROOT)}")
+LEGACY_LOOGLE = {  # file: (config, rate, revision, server flags after SERVER_ARGS)
+    "36d9d59_pdserve_chunk512_rate0.3.json": ("chunk512", 0.3, "36d9d59", CONFIGS["chunk512"]),
+    "36d9d59_pdserve_chunk512_rate0.5.json": ("chunk512", 0.5, "36d9d59", CONFIGS["chunk512"]),
+    "36d9d59_pdserve_chunk1024_rate0.5.json": ("chunk1024", 0.5, "36d9d59",
+                                               CONFIGS["chunk1024"]),
+    "36d9d59_pdserve_prefill_first_rate0.5.json": ("prefill-first", 0.5, "36d9d59",
+                                                   CONFIGS["prefill-first"]),
+    "36d9d59_pdserve_multiplex_itl80_rate0.5.json": ("multiplex-itl80", 0.5, "36d9d59",
+                                                     f"{_MUX_36D9D59} --itl-slo-ms 80"),
+    "mux_rate0.3_records.json": ("multiplex-itl60", 0.3, "4f22d08", _MUX_4F22D08),
+    "mux_rate0.5_records.json": ("multiplex-itl60", 0.5, "4f22d08", _MUX_4F22D08),
 }
+LOADGEN_COMMAND = ("python benchmarks/loadgen_loogle.py --api openai --url http://127.0.0.1:PORT "
+                   "--model codellama-34b --num-requests 40 --rate {rate} --input-min 12000 "
+                   "--input-max 20000 --output-len 64 --warmup --seed 0 --out result.json")
 # `pdserve bench compare` runs whose ShareGPT-like workload is this one at 6 req/s exactly
 # (150 requests, seed 0, vocabulary 32,000, two warm-up requests). Their LooGLE runs are
 # not: lognormal 10-16K prompts, 20 requests.
@@ -529,14 +538,15 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 3)
 
 
-def _legacy_record(source: Path, workload: str, config: str, rate: float, revision: str,
-                   created: str, samples: list[dict]) -> dict:
-    return {"version": 1, "created": created, "git_revision": revision,
-            "command": None, "imported_from": str(source.relative_to(ROOT)),
-            "device": {"gpus": ["NVIDIA H200"]},
-            "probe": {"workload": workload, "config": config, "rate": rate,
-                      "requests": len(samples)},
-            "server_args": CONFIGS.get(config), "samples": samples}
+def _legacy_record(source: Path, probe: dict, head: dict, server_args: str,
+                   samples: list[dict]) -> dict:
+    """A probe record of an imported run: ``head`` holds created, git_revision, command and
+    device as the source states them."""
+    uses_predictor = "--mux-predictor" in server_args
+    return {"version": 1, **head, "imported_from": str(source.relative_to(ROOT)),
+            "config": {"name": probe["config"], "server_args": server_args},
+            "predictor": predictor_info(PREDICTOR) if uses_predictor else None,
+            "probe": {**probe, "requests": len(samples)}, "samples": samples}
 
 
 def _commit_date(revision: str) -> str:
@@ -550,27 +560,34 @@ def _commit_date(revision: str) -> str:
 
 
 def import_legacy(results: Path) -> list[Path]:
-    written = []
-    for name, (config, rate, revision) in LEGACY_LOOGLE.items():
-        source = LOOGLE_H200 / name
-        samples = _loadgen_samples(json.loads(source.read_text())["requests"])
-        record = _legacy_record(source, "loogle", config, rate, revision,
-                                _commit_date(revision), samples)
-        written.append(_write_new(record, probe_path(results, "loogle", config, rate)))
+    written = [_import_loadgen(name, entry, results) for name, entry in LEGACY_LOOGLE.items()]
     for name, configs in LEGACY_SHAREGPT.items():
         written += _import_compare(ROOT / "benchmarks" / "results" / name, configs, results)
     return [p for p in written if p is not None]
 
 
+def _import_loadgen(name: str, entry: tuple, results: Path) -> Path | None:
+    config, rate, revision, flags = entry
+    source = LOOGLE_H200 / name
+    samples = _loadgen_samples(json.loads(source.read_text())["requests"])
+    head = {"created": _commit_date(revision), "git_revision": revision,
+            "command": LOADGEN_COMMAND.format(rate=rate),
+            "device": {"gpus": ["NVIDIA H200"], "source": "loogle_h200/README.md"}}
+    probe = {"workload": "loogle", "config": config, "rate": rate}
+    record = _legacy_record(source, probe, head, f"{SERVER_ARGS} {flags}", samples)
+    return _write_new(record, probe_path(results, "loogle", config, rate))
+
+
 def _import_compare(source: Path, configs: tuple[str, ...], results: Path) -> list[Path | None]:
     data = json.loads(source.read_text())
-    revision = data["git_revision"]
+    head = {k: data[k] for k in ("created", "git_revision", "command", "device")}
     written = []
     for run in data["runs"]:
         if run["name"] not in configs or run["workload"]["dataset"] != "sharegpt":
             continue
         config = "multiplex-itl60" if run["name"] == "multiplex" else run["name"]
-        record = _legacy_record(source, "sharegpt", config, 6.0, revision, data["created"],
+        probe = {"workload": "sharegpt", "config": config, "rate": 6.0}
+        record = _legacy_record(source, probe, head, shlex.join(run["server_args"]),
                                 compact_samples(run["samples"]))
         written.append(_write_new(record, probe_path(results, "sharegpt", config, 6.0)))
     return written

@@ -191,3 +191,21 @@ def test_a_server_that_never_comes_up_fails_the_call(tool, tmp_path, monkeypatch
     assert code == 1
     assert "slow: server not up: server exited with 1" in capsys.readouterr().out
     assert not load_records(tmp_path)
+
+
+def test_imported_records_give_the_attainment_their_runs_reported(tool, tmp_path):
+    # The figures for these runs: multiplex at 4f22d08 92.5% / 17.5% at 0.3 / 0.5
+    # req/s, chunk 512 at 36d9d59 45% at 0.3, 0% at 0.5 (TTFT 15 s, TPOT 60 ms).
+    written = tool.import_legacy(tmp_path)
+    assert len(written) == len(tool.LEGACY_LOOGLE) + 4
+    assert tool.import_legacy(tmp_path) == []  # never overwrites
+    data = tool.summarise(tmp_path, tmp_path, ["loogle"])
+    curves = {(s["workload"], s["config"], s["tpot_slo_ms"]): s["curve"]
+              for s in data["searches"]}
+    assert curves[("loogle", "multiplex-itl60", 60.0)] == [(0.3, 0.925), (0.5, 0.175)]
+    assert curves[("loogle", "chunk512", 60.0)] == [(0.3, 0.45), (0.5, 0.0)]
+    assert [rate for rate, _ in curves[("sharegpt", "chunk2048", 60.0)]] == [6.0]
+    records = {r["probe"]["config"]: r for r in load_records(tmp_path)
+               if r["probe"]["workload"] == "loogle"}
+    assert records["multiplex-itl60"]["predictor"]["sha256"]
+    assert records["chunk512"]["git_revision"] == "36d9d59"
