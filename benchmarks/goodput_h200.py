@@ -444,9 +444,23 @@ def _plot_figure3(series: dict, found: list[Search], path: Path, workload: str) 
     return plot_goodput_vs_slo(points, path, f"{workload}: goodput against the ITL SLO")
 
 
-def run_command(probes: list[tuple[str, str, float]]) -> str:
-    args = " ".join(f"--probe {w}:{c}:{r:g}" for w, c, r in probes)
-    return f"python benchmarks/goodput_h200.py run {args} --budget-s 520"
+CONFIGS_PER_CALL = 2
+"""Searches per device call: two server starts and two or three probes fill ~8.5 minutes."""
+
+
+def run_commands(probes: list[tuple[str, str, float]]) -> list[str]:
+    """Device calls that resume the unfinished searches, a few configurations per call."""
+    pending: dict[str, list[str]] = {}
+    for workload, config, _ in probes:
+        if config not in pending.setdefault(workload, []):
+            pending[workload].append(config)
+    commands = []
+    for workload, configs in pending.items():
+        for i in range(0, len(configs), CONFIGS_PER_CALL):
+            group = ",".join(configs[i:i + CONFIGS_PER_CALL])
+            commands.append(f"python benchmarks/goodput_h200.py run --search {workload}:{group} "
+                            "--max-probes 2 --budget-s 510")
+    return commands
 
 
 def summary_markdown(found: list[Search], figure3_workloads: list[str], out_dir: Path) -> str:
@@ -463,7 +477,7 @@ def summary_markdown(found: list[Search], figure3_workloads: list[str], out_dir:
     parts += ["## Missing next (one per unfinished search)", ""]
     parts += [f"- {w}:{c}:{r:g}" for w, c, r in missing] or ["- nothing: every search ended"]
     if missing:
-        parts += ["", "```", run_command(missing), "```"]
+        parts += ["", "Device calls that resume them:", "", "```", *run_commands(missing), "```"]
     return "\n".join(parts) + "\n"
 
 

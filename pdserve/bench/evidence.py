@@ -104,29 +104,28 @@ def main_revision(found: list[Search]) -> str | None:
 
 def goodput_table(found: list[Search], spaces: dict[str, SearchSpace],
                   workloads: list[str], configs: list[str]) -> str:
-    """Markdown: one row per config, one goodput column per workload (req/s)."""
+    """Markdown: one row per config, one goodput column per workload (req/s); cells whose
+    probes are not (only) from the table's main revision carry † and their revisions."""
     cells = {(s.workload, s.config): s for s in found}
     main = main_revision(found)
     lines = ["| configuration | " + " | ".join(f"{w} (req/s)" for w in workloads) + " |",
              "|---" * (len(workloads) + 1) + "|"]
-    marked = False
     for config in configs:
-        row = []
-        for workload in workloads:
-            search = cells.get((workload, config))
-            if search is None:
-                row.append("-")
-                continue
-            text = goodput_cell(search, spaces[workload].ladder)
-            if search.revisions and search.revisions != [main]:
-                text += f" † ({', '.join(search.revisions)})"
-                marked = True
-            row.append(text)
+        row = [_table_cell(cells.get((w, config)), spaces[w], main) for w in workloads]
         lines.append(f"| {config} | " + " | ".join(row) + " |")
-    if marked and main:
+    if main and any("†" in line for line in lines):
         lines.append(f"\n† probes from a revision other than {main} (the revision of most "
                      "probes): not the same code.")
     return "\n".join(lines)
+
+
+def _table_cell(search: Search | None, space: SearchSpace, main: str | None) -> str:
+    if search is None:
+        return "-"
+    text = goodput_cell(search, space.ladder)
+    if search.revisions and search.revisions != [main]:
+        text += f" † ({', '.join(search.revisions)})"
+    return text
 
 
 def attainment_table(search: Search) -> str:

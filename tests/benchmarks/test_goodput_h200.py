@@ -141,7 +141,7 @@ def test_summary_brackets_missing_probes_revisions_and_figure3(tool, tmp_path):
     assert next(line for line in markdown.splitlines()
                 if line.startswith("| chunk512 |")).split("|")[2].strip() == "0.1"
     assert "† (bbbbbbb)" in markdown  # chunk1024 comes from another revision
-    assert "--probe loogle:multiplex-itl60:0.3" in markdown
+    assert "run --search loogle:multiplex-itl60,chunk256 --max-probes 2" in markdown
     assert (tmp_path / "figure3_loogle.png").stat().st_size > 0
     assert "| chunk512 | 0.1 | 0.1 | 0.1 | 0.1 |" in markdown  # one run, every ITL SLO
 
