@@ -311,14 +311,16 @@ async def run_config(config: str, targets: list[Target], opts: RunOptions) -> bo
 
 
 async def _run_target(target: Target, run: ConfigRun) -> bool:
+    """The target's probe, or its search's next probes; False once one was cut at the
+    budget limit. A probe too long for what is left is skipped (a shorter one may fit)."""
     workload = WORKLOADS[target.workload]
     while (rate := next_probe(target, run)) is not None:
         needed = run.needs(workload, rate)
         if not run.opts.budget.allows(needed):
             print(f"[goodput] budget: {target.workload}:{target.config}:{rate:g} needs "
-                  f"~{needed:.0f} s, {run.opts.budget.left() - STOP_S:.0f} s left; stopping",
-                  flush=True)
-            return False
+                  f"~{needed:.0f} s, {run.opts.budget.left() - STOP_S:.0f} s left; not "
+                  "started", flush=True)
+            return True
         if not await _probe(run, workload, rate):
             return False
         if target.rate is not None:
