@@ -95,3 +95,60 @@ async def search_goodput(measure: Measure, start_rate: float = 1.0, min_rate: fl
         else:
             high = mid
     return GoodputResult(low, target, prober.points, bracketed=high is not None)
+
+
+# --- a search carried across sessions ---------------------------------------------------------
+# When every probe is a separate, recorded run (a device budget allows only a few at a time),
+# the search state is the curve measured so far: these functions read it and name the next
+# rate on a fixed ladder, so runs made in different sessions land on the same rates.
+
+
+@dataclass(frozen=True)
+class Bracket:
+    """What a curve says about goodput: ``low`` passed (0: nothing passed), ``high`` failed
+    (None: nothing failed above ``low``)."""
+
+    low: float
+    high: float | None
+
+    def describe(self, ladder: list[float] | None = None) -> str:
+        """``0.3``, ``between 0.2 and 0.4``, ``>= 0.5``, ``< 0.1`` (req/s)."""
+        if self.high is None:
+            return f">= {self.low:g}" if self.low > 0 else "not probed"
+        if self.low == 0:
+            return f"< {self.high:g}"
+        if ladder is not None and not _ladder_between(ladder, self.low, self.high):
+            return f"{self.low:g}"
+        return f"between {self.low:g} and {self.high:g}"
+
+
+def rate_bracket(curve: list[tuple[float, float]], target: float = 0.9) -> Bracket:
+    """Goodput (as :func:`goodput_from_curve`) and the lowest failing rate above it."""
+    if not curve:
+        return Bracket(0.0, None)
+    low = goodput_from_curve(curve, target)
+    failing = [rate for rate, attainment in curve if attainment < target and rate > low]
+    return Bracket(low, min(failing) if failing else None)
+
+
+def _ladder_between(ladder: list[float], low: float, high: float) -> list[float]:
+    return [rate for rate in sorted(ladder) if low < rate < high]
+
+
+def next_rate(curve: list[tuple[float, float]], ladder: list[float], start: float,
+              target: float = 0.9) -> float | None:
+    """The next rate of a doubling-then-bisecting search on ``ladder``, given the rates
+    measured so far; None when the ladder cannot narrow the bracket further."""
+    if not curve:
+        return start
+    bracket = rate_bracket(curve, target)
+    rungs = sorted(ladder)
+    if bracket.high is None:  # nothing failed yet: about double the best pass
+        above = [r for r in rungs if bracket.low < r <= 2 * bracket.low]
+        return above[-1] if above else next((r for r in rungs if r > bracket.low), None)
+    if bracket.low == 0:  # everything probed failed: about halve the lowest failure
+        below = [r for r in rungs if bracket.high / 2 <= r < bracket.high]
+        return below[0] if below else next((r for r in reversed(rungs) if r < bracket.high),
+                                           None)
+    inside = _ladder_between(rungs, bracket.low, bracket.high)
+    return inside[len(inside) // 2] if inside else None

@@ -84,12 +84,18 @@ class RequestRecord:
         return (self.e2e - self.ttft) / (n - 1)
 
     def meets_slo(self, ttft_slo_s: float | None, itl_slo_s: float | None) -> bool:
-        if not self.success or self.ttft is None:
-            return False
-        if ttft_slo_s is not None and self.ttft > ttft_slo_s:
-            return False
-        tpot = self.tpot
-        return itl_slo_s is None or tpot is None or tpot <= itl_slo_s
+        return meets_slo(self.success, self.ttft, self.tpot, ttft_slo_s, itl_slo_s)
+
+
+def meets_slo(success: bool, ttft: float | None, tpot: float | None,
+              ttft_slo: float | None, tpot_slo: float | None) -> bool:
+    """DistServe's rule, in any one unit: a failure or a request without a token misses; a
+    request with one token has no TPOT and is judged on TTFT alone."""
+    if not success or ttft is None:
+        return False
+    if ttft_slo is not None and ttft > ttft_slo:
+        return False
+    return tpot_slo is None or tpot is None or tpot <= tpot_slo
 
 
 def stats_ms(values_s: list[float]) -> dict[str, float | None]:
@@ -111,6 +117,17 @@ def slo_attainment(records: list[RequestRecord], ttft_slo_ms: float | None,
     ttft_s = None if ttft_slo_ms is None else ttft_slo_ms / 1000.0
     itl_s = None if itl_slo_ms is None else itl_slo_ms / 1000.0
     return sum(r.meets_slo(ttft_s, itl_s) for r in records) / len(records)
+
+
+def sample_attainment(samples: list[dict], ttft_slo_ms: float | None,
+                      tpot_slo_ms: float | None) -> float | None:
+    """:func:`slo_attainment` of saved per-request samples (``request_samples``), so one run
+    answers for every SLO pair after the fact."""
+    if not samples:
+        return None
+    met = sum(meets_slo(s["success"], s["ttft_ms"], s["tpot_ms"], ttft_slo_ms, tpot_slo_ms)
+              for s in samples)
+    return met / len(samples)
 
 
 def distinct_errors(records: list[RequestRecord]) -> list[dict]:

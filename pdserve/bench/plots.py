@@ -200,6 +200,46 @@ def plot_attainment(runs: list[dict], path: Path, title: str) -> Path | None:
     return _save(fig, path)
 
 
+def plot_goodput_vs_slo(series: dict[str, list[tuple[float, float, float | None, bool]]],
+                        path: Path, title: str) -> Path | None:
+    """Goodput against the ITL (TPOT) SLO, one line per configuration: points
+    ``(slo_ms, goodput, lowest failing rate or None, settled)``. A search still open is
+    drawn hollow with a bar up to its lowest failing rate (an arrow when none failed)."""
+    if not any(series.values()):
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for index, (name, points) in enumerate(series.items()):
+        color = f"C{index}"
+        # Lines join settled goodputs only: an open search's lower bound is not a value.
+        settled = [p for p in points if p[3]]
+        ax.plot([p[0] for p in settled], [p[1] for p in settled], color=color, marker="o",
+                label=name)
+        for slo, low, high, settled in points:
+            _goodput_point(ax, slo, low, high, settled, color)
+    ax.set_xlabel("ITL (TPOT) SLO (ms)")
+    ax.set_ylabel("goodput (req/s at >= 90% attainment)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.add_line(Line2D([], [], marker="o", linestyle="", color="gray", markerfacecolor="white",
+                       label="search not finished"))
+    _legend(ax)
+    return _save(fig, path)
+
+
+def _goodput_point(ax, slo: float, low: float, high: float | None, settled: bool,
+                   color: str) -> None:
+    ax.scatter([slo], [low], s=50, zorder=3, color=color,
+               facecolors=color if settled else "white", linewidths=2)
+    if settled:
+        return
+    if high is None:
+        ax.annotate("", xy=(slo, low * 1.25 + 0.01), xytext=(slo, low),
+                    arrowprops={"arrowstyle": "->", "color": color})
+    else:
+        ax.vlines(slo, low, high, colors=color, linestyles=":")
+
+
 # --- timelines ----------------------------------------------------------------------------------
 
 UNITS = ("requests", "tokens", "SMs", "% (shares)")

@@ -15,7 +15,14 @@ from pdserve.bench.metrics import request_samples, summarize
 from pdserve.bench.sharegpt import TextTokenizer
 from pdserve.bench.spec import WorkloadSpec
 from pdserve.bench.timeline import TimelineSource
-from pdserve.bench.workloads import BenchError, BenchRequest, random_tokens, workload_stats
+from pdserve.bench.workloads import (
+    BenchError,
+    BenchRequest,
+    id_range,
+    random_tokens,
+    salted,
+    workload_stats,
+)
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,9 @@ async def run_goodput(backend: Backend, spec: WorkloadSpec, requests: list[Bench
     runs: dict[float, dict] = {}
 
     async def measure(rate: float) -> tuple[float, dict]:
-        runs[rate] = await run_at_rate(backend, spec, requests, rate, slo, ctx)
+        # Fresh tokens per probe: the server's prefix cache still holds the previous probe's.
+        probe = salted(requests, len(runs), id_range(requests, spec.vocab_size))
+        runs[rate] = await run_at_rate(backend, spec, probe, rate, slo, ctx)
         return runs[rate]["slo_attainment"], _without_samples(runs[rate])
 
     if opts.rates:

@@ -31,6 +31,8 @@ class WorkloadSpec:
     """random: mean output length."""
     range_ratio: float = 0.0
     """random: lengths uniform in [len * (1 - r), len * (1 + r)]."""
+    output_range_ratio: float | None = None
+    """random: the same for output lengths alone (None: range_ratio; 0: fixed length)."""
     path: str | None = None
     """mooncake: trace file; sharegpt: a ShareGPT JSON file (without it: synthetic lengths)."""
     max_context: int | None = None
@@ -47,6 +49,8 @@ class WorkloadSpec:
     """mooncake without a rate: multiply trace times (0.5 replays twice as fast)."""
     trace_start_s: float = 0.0
     trace_duration_s: float | None = None
+    trace_spread: int = 0
+    """mooncake: 1 takes num_prompts rows evenly spread over the window, 0 the first ones."""
     block_size: int = 512
     """mooncake: tokens per hash id."""
     label: str | None = None
@@ -70,7 +74,7 @@ class WorkloadSpec:
         if self.dataset == "random":
             return workloads.random_workload(self.num_prompts, self.input_len, self.output_len,
                                              self.range_ratio, self.seed, self.vocab_size,
-                                             self.max_context)
+                                             self.max_context, self.output_range_ratio)
         if self.dataset in workloads.SHAPES:
             return workloads.shaped_workload(self.dataset, self.num_prompts, self.seed,
                                              self.vocab_size, self.max_context)
@@ -84,7 +88,7 @@ class WorkloadSpec:
         return workloads.mooncake_workload(
             self.path, self.seed, self.vocab_size, self.block_size, self.trace_start_s,
             self.trace_duration_s, self.num_prompts, time_scale=self.trace_time_scale,
-            max_context=self.max_context)
+            max_context=self.max_context, spread=bool(self.trace_spread))
 
     def offsets(self, requests: list[BenchRequest], rate: float | None = None) -> list[float]:
         """Send offsets at ``rate`` (default: the spec's). A trace keeps its own shape:

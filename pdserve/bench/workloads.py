@@ -93,16 +93,40 @@ def _build(prompt_lens, output_lens, seed: int, vocab_size: int,
 
 
 def random_workload(num: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0, vocab_size: int = 32000,
-                    max_context: int | None = None) -> list[BenchRequest]:
+                    seed: int = 0, vocab_size: int = 32000, max_context: int | None = None,
+                    output_range_ratio: float | None = None) -> list[BenchRequest]:
+    """``output_range_ratio`` (default: ``range_ratio``) spreads the outputs on their own,
+    e.g. 0 for a fixed output length beside spread prompts."""
     rng = np.random.default_rng([seed, 0])
 
-    def lengths(mean: int) -> np.ndarray:
-        low = max(1, int(mean * (1 - range_ratio)))
-        high = max(low, int(mean * (1 + range_ratio)))
+    def lengths(mean: int, ratio: float) -> np.ndarray:
+        low = max(1, int(mean * (1 - ratio)))
+        high = max(low, int(mean * (1 + ratio)))
         return rng.integers(low, high + 1, size=num)
 
-    return _build(lengths(input_len), lengths(output_len), seed, vocab_size, max_context)
+    out_ratio = range_ratio if output_range_ratio is None else output_range_ratio
+    return _build(lengths(input_len, range_ratio), lengths(output_len, out_ratio), seed,
+                  vocab_size, max_context)
+
+
+def id_range(requests: list[BenchRequest], vocab_size: int) -> int:
+    """Token ids of ``requests`` lie below this: ``vocab_size``, or more for prompts read
+    through a real tokenizer."""
+    return max([vocab_size] + [max(r.prompt_token_ids) + 1 for r in requests
+                               if r.prompt_token_ids])
+
+
+def salted(requests: list[BenchRequest], salt: int, vocab_size: int) -> list[BenchRequest]:
+    """The same requests with every token id shifted by ``salt`` (mod the id range): a fresh
+    prompt to a server's prefix cache, while prompts that shared a prefix still share it.
+    Runs of one workload on one server (goodput probes) need this, else the second run's
+    prefills are cache hits."""
+    span = vocab_size - FIRST_TOKEN_ID
+    if salt % span == 0:
+        return requests
+    return [BenchRequest([FIRST_TOKEN_ID + (t - FIRST_TOKEN_ID + salt) % span
+                          for t in r.prompt_token_ids], r.output_len, r.arrival_s, r.meta)
+            for r in requests]
 
 
 def shaped_workload(name: str, num: int, seed: int = 0, vocab_size: int = 32000,
@@ -118,8 +142,10 @@ def shaped_workload(name: str, num: int, seed: int = 0, vocab_size: int = 32000,
 # --- Mooncake trace replay -------------------------------------------------------------------
 
 def load_trace(path: str | Path, start_s: float = 0.0, duration_s: float | None = None,
-               max_requests: int | None = None) -> list[dict]:
-    """Trace rows in the window ``[start_s, start_s + duration_s)``, at most ``max_requests``."""
+               max_requests: int | None = None, spread: bool = False) -> list[dict]:
+    """Trace rows in the window ``[start_s, start_s + duration_s)``, at most ``max_requests``:
+    the first ones, or with ``spread`` evenly spaced over the whole window (its long-range
+    shape kept, its short bursts thinned)."""
     rows = []
     with open(path) as f:
         for line in f:
@@ -130,8 +156,11 @@ def load_trace(path: str | Path, start_s: float = 0.0, duration_s: float | None 
             if t < start_s or (duration_s is not None and t >= start_s + duration_s):
                 continue
             rows.append(row)
-            if max_requests is not None and len(rows) >= max_requests:
+            if not spread and max_requests is not None and len(rows) >= max_requests:
                 break
+    if spread and max_requests is not None and len(rows) > max_requests:
+        picks = np.linspace(0, len(rows) - 1, max_requests).round().astype(int)
+        rows = [rows[i] for i in picks]
     return rows
 
 
@@ -185,11 +214,12 @@ def mooncake_workload(path: str | Path, seed: int = 0, vocab_size: int = 32000,
                       block_size: int = 512, start_s: float = 0.0,
                       duration_s: float | None = None, max_requests: int | None = None,
                       rate: float | None = None, time_scale: float = 1.0,
-                      max_context: int | None = None) -> list[BenchRequest]:
+                      max_context: int | None = None,
+                      spread: bool = False) -> list[BenchRequest]:
     """Requests of a Mooncake trace with the trace's own arrival times (optionally rescaled)."""
     if not Path(path).is_file():
         raise BenchError(f"Mooncake trace not found: {path}")
-    rows = load_trace(path, start_s, duration_s, max_requests)
+    rows = load_trace(path, start_s, duration_s, max_requests, spread)
     rows.sort(key=lambda r: r["timestamp"])
     blocks = BlockTokens(block_size, seed, vocab_size)
     rng = np.random.default_rng([seed, 3])

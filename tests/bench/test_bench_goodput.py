@@ -83,3 +83,42 @@ def test_standin_run_metrics(rate):
     assert sent["ignore_eos"] and sent["stream"] and sent["max_tokens"] == 4
     assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert len(sent["prompt"]) == 8
+
+
+# --- the search carried across sessions: state from the curve alone -------------------------
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from pdserve.bench.goodput import Bracket, next_rate, rate_bracket  # noqa: E402
+
+_ladders = st.lists(st.integers(1, 400), min_size=1, max_size=16, unique=True).map(
+    lambda xs: sorted(x / 20 for x in xs))
+
+
+@given(ladder=_ladders, knee=st.floats(0.0, 25.0), start_index=st.integers(0, 15))
+def test_ladder_search_ends_at_the_highest_rung_under_the_knee(ladder, knee, start_index):
+    start = ladder[start_index % len(ladder)]
+    curve: list[tuple[float, float]] = []
+    while (rate := next_rate(curve, ladder, start)) is not None:
+        assert rate in ladder and rate not in [r for r, _ in curve]  # never probes twice
+        curve.append((rate, 0.95 if rate <= knee else 0.4))
+    passing = [r for r in ladder if r <= knee]
+    bracket = rate_bracket(curve)
+    assert bracket.low == (max(passing) if passing else 0.0)
+    # Settled: nothing on the ladder lies between the last pass and the first failure.
+    if bracket.high is not None:
+        assert not [r for r in ladder if bracket.low < r < bracket.high]
+    else:
+        assert bracket.low == ladder[-1]
+
+
+def test_bracket_descriptions():
+    ladder = [0.1, 0.2, 0.3, 0.4]
+    assert rate_bracket([(0.2, 0.95), (0.4, 0.5)]).describe(ladder) == "between 0.2 and 0.4"
+    assert rate_bracket([(0.2, 0.95), (0.3, 0.5)]).describe(ladder) == "0.2"
+    assert rate_bracket([(0.2, 0.95)]).describe(ladder) == ">= 0.2"
+    assert rate_bracket([(0.2, 0.5)]).describe(ladder) == "< 0.2"
+    assert Bracket(0.0, None).describe() == "not probed"
+    # A pass above a failure is noise: the bracket ends at the first failure.
+    assert rate_bracket([(0.1, 0.95), (0.2, 0.5), (0.3, 0.95)]) == Bracket(0.1, 0.2)

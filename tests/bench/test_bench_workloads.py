@@ -130,3 +130,26 @@ def test_sharegpt_rejects_what_is_not_sharegpt(tmp_path):
 def test_a_file_given_to_a_dataset_that_reads_none_is_an_error():
     with pytest.raises(BenchError, match="random reads no file"):
         WorkloadSpec(dataset="random", path="x.json").build()
+
+
+def test_salted_prompts_are_fresh_but_keep_their_shared_prefixes():
+    from pdserve.bench.workloads import FIRST_TOKEN_ID, mooncake_workload, salted
+
+    requests = mooncake_workload(SAMPLE, vocab_size=1000, block_size=4)
+    fresh = salted(requests, 7, 1000)
+    assert [r.prompt_len for r in fresh] == [r.prompt_len for r in requests]
+    for old, new in zip(requests, fresh, strict=True):
+        assert all(a != b for a, b in zip(old.prompt_token_ids, new.prompt_token_ids,
+                                            strict=True))
+        assert all(FIRST_TOKEN_ID <= t < 1000 for t in new.prompt_token_ids)
+    shared = lambda rs: [a.prompt_token_ids[:4] == b.prompt_token_ids[:4]
+                         for a, b in zip(rs, rs[1:], strict=False)]
+    assert shared(fresh) == shared(requests) and any(shared(requests))
+
+
+def test_spread_takes_rows_over_the_whole_window():
+    from pdserve.bench.workloads import load_trace
+
+    rows = load_trace(SAMPLE)
+    picked = load_trace(SAMPLE, max_requests=3, spread=True)
+    assert picked[0] == rows[0] and picked[-1] == rows[-1] and len(picked) == 3

@@ -1,0 +1,697 @@
+"""Goodput of every schedule on three workloads, one recorded probe at a time (issue 10).
+
+A *probe* is one open-loop run of one workload at one rate against one configuration; it
+writes its per-request records to its own JSON under ``benchmarks/results/goodput_h200/``
+(``<workload>__<config>__r<rate>.json``). Device time comes in short calls, so evidence
+accumulates probe by probe across calls and sessions:
+
+- ``run``: the probes asked for (``--probe W:C:R``) or, with ``--search W:C1,C2``, the next
+  rates of each configuration's goodput search, read from the probes already recorded (a
+  doubling-then-bisecting search on the workload's rate ladder). A probe whose JSON exists is
+  skipped; one server start per configuration per call; no probe starts that cannot finish
+  within ``--budget-s`` (arrivals + the workload's drain allowance), and one that overruns
+  anyway is cut at the limit and writes nothing.
+- ``summarise``: attainment at every probed rate under every SLO, goodput (or its bracket),
+  the probes missing next, Figure 3 (goodput against the ITL SLO) and the README table.
+- ``import-legacy``: converts the committed records that match a probe's definition.
+
+Workloads (prompts are random token ids; CodeLlama-34B, dummy weights, one H200):
+
+| name | arrivals, requests | lengths | TTFT SLO |
+|---|---|---|---|
+| loogle | 90 s, 10-30 | prompts uniform 12,000-20,000, 64 out (ignore_eos) | 15 s |
+| sharegpt | 25 s, 50-400 | ShareGPT-like lognormal (~340 in / ~250 out) | 2 s |
+| mooncake | 90 s, 20-80 | Mooncake conversation trace, its first 10 minutes | 5 s |
+
+TPOT <= 60 ms everywhere (Figure 3: 40, 60, 80, 100 ms). Requests per probe are the rate
+times the arrival span, clipped: low rates get fewer requests from the same arrival process
+(Poisson, seed 0; the trace's own times rescaled), high rates are capped so a probe stays
+about two and a half minutes (three probes and a server start fit one 9-minute device call).
+The span is long enough for a queue to build at the knee: LooGLE-like prompts take ~2 s of
+prefill each, so at 0.3 req/s 27 requests bring ~55 s of prefill work in 90 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hashlib
+import json
+import math
+import shlex
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+# Runnable from a plain checkout: the package sits one folder up.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pdserve.bench.client import HttpBackend  # noqa: E402
+from pdserve.bench.compare import DEFAULT_SERVER_CMD, ManagedServer  # noqa: E402
+from pdserve.bench.evidence import (  # noqa: E402
+    ATTAINMENT_HEADER,
+    Search,
+    SearchSpace,
+    attainment_table,
+    figure3_points,
+    goodput_cell,
+    goodput_table,
+    load_records,
+    missing_probes,
+    searches,
+)
+from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.bench.runner import RunContext, SloOptions, run_at_rate, warm_up  # noqa: E402
+from pdserve.bench.spec import WorkloadSpec, parse_spec  # noqa: E402
+from pdserve.bench.workloads import BenchError, salted, workload_stats  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "goodput_h200"
+TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl"
+PREDICTOR = ROOT / "benchmarks" / "results" / "loogle_h200" / "predictor_codellama34b.json"
+TPOT_SLO_MS = 60.0
+FIGURE3_ITL_MS = (40.0, 60.0, 80.0, 100.0)
+TARGET = 0.9
+STOP_S = 15.0
+"""Allowance for stopping a server (SIGTERM, engine exit) at the end of a call."""
+
+
+@dataclass(frozen=True)
+class ProbeWorkload:
+    name: str
+    spec: str
+    """A ``pdserve bench`` workload spec without num and rate; ``{trace}`` is the trace path."""
+    ttft_slo_ms: float
+    span_s: float
+    min_requests: int
+    max_requests: int
+    drain_s: float
+    """Allowed after the last arrival for the last outputs (and the warm-up)."""
+    ladder: tuple[float, ...]
+    start_rate: float
+
+    def num_requests(self, rate: float) -> int:
+        return max(self.min_requests, min(self.max_requests, round(rate * self.span_s)))
+
+    def build_spec(self, rate: float, trace: Path) -> WorkloadSpec:
+        text = self.spec.format(trace=trace)
+        spec = parse_spec(f"{text},num={self.num_requests(rate)},rate={rate}", WorkloadSpec())
+        return dataclasses.replace(spec, label=self.name, ttft_slo_ms=self.ttft_slo_ms,
+                                   itl_slo_ms=TPOT_SLO_MS)
+
+
+WORKLOADS = {w.name: w for w in (
+    ProbeWorkload("loogle", "random:input_len=16000,range_ratio=0.25,output_len=64,"
+                  "output_range_ratio=0,vocab_size=32000,seed=0", 15000.0, 90.0, 10, 30,
+                  45.0, (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6),
+                  0.3),
+    ProbeWorkload("sharegpt", "sharegpt:vocab_size=32000,seed=0", 2000.0, 25.0, 50, 400,
+                  30.0, (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 20.0, 24.0),
+                  6.0),
+    # Prompts past the served context (24,576) are clipped to it: 16% of the window's rows.
+    ProbeWorkload("mooncake", "mooncake:trace={trace},trace_duration_s=600,trace_spread=1,"
+                  "max_context=24576,vocab_size=32000,seed=0", 5000.0, 90.0, 20, 80, 60.0,
+                  (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.5, 2.0), 0.5),
+)}
+
+MUX_ARGS = "--schedule multiplex --max-num-batched-tokens 24576 --mux-predictor {predictor}"
+CONFIGS = {f"chunk{c}": f"--schedule chunked --chunk-size {c}" for c in (256, 512, 1024, 2048)}
+CONFIGS["prefill-first"] = "--schedule prefill-first --max-num-batched-tokens 24576"
+# Decode on 56 of the 132 SMs, as the engine's disagg baseline has run on the H200.
+CONFIGS["disagg"] = "--schedule disagg --disagg-decode-sms 56 --max-num-batched-tokens 24576"
+CONFIGS.update({f"multiplex-itl{itl:g}": f"{MUX_ARGS} --itl-slo-ms {itl:g}"
+                for itl in FIGURE3_ITL_MS})
+TABLE_CONFIGS = ("multiplex-itl60", "chunk256", "chunk512", "chunk1024", "chunk2048",
+                 "prefill-first", "disagg")
+SERVER_ARGS = "--load-format dummy --max-model-len 24576"
+
+
+def itl_target(config: str) -> float | None:
+    """The ITL SLO a multiplex configuration serves to (None: not a multiplex one)."""
+    return float(config.removeprefix("multiplex-itl")) if config.startswith("multiplex-itl") \
+        else None
+
+
+def probe_path(results: Path, workload: str, config: str, rate: float) -> Path:
+    return results / f"{workload}__{config}__r{rate:g}.json"
+
+
+# --- which probes: explicit, or the next of each search ---------------------------------------
+
+@dataclass(frozen=True)
+class Target:
+    workload: str
+    config: str
+    rate: float | None = None
+    """None: the next rate of this pair's goodput search."""
+
+
+def parse_probe(text: str) -> Target:
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise SystemExit(f"bad --probe {text!r}: expected WORKLOAD:CONFIG:RATE")
+    return _checked(Target(parts[0], parts[1], float(parts[2])))
+
+
+def parse_search(text: str) -> list[Target]:
+    workload, _, configs = text.partition(":")
+    if not configs:
+        raise SystemExit(f"bad --search {text!r}: expected WORKLOAD:CONFIG[,CONFIG...]")
+    return [_checked(Target(workload, c.strip())) for c in configs.split(",") if c.strip()]
+
+
+def _checked(target: Target) -> Target:
+    if target.workload not in WORKLOADS:
+        raise SystemExit(f"unknown workload {target.workload!r}; known: {', '.join(WORKLOADS)}")
+    if target.config not in CONFIGS:
+        raise SystemExit(f"unknown config {target.config!r}; known: {', '.join(CONFIGS)}")
+    if target.rate is not None and not (target.rate > 0 and math.isfinite(target.rate)):
+        raise SystemExit(f"bad rate {target.rate} for {target.workload}:{target.config}")
+    return target
+
+
+def search_slos(config: str) -> list[float]:
+    """TPOT SLOs whose goodput this configuration's probes decide: a multiplex server serves
+    one ITL target; a chunked one is judged against each Figure 3 target from one run."""
+    if itl_target(config) is not None:
+        return [itl_target(config)]
+    return list(FIGURE3_ITL_MS) if config.startswith("chunk") else [TPOT_SLO_MS]
+
+
+def search_spaces() -> dict[str, SearchSpace]:
+    return {w.name: SearchSpace(w.ttft_slo_ms, w.ladder, w.start_rate, TARGET)
+            for w in WORKLOADS.values()}
+
+
+def next_search_rate(results: Path, workload: str, config: str) -> float | None:
+    """The next rate of this pair's searches (TPOT 60 first, then the Figure 3 targets)."""
+    wanted = [(workload, config, slo)
+              for slo in sorted(search_slos(config), key=lambda s: s != TPOT_SLO_MS)]
+    found = searches(load_records(results), wanted, search_spaces())
+    return next((s.next_rate for s in found if s.next_rate is not None), None)
+
+
+# --- running ----------------------------------------------------------------------------------
+
+@dataclass
+class Budget:
+    deadline: float
+    """time.monotonic() after which no work may still run."""
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def allows(self, seconds: float) -> bool:
+        return seconds + STOP_S <= self.left()
+
+
+@dataclass
+class RunOptions:
+    results: Path
+    trace: Path
+    predictor: Path
+    model: str
+    server_args: str
+    port: int
+    startup_s: float
+    """Expected server start-up (healthy), counted before the first probe of a config."""
+    max_probes: int
+    """Per configuration per call, for --search targets."""
+    budget: Budget
+    server_cmd: str = DEFAULT_SERVER_CMD
+    failed: list[str] = dataclasses.field(default_factory=list)
+    """Configurations whose server did not come up (the call's exit status is then 1)."""
+
+
+def probe_seconds(workload: ProbeWorkload, rate: float, trace: Path) -> float:
+    """Last arrival + the drain allowance: what a probe needs before it may start."""
+    spec = workload.build_spec(rate, trace)
+    offsets = spec.offsets(spec.build(), rate)
+    return (offsets[-1] if offsets else 0.0) + workload.drain_s
+
+
+def by_config(targets: list[Target]) -> dict[str, list[Target]]:
+    """Targets grouped per configuration, in first-mention order (one server start each)."""
+    groups: dict[str, list[Target]] = {}
+    for target in targets:
+        groups.setdefault(target.config, []).append(target)
+    return groups
+
+
+class ConfigRun:
+    """One configuration's server for this call: started when the first probe that fits the
+    budget needs it, stopped at the end."""
+
+    def __init__(self, config: str, opts: RunOptions) -> None:
+        self.config = config
+        self.opts = opts
+        self.server: ManagedServer | None = None
+        self.backend: HttpBackend | None = None
+        self.warmed: set[str] = set()
+        self.done = 0
+
+    def command(self) -> list[str]:
+        args = CONFIGS[self.config].format(predictor=shlex.quote(str(self.opts.predictor)))
+        template = self.opts.server_cmd.format(model=shlex.quote(self.opts.model),
+                                               port=self.opts.port)
+        return shlex.split(template) + shlex.split(self.opts.server_args) + shlex.split(args)
+
+    async def start(self) -> None:
+        log = self.opts.results / "logs" / f"{self.config}.log"
+        self.server = ManagedServer(self.command(), self.opts.port, log)
+        print(f"[goodput] {self.config}: {shlex.join(self.server.command)}", flush=True)
+        self.server.start()
+        await self.server.wait_healthy(max(1.0, self.opts.budget.left() - STOP_S))
+        self.backend = HttpBackend(self.server.url)
+        await self.backend.start()
+
+    async def stop(self) -> None:
+        if self.backend is not None:
+            await self.backend.close()
+        if self.server is not None:
+            self.server.stop()
+
+    def needs(self, workload: ProbeWorkload, rate: float) -> float:
+        start = 0.0 if self.server is not None else self.opts.startup_s
+        return start + probe_seconds(workload, rate, self.opts.trace)
+
+
+def next_probe(target: Target, run: ConfigRun) -> float | None:
+    """The rate to probe for ``target`` now, or None when it has nothing (left) to run."""
+    results = run.opts.results
+    if target.rate is not None:
+        exists = probe_path(results, target.workload, target.config, target.rate).exists()
+        return None if exists else target.rate
+    if run.done >= run.opts.max_probes:
+        return None
+    return next_search_rate(results, target.workload, target.config)
+
+
+class ServerFailed(RuntimeError):
+    """A configuration's server did not come up: its probes are skipped, the call goes on."""
+
+
+async def run_config(config: str, targets: list[Target], opts: RunOptions) -> bool:
+    """Every target of one configuration; False once the budget stopped the call."""
+    run = ConfigRun(config, opts)
+    try:
+        for target in targets:
+            if not await _run_target(target, run):
+                return False
+        return True
+    except ServerFailed as exc:
+        print(f"[goodput] {config}: {exc}; its probes are not run", flush=True)
+        opts.failed.append(config)
+        return True
+    finally:
+        await run.stop()
+
+
+async def _run_target(target: Target, run: ConfigRun) -> bool:
+    """The target's probe, or its search's next probes; False once one was cut at the
+    budget limit. A probe too long for what is left is skipped (a shorter one may fit)."""
+    workload = WORKLOADS[target.workload]
+    while (rate := next_probe(target, run)) is not None:
+        needed = run.needs(workload, rate)
+        if not run.opts.budget.allows(needed):
+            print(f"[goodput] budget: {target.workload}:{target.config}:{rate:g} needs "
+                  f"~{needed:.0f} s, {run.opts.budget.left() - STOP_S:.0f} s left; not "
+                  "started", flush=True)
+            return True
+        if not await _probe(run, workload, rate):
+            return False
+        if target.rate is not None:
+            return True
+    return True
+
+
+async def _probe(run: ConfigRun, workload: ProbeWorkload, rate: float) -> bool:
+    """One probe, recorded; False when the budget cut it (nothing is written then)."""
+    if run.server is None:
+        try:
+            await run.start()
+        except (BenchError, RuntimeError, TimeoutError, OSError) as exc:
+            raise ServerFailed(f"server not up: {exc}") from None
+    spec = workload.build_spec(rate, run.opts.trace)
+    # Fresh tokens per rate: the server's prefix cache holds the previous probes' prompts.
+    requests = salted(spec.build(), 1 + round(rate * 1000), spec.vocab_size)
+    label = f"{workload.name}:{run.config}:{rate:g}"
+    try:
+        result = await asyncio.wait_for(_measure(run, workload, spec, requests, rate),
+                                        timeout=max(1.0, run.opts.budget.left() - STOP_S))
+    except TimeoutError:
+        print(f"[goodput] {label} cut at the budget limit; nothing written", flush=True)
+        return False
+    path = probe_path(run.opts.results, workload.name, run.config, rate)
+    write_json(probe_record(run, spec, requests, rate, result), path)
+    run.done += 1
+    print(f"[goodput] {label}: attainment {result['slo_attainment']:.3f} -> {path}", flush=True)
+    return True
+
+
+async def _measure(run: ConfigRun, workload: ProbeWorkload, spec: WorkloadSpec,
+                   requests: list, rate: float) -> dict:
+    if workload.name not in run.warmed:  # once per server: kernels compile on first use
+        await warm_up(run.backend, requests[:2])
+        run.warmed.add(workload.name)
+    ctx = RunContext(progress=False, keep_samples=True)
+    slo = SloOptions(workload.ttft_slo_ms, TPOT_SLO_MS)
+    return await run_at_rate(run.backend, spec, requests, rate, slo, ctx)
+
+
+def compact_samples(samples: list[dict]) -> list[dict]:
+    """Per-request records without the per-token gaps (the summary keeps their stats)."""
+    return [{k: v for k, v in s.items() if k != "itl_ms"} for s in samples]
+
+
+def predictor_info(path: Path) -> dict:
+    digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    return {"path": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
+            "sha256": digest}
+
+
+def probe_record(run: ConfigRun, spec: WorkloadSpec, requests: list, rate: float,
+                 result: dict) -> dict:
+    engine = run.backend.engine_info or {}
+    modes = Counter(e.get("mode") for e in result.get("engine_timeline") or [])
+    summary = {k: v for k, v in result.items()
+               if k not in ("samples", "timeline", "engine_timeline")}
+    record = result_header({"name": run.config, "server_command": run.server.command,
+                            "server_args": CONFIGS[run.config], "engine": engine})
+    return {**record, "probe": {"workload": spec.label, "config": run.config, "rate": rate,
+                                "requests": len(requests)},
+            "workload": {**spec.describe(), **workload_stats(requests),
+                         "definition": dataclasses.asdict(WORKLOADS[spec.label])},
+            "predictor": predictor_info(run.opts.predictor)
+            if itl_target(run.config) is not None else None,
+            "partitions": engine.get("partitions"), "engine_modes": dict(modes),
+            "summary": summary, "samples": compact_samples(result["samples"])}
+
+
+async def run_targets(targets: list[Target], opts: RunOptions) -> None:
+    for config, group in by_config(targets).items():
+        if not await run_config(config, group, opts):
+            break
+
+
+# --- summary ----------------------------------------------------------------------------------
+
+def wanted_searches(figure3_workloads: list[str]) -> list[tuple[str, str, float]]:
+    """The README table's searches (TPOT 60), then Figure 3's (ITL 40..100)."""
+    wanted = [(w, c, TPOT_SLO_MS) for w in WORKLOADS for c in TABLE_CONFIGS]
+    for workload in figure3_workloads:
+        for itl in FIGURE3_ITL_MS:
+            wanted += [(workload, f"chunk{c}", itl) for c in (256, 512, 1024, 2048)]
+            wanted.append((workload, f"multiplex-itl{itl:g}", itl))
+    return list(dict.fromkeys(wanted))
+
+
+def figure3_family(config: str) -> str | None:
+    return "multiplex" if itl_target(config) is not None else \
+        config if config.startswith("chunk") else None
+
+
+def figure3(found: list[Search], workload: str, out_dir: Path) -> str:
+    """Figure 3 of ``workload``: the plot (when matplotlib is there) and its table."""
+    mine = [s for s in found if s.workload == workload and s.tpot_slo_ms in FIGURE3_ITL_MS
+            and (itl_target(s.config) in (None, s.tpot_slo_ms))]
+    series = figure3_points(mine, figure3_family)
+    plotted = _plot_figure3(series, mine, out_dir / f"figure3_{workload}.png", workload)
+    ladder = WORKLOADS[workload].ladder
+    lines = [f"### Figure 3, {workload}: goodput (req/s) against the ITL SLO", "",
+             "| configuration | " + " | ".join(f"ITL {itl:g} ms" for itl in FIGURE3_ITL_MS)
+             + " |", "|---" * (len(FIGURE3_ITL_MS) + 1) + "|"]
+    cells = {(figure3_family(s.config), s.tpot_slo_ms): s for s in mine}
+    for family in ["multiplex"] + [f"chunk{c}" for c in (256, 512, 1024, 2048)]:
+        row = [goodput_cell(cells[(family, itl)], ladder) if (family, itl) in cells else "-"
+               for itl in FIGURE3_ITL_MS]
+        lines.append(f"| {family} | " + " | ".join(row) + " |")
+    if plotted:
+        lines += ["", f"Plot: `{plotted.name}`."]
+    return "\n".join(lines)
+
+
+def _plot_figure3(series: dict, found: list[Search], path: Path, workload: str) -> Path | None:
+    try:
+        from pdserve.bench.plots import plot_goodput_vs_slo
+    except ImportError:
+        print("figure 3: no plot without matplotlib (pip install 'pdserve[bench]')")
+        return None
+    settled = {(figure3_family(s.config), s.tpot_slo_ms): s.finished for s in found}
+    points = {name: [(slo, b.low, b.high, settled[(name, slo)]) for slo, b in pts]
+              for name, pts in series.items()}
+    return plot_goodput_vs_slo(points, path, f"{workload}: goodput against the ITL SLO")
+
+
+CONFIGS_PER_CALL = 2
+"""Searches per device call: two server starts and two or three probes fill ~8.5 minutes."""
+
+
+def run_commands(probes: list[tuple[str, str, float]]) -> list[str]:
+    """Device calls that resume the unfinished searches, a few configurations per call."""
+    pending: dict[str, list[str]] = {}
+    for workload, config, _ in probes:
+        if config not in pending.setdefault(workload, []):
+            pending[workload].append(config)
+    commands = []
+    for workload, configs in pending.items():
+        for i in range(0, len(configs), CONFIGS_PER_CALL):
+            group = ",".join(configs[i:i + CONFIGS_PER_CALL])
+            commands.append(f"python benchmarks/goodput_h200.py run --search {workload}:{group} "
+                            "--max-probes 2 --budget-s 510")
+    return commands
+
+
+def summary_markdown(found: list[Search], figure3_workloads: list[str], out_dir: Path) -> str:
+    table = [s for s in found if s.tpot_slo_ms == TPOT_SLO_MS and s.config in TABLE_CONFIGS]
+    missing = missing_probes(found)
+    parts = ["# Goodput on the H200 (CodeLlama-34B, dummy weights)", "",
+             "Goodput = the highest probed rate with >= 90% of requests within TTFT "
+             "(loogle 15 s, sharegpt 2 s, mooncake 5 s) and TPOT 60 ms; `between a and b`: "
+             "a passed, b failed, the rates between not yet probed.", "",
+             goodput_table(table, search_spaces(), list(WORKLOADS), list(TABLE_CONFIGS)), "",
+             "## Attainment of every search", "", ATTAINMENT_HEADER]
+    parts += [attainment_table(s) for s in found]
+    parts += ["", *(figure3(found, w, out_dir) + "\n" for w in figure3_workloads)]
+    parts += ["## Missing next (one per unfinished search)", ""]
+    parts += [f"- {w}:{c}:{r:g}" for w, c, r in missing] or ["- nothing: every search ended"]
+    if missing:
+        parts += ["", "Device calls that resume them:", "", "```", *run_commands(missing), "```"]
+    return "\n".join(parts) + "\n"
+
+
+def summarise(results: Path, out_dir: Path, figure3_workloads: list[str]) -> dict:
+    found = searches(load_records(results), wanted_searches(figure3_workloads),
+                     search_spaces())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    markdown = summary_markdown(found, figure3_workloads, out_dir)
+    (out_dir / "summary.md").write_text(markdown)
+    data = {"searches": [_search_json(s) for s in found],
+            "missing": [{"workload": w, "config": c, "rate": r}
+                        for w, c, r in missing_probes(found)]}
+    (out_dir / "summary.json").write_text(json.dumps(data, indent=1) + "\n")
+    print(markdown)
+    return data
+
+
+def _search_json(search: Search) -> dict:
+    return {"workload": search.workload, "config": search.config,
+            "tpot_slo_ms": search.tpot_slo_ms, "curve": search.curve,
+            "goodput_rps": search.bracket.low, "lowest_failing_rps": search.bracket.high,
+            "finished": search.finished, "next_rate": search.next_rate,
+            "revisions": search.revisions}
+
+
+# --- committed records that match a probe's definition ----------------------------------------
+
+LOOGLE_H200 = ROOT / "benchmarks" / "results" / "loogle_h200"
+# LooGLE-like runs of benchmarks/loadgen_loogle.py: uniform 12,000-20,000, 64 out, Poisson,
+# seed 0 (Python's random rather than numpy's: the same distributions), but 40 requests
+# where a probe of 0.3 or 0.5 req/s sends 27 or 30: the same workload, a longer run.
+# The 36d9d59 multiplex runs at ITL 60 are left out: 4f22d08 reran them (newer code).
+_MUX_36D9D59 = "--schedule multiplex --max-num-batched-tokens 24576"  # profiled in that run
+_MUX_4F22D08 = (f"{_MUX_36D9D59} --itl-slo-ms 60 --mux-decode-sms 16,24,32,48,64 "
+                f"--mux-predictor {PREDICTOR.relative_to(ROOT)}")
+LEGACY_LOOGLE = {  # file: (config, rate, revision, server flags after SERVER_ARGS)
+    "36d9d59_pdserve_chunk512_rate0.3.json": ("chunk512", 0.3, "36d9d59", CONFIGS["chunk512"]),
+    "36d9d59_pdserve_chunk512_rate0.5.json": ("chunk512", 0.5, "36d9d59", CONFIGS["chunk512"]),
+    "36d9d59_pdserve_chunk1024_rate0.5.json": ("chunk1024", 0.5, "36d9d59",
+                                               CONFIGS["chunk1024"]),
+    "36d9d59_pdserve_prefill_first_rate0.5.json": ("prefill-first", 0.5, "36d9d59",
+                                                   CONFIGS["prefill-first"]),
+    "36d9d59_pdserve_multiplex_itl80_rate0.5.json": ("multiplex-itl80", 0.5, "36d9d59",
+                                                     f"{_MUX_36D9D59} --itl-slo-ms 80"),
+    "mux_rate0.3_records.json": ("multiplex-itl60", 0.3, "4f22d08", _MUX_4F22D08),
+    "mux_rate0.5_records.json": ("multiplex-itl60", 0.5, "4f22d08", _MUX_4F22D08),
+}
+LOADGEN_COMMAND = ("python benchmarks/loadgen_loogle.py --api openai --url http://127.0.0.1:PORT "
+                   "--model codellama-34b --num-requests 40 --rate {rate} --input-min 12000 "
+                   "--input-max 20000 --output-len 64 --warmup --seed 0 --out result.json")
+# `pdserve bench compare` runs whose ShareGPT-like workload is this one at 6 req/s exactly
+# (150 requests, seed 0, vocabulary 32,000, two warm-up requests). Their LooGLE runs are
+# not: lognormal 10-16K prompts, 20 requests.
+LEGACY_SHAREGPT = {"baseline_h200_part1.json": ("chunk512", "chunk2048", "prefill-first"),
+                   "baseline_h200_multiplex.json": ("multiplex",)}
+
+
+def _loadgen_samples(requests: list[dict]) -> list[dict]:
+    out = []
+    for r in requests:
+        tpot = (r["e2e"] - r["ttft"]) / (r["output_len"] - 1) \
+            if r.get("ok") and r.get("output_len", 0) > 1 else None
+        out.append({"prompt_len": r["input_len"], "output_len": 64,
+                    "output_tokens": r.get("output_len"), "success": bool(r.get("ok")),
+                    "error": r.get("error", ""), "send_s": r["sent_at"],
+                    "ttft_ms": _ms(r.get("ttft")), "tpot_ms": _ms(tpot),
+                    "e2e_ms": _ms(r.get("e2e"))})
+    return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 3)
+
+
+def _legacy_record(source: Path, probe: dict, head: dict, server_args: str,
+                   samples: list[dict]) -> dict:
+    """A probe record of an imported run: ``head`` holds created, git_revision, command and
+    device as the source states them."""
+    uses_predictor = "--mux-predictor" in server_args
+    return {"version": 1, **head, "imported_from": str(source.relative_to(ROOT)),
+            "config": {"name": probe["config"], "server_args": server_args},
+            "predictor": predictor_info(PREDICTOR) if uses_predictor else None,
+            "probe": {**probe, "requests": len(samples)}, "samples": samples}
+
+
+def _commit_date(revision: str) -> str:
+    import subprocess
+
+    done = subprocess.run(["git", "log", "-1", "--format=%cI", revision], cwd=ROOT,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"import-legacy needs the git history ({revision}): {done.stderr}")
+    return done.stdout.strip()
+
+
+def import_legacy(results: Path) -> list[Path]:
+    written = [_import_loadgen(name, entry, results) for name, entry in LEGACY_LOOGLE.items()]
+    for name, configs in LEGACY_SHAREGPT.items():
+        written += _import_compare(ROOT / "benchmarks" / "results" / name, configs, results)
+    return [p for p in written if p is not None]
+
+
+def _import_loadgen(name: str, entry: tuple, results: Path) -> Path | None:
+    config, rate, revision, flags = entry
+    source = LOOGLE_H200 / name
+    samples = _loadgen_samples(json.loads(source.read_text())["requests"])
+    head = {"created": _commit_date(revision), "git_revision": revision,
+            "command": LOADGEN_COMMAND.format(rate=rate),
+            "device": {"gpus": ["NVIDIA H200"], "source": "loogle_h200/README.md"}}
+    probe = {"workload": "loogle", "config": config, "rate": rate}
+    record = _legacy_record(source, probe, head, f"{SERVER_ARGS} {flags}", samples)
+    return _write_new(record, probe_path(results, "loogle", config, rate))
+
+
+def _import_compare(source: Path, configs: tuple[str, ...], results: Path) -> list[Path | None]:
+    data = json.loads(source.read_text())
+    head = {k: data[k] for k in ("created", "git_revision", "command", "device")}
+    written = []
+    for run in data["runs"]:
+        if run["name"] not in configs or run["workload"]["dataset"] != "sharegpt":
+            continue
+        config = "multiplex-itl60" if run["name"] == "multiplex" else run["name"]
+        probe = {"workload": "sharegpt", "config": config, "rate": 6.0}
+        record = _legacy_record(source, probe, head, shlex.join(run["server_args"]),
+                                compact_samples(run["samples"]))
+        written.append(_write_new(record, probe_path(results, "sharegpt", config, 6.0)))
+    return written
+
+
+def _write_new(record: dict, path: Path) -> Path | None:
+    """Never overwrites: a probe measured here beats an imported one."""
+    if path.exists():
+        return None
+    write_json(record, path)
+    return path
+
+
+# --- CLI --------------------------------------------------------------------------------------
+
+def _run_parser(sub) -> None:
+    p = sub.add_parser("run", help="Run probes (skipping recorded ones) within a budget.")
+    p.add_argument("--probe", action="append", default=[], metavar="WORKLOAD:CONFIG:RATE")
+    p.add_argument("--search", action="append", default=[], metavar="WORKLOAD:CONFIG[,...]",
+                   help="The next rates of each configuration's goodput search.")
+    p.add_argument("--max-probes", type=int, default=3,
+                   help="Search probes per configuration in this call.")
+    p.add_argument("--budget-s", type=float, required=True,
+                   help="Wall-clock limit of this call; no probe starts that cannot end in it.")
+    p.add_argument("--startup-s", type=float, default=45.0,
+                   help="Server start-up allowance (measured ~25 s on the H200).")
+    p.add_argument("--model", default="codellama-34b")
+    p.add_argument("--server-args", default=SERVER_ARGS)
+    p.add_argument("--server-cmd", default=DEFAULT_SERVER_CMD)
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--trace-path", type=Path, default=TRACE)
+    p.add_argument("--predictor", type=Path, default=PREDICTOR,
+                   help="Fitted multiplex latency predictor (passed as --mux-predictor).")
+    p.add_argument("--results", type=Path, default=RESULTS)
+
+
+def _summarise_parser(sub) -> None:
+    p = sub.add_parser("summarise", help="Attainment, goodput, missing probes, Figure 3, "
+                       "README table, from every probe JSON.")
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--out-dir", type=Path, help="Default: --results.")
+    p.add_argument("--figure3-workloads", default="loogle")
+
+
+def _import_parser(sub) -> None:
+    p = sub.add_parser("import-legacy", help="Probe JSONs from the committed records that "
+                       "match a probe's definition.")
+    p.add_argument("--results", type=Path, default=RESULTS)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    targets = [parse_probe(t) for t in args.probe]
+    targets += [t for text in args.search for t in parse_search(text)]
+    if not targets:
+        raise SystemExit("nothing to run: give --probe and/or --search")
+    if any(t.workload == "mooncake" for t in targets) and not args.trace_path.is_file():
+        raise SystemExit(f"the Mooncake trace is not at {args.trace_path} (--trace-path)")
+    if any(itl_target(t.config) for t in targets) and not args.predictor.is_file():
+        raise SystemExit(f"no multiplex predictor at {args.predictor} (--predictor)")
+    budget = Budget(time.monotonic() + args.budget_s)
+    opts = RunOptions(args.results, args.trace_path, args.predictor, args.model,
+                      args.server_args, args.port, args.startup_s, args.max_probes, budget,
+                      args.server_cmd)
+    asyncio.run(run_targets(targets, opts))
+    return 1 if opts.failed else 0
+
+
+def cmd_summarise(args: argparse.Namespace) -> int:
+    summarise(args.results, args.out_dir or args.results, args.figure3_workloads.split(","))
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    for path in import_legacy(args.results):
+        print(f"imported: {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    for add in (_run_parser, _summarise_parser, _import_parser):
+        add(sub)
+    args = parser.parse_args(argv)
+    handler = {"run": cmd_run, "summarise": cmd_summarise, "import-legacy": cmd_import}
+    return handler[args.mode](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""benchmarks/goodput_h200.py end to end on the tiny model (real server processes, CPU), and
+its summary on records whose answers are known."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from test_scripts import _load
+
+from pdserve.bench.evidence import load_records
+
+
+@pytest.fixture()
+def tool(monkeypatch):
+    module = _load("goodput_h200")
+    tiny = module.ProbeWorkload(
+        "tiny", "random:input_len=24,range_ratio=0.5,output_len=4,output_range_ratio=0",
+        ttft_slo_ms=60_000.0, span_s=1.0, min_requests=3, max_requests=6, drain_s=20.0,
+        ladder=(0.01, 2.0, 4.0, 8.0), start_rate=4.0)
+    monkeypatch.setitem(module.WORKLOADS, "tiny", tiny)
+    monkeypatch.setitem(module.CONFIGS, "chunk16", "--schedule chunked --chunk-size 16")
+    return module
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tool, tmp_path, *targets: str, budget_s: float = 240.0) -> int:
+    """``targets``: ``W:C:R`` probes, or ``search=W:C`` searches (two probes at most)."""
+    argv = ["run", "--model", "tiny", "--server-args", "", "--port", str(_free_port()),
+            "--results", str(tmp_path), "--budget-s", str(budget_s), "--startup-s", "60",
+            "--max-probes", "2"]
+    for target in targets:
+        kind, _, text = target.rpartition("=")
+        argv += [f"--{kind or 'probe'}", text]
+    return tool.main(argv)
+
+
+@pytest.mark.slow
+def test_probes_run_record_skip_and_respect_the_budget(tool, tmp_path, capsys, monkeypatch):
+    # A CPU's TPOT is whatever the shared host allows: an SLO every run meets makes the
+    # search's path (4, then 8 req/s) independent of timing.
+    monkeypatch.setattr(tool, "TPOT_SLO_MS", 1e9)
+    monkeypatch.setattr(tool, "FIGURE3_ITL_MS", (1e9,))
+    # The search starts at 4 req/s; everything passes (TTFT SLO 60 s), so it doubles to 8.
+    # 0.01 req/s: three requests 100 s apart, past what the budget leaves: never started.
+    assert _run(tool, tmp_path, "search=tiny:chunk16", "tiny:chunk16:0.01") == 0
+    out = capsys.readouterr().out
+    assert re.search(r"budget: tiny:chunk16:0.01 needs ~\d+ s", out)
+    records = {r["probe"]["rate"]: r for r in load_records(tmp_path)}
+    assert sorted(records) == [4.0, 8.0]
+    for rate, record in records.items():
+        assert record["probe"] == {"workload": "tiny", "config": "chunk16", "rate": rate,
+                                   "requests": 4 if rate == 4.0 else 6}
+        assert record["config"]["server_args"] == "--schedule chunked --chunk-size 16"
+        assert "--chunk-size" in record["config"]["server_command"]
+        assert record["git_revision"] and record["device"] and record["command"]
+        assert record["workload"]["definition"]["span_s"] == 1.0
+        assert all(s["success"] and s["output_tokens"] == 4 for s in record["samples"])
+        assert record["summary"]["completed"] == record["probe"]["requests"]
+    # Recorded probes are skipped and an ended search (8 is the top rung) asks for nothing:
+    # no server is started for them.
+    (tmp_path / "logs" / "chunk16.log").unlink()
+    assert _run(tool, tmp_path, "tiny:chunk16:4", "search=tiny:chunk16") == 0
+    assert not (tmp_path / "logs" / "chunk16.log").exists()
+    assert "attainment" not in capsys.readouterr().out
+
+
+def test_bad_probes_are_refused_by_name(tool, tmp_path):
+    with pytest.raises(SystemExit, match="unknown config 'chunk7'"):
+        tool.parse_probe("loogle:chunk7:0.3")
+    with pytest.raises(SystemExit, match="unknown workload"):
+        tool.parse_search("nope:chunk512")
+    with pytest.raises(SystemExit, match="bad rate"):
+        tool.parse_probe("loogle:chunk512:-1")
+    with pytest.raises(SystemExit, match="Mooncake trace is not at"):
+        tool.main(["run", "--probe", "mooncake:chunk512:0.5", "--budget-s", "10",
+                   "--trace-path", str(tmp_path / "none.jsonl")])
+
+
+def test_definitions_cover_the_issue():
+    module = _load("goodput_h200")
+    assert set(module.TABLE_CONFIGS) <= set(module.CONFIGS)
+    assert {module.WORKLOADS[w].ttft_slo_ms for w in ("loogle", "sharegpt", "mooncake")} == {
+        15000.0, 2000.0, 5000.0}
+    loogle = module.WORKLOADS["loogle"].build_spec(0.3, module.TRACE).build()
+    assert len(loogle) == 27 and {r.output_len for r in loogle} == {64}
+    assert 12000 <= min(r.prompt_len for r in loogle) <= max(r.prompt_len for r in loogle) <= 20000
+    trace = module.WORKLOADS["mooncake"].build_spec(0.5, module.TRACE)
+    requests = trace.build()
+    assert len(requests) == 45 and max(r.prompt_len + r.output_len for r in requests) <= 24576
+    offsets = trace.offsets(requests, 0.5)
+    assert offsets[-1] == pytest.approx(44 / 0.5)  # the 10-minute window squeezed to 0.5 req/s
+
+
+# --- the summary, on records whose answers are known ------------------------------------------
+
+def _record(workload: str, config: str, rate: float, met: int, of: int, revision: str,
+            created: str, tpot_ms: float = 30.0) -> dict:
+    """``met`` of ``of`` requests within every SLO (TTFT 1 s, TPOT ``tpot_ms``), the rest
+    failed."""
+    ok = {"success": True, "ttft_ms": 1000.0, "tpot_ms": tpot_ms}
+    bad = {"success": False, "ttft_ms": None, "tpot_ms": None}
+    return {"created": created, "git_revision": revision,
+            "probe": {"workload": workload, "config": config, "rate": rate},
+            "samples": [ok] * met + [bad] * (of - met)}
+
+
+def _write(tool, folder, record: dict) -> None:
+    probe = record["probe"]
+    tool.write_json(record, tool.probe_path(folder, probe["workload"], probe["config"],
+                                            probe["rate"]))
+
+
+def test_summary_brackets_missing_probes_revisions_and_figure3(tool, tmp_path):
+    rev_a, rev_b = "a" * 40, "b" * 40
+    for rate, met in ((0.2, 10), (0.4, 5)):  # 0.3 not probed yet
+        _write(tool, tmp_path, _record("loogle", "multiplex-itl60", rate, met, 10, rev_a, "2"))
+    for rate, met in ((0.1, 10), (0.15, 8)):  # adjacent rungs: settled at 0.1
+        _write(tool, tmp_path, _record("loogle", "chunk512", rate, met, 10, rev_a, "2"))
+    _write(tool, tmp_path, _record("loogle", "chunk1024", 0.3, 10, 10, rev_b, "1"))
+    # An older record of the same probe loses to the newer one.
+    older = _record("loogle", "chunk2048", 0.3, 0, 10, rev_b, "1")
+    tool.write_json(older, tmp_path / "old_copy.json")
+    _write(tool, tmp_path, _record("loogle", "chunk2048", 0.3, 10, 10, rev_a, "3"))
+
+    data = tool.summarise(tmp_path, tmp_path, ["loogle"])
+    by_key = {(s["workload"], s["config"], s["tpot_slo_ms"]): s for s in data["searches"]}
+    mux = by_key[("loogle", "multiplex-itl60", 60.0)]
+    assert (mux["goodput_rps"], mux["lowest_failing_rps"], mux["next_rate"]) == (0.2, 0.4, 0.3)
+    chunk = by_key[("loogle", "chunk512", 60.0)]
+    assert chunk["finished"] and chunk["goodput_rps"] == 0.1
+    assert by_key[("loogle", "chunk2048", 60.0)]["curve"] == [(0.3, 1.0)]  # the newer one
+    missing = {(m["workload"], m["config"], m["rate"]) for m in data["missing"]}
+    assert ("loogle", "multiplex-itl60", 0.3) in missing
+    assert ("loogle", "chunk1024", 0.6) in missing  # passed at 0.3: double it
+    assert ("sharegpt", "disagg", 6.0) in missing  # never probed: the start rate
+
+    markdown = (tmp_path / "summary.md").read_text()
+    row = next(line for line in markdown.splitlines() if line.startswith("| multiplex-itl60 |"))
+    assert "between 0.2 and 0.4 (searching)" in row and "†" not in row
+    assert next(line for line in markdown.splitlines()
+                if line.startswith("| chunk512 |")).split("|")[2].strip() == "0.1"
+    assert "† (bbbbbbb)" in markdown  # chunk1024 comes from another revision
+    assert "run --search loogle:multiplex-itl60,chunk256 --max-probes 2" in markdown
+    assert (tmp_path / "figure3_loogle.png").stat().st_size > 0
+    assert "| chunk512 | 0.1 | 0.1 | 0.1 | 0.1 |" in markdown  # one run, every ITL SLO
+
+
+def test_chunked_probes_serve_every_figure3_slo(tool, tmp_path):
+    # TPOT 70 ms: within 80 and 100, not 40 or 60.
+    _write(tool, tmp_path, _record("loogle", "chunk256", 0.3, 10, 10, "c" * 40, "1", 70.0))
+    data = tool.summarise(tmp_path, tmp_path, ["loogle"])
+    goodput = {s["tpot_slo_ms"]: s["goodput_rps"] for s in data["searches"]
+               if s["config"] == "chunk256"}
+    assert goodput == {40.0: 0.0, 60.0: 0.0, 80.0: 0.3, 100.0: 0.3}
+
+
+STANDIN = Path(__file__).resolve().parents[1] / "bench" / "bench_standin.py"
+
+
+def _quick(tool, monkeypatch) -> None:
+    quick = tool.ProbeWorkload("quick", "random:input_len=8,output_len=2,vocab_size=256",
+                               ttft_slo_ms=60_000.0, span_s=0.01, min_requests=3,
+                               max_requests=3, drain_s=0.1, ladder=(100.0,), start_rate=100.0)
+    monkeypatch.setitem(tool.WORKLOADS, "quick", quick)
+    monkeypatch.setitem(tool.CONFIGS, "slow", "--prefill-ms 5000")
+
+
+@pytest.mark.slow
+def test_a_probe_that_overruns_the_budget_is_cut_and_writes_nothing(tool, tmp_path,
+                                                                     monkeypatch, capsys):
+    # The stand-in prefills one request at a time, 5 s each: warm-up and probe need >= 25 s.
+    # The drain allowance (0.1 s) lets the probe start; the budget leaves it ~12 s.
+    _quick(tool, monkeypatch)
+    command = f"{shlex.quote(sys.executable)} {STANDIN} --host 127.0.0.1 --port {{port}}"
+    code = tool.main(["run", "--probe", "quick:slow:100", "--model", "standin",
+                      "--server-args", "", "--server-cmd", command, "--startup-s", "3",
+                      "--budget-s", "27", "--results", str(tmp_path),
+                      "--port", str(_free_port())])
+    assert code == 0
+    assert "quick:slow:100 cut at the budget limit; nothing written" in capsys.readouterr().out
+    assert not load_records(tmp_path)
+
+
+def test_a_server_that_never_comes_up_fails_the_call(tool, tmp_path, monkeypatch, capsys):
+    _quick(tool, monkeypatch)
+    code = tool.main(["run", "--probe", "quick:slow:100", "--server-args", "",
+                      "--server-cmd", "false {model} {port}", "--startup-s", "3",
+                      "--budget-s", "60",
+                      "--results", str(tmp_path), "--port", str(_free_port())])
+    assert code == 1
+    assert "slow: server not up: server exited with 1" in capsys.readouterr().out
+    assert not load_records(tmp_path)
+
+
+def test_imported_records_give_the_attainment_their_runs_reported(tool, tmp_path):
+    # The issue's figures for these runs: multiplex at 4f22d08 92.5% / 17.5% at 0.3 / 0.5
+    # req/s, chunk 512 at 36d9d59 45% at 0.3, 0% at 0.5 (TTFT 15 s, TPOT 60 ms).
+    written = tool.import_legacy(tmp_path)
+    assert len(written) == len(tool.LEGACY_LOOGLE) + 4
+    assert tool.import_legacy(tmp_path) == []  # never overwrites
+    data = tool.summarise(tmp_path, tmp_path, ["loogle"])
+    curves = {(s["workload"], s["config"], s["tpot_slo_ms"]): s["curve"]
+              for s in data["searches"]}
+    assert curves[("loogle", "multiplex-itl60", 60.0)] == [(0.3, 0.925), (0.5, 0.175)]
+    assert curves[("loogle", "chunk512", 60.0)] == [(0.3, 0.45), (0.5, 0.0)]
+    assert [rate for rate, _ in curves[("sharegpt", "chunk2048", 60.0)]] == [6.0]
+    records = {r["probe"]["config"]: r for r in load_records(tmp_path)
+               if r["probe"]["workload"] == "loogle"}
+    assert records["multiplex-itl60"]["predictor"]["sha256"]
+    assert records["chunk512"]["git_revision"] == "36d9d59"
