@@ -71,7 +71,8 @@ from pdserve.bench.workloads import BenchError, salted, workload_stats  # noqa: 
 
 RESULTS = ROOT / "benchmarks" / "results" / "goodput_h200"
 TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl"
-PREDICTOR = ROOT / "benchmarks" / "results" / "loogle_h200" / "predictor_codellama34b.json"
+# Profiled at 6f90be1, after the 128-token attention tiles (the 4f22d08 profile predates them).
+PREDICTOR = ROOT / "benchmarks" / "results" / "loogle_h200" / "6f90be1_predictor.json"
 TPOT_SLO_MS = 60.0
 FIGURE3_ITL_MS = (40.0, 60.0, 80.0, 100.0)
 TARGET = 0.9
@@ -515,7 +516,14 @@ LOOGLE_H200 = ROOT / "benchmarks" / "results" / "loogle_h200"
 _MUX_36D9D59 = "--schedule multiplex --max-num-batched-tokens 24576"  # profiled in that run
 _MUX_4F22D08 = (f"{_MUX_36D9D59} --itl-slo-ms 60 --mux-decode-sms 16,24,32,48,64 "
                 f"--mux-predictor {PREDICTOR.relative_to(ROOT)}")
+_MUX_6F90BE1 = (f"{_MUX_36D9D59} --itl-slo-ms 60 --mux-decode-sms 16,24,32,48,64 "
+                "--mux-predictor benchmarks/results/loogle_h200/6f90be1_predictor.json")
+# Newest first: a probe already imported is never overwritten by an older run.
 LEGACY_LOOGLE = {  # file: (config, rate, revision, server flags after SERVER_ARGS)
+    "6f90be1_multiplex_rate0.5_records.json": ("multiplex-itl60", 0.5, "6f90be1",
+                                               _MUX_6F90BE1),
+    "6f90be1_chunk1024_rate0.5_records.json": ("chunk1024", 0.5, "6f90be1",
+                                               CONFIGS["chunk1024"]),
     "36d9d59_pdserve_chunk512_rate0.3.json": ("chunk512", 0.3, "36d9d59", CONFIGS["chunk512"]),
     "36d9d59_pdserve_chunk512_rate0.5.json": ("chunk512", 0.5, "36d9d59", CONFIGS["chunk512"]),
     "36d9d59_pdserve_chunk1024_rate0.5.json": ("chunk1024", 0.5, "36d9d59",
