@@ -99,6 +99,9 @@ class DeviceConfig:
         "nominal partitions on ordinary streams (no real SM split; for debugging only) "
         "instead of stopping at start-up.")
     cuda_graph_max_batch: int = doc(256, "Largest decode batch captured as a CUDA graph.")
+    tensor_parallel_size: int = doc(1, "Split the model across this many GPUs (one worker "
+                                    "process per extra rank; on the CPU, processes talking "
+                                    "over gloo). Attention heads must divide by it.")
 
 
 @dataclass(frozen=True)

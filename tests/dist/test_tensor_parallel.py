@@ -1,0 +1,150 @@
+"""Tensor parallelism on the CPU: two ranks (the engine and one worker process) over gloo.
+
+Greedy tokens at TP=2 equal TP=1's and transformers' on checkpoints whose shapes stress the
+split (grouped-query attention, fewer KV heads than ranks, a vocabulary that does not
+divide by 2, o_proj bias, tied head), under every schedule; what cannot be split is refused
+in one line before any weight loads; a worker that dies stops the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.dist.shard import TPShard, tp_refusal
+from pdserve.engine.setup import EngineSetup
+from pdserve.engine.tp import WorkerLost
+from pdserve.model.arch import PRESETS
+from tests.dist.conftest import _save, hf_greedy
+from tests.engine.test_multiplex import SplitModel
+
+MAX_NEW = 6
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+OPTIONS = {"dtype": "float32", "block_size": 8, "max_num_batched_tokens": 64, "chunk_size": 24}
+
+
+def _prompts(vocab: int, count: int = 4, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(20)]  # prefix-cache hits
+    own = [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 30))] for _ in range(count)]
+    return [(shared if i % 2 else []) + tokens for i, tokens in enumerate(own)]
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+# ---- the split itself (no processes) ----
+
+
+def test_shard_layout_pads_the_vocabulary_and_replicates_kv_heads():
+    arch = PRESETS["tiny"]  # 4 heads, 2 KV heads, vocabulary 320
+    mqa = type(arch)(**{**arch.__dict__, "num_kv_heads": 1, "vocab_size": 301})
+    last = TPShard(mqa, rank=1, size=2)
+    assert (last.num_heads, last.num_kv_heads, last.kv_head_start) == (2, 1, 0)
+    assert (last.vocab_per_rank, last.vocab_start, last.vocab_rows) == (151, 151, 150)
+    assert last.slice_of("lm_head.weight") == (0, 151, 301, 301)
+    assert last.slice_of("model.layers.0.self_attn.o_proj.weight")[:3] == (1, 128, 256)
+    assert last.slice_of("model.layers.0.self_attn.o_proj.bias") is None  # added once
+    four = TPShard(type(arch)(**{**arch.__dict__, "num_heads": 8}), rank=3, size=4)
+    assert (four.num_kv_heads, four.kv_head_start) == (1, 1)  # query heads 6, 7 read KV head 1
+
+
+@pytest.mark.parametrize("size, words", [(3, "does not divide the model's 4 attention heads"),
+                                         (0, "at least 1")])
+def test_refusal_names_the_reason(size, words):
+    assert words in tp_refusal(PRESETS["tiny"], size)
+
+
+def test_heads_that_do_not_divide_are_refused_before_weights_load(tmp_path):
+    # A checkpoint folder with a config but no weights: loading would fail on the missing
+    # files, so the refusal proves it came first.
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    with pytest.raises(ValueError) as err:
+        LLM(str(tmp_path), tensor_parallel_size=3)
+    assert str(err.value) == "--tensor-parallel-size 3 does not divide the model's 4 " \
+                             "attention heads"
+
+
+# ---- two ranks ----
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ckpt", ["gqa_ckpt", "mqa_ckpt"])
+def test_tp2_greedy_equals_tp1_and_transformers(request, ckpt):
+    folder, hf = request.getfixturevalue(ckpt)
+    prompts = _prompts(hf.config.vocab_size)
+    want = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    assert _generate(LLM(folder, **OPTIONS), prompts) == want
+    llm = LLM(folder, tensor_parallel_size=2, **OPTIONS)
+    try:
+        assert _generate(llm, prompts) == want
+        assert llm.engine.describe()["tensor_parallel_size"] == 2
+    finally:
+        llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """The tiny preset's shapes as a checkpoint: dummy weights are seeded per rank, so only
+    a checkpoint gives TP=1 and TP=2 the same model."""
+    arch = PRESETS["tiny"]
+    folder = tmp_path_factory.mktemp("tp-tiny")
+    _save(folder, 0.1, vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
+          intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_layers,
+          num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads)
+    return str(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["prefill-first", "chunked", "multiplex", "disagg"])
+def test_every_schedule_under_tp2_equals_tp1(tiny_ckpt, schedule):
+    prompts = _prompts(PRESETS["tiny"].vocab_size, count=6)
+    # Few pages: preemption under the synchronous policies; disagg moves KV between pools.
+    options = {**OPTIONS, "schedule": schedule, "num_blocks": 40 if schedule == "disagg" else 12,
+               "disagg_prefill_kv_fraction": 0.5, "mux_time_slice": False}
+    want = _generate(LLM(tiny_ckpt, setup=_setup(schedule), **options), prompts)
+    llm = LLM(tiny_ckpt, tensor_parallel_size=2, setup=_setup(schedule), **options)
+    try:
+        assert _generate(llm, prompts) == want
+        llm.engine.check_integrity()
+        stats = llm.engine.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+        if schedule == "multiplex":
+            spatial = [e for e in llm.engine.timeline() if e["mode"] == "spatial"]
+            assert any(0 < e["prefill_layers"] < PRESETS["tiny"].num_layers for e in spatial)
+        if schedule == "prefill-first":
+            _check_worker_death_stops_the_engine(llm, prompts)
+    finally:
+        llm.engine.close()
+
+
+def _setup(schedule: str) -> EngineSetup | None:
+    """Multiplex: latencies under which spatial sharing wins, so prefill runs as layer
+    pieces beside decode steps on their own lanes (the CPU's measured times would not)."""
+    return EngineSetup(predictor=SplitModel(PRESETS["tiny"].num_layers)) \
+        if schedule == "multiplex" else None
+
+
+def _check_worker_death_stops_the_engine(llm: LLM, prompts: list[list[int]]) -> None:
+    worker = llm.engine.runner.tp.workers[0]
+    worker.kill()
+    worker.wait()
+    with pytest.raises(WorkerLost, match="rank 1 .* exited"):
+        _generate(llm, prompts[:1])
+
+
+def test_tp1_has_no_collectives():
+    """One rank: the model is the plain one (no padding, no communicator)."""
+    llm = LLM("tiny", dtype="float32")
+    model = llm.engine.runner.model
+    assert model.comm.size == 1 and model.lm_head.weight.shape[0] == PRESETS["tiny"].vocab_size
+    assert llm.engine.describe()["tensor_parallel_size"] == 1
+    assert torch.equal(model.embed(torch.tensor([5])), model.model.embed_tokens.weight[5:6])
