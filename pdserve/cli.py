@@ -16,6 +16,7 @@ import sys
 
 from pdserve.config import (
     ENGINE_CONFIG_PARTS,
+    EngineConfig,
     ModelConfig,
     add_cli_args,
     engine_config_from_args,
@@ -323,12 +324,16 @@ def _check_cluster(args: argparse.Namespace) -> None:
 
 
 def _check_profile(args: argparse.Namespace) -> None:
+    from pdserve.engine.tp import check_tp_config
     from pdserve.model.arch import get_arch
     from pdserve.model.hub import resolve_model_config
 
     model = resolve_model_config(ModelConfig(model=args.model, load_format=args.load_format))
-    get_arch(model)
+    arch = get_arch(model)
     _check_device(args.device, args.dtype)
+    check_tp_config(EngineConfig.from_flat(model=model.model, device=args.device,
+                                           tensor_parallel_size=args.tensor_parallel_size),
+                    arch)
     args.model = model.model
 
 

@@ -15,10 +15,14 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.dist.comm import TPComm
 from pdserve.dist.shard import TPShard, tp_refusal
-from pdserve.engine.setup import EngineSetup
+from pdserve.engine.setup import EngineSetup, model_key
 from pdserve.engine.tp import WorkerLost
-from pdserve.model.arch import PRESETS
+from pdserve.model.arch import PRESETS, get_arch
+from pdserve.model.loader import load_model
+from pdserve.ops.reference import TorchAttentionBackend
 from tests.dist.conftest import _save, hf_greedy
 from tests.engine.test_multiplex import SplitModel
 
@@ -53,6 +57,28 @@ def test_shard_layout_pads_the_vocabulary_and_replicates_kv_heads():
     assert last.slice_of("model.layers.0.self_attn.o_proj.bias") is None  # added once
     four = TPShard(type(arch)(**{**arch.__dict__, "num_heads": 8}), rank=3, size=4)
     assert (four.num_kv_heads, four.kv_head_start) == (1, 1)  # query heads 6, 7 read KV head 1
+
+
+def test_rank_one_loads_its_rows_and_columns(gqa_ckpt):
+    """Rank 1 of 2, loaded in this process (loading needs no collective): each parameter is
+    the slice of the checkpoint tensor the layout names, padding rows zero."""
+    folder, hf = gqa_ckpt
+    model_config = ModelConfig(model=folder, dtype="float32")
+    arch = get_arch(model_config)
+    shard = TPShard(arch, rank=1, size=2)
+    ours = load_model(model_config, arch, "cpu", "float32", TorchAttentionBackend(), shard,
+                      TPComm(rank=1, size=2))
+    theirs, layer = hf.model.layers[0].self_attn, ours.model.layers[0].self_attn
+    q, kv = ours.arch.q_size, ours.arch.kv_size  # this rank's: 2 heads, 1 KV head of 16
+    assert torch.equal(layer.qkv_proj.weight[:q], theirs.q_proj.weight[32:64])
+    assert torch.equal(layer.qkv_proj.weight[q:q + kv], theirs.k_proj.weight[16:32])
+    assert torch.equal(layer.qkv_proj.bias[q + kv:], theirs.v_proj.bias[16:32])
+    assert torch.equal(layer.o_proj.weight, theirs.o_proj.weight[:, 32:64])
+    assert torch.equal(layer.o_proj.bias, theirs.o_proj.bias)  # whole: added once
+    mlp = hf.model.layers[0].mlp
+    assert torch.equal(ours.model.layers[0].mlp.down_proj.weight, mlp.down_proj.weight[:, 64:])
+    assert torch.equal(ours.lm_head.weight[:150], hf.lm_head.weight[151:])
+    assert not ours.lm_head.weight[150:].any(), "the padding row stays zero"
 
 
 @pytest.mark.parametrize("size, words", [(3, "does not divide the model's 4 attention heads"),
@@ -148,3 +174,9 @@ def test_tp1_has_no_collectives():
     assert model.comm.size == 1 and model.lm_head.weight.shape[0] == PRESETS["tiny"].vocab_size
     assert llm.engine.describe()["tensor_parallel_size"] == 1
     assert torch.equal(model.embed(torch.tensor([5])), model.model.embed_tokens.weight[5:6])
+
+
+def test_latency_profiles_are_kept_per_group_size():
+    """A group of 2 times its own shard and all-reduces: it must not read the 1-GPU profile."""
+    assert model_key(EngineConfig.from_flat(model="tiny")) == "tiny"
+    assert model_key(EngineConfig.from_flat(model="tiny", tensor_parallel_size=2)) == "tiny-tp2"
