@@ -79,7 +79,7 @@ class PlanEncoder:
     page ids the worker lacks). Page ids follow the rule ``BlockTables`` applies: only the
     ones added since last sent, all of them after a preemption or on another pool."""
 
-    sent: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    sent: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)  # id, pool
 
     def encode(self, plan: Plan, pool: str) -> tuple[list, list]:
         return ([self._one(s, pool) for s in plan.decodes],
@@ -87,19 +87,26 @@ class PlanEncoder:
 
     def _one(self, item: ScheduledRequest, pool: str) -> tuple:
         request = item.request
-        key, blocks = (pool, request.request_id), request.block_ids
-        filled, preemptions = self.sent.get(key, (0, -1))
+        sent, blocks = self.sent.setdefault(request.request_id, {}), request.block_ids
+        filled, preemptions = sent.get(pool, (0, -1))
         if preemptions != request.num_preemptions or len(blocks) < filled:
             filled = -1  # the worker replaces its list
-        self.sent[key] = (len(blocks), request.num_preemptions)
+        sent[pool] = (len(blocks), request.num_preemptions)
         start = request.num_computed
         tokens = request.token_ids[start:start + item.num_new_tokens]
         return (request.request_id, start, tokens, item.samples, request.num_preemptions,
                 filled, blocks[max(filled, 0):])
 
     def forget(self, request_id: str, pool: str | None = None) -> None:
-        for key in [k for k in self.sent if k[1] == request_id and pool in (None, k[0])]:
-            del self.sent[key]
+        forget_request(self.sent, request_id, pool)
+
+
+def forget_request(by_request: dict[str, dict], request_id: str, pool: str | None) -> None:
+    """Drops what is kept of ``request_id`` on ``pool``, or on every pool when None."""
+    if pool is None:
+        by_request.pop(request_id, None)
+    else:
+        by_request.get(request_id, {}).pop(pool, None)
 
 
 class TokenWindow:
@@ -132,7 +139,7 @@ class MirrorRequest:
 class PlanDecoder:
     """A worker: the mirrored requests, by (pool, id), kept between launches."""
 
-    mirrors: dict[tuple[str, str], MirrorRequest] = field(default_factory=dict)
+    mirrors: dict[str, dict[str, MirrorRequest]] = field(default_factory=dict)  # id, pool
 
     def decode(self, encoded: tuple[list, list], pool: str) -> Plan:
         decodes, prefills = encoded
@@ -141,17 +148,20 @@ class PlanDecoder:
 
     def _one(self, entry: tuple, pool: str) -> ScheduledRequest:
         request_id, start, tokens, samples, preemptions, filled, blocks = entry
-        mirror = self.mirrors.get((pool, request_id))
+        by_pool = self.mirrors.setdefault(request_id, {})
+        mirror = by_pool.get(pool)
         if mirror is None:
-            mirror = self.mirrors[(pool, request_id)] = MirrorRequest(request_id)
-        mirror.block_ids = blocks if filled < 0 else mirror.block_ids + blocks
+            mirror = by_pool[pool] = MirrorRequest(request_id)
+        if filled < 0:
+            mirror.block_ids = blocks
+        else:
+            mirror.block_ids.extend(blocks)
         mirror.num_computed, mirror.num_preemptions = start, preemptions
         mirror.token_ids = TokenWindow(start, tokens)
         return _scheduled(mirror, len(tokens), samples)
 
     def forget(self, request_id: str, pool: str | None = None) -> None:
-        for key in [k for k in self.mirrors if k[1] == request_id and pool in (None, k[0])]:
-            del self.mirrors[key]
+        forget_request(self.mirrors, request_id, pool)
 
 
 def _scheduled(mirror: MirrorRequest, num_new_tokens: int, samples: bool) -> ScheduledRequest:

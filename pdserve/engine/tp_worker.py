@@ -67,7 +67,7 @@ class TPFollower:
 
     def _move(self, rid: str, source_pool: str, source_blocks: list, target_pool: str,
               target_blocks: list, num_tokens: int, key: PartKey | None) -> None:
-        mirror = self.decoder.mirrors.get((source_pool, rid)) or MirrorRequest(rid)
+        mirror = self.decoder.mirrors.get(rid, {}).get(source_pool) or MirrorRequest(rid)
         self.decoder.forget(rid, source_pool)
         move = KVMove(mirror, source_pool, source_blocks, target_pool, target_blocks,
                       num_tokens, self.parts.get(key) if key is not None else None)

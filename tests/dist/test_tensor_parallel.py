@@ -19,10 +19,12 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.dist.comm import TPComm
 from pdserve.dist.shard import TPShard, tp_refusal
 from pdserve.engine.setup import EngineSetup, model_key
-from pdserve.engine.tp import WorkerLost
+from pdserve.engine.tp import PlanDecoder, PlanEncoder, WorkerLost
 from pdserve.model.arch import PRESETS, get_arch
 from pdserve.model.loader import load_model
 from pdserve.ops.reference import TorchAttentionBackend
+from pdserve.request import Request
+from pdserve.sched.base import Plan
 from tests.dist.conftest import _save, hf_greedy
 from tests.engine.test_multiplex import SplitModel
 
@@ -180,3 +182,34 @@ def test_latency_profiles_are_kept_per_group_size():
     """A group of 2 times its own shard and all-reduces: it must not read the 1-GPU profile."""
     assert model_key(EngineConfig.from_flat(model="tiny")) == "tiny"
     assert model_key(EngineConfig.from_flat(model="tiny", tensor_parallel_size=2)) == "tiny-tp2"
+
+
+def test_plan_sends_only_the_page_ids_a_worker_lacks():
+    """Encoded on rank 0, decoded on a worker: the mirror's pages always equal the request's,
+    though a decode step sends only pages added since, and a preemption or a new pool all."""
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    request = Request("a", list(range(10, 20)), GREEDY)
+    request.block_ids = [4, 5]
+
+    def travel(pool: str, num_new: int):
+        plan = Plan()
+        plan.add(request, num_new)
+        sent = encoder.encode(plan, pool)
+        item = decoder.decode(sent, pool).scheduled[0]
+        assert item.request.block_ids == request.block_ids
+        assert item.samples == plan.scheduled[0].samples
+        start = request.num_computed
+        assert item.request.token_ids[start:start + num_new] == \
+            request.token_ids[start:start + num_new]
+        return (sent[0] or sent[1])[0][-1]  # the page ids that travelled
+
+    assert travel("main", 10) == [4, 5]
+    request.num_computed, request.block_ids = 10, request.block_ids + [6]
+    request.append_token(7, None)
+    assert travel("main", 1) == [6]
+    request.num_preemptions, request.block_ids = 1, [9, 8, 3]  # re-admitted elsewhere
+    assert travel("main", 1) == [9, 8, 3]
+    assert travel("decode", 1) == [9, 8, 3]  # another pool's tables start empty
+    encoder.forget("a")
+    decoder.forget("a")
+    assert not encoder.sent and not decoder.mirrors
