@@ -195,12 +195,12 @@ class ModelRunner:
     def launch(self, work: Work, waits: list[Event], buffers: HostBuffers) -> Launch:
         """Issues ``work`` on its stream after ``waits``; returns without waiting for it.
         Under tensor parallelism rank 0 first sends it to the workers, which issue the same."""
-        if self.tp is not None:
-            self.tp.send_launch(work, waits)
-        with self.comm.on_lane(work.side):
+        if self.tp is None:  # one rank, or a worker (whose follower picks the lane)
+            return self._issue(work, waits, buffers)
+        self.tp.send_launch(work, waits)
+        with self.comm.on_lane(work.side), self.tp.in_step():
             launch = self._issue(work, waits, buffers)
-        if self.tp is not None:
-            self.tp.launched(launch.event)
+        self.tp.launched(launch.event)
         return launch
 
     @torch.inference_mode()

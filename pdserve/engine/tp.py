@@ -11,7 +11,9 @@ penalties over its output) lives on rank 0 alone. Workers mirror only what the f
 needs (the step's new tokens, positions, page ids) and pick greedily from the same
 gathered logits, a result nobody reads, so that every rank runs one launch path.
 
-A worker that dies stops the engine (``WorkerLost``): the model cannot run without its shard.
+A worker that dies stops the engine (``TPGroupBroken``): the model cannot run without its
+shard. So does a launch that fails on one rank only: the others are then inside collectives
+the failed rank never joins, and every later collective would pair with the wrong one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,9 +47,10 @@ KEPT_EVENTS = 1024  # launch events a later launch may still name as a wait
 PartKey = tuple[int, int, bool]
 
 
-class WorkerLost(BaseException):
-    """A tensor-parallel worker died. A BaseException so that no per-launch handler takes
-    it for one bad batch: nothing can run without the worker's shard."""
+class TPGroupBroken(BaseException):
+    """The ranks can no longer run in step (a worker died, or a launch failed on rank 0
+    after the workers were sent it). A BaseException so that no per-launch handler takes it
+    for one bad batch: the engine must stop (the server then starts a fresh one)."""
 
 
 def part_key(part: Partition | None) -> PartKey | None:
@@ -194,6 +199,7 @@ class TPLeader:
         self._carries: dict[int, tuple[int, BatchCarry]] = {}
         self._event_seq: dict[int, int] = {}
         self._seq = 0
+        self.broken = False  # out of step: workers are killed, not told to stop
         log.info("tensor parallel: %d ranks (workers %s)", self.size,
                  [p.pid for p in self.workers])
 
@@ -203,7 +209,7 @@ class TPLeader:
             while not store.check([f"alive/{rank}"]):
                 self.check_workers()
                 if time.monotonic() > deadline:
-                    raise WorkerLost(f"tensor-parallel rank {rank} did not start within "
+                    raise TPGroupBroken(f"tensor-parallel rank {rank} did not start within "
                                      f"{START_TIMEOUT_S:.0f} s")
                 time.sleep(0.05)
 
@@ -211,7 +217,8 @@ class TPLeader:
         for rank, proc in enumerate(self.workers, start=1):
             code = proc.poll()
             if code is not None:
-                raise WorkerLost(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with "
+                self.broken = True
+                raise TPGroupBroken(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with "
                                  f"code {code}; the engine cannot run without its shard")
 
     def _send(self, commands: list[tuple]) -> None:
@@ -220,7 +227,7 @@ class TPLeader:
             self.comm.broadcast_object(commands)
         except RuntimeError as exc:  # gloo: a peer's connection closed
             self.check_workers()
-            raise WorkerLost(f"tensor-parallel control channel failed: {exc}") from exc
+            raise TPGroupBroken(f"tensor-parallel control channel failed: {exc}") from exc
 
     # ---- what the runner reports ----
 
@@ -245,6 +252,19 @@ class TPLeader:
                    work.side, work.pool, work.layers, work.final, self._carry_token(work))
         self._send(self._take_pending() + [("launch", self._seq, encoded, waited)])
 
+    @contextmanager
+    def in_step(self) -> Iterator[None]:
+        """Around rank 0's part of a launch the workers were sent: a failure there leaves
+        the group out of step."""
+        try:
+            yield
+        except Exception as exc:
+            self.broken = True
+            self.check_workers()  # a dead worker is the likeliest cause: name it
+            raise TPGroupBroken(f"a launch failed on rank 0 after the workers began it "
+                                f"({type(exc).__name__}: {exc}); the tensor-parallel group "
+                                "is out of step") from exc
+
     def launched(self, event: Any) -> None:
         """The event of the launch just sent: later launches may name it as a wait."""
         self._event_seq[id(event)] = self._seq
@@ -266,13 +286,15 @@ class TPLeader:
         return pending
 
     def close(self) -> None:
-        if self._finalizer.alive:
-            self._finalizer.detach()
+        if not self._finalizer.alive:
+            return
+        self._finalizer.detach()
+        if not self.broken:  # a worker inside a collective would never read "stop"
             try:
                 self._send(self._take_pending() + [("stop",)])
-            except WorkerLost:
+            except TPGroupBroken:
                 pass
-            _stop_processes(self.workers, grace_s=10.0)
+        _stop_processes(self.workers, grace_s=0.0 if self.broken else 10.0)
 
 
 def _spawn(rank: int, size: int, port: int, config: EngineConfig, arch: ModelArch,

@@ -82,10 +82,10 @@ class TPFollower:
         if buffers is None:
             buffers = self.buffers[side] = HostBuffers.make(
                 self.runner.ops, self.config.scheduler.max_num_seqs)
-        try:
+        # A launch that fails here ends this process: rank 0 sees the worker gone at once,
+        # rather than waiting in a collective this rank would never join.
+        with self.runner.comm.on_lane(side):
             self.events[seq] = self.runner.launch(work, waits, buffers).event
-        except Exception:  # rank 0 fails the same batch's requests and goes on; so do we
-            log.exception("launch %d failed", seq)
         if len(self.events) > KEPT_EVENTS:
             del self.events[next(iter(self.events))]
 

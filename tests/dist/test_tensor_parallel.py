@@ -18,8 +18,9 @@ from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.dist.comm import TPComm
 from pdserve.dist.shard import TPShard, tp_refusal
+from pdserve.engine import model_runner
 from pdserve.engine.setup import EngineSetup, model_key
-from pdserve.engine.tp import PlanDecoder, PlanEncoder, WorkerLost
+from pdserve.engine.tp import PlanDecoder, PlanEncoder, TPGroupBroken
 from pdserve.model.arch import PRESETS, get_arch
 from pdserve.model.loader import load_model
 from pdserve.ops.reference import TorchAttentionBackend
@@ -133,7 +134,7 @@ def tiny_ckpt(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["prefill-first", "chunked", "multiplex", "disagg"])
-def test_every_schedule_under_tp2_equals_tp1(tiny_ckpt, schedule):
+def test_every_schedule_under_tp2_equals_tp1(tiny_ckpt, schedule, monkeypatch):
     prompts = _prompts(PRESETS["tiny"].vocab_size, count=6)
     # Few pages: preemption under the synchronous policies; disagg moves KV between pools.
     options = {**OPTIONS, "schedule": schedule, "num_blocks": 40 if schedule == "disagg" else 12,
@@ -150,6 +151,8 @@ def test_every_schedule_under_tp2_equals_tp1(tiny_ckpt, schedule):
             assert any(0 < e["prefill_layers"] < PRESETS["tiny"].num_layers for e in spatial)
         if schedule == "prefill-first":
             _check_worker_death_stops_the_engine(llm, prompts)
+        if schedule == "chunked":
+            _check_rank0_failure_stops_the_engine(llm, prompts, monkeypatch)
     finally:
         llm.engine.close()
 
@@ -161,11 +164,27 @@ def _setup(schedule: str) -> EngineSetup | None:
         if schedule == "multiplex" else None
 
 
+class _FailingInputs:
+    """Sampling inputs that cannot be built, on rank 0 only (the workers build none)."""
+
+    @staticmethod
+    def of(*args, **kwargs):
+        raise RuntimeError("injected")
+
+
+def _check_rank0_failure_stops_the_engine(llm: LLM, prompts, monkeypatch) -> None:
+    # The worker has begun the launch and waits in its first all-reduce: going on would
+    # pair every later collective with the wrong one.
+    monkeypatch.setattr(model_runner, "SamplingInputs", _FailingInputs)
+    with pytest.raises(TPGroupBroken, match="failed on rank 0 .*injected.* out of step"):
+        _generate(llm, prompts[:1])
+
+
 def _check_worker_death_stops_the_engine(llm: LLM, prompts: list[list[int]]) -> None:
     worker = llm.engine.runner.tp.workers[0]
     worker.kill()
     worker.wait()
-    with pytest.raises(WorkerLost, match="rank 1 .* exited"):
+    with pytest.raises(TPGroupBroken, match="rank 1 .* exited"):
         _generate(llm, prompts[:1])
 
 
