@@ -221,12 +221,22 @@ class TPLeader:
                 raise TPGroupBroken(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with "
                                  f"code {code}; the engine cannot run without its shard")
 
+    def _name_dead_worker(self, wait_s: float = 2.0) -> None:
+        """After a collective failed: raises naming the worker that died, once its exit is
+        seen (its sockets close a moment before its exit status can be read)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self.check_workers()
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+
     def _send(self, commands: list[tuple]) -> None:
         self.check_workers()
         try:
             self.comm.broadcast_object(commands)
         except RuntimeError as exc:  # gloo: a peer's connection closed
-            self.check_workers()
+            self._name_dead_worker()
             raise TPGroupBroken(f"tensor-parallel control channel failed: {exc}") from exc
 
     # ---- what the runner reports ----
@@ -260,7 +270,7 @@ class TPLeader:
             yield
         except Exception as exc:
             self.broken = True
-            self.check_workers()  # a dead worker is the likeliest cause: name it
+            self._name_dead_worker()  # the likeliest cause
             raise TPGroupBroken(f"a launch failed on rank 0 after the workers began it "
                                 f"({type(exc).__name__}: {exc}); the tensor-parallel group "
                                 "is out of step") from exc

@@ -38,7 +38,7 @@ def test_serve_with_two_ranks_and_a_worker_killed():
         server.request("POST", "/v1/completions", {"model": "tiny", "prompt": "x",
                                                    "max_tokens": 2})
         _wait_for_new_engine(server, engine)
-        assert "tensor-parallel rank 1" in server.log_text()
+        assert "tensor-parallel rank 1" in server.log_text(), server.log_text()
         _worker_pid(engine_pid(server))  # the new engine has its own worker
         again = server.openai().completions.create(model="tiny", prompt="hi", max_tokens=4)
         assert again.usage.completion_tokens == 4
