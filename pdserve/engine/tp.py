@@ -63,16 +63,21 @@ def check_tp_config(config: EngineConfig, arch: ModelArch) -> None:
     why = tp_refusal(arch, size)
     if why is None and config.transfer.kv_transfer_port is not None and size > 1:
         why = "P/D roles (--kv-transfer-port) do not run under tensor parallelism yet"
-    if why is None and size > 1 and _is_cuda(config) and torch.cuda.device_count() < size:
-        why = (f"--tensor-parallel-size {size} needs {size} GPUs, "
-               f"{torch.cuda.device_count()} visible")
+    first = _first_gpu(config)
+    if why is None and size > 1 and first is not None and \
+            torch.cuda.device_count() < first + size:
+        why = (f"--tensor-parallel-size {size} from GPU {first} needs GPUs {first}.."
+               f"{first + size - 1}, {torch.cuda.device_count()} visible")
     if why is not None:
         raise ValueError(why)
 
 
-def _is_cuda(config: EngineConfig) -> bool:
+def _first_gpu(config: EngineConfig) -> int | None:
+    """Rank 0's GPU index (the others follow it), or None on the CPU."""
     name = config.device.device
-    return name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
+    if name.startswith("cuda"):
+        return torch.device(name).index or 0
+    return 0 if name == "auto" and torch.cuda.is_available() else None
 
 
 # ---- the plan as it travels ----
