@@ -112,12 +112,10 @@ def test_tp2_greedy_equals_tp1_and_transformers(request, ckpt):
     prompts = _prompts(hf.config.vocab_size)
     want = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     assert _generate(LLM(folder, **OPTIONS), prompts) == want
-    llm = LLM(folder, tensor_parallel_size=2, **OPTIONS)
-    try:
+    with LLM(folder, tensor_parallel_size=2, **OPTIONS) as llm:
         assert _generate(llm, prompts) == want
         assert llm.engine.describe()["tensor_parallel_size"] == 2
-    finally:
-        llm.engine.close()
+    assert all(worker.poll() == 0 for worker in llm.engine.runner.tp.workers), "told to stop"
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +152,7 @@ def test_every_schedule_under_tp2_equals_tp1(tiny_ckpt, schedule, monkeypatch):
         if schedule == "chunked":
             _check_rank0_failure_stops_the_engine(llm, prompts, monkeypatch)
     finally:
-        llm.engine.close()
+        llm.close()
 
 
 def _setup(schedule: str) -> EngineSetup | None:
