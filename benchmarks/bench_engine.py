@@ -8,6 +8,10 @@ loop; roofline: FLOPs over the measured bf16 GEMM rate. Also reports the host-si
 decode step and the KV pool size at the configured memory fraction.
 
     python benchmarks/bench_engine.py --models llama3-8b codellama-34b --out results.json
+
+With ``--tensor-parallel-size N`` the rooflines are per GPU: rank 0's shard of the weights,
+its KV heads and its share of the FLOPs, against one GPU's measured ceilings (all-reduce
+time is not in the roofline, so the gap to it includes communication).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ def weight_bytes(engine: EngineCore) -> int:
 
 
 def kv_bytes_per_token(engine: EngineCore) -> int:
-    arch = engine.arch
+    arch = engine.runner.model.arch  # this rank's KV heads
     return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * engine.runner.dtype.itemsize
 
 
@@ -153,7 +157,7 @@ def time_prefill(engine: EngineCore, length: int) -> dict | None:
 
 
 def prefill_flops(engine: EngineCore, length: int) -> float:
-    arch = engine.arch
+    arch = engine.runner.model.arch  # this rank's heads and layer shards
     layer_params = sum(p.numel() for p in engine.runner.model.model.layers.parameters())
     head_params = engine.runner.model.lm_head.weight.numel()
     linear = 2 * length * layer_params + 2 * head_params  # logits for the last token only
@@ -184,14 +188,17 @@ class StartupLog(logging.Handler):
         logger.setLevel(self._level)
 
 
-def bench_model(model: str, memory_fraction: float, ceilings: dict) -> dict:
+def bench_model(model: str, memory_fraction: float, ceilings: dict,
+                tensor_parallel_size: int = 1) -> dict:
     config = EngineConfig.from_flat(model=model, load_format="dummy", schedule="prefill-first",
                                     gpu_memory_utilization=memory_fraction,
+                                    tensor_parallel_size=tensor_parallel_size,
                                     max_model_len=max(PREFILL_LENGTHS) + 1, max_num_seqs=256)
     started = time.perf_counter()
     with StartupLog() as startup:
         engine = EngineCore(config)
-    result = {"model": model, "startup_s": time.perf_counter() - started,
+    result = {"model": model, "tensor_parallel_size": tensor_parallel_size,
+              "startup_s": time.perf_counter() - started,
               "kv_pool_tokens": engine.blocks.num_blocks * engine.blocks.block_size,
               "memory_fraction": memory_fraction, "startup_log": startup.lines,
               "decode": [], "prefill": []}
@@ -219,6 +226,7 @@ def bench_model(model: str, memory_fraction: float, ceilings: dict) -> dict:
             row.update(timing, roofline_s=ideal_s, fraction_of_roofline=ideal_s / timing["seconds"])
         result["prefill"].append(row)
         print(json.dumps(row), flush=True)
+    engine.close()  # stops tensor-parallel workers
     del engine
     torch.cuda.empty_cache()
     return result
@@ -229,6 +237,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["llama3-8b", "codellama-34b"])
     parser.add_argument("--memory-fraction", type=float, default=0.85)
     parser.add_argument("--out", default="bench_engine.json")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs per model (rooflines are then per GPU)")
     args = parser.parse_args()
     ceilings = measure_ceilings()
     print(json.dumps(ceilings), flush=True)
@@ -236,7 +246,8 @@ def main() -> None:
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "ceilings": ceilings, "models": []}
     for model in args.models:
-        report["models"].append(bench_model(model, args.memory_fraction, ceilings))
+        report["models"].append(bench_model(model, args.memory_fraction, ceilings,
+                                            args.tensor_parallel_size))
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
 

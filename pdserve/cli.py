@@ -16,6 +16,7 @@ import sys
 
 from pdserve.config import (
     ENGINE_CONFIG_PARTS,
+    EngineConfig,
     ModelConfig,
     add_cli_args,
     engine_config_from_args,
@@ -247,7 +248,8 @@ class UsageError(Exception):
 
 def _check_engine_args(args: argparse.Namespace) -> None:
     """Builds ``args.engine_config``: the model resolved to a local folder (hub ids are
-    downloaded), its shapes read, device and dtype checked."""
+    downloaded), its shapes read, device, dtype and the tensor-parallel split checked."""
+    from pdserve.engine.tp import check_tp_config
     from pdserve.model.arch import get_arch
     from pdserve.model.generation_config import read_generation_config
     from pdserve.model.hub import resolve_model_config
@@ -255,10 +257,11 @@ def _check_engine_args(args: argparse.Namespace) -> None:
     _pick_model(args.parser, args)
     config = engine_config_from_args(args)
     model = resolve_model_config(config.model)
-    get_arch(model)
+    arch = get_arch(model)
     read_generation_config(model.generation_config, model.model)
     _check_device(config.device.device, model.dtype)
     args.engine_config = dataclasses.replace(config, model=model)
+    check_tp_config(args.engine_config, arch)
 
 
 def _check_device(device: str, dtype: str) -> None:
@@ -321,12 +324,16 @@ def _check_cluster(args: argparse.Namespace) -> None:
 
 
 def _check_profile(args: argparse.Namespace) -> None:
+    from pdserve.engine.tp import check_tp_config
     from pdserve.model.arch import get_arch
     from pdserve.model.hub import resolve_model_config
 
     model = resolve_model_config(ModelConfig(model=args.model, load_format=args.load_format))
-    get_arch(model)
+    arch = get_arch(model)
     _check_device(args.device, args.dtype)
+    check_tp_config(EngineConfig.from_flat(model=model.model, device=args.device,
+                                           tensor_parallel_size=args.tensor_parallel_size),
+                    arch)
     args.model = model.model
 
 

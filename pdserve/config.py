@@ -102,6 +102,9 @@ class DeviceConfig:
     piecewise_graph_max_tokens: int = doc(
         256, "Largest whole-GPU step with prompt tokens (chunked prefill, mixed steps) run as "
         "CUDA graphs between its attentions (larger ones are GPU-bound eagerly); 0: none.")
+    tensor_parallel_size: int = doc(1, "Split the model across this many GPUs (one worker "
+                                    "process per extra rank; on the CPU, processes talking "
+                                    "over gloo). Attention heads must divide by it.")
 
 
 @dataclass(frozen=True)

@@ -74,9 +74,15 @@ def test_unknown_schedule_shows_usage():
 
 
 def test_flag_that_does_not_exist():
-    result = pdserve("serve", "tiny", "--tensor-parallel-size", "2")
+    result = pdserve("serve", "tiny", "--pipeline-parallel-size", "2")
     assert result.returncode == 2
-    assert "unrecognized arguments: --tensor-parallel-size 2" in result.stderr.splitlines()[-1]
+    assert "unrecognized arguments: --pipeline-parallel-size 2" in result.stderr.splitlines()[-1]
+
+
+def test_tensor_parallel_size_that_does_not_divide_the_heads():
+    assert_one_line_error(pdserve("generate", "tiny", "--prompt", "x",
+                                  "--tensor-parallel-size", "3"),
+                          "--tensor-parallel-size 3 does not divide the model's 4 attention heads")
 
 
 def test_model_given_twice_and_different():

@@ -188,6 +188,7 @@ class EngineCore:
         if self._awaiting_kv:
             updates += self._take_arrived_kv()
         for move in self.scheduler.take_moves():
+            self.runner.note_move(move)
             self.kv.move(move)
         updates += self._launch_idle_lanes()
         if self.scheduler.waits_for_launches:
@@ -374,14 +375,17 @@ class EngineCore:
         return stats
 
     def close(self) -> None:
-        """Stops background threads (KV transfer); the engine is unusable afterwards."""
+        """Stops background threads (KV transfer) and tensor-parallel workers; the engine
+        is unusable afterwards."""
         self.kv.close()
+        self.runner.close()
 
     def describe(self) -> dict:
         """What actually runs, for results to record: never a silent fallback."""
         return {"schedule": self.config.scheduler.schedule, "device": str(self.runner.device),
                 "attention_backend": type(self.runner.attn_backend).__name__,
                 "cuda_graphs": any(pool.graphs for pool in self.runner.pools.values()),
+                "tensor_parallel_size": self.runner.comm.size,
                 **self.scheduler.describe()}
 
     def timeline(self, since: float | None = None) -> list[dict]:

@@ -15,6 +15,8 @@ import torch
 
 from pdserve.cache.kv_pool import allocate_kv_pool, bytes_per_block
 from pdserve.config import EngineConfig
+from pdserve.dist.comm import SINGLE, TPComm
+from pdserve.dist.shard import TPShard
 from pdserve.engine.batch import BlockTables, HostBatch, build_host_batch
 from pdserve.engine.graph_runner import GraphRunner
 from pdserve.engine.launch import (
@@ -29,11 +31,12 @@ from pdserve.engine.piecewise import PiecewiseGraphs
 from pdserve.engine.sampler import sample, worst_case_sampling
 from pdserve.engine.setup import parse_ints
 from pdserve.engine.streams import Event, StreamOps, make_stream_ops
+from pdserve.engine.tp import TPLeader, check_tp_config
 from pdserve.gpu.partitions import Partition
 from pdserve.model.arch import ModelArch
 from pdserve.model.loader import load_model, resolve_dtype
 from pdserve.ops.registry import get_attention_backend
-from pdserve.sched.base import MAIN_POOL, Plan, StepOutput, Work
+from pdserve.sched.base import MAIN_POOL, KVMove, Plan, StepOutput, Work
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -45,21 +48,39 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def rank_device(name: str, rank: int) -> torch.device:
+    """Tensor-parallel rank ``rank``'s device: the GPU ``rank`` places after rank 0's."""
+    device = resolve_device(name)
+    if device.type != "cuda" or rank == 0:
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
 class ModelRunner:
+    """``comm``: given to a tensor-parallel worker; rank 0 starts its workers itself."""
+
     def __init__(self, config: EngineConfig, arch: ModelArch, max_model_len: int,
-                 ops: StreamOps | None = None):
+                 ops: StreamOps | None = None, comm: TPComm | None = None):
         self.config, self.arch, self.max_model_len = config, arch, max_model_len
         self.device = resolve_device(config.device.device)
+        self.tp: TPLeader | None = None
+        if comm is None:
+            check_tp_config(config, arch)  # one line, before any worker or weight
+        if comm is None and config.device.tensor_parallel_size > 1:
+            self.tp = TPLeader(config, arch, max_model_len, self.device)
+        self.comm = comm or (self.tp.comm if self.tp else SINGLE)
         self.ops = ops or make_stream_ops(self.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.attn_backend = get_attention_backend(config.device.attention_backend, self.device)
         started = time.perf_counter()
-        self.model = load_model(config.model, arch, self.device, self.dtype, self.attn_backend)
+        self.model = load_model(config.model, arch, self.device, self.dtype, self.attn_backend,
+                                TPShard(arch, self.comm.rank, self.comm.size), self.comm)
         log.info("model loaded in %.1f s", time.perf_counter() - started)
-        self.num_blocks = self._decide_num_blocks()
-        self.kv_caches = allocate_kv_pool(arch, self.num_blocks, self.block_size, self.dtype,
-                                          self.device)
+        # Every rank holds the same pages (of its own KV heads): as many as the fullest fits.
+        self.num_blocks = self.comm.agree_min(self._decide_num_blocks())
+        self.kv_caches = allocate_kv_pool(self.model.arch, self.num_blocks, self.block_size,
+                                          self.dtype, self.device)
         self.pools = {MAIN_POOL: KVPool(self.kv_caches, self._new_tables())}
 
     def _new_tables(self) -> BlockTables:
@@ -73,14 +94,17 @@ class ModelRunner:
                   graph_partitions: list[Partition] | None) -> None:
         """Cuts the pages into the policy's pools and captures its decode graphs over
         ``decode_pool``."""
+        if self.tp is not None:  # the workers capture theirs at the same time
+            self.tp.configure(layout, decode_pool, graph_partitions)
         if set(layout) != {MAIN_POOL}:
             self.pools = {name: KVPool(page_range(self.kv_caches, start, count),
                                        self._new_tables())
                           for name, (start, count) in layout.items()}
-        if graph_partitions is None:
-            self._capture_whole_gpu_graphs(self.pools[decode_pool])
-        else:
-            self._capture_partition_graphs(self.pools[decode_pool], graph_partitions)
+        with self.comm.on_lane("decode"):  # graphs hold the decode lane's collectives
+            if graph_partitions is None:
+                self._capture_whole_gpu_graphs(self.pools[decode_pool])
+            else:
+                self._capture_partition_graphs(self.pools[decode_pool], graph_partitions)
         if set(layout) == {MAIN_POOL}:  # split pools (disagg) never run a whole-GPU prefill
             self._capture_piecewise_graphs(self.pools[MAIN_POOL])
 
@@ -88,7 +112,7 @@ class ModelRunner:
 
     def _decide_num_blocks(self) -> int:
         cache = self.config.cache
-        per_block = bytes_per_block(self.arch, self.block_size, self.dtype)
+        per_block = bytes_per_block(self.model.arch, self.block_size, self.dtype)
         if cache.num_blocks is not None:
             return cache.num_blocks
         if self.device.type != "cuda":
@@ -120,7 +144,8 @@ class ModelRunner:
     def _profile_step_peak(self) -> int:
         num_tokens = min(largest_step_tokens(self.config.scheduler), self.max_model_len)
         blocks = -(-num_tokens // self.block_size)
-        scratch = allocate_kv_pool(self.arch, blocks, self.block_size, self.dtype, self.device)
+        scratch = allocate_kv_pool(self.model.arch, blocks, self.block_size, self.dtype,
+                                   self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         batch = _profile_batch(num_tokens, self.block_size)
@@ -154,7 +179,9 @@ class ModelRunner:
         pool.graphs[None] = graphs
 
     def _piecewise_tokens(self) -> int:
-        if not self._graphs_enabled():
+        # Under tensor parallelism the segments would hold collectives of the lane that
+        # runs the step; not captured there yet (such steps run eagerly).
+        if not self._graphs_enabled() or self.comm.size > 1:
             return 0
         return min(self.config.device.piecewise_graph_max_tokens,
                    largest_step_tokens(self.config.scheduler))
@@ -196,9 +223,19 @@ class ModelRunner:
 
     # ---- launching ----
 
-    @torch.inference_mode()
     def launch(self, work: Work, waits: list[Event], buffers: HostBuffers) -> Launch:
-        """Issues ``work`` on its stream after ``waits``; returns without waiting for it."""
+        """Issues ``work`` on its stream after ``waits``; returns without waiting for it.
+        Under tensor parallelism rank 0 first sends it to the workers, which issue the same."""
+        if self.tp is None:  # one rank, or a worker (whose follower picks the lane)
+            return self._issue(work, waits, buffers)
+        self.tp.send_launch(work, waits)
+        with self.comm.on_lane(work.side), self.tp.in_step():
+            launch = self._issue(work, waits, buffers)
+        self.tp.launched(launch.event)
+        return launch
+
+    @torch.inference_mode()
+    def _issue(self, work: Work, waits: list[Event], buffers: HostBuffers) -> Launch:
         started = time.perf_counter()
         stream = _stream_of(work)
         with self.ops.on(stream):
@@ -252,6 +289,18 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         for pool in self.pools.values():
             pool.tables.drop(request_id)
+        if self.tp is not None:
+            self.tp.forget(request_id)
+
+    def note_move(self, move: KVMove) -> None:
+        """A KV move between this engine's pools: the workers repeat it on their shards."""
+        if self.tp is not None:
+            self.tp.note_move(move)
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any."""
+        if self.tp is not None:
+            self.tp.close()
 
 
 def _stream_of(work: Work):

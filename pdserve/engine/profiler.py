@@ -466,6 +466,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "16,24,32,48,64, the serving default).")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="Profile the model split over this many GPUs (saved apart from "
+                        "the one-GPU profile).")
     parser.add_argument("--quick", action="store_true",
                         help="A tiny grid for small models and smoke tests.")
     parser.set_defaults(func=_run)
@@ -499,7 +502,8 @@ def grid_from_args(args: argparse.Namespace) -> ProfileGrid:
 
 def _run(args: argparse.Namespace) -> int:
     grid = grid_from_args(args)
-    options = dict(load_format=args.load_format, dtype=args.dtype, device=args.device)
+    options = dict(load_format=args.load_format, dtype=args.dtype, device=args.device,
+                   tensor_parallel_size=args.tensor_parallel_size)
     if args.device != "cpu":
         options["gpu_memory_utilization"] = args.gpu_memory_utilization
     engine = engine_for_profile(args.model, grid, **options)

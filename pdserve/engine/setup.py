@@ -94,8 +94,11 @@ def gpu_name(device: torch.device) -> str:
 
 
 def model_key(config: EngineConfig) -> str:
-    """Presets by name, checkpoints by folder name: what a profile is saved under."""
-    return Path(str(config.model.model).rstrip("/")).name or str(config.model.model)
+    """Presets by name, checkpoints by folder name: what a profile is saved under. A
+    tensor-parallel group times its own shard and collectives: its size is in the key."""
+    name = Path(str(config.model.model).rstrip("/")).name or str(config.model.model)
+    size = config.device.tensor_parallel_size
+    return name if size == 1 else f"{name}-tp{size}"
 
 
 def profile_path(config: EngineConfig, device: torch.device) -> Path:
@@ -117,7 +120,9 @@ def load_predictor(config: EngineConfig, runner, partitions: PartitionSet
     no profile means anything. A fitted profile must have timed every group the planner can
     ask about (``profile_groups``) unless ``mux_allow_unprofiled``."""
     total_sms = partitions.total_sms
-    roofline = roofline_for(runner.arch, total_sms, runner.dtype.itemsize)
+    # One rank's shapes: under tensor parallelism each GPU runs its shard (collectives are
+    # not in the roofline).
+    roofline = roofline_for(runner.model.arch, total_sms, runner.dtype.itemsize)
     if config.scheduler.mux_predictor == "roofline":
         log.info("multiplex: roofline latency model (asked for)")
         return roofline, {"kind": "roofline", "why": "asked for"}

@@ -4,6 +4,12 @@ The batch (``AttentionMetadata``) and the KV caches are arguments of every call:
 batch and a prefill piece may run through the same model at the same time. The forward has
 no host syncs and no data-dependent Python branches, so a decode step can be captured as a
 CUDA graph. Fused ops go through ``pdserve.ops.dispatch`` (Triton on CUDA, torch on CPU).
+
+Under tensor parallelism (``TPShard``, ``TPComm``) each rank builds the layers of its shard:
+its query and KV heads, its slice of the MLP and of the vocabulary. o_proj and down_proj sum
+their partial products across ranks; the embedding sums the rows each rank owns; the LM head
+gathers every rank's logits and cuts the vocabulary padding. With one rank there is no
+collective and no extra op.
 """
 
 from __future__ import annotations
@@ -12,8 +18,11 @@ import math
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from pdserve.dist.comm import SINGLE, TPComm
+from pdserve.dist.shard import TPShard
 from pdserve.model.arch import ModelArch
 from pdserve.ops import dispatch
 from pdserve.ops.metadata import AttentionMetadata
@@ -85,10 +94,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
+def row_parallel(linear: nn.Linear, x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    """``linear`` over this rank's input columns, summed over ranks; the bias added once."""
+    if comm.size == 1:
+        return linear(x)
+    out = comm.all_reduce(F.linear(x, linear.weight))
+    return out if linear.bias is None else out + linear.bias
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+    """``arch`` is this rank's shapes: its own query and KV heads."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, comm: TPComm = SINGLE) -> None:
         super().__init__()
-        self.backend = backend
+        self.backend, self.comm = backend, comm
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
@@ -127,7 +146,7 @@ class LlamaAttention(nn.Module):
         return self.backend.attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
 
     def project_out(self, attn_out: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(attn_out.reshape(-1, self.q_size))
+        return row_parallel(self.o_proj, attn_out.reshape(-1, self.q_size), self.comm)
 
 
 # The MLP of a big step runs in slices of this many tokens: its [tokens, 2 x intermediate]
@@ -138,8 +157,9 @@ MLP_CHUNK_TOKENS = 2048
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, comm: TPComm = SINGLE) -> None:
         super().__init__()
+        self.comm = comm
         # One GEMM for gate and up: rows [gate | up], as silu_and_mul expects.
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
@@ -155,14 +175,15 @@ class LlamaMLP(nn.Module):
         return out
 
     def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(dispatch.silu_and_mul(self.gate_up_proj(hidden)))
+        return row_parallel(self.down_proj, dispatch.silu_and_mul(self.gate_up_proj(hidden)),
+                            self.comm)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, comm: TPComm = SINGLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, backend)
-        self.mlp = LlamaMLP(arch)
+        self.self_attn = LlamaAttention(arch, backend, comm)
+        self.mlp = LlamaMLP(arch, comm)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -200,24 +221,29 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, vocab_rows: int,
+                 comm: TPComm = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, arch.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, backend) for _ in range(arch.num_layers))
+            LlamaDecoderLayer(arch, backend, comm) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Parameter names follow Hugging Face's, with q/k/v and gate/up fused."""
+    """Parameter names follow Hugging Face's, with q/k/v and gate/up fused. ``arch`` is the
+    whole model's; ``self.arch`` is this rank's shapes (the same without a ``shard``)."""
 
     def __init__(self, arch: ModelArch, attn_backend: AttentionBackend,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, shard: TPShard | None = None,
+                 comm: TPComm = SINGLE) -> None:
         super().__init__()
-        self.arch = arch
+        self.shard, self.comm = shard or TPShard(arch), comm
+        self.arch = arch = self.shard.rank_arch()
         self.attn_backend = attn_backend
-        self.model = LlamaModel(arch, attn_backend)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        vocab_rows = self.shard.vocab_per_rank  # the whole vocabulary on one rank
+        self.model = LlamaModel(arch, attn_backend, vocab_rows, comm)
+        self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         self.rotary = RotaryEmbedding(arch, max_positions or arch.max_position_embeddings)
         self.tie_weights()
 
@@ -231,7 +257,14 @@ class LlamaForCausalLM(nn.Module):
         return self.arch.num_layers
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        if self.comm.size == 1:
+            return self.model.embed_tokens(input_ids)
+        # Each rank looks up the ids in its vocabulary rows, zeros the others; the sum over
+        # ranks is the embedding.
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_per_rank)
+        hidden = self.model.embed_tokens(local.masked_fill(outside, 0))
+        return self.comm.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0))
 
     def forward_layers(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                        positions: torch.Tensor, meta: AttentionMetadata,
@@ -260,4 +293,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 [N, vocab]; pass only the rows that will be sampled."""
-        return self.lm_head(hidden_rows).float()
+        logits = self.lm_head(hidden_rows)
+        if self.comm.size == 1:
+            return logits.float()
+        # Padding rows past the vocabulary are cut here: they can never be sampled.
+        return self.comm.all_gather_rows(logits)[:, :self.arch.vocab_size].float().contiguous()

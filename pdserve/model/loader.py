@@ -3,7 +3,9 @@
 The module is first built on the meta device (no memory, no init kernels), then given
 uninitialised storage on the target device, then filled. Checkpoint tensors are streamed one
 at a time from memory-mapped files straight into their (fused) parameter, so a 70B
-checkpoint is never held on the host in full, let alone twice.
+checkpoint is never held on the host in full, let alone twice. Under tensor parallelism each
+rank reads only its slice of each tensor (``safe_open(...).get_slice``: the rows or columns
+it holds, never the whole tensor).
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import json
 import os
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from pdserve.config import ModelConfig
+from pdserve.dist.comm import SINGLE, TPComm
+from pdserve.dist.shard import TPShard
 from pdserve.model.arch import PRESETS, ModelArch, is_checkpoint_dir
 from pdserve.model.llama import AttentionBackend, LlamaForCausalLM
 from pdserve.progress import progress
@@ -48,13 +53,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch
 
 
 def load_model(model_config: ModelConfig, arch: ModelArch, device: torch.device | str,
-               dtype: str | torch.dtype, attn_backend: AttentionBackend) -> LlamaForCausalLM:
-    """The model on ``device`` in eval mode, weights from the checkpoint or random (seeded)."""
+               dtype: str | torch.dtype, attn_backend: AttentionBackend,
+               shard: TPShard | None = None, comm: TPComm = SINGLE) -> LlamaForCausalLM:
+    """The model on ``device`` in eval mode, weights from the checkpoint or random (seeded).
+    With a ``shard``: only that tensor-parallel rank's part (dummy weights are then seeded
+    per rank, so they differ from one group size to another)."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
-    model = _build_empty(model_config, arch, device, dtype, attn_backend)
+    shard = shard or TPShard(arch)
+    model = _build_empty(model_config, arch, device, dtype, attn_backend, shard, comm)
     if _use_dummy(model_config):
-        init_dummy_weights(model, model_config.seed)
+        init_dummy_weights(model, model_config.seed + shard.rank)
     else:
         load_safetensors(model, model_config.model)
     return model.eval().requires_grad_(False)
@@ -74,10 +83,11 @@ def _use_dummy(model_config: ModelConfig) -> bool:
 
 
 def _build_empty(model_config: ModelConfig, arch: ModelArch, device: torch.device,
-                 dtype: torch.dtype, attn_backend: AttentionBackend) -> LlamaForCausalLM:
+                 dtype: torch.dtype, attn_backend: AttentionBackend, shard: TPShard,
+                 comm: TPComm) -> LlamaForCausalLM:
     max_positions = max(model_config.max_model_len or 0, arch.max_position_embeddings)
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, attn_backend, max_positions)
+        model = LlamaForCausalLM(arch, attn_backend, max_positions, shard, comm)
     model.to(dtype)  # on meta: free; the rope table is rebuilt in float32 below
     model.to_empty(device=device)
     model.tie_weights()  # storage was swapped per module, so re-share embedding and head
@@ -111,12 +121,27 @@ def checkpoint_files(folder: str) -> list[str]:
     return [os.path.join(folder, n) for n in names]
 
 
-def iter_checkpoint(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs, one tensor in host memory at a time (files are memory-mapped)."""
+def iter_checkpoint(folder: str) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) pairs: ``handle[...]`` reads only the part indexed, one tensor in
+    host memory at a time (files are memory-mapped)."""
     for path in checkpoint_files(folder):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
+
+
+def read_part(handle: Any, shard: TPShard, hf_name: str) -> torch.Tensor:
+    """The rows or columns of a checkpoint tensor that ``shard`` holds (all of it on one
+    rank); ValueError when the tensor's full extent is not the model's."""
+    part = shard.slice_of(hf_name)
+    if part is None:
+        return handle[:]
+    dim, start, stop, full = part
+    shape = handle.get_shape()
+    if len(shape) <= dim or shape[dim] != full:
+        raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(shape)}, the model "
+                         f"expects {full} along dimension {dim}")
+    return handle[start:stop] if dim == 0 else handle[:, start:stop]
 
 
 def count_tensors(folder: str) -> int:
@@ -145,14 +170,15 @@ def load_safetensors(model: LlamaForCausalLM, folder: str) -> None:
     loaded: set[tuple[str, int | None]] = set()
     tensors = progress(iter_checkpoint(folder), total=count_tensors(folder),
                        desc="loading weights", unit="tensor")
-    for hf_name, tensor in tensors:
+    for hf_name, handle in tensors:
         if _IGNORED.search(hf_name) or _is_tied_head(model, hf_name):
             continue
         name, shard = map_hf_name(hf_name)
         if name not in params:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model "
                              f"(looked for parameter {name!r})")
-        target = _shard_view(model.arch, params[name], name, shard)
+        tensor = read_part(handle, model.shard, hf_name)
+        target = _vocab_rows(model, name, _shard_view(model.arch, params[name], name, shard))
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                              f"the model expects {tuple(target.shape)}")
@@ -164,6 +190,14 @@ def load_safetensors(model: LlamaForCausalLM, folder: str) -> None:
 def _is_tied_head(model: LlamaForCausalLM, hf_name: str) -> bool:
     # Some tied checkpoints still store a copy of the head; the embedding is the truth.
     return model.arch.tie_word_embeddings and hf_name == "lm_head.weight"
+
+
+def _vocab_rows(model: LlamaForCausalLM, name: str, param: torch.Tensor) -> torch.Tensor:
+    """Embedding and head rows that hold real tokens; padding rows stay zero."""
+    if model.comm.size == 1 or name not in ("model.embed_tokens.weight", "lm_head.weight"):
+        return param
+    param[model.shard.vocab_rows:].zero_()
+    return param[:model.shard.vocab_rows]
 
 
 def _shard_view(arch: ModelArch, param: torch.Tensor, name: str,

@@ -1,0 +1,115 @@
+"""One rank's communicators: collectives of the model, and the control channel of the engine.
+
+Each engine builds its own process groups from its own store (no torch.distributed default
+group), so several engines can live in one process (tests) and each one's groups end with
+it. Collectives run on the communicator of the lane being launched: a decode step and a
+prefill piece that run at the same time (multiplex, disagg) each have their own, so their
+all-reduces never queue behind each other on one NCCL stream. The control group is always
+gloo: the launch plan is a host object, broadcast without touching the GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+LANES = ("decode", "prefill")
+# How long a rank waits in a collective before failing: past any launch, short enough that
+# a wedged peer becomes an error rather than a hang.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+class TPComm:
+    """Rank ``rank`` of ``size``. With ``size == 1`` every collective is the identity."""
+
+    def __init__(self, rank: int = 0, size: int = 1, lanes: dict | None = None,
+                 control=None) -> None:
+        self.rank, self.size = rank, size
+        self._lanes = lanes or {}
+        self._control = control
+        self.lane = LANES[0]
+
+    @classmethod
+    def connect(cls, store: dist.Store, rank: int, size: int, device: torch.device) -> TPComm:
+        """Joins the group: one model communicator per lane (NCCL on a GPU, gloo on the
+        CPU) and a gloo control group."""
+        lanes = {lane: _group(store, lane, rank, size, device) for lane in LANES}
+        control = _group(store, "control", rank, size, torch.device("cpu"))
+        if device.type == "cuda":
+            _warm_up(lanes.values(), device)
+        return cls(rank, size, lanes, control)
+
+    @contextmanager
+    def on_lane(self, lane: str) -> Iterator[None]:
+        """Collectives issued inside go to ``lane``'s communicator."""
+        previous, self.lane = self.lane, lane if lane in LANES else LANES[0]
+        try:
+            yield
+        finally:
+            self.lane = previous
+
+    # ---- model collectives ----
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place."""
+        if self.size > 1:
+            self._lanes[self.lane].allreduce([x]).wait()
+        return x
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, C] on every rank -> [N, size * C], rank r's columns at [r * C, (r + 1) * C)."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._lanes[self.lane].allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=-1)
+
+    # ---- control ----
+
+    def broadcast_object(self, obj: object = None) -> object:
+        """Rank 0 sends ``obj`` (pickled: one size, one payload), the others receive it."""
+        if self.rank == 0:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=5)), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self._control.broadcast(size, 0).wait()
+        if self.rank != 0:
+            payload = torch.empty(int(size), dtype=torch.uint8)
+        self._control.broadcast(payload, 0).wait()
+        return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` any rank holds (KV pages every rank can fit)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        self._control.allreduce(tensor, op=dist.ReduceOp.MIN).wait()
+        return int(tensor)
+
+
+SINGLE = TPComm()
+
+
+def _warm_up(groups, device: torch.device) -> None:
+    """NCCL makes a communicator on its first collective: make it now, not inside a CUDA
+    graph capture, where creating one is not allowed."""
+    probe = torch.ones(1, device=device)
+    for group in groups:
+        group.allreduce([probe]).wait()
+    torch.cuda.synchronize(device)
+
+
+def _group(store: dist.Store, name: str, rank: int, size: int, device: torch.device):
+    prefixed = dist.PrefixStore(name, store)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = name == "decode"
+        return dist.ProcessGroupNCCL(prefixed, rank, size, options)
+    return dist.ProcessGroupGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT)
