@@ -15,8 +15,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.cli import build_parser
 from pdserve.config import engine_config_from_args
 from pdserve.engine.batch import BlockTables, build_host_batch, resolve_placeholders
-from pdserve.sched.base import Plan, ScheduledRequest
-from tests.engine.factories import make_request
+from pdserve.sched.base import Plan, ScheduledRequest, Scheduler, StepOutput
+from tests.engine.factories import make_request, make_scheduler_for
 
 OPTIONS = {"dtype": "float32", "block_size": 8, "max_num_batched_tokens": 64, "chunk_size": 48}
 SYNC_SCHEDULES = ("prefill-first", "chunked")
@@ -208,3 +208,55 @@ def test_placeholder_ids_resolve_on_the_device():
     resolved = resolve_placeholders(torch.from_numpy(batch.input_ids), sampled)
     assert resolved.tolist() == [known.token_ids[4], 53]
     assert np.array_equal(batch.positions, [4, 6])
+
+
+@pytest.mark.parametrize("schedule", SYNC_SCHEDULES)
+def test_preempting_a_request_whose_token_is_in_flight(schedule, monkeypatch):
+    """A pool too small for every request: victims are chosen while the step before is still
+    running, so some are preempted with their last token in flight; it reaches them when that
+    step completes, and the tokens equal the synchronous engine's."""
+    with_token_in_flight = []
+    preempt = Scheduler._preempt
+
+    def watch(self, request, plan):
+        with_token_in_flight.append(request.num_placeholders > 0)
+        return preempt(self, request, plan)
+
+    monkeypatch.setattr(Scheduler, "_preempt", watch)
+    requests = {f"v{i}": (p, GREEDY) for i, p in enumerate(_prompts(8, seed=11))}
+    (on, on_finish, _), (off, off_finish, _) = _both(schedule, requests, num_blocks=16)
+    assert on == off and on_finish == off_finish
+    assert any(with_token_in_flight), "no victim had a token in flight"
+
+
+def test_scheduler_rules_one_step_late():
+    """Without a model: issue advances the counters, the next plan decodes the placeholder,
+    a stop found late drops the token already computed and frees the pages at once, and a
+    request whose token in flight reaches max_tokens is never planned again."""
+    scheduler = make_scheduler_for("chunked", chunk_size=64)
+    stops, lasts = make_request(5, max_tokens=9), make_request(6, max_tokens=2)
+    stops.params.stop_token_ids = [7]
+    stops.params.ignore_eos = False
+    for request in (stops, lasts):
+        scheduler.add(request)
+    first = _issue(scheduler)  # both prefills, each samples its first token
+    assert stops.num_computed == 5 and stops.num_placeholders == 1 and stops.num_uncomputed == 1
+    second = _issue(scheduler)  # both decode their placeholders
+    assert [s.request for s in second.plan.decodes] == [stops, lasts]
+    assert lasts in scheduler.retiring, "its second token is its last (max_tokens=2)"
+    assert scheduler.update_work(first, StepOutput([7, 8])) == [stops]  # 7: a stop token
+    assert stops.block_ids == [] and stops.token_ids[-1] == 7
+    third = _issue(scheduler)
+    assert third is None, "nothing left to plan: one request ended, the other retires"
+    assert scheduler.update_work(second, StepOutput([9, 9])) == [lasts]
+    assert stops.token_ids[-1] == 7 and scheduler.overlap.dropped_tokens == 1
+    assert lasts.num_output_tokens == 2 and not scheduler.has_work()
+    scheduler.blocks.check_integrity([])
+
+
+def _issue(scheduler):
+    work = scheduler.schedule().get("main")
+    if work is not None:
+        assert work.overlapped
+        scheduler.issued(work)
+    return work
