@@ -293,6 +293,6 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     for row, generator in enumerate(generators):
         if generator is not None:
             cpu_noise = torch.empty(probs.shape[-1]).exponential_(generator=generator)
-            noise[row] = cpu_noise.to(probs.device, non_blocking=True)
+            noise[row] = _to_device(cpu_noise.numpy(), probs.device)
     return (probs / noise).argmax(dim=-1)
 
