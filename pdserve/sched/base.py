@@ -35,7 +35,8 @@ class ScheduledRequest:
         # One is made per running request per step: no __post_init__ call, no properties.
         self.request = request
         self.num_new_tokens = num_new_tokens
-        self.samples = request.num_computed + num_new_tokens == request.num_tokens
+        self.samples = (request.num_computed + num_new_tokens
+                        == len(request.token_ids) + request.num_placeholders)  # num_tokens
 
 
 @dataclass
