@@ -7,6 +7,11 @@ plus KV bytes read, over the measured copy bandwidth. Prefill: one prompt throug
 loop; roofline: FLOPs over the measured bf16 GEMM rate. Also reports the host-side share of a
 decode step and the KV pool size at the configured memory fraction.
 
+Each decode point runs with overlap scheduling (the next step planned and issued while the
+GPU runs this one) and without (``--overlap both``, the default); the overlapped row carries
+``host_hidden_ms``, the step time the overlap removed, beside ``host_ms``, the host work per
+step (schedule + batch build + update).
+
     python benchmarks/bench_engine.py --models llama3-8b codellama-34b --out results.json
 
 With ``--tensor-parallel-size N`` the rooflines are per GPU: rank 0's shard of the weights,
@@ -188,9 +193,36 @@ class StartupLog(logging.Handler):
         logger.setLevel(self._level)
 
 
+OVERLAP_MODES = {"both": (False, True), "on": (True,), "off": (False,)}
+
+
+def decode_rows(engine: EngineCore, batch: int, context: int, overlap_modes: tuple,
+                roofline_ms: float) -> list[dict]:
+    """One row per overlap mode. The engine is started with overlap on; turning it off for a
+    measurement makes every step wait for its launch, as ``--no-overlap-schedule`` does."""
+    rows = []
+    for overlap in overlap_modes:
+        engine.scheduler.overlap.enabled = overlap
+        timing = time_decode(engine, batch, context)
+        row = {"batch": batch, "context": context, "overlap": overlap}
+        if timing is None:
+            row["skipped"] = "KV pool too small for this batch and context"
+        else:
+            row.update(timing, roofline_ms=roofline_ms,
+                       fraction_of_roofline=roofline_ms / timing["step_ms"])
+        rows.append(row)
+    engine.scheduler.overlap.enabled = True
+    synchronous = next((r for r in rows if not r["overlap"] and "step_ms" in r), None)
+    for row in rows:
+        if row["overlap"] and synchronous is not None and "step_ms" in row:
+            row["host_hidden_ms"] = synchronous["step_ms"] - row["step_ms"]
+    return rows
+
+
 def bench_model(model: str, memory_fraction: float, ceilings: dict,
-                tensor_parallel_size: int = 1) -> dict:
+                overlap_modes: tuple = (False, True), tensor_parallel_size: int = 1) -> dict:
     config = EngineConfig.from_flat(model=model, load_format="dummy", schedule="prefill-first",
+                                    overlap_schedule=True,
                                     gpu_memory_utilization=memory_fraction,
                                     tensor_parallel_size=tensor_parallel_size,
                                     max_model_len=max(PREFILL_LENGTHS) + 1, max_num_seqs=256)
@@ -204,18 +236,13 @@ def bench_model(model: str, memory_fraction: float, ceilings: dict,
               "decode": [], "prefill": []}
     weights, kv_token = weight_bytes(engine), kv_bytes_per_token(engine)
     bandwidth = ceilings["copy_bandwidth_gbs"] * 1e9
+    result["overlap_schedule"] = engine.describe()["overlap_schedule"]["enabled"]
     for context in DECODE_CONTEXTS:
         for batch in DECODE_BATCHES:
-            timing = time_decode(engine, batch, context)
-            row = {"batch": batch, "context": context}
-            if timing is None:
-                row["skipped"] = "KV pool too small for this batch and context"
-            else:
-                roofline_ms = (weights + batch * context * kv_token) / bandwidth * 1e3
-                row.update(timing, roofline_ms=roofline_ms,
-                           fraction_of_roofline=roofline_ms / timing["step_ms"])
-            result["decode"].append(row)
-            print(json.dumps(row), flush=True)
+            roofline_ms = (weights + batch * context * kv_token) / bandwidth * 1e3
+            for row in decode_rows(engine, batch, context, overlap_modes, roofline_ms):
+                result["decode"].append(row)
+                print(json.dumps(row), flush=True)
     for length in PREFILL_LENGTHS:
         timing = time_prefill(engine, length)
         row = {"tokens": length}
@@ -239,6 +266,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench_engine.json")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="GPUs per model (rooflines are then per GPU)")
+    parser.add_argument("--overlap", choices=tuple(OVERLAP_MODES), default="both",
+                        help="decode with overlap scheduling, without, or both (default)")
     args = parser.parse_args()
     ceilings = measure_ceilings()
     print(json.dumps(ceilings), flush=True)
@@ -247,6 +276,7 @@ def main() -> None:
               "python": platform.python_version(), "ceilings": ceilings, "models": []}
     for model in args.models:
         report["models"].append(bench_model(model, args.memory_fraction, ceilings,
+                                            OVERLAP_MODES[args.overlap],
                                             args.tensor_parallel_size))
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -61,6 +61,11 @@ class SchedulerConfig:
     chunk_size: int = doc(512, "chunked: token budget per step, decodes included "
                           "(Sarathi-Serve).")
     max_waiting: int = doc(4096, "Requests queued beyond this are refused (HTTP 429).")
+    overlap_schedule: bool = doc(True, "Plan and issue the next step while the device runs "
+                                 "this one, its sampled tokens passed on the device (one step "
+                                 "late stop checks, never a token past a stop). prefill-first "
+                                 "and chunked; steps with penalties run synchronously "
+                                 "(counted in /v1/engine/info).")
     itl_slo_ms: float = doc(60.0, "multiplex: inter-token latency target.")
     ttft_slo_ms: float | None = doc(None, "multiplex: time-to-first-token target, if any.")
     mux_decode_sms: str = doc("16,24,32,48,64", "multiplex: decode SM counts to build "

@@ -49,6 +49,10 @@ class Request:
     kv_buffer: torch.Tensor | None = None  # decode side: received KV not yet scattered
     deadline: float = 0.0  # decode side: fail if the KV has not arrived by then
     distinct_prompt_ids: np.ndarray | None = None  # for the repetition penalty, made once
+    # Overlap scheduling: tokens sampled by launches still running, not yet in ``token_ids``
+    # (counted in ``num_tokens``), and the row of the newest one in its lane's device buffer.
+    num_placeholders: int = 0
+    placeholder_row: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -61,7 +65,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Prompt and output tokens, those still being sampled included."""
+        return len(self.token_ids) + self.num_placeholders
 
     @property
     def num_output_tokens(self) -> int:
@@ -69,7 +74,7 @@ class Request:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        return self.num_tokens - self.num_computed
 
     @property
     def is_finished(self) -> bool:
@@ -79,6 +84,14 @@ class Request:
         self.token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+
+    def ends_at_pending_tokens(self, max_model_len: int) -> bool:
+        """The tokens still being sampled bring it to a length limit or a hand-off, so it
+        finishes when they arrive whatever they are (``check_stop`` will say so then)."""
+        num_tokens = self.num_tokens
+        return (num_tokens - len(self.prompt_token_ids) >= self.params.max_tokens
+                or num_tokens >= max_model_len
+                or (self.handoff is not None and self.handoff.is_prefill))
 
     def check_stop(self, max_model_len: int) -> str | None:
         """Finish reason after the last appended token, or None to continue."""

@@ -132,7 +132,7 @@ class BlockManager:
 
     def _hash_chain(self, request: Request) -> list[int]:
         hashes = request.block_hashes
-        for i in range(len(hashes), request.num_tokens // self.block_size):
+        for i in range(len(hashes), len(request.token_ids) // self.block_size):  # known ones
             parent = hashes[i - 1] if i else 0
             hashes.append(hash((parent, self._tokens_of(request, i))))
         return hashes

@@ -29,6 +29,7 @@ class HostBatch:
     logits_indices: np.ndarray  # [S] int64, last token of each sampling request
     num_decode_seqs: int
     block_size: int
+    has_placeholders: bool = False  # input ids < 0: tokens of the launch before (overlap)
 
     @property
     def num_seqs(self) -> int:
@@ -138,8 +139,9 @@ def build_host_batch(plan: Plan, tables: BlockTables, block_size: int) -> HostBa
     slot_mapping *= block_size
     slot_mapping += positions % block_size
     max_blocks = int(-(-seq_lens.max() // block_size))
+    input_ids = _gather_input_ids(plan, len(positions))
     return HostBatch(
-        input_ids=_gather_input_ids(plan, len(positions)),
+        input_ids=input_ids,
         positions=positions,
         slot_mapping=slot_mapping,
         query_start_loc=query_start_loc,
@@ -148,6 +150,7 @@ def build_host_batch(plan: Plan, tables: BlockTables, block_size: int) -> HostBa
         logits_indices=_logits_indices(scheduled, query_start_loc),
         num_decode_seqs=len(plan.decodes),
         block_size=block_size,
+        has_placeholders=bool(len(input_ids)) and int(input_ids.min()) < 0,
     )
 
 
@@ -180,9 +183,23 @@ def _logits_indices(scheduled: list, query_start_loc: np.ndarray) -> np.ndarray:
 
 
 def _gather_input_ids(plan: Plan, num_tokens: int) -> np.ndarray:
-    ids = [s.request.token_ids[s.request.num_computed] for s in plan.decodes]
+    ids = [_decode_input_id(s.request) for s in plan.decodes]
     for item in plan.prefills:
         start = item.request.num_computed
         ids.extend(item.request.token_ids[start : start + item.num_new_tokens])
     assert len(ids) == num_tokens
     return np.fromiter(ids, dtype=np.int64, count=num_tokens)
+
+
+def _decode_input_id(request: Request) -> int:
+    """The token a decode feeds in; one still being sampled by the launch before (overlap)
+    is ``-1 - row``: its row in the lane's device buffer of sampled tokens."""
+    if request.num_computed < len(request.token_ids):
+        return request.token_ids[request.num_computed]
+    return -1 - request.placeholder_row
+
+
+def resolve_placeholders(input_ids: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """Input ids with every placeholder replaced by the token it names, on the device."""
+    rows = (-1 - input_ids).clamp_(min=0)
+    return torch.where(input_ids < 0, sampled.index_select(0, rows), input_ids)

@@ -12,6 +12,12 @@ complete since that lane last launched, and on KV copies issued since. Lanes of 
 and disagg run on other streams, so a decode step never reads KV a prefill is still writing
 and a page freed by one lane is never overwritten before a pending gather reads it.
 
+Overlap scheduling (synchronous policies, on unless ``--no-overlap-schedule``): a launch the
+policy marks ``overlapped`` advances the counters when issued, its sampled tokens standing as
+placeholders; the next step is planned and issued before it is collected, and reads those
+tokens on the device. Its results are applied one step late: a request that stopped then has
+one more token computed by the launch already issued, which is dropped, never emitted.
+
 It never detokenizes: stop strings are matched by whoever streams the text (the server or
 the offline ``LLM``), which aborts the request when one hits.
 """
@@ -34,7 +40,7 @@ from pdserve.model.arch import get_arch, is_checkpoint_dir
 from pdserve.model.tokenizer import load_tokenizer
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
-from pdserve.sched.base import Work
+from pdserve.sched.base import StepOutput, Work
 from pdserve.sched.policies import make_scheduler, role_refusal
 
 log = logging.getLogger(__name__)
@@ -67,11 +73,18 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._queued: list[RequestUpdate] = []  # aborts and first tokens, out with the next step
         self._counters = {"prompt": 0, "generation": 0, "steps": 0}
-        self._in_flight: dict[str, Launch] = {}  # by lane
-        self._buffers = {lane: HostBuffers.make(self.runner.ops, config.scheduler.max_num_seqs)
-                         for lane in self.scheduler.lanes}
+        self._in_flight: dict[str, list[Launch]] = {}  # by lane, oldest first (two: overlap)
+        self._buffers = {lane: self._lane_buffers() for lane in self.scheduler.lanes}
         self._fences: dict[str, list[Event]] = {lane: [] for lane in self.scheduler.lanes}
         self._awaiting_kv: dict[str, Request] = {}  # decode side: by transfer id, FCFS
+
+    def _lane_buffers(self) -> list[HostBuffers]:
+        """Two pinned buffers (an overlapped launch fills one while the host reads the other)
+        sharing one device copy of the sampled tokens."""
+        size, device_tokens = self.config.scheduler.max_num_seqs, None
+        if self.scheduler.overlap.enabled:
+            device_tokens = self.runner.sampled_tokens_buffer()
+        return [HostBuffers.make(self.runner.ops, size, device_tokens) for _ in range(2)]
 
     @staticmethod
     def _check_role(config: EngineConfig) -> None:
@@ -190,10 +203,10 @@ class EngineCore:
         for move in self.scheduler.take_moves():
             self.runner.note_move(move)
             self.kv.move(move)
-        updates += self._launch_idle_lanes()
+        launched, failed = self._launch_idle_lanes()
+        updates += failed
         if self.scheduler.waits_for_launches:
-            self._wait_all()
-            updates += self._collect()
+            updates += self._settle(launched)
         elif not updates and self._in_flight:
             self._wait_any()
             updates += self._collect()
@@ -201,27 +214,59 @@ class EngineCore:
             self.kv.wait_briefly(next(iter(self._awaiting_kv)))
         return updates
 
-    def _launch_idle_lanes(self) -> list[RequestUpdate]:
-        idle = tuple(lane for lane in self.scheduler.lanes if lane not in self._in_flight)
-        failed = []
+    def _launch_idle_lanes(self) -> tuple[dict[str, Launch], list[RequestUpdate]]:
+        """Launches the policy's work on lanes with nothing in flight but overlapped launches.
+        Returns (launches by lane, updates of requests whose launch failed)."""
+        idle = tuple(lane for lane in self.scheduler.lanes
+                     if all(launch.work.overlapped for launch in self._in_flight.get(lane, ())))
+        launched, failed = {}, []
         for lane, work in self.scheduler.schedule(idle).items():
             waits, self._fences[lane] = self._fences[lane], []
             try:
-                self._in_flight[lane] = self.runner.launch(work, waits, self._buffers[lane])
+                launch = self.runner.launch(work, waits, self._next_buffers(lane))
             except Exception:
                 # One bad launch must not take the engine down: fail the requests it carried.
                 log.exception("launch failed; failing its %d requests", len(work.plan.scheduled))
                 failed += self._end(self.scheduler.fail(work), sampled=())
-        return failed
+                continue
+            self.scheduler.issued(work)
+            self._in_flight.setdefault(lane, []).append(launch)
+            launched[lane] = launch
+        return launched, failed
+
+    def _next_buffers(self, lane: str) -> HostBuffers:
+        pair = self._buffers[lane]
+        pair.reverse()
+        return pair[0]
 
     def _collect(self) -> list[RequestUpdate]:
+        """Launches that are done, oldest first; an overlapped one waits for ``_settle``."""
         updates = []
-        for lane, launch in list(self._in_flight.items()):
-            if launch.event.query():
-                del self._in_flight[lane]
-                self._fence(launch.event)
-                updates += self._complete(launch.work, launch)
+        for lane, launches in list(self._in_flight.items()):
+            while launches and not launches[0].work.overlapped and launches[0].event.query():
+                updates += self._retire(lane)
         return updates
+
+    def _settle(self, launched: dict[str, Launch]) -> list[RequestUpdate]:
+        """Synchronous policies: waits for and applies every launch but an overlapped one just
+        issued, which runs on while the next step is planned."""
+        updates = []
+        for lane, launches in list(self._in_flight.items()):
+            keep = launched.get(lane)
+            keep = keep if keep is not None and keep.work.overlapped else None
+            while launches and launches[0] is not keep:
+                launches[0].event.synchronize()
+                updates += self._retire(lane)
+        return updates
+
+    def _retire(self, lane: str) -> list[RequestUpdate]:
+        """Applies the lane's oldest launch (done)."""
+        launches = self._in_flight[lane]
+        launch = launches.pop(0)
+        if not launches:
+            del self._in_flight[lane]
+        self._fence(launch.event)
+        return self._complete(launch.work, launch)
 
     def _fence(self, event: Event) -> None:
         for fences in self._fences.values():
@@ -234,10 +279,13 @@ class EngineCore:
             log.exception("launch failed; failing its %d requests", len(work.plan.scheduled))
             return self._end(self.scheduler.fail(work), sampled=())
         exports = self._export_candidates(work)
+        # Ended while this launch ran (overlap: a stop seen one step late, an abort): their
+        # tokens are dropped by the policy and never emitted.
+        ended_before = [s.request.is_finished for s in work.plan.sampling]
         ended = self.scheduler.update_work(work, output)
         self._counters["steps"] += 1
+        sampled, output = _kept(work, output, ended_before)
         self._counters["generation"] += len(output.token_ids)
-        sampled = [s.request for s in work.plan.sampling] if output.token_ids else []
         updates = self._sampled_updates(sampled, output)
         for request in ended:
             if request.finish_reason == HANDOFF_FINISH_REASON:
@@ -264,18 +312,15 @@ class EngineCore:
         return updates
 
     def in_flight(self, lane: str) -> Launch | None:
-        """The launch in flight on ``lane``, if any."""
-        return self._in_flight.get(lane)
-
-    def _wait_all(self) -> None:
-        for launch in self._in_flight.values():
-            launch.event.synchronize()
+        """The newest launch in flight on ``lane``, if any."""
+        launches = self._in_flight.get(lane)
+        return launches[-1] if launches else None
 
     def _wait_any(self) -> None:
         """Spins (yielding the GIL) until one launch completes, or a short deadline."""
         deadline = time.monotonic() + WAIT_FOR_COMPLETION_S
         while time.monotonic() < deadline:
-            if any(launch.event.query() for launch in self._in_flight.values()):
+            if any(launches[0].event.query() for launches in self._in_flight.values()):
                 return
             time.sleep(0)
 
@@ -386,7 +431,18 @@ class EngineCore:
                 "attention_backend": type(self.runner.attn_backend).__name__,
                 "cuda_graphs": any(pool.graphs for pool in self.runner.pools.values()),
                 "tensor_parallel_size": self.runner.comm.size,
+                "overlap_schedule": self._describe_overlap(),
                 **self.scheduler.describe()}
+
+    def _describe_overlap(self) -> dict:
+        overlap = self.scheduler.overlap.describe()
+        if not self.config.scheduler.overlap_schedule:
+            overlap["off_because"] = "--no-overlap-schedule"
+        elif not overlap["enabled"]:
+            overlap["off_because"] = (f"not implemented for --schedule "
+                                      f"{self.config.scheduler.schedule} (its lanes run on "
+                                      "several streams)")
+        return overlap
 
     def timeline(self, since: float | None = None) -> list[dict]:
         """Policies that split the GPU: the split over time (time, mode, decode/prefill SMs,
@@ -396,3 +452,17 @@ class EngineCore:
     def check_integrity(self) -> None:
         for name, pool in self.scheduler.pools().items():
             pool.check_integrity(self.scheduler.live_requests(name))
+
+
+def _kept(work: Work, output: StepOutput, dropped: list[bool]
+          ) -> tuple[list[Request], StepOutput]:
+    """The sampled requests whose tokens count, and the output cut to them."""
+    if not output.token_ids:
+        return [], output
+    sampling = work.plan.sampling
+    if not any(dropped):
+        return [s.request for s in sampling], output
+    keep = [i for i, gone in enumerate(dropped) if not gone]
+    logprobs = [output.logprobs[i] for i in keep] if output.logprobs else None
+    return ([sampling[i].request for i in keep],
+            StepOutput([output.token_ids[i] for i in keep], logprobs, output.elapsed_ms))

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from pdserve.engine.batch import HostBatch
+from pdserve.engine.batch import HostBatch, resolve_placeholders
 from pdserve.ops.metadata import AttentionMetadata
 from pdserve.progress import progress
 
@@ -79,16 +79,23 @@ class GraphRunner:
                 and batch.block_tables.shape[1] <= self.block_tables.shape[1])
 
     @torch.inference_mode()
-    def run(self, batch: HostBatch) -> torch.Tensor:
-        """Replays the smallest bucket that fits; returns hidden states [B, hidden]."""
+    def run(self, batch: HostBatch, sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """Replays the smallest bucket that fits; returns hidden states [B, hidden].
+        ``sampled``: the device tokens that placeholder input ids name (overlap)."""
         size = batch.num_seqs
         bucket = self.buckets[bisect.bisect_left(self.buckets, size)]
         self._copy_in(batch, size, bucket)
+        if batch.has_placeholders:  # one small kernel before the replay, on the same stream
+            ids = self.input_ids[:size]
+            ids.copy_(resolve_placeholders(ids, sampled))
         self.graphs[bucket].replay()
         return self.outputs[bucket][:size]
 
     def _copy_in(self, batch: HostBatch, size: int, bucket: int) -> None:
-        put = lambda dst, array: dst.copy_(torch.from_numpy(array), non_blocking=True)
+        # Pinned: a copy from pageable memory waits for the stream to drain, which under
+        # overlap scheduling means for the launch before this one.
+        pinned = self.device.type == "cuda"
+        put = lambda dst, array: dst.copy_(_host(array, pinned), non_blocking=True)
         put(self.input_ids[:size], batch.input_ids)
         put(self.positions[:size], batch.positions)
         put(self.slot_mapping[:size], batch.slot_mapping)
@@ -98,3 +105,8 @@ class GraphRunner:
         if bucket > size:
             self.slot_mapping[size:bucket].fill_(-1)
             self.seq_lens[size:bucket].fill_(1)
+
+
+def _host(array, pinned: bool) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory() if pinned else tensor

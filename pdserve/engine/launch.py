@@ -35,18 +35,24 @@ log = logging.getLogger(__name__)
 @dataclass
 class HostBuffers:
     """Pinned landing places for one lane's sampled tokens, logprobs and top alternatives
-    (``top_*``: flat, a step's rows each ``K`` wide, K the most any of them asked for)."""
+    (``top_*``: flat, a step's rows each ``K`` wide, K the most any of them asked for).
+
+    ``device_tokens``: the lane's sampled tokens also kept on the device, where the next
+    launch's placeholder input ids read them (overlap scheduling); None: not kept."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
+    device_tokens: torch.Tensor | None = None
 
     @classmethod
-    def make(cls, ops: StreamOps, size: int) -> HostBuffers:
+    def make(cls, ops: StreamOps, size: int, device_tokens: torch.Tensor | None = None
+             ) -> HostBuffers:
         top = size * MAX_TOP_LOGPROBS
         return cls(ops.host_buffer(size, torch.int64), ops.host_buffer(size, torch.float32),
-                   ops.host_buffer(top, torch.int64), ops.host_buffer(top, torch.float32))
+                   ops.host_buffer(top, torch.int64), ops.host_buffer(top, torch.float32),
+                   device_tokens)
 
 
 @dataclass
@@ -133,6 +139,8 @@ def sample_into(model, hidden: torch.Tensor, inputs: SamplingInputs | None,
     logits = model.compute_logits(hidden.index_select(0, inputs.rows))
     tokens, logprobs = sample(logits, inputs.batch)
     n = tokens.shape[0]
+    if buffers.device_tokens is not None:
+        buffers.device_tokens[:n].copy_(tokens)
     buffers.tokens[:n].copy_(tokens, non_blocking=True)
     if logprobs is not None:
         buffers.logprobs[:n].copy_(logprobs.sampled, non_blocking=True)
@@ -179,6 +187,8 @@ class PrefillBatch:
         return num, want, self._last_event
 
     def _embed(self, stream: Any) -> None:
+        if self.host.has_placeholders:  # only whole-batch launches of one lane overlap
+            raise RuntimeError("a prefill batch run as pieces cannot take placeholder ids")
         input_ids, positions, meta = self.host.metadata(self.runner.device)
         self._inputs = (positions, meta)
         self._hidden, self._residual = self.runner.model.embed(input_ids), None

@@ -17,7 +17,7 @@ from pdserve.cache.kv_pool import allocate_kv_pool, bytes_per_block
 from pdserve.config import EngineConfig
 from pdserve.dist.comm import SINGLE, TPComm
 from pdserve.dist.shard import TPShard
-from pdserve.engine.batch import BlockTables, HostBatch, build_host_batch
+from pdserve.engine.batch import BlockTables, HostBatch, build_host_batch, resolve_placeholders
 from pdserve.engine.graph_runner import GraphRunner
 from pdserve.engine.launch import (
     HostBuffers,
@@ -257,7 +257,7 @@ class ModelRunner:
         batch = build_host_batch(work.plan, pool.tables, self.block_size)
         inputs = SamplingInputs.of(work.plan, batch.logits_indices, self.arch.vocab_size,
                                    self.device)
-        hidden = self._forward(batch, pool, work.partition)
+        hidden = self._forward(batch, pool, work.partition, buffers.device_tokens)
         return sample_into(self.model, hidden, inputs, buffers)
 
     def _launch_piece(self, work: Work, stream, buffers: HostBuffers) -> tuple[int, bool, Event]:
@@ -269,15 +269,24 @@ class ModelRunner:
             carry.state = None
         return result
 
-    def _forward(self, batch: HostBatch, pool: KVPool, part: Partition | None) -> torch.Tensor:
+    def _forward(self, batch: HostBatch, pool: KVPool, part: Partition | None,
+                 sampled: torch.Tensor | None) -> torch.Tensor:
+        """``sampled``: the lane's last sampled tokens, which placeholder ids name."""
         graphs = pool.graphs.get(part.decode_sms if part is not None else None)
         if graphs is not None and graphs.can_run(batch):
-            return graphs.run(batch)
+            return graphs.run(batch, sampled)
         input_ids, positions, meta = batch.metadata(self.device)
         whole_gpu = part is None or part.whole_gpu
         if whole_gpu and pool.piecewise is not None and pool.piecewise.can_run(batch):
-            return pool.piecewise.run(batch, meta)
+            return pool.piecewise.run(batch, meta, sampled)
+        if batch.has_placeholders:
+            input_ids = resolve_placeholders(input_ids, sampled)
         return self.model.forward(input_ids, positions, meta, pool.kv_caches)
+
+    def sampled_tokens_buffer(self) -> torch.Tensor:
+        """A lane's device copy of its sampled tokens (see ``HostBuffers.device_tokens``)."""
+        return torch.zeros(self.config.scheduler.max_num_seqs, dtype=torch.int64,
+                           device=self.device)
 
     def execute(self, plan: Plan, buffers: HostBuffers | None = None) -> StepOutput:
         """Runs ``plan`` on the whole GPU and waits for its tokens (profiling, tests)."""

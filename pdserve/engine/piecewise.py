@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.batch import HostBatch
+from pdserve.engine.batch import HostBatch, resolve_placeholders
 from pdserve.ops.metadata import AttentionMetadata
 from pdserve.progress import progress
 
@@ -126,11 +126,16 @@ class PiecewiseGraphs:
     # ---- a step ----
 
     @torch.inference_mode()
-    def run(self, batch: HostBatch, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; ``meta`` is the real batch's."""
+    def run(self, batch: HostBatch, meta: AttentionMetadata,
+            sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; ``meta`` is the real batch's;
+        ``sampled``: the device tokens that placeholder input ids name (overlap)."""
         num_tokens = len(batch.input_ids)
         size = self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
         self._copy_in(batch, num_tokens, size)
+        if batch.has_placeholders:
+            ids = self.input_ids[:num_tokens]
+            ids.copy_(resolve_placeholders(ids, sampled))
         segments = self._runner(size)
         segments[0]()
         for index, layer in enumerate(self.layers):

@@ -71,13 +71,13 @@ class SamplingBatch:
         top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         top_p = [p.top_p for p in params]
         return cls(
-            temperature=torch.tensor([p.temperature or 1.0 for p in params], device=device),
-            top_k=torch.tensor(top_k, device=device),
-            top_p=torch.tensor(top_p, device=device),
+            temperature=_row_values([p.temperature or 1.0 for p in params], np.float32, device),
+            top_k=_row_values(top_k, np.int64, device),
+            top_p=_row_values(top_p, np.float32, device),
             all_greedy=all(p.greedy for p in params),
             any_top_k=any(k < vocab_size for k in top_k),
             any_top_p=any(p < 1.0 for p in top_p),
-            greedy_rows=torch.tensor([p.greedy for p in params], device=device),
+            greedy_rows=_row_values([p.greedy for p in params], np.bool_, device),
             generators=[r.generator for r in requests],
             want_logprobs=any(p.logprobs for p in params),
             num_top_logprobs=num_top_logprobs(params),
@@ -96,7 +96,7 @@ def num_top_logprobs(params: list[SamplingParams]) -> int:
 def _min_p(params, device) -> torch.Tensor | None:
     if all(p.min_p == 0 for p in params):
         return None
-    return torch.tensor([p.min_p for p in params], device=device)
+    return _row_values([p.min_p for p in params], np.float32, device)
 
 
 def _top_k_width(top_k: list[int], top_p: list[float], vocab_size: int) -> int | None:
@@ -149,6 +149,12 @@ def _prompt_ids(request: Request) -> np.ndarray:
 
 def _flat(row: int, token_ids, vocab_size: int) -> np.ndarray:
     return np.asarray(token_ids, dtype=np.int64) + row * vocab_size
+
+
+def _row_values(values: list, dtype, device) -> torch.Tensor:
+    # Not torch.tensor(values, device=...): its copy waits for the stream, and under overlap
+    # scheduling the stream is running the step before this one.
+    return _to_device(np.asarray(values, dtype=dtype), device)
 
 
 def _to_device(array: np.ndarray, device) -> torch.Tensor:
@@ -287,6 +293,6 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     for row, generator in enumerate(generators):
         if generator is not None:
             cpu_noise = torch.empty(probs.shape[-1]).exponential_(generator=generator)
-            noise[row] = cpu_noise.to(probs.device, non_blocking=True)
+            noise[row] = _to_device(cpu_noise.numpy(), probs.device)
     return (probs / noise).argmax(dim=-1)
 

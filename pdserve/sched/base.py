@@ -35,7 +35,8 @@ class ScheduledRequest:
         # One is made per running request per step: no __post_init__ call, no properties.
         self.request = request
         self.num_new_tokens = num_new_tokens
-        self.samples = request.num_computed + num_new_tokens == len(request.token_ids)
+        self.samples = (request.num_computed + num_new_tokens
+                        == len(request.token_ids) + request.num_placeholders)  # num_tokens
 
 
 @dataclass
@@ -99,6 +100,7 @@ class Work:
     final: bool = True  # decode steps, whole batches and a batch's last piece: they sample
     carry: object = None
     note: object = None  # the policy's own record of why (e.g. the multiplex plan)
+    overlapped: bool = False  # counters advance at issue; the next step is planned meanwhile
 
 
 @dataclass(slots=True)
@@ -133,6 +135,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.last_work: Work | None = None  # for stats: what ran most recently
+        # Overlap: requests whose tokens in flight finish them (length, hand-off); they hold
+        # their pages until those tokens arrive but are never planned again.
+        self.retiring: list[Request] = []
+        # Only one-lane policies overlap so far: one stream orders every launch after the one
+        # before it, which is what makes freeing pages under a running launch safe.
+        self.overlap = OverlapCounters(config.overlap_schedule and self.waits_for_launches)
 
     # ---- the policy interface ----
 
@@ -142,8 +150,24 @@ class Scheduler:
         plan = self.plan_step()
         if plan.is_empty():
             return {}
-        self.last_work = Work(plan)
+        self.last_work = Work(plan, overlapped=self.overlap.allows(plan))
         return {MAIN_LANE: self.last_work}
+
+    def issued(self, work: Work) -> None:
+        """The engine issued ``work``. Overlapped: its counters advance now and each sampled
+        token is a placeholder (its row in the lane's device buffer) until it completes, so
+        the next step can be planned while it runs."""
+        if not work.overlapped:
+            return
+        for item in work.plan.scheduled:
+            item.request.num_computed += item.num_new_tokens
+        for row, item in enumerate(work.plan.sampling):
+            request = item.request
+            request.num_placeholders += 1
+            request.placeholder_row = row
+            if request.ends_at_pending_tokens(self.max_model_len):
+                self.running.remove(request)
+                self.retiring.append(request)
 
     def plan_step(self) -> Plan:
         """One whole-GPU step of this policy."""
@@ -151,7 +175,7 @@ class Scheduler:
 
     def update_work(self, work: Work, output: StepOutput) -> list[Request]:
         """Applies a completed launch; returns the requests that ended (finished or aborted)."""
-        return self.update(work.plan, output)
+        return self.update(work.plan, output, advanced=work.overlapped)
 
     def fail(self, work: Work) -> list[Request]:
         """A launch raised: its requests end with an error (others carry on)."""
@@ -180,7 +204,7 @@ class Scheduler:
 
     def live_requests(self, pool: str) -> list[Request]:
         """Requests holding pages of ``pool`` (for the integrity check)."""
-        return list(self.running) + list(self.waiting)
+        return list(self.running) + list(self.waiting) + self.retiring
 
     def describe(self) -> dict:
         """This policy's own set-up (partitions, latency model) for results to record."""
@@ -200,10 +224,10 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.retiring)
 
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.running) + len(self.retiring)
 
     def fits(self, num_tokens: int) -> str | None:
         """Why a request of ``num_tokens`` (prompt + max output) can never run, or None."""
@@ -231,7 +255,7 @@ class Scheduler:
         self.running.append(request)
 
     def abort(self, request_id: str) -> Request | None:
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.retiring, self.waiting):
             for request in queue:
                 if request.request_id == request_id:
                     queue.remove(request)
@@ -239,26 +263,42 @@ class Scheduler:
                     return request
         return None
 
-    def update(self, plan: Plan, output: StepOutput) -> list[Request]:
-        """Advances counters, appends sampled tokens; returns requests that finished."""
+    def update(self, plan: Plan, output: StepOutput, advanced: bool = False) -> list[Request]:
+        """Advances counters (unless ``advanced`` at issue), appends sampled tokens; returns
+        requests that finished. A request that ended while the launch ran (a stop found one
+        step late, an abort) has its token dropped: it was never emitted."""
         logprobs = output.logprobs or [None] * len(output.token_ids)
         sampled = iter(zip(output.token_ids, logprobs, strict=True))
         finished = []
         commit = self.blocks.commit
         for item in plan.scheduled:
             request = item.request
-            request.num_computed += item.num_new_tokens
-            commit(request)
-            if not item.samples:
+            token = next(sampled) if item.samples else None
+            if request.status is RequestStatus.FINISHED:
+                self.overlap.dropped_tokens += token is not None
                 continue
-            token_id, logprob = next(sampled)
-            request.append_token(token_id, logprob)
+            if not advanced:
+                request.num_computed += item.num_new_tokens
+            commit(request)
+            if token is None:
+                continue
+            request.num_placeholders -= advanced
+            request.append_token(*token)
             reason = request.check_stop(self.max_model_len)
             if reason is not None:
-                self.running.remove(request)
+                self._leave(request)
                 self._finish(request, reason)
                 finished.append(request)
         return finished
+
+    def _leave(self, request: Request) -> None:
+        """Takes a finishing request out of its queue: running, retiring, or (preempted while
+        its last token was in flight) waiting."""
+        for queue in (self.running, self.retiring):
+            if request in queue:
+                queue.remove(request)
+                return
+        self.waiting.remove(request)
 
     def _finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
@@ -320,3 +360,29 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return request, num_new
+
+
+class OverlapCounters:
+    """Whether launches overlap planning, and every step that could not, by reason."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.overlapped_steps = 0
+        self.synchronous_steps = {"penalties": 0}
+        self.dropped_tokens = 0  # computed one step past a stop or an abort, never emitted
+
+    def allows(self, plan: Plan) -> bool:
+        # Penalties count the request's output tokens on the host: a token still on the
+        # device would be missing from the counts, so its next step waits for it.
+        if not self.enabled:
+            return False
+        if any(s.request.params.penalized for s in plan.sampling):
+            self.synchronous_steps["penalties"] += 1
+            return False
+        self.overlapped_steps += 1
+        return True
+
+    def describe(self) -> dict:
+        return {"enabled": self.enabled, "overlapped_steps": self.overlapped_steps,
+                "synchronous_steps": dict(self.synchronous_steps),
+                "dropped_tokens": self.dropped_tokens}

@@ -31,7 +31,7 @@ from pdserve.cache.block_manager import BlockManager
 from pdserve.config import SchedulerConfig
 from pdserve.gpu.partitions import Partition
 from pdserve.request import Request, RequestStatus
-from pdserve.sched.base import KVMove, Plan, Scheduler, StepOutput, Work
+from pdserve.sched.base import KVMove, OverlapCounters, Plan, Scheduler, StepOutput, Work
 from pdserve.sched.in_flight import InFlightScheduler, fcfs_chunks
 
 DECODE_LANE, PREFILL_LANE = "decode", "prefill"
@@ -75,6 +75,8 @@ class DisaggScheduler(Scheduler):
         # Not Scheduler.__init__: its queues are the two sides' (see the properties below).
         self.config, self.blocks, self.max_model_len = config, block_manager, max_model_len
         self.last_work: Work | None = None
+        self.overlap = OverlapCounters(enabled=False)  # two streams: not overlapped yet
+        self.retiring: list[Request] = []
         self.partition = partition
         num_prefill, num_decode = split_pool(block_manager.num_blocks,
                                              config.disagg_prefill_kv_fraction)

@@ -38,6 +38,8 @@ CONFIGS = {
     "preempting": dict(schedule="chunked", chunk_size=32, num_blocks=24, block_size=8),
     "prefill-first-preempting": dict(schedule="prefill-first", num_blocks=24, block_size=8,
                                      max_num_batched_tokens=64),
+    # Overlap scheduling is on in all the others (their default).
+    "chunked-7-synchronous": dict(schedule="chunked", chunk_size=7, overlap_schedule=False),
 }
 
 
@@ -57,6 +59,8 @@ def test_greedy_matches_transformers(hf_llama, expected, name):
         assert stats.prefix_cache_hits > 0, "odd prompts share a 40-token prefix"
     if name.endswith("preempting"):
         assert stats.num_preemptions > 0
+    overlapped = llm.engine.describe()["overlap_schedule"]["overlapped_steps"]
+    assert (overlapped > 0) == (name != "chunked-7-synchronous")
 
 
 def test_prefix_hit_reuses_blocks_and_matches(hf_llama):

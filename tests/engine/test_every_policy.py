@@ -1,7 +1,8 @@
 """Every policy through the one engine loop, under the same pressure: shared prefixes (prefix
 caching), a pool too small for every request at once (preemption) and an abort part-way.
-The tokens of the requests not aborted equal one unpressured chunked engine's, and the
-block managers' integrity check holds after every step."""
+The tokens of the requests not aborted equal one unpressured, synchronous chunked engine's,
+and the block managers' integrity check holds after every step. The one-lane policies run
+with overlap scheduling (their default) and chunked once more without."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def _prompts(count: int = 8, seed: int = 11) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference():
     prompts = _prompts()
-    outputs = LLM("tiny", **OPTIONS).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    llm = LLM("tiny", overlap_schedule=False, **OPTIONS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     return prompts, [o.outputs[0].token_ids for o in outputs]
 
 
@@ -48,13 +50,14 @@ def _drive(engine, prompts, victim: str, abort_at: int) -> tuple[dict, dict]:
     raise AssertionError("did not finish")
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_prefix_hits_preemption_and_abort_under_every_policy(reference, schedule):
+@pytest.mark.parametrize(("schedule", "overlap"),
+                         [(s, True) for s in SCHEDULES] + [("chunked", False)])
+def test_prefix_hits_preemption_and_abort_under_every_policy(reference, schedule, overlap):
     prompts, want = reference
     # 16 pages of 8 tokens cannot hold 8 requests of up to 100 tokens at once; disagg
     # splits its pages in two, so it gets enough for its larger pool to hold any one.
     num_blocks = 48 if schedule == "disagg" else 16
-    llm = LLM("tiny", schedule=schedule, num_blocks=num_blocks,
+    llm = LLM("tiny", schedule=schedule, num_blocks=num_blocks, overlap_schedule=overlap,
               disagg_prefill_kv_fraction=0.5, **OPTIONS)
     engine = llm.engine
     tokens, finish = _drive(engine, prompts, victim="q3", abort_at=6)
@@ -68,3 +71,5 @@ def test_prefix_hits_preemption_and_abort_under_every_policy(reference, schedule
     assert stats.num_free_blocks == stats.num_total_blocks and not engine.requests
     if schedule != "disagg":  # its decode pool has no prefix cache to keep pages in use
         assert stats.num_preemptions > 0, "the pool was meant to be too small"
+    overlapped = engine.describe()["overlap_schedule"]["overlapped_steps"]
+    assert (overlapped > 0) == (overlap and schedule in ("prefill-first", "chunked"))

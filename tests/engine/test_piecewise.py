@@ -33,9 +33,9 @@ class CountingSegments(PiecewiseGraphs):
 
     steps = 0
 
-    def run(self, batch, meta):
+    def run(self, batch, meta, sampled=None):
         CountingSegments.steps += 1
-        return super().run(batch, meta)
+        return super().run(batch, meta, sampled)
 
 
 def _with_segments(llm: LLM, max_tokens: int, capture: bool, cls=PiecewiseGraphs):
