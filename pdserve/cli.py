@@ -291,12 +291,27 @@ def _check_serve(args: argparse.Namespace) -> None:
         why = role_refusal(args.engine_config.scheduler.schedule)
         if why is not None:
             raise UsageError(why)
+    _check_kv_transport(args.engine_config)
     if args.instance.role is not None:
         if args.engine_config.transfer.kv_transfer_port is None:
             raise UsageError("--role needs --kv-transfer-port (0 picks a free port)")
         _check_registry(args.instance.registry)
     _check_port_free(server.host, server.port, "--port")
     args.server_config = server
+
+
+def _check_kv_transport(config) -> None:
+    """An explicit --kv-transport that cannot work here stops before the model loads."""
+    import torch
+
+    transfer = config.transfer
+    if transfer.kv_transport != "auto" and transfer.kv_transfer_port is None:
+        raise UsageError(f"--kv-transport {transfer.kv_transport} needs --kv-transfer-port "
+                         "(0 picks a free port)")
+    on_cpu = config.device.device == "cpu" or not torch.cuda.is_available()
+    if transfer.kv_transport == "ipc" and on_cpu:
+        raise UsageError("--kv-transport ipc needs KV on a CUDA device; this instance runs on "
+                         "cpu (use tcp, or p2p for gloo between CPU instances)")
 
 
 def _check_gateway(args: argparse.Namespace) -> None:

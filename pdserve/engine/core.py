@@ -382,7 +382,7 @@ class EngineCore:
         return {"schedule": self.config.scheduler.schedule, "device": str(self.runner.device),
                 "attention_backend": type(self.runner.attn_backend).__name__,
                 "cuda_graphs": any(pool.graphs for pool in self.runner.pools.values()),
-                **self.scheduler.describe()}
+                **self.scheduler.describe(), **self.kv.describe()}
 
     def timeline(self, since: float | None = None) -> list[dict]:
         """Policies that split the GPU: the split over time (time, mode, decode/prefill SMs,

@@ -16,6 +16,8 @@ Register a new one in ``TRANSPORTS`` so config can name it.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -98,6 +100,50 @@ class LocalTransport:
 
     def pending(self) -> int:
         return len(self._boxes)
+
+
+class SendQueue:
+    """One background thread that runs queued jobs in FIFO order (a sender's sends);
+    started by the first job, and ``close`` lets it finish what was queued."""
+
+    _STOP = object()
+
+    def __init__(self, run: Callable[[Any], None], name: str) -> None:
+        self._run, self._name = run, name
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.closed = False
+
+    def put(self, job: Any) -> None:
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("sender is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name=self._name)
+                self._thread.start()
+        self._jobs.put(job)
+
+    def close(self) -> bool:
+        """Waits for the queued jobs (unless called from one); False if already closed."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.closed = True
+            thread = self._thread
+        if thread is not None:
+            self._jobs.put(self._STOP)
+            if thread is not threading.current_thread():  # close() from an on_done
+                thread.join()
+        return True
+
+    def on_own_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not self._STOP:
+            self._run(job)
 
 
 TRANSPORTS: dict[str, Callable[[], KVTransport]] = {"local": LocalTransport}
