@@ -174,7 +174,8 @@ def _add_cluster(sub) -> None:
     from pdserve.cluster.config import GatewayConfig
     from pdserve.cluster.launch import add_launch_args
 
-    parser = sub.add_parser("cluster", help="Run a P/D group and its gateway on this machine.",
+    parser = sub.add_parser("cluster", help="Run a P/D group and its gateway (on this machine, "
+                            "or on a Ray cluster with --ray-address).",
                             description="Starts --prefill and --decode instances of MODEL "
                             "(`pdserve serve` processes, one GPU each when there are several) "
                             "and serves them through a gateway.")
@@ -325,9 +326,12 @@ def _check_gateway(args: argparse.Namespace) -> None:
 def _check_cluster(args: argparse.Namespace) -> None:
     """The model is resolved (and downloaded) once here; the instances then find it in the
     cache. Served names travel to every instance."""
+    from pdserve.cluster.ray_launch import ray_args_refusal
     from pdserve.model.arch import get_arch
     from pdserve.model.hub import resolve_model_config
 
+    if (why := ray_args_refusal(args)) is not None:
+        raise UsageError(why)
     _pick_model(args.parser, args)
     get_arch(resolve_model_config(ModelConfig(model=args.model)))
     if args.served_model_name:
