@@ -371,6 +371,7 @@ class EngineCore:
             last_batch_decode=0, last_batch_prefill_tokens=0, kv_transfers=transfers,
             kv_transfer_bytes=transfer_bytes)
         self.scheduler.fill_stats(stats)
+        self.kv.fill_stats(stats)
         return stats
 
     def close(self) -> None:

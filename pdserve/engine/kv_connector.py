@@ -53,8 +53,7 @@ class KVConnector:
     def _start_links(self, config: TransferConfig) -> None:
         """The receiver (one TCP port; device transports agreed on per connection) and the
         sender. An explicit ``kv_transport`` this instance cannot run stops here."""
-        endpoint = local_endpoint(config.kv_transport, self.runner.device,
-                                  config.kv_transfer_host)
+        endpoint = local_endpoint(config.kv_transport, self.runner.device)
         self.links = LinkServer(endpoint)
         # Unclaimed buffers outlive the wait by a margin, then go (an aborted request).
         self.receiver = TcpKVReceiver(config.kv_transfer_host, config.kv_transfer_port,
@@ -138,6 +137,14 @@ class KVConnector:
             count += sent.num_transfers + received.num_transfers
             size += sent.num_bytes + received.num_bytes
         return count, size
+
+    def fill_stats(self, stats) -> None:
+        """Buffers sent to other instances, by the transport agreed with each receiver
+        (``extra["kv_sent/<transport>"]``; the server's metric label)."""
+        if self.sender is None:
+            return
+        for transport, sent in self.sender.stats_by_transport.items():
+            stats.extra[f"kv_sent/{transport}"] = sent.num_transfers
 
     def describe(self) -> dict:
         """The transport asked for, what each receiver got from here, and what senders chose

@@ -82,23 +82,20 @@ class Endpoint:
     """UUID -> index of every GPU this process sees (to open another process's buffer)."""
     p2p: bool = False
     """torch.distributed has the backend for its device (nccl on CUDA, gloo on CPU)."""
-    advertise_host: str = "127.0.0.1"
-    """Address other hosts reach this one at (a p2p group's rendezvous)."""
 
     def hello(self) -> dict[str, Any]:
         return {"version": HELLO_VERSION, "want": self.want, "host": self.host,
                 "device": self.device, "gpu": self.gpu, "p2p": self.p2p}
 
 
-def local_endpoint(want: str, device: torch.device | str,
-                   advertise_host: str = "127.0.0.1") -> Endpoint:
+def local_endpoint(want: str, device: torch.device | str) -> Endpoint:
     """This process's side; ValueError when ``want`` cannot work here at all."""
     device = torch.device(device)
     if want not in TRANSPORT_CHOICES:
         raise ValueError(f"--kv-transport {want!r}: choose from {', '.join(TRANSPORT_CHOICES)}")
     gpu, visible = (_gpu_uuid(device), _visible_gpus()) if device.type == "cuda" else (None, {})
     endpoint = Endpoint(want, device.type, host_identity(), gpu, visible,
-                        backend_available(device.type), advertise_host)
+                        backend_available(device.type))
     why = startup_refusal(endpoint)
     if why is not None:
         raise ValueError(why)
@@ -303,7 +300,8 @@ class KVSender:
         self.endpoint = endpoint
         self.tcp = TcpKVSender()
         self.chosen: dict[str, str] = {}  # receiver address -> transport in use
-        self.stats_by_transport: dict[str, TransferStats] = {"tcp": self.tcp.stats}
+        # Transports in use only; the plain TCP path counts in the TCP sender's own stats.
+        self.stats_by_transport: dict[str, TransferStats] = {}
         self._links: dict[str, Any] = {}
         self._queue = SendQueue(self._drain_one, "pdkv-link-sender")
 
@@ -322,6 +320,7 @@ class KVSender:
         if self.endpoint.want == "tcp":
             self.tcp.send_async(address, transfer_id, buffer, on_done)
             self.chosen[address] = "tcp"
+            self.stats_by_transport["tcp"] = self.tcp.stats
             return
         split_address(address)
         ready = None
@@ -387,7 +386,8 @@ class KVSender:
             raise
 
     def _make_link(self, name: str, sock: socket.socket, address: str) -> Any:
-        stats = self.stats_by_transport.setdefault(name, TransferStats())
+        stats = self.stats_by_transport.setdefault(
+            name, self.tcp.stats if name == "tcp" else TransferStats())
         if name == "tcp":
             sock.close()
             return _TcpLink(self.tcp, address)

@@ -3,8 +3,9 @@ CPUs (so CI runs this same code between two real processes).
 
 Each (sender, receiver) pair of instances gets its own two-rank process group, built
 without the global default group (instances start and stop on their own, so there is no
-world to join): the sender hosts a ``TCPStore`` on an ephemeral port of its advertised
-host, names it in its choice message on the hello connection (``links.py``), and both
+world to join): the sender hosts a ``TCPStore`` on an ephemeral port of the address its
+hello connection leaves from (so the receiver can reach it back), names it in its choice
+message on the hello connection (``links.py``), and both
 sides construct the backend's group on it (sender rank 0, receiver rank 1).
 
 Per buffer, the hello connection carries the ``tcp.py`` header (transfer id, layout) so the
@@ -65,10 +66,11 @@ class P2PLink:
     def __init__(self, sock: socket.socket, endpoint: Endpoint, stats: TransferStats) -> None:
         self.sock, self.stats = sock, stats
         self.backend = backend_for(endpoint.device)
-        self.store = dist.TCPStore(endpoint.advertise_host, 0, world_size=2, is_master=True,
+        host = sock.getsockname()[0]  # the address the receiver's host sees this one at
+        self.store = dist.TCPStore(host, 0, world_size=2, is_master=True,
                                    wait_for_workers=False, timeout=GROUP_TIMEOUT)
         write_frame(sock, {"transport": "p2p", "backend": self.backend,
-                           "store": join_address(endpoint.advertise_host, self.store.port)})
+                           "store": join_address(host, self.store.port)})
         device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
         self.group = pair_group(self.backend, self.store, SENDER, device)
 

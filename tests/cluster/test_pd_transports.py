@@ -4,14 +4,16 @@ cannot take fails at start-up or in the open, never silently over another one.""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 
 from pdserve.cluster.registry import MemoryRegistry
+from tests.cluster.group import wait_until
 from tests.cluster.test_pd_e2e import BODY, GatewayThread, _complete, _instance
-from tests.server.conftest import start_server
+from tests.server.conftest import Server, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -25,16 +27,24 @@ def test_p2p_pair_through_the_gateway_equals_one_instance():
     registry.register(_instance(decode, "decode"))
     gateway = GatewayThread(registry)
     try:
-        alone = _complete(prefill, BODY)
-        for _ in range(2):  # the second request reuses the pair's group
-            split = _complete(gateway.http, BODY)
+        splits = [_complete(gateway.http, BODY) for _ in range(2)]  # one group, reused
+        alone = _complete(prefill, BODY)  # also wakes the prefill engine to report stats
+        for split in splits:
             assert split["choices"][0]["text"] == alone["choices"][0]["text"]
             assert split["usage"]["completion_tokens"] == BODY["max_tokens"]
+        wait_until(lambda: _sent_by_transport(prefill) == {"p2p": 2.0})
     finally:
         gateway.stop()
         registry.close()
         for server in (prefill, decode):
             server.stop()
+
+
+def _sent_by_transport(server: Server) -> dict[str, float]:
+    _, _, raw = server.request("GET", "/metrics")
+    found = re.findall(r'^pdserve_kv_sent_by_transport_total\{transport="(\w+)"\} (\S+)$',
+                       raw.decode(), re.MULTILINE)
+    return {transport: float(value) for transport, value in found}
 
 
 @pytest.mark.parametrize("flags, reason", [
