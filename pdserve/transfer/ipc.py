@@ -84,14 +84,20 @@ def serve_ipc(conn: socket.socket, receiver: Any, endpoint: Endpoint) -> None:
 def _copy_shared(message: dict[str, Any], endpoint: Endpoint,
                  target: torch.device) -> tuple[str, torch.Tensor]:
     layout = layout_from_json(message.get("layout"))
+    if not isinstance(message.get("transfer_id"), str):
+        raise LinkError(f"transfer_id is not a string: {message.get('transfer_id')!r:.200}")
     source_index = endpoint.visible_gpus.get(message.get("gpu"))
     if source_index is None:
         raise LinkError("the sender's GPU is not visible to this process")
-    with torch.cuda.device(target):
+    # Opened on the sender's GPU (in this process's numbering), so the storage's device is
+    # the one its memory is on; the copy then crosses to ours (peer access) if they differ.
+    with torch.cuda.device(source_index):
         shared = _open(message, layout, source_index)
-        copy = torch.empty_like(shared, device=target)
+    copy = torch.empty(shared.shape, dtype=shared.dtype, device=target)
+    with torch.cuda.device(target):
         copy.copy_(shared)
-        torch.cuda.current_stream().synchronize()  # before the sender may free its buffer
+        torch.cuda.current_stream().synchronize()
+    # Dropping ``shared`` here releases the sender's ref count before the acknowledgement.
     return str(message["transfer_id"]), copy
 
 
