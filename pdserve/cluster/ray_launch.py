@@ -3,7 +3,7 @@ cluster, one placement group per instance, the gateway on this machine.
 
 Each instance's placement group has one bundle: ``--tensor-parallel-size`` GPUs when the
 cluster has GPUs (one instance, or one tensor-parallel group, per bundle, so its GPUs are
-on one node), else one CPU; plus the custom resources of its role
+on one node), else as many CPUs; plus the custom resources of its role
 (``--ray-prefill-resources`` / ``--ray-decode-resources``, e.g. to keep prefill and decode
 on different node pools). A small actor in that bundle starts ``pdserve serve`` on its
 node (Ray sets ``CUDA_VISIBLE_DEVICES`` to the bundle's GPUs), on a free port of that node,
@@ -156,7 +156,7 @@ def bundle_for(ray: Any, tensor_parallel: int, extra: dict[str, float]) -> dict[
     if gpus and tensor_parallel > gpus:
         raise ValueError(f"--tensor-parallel-size {tensor_parallel}: the Ray cluster has "
                          f"{gpus:g} GPUs")
-    base = {"GPU": float(tensor_parallel)} if gpus else {"CPU": 1.0}
+    base = {"GPU" if gpus else "CPU": float(tensor_parallel)}  # a CPU per rank without GPUs
     return {**base, **extra}
 
 

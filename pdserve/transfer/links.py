@@ -174,10 +174,15 @@ def _p2p_refusal(receiver: Endpoint, sender: dict[str, Any]) -> dict[str, str]:
     return {}
 
 
+def choices(want: str, device: str) -> tuple[str, ...]:
+    """What a sender may use, in its order of preference."""
+    return (want,) if want != "auto" else AUTO_ORDER if device == "cuda" else ("tcp",)
+
+
 def choose(want: str, refused: dict[str, str], address: str, device: str = "cuda") -> str:
     """The sender's pick given what the receiver refused; LinkError naming every reason.
     ``auto`` on a CPU sender skips p2p: gloo would ride the same kernel TCP as plain TCP."""
-    order = (want,) if want != "auto" else AUTO_ORDER if device == "cuda" else ("tcp",)
+    order = choices(want, device)
     for name in order:
         if name not in refused:
             return name
@@ -291,13 +296,16 @@ class _Job:
 class KVSender:
     """Sends gathered KV buffers to receivers, each over the transport agreed with it.
 
-    ``tcp`` is the plain ``TcpKVSender`` path with no hello. Otherwise one background
+    ``tcp``, and ``auto`` on a CPU sender, is the plain ``TcpKVSender`` path with no hello
+    (a receiver asked for p2p or ipc refuses it, and logs why). Otherwise one background
     thread sends in FIFO order: the first buffer for an address opens its link (hello, and
     a p2p group or an IPC channel); a link that breaks is dropped, so the next buffer says
     hello again."""
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
+        # Plain TCP is its only choice: no hello (a CPU sender on auto never picks gloo).
+        self.plain_only = choices(endpoint.want, endpoint.device) == ("tcp",)
         self.tcp = TcpKVSender()
         self.chosen: dict[str, str] = {}  # receiver address -> transport in use
         # Transports in use only; the plain TCP path counts in the TCP sender's own stats.
@@ -317,7 +325,7 @@ class KVSender:
     def send_async(self, address: str, transfer_id: str, buffer: torch.Tensor,
                    on_done: OnDone | None = None) -> None:
         """As ``TcpKVSender.send_async``: queued, ``on_done`` gets None or the error."""
-        if self.endpoint.want == "tcp":
+        if self.plain_only:
             self.tcp.send_async(address, transfer_id, buffer, on_done)
             self.chosen[address] = "tcp"
             self.stats_by_transport["tcp"] = self.tcp.stats

@@ -1,17 +1,16 @@
 """Moving a gathered KV buffer from the prefill side to the decode side.
 
-``KVTransport`` is the seam: the engine gathers, calls ``send``, and the receiver calls
-``recv`` and scatters. ``LocalTransport`` hands the tensor over within one process (the
-one-GPU disaggregation baseline). Other transports plug in behind the same two calls:
+``KVTransport`` is the seam within one process: the engine gathers, calls ``send``, and the
+receiver calls ``recv`` and scatters. ``LocalTransport`` hands the tensor over (the one-GPU
+disaggregation baseline). Between instances, ``links.KVSender`` sends each buffer over the
+transport agreed with its receiver, whose one TCP port (``tcp.TcpKVReceiver``) serves them
+all:
 
-- NCCL (GPU to GPU across processes): ``send`` posts ``torch.distributed.isend`` of a small
-  header (request id, ``KVLayout``) then the buffer; ``recv`` allocates from the layout and
-  posts ``irecv``. The buffer is one contiguous tensor, so this is one stream on the link.
-- CUDA IPC (same host): ``send`` shares the buffer's IPC handle plus an IPC event; the
-  receiver copies out and signals, after which the sender frees the buffer.
-- TCP (host-staged): pinned host copy, the layout header, then the raw bytes.
-
-Register a new one in ``TRANSPORTS`` so config can name it.
+- CUDA IPC (same host, ``ipc.py``): the receiver maps the sender's buffer by its IPC handle,
+  copies it to its own GPU and acknowledges, after which the sender frees the buffer.
+- torch.distributed point-to-point (``p2p.py``): NCCL between GPUs, gloo between CPUs; the
+  buffer is one contiguous tensor, so one send on the link.
+- TCP (``tcp.py``): pinned host copy, the layout header, the raw bytes, their digest.
 """
 
 from __future__ import annotations

@@ -164,11 +164,23 @@ def test_receiver_asked_for_p2p_refuses_a_plain_tcp_sender(p2p_receiver):
     assert closed and p2p_receiver.pending() == 0
 
 
-def test_tcp_sender_with_an_explicit_mismatch_fails_the_send_with_the_reason(p2p_receiver):
-    sender = KVSender(local_endpoint("auto", "cpu"))
-    with pytest.raises(LinkError, match="tcp: the receiver runs --kv-transport p2p"):
-        sender.send(p2p_receiver.address, "x", _random_kv((1, 2, 2, 1, 4), torch.float32, 0))
-    sender.close()
+def test_a_sender_whose_choice_the_receiver_refuses_fails_the_send_with_the_reason():
+    with TcpKVReceiver(links=LinkServer(local_endpoint("tcp", "cpu"))) as rx:
+        sender = KVSender(local_endpoint("p2p", "cpu"))
+        with pytest.raises(LinkError, match="p2p: the receiver runs --kv-transport tcp"):
+            sender.send(rx.address, "x", _random_kv((1, 2, 2, 1, 4), torch.float32, 0))
+        sender.close()
+        assert rx.pending() == 0 and rx.links.accepted == {}
+
+
+def test_a_cpu_sender_on_auto_speaks_plain_tcp_without_a_hello():
+    with TcpKVReceiver(links=LinkServer(local_endpoint("auto", "cpu"))) as rx:
+        sender = KVSender(local_endpoint("auto", "cpu"))
+        assert sender.plain_only
+        sender.send(rx.address, "x", _random_kv((1, 2, 2, 1, 4), torch.float32, 0))
+        assert rx.recv("x", timeout=WAIT_S) is not None
+        assert sender.chosen == {rx.address: "tcp"} and sender.stats.num_transfers == 1
+        sender.close()
 
 
 def test_a_hello_that_is_not_json_closes_only_its_connection(p2p_receiver):
