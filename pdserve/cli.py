@@ -175,7 +175,8 @@ def _add_cluster(sub) -> None:
     from pdserve.cluster.config import GatewayConfig
     from pdserve.cluster.launch import add_launch_args
 
-    parser = sub.add_parser("cluster", help="Run a P/D group and its gateway on this machine.",
+    parser = sub.add_parser("cluster", help="Run a P/D group and its gateway (on this machine, "
+                            "or on a Ray cluster with --ray-address).",
                             description="Starts --prefill and --decode instances of MODEL "
                             "(`pdserve serve` processes, one GPU each when there are several) "
                             "and serves them through a gateway.")
@@ -294,12 +295,27 @@ def _check_serve(args: argparse.Namespace) -> None:
         why = role_refusal(args.engine_config.scheduler.schedule)
         if why is not None:
             raise UsageError(why)
+    _check_kv_transport(args.engine_config)
     if args.instance.role is not None:
         if args.engine_config.transfer.kv_transfer_port is None:
             raise UsageError("--role needs --kv-transfer-port (0 picks a free port)")
         _check_registry(args.instance.registry)
     _check_port_free(server.host, server.port, "--port")
     args.server_config = server
+
+
+def _check_kv_transport(config) -> None:
+    """An explicit --kv-transport that cannot work here stops before the model loads."""
+    import torch
+
+    transfer = config.transfer
+    if transfer.kv_transport != "auto" and transfer.kv_transfer_port is None:
+        raise UsageError(f"--kv-transport {transfer.kv_transport} needs --kv-transfer-port "
+                         "(0 picks a free port)")
+    on_cpu = config.device.device == "cpu" or not torch.cuda.is_available()
+    if transfer.kv_transport == "ipc" and on_cpu:
+        raise UsageError("--kv-transport ipc needs KV on a CUDA device; this instance runs on "
+                         "cpu (use tcp, or p2p for gloo between CPU instances)")
 
 
 def _check_gateway(args: argparse.Namespace) -> None:
@@ -313,9 +329,12 @@ def _check_gateway(args: argparse.Namespace) -> None:
 def _check_cluster(args: argparse.Namespace) -> None:
     """The model is resolved (and downloaded) once here; the instances then find it in the
     cache. Served names travel to every instance."""
+    from pdserve.cluster.ray_launch import ray_args_refusal
     from pdserve.model.arch import get_arch
     from pdserve.model.hub import resolve_model_config
 
+    if (why := ray_args_refusal(args)) is not None:
+        raise UsageError(why)
     _pick_model(args.parser, args)
     get_arch(resolve_model_config(ModelConfig(model=args.model)))
     if args.served_model_name:

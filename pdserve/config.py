@@ -119,6 +119,12 @@ class TransferConfig:
                                        "the instance neither sends nor receives KV.")
     kv_transfer_host: str = doc("127.0.0.1", "Address the KV receiver binds and announces "
                                 "to the other instances.")
+    kv_transport: str = doc("auto", "How KV goes to other instances: auto (CUDA IPC between "
+                            "GPUs of one host, else NCCL point-to-point between GPU "
+                            "instances, else TCP), tcp, ipc, or p2p (torch.distributed: NCCL "
+                            "on GPUs, gloo on CPUs). An explicit choice this instance cannot "
+                            "run stops start-up; one a peer cannot take fails its transfers "
+                            "with the reason.", choices=("auto", "tcp", "ipc", "p2p"))
     kv_transfer_timeout: float = doc(60.0, "Seconds a decode instance waits for a request's "
                                      "KV before failing it.")
 

@@ -31,7 +31,8 @@ class GroupMembership:
         self.instance = Instance(self.config.instance_id or self.http, self.config.scenario,
                                  self.config.role, self.http,
                                  f"{self.config.advertise_host}:{kv_port}", self.model,
-                                 client.setup.get("schedule", ""))
+                                 client.setup.get("schedule", ""),
+                                 client.setup.get("kv_transport", ""))
         self.registry = make_registry(self.config.registry)
         self.registry.register(self.instance)
         self.registry.watch_role_requests(self.instance.instance_id, self._move)

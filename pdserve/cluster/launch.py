@@ -1,5 +1,6 @@
-"""``pdserve cluster``: one P/D group on this machine in one command - N prefill and M decode
-instances (``pdserve serve`` processes, one GPU each when there are GPUs) behind a gateway.
+"""``pdserve cluster``: one P/D group in one command - N prefill and M decode instances
+(``pdserve serve`` processes, one GPU each when there are GPUs) behind a gateway; on this
+machine, or placed on a Ray cluster with ``--ray-address`` (``ray_launch.py``).
 
 With the default ``memory://`` registry the launcher lists the instances in the gateway's
 own registry and carries out the ratio controller's moves itself; with ``zk://`` each
@@ -36,8 +37,13 @@ HEALTH_TIMEOUT_S = 900.0
 class Member:
     role: str
     port: int
-    process: subprocess.Popen
+    process: subprocess.Popen  # or what stands for a remote one (``ray_launch.RayProcess``)
     gpu: str | None
+    host: str = "127.0.0.1"
+
+    @property
+    def http(self) -> str:
+        return f"{self.host}:{self.port}"
 
 
 def free_port() -> int:
@@ -70,30 +76,31 @@ def spawn_members(model: str, num_prefill: int, num_decode: int, serve_args: lis
 
 def wait_ready(members: list[Member], secret: str | None = None,
                timeout_s: float = HEALTH_TIMEOUT_S) -> dict[int, dict]:
-    """Each member's ``/pd/info`` once it is healthy; raises if one dies or times out."""
+    """Each member's ``/pd/info`` (by ``Member.http``) once it is healthy; raises if one
+    dies or times out."""
     infos, deadline = {}, time.monotonic() + timeout_s
     while len(infos) < len(members):
         for member in members:
-            if member.port in infos:
+            if member.http in infos:
                 continue
             if member.process.poll() is not None:
-                raise RuntimeError(f"the {member.role} instance on port {member.port} exited "
+                raise RuntimeError(f"the {member.role} instance at {member.http} exited "
                                    f"with code {member.process.returncode}")
-            info = _info(member.port, secret)
+            info = _info(member.http, secret)
             if info is not None:
-                infos[member.port] = info
+                infos[member.http] = info
         if time.monotonic() > deadline:
             raise RuntimeError(f"instances not ready within {timeout_s:.0f} s")
         time.sleep(0.2)
     return infos
 
 
-def _info(port: int, secret: str | None) -> dict | None:
+def _info(http: str, secret: str | None) -> dict | None:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+        with urllib.request.urlopen(f"http://{http}/health", timeout=2) as resp:
             if resp.status != 200:
                 return None
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/pd/info",
+        request = urllib.request.Request(f"http://{http}/pd/info",
                                          headers=secret_headers(secret))
         with urllib.request.urlopen(request, timeout=2) as resp:
             return json.loads(resp.read())
@@ -105,9 +112,9 @@ def list_members(registry: Registry, members: list[Member], infos: dict[int, dic
                  scenario: str) -> None:
     """Registers the members on their behalf (memory registry) and follows role requests."""
     for member in members:
-        info = infos[member.port]
-        instance = Instance(f"127.0.0.1:{member.port}", scenario, member.role,
-                            f"127.0.0.1:{member.port}", info["kv_address"], info["model"])
+        info = infos[member.http]
+        instance = Instance(member.http, scenario, member.role, member.http,
+                            info["kv_address"], info["model"], info.get("schedule", ""))
         registry.register(instance)
         registry.watch_role_requests(instance.instance_id, _mover(registry, instance))
 
@@ -138,8 +145,15 @@ async def run_cluster(args: argparse.Namespace, gateway_config: GatewayConfig) -
     # One command, one group: a fresh secret guards its internal routes unless one is given.
     secret = resolve_secret(gateway_config.cluster_secret) or secrets.token_urlsafe(32)
     gateway_config = replace(gateway_config, cluster_secret=secret)
-    members = spawn_members(args.model, args.prefill, args.decode, args.serve_args, gpus,
-                            gateway_config.registry, gateway_config.default_scenario, secret)
+    if args.ray_address:
+        from pdserve.cluster.ray_launch import spawn_ray_members
+
+        members = spawn_ray_members(args, args.serve_args, gateway_config.registry,
+                                    gateway_config.default_scenario, secret)
+    else:
+        members = spawn_members(args.model, args.prefill, args.decode, args.serve_args, gpus,
+                                gateway_config.registry, gateway_config.default_scenario,
+                                secret)
     try:
         infos = await asyncio.get_running_loop().run_in_executor(None, wait_ready, members,
                                                                  secret)
@@ -152,6 +166,10 @@ async def run_cluster(args: argparse.Namespace, gateway_config: GatewayConfig) -
         registry.close()
     finally:
         stop_members(members)
+        if args.ray_address:
+            import ray
+
+            ray.shutdown()
 
 
 async def _wait_for_signal() -> None:
@@ -170,6 +188,17 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
                         "instances in turn (CUDA_VISIBLE_DEVICES); default: the machine's.")
     parser.add_argument("--serve-args", type=shlex.split, default=[],
                         help="Extra flags for every `pdserve serve`, as one string.")
+    ray = parser.add_argument_group("Ray (pip install 'pdserve[ray]')")
+    ray.add_argument("--ray-address", default=None, help="Place the instances on this "
+                     "existing Ray cluster (e.g. HEAD_IP:6379, or 'auto'), one placement "
+                     "group each, instead of on this machine; the gateway stays here.")
+    ray.add_argument("--tensor-parallel-size", type=int, default=1, help="With "
+                     "--ray-address: GPUs of one node each instance is given (its bundle).")
+    ray.add_argument("--ray-prefill-resources", default=None, metavar="JSON",
+                     help="With --ray-address: custom Ray resources each prefill instance's "
+                     "bundle asks for, e.g. '{\"prefill_pool\": 1}'.")
+    ray.add_argument("--ray-decode-resources", default=None, metavar="JSON",
+                     help="With --ray-address: the same for each decode instance.")
 
 
 def default_gpus() -> str | None:

@@ -101,6 +101,9 @@ class Instance:
     schedule: str = ""
     """Its engine's ``--schedule``: a multiplexing decode instance may also take a prefill
     every prefill instance refused (the gateway's last resort)."""
+    kv_transport: str = ""
+    """Its ``--kv-transport`` (auto, tcp, ipc, p2p): what its receiver takes; the transport
+    of each pair is agreed when the sender connects (``pdserve/transfer/links.py``)."""
 
     def __post_init__(self) -> None:
         _check_name("instance_id", self.instance_id)

@@ -417,6 +417,7 @@ class EngineCore:
             last_batch_decode=0, last_batch_prefill_tokens=0, kv_transfers=transfers,
             kv_transfer_bytes=transfer_bytes)
         self.scheduler.fill_stats(stats)
+        self.kv.fill_stats(stats)
         return stats
 
     def close(self) -> None:
@@ -432,7 +433,7 @@ class EngineCore:
                 "cuda_graphs": any(pool.graphs for pool in self.runner.pools.values()),
                 "tensor_parallel_size": self.runner.comm.size,
                 "overlap_schedule": self._describe_overlap(),
-                **self.scheduler.describe()}
+                **self.scheduler.describe(), **self.kv.describe()}
 
     def _describe_overlap(self) -> dict:
         overlap = self.scheduler.overlap.describe()

@@ -6,8 +6,10 @@ carry it, scatter it into other pages (block-free transfer, as P/D-Serve does it
   decode stream. Pages a gather reads are reused only by later prefill work on the same
   stream, and pages a scatter writes were last used by completed decode launches.
 - Across instances (``--kv-transfer-port``): export gathers the prompt's KV before the next
-  launch can reuse its pages and ``TcpKVSender.send_async`` ships it from its own thread;
-  import polls the receiver for awaited transfer ids and scatters into fresh pages.
+  launch can reuse its pages and ``KVSender.send_async`` ships it from its own thread over
+  the transport agreed with that receiver (``--kv-transport``: CUDA IPC, torch.distributed
+  p2p or TCP, ``transfer/links.py``); import polls the receiver for awaited transfer ids
+  and scatters into fresh pages.
 
 Work issued on the current stream returns an event the engine makes every later launch
 wait on: launches may run on other streams (green-context partitions).
@@ -27,7 +29,8 @@ from pdserve.config import TransferConfig
 from pdserve.engine.streams import Event
 from pdserve.sched.base import KVMove
 from pdserve.transfer import LocalTransport, gather_blocks, scatter_blocks
-from pdserve.transfer.tcp import TcpKVReceiver, TcpKVSender
+from pdserve.transfer.links import KVSender, LinkServer, local_endpoint
+from pdserve.transfer.tcp import TcpKVReceiver
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +43,24 @@ class KVConnector:
         self.moved_bytes = 0
         self.timeout_s = config.kv_transfer_timeout
         self.receiver: TcpKVReceiver | None = None
-        self.sender: TcpKVSender | None = None
+        self.sender: KVSender | None = None
+        self.links: LinkServer | None = None
         self.failed_sends = 0
         self._waited: dict[str, torch.Tensor] = {}  # taken by wait_briefly, not yet claimed
         if config.kv_transfer_port is not None:
-            # Unclaimed buffers outlive the wait by a margin, then go (an aborted request).
-            self.receiver = TcpKVReceiver(config.kv_transfer_host, config.kv_transfer_port,
-                                          ttl_s=2 * self.timeout_s + 60).start()
-            self.sender = TcpKVSender()  # its ``stats`` count what was delivered
-            log.info("KV receiver listening on %s", self.receiver.address)
+            self._start_links(config)
+
+    def _start_links(self, config: TransferConfig) -> None:
+        """The receiver (one TCP port; device transports agreed on per connection) and the
+        sender. An explicit ``kv_transport`` this instance cannot run stops here."""
+        endpoint = local_endpoint(config.kv_transport, self.runner.device)
+        self.links = LinkServer(endpoint)
+        # Unclaimed buffers outlive the wait by a margin, then go (an aborted request).
+        self.receiver = TcpKVReceiver(config.kv_transfer_host, config.kv_transfer_port,
+                                      ttl_s=2 * self.timeout_s + 60, links=self.links).start()
+        self.sender = KVSender(endpoint)  # its ``stats`` count what was delivered
+        log.info("KV receiver listening on %s (--kv-transport %s)", self.receiver.address,
+                 config.kv_transport)
 
     @property
     def links_instances(self) -> bool:
@@ -125,6 +137,21 @@ class KVConnector:
             count += sent.num_transfers + received.num_transfers
             size += sent.num_bytes + received.num_bytes
         return count, size
+
+    def fill_stats(self, stats) -> None:
+        """Buffers sent to other instances, by the transport agreed with each receiver
+        (``extra["kv_sent/<transport>"]``; the server's metric label)."""
+        if self.sender is None:
+            return
+        for transport, sent in self.sender.stats_by_transport.items():
+            stats.extra[f"kv_sent/{transport}"] = sent.num_transfers
+
+    def describe(self) -> dict:
+        """The transport asked for, what each receiver got from here, and what senders chose
+        when they connected here: never a silent fallback."""
+        if self.sender is None:
+            return {}
+        return {**self.sender.describe(), "kv_links_accepted": dict(self.links.accepted)}
 
     def close(self) -> None:
         if self.sender is not None:

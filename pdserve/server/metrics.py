@@ -147,7 +147,18 @@ class _EngineCollector:
                        "instances; disagg: hand-offs between its pools).", s.kv_transfers)
         yield _counter("pdserve_kv_transfer_bytes", "Bytes of those KV buffers.",
                        s.kv_transfer_bytes)
+        yield _kv_sent_by_transport(s)
         yield from _split_gauges(s, idle=live == 0)
+
+
+def _kv_sent_by_transport(s: EngineStats) -> Metric:
+    sent = CounterMetricFamily("pdserve_kv_sent_by_transport", "KV buffers sent to other "
+                               "instances, by the transport agreed with each receiver "
+                               "(--kv-transport).", labels=["transport"])
+    for key, value in sorted(s.extra.items()):
+        if key.startswith("kv_sent/"):
+            sent.add_metric([key.removeprefix("kv_sent/")], value)
+    return sent
 
 
 def _split_gauges(s: EngineStats, idle: bool = False) -> Iterable[Metric]:

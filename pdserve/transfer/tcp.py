@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import selectors
 import socket
 import struct
@@ -65,7 +64,7 @@ import torch
 import xxhash
 
 from pdserve.transfer.kv_blocks import host_empty
-from pdserve.transfer.transport import KVLayout, TransferStats
+from pdserve.transfer.transport import KVLayout, SendQueue, TransferStats
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +202,10 @@ class TcpKVReceiver:
     header arrives) and complete when handed over."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, ttl_s: float = 120.0,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", links: Any = None) -> None:
         self.host, self.port, self.ttl_s = host, port, ttl_s
+        # ``links.LinkServer``: connections that open with a hello get a device transport.
+        self.links = links
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"a KV receiver delivers to cpu or cuda, not {self.device}")
@@ -360,6 +361,8 @@ class TcpKVReceiver:
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         try:
+            if self.links is not None and self.links.takes_over(conn, self):
+                return
             staging = _DeviceStaging(self.device) if self.device.type == "cuda" else None
             while self._read_message(conn, staging):
                 pass
@@ -377,12 +380,10 @@ class TcpKVReceiver:
 
     def _read_message(self, conn: socket.socket, staging: _DeviceStaging | None) -> bool:
         """Reads one buffer into place; False at a clean end of stream."""
-        prefix = bytearray(PREFIX.size)
-        if not recv_exactly(conn, memoryview(prefix), eof_ok=True):
+        header = read_header(conn)
+        if header is None:
             return False
-        raw = bytearray(header_length(prefix))
-        recv_exactly(conn, memoryview(raw))
-        transfer_id, layout = decode_header(raw)
+        transfer_id, layout = header
         if staging is None:
             buffer = _allocate(layout)
             view = byte_view(buffer)
@@ -393,12 +394,13 @@ class TcpKVReceiver:
         sent = bytearray(DIGEST.size)
         recv_exactly(conn, memoryview(sent))
         if DIGEST.unpack(sent)[0] != digest:
-            self._drop_corrupt(transfer_id)
+            self.drop_corrupt(transfer_id)
         else:
-            self._deliver(transfer_id, buffer)
+            self.deliver(transfer_id, buffer)
         return True
 
-    def _drop_corrupt(self, transfer_id: str) -> None:
+    def drop_corrupt(self, transfer_id: str) -> None:
+        """A buffer whose bytes failed their checksum: counted, reported, never handed on."""
         logger.error("dropped KV buffer %r: its bytes do not match the sender's checksum",
                      transfer_id)
         with self._cond:
@@ -407,7 +409,8 @@ class TcpKVReceiver:
                 self._dropped[transfer_id] = time.monotonic()
             self._cond.notify_all()
 
-    def _deliver(self, transfer_id: str, buffer: torch.Tensor) -> None:
+    def deliver(self, transfer_id: str, buffer: torch.Tensor) -> None:
+        """Hands a complete buffer to whoever polls for ``transfer_id`` (any transport)."""
         now = time.monotonic()
         with self._cond:
             self._expire(now)
@@ -420,6 +423,17 @@ class TcpKVReceiver:
                                "newer one", transfer_id)
             self._arrived[transfer_id] = (buffer, now)
             self._cond.notify_all()
+
+
+def read_header(conn: socket.socket) -> tuple[str, KVLayout] | None:
+    """The prefix and header of one message: (transfer id, layout); None at a clean end of
+    stream before the message."""
+    prefix = bytearray(PREFIX.size)
+    if not recv_exactly(conn, memoryview(prefix), eof_ok=True):
+        return None
+    raw = bytearray(header_length(prefix))
+    recv_exactly(conn, memoryview(raw))
+    return decode_header(raw)
 
 
 def _shape(layout: KVLayout) -> tuple[int, ...]:
@@ -501,12 +515,10 @@ class TcpKVSender:
     def __init__(self, connect_timeout_s: float = 5.0) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.stats = TransferStats()
-        self._lock = threading.Lock()  # guards the dicts below, stats and _closed
+        self._lock = threading.Lock()  # guards the dicts below and stats
         self._connections: dict[str, socket.socket] = {}
         self._address_locks: dict[str, threading.Lock] = {}
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._worker: threading.Thread | None = None
-        self._closed = False
+        self._queue = SendQueue(self._drain_one, "pdkv-sender")
 
     def send(self, address: str, transfer_id: str, buffer: torch.Tensor) -> None:
         """Blocks until every byte is handed to the kernel. ConnectionError (naming the
@@ -519,27 +531,12 @@ class TcpKVSender:
         gets None or the error, on that thread. A CPU buffer is sent in place: don't write
         to it before ``on_done``. A CUDA buffer's host copy is queued on the current stream,
         so the caller does not wait for it either. Bad arguments raise here."""
-        job = self._job(address, transfer_id, buffer, on_done)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("sender is closed")
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._drain, daemon=True,
-                                                name="pdkv-sender")
-                self._worker.start()
-        self._jobs.put(job)
+        self._queue.put(self._job(address, transfer_id, buffer, on_done))
 
     def close(self) -> None:
         """Finishes queued sends, then closes every connection; idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            worker = self._worker
-        if worker is not None:
-            self._jobs.put(None)
-            if worker is not threading.current_thread():  # close() from an on_done
-                worker.join()
+        if not self._queue.close():
+            return
         with self._lock:
             for sock in self._connections.values():
                 sock.close()
@@ -558,24 +555,16 @@ class TcpKVSender:
         host, copied = _stage_on_host(buffer)
         return _Job(address, transfer_id, header, host, copied, on_done)
 
-    def _drain(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            error: BaseException | None = None
-            try:
-                self._deliver(job)
-            except Exception as exc:
-                error = exc
-            if job.on_done is None:
-                if error is not None:
-                    logger.warning("async KV send failed: %s", error)
-                continue
-            try:
-                job.on_done(error)
-            except Exception:
-                logger.exception("on_done of KV transfer %r raised", job.transfer_id)
+    def _drain_one(self, job: _Job) -> None:
+        error: BaseException | None = None
+        try:
+            self._deliver(job)
+        except Exception as exc:
+            error = exc
+        report_done(job.on_done, error, job.transfer_id)
 
     def _deliver(self, job: _Job) -> None:
-        if self._closed and threading.current_thread() is not self._worker:
+        if self._queue.closed and not self._queue.on_own_thread():
             raise RuntimeError("sender is closed")
         payload = byte_view(job.host)
         with self._address_lock(job.address):
@@ -634,6 +623,19 @@ class TcpKVSender:
     def _address_lock(self, address: str) -> threading.Lock:
         with self._lock:
             return self._address_locks.setdefault(address, threading.Lock())
+
+
+def report_done(on_done: OnDone | None, error: BaseException | None, transfer_id: str) -> None:
+    """Tells a send's caller how it ended (on the sending thread); a failure nobody asked
+    about is logged."""
+    if on_done is None:
+        if error is not None:
+            logger.warning("async KV send %r failed: %s", transfer_id, error)
+        return
+    try:
+        on_done(error)
+    except Exception:
+        logger.exception("on_done of KV transfer %r raised", transfer_id)
 
 
 def _pieces(num_bytes: int) -> Iterator[tuple[int, int]]:

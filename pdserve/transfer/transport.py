@@ -1,21 +1,22 @@
 """Moving a gathered KV buffer from the prefill side to the decode side.
 
-``KVTransport`` is the seam: the engine gathers, calls ``send``, and the receiver calls
-``recv`` and scatters. ``LocalTransport`` hands the tensor over within one process (the
-one-GPU disaggregation baseline). Other transports plug in behind the same two calls:
+``KVTransport`` is the seam within one process: the engine gathers, calls ``send``, and the
+receiver calls ``recv`` and scatters. ``LocalTransport`` hands the tensor over (the one-GPU
+disaggregation baseline). Between instances, ``links.KVSender`` sends each buffer over the
+transport agreed with its receiver, whose one TCP port (``tcp.TcpKVReceiver``) serves them
+all:
 
-- NCCL (GPU to GPU across processes): ``send`` posts ``torch.distributed.isend`` of a small
-  header (request id, ``KVLayout``) then the buffer; ``recv`` allocates from the layout and
-  posts ``irecv``. The buffer is one contiguous tensor, so this is one stream on the link.
-- CUDA IPC (same host): ``send`` shares the buffer's IPC handle plus an IPC event; the
-  receiver copies out and signals, after which the sender frees the buffer.
-- TCP (host-staged): pinned host copy, the layout header, then the raw bytes.
-
-Register a new one in ``TRANSPORTS`` so config can name it.
+- CUDA IPC (same host, ``ipc.py``): the receiver maps the sender's buffer by its IPC handle,
+  copies it to its own GPU and acknowledges, after which the sender frees the buffer.
+- torch.distributed point-to-point (``p2p.py``): NCCL between GPUs, gloo between CPUs; the
+  buffer is one contiguous tensor, so one send on the link.
+- TCP (``tcp.py``): pinned host copy, the layout header, the raw bytes, their digest.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -98,6 +99,50 @@ class LocalTransport:
 
     def pending(self) -> int:
         return len(self._boxes)
+
+
+class SendQueue:
+    """One background thread that runs queued jobs in FIFO order (a sender's sends);
+    started by the first job, and ``close`` lets it finish what was queued."""
+
+    _STOP = object()
+
+    def __init__(self, run: Callable[[Any], None], name: str) -> None:
+        self._run, self._name = run, name
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.closed = False
+
+    def put(self, job: Any) -> None:
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("sender is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name=self._name)
+                self._thread.start()
+        self._jobs.put(job)
+
+    def close(self) -> bool:
+        """Waits for the queued jobs (unless called from one); False if already closed."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.closed = True
+            thread = self._thread
+        if thread is not None:
+            self._jobs.put(self._STOP)
+            if thread is not threading.current_thread():  # close() from an on_done
+                thread.join()
+        return True
+
+    def on_own_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not self._STOP:
+            self._run(job)
 
 
 TRANSPORTS: dict[str, Callable[[], KVTransport]] = {"local": LocalTransport}
