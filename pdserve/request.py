@@ -10,12 +10,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.structured.grammars import Matcher
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +53,7 @@ class Request:
     kv_buffer: torch.Tensor | None = None  # decode side: received KV not yet scattered
     deadline: float = 0.0  # decode side: fail if the KV has not arrived by then
     distinct_prompt_ids: np.ndarray | None = None  # for the repetition penalty, made once
+    grammar: Matcher | None = None  # structured output: where the output is in its grammar
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -79,6 +84,8 @@ class Request:
         self.token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if self.grammar is not None:
+            self.grammar.accept(token_id, token_id in self.eos_token_ids)
 
     def check_stop(self, max_model_len: int) -> str | None:
         """Finish reason after the last appended token, or None to continue."""
@@ -86,6 +93,8 @@ class Request:
         params, token_ids = self.params, self.token_ids
         num_tokens = len(token_ids)
         num_output_tokens = num_tokens - len(self.prompt_token_ids)
+        if self.grammar is not None and self.grammar.consumed_eos:
+            return "stop"  # the grammar is complete: EOS was the only token it allowed
         if num_output_tokens >= params.min_tokens:
             last = token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:
