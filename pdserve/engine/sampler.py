@@ -265,11 +265,18 @@ def _constrained(logits: torch.Tensor, grammar: GrammarRows | None) -> torch.Ten
         return logits
     if grammar.allowed is None:
         grammar.fill()  # a caller that did not fill it while the forward ran
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    bits = (grammar.allowed[:, :, None] >> shifts) & 1  # bit t % 32 of word t // 32
-    allowed = bits.flatten(1)[:, :logits.shape[-1]].bool()
-    rows = logits.index_select(0, grammar.rows).masked_fill(~allowed, float("-inf"))
+    # Token t is bit t % 32 of word t // 32; read as little-endian bytes that is bit t % 8
+    # of byte t // 8, and one AND with the 8 bit values unpacks every byte at once.
+    byte_bits = torch.tensor(_BYTE_BITS, dtype=torch.uint8, device=logits.device)
+    packed = grammar.allowed.view(torch.uint8)
+    refused = (packed[:, :, None] & byte_bits).eq(0).flatten(1)[:, :logits.shape[-1]]
+    if grammar.rows.shape[0] == logits.shape[0]:  # every row under a grammar
+        return logits.masked_fill(refused, float("-inf"))
+    rows = logits.index_select(0, grammar.rows).masked_fill(refused, float("-inf"))
     return logits.index_copy(0, grammar.rows, rows)  # out of place: raw logits stay intact
+
+
+_BYTE_BITS = [1 << i for i in range(8)]
 
 
 def _penalized(logits: torch.Tensor, penalties: Penalties | None) -> torch.Tensor:

@@ -88,13 +88,17 @@ class GrammarCompiler:
             self._compiled.popitem(last=False)
         return Matcher(compiled.deep_copy())
 
+    def token_table(self, llg):
+        """The ``llguidance.LLTokenizer`` of this compiler's tokenizer."""
+        from pdserve.structured.tokens import ll_tokenizer
+
+        return ll_tokenizer(llg, self.tokenizer, self.vocab_size)
+
     def _compile(self, spec: GrammarSpec):
         llg = import_llguidance(spec.field)
         grammar = _checked(spec)
         if self._ll_tokenizer is None:
-            from pdserve.structured.tokens import ll_tokenizer
-
-            self._ll_tokenizer = ll_tokenizer(llg, self.tokenizer, self.vocab_size)
+            self._ll_tokenizer = self.token_table(llg)
         compiled = llg.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if compiled.is_error():
             raise InvalidRequestError(f"{spec.field}: {compiled.get_error()}")
