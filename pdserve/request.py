@@ -95,6 +95,8 @@ class Request:
         num_output_tokens = num_tokens - len(self.prompt_token_ids)
         if self.grammar is not None and self.grammar.consumed_eos:
             return "stop"  # the grammar is complete: EOS was the only token it allowed
+        if self.grammar is not None and self.grammar.failed:
+            return "error"
         if num_output_tokens >= params.min_tokens:
             last = token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:

@@ -624,6 +624,11 @@ def resumed_params(params: SamplingParams, done: int) -> SamplingParams:
     """The sampling left for an answer whose first ``done`` tokens are already out."""
     if not done:
         return params
+    if params.grammar is not None:
+        # The resumed tokens reach the engine as prompt, so a new matcher would start the
+        # grammar over in the middle of the output.
+        raise P.bad_request("output constrained by a grammar cannot be resumed on another "
+                            "instance", param=params.grammar.field)
     if done >= params.max_tokens:
         raise P.bad_request(f"{done} resumed tokens leave nothing of max_tokens "
                             f"({params.max_tokens}) to generate", param="resume_token_ids")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from collections import OrderedDict
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 from pdserve.sampling_params import GrammarSpec, InvalidRequestError
 
+log = logging.getLogger(__name__)
 INSTALL_HINT = "pip install 'pdserve[structured]'"
 COMPILED_CACHE_SIZE = 128
 """Compiled grammars kept (LRU by kind and text): requests tend to reuse a few schemas."""
@@ -118,7 +120,10 @@ class Matcher:
         if self._matcher.is_stopped():
             self.consumed_eos = is_eos
             return
-        self._matcher.consume_token(token_id)
+        if not self._matcher.consume_token(token_id):
+            # Only a token the mask refused can get here (a bug, or a first token sampled
+            # elsewhere without the grammar): the request ends as failed, never silently.
+            log.error("a token left the grammar: %s", self._matcher.get_error())
         self.consumed_eos = is_eos and self._matcher.is_stopped()
 
     @property

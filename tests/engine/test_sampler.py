@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve.engine.sampler import SamplingBatch, sample
-from pdserve.model.tokenizer import ByteTokenizer
+from pdserve.model.tokenizer import ByteTokenizer, load_tokenizer
 from pdserve.request import Request
 from pdserve.sampling_params import GrammarSpec, InvalidRequestError, SamplingParams
 from pdserve.structured.grammars import GrammarCompiler
@@ -281,3 +281,44 @@ def test_compiled_grammars_are_reused_and_bad_ones_name_their_field():
                 GrammarSpec("grammar", "start: x\nx: 'a' |", "guided_grammar")):
         with pytest.raises(InvalidRequestError, match=re.escape(bad.field)):
             compiler.matcher(bad)
+
+
+def test_a_token_outside_the_grammar_fails_the_request_instead_of_hiding_it():
+    compiler = GrammarCompiler(ByteTokenizer(), GRAMMAR_VOCAB)
+    request = _grammar_request(GrammarSpec("regex", "ab", "guided_regex"), compiler)
+    request.append_token(ord("a"), None)
+    assert request.check_stop(4096) is None
+    request.append_token(ord("z"), None)  # as if sampled without the mask
+    assert request.check_stop(4096) == "error"
+
+
+def _bpe_folder(folder) -> str:
+    """A small byte-level BPE in the Hugging Face format: tokens of several characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(['{"name": "yes", "value": 12} no yes 0123456789 ' * 50], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    return str(folder)
+
+
+def test_a_hugging_face_tokenizers_grammar_rows_decode_to_matching_text(tmp_path):
+    tokenizer = load_tokenizer(_bpe_folder(tmp_path))
+    compiler = GrammarCompiler(tokenizer, GRAMMAR_VOCAB)  # logits wider than the table
+    spec = GrammarSpec("regex", '(yes|no) [0-9]{1,3}', "guided_regex")
+    requests = [_grammar_request(spec, compiler, seed) for seed in range(8)]
+    for request in requests:
+        request.eos_token_ids = tokenizer.eos_token_ids
+    _run_to_stop(requests)
+    multi = 0
+    for request in requests:
+        *text, eos = request.token_ids[1:]
+        assert eos in tokenizer.eos_token_ids
+        assert re.fullmatch("(yes|no) [0-9]{1,3}", tokenizer.decode(text)), text
+        multi += any(len(tokenizer.decode([t])) > 1 for t in text)
+    assert multi  # the BPE's multi-character tokens were used, not bytes only
