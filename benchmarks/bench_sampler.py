@@ -41,8 +41,8 @@ from pdserve.engine.sampler import SamplingBatch, sample  # noqa: E402
 from pdserve.model.arch import PRESETS  # noqa: E402
 from pdserve.model.tokenizer import ByteTokenizer, load_tokenizer  # noqa: E402
 from pdserve.request import Request  # noqa: E402
-from pdserve.sampling_params import GrammarSpec, SamplingParams  # noqa: E402
-from pdserve.structured.grammars import GrammarCompiler  # noqa: E402
+from pdserve.sampling_params import GrammarSpec, InvalidRequestError, SamplingParams  # noqa: E402
+from pdserve.structured.grammars import GrammarCompiler, import_llguidance  # noqa: E402
 
 NUCLEUS = {"temperature": 0.8, "top_k": 50, "top_p": 0.95}
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
@@ -177,6 +177,11 @@ def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
     vocab = PRESETS[args.model].vocab_size
+    if any(name.endswith("_grammar_json") for name in args.cases.split(",")):
+        try:
+            import_llguidance("--cases greedy_grammar_json")
+        except InvalidRequestError as exc:
+            raise SystemExit(str(exc)) from None
     compiler, token_table = grammar_compiler(args, vocab)
     rows = [time_case(name, int(batch), args, vocab, device, compiler)
             for batch in args.batch.split(",") for name in args.cases.split(",")]
