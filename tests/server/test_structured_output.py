@@ -67,10 +67,10 @@ def test_json_schema_samples_parse_and_match(hermes):
 
 def test_json_object_samples_are_json_objects(hermes):
     # Any object at all: the random tiny model would write keys of hundreds of characters,
-    # so a bias towards '"' and '}' keeps its strings and objects short (the grammar alone
-    # decides what is valid; the bias only shifts the choice among valid tokens).
-    short = {str(ord('"')): 3, str(ord("}")): 3}
-    texts = _texts(_chat(hermes, n=SAMPLES, max_tokens=60, logit_bias=short,
+    # so a bias towards '"', ']' and '}' keeps its strings, lists and objects short (the
+    # grammar alone decides what is valid; the bias only shifts the choice among valid tokens).
+    short = {str(ord(c)): 4 for c in '"]}'}
+    texts = _texts(_chat(hermes, n=SAMPLES, max_tokens=150, logit_bias=short,
                          response_format={"type": "json_object"}))
     assert all(isinstance(json.loads(text), dict) for text in texts)
 
