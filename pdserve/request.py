@@ -10,12 +10,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.structured.grammars import Matcher
 
 
 class RequestStatus(enum.Enum):
@@ -53,6 +57,7 @@ class Request:
     # (counted in ``num_tokens``), and the row of the newest one in its lane's device buffer.
     num_placeholders: int = 0
     placeholder_row: int = 0
+    grammar: Matcher | None = None  # structured output: where the output is in its grammar
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -84,6 +89,8 @@ class Request:
         self.token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if self.grammar is not None:
+            self.grammar.accept(token_id, token_id in self.eos_token_ids)
 
     def ends_at_pending_tokens(self, max_model_len: int) -> bool:
         """The tokens still being sampled bring it to a length limit or a hand-off, so it
@@ -99,6 +106,10 @@ class Request:
         params, token_ids = self.params, self.token_ids
         num_tokens = len(token_ids)
         num_output_tokens = num_tokens - len(self.prompt_token_ids)
+        if self.grammar is not None and self.grammar.consumed_eos:
+            return "stop"  # the grammar is complete: EOS was the only token it allowed
+        if self.grammar is not None and self.grammar.failed:
+            return "error"
         if num_output_tokens >= params.min_tokens:
             last = token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:

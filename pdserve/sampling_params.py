@@ -32,6 +32,23 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses; the message names the problem (served as HTTP 400)."""
 
 
+GRAMMAR_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """Output constrained by a grammar (``pdserve/structured``): plain data, so it crosses
+    from the server to the engine process as it is."""
+
+    kind: str
+    """"json" (a JSON schema), "regex", "choice" (a JSON list of strings) or "grammar"
+    (Lark, or GBNF / EBNF as llama.cpp writes it)."""
+    source: str
+    """The schema as JSON text, the regex, the choices as a JSON list, or the grammar."""
+    field: str = "structured_outputs"
+    """The request field it came from: errors name it."""
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -70,6 +87,8 @@ class SamplingParams:
     """Keep the stop string that ended generation at the end of the text."""
     skip_special_tokens: bool = True
     """Leave special tokens (BOS, EOS, ...) out of the text."""
+    grammar: GrammarSpec | None = None
+    """Only tokens that keep the output inside this grammar are sampled (structured output)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +118,10 @@ class SamplingParams:
         _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         self._validate_penalties()
+        _check(self.grammar is None or (isinstance(self.grammar, GrammarSpec)
+                                        and self.grammar.kind in GRAMMAR_KINDS
+                                        and isinstance(self.grammar.source, str)),
+               f"grammar must be a GrammarSpec of kind {', '.join(GRAMMAR_KINDS)}")
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -42,6 +42,7 @@ from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.sched.base import StepOutput, Work
 from pdserve.sched.policies import make_scheduler, role_refusal
+from pdserve.structured.grammars import GrammarCompiler
 
 log = logging.getLogger(__name__)
 WAIT_FOR_COMPLETION_S = 0.002  # longest a step spins on events before returning empty
@@ -62,6 +63,7 @@ class EngineCore:
             config.model.model if is_checkpoint_dir(config.model.model) else None)
         self.tokenizer = load_tokenizer(tokenizer_path, self.arch)
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         self.runner = ModelRunner(config, self.arch, self.max_model_len, setup.ops)
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching)
@@ -113,6 +115,8 @@ class EngineCore:
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
                           arrival_time if arrival_time is not None else time.monotonic())
         request.handoff = handoff
+        if params.grammar is not None:  # structured output: the request's own matcher
+            request.grammar = self.grammars.matcher(params.grammar)
         self.requests[request_id] = request
         if handoff is not None and handoff.is_decode:
             self._add_prefilled(request, handoff)

@@ -137,6 +137,10 @@ def sample_into(model, hidden: torch.Tensor, inputs: SamplingInputs | None,
     if inputs is None:
         return 0, False
     logits = model.compute_logits(hidden.index_select(0, inputs.rows))
+    if inputs.batch.grammar is not None:
+        # The forward and the LM head are queued on the device: the host fills the grammar
+        # bitmask meanwhile, then its copy and the sampling kernels follow them.
+        inputs.batch.grammar.fill()
     tokens, logprobs = sample(logits, inputs.batch)
     n = tokens.shape[0]
     if buffers.device_tokens is not None:

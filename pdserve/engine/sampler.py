@@ -1,6 +1,6 @@
 """Batched sampling in one pass on the device: logit bias, presence / frequency / repetition
-penalties, greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs and the
-top alternatives.
+penalties, grammar bitmasks (structured output), greedy, temperature, min-p, top-k, top-p,
+per-request seeds, logprobs and the top alternatives.
 
 Order as vLLM's sampler: logprobs come from the model's raw logits; bias, then penalties
 change the logits that greedy and sampling see; temperature, min-p, top-k and top-p only
@@ -10,6 +10,10 @@ Every per-row setting becomes a device tensor once per step. Penalties need each
 token counts: the host lists the (row, token) pairs as flat indices and copies them in one
 transfer; the counts are then built on the device with one ``index_add_``. Nothing here
 waits for the device.
+
+Grammar rows: the host fills their bitmask (``GrammarRows.fill``) after the step's forward
+is issued, so it runs while the device computes; one copy sends it, and only those rows are
+masked (-inf on every token the grammar does not allow). Rows without a grammar pay nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from pdserve.request import Request
 from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from pdserve.structured.grammars import Matcher, fill_bitmask
 
 TOP_K_FIRST_LIMIT = 1024
 """Up to this k, top-k (and top-p inside it) runs on ``torch.topk`` instead of sorting the
@@ -45,6 +50,23 @@ class LogitBias:
 
 
 @dataclass
+class GrammarRows:
+    """The rows sampled under a grammar: their matchers (host), row ids and, once filled,
+    their bitmask of allowed tokens (device)."""
+
+    rows: torch.Tensor  # [G] int64
+    matchers: list[Matcher]
+    vocab_size: int
+    allowed: torch.Tensor | None = None  # [G, ceil(vocab / 32)] int32
+
+    def fill(self) -> None:
+        """Computes the bitmask on the host and copies it to the device without waiting."""
+        device = self.rows.device
+        host = fill_bitmask(self.matchers, self.vocab_size, pin=device.type == "cuda")
+        self.allowed = host.to(device, non_blocking=True)
+
+
+@dataclass
 class SamplingBatch:
     """Per-row sampling settings as device tensors, built once per step."""
 
@@ -62,6 +84,7 @@ class SamplingBatch:
     top_k_width: int | None = None  # k of the top-k-first path; None: sort the vocabulary
     penalties: Penalties | None = None
     logit_bias: LogitBias | None = None
+    grammar: GrammarRows | None = None
 
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int, device) -> SamplingBatch:
@@ -85,7 +108,16 @@ class SamplingBatch:
             top_k_width=_top_k_width(top_k, top_p, vocab_size),
             penalties=_penalties(requests, vocab_size, device),
             logit_bias=_logit_bias(params, vocab_size, device),
+            grammar=_grammar_rows(requests, vocab_size, device),
         )
+
+
+def _grammar_rows(requests: list[Request], vocab_size: int, device) -> GrammarRows | None:
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return None
+    return GrammarRows(_to_device(np.asarray(rows, dtype=np.int64), device),
+                       [requests[i].grammar for i in rows], vocab_size)
 
 
 def num_top_logprobs(params: list[SamplingParams]) -> int:
@@ -207,6 +239,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch
     """Returns (token ids [B], their logprobs and the top alternatives when asked for)."""
     raw = logits.float()
     logits = _penalized(_biased(raw, batch.logit_bias), batch.penalties)
+    logits = _constrained(logits, batch.grammar)
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         tokens = greedy
@@ -231,6 +264,25 @@ def _biased(logits: torch.Tensor, bias: LogitBias | None) -> torch.Tensor:
         return logits
     # Out of place: the raw logits still give the logprobs.
     return logits.flatten().index_add(0, bias.flat_index, bias.values).view_as(logits)
+
+
+def _constrained(logits: torch.Tensor, grammar: GrammarRows | None) -> torch.Tensor:
+    if grammar is None:
+        return logits
+    if grammar.allowed is None:
+        grammar.fill()  # a caller that did not fill it while the forward ran
+    # Token t is bit t % 32 of word t // 32; read as little-endian bytes that is bit t % 8
+    # of byte t // 8, and one AND with the 8 bit values unpacks every byte at once.
+    byte_bits = torch.tensor(_BYTE_BITS, dtype=torch.uint8, device=logits.device)
+    packed = grammar.allowed.view(torch.uint8)
+    refused = (packed[:, :, None] & byte_bits).eq(0).flatten(1)[:, :logits.shape[-1]]
+    if grammar.rows.shape[0] == logits.shape[0]:  # every row under a grammar
+        return logits.masked_fill(refused, float("-inf"))
+    rows = logits.index_select(0, grammar.rows).masked_fill(refused, float("-inf"))
+    return logits.index_copy(0, grammar.rows, rows)  # out of place: raw logits stay intact
+
+
+_BYTE_BITS = [1 << i for i in range(8)]
 
 
 def _penalized(logits: torch.Tensor, penalties: Penalties | None) -> torch.Tensor:

@@ -368,7 +368,7 @@ class OverlapCounters:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.overlapped_steps = 0
-        self.synchronous_steps = {"penalties": 0}
+        self.synchronous_steps = {"penalties": 0, "grammar": 0}
         self.dropped_tokens = 0  # computed one step past a stop or an abort, never emitted
 
     def allows(self, plan: Plan) -> bool:
@@ -378,6 +378,11 @@ class OverlapCounters:
             return False
         if any(s.request.params.penalized for s in plan.sampling):
             self.synchronous_steps["penalties"] += 1
+            return False
+        # A grammar's next mask follows from the token this step samples: the matcher must
+        # have taken it on the host before the next step of that request is planned.
+        if any(s.request.grammar is not None for s in plan.sampling):
+            self.synchronous_steps["grammar"] += 1
             return False
         self.overlapped_steps += 1
         return True

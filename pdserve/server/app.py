@@ -26,6 +26,7 @@ from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from pdserve.server.pd import PDRoutes
 from pdserve.server.serving import OpenAIServing
 from pdserve.server.tokenization import TokenizationRoutes
+from pdserve.server.tool_calls import ToolSettings
 
 logger = logging.getLogger("pdserve.server")
 
@@ -70,7 +71,8 @@ def build_app(client: EngineClient, config: ServerConfig,
     if config.chat_template is not None:
         client.tokenizer.chat_template = load_chat_template(config.chat_template)
     serving = OpenAIServing(client, client.tokenizer, names[0], metrics, config.log_requests,
-                            tuple(names[1:]), sampling_defaults)
+                            tuple(names[1:]), sampling_defaults,
+                            ToolSettings(config.enable_auto_tool_choice, config.tool_call_parser))
     limits = HTTPLimits.of(config)
     app = web.Application(client_max_size=limits.max_body_bytes,
                           middlewares=[_errors, _api_key, _admission, limits.middleware()])

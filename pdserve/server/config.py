@@ -30,6 +30,12 @@ class ServerConfig:
         "carry (default: the model argument as given).")
     chat_template: str | None = doc(None, "Chat template for /v1/chat/completions: a Jinja "
                                     "file, or the template itself; replaces the tokenizer's.")
+    enable_auto_tool_choice: bool = doc(False, "Honour tool_choice 'auto': the model's text "
+                                        "is searched for tool calls by --tool-call-parser.")
+    tool_call_parser: str | None = doc(None, "How tool calls are written in the model's text "
+                                       "(tool_choice 'auto'): llama3_json (Llama 3.x) or "
+                                       "hermes (<tool_call>, Qwen2.5).",
+                                       choices=("llama3_json", "hermes"))
     shutdown_timeout: float = doc(30.0, "On SIGTERM, seconds in-flight requests may run "
                                   "before they are aborted.")
     retry_after: int = doc(1, "Seconds sent in Retry-After when the waiting queue is full.")
@@ -49,6 +55,9 @@ class ServerConfig:
                                           "further attempt of one outage waits twice as long.")
 
     def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
+                             "(llama3_json or hermes)")
         if self.engine_restarts < 0:
             raise ValueError(f"--engine-restarts must be >= 0, not {self.engine_restarts}")
         if not self.engine_restart_backoff_s >= 0:  # NaN included

@@ -13,7 +13,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.sampling_params import MAX_TOP_LOGPROBS, InvalidRequestError, SamplingParams
+from pdserve.sampling_params import (
+    MAX_TOP_LOGPROBS,
+    GrammarSpec,
+    InvalidRequestError,
+    SamplingParams,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 64
@@ -138,9 +143,8 @@ HONOURED = "honoured"
 FieldRule = str | Refused
 
 _SAMPLER = "the engine's sampler does not implement it"
-_GUIDED = "guided decoding (structured output) is not implemented"
 _BEAM = "beam search is not implemented"
-_TOOLS = "tool calling is not implemented"
+_TOOLS = "the legacy function calling fields are not implemented; use 'tools'"
 _STORE = "completions are not stored"
 
 _SHARED_FIELDS: dict[str, FieldRule] = {
@@ -149,16 +153,17 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
                      "logprobs", "skip_special_tokens", "include_stop_str_in_output",
                      "add_special_tokens", "user", "return_engine_timing", "n",
                      "presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "logit_bias", "min_p"), HONOURED),
+                     "logit_bias", "min_p", "response_format", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar", "structured_outputs"), HONOURED),
     "allowed_token_ids": Refused(_SAMPLER),
     "bad_words": Refused(_SAMPLER, ([],)),
     "logits_processors": Refused(_SAMPLER, ([],)),
     "use_beam_search": Refused(_BEAM, (False,)),
     "length_penalty": Refused(_BEAM, (1, 1.0)),
-    "response_format": Refused(_GUIDED, ({"type": "text"},)),
-    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "guided_decoding_backend", "guided_whitespace_pattern",
-                     "structured_outputs"), Refused(_GUIDED)),
+    "guided_decoding_backend": Refused("structured output always runs on llguidance",
+                                       ("llguidance", "guidance", "auto")),
+    "guided_whitespace_pattern": Refused("JSON output is compact; a schema may allow free "
+                                         "whitespace with \"x-guidance\""),
     "prompt_logprobs": Refused("the engine returns no prompt logprobs", (0,)),
     "truncate_prompt_tokens": Refused("prompts are never truncated; send a shorter one"),
     "spaces_between_special_tokens": Refused("special tokens are always decoded as the "
@@ -181,9 +186,7 @@ CHAT_FIELDS: dict[str, FieldRule] = {
                      "continue_final_message", "chat_template", "chat_template_kwargs"),
                     HONOURED),
     "top_logprobs": HONOURED,
-    "tools": Refused(_TOOLS, ([],)),
-    "tool_choice": Refused(_TOOLS, ("none",)),
-    "parallel_tool_calls": Refused(_TOOLS),
+    **dict.fromkeys(("tools", "tool_choice", "parallel_tool_calls"), HONOURED),
     "functions": Refused(_TOOLS, ([],)),
     "function_call": Refused(_TOOLS, ("none",)),
     "echo": Refused("chat echo is not implemented (/v1/completions has echo)", (False,)),
@@ -254,6 +257,8 @@ class SamplingRequest:
     """Alternatives per token (chat ``top_logprobs``, completions ``logprobs: N``)."""
     best_of: int = 1
     """Choices generated (completions): the ``n`` with the highest sum of logprobs return."""
+    grammar: GrammarSpec | None = None
+    """Structured output: the grammar every choice follows (``pdserve/server/guided.py``)."""
 
     @classmethod
     def read(cls, body: dict, max_tokens: int | None) -> SamplingRequest:
@@ -302,7 +307,7 @@ class SamplingRequest:
                 logprobs=self.logprobs, min_tokens=self.min_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, top_logprobs=self.top_logprobs,
-                logit_bias=self.logit_bias, **self.penalties)
+                logit_bias=self.logit_bias, grammar=self.grammar, **self.penalties)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), param=_field_named(str(exc))) from None
 
@@ -466,7 +471,14 @@ def _read_message(message: Any, index: int) -> dict[str, str]:
     role = message.get("role")
     if role not in _ROLES:
         raise bad_request(f"{param}.role must be one of {', '.join(_ROLES)}", param=param)
-    return {"role": role, "content": _message_text(message.get("content"), param)}
+    read = {"role": role, "content": _message_text(message.get("content"), param)}
+    # A tool-calling conversation: the assistant's calls and each tool result's call id go
+    # to the chat template as the client sent them.
+    read.update({k: message[k] for k in _TOOL_MESSAGE_KEYS if message.get(k) is not None})
+    return read
+
+
+_TOOL_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
 def _message_text(content: Any, param: str) -> str:

@@ -23,7 +23,9 @@ from pdserve.output import OutputProcessor
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import protocol as P
 from pdserve.server.client import EngineClient, Items, RequestStream
+from pdserve.server.guided import check, read_grammar
 from pdserve.server.metrics import RequestTiming, ServerMetrics
+from pdserve.server.tool_calls import ToolRequest, ToolSettings, ToolStream
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +119,9 @@ class Format:
     echo: str = ""
     """Completions with ``echo``: the prompt's text, sent before the output."""
 
+    tools: ToolRequest | None = None
+    """Chat with tool calls: the output becomes content and tool calls."""
+
     with_token_ids: bool = False
     """Internal P/D route: chunks also carry ``pdserve_token_ids`` (the gateway strips them)."""
 
@@ -159,6 +164,8 @@ class Format:
     def full(self, pieces: list[P.Piece], usage: dict[str, Any]) -> dict[str, Any]:
         if self.chat:
             choices = [P.chat_choice(p, self.sampling.logprobs, delta=False) for p in pieces]
+            for choice in choices if self.tools is not None else ():
+                self.tools.finish_choice(choice)
             kind = "chat.completion"
         else:
             choices = [P.completion_choice(p, self.sampling.logprobs) for p in pieces]
@@ -170,8 +177,10 @@ class OpenAIServing:
     def __init__(self, client: EngineClient, tokenizer: Tokenizer, model_name: str,
                  metrics: ServerMetrics, log_requests: bool = False,
                  model_aliases: tuple[str, ...] = (),
-                 sampling_defaults: dict[str, Any] | None = None) -> None:
+                 sampling_defaults: dict[str, Any] | None = None,
+                 tool_settings: ToolSettings | None = None) -> None:
         self.client = client
+        self.tool_settings = tool_settings or ToolSettings()
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_names = (model_name, *model_aliases)
@@ -212,6 +221,7 @@ class OpenAIServing:
     async def _prepare_completion(self, body: dict) -> tuple[Format, list[int], int | None]:
         request = P.CompletionRequest.parse(body)
         self.check_model(request.sampling.model)
+        request.sampling.grammar = read_grammar(body)
         if isinstance(request.prompt, str):
             add_special = request.sampling.add_special_tokens is not False
             prompt_ids = await self.encode(request.prompt, add_special_tokens=add_special)
@@ -232,13 +242,32 @@ class OpenAIServing:
     async def _prepare_chat(self, body: dict) -> tuple[Format, list[int], int | None]:
         request = P.ChatRequest.parse(body)
         self.check_model(request.sampling.model)
+        tools = self._read_tools(body, request.sampling)
+        template_kwargs = request.chat_template_kwargs
+        if tools is not None:
+            template_kwargs = {**template_kwargs, "tools": tools.template_tools}
         text = self.render_chat(request.messages, request.add_generation_prompt,
                                 request.continue_final_message, request.chat_template,
-                                request.chat_template_kwargs)
+                                template_kwargs)
         prompt_ids = await self.encode_chat(text, request.sampling.add_special_tokens)
         P.check_token_ids(list(request.sampling.logit_bias), self.client.vocab_size, "logit_bias")
-        fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling)
+        fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling,
+                     tools=tools)
         return fmt, prompt_ids, self.default_max_tokens
+
+    def _read_tools(self, body: dict, sampling: P.SamplingRequest) -> ToolRequest | None:
+        """The request's tool calling; ``required`` and named choices set its grammar."""
+        sampling.grammar = read_grammar(body)
+        tools = ToolRequest.read(body, self.tool_settings)
+        spec = tools.grammar() if tools is not None else None
+        if spec is not None and sampling.grammar is not None:
+            raise P.bad_request(f"tool_choice '{tools.choice}' constrains the output, as does "
+                                f"'{sampling.grammar.field}'; send one of them",
+                                param="tool_choice")
+        if spec is not None:
+            check(spec)
+            sampling.grammar = spec
+        return tools
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
                     continue_final_message: bool, chat_template: str | None,
@@ -402,6 +431,7 @@ class _SSEWriter:
         self.timed = fmt.sampling.return_engine_timing
         self._backlog: list[bytes] = []  # formatted, for the handler to write
         self._error: BaseException | None = None  # raised in the handler
+        self.tool_stream = ToolStream(fmt.tools) if fmt.tools is not None else None
 
     async def write(self, piece: P.Piece) -> None:
         data = self.encode(piece)
@@ -410,6 +440,8 @@ class _SSEWriter:
 
     def encode(self, piece: P.Piece) -> bytes:
         """The SSE bytes of a piece; b"" for one not worth a chunk."""
+        if self.tool_stream is not None:
+            return self._encode_tools(piece)
         wanted = piece.text or piece.finish_reason or (piece.token_ids and (
             self.fmt.sampling.logprobs or self.timed or self.fmt.with_token_ids))
         if self.sent_first and not wanted:
@@ -426,6 +458,25 @@ class _SSEWriter:
             chunk["pdserve_token_ids"] = piece.token_ids
         self.sent_first = True
         return P.sse(chunk)
+
+    def _encode_tools(self, piece: P.Piece) -> bytes:
+        """A piece of a chat with tools: content and tool-call deltas, a chunk each."""
+        deltas, finish = self.tool_stream.push(piece.text, piece.finish_reason)
+        wants_chunk = finish or (self.fmt.sampling.logprobs and piece.token_ids)
+        if not deltas and (self.sent_first and not wants_chunk):
+            return b""
+        deltas = deltas or [{}]
+        if not self.sent_first:
+            deltas[0] = {"role": "assistant", **deltas[0]}
+        self.sent_first = True
+        logprobs = P.chat_logprobs(piece) if self.fmt.sampling.logprobs else None
+        chunks = [{"index": piece.index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                   "finish_reason": finish if i == len(deltas) - 1 else None}
+                  for i, delta in enumerate(deltas)]
+        return b"".join(P.sse(P.envelope(self.fmt.request_id, self.fmt.chunk_kind,
+                                         self.fmt.model, self.fmt.created, [chunk],
+                                         with_usage_key=self.fmt.sampling.include_usage))
+                        for chunk in chunks)
 
     async def follow(self) -> None:
         """Until the generation is done, with the dispatcher writing the pieces."""
@@ -573,6 +624,11 @@ def resumed_params(params: SamplingParams, done: int) -> SamplingParams:
     """The sampling left for an answer whose first ``done`` tokens are already out."""
     if not done:
         return params
+    if params.grammar is not None:
+        # The resumed tokens reach the engine as prompt, so a new matcher would start the
+        # grammar over in the middle of the output.
+        raise P.bad_request("output constrained by a grammar cannot be resumed on another "
+                            "instance", param=params.grammar.field)
     if done >= params.max_tokens:
         raise P.bad_request(f"{done} resumed tokens leave nothing of max_tokens "
                             f"({params.max_tokens}) to generate", param="resume_token_ids")

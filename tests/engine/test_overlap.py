@@ -184,6 +184,20 @@ def test_penalties_run_synchronously_and_say_so():
     assert info["synchronous_steps"]["penalties"] > 0
 
 
+def test_grammar_requests_run_synchronously_and_say_so():
+    pytest.importorskip("llguidance")
+    from pdserve.sampling_params import GrammarSpec
+
+    prompts = _prompts(3)
+    choice = GrammarSpec("choice", '["yes indeed", "no way at all"]')
+    requests = {f"g{i}": (p, SamplingParams(max_tokens=8, temperature=0,
+                                            grammar=choice if i == 0 else None))
+                for i, p in enumerate(prompts)}
+    (on, on_finish, info), (off, off_finish, _) = _both("chunked", requests)
+    assert on == off and on_finish == off_finish
+    assert info["synchronous_steps"]["grammar"] > 0
+
+
 def test_flag_and_describe():
     args = build_parser().parse_args(["serve", "--no-overlap-schedule"])
     assert engine_config_from_args(args).scheduler.overlap_schedule is False

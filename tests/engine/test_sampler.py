@@ -1,9 +1,15 @@
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 
 from pdserve.engine.sampler import SamplingBatch, sample
-from pdserve.sampling_params import SamplingParams
+from pdserve.model.tokenizer import ByteTokenizer, load_tokenizer
+from pdserve.request import Request
+from pdserve.sampling_params import GrammarSpec, InvalidRequestError, SamplingParams
+from pdserve.structured.grammars import GrammarCompiler
 from tests.engine.factories import make_request
 
 
@@ -212,3 +218,107 @@ def test_the_engine_returns_each_tokens_alternatives_and_refuses_unknown_bias_id
     assert not any(isinstance(lp, TokenLogprob) for lp in without.outputs[0].logprobs)
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         llm.engine.add_request("bad", [1], SamplingParams(logit_bias={10**6: 1.0}))
+
+
+# ---- grammars (structured output) ----
+
+GRAMMAR_VOCAB = 320  # the tiny preset's logits: 256 bytes, BOS, EOS and unused ids
+
+
+def _grammar_request(spec: GrammarSpec | None, compiler: GrammarCompiler, seed: int = 0):
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=64, grammar=spec)
+    request = Request(f"g{seed}", [65], params, eos_token_ids=[ByteTokenizer.EOS])
+    request.generator = torch.Generator().manual_seed(seed)
+    if spec is not None:
+        request.grammar = compiler.matcher(spec)
+    return request
+
+
+def _run_to_stop(requests: list[Request], logits_seed: int = 0) -> None:
+    """Samples random logits for the unfinished requests, appending tokens, until each stops."""
+    noise = torch.Generator().manual_seed(logits_seed)
+    for _ in range(64):
+        live = [r for r in requests if r.check_stop(4096) is None or r.num_output_tokens == 0]
+        if not live:
+            return
+        logits = torch.randn(len(live), GRAMMAR_VOCAB, generator=noise) * 3
+        tokens, _ = sample(logits, SamplingBatch.from_requests(live, GRAMMAR_VOCAB, "cpu"))
+        for request, token in zip(live, tokens.tolist(), strict=True):
+            request.append_token(token, None)
+
+
+def test_grammar_rows_draw_only_what_the_grammar_allows_and_stop_at_its_end():
+    compiler = GrammarCompiler(ByteTokenizer(), GRAMMAR_VOCAB)
+    spec = GrammarSpec("regex", "(yes|no)-[0-9]{2}", "guided_regex")
+    requests = [_grammar_request(spec, compiler, seed) for seed in range(8)]
+    _run_to_stop(requests)
+    for request in requests:
+        *text, eos = request.token_ids[1:]
+        assert re.fullmatch("(yes|no)-[0-9]{2}", bytes(text).decode()), request.token_ids
+        assert eos == ByteTokenizer.EOS and request.check_stop(4096) == "stop"
+
+
+def test_rows_without_a_grammar_are_untouched_by_a_grammar_row():
+    compiler = GrammarCompiler(ByteTokenizer(), GRAMMAR_VOCAB)
+    logits = torch.randn(3, GRAMMAR_VOCAB)
+    spec = GrammarSpec("choice", '["A"]', "guided_choice")
+    free = [_grammar_request(None, compiler, 1), _grammar_request(None, compiler, 2)]
+    alone = sample(logits[1:], SamplingBatch.from_requests(free, GRAMMAR_VOCAB, "cpu"))[0]
+    free = [_grammar_request(None, compiler, 1), _grammar_request(None, compiler, 2)]
+    mixed = [_grammar_request(spec, compiler, 0), *free]
+    tokens = sample(logits, SamplingBatch.from_requests(mixed, GRAMMAR_VOCAB, "cpu"))[0]
+    assert tokens[0].item() == ord("A")
+    assert tokens[1:].tolist() == alone.tolist()
+
+
+def test_compiled_grammars_are_reused_and_bad_ones_name_their_field():
+    compiler = GrammarCompiler(ByteTokenizer(), GRAMMAR_VOCAB)
+    spec = GrammarSpec("json", '{"type": "integer"}', "guided_json")
+    first, second = compiler.matcher(spec), compiler.matcher(spec)
+    assert first.raw is not second.raw and len(compiler._compiled) == 1
+    for bad in (GrammarSpec("regex", "a(b", "guided_regex"),
+                GrammarSpec("json", '{"type": "foo"}', "response_format.json_schema.schema"),
+                GrammarSpec("grammar", "start: x\nx: 'a' |", "guided_grammar")):
+        with pytest.raises(InvalidRequestError, match=re.escape(bad.field)):
+            compiler.matcher(bad)
+
+
+def test_a_token_outside_the_grammar_fails_the_request_instead_of_hiding_it():
+    compiler = GrammarCompiler(ByteTokenizer(), GRAMMAR_VOCAB)
+    request = _grammar_request(GrammarSpec("regex", "ab", "guided_regex"), compiler)
+    request.append_token(ord("a"), None)
+    assert request.check_stop(4096) is None
+    request.append_token(ord("z"), None)  # as if sampled without the mask
+    assert request.check_stop(4096) == "error"
+
+
+def _bpe_folder(folder) -> str:
+    """A small byte-level BPE in the Hugging Face format: tokens of several characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(['{"name": "yes", "value": 12} no yes 0123456789 ' * 50], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    return str(folder)
+
+
+def test_a_hugging_face_tokenizers_grammar_rows_decode_to_matching_text(tmp_path):
+    tokenizer = load_tokenizer(_bpe_folder(tmp_path))
+    compiler = GrammarCompiler(tokenizer, GRAMMAR_VOCAB)  # logits wider than the table
+    spec = GrammarSpec("regex", '(yes|no) [0-9]{1,3}', "guided_regex")
+    requests = [_grammar_request(spec, compiler, seed) for seed in range(8)]
+    for request in requests:
+        request.eos_token_ids = tokenizer.eos_token_ids
+    _run_to_stop(requests)
+    multi = 0
+    for request in requests:
+        *text, eos = request.token_ids[1:]
+        assert eos in tokenizer.eos_token_ids
+        assert re.fullmatch("(yes|no) [0-9]{1,3}", tokenizer.decode(text)), text
+        multi += any(len(tokenizer.decode([t])) > 1 for t in text)
+    assert multi  # the BPE's multi-character tokens were used, not bytes only

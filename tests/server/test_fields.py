@@ -100,7 +100,7 @@ def test_an_unknown_field_is_refused_by_name(server):
 
 def test_a_refused_field_through_the_openai_client(server):
     openai = pytest.importorskip("openai")
-    with pytest.raises(openai.BadRequestError, match="response_format"):
+    with pytest.raises(openai.BadRequestError, match="functions"):
         server.openai().chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}],
-            response_format={"type": "json_object"})
+            functions=[{"name": "f", "parameters": {"type": "object"}}])
