@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pdserve.transfer.links import Endpoint, LinkError, read_frame, write_frame
+from pdserve.transfer.links import Endpoint, LinkError, device_index, read_frame, write_frame
 from pdserve.transfer.tcp import DTYPE_NAMES, layout_from_json, layout_of
 from pdserve.transfer.transport import KVLayout, TransferStats
 
@@ -58,7 +58,7 @@ def share_message(transfer_id: str, buffer: torch.Tensor) -> dict[str, Any]:
      event_sync) = buffer.untyped_storage()._share_cuda_()
     layout = layout_of(buffer)
     return {"transfer_id": transfer_id, "gpu": str(torch.cuda.get_device_properties(
-                buffer.device).uuid),
+                device_index(buffer.device)).uuid),
             "layout": {"num_layers": layout.num_layers, "num_tokens": layout.num_tokens,
                        "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
                        "dtype": DTYPE_NAMES[layout.dtype]},

@@ -136,7 +136,12 @@ def backend_available(device: str) -> bool:
 
 
 def _gpu_uuid(device: torch.device) -> str:
-    return str(torch.cuda.get_device_properties(device).uuid)
+    return str(torch.cuda.get_device_properties(device_index(device)).uuid)
+
+
+def device_index(device: torch.device) -> int:
+    """``cuda`` without an index is the current device (device queries need the index)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _visible_gpus() -> dict[str, int]:
