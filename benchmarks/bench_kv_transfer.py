@@ -53,7 +53,12 @@ from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.cache.kv_pool import allocate_kv_pool  # noqa: E402
 from pdserve.model.arch import PRESETS  # noqa: E402
 from pdserve.transfer import gather_blocks, scatter_blocks  # noqa: E402
-from pdserve.transfer.links import KVSender, LinkServer, local_endpoint  # noqa: E402
+from pdserve.transfer.links import (  # noqa: E402
+    KVSender,
+    LinkServer,
+    device_index,
+    local_endpoint,
+)
 from pdserve.transfer.tcp import TcpKVReceiver, TcpKVSender  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -181,7 +186,7 @@ def sender_child(pipe, transport, address, args, num_tokens, variant, rounds) ->
     """Builds the same seeded source pool, then sends it once per signal."""
     device = torch.device(args.peer_device or args.device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device_index(device))
     source, src_pages, _, _ = make_pools(PRESETS[args.model], num_tokens, device,
                                          getattr(torch, args.dtype))
     sender = KVSender(local_endpoint(transport, device))
