@@ -101,3 +101,19 @@ def test_a_fleet_wide_split_changes_the_roles_not_the_traffic():
     assert [s.num_prefill for s in fixed.scenarios] == \
         [round(0.3 * (s.num_prefill + s.num_decode)) for s in fixed.scenarios]
     assert [s.num_prefill for s in fixed.scenarios] != [s.num_prefill for s in ideal.scenarios]
+
+
+@pytest.mark.parametrize("dispatch", ["on-demand", "least-connections", "round-robin"])
+def test_kept_offer_orders_match_the_gateways_sort_on_every_request(dispatch):
+    """The simulator keeps each gateway's offer order as loads change instead of calling
+    ``order_prefill`` per request; checked against it on every request, through role moves
+    and several gateways."""
+    plan = plan_fleet(MODEL, LENGTHS, num_instances=60, num_scenarios=4, period_s=60.0,
+                      peak_load=1.2)
+    fleet = FleetSim(plan, MODEL, LENGTHS, dispatch=dispatch, num_gateways=3,
+                     ratio=RatioConfig(min_requests=5, cooldown_s=5.0))
+    for group in fleet.groups:
+        group.verify_order = True
+    summary = fleet.run(60.0)
+    assert summary["requests"] > 1000
+    assert sum(len(g.moves) for g in fleet.groups) > 0  # orders rebuilt after moves too
