@@ -197,8 +197,7 @@ class LoadOrder:
         levels = self._levels
         while self._low < len(levels) - 1 and not levels[self._low]:
             self._low += 1
-        for level in levels[self._low:]:
-            yield from level
+        return itertools.chain.from_iterable(levels[self._low:])
 
 
 class GatewaySim:
