@@ -129,6 +129,37 @@ class Multiplexing:
         return cls(decode, prefill)
 
 
+class ServiceNoise:
+    """The measured spread of service times, as ratios of each measured time to the median
+    of its own point (prefill: one prompt length; decode: one batch and context). A prompt
+    takes the model's time times a ratio drawn at random. Step ``n`` of a decode
+    instance's busy period takes the model's step times the ``n``-th of a sequence of
+    ratios drawn once; their running sums keep ``DecodeSim``'s jumps exact."""
+
+    def __init__(self, prefill_ratios: list[float], decode_ratios: list[float],
+                 seed: int = 0, steps: int = 1 << 20) -> None:
+        self._rng = np.random.default_rng(seed)
+        self._prefill = np.asarray(prefill_ratios, dtype=float)
+        factors = self._rng.choice(np.asarray(decode_ratios, dtype=float), steps)
+        self._sum = np.concatenate(([0.0], np.cumsum(factors)))
+        self._weighted = np.concatenate(([0.0], np.cumsum(np.arange(steps) * factors)))
+
+    def prefill_factor(self) -> float:
+        return float(self._rng.choice(self._prefill))
+
+    def start(self) -> int:
+        """Where a busy period starts in the drawn sequence: anywhere in its first half."""
+        return int(self._rng.integers(0, (len(self._sum) - 1) // 2))
+
+    def span(self, first: int, end: int) -> tuple[float, float]:
+        """Over steps ``first <= n < end``: the sum of their ratios and of ``(n - first)``
+        times their ratios (a stretch's ``a`` and ``b`` multiply these)."""
+        if end >= len(self._sum):
+            raise ValueError("a decode busy period outran the drawn step ratios")
+        total = float(self._sum[end] - self._sum[first])
+        return total, float(self._weighted[end] - self._weighted[first]) - first * total
+
+
 @dataclass(slots=True)
 class SimRequest:
     arrival: float
@@ -266,6 +297,7 @@ class PrefillSim:
         self.busy = False
         self.partner: DecodeSim | None = None  # the decode side of a multiplexing instance
         self.multiplexing: Multiplexing | None = None
+        self.noise: ServiceNoise | None = None
 
     def idle(self) -> bool:
         return not (self.busy or self.queue)
@@ -284,6 +316,8 @@ class PrefillSim:
         job = self.queue.popleft()
         self.busy = True
         service = self.model.prefill_s(job[0].input_len)
+        if self.noise is not None:
+            service *= self.noise.prefill_factor()
         if self.partner is not None:
             if self.partner.running:
                 service *= self.multiplexing.prefill_slowdown
@@ -332,6 +366,8 @@ class DecodeSim:
         self.partner: PrefillSim | None = None  # the prefill side of a multiplexing instance
         self.multiplexing: Multiplexing | None = None
         self._slowdown = 1.0  # of the current stretch
+        self.noise: ServiceNoise | None = None
+        self._noise_at = 0  # the busy period's step 0 in the noise's drawn sequence
 
     def idle(self) -> bool:
         return not (self.running or self.waiting)
@@ -339,6 +375,8 @@ class DecodeSim:
     def receive(self, request: SimRequest) -> None:
         self.waiting.append(request)
         if not self.running:
+            if self.noise is not None:
+                self._noise_at = self.noise.start()
             self._begin_stretch(0)
             self._admit()
             self._schedule(self._next_finish())
@@ -405,10 +443,16 @@ class DecodeSim:
     def _time_of(self, step: int) -> float:
         a, b = self._stretch()
         k = step - self._step
+        if self.noise is not None:
+            total, weighted = self.noise.span(self._noise_at + self._step,
+                                              self._noise_at + step)
+            return self._since + a * total + b * weighted
         return self._since + k * a + b * k * (k - 1) / 2
 
     def _steps_done(self, now: float) -> int:
         """Whole steps of the current stretch done by ``now`` (plus the steps before it)."""
+        if self.noise is not None:
+            return self._noisy_steps_done(now)
         a, b = self._stretch()
         elapsed = now - self._since
         if b > 0:
@@ -421,6 +465,19 @@ class DecodeSim:
         while self._time_of(self._step + k + 1) <= now:
             k += 1
         return self._step + k
+
+    def _noisy_steps_done(self, now: float) -> int:
+        """As ``_steps_done``, by bisection: no closed form inverts the noisy sums."""
+        low, high = 0, 1
+        while self._time_of(self._step + high) <= now:
+            low, high = high, high * 2
+        while high - low > 1:  # time_of(step + low) <= now < time_of(step + high)
+            middle = (low + high) // 2
+            if self._time_of(self._step + middle) <= now:
+                low = middle
+            else:
+                high = middle
+        return self._step + low
 
     def _next_finish(self) -> int | None:
         return self.running[0][0] if self.running else None
@@ -476,6 +533,7 @@ class GroupSim:
     on_answer: Callable[[GroupSim, SimRequest], None] | None = None
     multiplexing: Multiplexing | None = None  # every instance prefills and decodes itself
     verify_order: bool = False  # check each offer order against the gateway's own
+    noise: ServiceNoise | None = None  # measured spread of service times; None: medians
 
     def __post_init__(self) -> None:
         if self.dispatch not in DISPATCH:
@@ -488,6 +546,8 @@ class GroupSim:
         self.decode = {n: DecodeSim(n, self.loop, self.model, self._finished) for n in names}
         self.roles = {n: "prefill" if i < self.num_prefill else "decode"
                       for i, n in enumerate(names)}
+        for sim in (*self.prefill.values(), *self.decode.values()):
+            sim.noise = self.noise
         if self.multiplexing is not None:
             self._pair(names)
         for gateway in self.gateways:  # a zero entry is a plain dict hit, not Counter.__missing__
