@@ -248,6 +248,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-batches", type=ints, default=[1, 8, 32])
     parser.add_argument("--decode-contexts", type=ints, default=[2048])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-steps", type=int, default=64,
+                        help="Tokens per calibration stream (the first and last 8 untimed).")
     parser.add_argument("--trace", default=str(WINDOW_TRACE))
     parser.add_argument("--window-start-s", type=float, default=0.0)
     parser.add_argument("--window-s", type=float, default=600.0)

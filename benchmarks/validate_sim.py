@@ -39,6 +39,7 @@ from pdserve.sim.cluster import GroupSim, LatencyModel, ServiceNoise, SimRequest
 from pdserve.testing import ServeProcess, free_port, start_serve  # noqa: E402
 
 VOCAB = 250  # token ids below the tiny model's special tokens
+STEP_WINDOW = 4
 
 
 def start_instance(args) -> ServeProcess:
@@ -80,8 +81,11 @@ async def measure_prefill(session, url: str, args, rng) -> tuple[list[dict], lis
 
 
 async def measure_decode(session, url: str, args, rng) -> tuple[list[dict], list[float]]:
-    """Median step per batch and context, and every step over its point's median."""
-    points, ratios, steps = [], [], 48
+    """Median step per batch and context, and every timed step over its point's median.
+    A step is timed over ``STEP_WINDOW`` tokens: a client that reads several chunks at
+    once (descheduled a moment) would otherwise time single steps near zero beside one
+    long one."""
+    points, ratios, steps = [], [], args.decode_steps
     for context in args.decode_contexts:
         for batch in args.decode_batches:
             body = {"model": args.model, "max_tokens": steps, "ignore_eos": True}
@@ -89,11 +93,12 @@ async def measure_decode(session, url: str, args, rng) -> tuple[list[dict], list
                                                                 "prompt": prompt(rng, context)})
                                           for _ in range(batch)))
             # Steady state: every request past its prefill and none yet finished.
-            gaps = np.concatenate([np.diff(t[8:steps - 8]) for t in runs])
-            median = float(np.median(gaps))
+            timed = np.concatenate([np.diff(t[8:steps - 8][::STEP_WINDOW]) / STEP_WINDOW
+                                    for t in runs])
+            median = float(np.median(timed))
             points.append({"batch": batch, "context": context + steps // 2,
                            "step_ms": median * 1e3})
-            ratios += (gaps / median).tolist()
+            ratios += (timed / median).tolist()
     return points, ratios
 
 
@@ -219,6 +224,8 @@ def main() -> int:
                         "overstated the small ones.")
     parser.add_argument("--decode-contexts", type=ints, default=[64, 1024])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode-steps", type=int, default=128,
+                        help="Tokens per calibration stream (the first and last 8 untimed).")
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--rate", type=float, default=0.5, help="Requests a second.")
     parser.add_argument("--min-output", type=int, default=16)

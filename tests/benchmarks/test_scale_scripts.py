@@ -66,7 +66,7 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
                   out=tmp_path / "validation.json")
     assert result["kind"] == "validation"
     assert len(result["service_points"]["prefill"]) == 2
-    assert result["service_spread"]["decode_step"]["samples"] >= 10
+    assert result["service_spread"]["decode_step"]["samples"] >= 4
     for key in ("ttft_s", "tpot_s"):
         row = result["compare"][key]
         for side in ("measured", "simulated", "simulated_medians_only"):
