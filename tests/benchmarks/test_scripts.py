@@ -59,3 +59,17 @@ def test_gpu_test_record_keeps_every_case_and_outcome(tmp_path, monkeypatch):
         ("tests.ops.test_a::test_ok", "passed"), ("tests.ops.test_a::test_bad", "failed"),
         ("tests.server.test_e2e::test_skip", "skipped")]
     assert run["summary"].startswith("1 failed, 1 passed, 1 skipped")
+
+
+def test_validation_plot_draws_measured_beside_each_simulation(tmp_path):
+    pytest.importorskip("matplotlib")
+    plots = _load("plot_sim_fleet")
+    sides = {side: {"p50": 0.1, "p99": 0.3} for side in plots.SIDES}
+    run = {"compare": {"ttft_s": sides, "tpot_s": sides}}
+    for name, result in (("group", {"kind": "validation", **run}),
+                         ("instance", {"kind": "validation",
+                                       "schedules": {"chunk512": run, "multiplex": run}})):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(result))
+        out = plots.plot(path, tmp_path)
+        assert out.name == f"{name}.png" and out.stat().st_size > 1000
