@@ -24,7 +24,8 @@ For each schedule (``--schedules``: chunked prefill with 512-token steps, PD-mul
 
 The default trace is the first 600 s of the public trace (FAST'25 Mooncake,
 ``conversation_trace.jsonl``, github.com/kvcache-ai/Mooncake), kept in the repository.
-On an H200 (about 7 minutes: two model loads of codellama-34b and two 60 s replays)::
+On an H200 (about 5-7 minutes by estimate: two starts of codellama-34b, two 60 s
+replays)::
 
     PYTHONPATH=$PWD python benchmarks/sim_validate_instance.py --out /tmp/validation
 
