@@ -1,5 +1,7 @@
 """Plots of ``sim_fleet.py`` results (simulated): per comparison, the share of requests
 within the TTFT SLO minute by minute, one line per configuration, and the whole run's.
+A validation result (``validate_sim.py``, ``sim_validate_instance.py``) is drawn as
+measured against simulated P50 / P99 of TTFT and TPOT.
 
     python benchmarks/plot_sim_fleet.py benchmarks/results/sim_fleet_*.json \\
         --out-dir benchmarks/results/plots/sim_fleet
@@ -31,6 +33,8 @@ def plot(path: Path, out_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     result = json.loads(path.read_text())
+    if result.get("kind") == "validation":
+        return plot_validation(plt, result, path, out_dir)
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for row in result["rows"]:
         minutes = [m for m, requests, _ in row["by_minute"] if requests]
@@ -42,6 +46,31 @@ def plot(path: Path, out_dir: Path) -> Path:
     ax.set_title(f"Simulated: {result['num_instances']} instances, "
                  f"{result['rows'][0]['scenarios']} scenarios, {path.stem}", fontsize=9)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = out_dir / f"{path.stem}.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+SIDES = {"measured": "measured", "simulated": "simulated, measured spread",
+         "simulated_medians_only": "simulated, medians only"}
+
+
+def plot_validation(plt, result: dict, path: Path, out_dir: Path) -> Path:
+    """One panel per run and metric: P50 and P99, measured beside each simulation."""
+    runs = result.get("schedules") or {"P/D group": result}
+    fig, axes = plt.subplots(len(runs), 2, figsize=(8, 2.8 * len(runs)), squeeze=False)
+    for row, (name, run) in zip(axes, runs.items(), strict=True):
+        for ax, key in zip(row, ("ttft_s", "tpot_s"), strict=True):
+            table = run["compare"][key]
+            for i, side in enumerate(SIDES):
+                values = [table[side][q] * 1e3 for q in ("p50", "p99")]
+                ax.bar([x + 0.27 * (i - 1) for x in (0, 1)], values, 0.27, label=SIDES[side])
+            ax.set_xticks([0, 1], ["P50", "P99"])
+            ax.set_ylabel(f"{key[:-2].upper()} (ms)")
+            ax.set_title(f"{name}: measured against simulated", fontsize=9)
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     out = out_dir / f"{path.stem}.png"
     fig.savefig(out, dpi=110)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,14 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.cluster.registry import Instance, ZooKeeperRegistry  # noqa: E402
-from tests.cluster.conftest import (  # noqa: E402
-    ZOOKEEPER_JAR,
-    _free_port,
-    _server_command,
-    _stop,
-    _wait_until_serving,
-    _write_config,
-)
+from pdserve.cluster.zk_local import find_java, start_standalone  # noqa: E402
+from pdserve.cluster.zk_local import stop as stop_server  # noqa: E402
 
 PROBE_SCENARIO = "probe"
 
@@ -53,18 +46,10 @@ def instance(index: int, num_scenarios: int, role: str | None = None) -> Instanc
 
 
 def start_zookeeper(workdir: Path) -> tuple[subprocess.Popen, str]:
-    java = shutil.which("java")
-    if java is None or not ZOOKEEPER_JAR.exists():
+    java = find_java()
+    if java is None:
         raise SystemExit("needs java and Debian's zookeeper package")
-    port = _free_port()
-    config = _write_config(workdir, port)
-    log = workdir / "server.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(_server_command(java, config, workdir),
-                                   stdin=subprocess.DEVNULL, stdout=out,
-                                   stderr=subprocess.STDOUT)
-    _wait_until_serving(process, port, log)
-    return process, f"127.0.0.1:{port}"
+    return start_standalone(java, workdir)
 
 
 def rss_mib(pid: int) -> float:
@@ -189,7 +174,7 @@ def main() -> int:
             result = measure(args, hosts, zookeeper.pid, stop)
         finally:
             stop.set()
-            _stop(zookeeper)
+            stop_server(zookeeper)
     config = {k: v for k, v in vars(args).items() if k != "out"}
     config["zookeeper_command"] = "java -Xmx256m -XX:+UseSerialGC (standalone, one server)"
     report = {**result_header(config), "kind": "measured",

@@ -25,9 +25,7 @@ import argparse
 import asyncio
 import os
 import shlex
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,20 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
-from pdserve.sim.cluster import GroupSim, LatencyModel, SimRequest  # noqa: E402
-from tests.server.conftest import Server, free_port, wait_healthy  # noqa: E402
+from pdserve.sim.cluster import GroupSim, LatencyModel, ServiceNoise, SimRequest  # noqa: E402
+from pdserve.testing import ServeProcess, free_port, start_serve  # noqa: E402
 
 VOCAB = 250  # token ids below the tiny model's special tokens
+STEP_WINDOW = 4
 
 
-def start_instance(args) -> Server:
-    port = free_port()
-    cmd = [sys.executable, "-m", "pdserve", "serve", args.model, "--host", "127.0.0.1",
-           "--port", str(port), "--kv-transfer-port", "0", *shlex.split(args.serve_args)]
-    log = tempfile.TemporaryFile()
-    server = Server(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), port, None, log)
-    wait_healthy(server)
-    return server
+def start_instance(args) -> ServeProcess:
+    return start_serve(args.model, "--kv-transfer-port", "0", *shlex.split(args.serve_args))
 
 
 def prompt(rng: np.random.Generator, tokens: int) -> list[int]:
@@ -69,8 +62,10 @@ async def stream(session, url: str, body: dict) -> list[float]:
     return times
 
 
-async def measure_prefill(session, url: str, args, rng) -> list[dict]:
-    points = []
+async def measure_prefill(session, url: str, args, rng) -> tuple[list[dict], list[float]]:
+    """Median latency per prompt length, and every sample over its length's median (the
+    spread the simulator draws from)."""
+    points, ratios = [], []
     for tokens in args.prompt_lens:
         seconds = []
         for _ in range(args.repeats):
@@ -79,12 +74,18 @@ async def measure_prefill(session, url: str, args, rng) -> list[dict]:
             async with session.post(url, json=body) as resp:
                 await resp.read()
             seconds.append(time.monotonic() - start)
-        points.append({"tokens": tokens, "seconds": float(np.median(seconds))})
-    return points
+        median = float(np.median(seconds))
+        points.append({"tokens": tokens, "seconds": median})
+        ratios += [x / median for x in seconds]
+    return points, ratios
 
 
-async def measure_decode(session, url: str, args, rng) -> list[dict]:
-    points, steps = [], 48
+async def measure_decode(session, url: str, args, rng) -> tuple[list[dict], list[float]]:
+    """Median step per batch and context, and every timed step over its point's median.
+    A step is timed over ``STEP_WINDOW`` tokens: a client that reads several chunks at
+    once (descheduled a moment) would otherwise time single steps near zero beside one
+    long one."""
+    points, ratios, steps = [], [], args.decode_steps
     for context in args.decode_contexts:
         for batch in args.decode_batches:
             body = {"model": args.model, "max_tokens": steps, "ignore_eos": True}
@@ -92,10 +93,13 @@ async def measure_decode(session, url: str, args, rng) -> list[dict]:
                                                                 "prompt": prompt(rng, context)})
                                           for _ in range(batch)))
             # Steady state: every request past its prefill and none yet finished.
-            gaps = np.concatenate([np.diff(t[8:steps - 8]) for t in runs])
+            timed = np.concatenate([np.diff(t[8:steps - 8][::STEP_WINDOW]) / STEP_WINDOW
+                                    for t in runs])
+            median = float(np.median(timed))
             points.append({"batch": batch, "context": context + steps // 2,
-                           "step_ms": float(np.median(gaps)) * 1e3})
-    return points
+                           "step_ms": median * 1e3})
+            ratios += (timed / median).tolist()
+    return points, ratios
 
 
 def workload(args, rng) -> list[SimRequest]:
@@ -123,8 +127,10 @@ def percentiles(rows: list[dict], key: str) -> dict:
     return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
 
 
-def simulate(model: LatencyModel, requests: list[SimRequest], args) -> list[dict]:
-    sim = GroupSim(model, 1, 1, ttft_slo_s=args.ttft_slo_s, max_wait_s=args.max_wait_s)
+def simulate(model: LatencyModel, requests: list[SimRequest], args,
+             noise: ServiceNoise | None = None) -> list[dict]:
+    sim = GroupSim(model, 1, 1, ttft_slo_s=args.ttft_slo_s, max_wait_s=args.max_wait_s,
+                   noise=noise)
     fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
     return [{"ttft_s": r.first_token - r.arrival,
              "tpot_s": (r.finished - r.first_token) / (r.output_len - 1)}
@@ -143,10 +149,10 @@ async def run(args) -> dict:
     rng = np.random.default_rng(args.seed)
     try:
         async with ClientSession(timeout=ClientTimeout(total=None)) as session:
-            prefill_points = await measure_prefill(session, prefill.url + "/v1/completions",
-                                                   args, rng)
-            decode_points = await measure_decode(session, decode.url + "/v1/completions",
-                                                 args, rng)
+            prefill_points, prefill_ratios = await measure_prefill(
+                session, prefill.url + "/v1/completions", args, rng)
+            decode_points, decode_ratios = await measure_decode(
+                session, decode.url + "/v1/completions", args, rng)
             model = LatencyModel.fit(prefill_points, decode_points,
                                      kv_bytes_per_token(args.model),
                                      link_gb_per_s=args.link_gb_per_s,
@@ -170,17 +176,37 @@ async def run(args) -> dict:
                 await stop_gateway(*gateway)
     finally:
         for server in (prefill, decode):
-            server.process.terminate()
-            server.process.wait()
+            server.stop()
     load_average["replayed"] = os.getloadavg()[0]
-    simulated = simulate(model, requests, args)
+    noise = ServiceNoise(prefill_ratios, decode_ratios, seed=args.seed)
+    simulated = {"simulated": simulate(model, requests, args, noise),
+                 "simulated_medians_only": simulate(model, requests, args)}
     prefill_busy = sum(model.prefill_s(r.input_len) for r in requests) / requests[-1].arrival
     return {"service_points": {"prefill": prefill_points, "decode": decode_points},
+            "service_spread": {"prefill": spread(prefill_ratios),
+                               "decode_step": spread(decode_ratios)},
             "latency_model": model.__dict__, "prefill_utilisation": prefill_busy,
             "host_load_average_1min": load_average,  # other work on the cores skews both
-            "compare": {key: {"measured": percentiles(measured, key),
-                              "simulated": percentiles(simulated, key)}
-                        for key in ("ttft_s", "tpot_s")}}
+            "compare": compare(measured, simulated)}
+
+
+def spread(ratios: list[float]) -> dict:
+    """Measured times over their point's median: what the simulator draws from."""
+    return {"samples": len(ratios), **{f"p{q}": float(np.percentile(ratios, q))
+                                       for q in (1, 50, 90, 99)}}
+
+
+def compare(measured: list[dict], simulated: dict[str, list[dict]]) -> dict:
+    """Per metric: measured and each simulation's P50 / P99, and the simulation's error."""
+    table = {}
+    for key in ("ttft_s", "tpot_s"):
+        row = {"measured": percentiles(measured, key)}
+        for name, rows in simulated.items():
+            row[name] = percentiles(rows, key)
+            row[name + "_error"] = {q: row[name][q] / row["measured"][q] - 1
+                                    for q in ("p50", "p99")}
+        table[key] = row
+    return table
 
 
 def ints(text: str) -> list[int]:
@@ -193,9 +219,13 @@ def main() -> int:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--serve-args", default="--dtype float32 --device cpu")
     parser.add_argument("--prompt-lens", type=ints, default=[64, 256, 512, 1024])
-    parser.add_argument("--decode-batches", type=ints, default=[1, 4, 8])
+    parser.add_argument("--decode-batches", type=ints, default=[1, 2, 4],
+                        help="Where the replay runs: a line fitted through larger batches "
+                        "overstated the small ones.")
     parser.add_argument("--decode-contexts", type=ints, default=[64, 1024])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode-steps", type=int, default=128,
+                        help="Tokens per calibration stream (the first and last 8 untimed).")
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--rate", type=float, default=0.5, help="Requests a second.")
     parser.add_argument("--min-output", type=int, default=16)

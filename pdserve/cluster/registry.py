@@ -467,14 +467,19 @@ class ZooKeeperRegistry:
                                  instance.instance_id)
         logger.info("ZooKeeper session expired; re-registered %d instances", len(owned))
 
-    def _paths_on_server(self, instance_id: str) -> list[str]:
-        """Where ZooKeeper holds instance_id now (normally zero or one place)."""
-        scenarios = self._client.get_children(self._path("scenarios"))
-        candidates = [
-            self._path("scenarios", scenario, role, instance_id)
-            for scenario in scenarios
-            for role in ROLES
-        ]
+    def _paths_on_server(self, instance_id: str, scan: bool = True) -> list[str]:
+        """Where ZooKeeper holds instance_id now (normally zero or one place): every
+        scenario and role asked (two round trips per scenario), or with ``scan=False``
+        only the places the local cache shows it (it holds every instance znode)."""
+        if scan:
+            scenarios = self._client.get_children(self._path("scenarios"))
+            candidates = [
+                self._path("scenarios", scenario, role, instance_id)
+                for scenario in scenarios
+                for role in ROLES
+            ]
+        else:
+            candidates = [self._instance_path(i) for i in self._directory.find(instance_id)]
         pending = [self._client.exists_async(path) for path in candidates]
         found = zip(candidates, pending, strict=True)
         return [path for path, result in found if result.get() is not None]
@@ -489,9 +494,12 @@ class ZooKeeperRegistry:
         path = self._instance_path(instance)
         self._client.ensure_path(path.rsplit("/", 1)[0])
         failures: list[Exception] = []
-        for _ in range(_ANNOUNCE_ATTEMPTS):
+        for attempt in range(_ANNOUNCE_ATTEMPTS):
             transaction = self._client.transaction()
-            for old_path in self._paths_on_server(instance.instance_id):
+            # First where the cache shows the instance: a scan of every scenario made one
+            # register cost 400 round trips with 200 scenarios. A transaction that fails
+            # (the cache was behind) retries with the full scan.
+            for old_path in self._paths_on_server(instance.instance_id, scan=attempt > 0):
                 transaction.delete(old_path)
             transaction.create(path, instance.to_json(), ephemeral=True)
             failures = [r for r in transaction.commit() if isinstance(r, Exception)]

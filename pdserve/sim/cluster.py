@@ -19,12 +19,13 @@ A request is met when its TTFT is within the SLO; one the gateway gave up on aft
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import json
 import math
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -128,6 +129,37 @@ class Multiplexing:
         return cls(decode, prefill)
 
 
+class ServiceNoise:
+    """The measured spread of service times, as ratios of each measured time to the median
+    of its own point (prefill: one prompt length; decode: one batch and context). A prompt
+    takes the model's time times a ratio drawn at random. Step ``n`` of a decode
+    instance's busy period takes the model's step times the ``n``-th of a sequence of
+    ratios drawn once; their running sums keep ``DecodeSim``'s jumps exact."""
+
+    def __init__(self, prefill_ratios: list[float], decode_ratios: list[float],
+                 seed: int = 0, steps: int = 1 << 20) -> None:
+        self._rng = np.random.default_rng(seed)
+        self._prefill = np.asarray(prefill_ratios, dtype=float)
+        factors = self._rng.choice(np.asarray(decode_ratios, dtype=float), steps)
+        self._sum = np.concatenate(([0.0], np.cumsum(factors)))
+        self._weighted = np.concatenate(([0.0], np.cumsum(np.arange(steps) * factors)))
+
+    def prefill_factor(self) -> float:
+        return float(self._rng.choice(self._prefill))
+
+    def start(self) -> int:
+        """Where a busy period starts in the drawn sequence: anywhere in its first half."""
+        return int(self._rng.integers(0, (len(self._sum) - 1) // 2))
+
+    def span(self, first: int, end: int) -> tuple[float, float]:
+        """Over steps ``first <= n < end``: the sum of their ratios and of ``(n - first)``
+        times their ratios (a stretch's ``a`` and ``b`` multiply these)."""
+        if end >= len(self._sum):
+            raise ValueError("a decode busy period outran the drawn step ratios")
+        total = float(self._sum[end] - self._sum[first])
+        return total, float(self._weighted[end] - self._weighted[first]) - first * total
+
+
 @dataclass(slots=True)
 class SimRequest:
     arrival: float
@@ -163,6 +195,40 @@ class EventLoop:
                 action()
             else:
                 action(arg)
+
+
+class LoadOrder:
+    """One gateway's instances of one role in a group, in its offer order - fewest in
+    flight from that gateway first, ties by name, the order ``order_prefill`` sorts them
+    in - kept as a load moves by one instead of sorted again per request: a sorted list of
+    names per load. Sorting every request's candidates was the fleet's largest cost.
+    ``GroupSim(verify_order=True)`` checks it against ``order_prefill`` on every request."""
+
+    def __init__(self, loads: dict[str, int]) -> None:
+        self._load = dict(loads)
+        self._levels: list[list[str]] = [[] for _ in range(max(loads.values(), default=0) + 1)]
+        for name in sorted(loads):
+            self._levels[loads[name]].append(name)
+        self._low = 0  # no name has a lower load
+
+    def shift(self, name: str, delta: int) -> None:
+        load = self._load.get(name)
+        if load is None:
+            return  # it is leaving this role: no longer offered
+        level = self._levels[load]
+        del level[bisect.bisect_left(level, name)]
+        load += delta
+        self._load[name] = load
+        if load == len(self._levels):
+            self._levels.append([])
+        bisect.insort(self._levels[load], name)
+        self._low = min(self._low, load)
+
+    def __iter__(self) -> Iterator[str]:
+        levels = self._levels
+        while self._low < len(levels) - 1 and not levels[self._low]:
+            self._low += 1
+        return itertools.chain.from_iterable(levels[self._low:])
 
 
 class GatewaySim:
@@ -231,6 +297,7 @@ class PrefillSim:
         self.busy = False
         self.partner: DecodeSim | None = None  # the decode side of a multiplexing instance
         self.multiplexing: Multiplexing | None = None
+        self.noise: ServiceNoise | None = None
 
     def idle(self) -> bool:
         return not (self.busy or self.queue)
@@ -249,6 +316,8 @@ class PrefillSim:
         job = self.queue.popleft()
         self.busy = True
         service = self.model.prefill_s(job[0].input_len)
+        if self.noise is not None:
+            service *= self.noise.prefill_factor()
         if self.partner is not None:
             if self.partner.running:
                 service *= self.multiplexing.prefill_slowdown
@@ -297,6 +366,8 @@ class DecodeSim:
         self.partner: PrefillSim | None = None  # the prefill side of a multiplexing instance
         self.multiplexing: Multiplexing | None = None
         self._slowdown = 1.0  # of the current stretch
+        self.noise: ServiceNoise | None = None
+        self._noise_at = 0  # the busy period's step 0 in the noise's drawn sequence
 
     def idle(self) -> bool:
         return not (self.running or self.waiting)
@@ -304,11 +375,38 @@ class DecodeSim:
     def receive(self, request: SimRequest) -> None:
         self.waiting.append(request)
         if not self.running:
+            if self.noise is not None:
+                self._noise_at = self.noise.start()
             self._begin_stretch(0)
             self._admit()
             self._schedule(self._next_finish())
         elif len(self.waiting) == 1 and self._fits(request):
-            self._schedule(self._steps_done(self.loop.now) + 1)
+            boundary = self._next_boundary()
+            if self._can_join_now(boundary):
+                self._join_at(boundary)
+            else:
+                self._schedule(boundary)
+
+    def _next_boundary(self) -> int:
+        if self.loop.now < self._since:  # a newcomer already joins at that future boundary
+            return self._step
+        return self._steps_done(self.loop.now) + 1
+
+    def _can_join_now(self, step: int) -> bool:
+        """Nothing changes the batch before ``step`` (no request ends by then, no prefill
+        beside it resyncs it), so the newcomer can be admitted now, from that step."""
+        return (self.partner is None and self.running[0][0] > step
+                and (self._sync_step is None or self._sync_step > step))
+
+    def _join_at(self, step: int) -> None:
+        """Admits the waiting newcomer from step boundary ``step`` without an event there:
+        the boundary's time is exact, and only the next finish needs scheduling again."""
+        self._since = self._time_of(step)  # with the batch before the newcomer
+        self._step = step
+        self._admit()
+        self._version += 1  # the finish scheduled for the old batch is stale
+        self._sync_step = None
+        self._schedule(self._next_finish())
 
     def _fits(self, request: SimRequest) -> bool:
         need = request.input_len + request.output_len
@@ -345,10 +443,16 @@ class DecodeSim:
     def _time_of(self, step: int) -> float:
         a, b = self._stretch()
         k = step - self._step
+        if self.noise is not None:
+            total, weighted = self.noise.span(self._noise_at + self._step,
+                                              self._noise_at + step)
+            return self._since + a * total + b * weighted
         return self._since + k * a + b * k * (k - 1) / 2
 
     def _steps_done(self, now: float) -> int:
         """Whole steps of the current stretch done by ``now`` (plus the steps before it)."""
+        if self.noise is not None:
+            return self._noisy_steps_done(now)
         a, b = self._stretch()
         elapsed = now - self._since
         if b > 0:
@@ -361,6 +465,19 @@ class DecodeSim:
         while self._time_of(self._step + k + 1) <= now:
             k += 1
         return self._step + k
+
+    def _noisy_steps_done(self, now: float) -> int:
+        """As ``_steps_done``, by bisection: no closed form inverts the noisy sums."""
+        low, high = 0, 1
+        while self._time_of(self._step + high) <= now:
+            low, high = high, high * 2
+        while high - low > 1:  # time_of(step + low) <= now < time_of(step + high)
+            middle = (low + high) // 2
+            if self._time_of(self._step + middle) <= now:
+                low = middle
+            else:
+                high = middle
+        return self._step + low
 
     def _next_finish(self) -> int | None:
         return self.running[0][0] if self.running else None
@@ -415,6 +532,8 @@ class GroupSim:
     name: str = "sim"
     on_answer: Callable[[GroupSim, SimRequest], None] | None = None
     multiplexing: Multiplexing | None = None  # every instance prefills and decodes itself
+    verify_order: bool = False  # check each offer order against the gateway's own
+    noise: ServiceNoise | None = None  # measured spread of service times; None: medians
 
     def __post_init__(self) -> None:
         if self.dispatch not in DISPATCH:
@@ -427,6 +546,8 @@ class GroupSim:
         self.decode = {n: DecodeSim(n, self.loop, self.model, self._finished) for n in names}
         self.roles = {n: "prefill" if i < self.num_prefill else "decode"
                       for i, n in enumerate(names)}
+        for sim in (*self.prefill.values(), *self.decode.values()):
+            sim.noise = self.noise
         if self.multiplexing is not None:
             self._pair(names)
         for gateway in self.gateways:  # a zero entry is a plain dict hit, not Counter.__missing__
@@ -436,7 +557,7 @@ class GroupSim:
         self.window = ScenarioWindow()
         self.moves: list[tuple[float, str, str]] = []
         self._active: dict[str, list] = {}  # role -> its active instances, rebuilt on a move
-        self._last_order: dict[str, list[Instance]] = {}  # gateway -> its last offer order
+        self._orders: dict[str, LoadOrder] = {}  # by gateway; rebuilt as _active
         self._open = 0  # requests in the group, not yet finished or given up on
         self.until = 0.0  # the ratio controller looks at least until then
         self._last_move = -1e9
@@ -476,13 +597,19 @@ class GroupSim:
                                                    for n in self.active("prefill")]
         return instances
 
-    def _candidates(self, gateway: GatewaySim) -> list[Instance]:
-        """The prefill instances, in the order this gateway last offered them when that is
-        by load: sorting by load again then finds them nearly sorted (a handful of
-        comparisons instead of n log n) and returns the same order, the sort key being
-        unique. A round-robin turn depends on the list's own order: it gets the plain one."""
-        last = self._last_order.get(gateway.name)
-        return last if last is not None else self._prefill_instances()
+    def _order(self, gateway: GatewaySim) -> LoadOrder:
+        order = self._orders.get(gateway.name)
+        if order is None:
+            order = LoadOrder({n: gateway.load[n] for n in self.active("prefill")})
+            self._orders[gateway.name] = order
+        return order
+
+    def _count(self, gateway: GatewaySim, name: str, delta: int) -> None:
+        """A prefill placed on (1) or ended on (-1) ``name``, as ``gateway`` counts it."""
+        gateway.load[name] += delta
+        order = self._orders.get(gateway.name)
+        if order is not None:
+            order.shift(name, delta)
 
     def _decode_names(self) -> list[str]:
         """Sorted, so that ``min`` by load alone breaks ties by name, as the gateway does."""
@@ -490,6 +617,18 @@ class GroupSim:
         if names is None:
             names = self._active["decode"] = sorted(self.active("decode"))
         return names
+
+    def _offer_order(self, gateway: GatewaySim) -> Iterator[str]:
+        if self.dispatch == "round-robin":
+            return (i.instance_id for i in order_prefill(self._prefill_instances(),
+                                                         self.dispatch, gateway.load,
+                                                         gateway.turn))
+        order = self._order(gateway)
+        if self.verify_order:
+            expected = order_prefill(self._prefill_instances(), self.dispatch, gateway.load,
+                                     gateway.turn)
+            assert list(order) == [i.instance_id for i in expected], "offer order differs"
+        return iter(order)
 
     def arrive(self, request: SimRequest) -> None:
         self._open += 1
@@ -502,16 +641,12 @@ class GroupSim:
     def _try(self, request: SimRequest) -> None:
         gateway = request.gateway
         gateway.turn += 1
-        order = order_prefill(self._candidates(gateway), self.dispatch, gateway.load,
-                              gateway.turn)
-        if self.dispatch != "round-robin":
-            self._last_order[gateway.name] = order
         first_round = request.offers == 0
         budget = self._budget_ms(request)
-        for instance in order:
+        for name in self._offer_order(gateway):
             request.offers += 1
-            if self.prefill[instance.instance_id].offer(request, budget):
-                gateway.load[instance.instance_id] += 1
+            if self.prefill[name].offer(request, budget):
+                self._count(gateway, name, 1)  # ends the order's iteration
                 return
         if first_round:
             self.window.refused_at_first()
@@ -539,13 +674,14 @@ class GroupSim:
     def _prefilled(self, prefill: PrefillSim, request: SimRequest) -> None:
         name = prefill.instance.instance_id
         gateway = request.gateway
-        gateway.load[name] -= 1
+        self._count(gateway, name, -1)
         self.window.prefill_ended()
         if self.multiplexing is not None:  # its KV is already where it decodes
             gateway.decode_load[name] += 1
             self.decode[name].receive(request)
         else:
-            # Counted from the pick, as the gateway does: KV still on the link counts too.
+            # The fewest placed on it, ties by name, as the gateway's ``_pick_decode``;
+            # counted from the pick: KV still on the link counts too.
             decode = self.decode[min(self._decode_names(),
                                      key=gateway.decode_load.__getitem__)]
             gateway.decode_load[decode.name] += 1
@@ -593,7 +729,7 @@ class GroupSim:
         name = min(donors, key=lambda n: (self._busy(n, role), n))
         self.draining[name] = role
         self._active.clear()
-        self._last_order.clear()
+        self._orders.clear()
         self.moves.append((self.loop.now, name, role))
         self._last_move = self.loop.now
         self.window.clear(self.loop.now)
@@ -614,7 +750,7 @@ class GroupSim:
             self.roles[name] = role
             del self.draining[name]
             self._active.clear()
-            self._last_order.clear()
+            self._orders.clear()
 
 
 def summarize(requests: list[SimRequest], ttft_slo_s: float) -> dict:

@@ -4,6 +4,7 @@ ZooKeeper (the scale script starts one, as the cluster tests do)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -65,6 +66,29 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
                   out=tmp_path / "validation.json")
     assert result["kind"] == "validation"
     assert len(result["service_points"]["prefill"]) == 2
+    assert result["service_spread"]["decode_step"]["samples"] >= 4
     for key in ("ttft_s", "tpot_s"):
-        for side in ("measured", "simulated"):
-            assert 0 < result["compare"][key][side]["p50"] <= result["compare"][key][side]["p99"]
+        row = result["compare"][key]
+        for side in ("measured", "simulated", "simulated_medians_only"):
+            assert 0 < row[side]["p50"] <= row[side]["p99"]
+        assert row["simulated_error"]["p50"] == pytest.approx(
+            row["simulated"]["p50"] / row["measured"]["p50"] - 1)
+
+
+def test_instance_validation_smoke_runs_both_schedules_end_to_end(tmp_path):
+    """The H200 command's own steps on the tiny model on CPU: two real instances, the
+    trace window replayed, both models simulated, one JSON under --out."""
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim_validate_instance.py"),
+                    "--smoke", "--out", str(out)], check=True, cwd=ROOT, timeout=900,
+                   env={**os.environ, "PDSERVE_GIT_REVISION": "abc123"})
+    result = json.loads((out / "sim_validate_instance.json").read_text())
+    assert result["kind"] == "validation" and result["git_revision"] == "abc123"
+    assert set(result["schedules"]) == {"chunk512", "multiplex"}
+    for name, run in result["schedules"].items():
+        assert run["workload"]["window_s"] == [0.0, 600.0] and run["workload"]["requests"] > 5
+        for key in ("ttft_s", "tpot_s"):
+            for side in ("measured", "simulated", "simulated_medians_only"):
+                assert 0 < run["compare"][key][side]["p50"] <= run["compare"][key][side]["p99"]
+        assert (out / f"{name}_server.log").stat().st_size > 0
+    assert result["schedules"]["multiplex"]["interference"]["steps_during"] > 0

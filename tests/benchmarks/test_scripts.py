@@ -87,3 +87,17 @@ def test_loogle_attainment_needs_both_slos():
                 {"ok": True, "ttft": 1.0, "e2e": 1.0 + 63 * 0.061},  # TPOT too slow
                 {"ok": False, "ttft": 0.0, "e2e": 0.0}]
     assert loogle.attainment(requests, output_len=64) == 0.25
+
+
+def test_validation_plot_draws_measured_beside_each_simulation(tmp_path):
+    pytest.importorskip("matplotlib")
+    plots = _load("plot_sim_fleet")
+    sides = {side: {"p50": 0.1, "p99": 0.3} for side in plots.SIDES}
+    run = {"compare": {"ttft_s": sides, "tpot_s": sides}}
+    for name, result in (("group", {"kind": "validation", **run}),
+                         ("instance", {"kind": "validation",
+                                       "schedules": {"chunk512": run, "multiplex": run}})):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(result))
+        out = plots.plot(path, tmp_path)
+        assert out.name == f"{name}.png" and out.stat().st_size > 1000

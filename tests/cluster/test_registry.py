@@ -88,6 +88,23 @@ def test_registering_with_another_role_or_scenario_moves_the_instance(connect: C
     assert reader.scenarios() == ["search"]
 
 
+def test_a_register_replaces_the_same_id_registered_by_another_client(
+        connect: Connect) -> None:
+    """A restarted instance (a new session) moves the znode its predecessor left, found
+    through its own cache of the registry rather than a scan of every scenario."""
+    old, new = connect(), connect()
+    for scenario in ("a", "b", "c"):
+        old.register(make_instance(f"other-{scenario}", scenario=scenario))
+    old.register(make_instance("i0", scenario="b"))
+    wait_until(lambda: new.instances("b", "prefill")[:1] == [make_instance("i0", "b")],
+               "the new client sees the old znode")
+    moved = make_instance("i0", scenario="c", role="decode")
+    new.register(moved)
+    assert [i.instance_id for i in new.instances("b", "prefill")] == ["other-b"]
+    wait_until(lambda: old.instances("c", "decode") == [moved], "the old client sees it")
+    assert [i.instance_id for i in old.instances("b", "prefill")] == ["other-b"]
+
+
 def test_unregister_removes_the_instance(connect: Connect) -> None:
     writer, reader = connect(), connect()
     keep, drop = make_instance("keep"), make_instance("drop", role="decode")

@@ -177,3 +177,12 @@ def test_multiplexing_slowdowns_from_a_multiplex_result(tmp_path):
         from pdserve.cluster.config import RatioConfig
 
         GroupSim(MODEL, 1, 1, multiplexing=mux, ratio=RatioConfig())
+
+
+def test_measured_spread_stretches_prefill_and_decode_times():
+    from pdserve.sim.cluster import ServiceNoise
+
+    noise = ServiceNoise(prefill_ratios=[2.0], decode_ratios=[3.0], steps=1 << 12)
+    (request,) = GroupSim(MODEL, 1, 1, noise=noise).run([SimRequest(0.0, 500, 5)])
+    assert request.first_token == pytest.approx(1.0)  # 500 ms of prefill, twice
+    assert request.finished == pytest.approx(1.0 + 0.5 + 4 * 0.03)  # steps of 10 ms, x3

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pdserve.cluster.config import RatioConfig
-from pdserve.sim.cluster import DecodeSim, EventLoop, LatencyModel, SimRequest
+from pdserve.sim.cluster import DecodeSim, EventLoop, LatencyModel, ServiceNoise, SimRequest
 from pdserve.sim.fleet import FleetPlan, FleetSim, Lengths, Scenario, plan_fleet
 
 MODEL = LatencyModel(1e-4, 1e-9, 0.015, 1e-4, 1e-7, kv_bytes_per_token=1000,
@@ -16,14 +16,15 @@ LENGTHS = Lengths(np.array([200, 1000, 3000, 500]), np.array([20, 50, 5, 100]))
 
 
 def _stepwise_finish_times(model: LatencyModel, arrivals: list[SimRequest],
-                           max_batch: int) -> list[float]:
+                           max_batch: int, ratio=lambda step: 1.0) -> list[float]:
     """Reference: continuous batching one step at a time (admit at each step's start, in
-    order, while the KV pool has room)."""
+    order, while the KV pool has room); step ``n`` of a busy period takes ``ratio(n)``
+    times the model's step."""
     pending = sorted(arrivals, key=lambda r: r.arrival)
-    waiting, running, now, done = [], [], 0.0, {}
+    waiting, running, now, done, step = [], [], 0.0, {}, 0
     while pending or waiting or running:
-        if not running and not waiting:
-            now = max(now, pending[0].arrival)
+        if not running and not waiting and pending[0].arrival > now:  # idle: a new period
+            now, step = pending[0].arrival, 0
         while pending and pending[0].arrival <= now:
             waiting.append(pending.pop(0))
         while waiting and len(running) < max_batch and (
@@ -32,7 +33,8 @@ def _stepwise_finish_times(model: LatencyModel, arrivals: list[SimRequest],
             request = waiting.pop(0)
             running.append((request, max(1, request.output_len - 1)))
         context = sum(r.input_len + r.output_len - left for r, left in running)
-        now += model.decode_step_s(len(running), context)
+        now += model.decode_step_s(len(running), context) * ratio(step)
+        step += 1
         running = [(r, left - 1) for r, left in running]
         for request, left in running:
             if left == 0:
@@ -41,19 +43,45 @@ def _stepwise_finish_times(model: LatencyModel, arrivals: list[SimRequest],
     return [done[id(r)] for r in arrivals]
 
 
-@pytest.mark.parametrize("max_batch", [4, 256])
-def test_decode_jumps_land_where_stepping_one_step_at_a_time_does(max_batch):
-    rng = np.random.default_rng(3)
-    requests = [SimRequest(float(t), int(i), int(o)) for t, i, o in
-                zip(np.sort(rng.uniform(0, 5, 60)), rng.integers(100, 4000, 60),
-                    rng.integers(1, 120, 60), strict=True)]
+def _decode_alone(requests: list[SimRequest], max_batch: int,
+                  noise: ServiceNoise | None = None) -> None:
     loop = EventLoop()
     decode = DecodeSim("d", loop, MODEL, max_batch=max_batch)
+    decode.noise = noise
     for request in requests:
         loop.at(request.arrival, decode.receive, request)
     loop.run()
+
+
+def _random_requests(seed: int, gaps_s: float = 5.0) -> list[SimRequest]:
+    rng = np.random.default_rng(seed)
+    return [SimRequest(float(t), int(i), int(o)) for t, i, o in
+            zip(np.sort(rng.uniform(0, gaps_s, 60)), rng.integers(100, 4000, 60),
+                rng.integers(1, 120, 60), strict=True)]
+
+
+@pytest.mark.parametrize("max_batch", [4, 256])
+def test_decode_jumps_land_where_stepping_one_step_at_a_time_does(max_batch):
+    requests = _random_requests(3)
+    _decode_alone(requests, max_batch)
     expected = _stepwise_finish_times(MODEL, requests, max_batch)
     assert [r.finished for r in requests] == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("max_batch", [4, 256])
+def test_noisy_decode_jumps_match_noisy_steps(max_batch):
+    """Measured step ratios (one in ten steps a 4x stall): the jumps still land where a
+    step-by-step run with the same ratio per step does, busy periods included."""
+    noise = ServiceNoise([1.0], [1.0] * 9 + [4.0], seed=5, steps=1 << 16)
+    noise.start = lambda: 7  # every busy period at the same place: the reference's
+    requests = _random_requests(4, gaps_s=30.0)  # idle gaps: several busy periods
+    _decode_alone(requests, max_batch, noise)
+    ratios = np.diff(noise._sum)
+    expected = _stepwise_finish_times(MODEL, requests, max_batch, lambda n: ratios[7 + n])
+    assert [r.finished for r in requests] == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    plain = _random_requests(4, gaps_s=30.0)
+    _decode_alone(plain, max_batch)
+    assert sum(r.finished for r in requests) > sum(r.finished for r in plain)
 
 
 def test_a_scenario_gets_more_requests_at_its_peak_than_in_its_trough():
@@ -101,3 +129,19 @@ def test_a_fleet_wide_split_changes_the_roles_not_the_traffic():
     assert [s.num_prefill for s in fixed.scenarios] == \
         [round(0.3 * (s.num_prefill + s.num_decode)) for s in fixed.scenarios]
     assert [s.num_prefill for s in fixed.scenarios] != [s.num_prefill for s in ideal.scenarios]
+
+
+@pytest.mark.parametrize("dispatch", ["on-demand", "least-connections", "round-robin"])
+def test_kept_offer_orders_match_the_gateways_sort_on_every_request(dispatch):
+    """The simulator keeps each gateway's offer order as loads change instead of calling
+    ``order_prefill`` per request; checked against it on every request, through role moves
+    and several gateways."""
+    plan = plan_fleet(MODEL, LENGTHS, num_instances=60, num_scenarios=4, period_s=60.0,
+                      peak_load=1.2)
+    fleet = FleetSim(plan, MODEL, LENGTHS, dispatch=dispatch, num_gateways=3,
+                     ratio=RatioConfig(min_requests=5, cooldown_s=5.0))
+    for group in fleet.groups:
+        group.verify_order = True
+    summary = fleet.run(60.0)
+    assert summary["requests"] > 1000
+    assert sum(len(g.moves) for g in fleet.groups) > 0  # orders rebuilt after moves too

@@ -1,0 +1,294 @@
+"""Validation: the simulator's models of one instance that prefills and decodes against
+a real ``pdserve serve`` instance per schedule, replaying a window of the Mooncake
+conversation trace. Chunked prefill: ``ChunkedInstanceSim``, the scheduler's steps (a
+token budget of 512 shared by the decode batch and prompt pieces). PD-multiplexing: a
+``GroupSim`` of one multiplexing instance (prompts first come first served, a decode
+batch beside them, each side slowed by a measured factor while the other works).
+
+For each schedule (``--schedules``: chunked prefill with 512-token steps, PD-multiplexing):
+
+1. start the instance (``pdserve serve MODEL SERVE_ARGS SCHEDULE_ARGS``);
+2. measure it over HTTP: prefill latency of one-token completions per prompt length,
+   decode steps of streamed batches, and for multiplexing how the two sides slow each
+   other (decode steps while one ``--mix-prompt``-token prompt prefills beside
+   ``--mix-batch`` decodes, over the steps before it; that prompt's latency over the
+   fitted prefill of it alone);
+3. replay the window: trace rows with timestamps in ``[--window-start-s, + --window-s)``,
+   lengths times ``--input-scale`` / ``--output-scale`` (clipped), every k-th row kept and
+   arrivals compressed so that the replay lasts ``--replay-s`` with the fitted prefill
+   ``--load`` busy; streamed straight to the instance;
+4. simulate the same requests with the fitted model, once with the measured spread of
+   service times (``ServiceNoise``) and once with medians only;
+5. write ``OUT/sim_validate_instance.json`` (after each schedule, so a cut-short run keeps
+   what it finished) and each instance's log.
+
+The default trace is the first 600 s of the public trace (FAST'25 Mooncake,
+``conversation_trace.jsonl``, github.com/kvcache-ai/Mooncake), kept in the repository.
+On an H200 (about 5-7 minutes by estimate: two starts of codellama-34b, two 60 s
+replays)::
+
+    PYTHONPATH=$PWD python benchmarks/sim_validate_instance.py --out /tmp/validation
+
+``--smoke`` runs the same steps with the tiny model on CPU in about two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
+from benchmarks.validate_sim import (  # noqa: E402
+    compare,
+    ints,
+    measure_decode,
+    measure_prefill,
+    prompt,
+    spread,
+)
+from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.sim.cluster import (  # noqa: E402
+    GroupSim,
+    LatencyModel,
+    Multiplexing,
+    ServiceNoise,
+    SimRequest,
+)
+from pdserve.sim.instance import ChunkedInstanceSim  # noqa: E402
+from pdserve.testing import ServeProcess, start_serve  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WINDOW_TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_first_600s.jsonl"
+PREDICTOR = "benchmarks/results/loogle_h200/predictor_codellama34b.json"
+SCHEDULES = {
+    "chunk512": "--schedule chunked --chunk-size 512",
+    "multiplex": f"--schedule multiplex --itl-slo-ms 60 --mux-predictor {PREDICTOR}",
+}
+SMOKE_SCHEDULES = {
+    "chunk512": SCHEDULES["chunk512"],
+    "multiplex": "--schedule multiplex --itl-slo-ms 60 --mux-predictor roofline",
+}
+SMOKE = {"model": "tiny", "serve_args": "--device cpu --dtype float32",
+         "prompt_lens": [64, 256, 512], "decode_batches": [1, 2], "decode_contexts": [64],
+         "repeats": 3, "input_scale": 0.02, "output_scale": 0.1, "max_input": 512,
+         "max_output": 32, "replay_s": 20.0, "load": 0.3, "mix_prompt": 512, "mix_batch": 2,
+         "mix_steps": 400, "mix_warmup_s": 0.3}
+
+
+async def stream_clock(session, url: str, body: dict) -> list[float]:
+    """``time.monotonic()`` of each streamed chunk that carries text."""
+    times = []
+    async with session.post(url, json={**body, "stream": True}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
+        async for line in resp.content:
+            if line.startswith(b"data: {") and b'"text"' in line:
+                times.append(time.monotonic())
+    return times
+
+
+async def measure_interference(session, url: str, args, rng,
+                               model: LatencyModel) -> tuple[Multiplexing, dict]:
+    """Both sides beside each other: ``--mix-batch`` streams decode; once they run, one
+    prompt of ``--mix-prompt`` tokens is sent. Decode's factor: the median step while
+    that prompt is in flight over the median step before it; prefill's: the prompt's
+    latency over the fitted model's time for it alone."""
+    body = {"model": args.model, "max_tokens": args.mix_steps, "ignore_eos": True}
+    streams = [asyncio.create_task(stream_clock(session, url, {**body, "prompt": prompt(
+        rng, args.decode_contexts[0])})) for _ in range(args.mix_batch)]
+    await asyncio.sleep(args.mix_warmup_s)
+    sent = time.monotonic()
+    async with session.post(url, json={"model": args.model, "max_tokens": 1,
+                                       "prompt": prompt(rng, args.mix_prompt)}) as resp:
+        await resp.read()
+    done = time.monotonic()
+    runs = await asyncio.gather(*streams)
+    gaps = [(a, b - a) for t in runs for a, b in zip(t[1:-1], t[2:], strict=False)]
+    before = [g for a, g in gaps if a + g <= sent and a >= sent - 2 * (done - sent)]
+    during = [g for a, g in gaps if a + g > sent and a < done]
+    if len(before) < 3 or not during:
+        raise RuntimeError(f"the decode streams did not cover the prompt ({len(before)} "
+                           f"steps before, {len(during)} during): raise --mix-steps")
+    factors = Multiplexing(float(np.median(during) / np.median(before)),
+                           (done - sent) / model.prefill_s(args.mix_prompt))
+    return factors, {"prompt_s": done - sent, "steps_before": len(before),
+                     "steps_during": len(during), "step_ms_before": np.median(before) * 1e3,
+                     "step_ms_during": np.median(during) * 1e3}
+
+
+def window_requests(args, model: LatencyModel) -> tuple[list[SimRequest], dict]:
+    """The trace window, rescaled (see the module docstring)."""
+    start_ms, end_ms = args.window_start_s * 1e3, (args.window_start_s + args.window_s) * 1e3
+    rows = [row for row in map(json.loads, open(args.trace))
+            if start_ms <= row["timestamp"] < end_ms]
+    if not rows:
+        raise SystemExit(f"no rows of {args.trace} in the window")
+    inputs = [int(np.clip(round(r["input_length"] * args.input_scale), 16, args.max_input))
+              for r in rows]
+    outputs = [int(np.clip(round(r["output_length"] * args.output_scale), 2, args.max_output))
+               for r in rows]
+    work_s = sum(model.prefill_s(n) for n in inputs)
+    every = max(1, round(work_s / (args.load * args.replay_s)))
+    time_scale = args.replay_s / args.window_s
+    requests = [SimRequest((rows[i]["timestamp"] - start_ms) / 1e3 * time_scale, inputs[i],
+                           outputs[i]) for i in range(0, len(rows), every)]
+    return requests, {"trace": os.path.relpath(args.trace, ROOT),
+                      "window_s": [args.window_start_s, args.window_start_s + args.window_s],
+                      "rows_in_window": len(rows), "every_kth_row": every,
+                      "time_scale": time_scale, "requests": len(requests),
+                      "fitted_prefill_load": sum(model.prefill_s(r.input_len)
+                                                 for r in requests) / args.replay_s,
+                      "mean_input": float(np.mean([r.input_len for r in requests])),
+                      "mean_output": float(np.mean([r.output_len for r in requests]))}
+
+
+async def replay(session, url: str, requests: list[SimRequest], args, rng) -> list[dict]:
+    start = time.monotonic()
+
+    async def one(request: SimRequest) -> dict:
+        await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
+        sent = time.monotonic()
+        times = await stream_clock(session, url, {
+            "model": args.model, "prompt": prompt(rng, request.input_len),
+            "max_tokens": request.output_len, "ignore_eos": True})
+        return {"ttft_s": times[0] - sent,
+                "tpot_s": (times[-1] - times[0]) / max(1, len(times) - 1)}
+
+    return await asyncio.gather(*(one(r) for r in requests))
+
+
+def simulate(name: str, model: LatencyModel, factors: Multiplexing | None,
+             requests: list[SimRequest], noise: ServiceNoise | None) -> list[dict]:
+    """chunk512: the chunked instance step by step (``ChunkedInstanceSim``). multiplex: one
+    multiplexing instance (``GroupSim``; requests go straight to it, no gateway admission:
+    a blind dispatch over one instance never refuses)."""
+    fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
+    if name == "chunk512":
+        ChunkedInstanceSim(model, chunk_size=512, noise=noise).run(fresh)
+    else:
+        GroupSim(model, 1, 0, dispatch="least-connections", max_wait_s=1e9,
+                 multiplexing=factors, noise=noise).run(fresh)
+    return [{"ttft_s": r.first_token - r.arrival,
+             "tpot_s": (r.finished - r.first_token) / max(1, r.output_len - 1)}
+            for r in fresh]
+
+
+async def validate(args, name: str, schedule_args: str) -> dict:
+    from aiohttp import ClientSession, ClientTimeout
+
+    phases, clock = {}, time.monotonic()
+    server = start_serve(args.model, *shlex.split(args.serve_args), *shlex.split(schedule_args))
+    phases["start_s"] = time.monotonic() - clock
+    rng = np.random.default_rng(args.seed)
+    url = server.url + "/v1/completions"
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=None)) as session:
+            result = await _measure_and_replay(name, session, url, args, rng, phases)
+    finally:
+        server.stop()
+        _keep_log(server, Path(args.out) / f"{name}_server.log")
+    return {"schedule_args": schedule_args, "phases_s": phases, **result}
+
+
+async def _measure_and_replay(name: str, session, url: str, args, rng, phases: dict) -> dict:
+    clock = time.monotonic()
+    prefill_points, prefill_ratios = await measure_prefill(session, url, args, rng)
+    decode_points, decode_ratios = await measure_decode(session, url, args, rng)
+    model = LatencyModel.fit(prefill_points, decode_points, kv_bytes_per_token(args.model),
+                             decode_kv_tokens=args.decode_kv_tokens)
+    factors, mix = None, {}
+    if name == "multiplex":
+        factors, mix = await measure_interference(session, url, args, rng, model)
+    phases["calibrate_s"] = time.monotonic() - clock
+    requests, workload = window_requests(args, model)
+    clock, load_before = time.monotonic(), os.getloadavg()[0]
+    measured = await replay(session, url, requests, args, rng)
+    phases["replay_s"] = time.monotonic() - clock
+    noise = ServiceNoise(prefill_ratios, decode_ratios, seed=args.seed)
+    simulated = {"simulated": simulate(name, model, factors, requests, noise),
+                 "simulated_medians_only": simulate(name, model, factors, requests, None)}
+    return {"service_points": {"prefill": prefill_points, "decode": decode_points},
+            "service_spread": {"prefill": spread(prefill_ratios),
+                               "decode_step": spread(decode_ratios)},
+            "latency_model": model.__dict__,
+            "interference": {**(factors.__dict__ if factors else {}), **mix},
+            "workload": workload,
+            "host_load_average_1min": {"replay_start": load_before,
+                                       "replay_end": os.getloadavg()[0]},
+            "compare": compare(measured, simulated)}
+
+
+def _keep_log(server: ServeProcess, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    server.log.seek(0)
+    path.write_bytes(server.log.read())
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="Directory for the JSON and logs.")
+    parser.add_argument("--smoke", action="store_true",
+                        help="The tiny model on CPU, small lengths, 20 s replays.")
+    parser.add_argument("--schedules", default="chunk512,multiplex",
+                        help=f"Of {', '.join(SCHEDULES)}.")
+    parser.add_argument("--model", default="codellama-34b")
+    parser.add_argument("--serve-args", default="--device cuda --dtype bfloat16 "
+                        "--max-model-len 16384")
+    parser.add_argument("--prompt-lens", type=ints, default=[1024, 4096, 8192])
+    parser.add_argument("--decode-batches", type=ints, default=[1, 8, 32])
+    parser.add_argument("--decode-contexts", type=ints, default=[2048])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-steps", type=int, default=64,
+                        help="Tokens per calibration stream (the first and last 8 untimed).")
+    parser.add_argument("--trace", default=str(WINDOW_TRACE))
+    parser.add_argument("--window-start-s", type=float, default=0.0)
+    parser.add_argument("--window-s", type=float, default=600.0)
+    parser.add_argument("--input-scale", type=float, default=0.5)
+    parser.add_argument("--output-scale", type=float, default=0.5)
+    parser.add_argument("--max-input", type=int, default=8192)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--replay-s", type=float, default=60.0)
+    parser.add_argument("--load", type=float, default=0.6,
+                        help="Fitted prefill utilisation of the replay.")
+    parser.add_argument("--mix-prompt", type=int, default=8192)
+    parser.add_argument("--mix-batch", type=int, default=8)
+    parser.add_argument("--mix-steps", type=int, default=300)
+    parser.add_argument("--mix-warmup-s", type=float, default=3.0)
+    parser.add_argument("--decode-kv-tokens", type=int, default=290_000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    table = SMOKE_SCHEDULES if args.smoke else SCHEDULES
+    unknown = [s for s in args.schedules.split(",") if s not in table]
+    if unknown:
+        raise SystemExit(f"unknown schedule {unknown}: choose from {', '.join(table)}")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # on CPU: the instance, not every core
+    header = result_header({k: v for k, v in vars(args).items() if k != "out"})
+    report = {**header, "kind": "validation", "schedules": {}}
+    for name in args.schedules.split(","):
+        report["schedules"][name] = asyncio.run(validate(args, name, table[name]))
+        write_json(report, Path(args.out) / "sim_validate_instance.json")
+        for key, row in report["schedules"][name]["compare"].items():
+            print(name, key, json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""One instance with chunked prefill (``pdserve serve --schedule chunked``), step by step:
+the structure of the real scheduler's steps, not one slowdown factor for each side.
+
+Each step carries one token of every running request and, in the rest of the token
+budget (``chunk_size``), the next pieces of waiting prompts, first come first served. A
+step takes the decode batch's step time plus, for each prompt piece, what the prompt's
+prefill time grows by over that piece (``prefill_s(done + piece) - prefill_s(done)``: a
+prompt's pieces add up to its whole prefill, quadratic part included). A prompt whose
+last piece ran gets its first token at the end of that step and decodes from the next.
+``prefill_base_s`` (a fixed cost per request measured around the engine: HTTP,
+tokenizing) delays the answer's tokens without holding the engine. With
+``noise`` each step takes a drawn measured ratio times its modelled time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pdserve.sim.cluster import EventLoop, LatencyModel, ServiceNoise, SimRequest
+
+
+class ChunkedInstanceSim:
+    def __init__(self, model: LatencyModel, chunk_size: int = 512,
+                 noise: ServiceNoise | None = None, max_batch: int = 256) -> None:
+        self.model, self.chunk_size, self.max_batch = model, chunk_size, max_batch
+        self.noise = noise
+        self.loop = EventLoop()
+        self.waiting: deque[list] = deque()  # [request, prompt tokens done]
+        self.running: list[list] = []  # [request, tokens still to decode]
+        self._stepping = False
+        self._noise_step = noise.start() if noise is not None else 0
+
+    def run(self, requests: list[SimRequest]) -> list[SimRequest]:
+        for request in requests:
+            self.loop.at(request.arrival, self._arrive, request)
+        self.loop.run()
+        return requests
+
+    def _arrive(self, request: SimRequest) -> None:
+        self.waiting.append([request, 0])
+        if not self._stepping:
+            self._stepping = True
+            self.loop.at(self.loop.now, self._step)
+
+    def _step(self) -> None:
+        if not (self.running or self.waiting):
+            self._stepping = False
+            return
+        pieces = self._pieces(self.chunk_size - len(self.running))
+        seconds = self._decode_s() + sum(self._piece_s(done, n) for _, done, n in pieces)
+        if self.noise is not None:
+            seconds *= self.noise.span(self._noise_step, self._noise_step + 1)[0]
+            self._noise_step += 1
+        self.loop.at(self.loop.now + seconds, self._end_step, pieces)
+
+    def _pieces(self, budget: int) -> list[tuple[list, int, int]]:
+        """(entry, tokens done before, tokens now) of each waiting prompt in this step."""
+        pieces = []
+        for entry in self.waiting:
+            if budget <= 0 or len(self.running) + len(pieces) >= self.max_batch:
+                break
+            take = min(budget, entry[0].input_len - entry[1])
+            pieces.append((entry, entry[1], take))
+            budget -= take
+        return pieces
+
+    def _decode_s(self) -> float:
+        if not self.running:
+            return 0.0
+        context = sum(r.input_len + r.output_len - left for r, left in self.running)
+        return self.model.decode_step_s(len(self.running), context)
+
+    def _piece_s(self, done: int, tokens: int) -> float:
+        return self.model.prefill_s(done + tokens) - self.model.prefill_s(done)
+
+    def _end_step(self, pieces: list[tuple[list, int, int]]) -> None:
+        now = self.loop.now
+        for entry in self.running:
+            entry[1] -= 1
+            if entry[1] == 0:  # its last token leaves as late as its first did
+                entry[0].finished = now + self.model.prefill_base_s
+        self.running = [entry for entry in self.running if entry[1] > 0]
+        for entry, _, tokens in pieces:
+            entry[1] += tokens
+            if entry[1] == entry[0].input_len:
+                self._prefilled(entry[0], now)
+        self._step()
+
+    def _prefilled(self, request: SimRequest, now: float) -> None:
+        self.waiting.popleft()  # pieces go first come first served: it is the head
+        request.prefill_done = now
+        request.first_token = now + self.model.prefill_base_s
+        if request.output_len > 1:
+            self.running.append([request, request.output_len - 1])
+        else:
+            request.finished = request.first_token
