@@ -247,7 +247,8 @@ def parse_args() -> argparse.Namespace:
                         "--max-model-len 16384")
     parser.add_argument("--prompt-lens", type=ints, default=[1024, 4096, 8192])
     parser.add_argument("--decode-batches", type=ints, default=[1, 8, 32])
-    parser.add_argument("--decode-contexts", type=ints, default=[2048])
+    # Two contexts: with one, the per-KV-token cost cannot be told from the per-request one.
+    parser.add_argument("--decode-contexts", type=ints, default=[1024, 4096])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-steps", type=int, default=64,
                         help="Tokens per calibration stream (the first and last 8 untimed).")

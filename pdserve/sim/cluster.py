@@ -95,6 +95,7 @@ def _fit_nonnegative(a: np.ndarray, b: list[float]) -> list[float]:
         if (coefficients >= 0).all():
             break
         free = [f for f, c in zip(free, coefficients, strict=True) if c >= 0]
+        coefficients = []  # every coefficient negative: nothing is left to fit
     result = [0.0] * a.shape[1]
     for f, c in zip(free, coefficients, strict=True):
         result[f] = float(c)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pdserve.sim.cluster import GroupSim, LatencyModel, SimRequest, summarize
@@ -186,3 +187,15 @@ def test_measured_spread_stretches_prefill_and_decode_times():
     (request,) = GroupSim(MODEL, 1, 1, noise=noise).run([SimRequest(0.0, 500, 5)])
     assert request.first_token == pytest.approx(1.0)  # 500 ms of prefill, twice
     assert request.finished == pytest.approx(1.0 + 0.5 + 4 * 0.03)  # steps of 10 ms, x3
+
+
+def test_fit_of_points_that_pull_every_coefficient_negative_is_zero_not_a_crash():
+    """Decode points at one context make the per-request and per-KV-token columns
+    collinear; noisy steps that shrink as the batch grows then pull every coefficient
+    below zero (seen on the H200 with one context): the fit keeps none rather than crash."""
+    from pdserve.sim.cluster import _fit_nonnegative
+
+    a = np.array([[1.0, b, b * 2048.0] for b in (1, 8, 32)])
+    assert _fit_nonnegative(a, [-0.03, -0.02, -0.01]) == [0.0, 0.0, 0.0]
+    fitted = _fit_nonnegative(a, [0.020, 0.021, 0.024])
+    assert all(c >= 0 for c in fitted)
