@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import PromptLogprob, SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.structured.grammars import Matcher
@@ -58,11 +58,27 @@ class Request:
     num_placeholders: int = 0
     placeholder_row: int = 0
     grammar: Matcher | None = None  # structured output: where the output is in its grammar
+    # Prompt logprobs asked for and not yet sent: one entry per prompt position, filled as
+    # the prefill steps score them (None: the first token, or not scored yet).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt logprobs are still to be computed (and it must skip the prefix cache)."""
+        return self.prompt_logprobs is not None
+
+    def take_prompt_logprobs(self) -> list[PromptLogprob | None] | None:
+        """The prompt logprobs, once: they go out with the first token (a recompute after
+        preemption does not score the prompt again)."""
+        scored, self.prompt_logprobs = self.prompt_logprobs, None
+        return scored
 
     @property
     def num_prompt_tokens(self) -> int:

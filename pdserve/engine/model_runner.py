@@ -255,7 +255,7 @@ class ModelRunner:
     def _launch_whole(self, work: Work, buffers: HostBuffers) -> tuple[int, bool]:
         pool = self.pools[work.pool]
         batch = build_host_batch(work.plan, pool.tables, self.block_size)
-        inputs = SamplingInputs.of(work.plan, batch.logits_indices, self.arch.vocab_size,
+        inputs = SamplingInputs.of(work.plan, batch, self.arch.vocab_size,
                                    self.device)
         hidden = self._forward(batch, pool, work.partition, buffers.device_tokens)
         return sample_into(self.model, hidden, inputs, buffers)
