@@ -28,7 +28,7 @@ from pdserve.engine.graph_runner import GraphRunner
 from pdserve.engine.sampler import SamplingBatch, num_top_logprobs, sample
 from pdserve.engine.streams import Event, StreamOps, same_stream
 from pdserve.request import Request
-from pdserve.sampling_params import MAX_TOP_LOGPROBS, TokenLogprob
+from pdserve.sampling_params import MAX_TOP_LOGPROBS, PromptLogprob, TokenLogprob
 from pdserve.sched.base import Plan, StepOutput, Work
 
 log = logging.getLogger(__name__)
@@ -145,25 +145,18 @@ class PromptRows:
     @classmethod
     def of(cls, plan: Plan, query_start_loc: np.ndarray, device: torch.device
            ) -> PromptRows | None:
-        picked = [(i, s.request) for i, s in enumerate(plan.scheduled)
-                  if s.request.params.prompt_logprobs is not None and s.request.scores_prompt]
-        if not picked:  # the common step: nobody asked
+        spans = [span for i, item in enumerate(plan.scheduled)
+                 if item.request.params.prompt_logprobs is not None
+                 and (span := _scored_span(item, int(query_start_loc[i]))) is not None]
+        if not spans:  # the common step: nobody asked
             return None
-        requests, starts, counts, rows, targets = [], [], [], [], []
-        scheduled = plan.scheduled
-        for i, request in picked:
-            start = request.num_computed
-            end = min(start + scheduled[i].num_new_tokens, request.num_prompt_tokens - 1)
-            if end <= start:
-                continue
-            requests.append(request), starts.append(start), counts.append(end - start)
-            rows.append(np.arange(end - start) + int(query_start_loc[i]))
-            targets.append(np.asarray(request.prompt_token_ids[start + 1:end + 1]))
-        if not requests:
-            return None
-        width = max(r.params.prompt_logprobs for r in requests)
-        return cls(requests, starts, counts, _to_device(np.concatenate(rows), device),
-                   _to_device(np.concatenate(targets).astype(np.int64), device), width)
+        requests = [request for request, _, _, _ in spans]
+        rows = np.concatenate([np.arange(count) + row for _, _, count, row in spans])
+        targets = np.concatenate([r.prompt_token_ids[start + 1:start + 1 + count]
+                                  for r, start, count, _ in spans]).astype(np.int64)
+        return cls(requests, [start for _, start, _, _ in spans],
+                   [count for _, _, count, _ in spans], _to_device(rows, device),
+                   _to_device(targets, device), max(r.params.prompt_logprobs for r in requests))
 
     def score(self, model, hidden: torch.Tensor) -> None:
         """Logprob and rank of each row's prompt token and the top ``width``, in float32 on
@@ -192,14 +185,30 @@ class PromptRows:
     def store(self) -> None:
         """Writes the scores into the requests (the launch is done); a request that has sent
         its prompt logprobs meanwhile (aborted, finished) is skipped."""
-        table, width, offset = self.host.tolist(), self.width, 0
+        table, offset = self.host.tolist(), 0
         for request, start, count in zip(self.requests, self.starts, self.counts, strict=True):
-            scored = request.prompt_logprobs
-            for row in table[offset:offset + count] if scored is not None else ():
-                top = list(zip(map(int, row[2 + width:]), row[2:2 + width], strict=True))
-                scored[start + 1] = (row[0], int(row[1]), top[:request.params.prompt_logprobs])
-                start += 1
+            if request.prompt_logprobs is not None:
+                request.prompt_logprobs[start + 1:start + 1 + count] = [
+                    self._entry(row, request.params.prompt_logprobs)
+                    for row in table[offset:offset + count]]
             offset += count
+
+    def _entry(self, row: list[float], keep: int) -> PromptLogprob:
+        """(logprob, rank, top ``keep``) from a packed row."""
+        width = self.width
+        top = zip(map(int, row[2 + width:2 + width + keep]), row[2:2 + keep], strict=True)
+        return row[0], int(row[1]), list(top)
+
+
+def _scored_span(item, first_row: int) -> tuple[Request, int, int, int] | None:
+    """(request, first position, positions, first row) of the positions this step computes
+    for ``item`` whose next token is in its prompt; None when it scores none."""
+    request = item.request
+    if not request.scores_prompt:  # scored and sent already (a recompute after preemption)
+        return None
+    start = request.num_computed
+    end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
+    return (request, start, end - start, first_row) if end > start else None
 
 
 @dataclass
