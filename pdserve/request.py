@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
@@ -30,6 +30,10 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
+    num_scoring: ClassVar[int] = 0
+    """Requests of this process still to score their prompt: while none is, a step spends
+    nothing on prompt logprobs, not even a pass over its batch."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -68,6 +72,7 @@ class Request:
             self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+            Request.num_scoring += 1
 
     @property
     def scores_prompt(self) -> bool:
@@ -76,8 +81,10 @@ class Request:
 
     def take_prompt_logprobs(self) -> list[PromptLogprob | None] | None:
         """The prompt logprobs, once: they go out with the first token (a recompute after
-        preemption does not score the prompt again)."""
+        preemption does not score the prompt again). The engine also calls it when it
+        forgets a request, so an aborted one stops counting in ``num_scoring``."""
         scored, self.prompt_logprobs = self.prompt_logprobs, None
+        Request.num_scoring -= scored is not None
         return scored
 
     @property

@@ -413,6 +413,7 @@ class EngineCore:
                              prompt_logprobs=prompt)
 
     def _forget(self, request: Request) -> None:
+        request.take_prompt_logprobs()  # ended before its first token: no longer scoring
         self.requests.pop(request.request_id, None)
         self.runner.forget(request.request_id)
 

@@ -145,10 +145,12 @@ class PromptRows:
     @classmethod
     def of(cls, plan: Plan, query_start_loc: np.ndarray, device: torch.device
            ) -> PromptRows | None:
+        if not Request.num_scoring:  # the common step: nobody asked
+            return None
         spans = [span for i, item in enumerate(plan.scheduled)
                  if item.request.params.prompt_logprobs is not None
                  and (span := _scored_span(item, int(query_start_loc[i]))) is not None]
-        if not spans:  # the common step: nobody asked
+        if not spans:
             return None
         requests = [request for request, _, _, _ in spans]
         rows = np.concatenate([np.arange(count) + row for _, _, count, row in spans])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.request import Request
 
 TOP = 3
 
@@ -116,3 +117,18 @@ def test_prompt_logprobs_under_split_schedules(hf_llama, schedule):
 def test_bad_prompt_logprobs_are_refused(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+def test_scoring_count_drops_when_a_request_ends_or_is_aborted(hf_llama):
+    # While the count is zero a step skips prompt scoring without looking at its batch.
+    folder, _ = hf_llama
+    llm = LLM(folder, dtype="float32")
+    before = Request.num_scoring
+    llm.engine.add_request("gone", [3, 4, 5, 6], SamplingParams(prompt_logprobs=1))
+    assert Request.num_scoring == before + 1
+    llm.engine.abort_request("gone")
+    assert Request.num_scoring == before
+    assert [u.finish_reason for u in llm.engine.step()] == ["abort"]
+    llm.generate({"prompt_token_ids": [3, 4, 5, 6]}, SamplingParams(max_tokens=2,
+                                                                     prompt_logprobs=1))
+    assert Request.num_scoring == before
