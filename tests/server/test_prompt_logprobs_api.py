@@ -116,3 +116,21 @@ def test_bad_prompt_logprobs_get_a_400_naming_the_field(server, endpoint, body, 
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == "prompt_logprobs", raw
     assert "prompt_logprobs" in error["message"]
+
+
+def test_every_choice_carries_the_prompt_scores(server):
+    # best_of ranks the choices by their generated tokens only: the echoed first token has no
+    # logprob (None), which the ranking must skip.
+    answer = server.openai().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, n=2, best_of=3, seed=5, logprobs=1,
+        echo=True, extra_body={"prompt_logprobs": 0}).model_dump()
+    choices = answer["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    first, second = (c["prompt_logprobs"] for c in choices)
+    assert first[0] is None and second[0] is None
+    for a, b in zip(first[1:], second[1:], strict=True):  # batched apart: float rounding
+        assert a.keys() == b.keys()
+        assert all(a[t]["logprob"] == pytest.approx(b[t]["logprob"], abs=1e-4) for t in a)
+    for choice in choices:
+        assert choice["text"].startswith(PROMPT)
+        assert choice["logprobs"]["token_logprobs"][0] is None
