@@ -80,7 +80,9 @@ def test_echo_with_logprobs_puts_the_prompt_tokens_first(server):
     assert len(logprobs.tokens) == num_prompt + 3
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     assert logprobs.tokens[num_prompt:] == alone.logprobs.tokens
-    assert logprobs.token_logprobs[num_prompt:] == pytest.approx(alone.logprobs.token_logprobs)
+    # The plain request may take prefix-cache hits, the echoed one not: rounding may differ.
+    assert logprobs.token_logprobs[num_prompt:] == pytest.approx(alone.logprobs.token_logprobs,
+                                                                 abs=1e-4)
     assert logprobs.text_offset[0] == 0
     assert logprobs.text_offset[num_prompt] == len("".join(logprobs.tokens[:num_prompt]))
     # The echoed tokens' logprobs are the prompt logprobs of the same request.
