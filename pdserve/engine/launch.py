@@ -160,6 +160,12 @@ class PromptRows:
                    [count for _, _, count, _ in spans], _to_device(rows, device),
                    _to_device(targets, device), max(r.params.prompt_logprobs for r in requests))
 
+    @classmethod
+    def worst_case(cls, num_tokens: int, device: torch.device) -> PromptRows:
+        """The most a step scores in one pass, with 20 alternatives (memory profiling)."""
+        rows = torch.arange(min(num_tokens, PROMPT_SCORE_ROWS), device=device)
+        return cls([], [], [], rows, torch.zeros_like(rows), MAX_TOP_LOGPROBS)
+
     def score(self, model, hidden: torch.Tensor) -> None:
         """Logprob and rank of each row's prompt token and the top ``width``, in float32 on
         the device; one copy of all of them to the host, not waited for."""

@@ -24,6 +24,7 @@ from pdserve.engine.launch import (
     KVPool,
     Launch,
     PrefillBatch,
+    PromptRows,
     SamplingInputs,
     sample_into,
 )
@@ -157,6 +158,8 @@ class ModelRunner:
         # activations.
         sample(self.model.compute_logits(hidden[-rows:]),
                worst_case_sampling(rows, self.arch.vocab_size, self.device))
+        # Prompt logprobs: [256, vocab] float32 logits per pass, more than a small batch's.
+        PromptRows.worst_case(num_tokens, self.device).score(self.model, hidden)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del scratch, hidden

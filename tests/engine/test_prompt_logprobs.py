@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.launch import PROMPT_SCORE_ROWS, PromptRows
 from pdserve.request import Request
 
 TOP = 3
@@ -132,3 +133,14 @@ def test_scoring_count_drops_when_a_request_ends_or_is_aborted(hf_llama):
     llm.generate({"prompt_token_ids": [3, 4, 5, 6]}, SamplingParams(max_tokens=2,
                                                                      prompt_logprobs=1))
     assert Request.num_scoring == before
+
+
+def test_memory_profile_scores_one_full_pass(hf_llama):
+    # What the KV budget reserves for: one pass of the most positions, 20 alternatives each.
+    folder, _ = hf_llama
+    model = LLM(folder, dtype="float32").engine.runner.model
+    rows = PromptRows.worst_case(300, torch.device("cpu"))
+    rows.score(model, torch.randn(300, 64))
+    assert rows.host.shape == (PROMPT_SCORE_ROWS, 2 + 2 * 20)
+    ranks = rows.host[:, 1]
+    assert bool((ranks >= 1).all()) and bool((ranks <= 300).all())  # vocab of 300
