@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.handoff import KVHandoff
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import PromptLogprob, SamplingParams
 
 
 class QueueFullError(RuntimeError):
@@ -95,13 +95,17 @@ class RequestUpdate:
     """``time.monotonic()`` when the step finished, on the engine's side."""
     engine_arrival_time: float | None = None
     """Set on a request's first update only, by the engine process: when it received it."""
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    """On the first update of a request that asked for them: one entry per prompt token
+    (None for the first, which nothing predicts)."""
 
     def __reduce__(self) -> tuple:
         # Positional fields pickle in about half the time of the default slots state, on
         # both sides of the pipe: there is one of these per running request per step.
         return (RequestUpdate, (self.request_id, self.new_token_ids, self.new_logprobs,
                              self.finished, self.finish_reason, self.num_prompt_tokens,
-                             self.num_cached_tokens, self.time, self.engine_arrival_time))
+                             self.num_cached_tokens, self.time, self.engine_arrival_time,
+                             self.prompt_logprobs))
 
 
 @dataclass(slots=True)

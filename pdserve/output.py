@@ -13,7 +13,42 @@ from dataclasses import dataclass
 
 from pdserve.messages import RequestUpdate
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import PromptLogprob, SamplingParams
+
+
+@dataclass
+class Logprob:
+    """A token's logprob at one position, its rank there (1: the most likely) and its text:
+    vLLM's ``Logprob``."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""Per prompt token (None for the first): the prompt token and the most likely tokens at
+its position, by token id, as vLLM's ``RequestOutput.prompt_logprobs``."""
+
+
+def prompt_logprobs_of(tokenizer: Tokenizer, prompt_token_ids: list[int],
+                       scored: list[PromptLogprob | None], skip_special_tokens: bool
+                       ) -> PromptLogprobs:
+    """The engine's scores as vLLM shapes them: each position's dict holds the prompt token
+    and the top alternatives (the prompt token once, when it is one of them)."""
+    def text(token: int) -> str:
+        return tokenizer.decode([token], skip_special_tokens)
+
+    out: PromptLogprobs = []
+    for token, entry in zip(prompt_token_ids, scored, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        logprob, rank, top = entry
+        position = {t: Logprob(lp, r, text(t)) for r, (t, lp) in enumerate(top, start=1)}
+        position.setdefault(token, Logprob(logprob, rank, text(token)))
+        out.append(position)
+    return out
 
 
 @dataclass
@@ -33,6 +68,8 @@ class OutputDelta:
     top_logprobs: list[list[tuple[str, float]]] | None = None
     """Per token, the most likely tokens at its step as (text, logprob), best first; None
     unless alternatives were asked for."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """In the delta of the request's first token, when prompt logprobs were asked for."""
 
 
 class OutputProcessor:
@@ -46,6 +83,8 @@ class OutputProcessor:
         self.include_stop = params.include_stop_str_in_output
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop,
                                             params.skip_special_tokens)
+        self.prompt_token_ids = prompt_token_ids
+        self._prompt_scores: list[PromptLogprob | None] | None = None
         self.finished = False
         self.num_generated = 0
         self.num_cached_tokens = 0
@@ -68,7 +107,14 @@ class OutputProcessor:
         self.num_generated += len(ids)
         return OutputDelta(text, ids, self._token_texts(ids),
                            logprobs if self.want_logprobs else None, reason, abort,
-                           self._alternatives(logprobs))
+                           self._alternatives(logprobs), self._prompt_logprobs())
+
+    def _prompt_logprobs(self) -> PromptLogprobs | None:
+        scored, self._prompt_scores = self._prompt_scores, None
+        if scored is None:
+            return None
+        return prompt_logprobs_of(self.tokenizer, self.prompt_token_ids, scored,
+                                  self.detok.skip_special_tokens)
 
     def resume(self, token_ids: list[int], text_chars: int) -> None:
         """Output another instance already streamed (P/D resume): ``token_ids``, of whose text
@@ -97,6 +143,8 @@ class OutputProcessor:
             ids += update.new_token_ids
             logprobs += update.new_logprobs or []
             self.num_cached_tokens = update.num_cached_tokens
+            if update.prompt_logprobs is not None:
+                self._prompt_scores = update.prompt_logprobs
             if update.finished:
                 reason = update.finish_reason
                 break

@@ -10,13 +10,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
 
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import PromptLogprob, SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.structured.grammars import Matcher
@@ -30,6 +30,10 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
+    num_scoring: ClassVar[int] = 0
+    """Requests of this process still to score their prompt: while none is, a step spends
+    nothing on prompt logprobs, not even a pass over its batch."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -58,11 +62,30 @@ class Request:
     num_placeholders: int = 0
     placeholder_row: int = 0
     grammar: Matcher | None = None  # structured output: where the output is in its grammar
+    # Prompt logprobs asked for and not yet sent: one entry per prompt position, filled as
+    # the prefill steps score them (None: the first token, or not scored yet).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+            Request.num_scoring += 1
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt logprobs are still to be computed (and it must skip the prefix cache)."""
+        return self.prompt_logprobs is not None
+
+    def take_prompt_logprobs(self) -> list[PromptLogprob | None] | None:
+        """The prompt logprobs, once: they go out with the first token (a recompute after
+        preemption does not score the prompt again). The engine also calls it when it
+        forgets a request, so an aborted one stops counting in ``num_scoring``."""
+        scored, self.prompt_logprobs = self.prompt_logprobs, None
+        Request.num_scoring -= scored is not None
+        return scored
 
     @property
     def num_prompt_tokens(self) -> int:

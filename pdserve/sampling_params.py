@@ -28,6 +28,12 @@ class TokenLogprob(float):
         return (TokenLogprob, (float(self), self.top))
 
 
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
+"""One prompt position as the engine scores it: the prompt token's logprob, its rank in the
+vocabulary (1: the most likely) and the most likely tokens there as (id, logprob), best
+first."""
+
+
 class InvalidRequestError(ValueError):
     """A request the engine refuses; the message names the problem (served as HTTP 400)."""
 
@@ -71,6 +77,10 @@ class SamplingParams:
     """Return the log-probability of each sampled token."""
     top_logprobs: int = 0
     """With ``logprobs``: also this many most likely tokens at each step (up to 20)."""
+    prompt_logprobs: int | None = None
+    """The logprob and rank of each prompt token after the first, with this many most likely
+    tokens at its position (0 to 20); None: not computed. Such a request takes no prefix-cache
+    hits: positions served from the cache have no logits."""
     presence_penalty: float = 0.0
     """Subtracted from the logit of every token already generated ([-2, 2])."""
     frequency_penalty: float = 0.0
@@ -117,6 +127,9 @@ class SamplingParams:
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be >= 0")
         _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+               f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         self._validate_penalties()
         _check(self.grammar is None or (isinstance(self.grammar, GrammarSpec)
                                         and self.grammar.kind in GRAMMAR_KINDS

@@ -46,13 +46,14 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def admit(self, request: Request) -> None:
+    def admit(self, request: Request, use_cache: bool = True) -> None:
         """Gives a waiting request its cached prefix blocks (hits never need free blocks).
 
         Sets ``num_computed`` to the number of cached tokens. At least the last prompt token
-        is always recomputed: its logits pick the first output token.
+        is always recomputed: its logits pick the first output token. ``use_cache`` False:
+        no lookup (the request needs every position's logits); it still publishes its own.
         """
-        hits = self._lookup_prefix(request)
+        hits = self._lookup_prefix(request) if use_cache else []
         for block_id in hits:
             self._take(block_id)
         request.block_ids = hits

@@ -109,7 +109,7 @@ class EngineCore:
         """Queues a request. ``handoff``: its prefill or its decode runs on another instance
         (``pdserve/handoff.py``)."""
         self._validate(request_id, prompt_token_ids, params)
-        self._validate_handoff(handoff)
+        self._validate_handoff(handoff, params)
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests already waiting")
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
@@ -124,7 +124,7 @@ class EngineCore:
         self.scheduler.add(request)
         self._counters["prompt"] += len(prompt_token_ids)
 
-    def _validate_handoff(self, handoff: KVHandoff | None) -> None:
+    def _validate_handoff(self, handoff: KVHandoff | None, params: SamplingParams) -> None:
         if handoff is None:
             return
         if not self.kv.links_instances:
@@ -134,6 +134,9 @@ class EngineCore:
             handoff.validate()
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported when prefill and "
+                                      "decode run on different instances")
         if handoff.is_decode and not 0 <= handoff.first_token < self.arch.vocab_size:
             raise InvalidRequestError(f"first token {handoff.first_token} is not in the "
                                       f"vocabulary [0, {self.arch.vocab_size})")
@@ -165,6 +168,10 @@ class EngineCore:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         params.validate()
         params.check_vocab(vocab)
+        if params.prompt_logprobs is not None and self.runner.comm.size > 1:
+            # Scoring runs the LM head on rank 0 alone: its all-gather would wait forever.
+            raise InvalidRequestError("prompt_logprobs is not supported with tensor "
+                                      "parallelism")
         limit = self.max_model_len
         if len(prompt) >= limit:
             raise InvalidRequestError(f"the prompt has {len(prompt)} tokens; this model's context "
@@ -282,6 +289,8 @@ class EngineCore:
         except Exception:
             log.exception("launch failed; failing its %d requests", len(work.plan.scheduled))
             return self._end(self.scheduler.fail(work), sampled=())
+        if launch.prompt is not None:  # before the updates: the first one carries them
+            launch.prompt.store()
         exports = self._export_candidates(work)
         # Ended while this launch ran (overlap: a stop seen one step late, an abort): their
         # tokens are dropped by the policy and never emitted.
@@ -396,11 +405,15 @@ class EngineCore:
     # ---- bookkeeping ----
 
     def _update(self, request: Request, tokens: list[int], logprobs) -> RequestUpdate:
+        # The prompt's logprobs go out with its first token (none with an abort before it).
+        prompt = request.take_prompt_logprobs() if tokens else None
         return RequestUpdate(request.request_id, tokens, logprobs, request.is_finished,
                              request.finish_reason, request.num_prompt_tokens,
-                             request.num_cached_tokens, time.monotonic())
+                             request.num_cached_tokens, time.monotonic(),
+                             prompt_logprobs=prompt)
 
     def _forget(self, request: Request) -> None:
+        request.take_prompt_logprobs()  # ended before its first token: no longer scoring
         self.requests.pop(request.request_id, None)
         self.runner.forget(request.request_id)
 

@@ -20,13 +20,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdserve.engine.batch import BlockTables, HostBatch, build_host_batch
 from pdserve.engine.graph_runner import GraphRunner
 from pdserve.engine.sampler import SamplingBatch, num_top_logprobs, sample
 from pdserve.engine.streams import Event, StreamOps, same_stream
-from pdserve.sampling_params import MAX_TOP_LOGPROBS, TokenLogprob
+from pdserve.request import Request
+from pdserve.sampling_params import MAX_TOP_LOGPROBS, PromptLogprob, TokenLogprob
 from pdserve.sched.base import Plan, StepOutput, Work
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class HostBuffers:
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
     device_tokens: torch.Tensor | None = None
+    prompt: PromptRows | None = None  # the last launch's prompt scores (its own host copy)
 
     @classmethod
     def make(cls, ops: StreamOps, size: int, device_tokens: torch.Tensor | None = None
@@ -78,6 +81,11 @@ class Launch:
     want_logprobs: bool
     launch_ms: float  # host time spent issuing it (a bubble if longer than a decode step)
     issued: float = field(default_factory=time.perf_counter)  # when the host began issuing
+    prompt: PromptRows | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        # Taken now: the lane's next launch with these buffers sets its own.
+        self.prompt, self.buffers.prompt = self.buffers.prompt, None
 
     @property
     def plan(self) -> Plan:
@@ -108,33 +116,139 @@ class Launch:
                 for lp, i, v, p in zip(logprobs, ids, values, params, strict=True)]
 
 
-@dataclass
-class SamplingInputs:
-    """Device inputs of sampling, copied before the forward is issued: a host-to-device copy
-    from pageable memory waits for the stream to drain, which must not happen behind a
-    layer's kernels (the host would block for the whole launch)."""
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
-    rows: torch.Tensor
-    batch: SamplingBatch
+
+PROMPT_SCORE_ROWS = 256
+"""Prompt positions scored per pass: their float32 logits over the vocabulary ([rows,
+vocab], 128 MiB at 128K tokens) are the largest tensor prompt logprobs add to a step."""
+
+
+@dataclass
+class PromptRows:
+    """The rows of a step whose logits score a prompt token: for each request that asked for
+    prompt logprobs, the positions this step computes whose next token is in its prompt
+    (position p scores token p + 1). Scored on the device, copied to ``host`` in one copy."""
+
+    requests: list[Request]
+    starts: list[int]  # first scored position of each request
+    counts: list[int]  # positions scored of each request
+    rows: torch.Tensor  # [R] int64: rows of the step's hidden states
+    targets: torch.Tensor  # [R] int64: the prompt token each row scores
+    width: int  # alternatives per row: the most any of these requests asked for
+    host: torch.Tensor | None = None  # [R, 2 + 2 * width] float64, once scored
 
     @classmethod
-    def of(cls, plan: Plan, logits_indices, vocab_size: int, device: torch.device
+    def of(cls, plan: Plan, query_start_loc: np.ndarray, device: torch.device
+           ) -> PromptRows | None:
+        if not Request.num_scoring:  # the common step: nobody asked
+            return None
+        spans = [span for i, item in enumerate(plan.scheduled)
+                 if item.request.params.prompt_logprobs is not None
+                 and (span := _scored_span(item, int(query_start_loc[i]))) is not None]
+        if not spans:
+            return None
+        requests = [request for request, _, _, _ in spans]
+        rows = np.concatenate([np.arange(count) + row for _, _, count, row in spans])
+        targets = np.concatenate([r.prompt_token_ids[start + 1:start + 1 + count]
+                                  for r, start, count, _ in spans]).astype(np.int64)
+        return cls(requests, [start for _, start, _, _ in spans],
+                   [count for _, _, count, _ in spans], _to_device(rows, device),
+                   _to_device(targets, device), max(r.params.prompt_logprobs for r in requests))
+
+    @classmethod
+    def worst_case(cls, num_tokens: int, device: torch.device) -> PromptRows:
+        """The most a step scores in one pass, with 20 alternatives (memory profiling)."""
+        rows = torch.arange(min(num_tokens, PROMPT_SCORE_ROWS), device=device)
+        return cls([], [], [], rows, torch.zeros_like(rows), MAX_TOP_LOGPROBS)
+
+    def score(self, model, hidden: torch.Tensor) -> None:
+        """Logprob and rank of each row's prompt token and the top ``width``, in float32 on
+        the device; one copy of all of them to the host, not waited for."""
+        parts = [self._score_slice(model, hidden, start)
+                 for start in range(0, self.rows.shape[0], PROMPT_SCORE_ROWS)]
+        packed = torch.cat(parts)
+        self.host = torch.empty(packed.shape, dtype=packed.dtype,
+                                pin_memory=packed.device.type == "cuda")
+        self.host.copy_(packed, non_blocking=True)
+
+    def _score_slice(self, model, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        rows = self.rows[start:start + PROMPT_SCORE_ROWS]
+        targets = self.targets[start:start + PROMPT_SCORE_ROWS, None]
+        logprobs = model.compute_logits(hidden.index_select(0, rows)).float().log_softmax(-1)
+        chosen = logprobs.gather(1, targets)
+        # vLLM's rank: 1 + the tokens strictly more likely (ties share the better rank).
+        rank = (logprobs > chosen).sum(-1, keepdim=True) + 1
+        # float64 holds token ids and ranks exactly: everything goes in one tensor.
+        parts = [chosen.double(), rank.double()]
+        if self.width:
+            top = logprobs.topk(self.width, dim=-1)
+            parts += [top.values.double(), top.indices.double()]
+        return torch.cat(parts, dim=1)
+
+    def store(self) -> None:
+        """Writes the scores into the requests (the launch is done); a request that has sent
+        its prompt logprobs meanwhile (aborted, finished) is skipped."""
+        table, offset = self.host.tolist(), 0
+        for request, start, count in zip(self.requests, self.starts, self.counts, strict=True):
+            if request.prompt_logprobs is not None:
+                request.prompt_logprobs[start + 1:start + 1 + count] = [
+                    self._entry(row, request.params.prompt_logprobs)
+                    for row in table[offset:offset + count]]
+            offset += count
+
+    def _entry(self, row: list[float], keep: int) -> PromptLogprob:
+        """(logprob, rank, top ``keep``) from a packed row."""
+        width = self.width
+        top = zip(map(int, row[2 + width:2 + width + keep]), row[2:2 + keep], strict=True)
+        return row[0], int(row[1]), list(top)
+
+
+def _scored_span(item, first_row: int) -> tuple[Request, int, int, int] | None:
+    """(request, first position, positions, first row) of the positions this step computes
+    for ``item`` whose next token is in its prompt; None when it scores none."""
+    request = item.request
+    if not request.scores_prompt:  # scored and sent already (a recompute after preemption)
+        return None
+    start = request.num_computed
+    end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
+    return (request, start, end - start, first_row) if end > start else None
+
+
+@dataclass
+class SamplingInputs:
+    """Device inputs of sampling (and of prompt scoring), copied before the forward is
+    issued: a host-to-device copy from pageable memory waits for the stream to drain, which
+    must not happen behind a layer's kernels (the host would block for the whole launch)."""
+
+    rows: torch.Tensor | None
+    batch: SamplingBatch | None
+    prompt: PromptRows | None = None
+
+    @classmethod
+    def of(cls, plan: Plan, host: HostBatch, vocab_size: int, device: torch.device
            ) -> SamplingInputs | None:
         requests = [s.request for s in plan.sampling]
+        prompt = PromptRows.of(plan, host.query_start_loc, device)
         if not requests:
-            return None
-        rows = torch.from_numpy(logits_indices)
-        if device.type == "cuda":
-            rows = rows.pin_memory()
-        return cls(rows.to(device, non_blocking=True),
-                   SamplingBatch.from_requests(requests, vocab_size, device))
+            return None if prompt is None else cls(None, None, prompt)
+        return cls(_to_device(host.logits_indices, device),
+                   SamplingBatch.from_requests(requests, vocab_size, device), prompt)
 
 
 def sample_into(model, hidden: torch.Tensor, inputs: SamplingInputs | None,
                 buffers: HostBuffers) -> tuple[int, bool]:
     """Samples on the current stream and copies the tokens to the pinned buffers without a
-    host sync. Returns (rows sampled, logprobs wanted)."""
-    if inputs is None:
+    host sync (and scores prompt tokens, for requests that asked). Returns (rows sampled,
+    logprobs wanted)."""
+    buffers.prompt = inputs.prompt if inputs is not None else None
+    if buffers.prompt is not None:
+        buffers.prompt.score(model, hidden)
+    if inputs is None or inputs.batch is None:
         return 0, False
     logits = model.compute_logits(hidden.index_select(0, inputs.rows))
     if inputs.batch.grammar is not None:
@@ -210,7 +324,7 @@ class PrefillBatch:
                 meta.slot_mapping, self._hidden, self._residual]
 
     def _sampling_inputs(self) -> SamplingInputs | None:
-        return SamplingInputs.of(self.plan, self.host.logits_indices,
+        return SamplingInputs.of(self.plan, self.host,
                                  self.runner.arch.vocab_size, self.runner.device)
 
     def _finish(self, inputs: SamplingInputs | None, buffers: HostBuffers) -> tuple[int, bool]:

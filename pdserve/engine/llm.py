@@ -11,7 +11,7 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.setup import EngineSetup
 from pdserve.messages import RequestUpdate
 from pdserve.model.hub import resolve_model_config
-from pdserve.output import OutputProcessor
+from pdserve.output import OutputProcessor, PromptLogprobs
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 Prompt = str | dict[str, Any]
@@ -34,6 +34,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = False
+    prompt_logprobs: PromptLogprobs | None = None
+    """With ``SamplingParams.prompt_logprobs``: per prompt token (None for the first), the
+    token and the most likely ones at its position, as vLLM gives them."""
 
 
 class LLM:
@@ -105,6 +108,8 @@ class LLM:
         if completion.logprobs is not None:
             completion.logprobs += delta.logprobs or []
         out.num_cached_tokens = processor.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            out.prompt_logprobs = delta.prompt_logprobs
         if delta.abort:
             self.engine.abort_request(out.request_id)
         completion.finish_reason = delta.finish_reason

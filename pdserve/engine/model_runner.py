@@ -24,6 +24,7 @@ from pdserve.engine.launch import (
     KVPool,
     Launch,
     PrefillBatch,
+    PromptRows,
     SamplingInputs,
     sample_into,
 )
@@ -157,6 +158,8 @@ class ModelRunner:
         # activations.
         sample(self.model.compute_logits(hidden[-rows:]),
                worst_case_sampling(rows, self.arch.vocab_size, self.device))
+        # Prompt logprobs: [256, vocab] float32 logits per pass, more than a small batch's.
+        PromptRows.worst_case(num_tokens, self.device).score(self.model, hidden)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del scratch, hidden
@@ -255,7 +258,7 @@ class ModelRunner:
     def _launch_whole(self, work: Work, buffers: HostBuffers) -> tuple[int, bool]:
         pool = self.pools[work.pool]
         batch = build_host_batch(work.plan, pool.tables, self.block_size)
-        inputs = SamplingInputs.of(work.plan, batch.logits_indices, self.arch.vocab_size,
+        inputs = SamplingInputs.of(work.plan, batch, self.arch.vocab_size,
                                    self.device)
         hidden = self._forward(batch, pool, work.partition, buffers.device_tokens)
         return sample_into(self.model, hidden, inputs, buffers)

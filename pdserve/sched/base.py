@@ -350,7 +350,9 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         request = self.waiting[0]
-        self.blocks.admit(request)
+        # Positions served from the prefix cache have no logits: a request scoring its
+        # prompt computes all of it.
+        self.blocks.admit(request, use_cache=not request.scores_prompt)
         num_new = min(request.num_uncomputed, budget)
         if num_new <= 0 or not self.blocks.grow(request, request.num_computed + num_new):
             self.blocks.free(request)

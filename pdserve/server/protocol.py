@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from pdserve.sampling_params import (
     MAX_TOP_LOGPROBS,
@@ -19,6 +19,9 @@ from pdserve.sampling_params import (
     InvalidRequestError,
     SamplingParams,
 )
+
+if TYPE_CHECKING:  # the gateway imports this module without the tokenizer's dependencies
+    from pdserve.output import Logprob, PromptLogprobs
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 64
@@ -154,7 +157,8 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
                      "add_special_tokens", "user", "return_engine_timing", "n",
                      "presence_penalty", "frequency_penalty", "repetition_penalty",
                      "logit_bias", "min_p", "response_format", "guided_json", "guided_regex",
-                     "guided_choice", "guided_grammar", "structured_outputs"), HONOURED),
+                     "guided_choice", "guided_grammar", "structured_outputs",
+                     "prompt_logprobs"), HONOURED),
     "allowed_token_ids": Refused(_SAMPLER),
     "bad_words": Refused(_SAMPLER, ([],)),
     "logits_processors": Refused(_SAMPLER, ([],)),
@@ -164,7 +168,6 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
                                        ("llguidance", "guidance", "auto")),
     "guided_whitespace_pattern": Refused("JSON output is compact; a schema may allow free "
                                          "whitespace with \"x-guidance\""),
-    "prompt_logprobs": Refused("the engine returns no prompt logprobs", (0,)),
     "truncate_prompt_tokens": Refused("prompts are never truncated; send a shorter one"),
     "spaces_between_special_tokens": Refused("special tokens are always decoded as the "
                                              "tokenizer joins them", (True,)),
@@ -259,6 +262,10 @@ class SamplingRequest:
     """Choices generated (completions): the ``n`` with the highest sum of logprobs return."""
     grammar: GrammarSpec | None = None
     """Structured output: the grammar every choice follows (``pdserve/server/guided.py``)."""
+    prompt_logprobs: int | None = None
+    """vLLM extension: the prompt tokens' logprobs with this many alternatives each."""
+    echo_logprobs: bool = False
+    """Completions with ``echo`` and ``logprobs``: the prompt's tokens lead the logprobs."""
 
     @classmethod
     def read(cls, body: dict, max_tokens: int | None) -> SamplingRequest:
@@ -284,7 +291,16 @@ class SamplingRequest:
             penalties={name: get_number(body, name, off) for name, off in _PENALTIES.items()},
             logit_bias=_logit_bias(body),
             n=_choices(body, "n"),
+            prompt_logprobs=_prompt_logprobs(body),
         )
+
+    @property
+    def scored_prompt_width(self) -> int | None:
+        """Alternatives the engine computes per prompt token; None: the prompt is not
+        scored."""
+        if self.echo_logprobs:
+            return max(self.prompt_logprobs or 0, self.top_logprobs)
+        return self.prompt_logprobs
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
                         default_max_tokens: int | None) -> SamplingParams:
@@ -307,7 +323,8 @@ class SamplingRequest:
                 logprobs=self.logprobs, min_tokens=self.min_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, top_logprobs=self.top_logprobs,
-                logit_bias=self.logit_bias, grammar=self.grammar, **self.penalties)
+                logit_bias=self.logit_bias, grammar=self.grammar,
+                prompt_logprobs=self.scored_prompt_width, **self.penalties)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), param=_field_named(str(exc))) from None
 
@@ -350,6 +367,19 @@ def _top_logprobs(value: int | None, name: str) -> int:
     return value or 0
 
 
+def _prompt_logprobs(body: dict) -> int | None:
+    value = get_int(body, "prompt_logprobs")
+    if value is None:
+        return None
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"'prompt_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]",
+                          param="prompt_logprobs")
+    if get_bool(body, "stream"):  # as vLLM: they come with the whole answer only
+        raise bad_request("'prompt_logprobs' is not available when 'stream' is true",
+                          param="prompt_logprobs")
+    return value
+
+
 def _optional_bool(body: dict, name: str) -> bool | None:
     return get_bool(body, name) if body.get(name) is not None else None
 
@@ -382,9 +412,7 @@ class CompletionRequest:
             raise bad_request("'best_of' larger than 'n' cannot stream: the best choices are "
                               "known only at the end", param="best_of")
         echo = get_bool(body, "echo")
-        if echo and sampling.logprobs:
-            raise bad_request("'echo' with 'logprobs' needs the prompt's logprobs, which the "
-                              "engine does not return", param="echo")
+        sampling.echo_logprobs = echo and sampling.logprobs
         return cls(sampling, _read_prompt(body.get("prompt")), echo)
 
 
@@ -535,6 +563,8 @@ class Piece:
     """Per token, (text, logprob) of the most likely tokens; None unless asked for."""
     index: int = 0
     """Which choice (``n`` > 1) this output belongs to."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """In the request's first piece, when the prompt was scored."""
 
 
 def completion_logprobs(piece: Piece, offset: int) -> dict[str, Any]:
@@ -552,7 +582,7 @@ def _completion_top(piece: Piece) -> list[dict[str, float]] | None:
     # to U+FFFD) share an entry, and the sampled token's own logprob is the one kept.
     if piece.top_logprobs is None:
         return None
-    return [{**dict(top), text: lp} for text, lp, top in
+    return [None if lp is None else {**dict(top), text: lp} for text, lp, top in
             zip(piece.token_texts, piece.logprobs or [], piece.top_logprobs, strict=True)]
 
 
@@ -572,6 +602,36 @@ def completion_choice(piece: Piece, with_logprobs: bool, offset: int = 0) -> dic
     logprobs = completion_logprobs(piece, offset) if with_logprobs else None
     return {"index": piece.index, "text": piece.text, "logprobs": logprobs,
             "finish_reason": piece.finish_reason}
+
+
+def prompt_logprobs_json(scored: PromptLogprobs, prompt_ids: list[int], width: int
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (null for the first), by token id, the
+    prompt token and the ``width`` most likely (the engine may have scored more, for echo)."""
+    return [None if position is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in position.items() if lp.rank <= width or t == token}
+            for token, position in zip(prompt_ids, scored, strict=True)]
+
+
+def echo_logprobs(piece: Piece, prompt_ids: list[int], prompt_texts: list[str], width: int
+                  ) -> Piece:
+    """``piece`` with the prompt's tokens before its own, as completions ``echo`` with
+    ``logprobs`` answers: the first has no logprob (nothing predicts it)."""
+    scored = piece.prompt_logprobs or [None] * len(prompt_ids)
+    logprobs = [None if p is None else p[t].logprob
+                for t, p in zip(prompt_ids, scored, strict=True)]
+    tops = [None if p is None else
+            [(lp.decoded_token, lp.logprob) for lp in sorted(p.values(), key=_rank)
+             if lp.rank <= width] for p in scored]
+    return replace(piece, token_texts=prompt_texts + piece.token_texts,
+                   logprobs=logprobs + (piece.logprobs or []),
+                   top_logprobs=tops + piece.top_logprobs
+                   if piece.top_logprobs is not None else None)
+
+
+def _rank(logprob: Logprob) -> int:
+    return logprob.rank
 
 
 def chat_choice(piece: Piece, with_logprobs: bool, delta: bool) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -89,7 +89,8 @@ class Generation:
         self.done = self.output.finished
         self.timing.finish_reason = out.finish_reason
         return P.Piece(out.text, out.token_ids, out.token_texts, out.logprobs,
-                       out.finish_reason, items[-1][1], out.top_logprobs, self.index)
+                       out.finish_reason, items[-1][1], out.top_logprobs, self.index,
+                       out.prompt_logprobs)
 
     def _note(self, delta: RequestUpdate, step_time: float) -> None:
         if delta.engine_arrival_time is not None:
@@ -118,6 +119,9 @@ class Format:
     sampling: P.SamplingRequest
     echo: str = ""
     """Completions with ``echo``: the prompt's text, sent before the output."""
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_texts: list[str] = field(default_factory=list)
+    """Echo with logprobs: each prompt token's text, leading the logprobs' tokens."""
 
     tools: ToolRequest | None = None
     """Chat with tool calls: the output becomes content and tool calls."""
@@ -140,6 +144,21 @@ class Format:
             self._text_suffix = b',"logprobs":null,"finish_reason":null}]'
         if self.sampling.include_usage:
             self._text_suffix += b',"usage":null'
+
+    def with_echo(self, piece: P.Piece) -> P.Piece:
+        """A choice's first piece with the echoed prompt before it (and, with logprobs, the
+        prompt's tokens before its tokens)."""
+        piece = replace(piece, text=self.echo + piece.text)
+        if not self.sampling.echo_logprobs:
+            return piece
+        return P.echo_logprobs(piece, self.prompt_ids, self.prompt_texts,
+                               self.sampling.top_logprobs)
+
+    def _prompt_logprobs(self, piece: P.Piece) -> list | None:
+        if self.sampling.prompt_logprobs is None or piece.prompt_logprobs is None:
+            return None
+        return P.prompt_logprobs_json(piece.prompt_logprobs, self.prompt_ids,
+                                      self.sampling.prompt_logprobs)
 
     @property
     def chunk_kind(self) -> str:
@@ -170,7 +189,13 @@ class Format:
         else:
             choices = [P.completion_choice(p, self.sampling.logprobs) for p in pieces]
             kind = "text_completion"
-        return P.envelope(self.request_id, kind, self.model, self.created, choices, usage)
+        if self.sampling.prompt_logprobs is not None and not self.chat:
+            for choice, piece in zip(choices, pieces, strict=True):
+                choice["prompt_logprobs"] = self._prompt_logprobs(piece)
+        body = P.envelope(self.request_id, kind, self.model, self.created, choices, usage)
+        if self.sampling.prompt_logprobs is not None and self.chat:
+            body["prompt_logprobs"] = self._prompt_logprobs(pieces[0])  # vLLM: per response
+        return body
 
 
 class OpenAIServing:
@@ -229,9 +254,13 @@ class OpenAIServing:
             prompt_ids = request.prompt
             P.check_token_ids(prompt_ids, self.client.vocab_size)
         P.check_token_ids(list(request.sampling.logit_bias), self.client.vocab_size, "logit_bias")
-        fmt = Format(False, P.new_id("cmpl"), self.model_name, P.now_s(), request.sampling)
+        fmt = Format(False, P.new_id("cmpl"), self.model_name, P.now_s(), request.sampling,
+                     prompt_ids=prompt_ids)
+        skip = request.sampling.skip_special_tokens
         if request.echo:
-            fmt.echo = self._prompt_text(request.prompt, request.sampling.skip_special_tokens)
+            fmt.echo = self._prompt_text(request.prompt, skip)
+        if request.sampling.echo_logprobs:
+            fmt.prompt_texts = [self.tokenizer.decode([t], skip) for t in prompt_ids]
         return fmt, prompt_ids, self.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
 
     def _prompt_text(self, prompt: str | list[int], skip_special_tokens: bool) -> str:
@@ -252,7 +281,7 @@ class OpenAIServing:
         prompt_ids = await self.encode_chat(text, request.sampling.add_special_tokens)
         P.check_token_ids(list(request.sampling.logit_bias), self.client.vocab_size, "logit_bias")
         fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling,
-                     tools=tools)
+                     tools=tools, prompt_ids=prompt_ids)
         return fmt, prompt_ids, self.default_max_tokens
 
     def _read_tools(self, body: dict, sampling: P.SamplingRequest) -> ToolRequest | None:
@@ -387,8 +416,8 @@ class OpenAIServing:
     async def _stream(self, http: web.Request, fmt: Format, gen: Generation
                       ) -> web.StreamResponse:
         pieces = gen.pieces()
-        first = await anext(pieces)  # a refused request still gets a plain error status
-        first.text = fmt.echo + first.text
+        # Awaited before the response starts: a refused request still gets a plain status.
+        first = fmt.with_echo(await anext(pieces))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(http)
@@ -553,12 +582,13 @@ async def _whole(fmt: Format, gen: Generation, first: P.Piece | None = None) -> 
     """A generation's whole output as one piece (the echo first)."""
     pieces = [first] if first is not None else []
     pieces += [piece async for piece in gen.pieces()]
+    pieces[0] = fmt.with_echo(pieces[0])
     tops = [p.top_logprobs for p in pieces if p.top_logprobs is not None]
-    return P.Piece(fmt.echo + "".join(p.text for p in pieces), [],
+    return P.Piece("".join(p.text for p in pieces), [],
                    [t for p in pieces for t in p.token_texts],
                    [lp for p in pieces for lp in p.logprobs or []], pieces[-1].finish_reason,
                    top_logprobs=[t for top in tops for t in top] if tops else None,
-                   index=gen.index)
+                   index=gen.index, prompt_logprobs=pieces[0].prompt_logprobs)
 
 
 def _best(wholes: list[P.Piece], n: int) -> list[P.Piece]:
@@ -566,7 +596,10 @@ def _best(wholes: list[P.Piece], n: int) -> list[P.Piece]:
     ``n``), numbered from 0 in that order."""
     if len(wholes) == n:
         return wholes
-    best = sorted(wholes, key=lambda p: sum(p.logprobs or []), reverse=True)[:n]
+    # Echoed prompt tokens lead with None (the first has no logprob): the prompt is the same
+    # in every choice, so only the generated tokens rank them.
+    best = sorted(wholes, key=lambda p: sum(lp for lp in p.logprobs or [] if lp is not None),
+                  reverse=True)[:n]
     return [replace(piece, index=i) for i, piece in enumerate(best)]
 
 
@@ -581,11 +614,10 @@ async def _pump(writer: _SSEWriter, chunks: asyncio.Queue, first: P.Piece | None
     """One choice's chunks into the shared queue; None when it is done (or an error)."""
     try:
         if first is not None:
-            first.text = writer.fmt.echo + first.text
-            chunks.put_nowait(writer.encode(first))
+            chunks.put_nowait(writer.encode(writer.fmt.with_echo(first)))
         async for piece in writer.gen.pieces():
             if not writer.sent_first:
-                piece.text = writer.fmt.echo + piece.text
+                piece = writer.fmt.with_echo(piece)
             chunks.put_nowait(writer.encode(piece))
     except P.APIError as exc:
         chunks.put_nowait(exc)
@@ -618,6 +650,10 @@ def refuse_split_features(fmt: Format) -> None:
         name = "top_logprobs" if fmt.chat else "logprobs"
         raise P.bad_request("top alternatives are not returned when prefill and decode run "
                             "on different instances", param=name)
+    if sampling.scored_prompt_width is not None:
+        name = "prompt_logprobs" if sampling.prompt_logprobs is not None else "echo"
+        raise P.bad_request(f"'{name}' needs the prompt's logprobs, which are not returned "
+                            "when prefill and decode run on different instances", param=name)
 
 
 def resumed_params(params: SamplingParams, done: int) -> SamplingParams:

@@ -238,3 +238,12 @@ def test_split_on_gpu_matches_one_engine(hf_llama_gpu, schedule):
     finally:
         prefill.close()
         decode.close()
+
+
+@pytest.mark.parametrize("handoff", [KVHandoff("p", target="127.0.0.1:1"),
+                                     KVHandoff("d", first_token=3)])
+def test_prompt_logprobs_are_refused_on_a_hand_off(pair, handoff):
+    # The prefill instance scores the prompt but nothing carries the scores to the client.
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        pair[0].add_request("scored", [1, 2, 3], params, handoff=handoff)

@@ -67,6 +67,11 @@ def test_frames_survive_any_split():
     ("completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
               "top_logprobs": 2}, "top_logprobs"),
+    # The prompt is scored on the prefill instance; its logprobs do not cross.
+    ("completions", {"prompt": "x", "prompt_logprobs": 0}, "prompt_logprobs"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1},
+     "prompt_logprobs"),
+    ("completions", {"prompt": "x", "echo": True, "logprobs": 0}, "echo"),
 ])
 def test_a_request_split_across_instances_refuses_choices_and_alternatives(kind, body, param):
     from pdserve.server.serving import Format, refuse_split_features
