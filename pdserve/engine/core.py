@@ -71,6 +71,10 @@ class EngineCore:
                                         **policy_args(config, self.runner, setup))
         self.runner.configure(self.scheduler.pool_layout(), self.scheduler.decode_pool,
                               self.scheduler.graph_partitions())
+        if self.runner.comm.size > 1:
+            # Workers sample a stand-in token (rank 0 alone samples for real): an input id
+            # resolved on a worker's device would not be rank 0's token.
+            self.scheduler.overlap.enabled = False
         self.kv = KVConnector(self.runner, config.transfer)
         self.requests: dict[str, Request] = {}
         self._queued: list[RequestUpdate] = []  # aborts and first tokens, out with the next step
@@ -456,6 +460,8 @@ class EngineCore:
         overlap = self.scheduler.overlap.describe()
         if not self.config.scheduler.overlap_schedule:
             overlap["off_because"] = "--no-overlap-schedule"
+        elif not overlap["enabled"] and self.runner.comm.size > 1:
+            overlap["off_because"] = "not implemented under --tensor-parallel-size > 1"
         elif not overlap["enabled"]:
             overlap["off_because"] = (f"not implemented for --schedule "
                                       f"{self.config.scheduler.schedule} (its lanes run on "

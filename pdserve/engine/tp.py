@@ -127,6 +127,10 @@ class TokenWindow:
     def __init__(self, start: int, tokens: list[int]) -> None:
         self.start, self.tokens = start, tokens
 
+    def __len__(self) -> int:
+        """The request's length up to the window's end: every token before it is known."""
+        return self.start + len(self.tokens)
+
     def __getitem__(self, index):
         if isinstance(index, slice):
             return self.tokens[index.start - self.start:index.stop - self.start]
@@ -139,6 +143,10 @@ class MirrorRequest:
     __slots__ = ("request_id", "num_computed", "token_ids", "block_ids", "num_preemptions",
                  "params", "generator")
     PARAMS = SamplingParams(temperature=0)
+    # What the step's batch building and sampling read of a real request, at the values a
+    # worker needs: no grammar, no placeholder ids (overlap is off under TP).
+    grammar = None
+    num_placeholders = placeholder_row = 0
 
     def __init__(self, request_id: str) -> None:
         self.request_id, self.block_ids, self.num_preemptions = request_id, [], 0

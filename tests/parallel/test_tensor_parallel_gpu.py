@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from tests.dist.conftest import hf_greedy
+from tests.parallel.conftest import hf_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")]

@@ -26,8 +26,8 @@ from pdserve.model.loader import load_model
 from pdserve.ops.reference import TorchAttentionBackend
 from pdserve.request import Request
 from pdserve.sched.base import Plan
-from tests.dist.conftest import _save, hf_greedy
 from tests.engine.test_multiplex import SplitModel
+from tests.parallel.conftest import _save, hf_greedy
 
 MAX_NEW = 6
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
@@ -114,7 +114,10 @@ def test_tp2_greedy_equals_tp1_and_transformers(request, ckpt):
     assert _generate(LLM(folder, **OPTIONS), prompts) == want
     with LLM(folder, tensor_parallel_size=2, **OPTIONS) as llm:
         assert _generate(llm, prompts) == want
-        assert llm.engine.describe()["tensor_parallel_size"] == 2
+        info = llm.engine.describe()
+        assert info["tensor_parallel_size"] == 2
+        assert info["overlap_schedule"]["off_because"] == \
+            "not implemented under --tensor-parallel-size > 1"
     assert all(worker.poll() == 0 for worker in llm.engine.runner.tp.workers), "told to stop"
 
 
