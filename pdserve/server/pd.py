@@ -84,16 +84,25 @@ class PrefillAdmission:
 
     def admit(self, num_tokens: int, ttft_budget_ms: float | None) -> None:
         """Counts the prefill in, or raises 429 if its first token would come too late
-        because of the prompts ahead of it. An idle instance takes any prompt: if that one is
-        too long for the budget, no instance could do better."""
+        because of the prompts ahead of it (``try_admit``)."""
+        refused_ttft = self.try_admit(num_tokens, ttft_budget_ms)
+        if refused_ttft is not None:
+            raise P.APIError(429, f"this prefill instance would have the first token in about "
+                             f"{refused_ttft:.0f} ms, past the {ttft_budget_ms:.0f} ms allowed",
+                             code="prefill_busy")
+
+    def try_admit(self, num_tokens: int, ttft_budget_ms: float | None) -> float | None:
+        """Counts the prefill in and returns None, or returns the predicted TTFT (ms) that
+        refuses it. An idle instance takes any prompt: if that one is too long for the
+        budget, no instance could do better. (The fleet simulator offers millions of
+        prompts: a refusal there must not cost an exception.)"""
         ttft = self.predicted_ttft_ms(num_tokens)
         if ttft_budget_ms is not None and self.queued_tokens and ttft > ttft_budget_ms:
             self.rejected += 1
-            raise P.APIError(429, f"this prefill instance would have the first token in about "
-                             f"{ttft:.0f} ms, past the {ttft_budget_ms:.0f} ms allowed",
-                             code="prefill_busy")
+            return ttft
         self.accepted += 1
         self.queued_tokens += num_tokens
+        return None
 
     def done(self, num_tokens: int, num_computed: int | None, arrival: float) -> None:
         """A prefill left; ``num_computed`` of its tokens were computed (the rest were prefix

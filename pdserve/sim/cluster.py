@@ -36,7 +36,6 @@ from pdserve.cluster.metrics import ScenarioWindow
 from pdserve.cluster.ratio import decode_floor, judge
 from pdserve.cluster.registry import Instance
 from pdserve.server.pd import PrefillAdmission
-from pdserve.server.protocol import APIError
 
 
 @dataclass(frozen=True)
@@ -304,9 +303,8 @@ class PrefillSim:
         return not (self.busy or self.queue)
 
     def offer(self, request: SimRequest, ttft_budget_ms: float | None) -> bool:
-        try:
-            self.admission.admit(request.input_len, ttft_budget_ms)
-        except APIError:  # the real rule refuses with a 429
+        # The real rule (a real instance answers its refusal with a 429).
+        if self.admission.try_admit(request.input_len, ttft_budget_ms) is not None:
             return False
         self.queue.append((request, self.loop.now))
         if not self.busy:
