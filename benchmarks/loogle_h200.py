@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # runnable from a plain checkout
+
+from pdserve.testing import start_serve  # noqa: E402
+
 SPLITS = "16,24,32,48,64"
 CONFIGS = {
     "multiplex": "--schedule multiplex --itl-slo-ms 60 --max-num-batched-tokens 24576 "
@@ -44,58 +47,31 @@ CONFIGS = {
 TTFT_SLO_S, TPOT_SLO_S = 15.0, 0.060
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def get_json(url: str) -> dict | list:
     with urllib.request.urlopen(url, timeout=30) as response:
         return json.loads(response.read())
 
 
-def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode} while starting")
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"the server was not healthy within {timeout_s:.0f} s")
-
-
-def serve_command(args, flags: str, port: int) -> list[str]:
-    command = [sys.executable, "-m", "pdserve", "serve", args.model, "--load-format", "dummy",
-               "--max-model-len", str(args.max_model_len), "--port", str(port), *flags.split()]
+def server_flags(args, name: str) -> list[str]:
+    flags = CONFIGS[name].split() + ["--load-format", "dummy", "--max-model-len",
+                                     str(args.max_model_len)]
+    if name == "multiplex" and args.predictor:
+        flags += ["--mux-predictor", args.predictor]
     if args.device != "auto":
-        command += ["--device", args.device]
-    return command
+        flags += ["--device", args.device]
+    return flags + args.server_flags.split()
 
 
 def run_config(args, name: str, out: Path) -> None:
-    flags = CONFIGS[name] + (f" --mux-predictor {args.predictor}" if name == "multiplex" and
-                             args.predictor else "") + (f" {args.server_flags}" if
-                                                        args.server_flags else "")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = serve_command(args, flags, port)
-    log = open(out / f"{name}_server.log", "w")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    flags = server_flags(args, name)
+    server = start_serve(args.model, *flags, timeout_s=args.start_timeout,
+                         log_path=out / f"{name}_server.log")
+    command = ["python", "-m", "pdserve", "serve", args.model, *flags]
     try:
-        wait_healthy(url, server, args.start_timeout)
         for rate in args.rates:
-            run_rate(args, name, rate, url, command, out)
+            run_rate(args, name, rate, server.url, command, out)
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+        server.stop()
 
 
 def run_rate(args, name: str, rate: float, url: str, command: list[str], out: Path) -> None:

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 START_TIMEOUT_S = 600.0  # a large model on a GPU loads for minutes
@@ -45,12 +46,14 @@ class ServeProcess:
             self.process.wait()
 
 
-def start_serve(model: str, *flags: str, timeout_s: float = START_TIMEOUT_S) -> ServeProcess:
-    """``pdserve serve MODEL FLAGS`` on 127.0.0.1, returned once ``/health`` answers 200."""
+def start_serve(model: str, *flags: str, timeout_s: float = START_TIMEOUT_S,
+                log_path: Path | None = None) -> ServeProcess:
+    """``pdserve serve MODEL FLAGS`` on 127.0.0.1, returned once ``/health`` answers 200;
+    its output goes to ``log_path`` (kept) or a temporary file."""
     port = free_port()
     command = [sys.executable, "-m", "pdserve", "serve", model, "--host", "127.0.0.1",
                "--port", str(port), *flags]
-    log = tempfile.TemporaryFile()
+    log = open(log_path, "w+b") if log_path is not None else tempfile.TemporaryFile()
     server = ServeProcess(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT),
                           port, log)
     try:
