@@ -37,12 +37,7 @@ class HostBatch:
 
     def metadata(self, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        def put(array):
-            tensor = torch.from_numpy(array)
-            if device.type == "cuda":
-                tensor = tensor.pin_memory().to(device, non_blocking=True)
-            return tensor
-
+        put = lambda array: staged(array, device).to(device, non_blocking=True)
         meta = AttentionMetadata(
             num_seqs=self.num_seqs,
             num_decode_seqs=self.num_decode_seqs,
@@ -55,6 +50,13 @@ class HostBatch:
             block_size=self.block_size,
         )
         return put(self.input_ids), put(self.positions), meta
+
+
+def staged(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array ready to copy to ``device`` without waiting for the stream: in pinned
+    memory for a GPU (a copy from pageable memory waits for every kernel queued before it)."""
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory() if device.type == "cuda" else tensor
 
 
 class BlockTables:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.batch import HostBatch, resolve_placeholders
+from pdserve.engine.batch import HostBatch, resolve_placeholders, staged
 from pdserve.ops.metadata import AttentionMetadata
 from pdserve.progress import progress
 
@@ -145,11 +145,7 @@ class PiecewiseGraphs:
         return self.hidden_out[:num_tokens]
 
     def _copy_in(self, batch: HostBatch, num_tokens: int, size: int) -> None:
-        def put(dst: torch.Tensor, array) -> None:
-            src = torch.from_numpy(array)
-            if self.device.type == "cuda":
-                src = src.pin_memory()
-            dst.copy_(src, non_blocking=True)
+        put = lambda dst, array: dst.copy_(staged(array, self.device), non_blocking=True)
 
         put(self.input_ids[:num_tokens], batch.input_ids)
         put(self.positions[:num_tokens], batch.positions)
