@@ -29,7 +29,8 @@ def test_serve_with_two_ranks_and_a_worker_killed():
     try:
         status, _, body = server.request("GET", "/v1/engine/info")
         assert status == 200 and json.loads(body)["tensor_parallel_size"] == 2
-        done = server.openai().completions.create(model="tiny", prompt="hi", max_tokens=4)
+        done = server.openai().completions.create(model="tiny", prompt="hi", max_tokens=4,
+                                                 extra_body={"ignore_eos": True})
         assert done.usage.completion_tokens == 4
 
         engine = engine_pid(server)
@@ -40,7 +41,8 @@ def test_serve_with_two_ranks_and_a_worker_killed():
         _wait_for_new_engine(server, engine)
         assert "tensor-parallel rank 1" in server.log_text(), server.log_text()
         _worker_pid(engine_pid(server))  # the new engine has its own worker
-        again = server.openai().completions.create(model="tiny", prompt="hi", max_tokens=4)
+        again = server.openai().completions.create(model="tiny", prompt="hi", max_tokens=4,
+                                                 extra_body={"ignore_eos": True})
         assert again.usage.completion_tokens == 4
     finally:
         assert server.stop() == 0
