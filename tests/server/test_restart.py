@@ -69,7 +69,7 @@ def test_killed_engine_is_restarted_and_in_flight_requests_fail_retryably(launch
     assert refused[0] == 503 and "Retry-After" in refused[1]
 
     _wait_for_new_engine(server, old_pid)
-    # Sampled at temperature 1: the random tiny model may draw its EOS, which is not what this checks.
+    # Sampled at temperature 1: the random tiny model may draw its EOS (not what this checks).
     done = server.openai().completions.create(model="tiny", prompt="after", max_tokens=4,
                                               extra_body={"ignore_eos": True})
     assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 4
