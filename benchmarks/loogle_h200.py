@@ -39,6 +39,9 @@ SPLITS = "16,24,32,48,64"
 CONFIGS = {
     "multiplex": "--schedule multiplex --itl-slo-ms 60 --max-num-batched-tokens 24576 "
                  f"--mux-decode-sms {SPLITS}",
+    # The ablation: mixed steps only (an ITL-aware chunked prefill), no SM partitions.
+    "multiplex-temporal": "--schedule multiplex --itl-slo-ms 60 --max-num-batched-tokens 24576 "
+                          f"--mux-decode-sms {SPLITS} --mux-sharing temporal",
     "chunk512": "--schedule chunked --chunk-size 512",
     "chunk1024": "--schedule chunked --chunk-size 1024",
     "chunk2048": "--schedule chunked --chunk-size 2048",
@@ -55,7 +58,7 @@ def get_json(url: str) -> dict | list:
 def server_flags(args, name: str) -> list[str]:
     flags = CONFIGS[name].split() + ["--load-format", "dummy", "--max-model-len",
                                      str(args.max_model_len)]
-    if name == "multiplex" and args.predictor:
+    if name.startswith("multiplex") and args.predictor:
         flags += ["--mux-predictor", args.predictor]
     if args.device != "auto":
         flags += ["--device", args.device]
@@ -91,7 +94,7 @@ def run_rate(args, name: str, rate: float, url: str, command: list[str], out: Pa
            "server_command": _portable(command), "client_command": _portable(client),
            "engine_info": info, "summary": result["summary"],
            "attainment": attainment(result["requests"], args.output_len)}
-    if name == "multiplex":
+    if name.startswith("multiplex"):
         entries = get_json(url + "/v1/engine/timeline")["entries"]
         row["timeline"] = summarise_timeline(entries, since, info.get("itl_slo_ms") or 60.0)
         (out / f"{name}_rate{rate}_timeline.json").write_text(json.dumps(
@@ -174,7 +177,7 @@ def main() -> None:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         parser.error(f"unknown configuration(s) {unknown}; choose from {sorted(CONFIGS)}")
-    if args.profile and "multiplex" in names:
+    if args.profile and any(n.startswith("multiplex") for n in names):
         args.predictor = profile(args, args.out)
     for name in names:
         run_config(args, name, args.out)

@@ -74,9 +74,11 @@ class SchedulerConfig:
     mux_graph_batches: str = doc("1,2,4,8,16,32,48,64,96,128,192,256", "multiplex: decode "
                                  "batch sizes captured as graphs on every partition; larger "
                                  "batches run eagerly.")
-    mux_time_slice: bool = doc(True, "multiplex: let the planner weigh whole-GPU time "
-                               "slicing (decode alone, then a prefill layer range sized to the "
-                               "rest of the ITL budget) beside spatial and mixed steps.")
+    mux_sharing: str = doc("temporal,time_slice,spatial", "multiplex: the ways of sharing "
+                           "the GPU the planner weighs at each decode step (comma-separated): "
+                           "temporal (whole-GPU mixed steps), time_slice (decode alone, then a "
+                           "prefill layer range sized to the rest of the ITL budget), spatial "
+                           "(decode and prefill at once on their own SM partitions).")
     mux_allow_unprofiled: bool = doc(False, "multiplex: answer the SM splits a fitted profile "
                                       "never timed with the roofline model, instead of "
                                       "stopping at start-up with the groups it lacks.")
@@ -91,6 +93,22 @@ class SchedulerConfig:
     disagg_prefill_kv_fraction: float = doc(0.3, "disagg: share of the KV pages given to the "
                                             "prefill pool (prompts and the prefix cache); "
                                             "the decode pool gets the rest.")
+
+    def __post_init__(self) -> None:
+        mux_sharing_options(self.mux_sharing)  # a typo stops here, before anything loads
+
+
+MUX_SHARING = ("temporal", "time_slice", "spatial")
+
+
+def mux_sharing_options(text: str) -> frozenset[str]:
+    """The sharing options named in ``--mux-sharing``; a ValueError naming what is wrong."""
+    names = {part.strip() for part in str(text).split(",") if part.strip()}
+    unknown = sorted(names - set(MUX_SHARING))
+    if unknown or not names:
+        raise ValueError(f"--mux-sharing {text!r}: name one or more of {', '.join(MUX_SHARING)}"
+                         + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    return frozenset(names)
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,12 @@ def test_tensor_parallel_size_that_does_not_divide_the_heads():
                           "--tensor-parallel-size 3 does not divide the model's 4 attention heads")
 
 
+def test_mux_sharing_that_names_no_known_option():
+    assert_one_line_error(pdserve("serve", "tiny", "--schedule", "multiplex", "--mux-sharing",
+                                  "temporal,spacial"),
+                          "--mux-sharing 'temporal,spacial'", "unknown: spacial")
+
+
 def test_model_given_twice_and_different():
     assert_usage_error(pdserve("generate", "tiny", "--model", "tiny-qwen2", "--prompt", "x"),
                        "generate", "disagree")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, mux_sharing_options
 from pdserve.engine.streams import StreamOps
 from pdserve.gpu.driver import EmulatedDriver
 from pdserve.gpu.partitions import Partition, PartitionSet
@@ -136,7 +136,8 @@ def load_predictor(config: EngineConfig, runner, partitions: PartitionSet
         log.info("multiplex: %s; roofline latency model on the CPU", exc)
         return roofline, {"kind": "roofline", "why": str(exc)}
     log.info("multiplex: latency predictor from %s", path)
-    groups = profile_groups(partitions.decode_sm_choices(), total_sms)
+    spatial = "spatial" in mux_sharing_options(config.scheduler.mux_sharing)
+    groups = profile_groups(partitions.decode_sm_choices() if spatial else [], total_sms)
     fallback = roofline if config.scheduler.mux_allow_unprofiled else None
     predictor = require_coverage(fitted, groups, fallback)
     missing = sorted(getattr(predictor, "missing", ()))

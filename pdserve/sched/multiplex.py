@@ -38,6 +38,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 
+from pdserve.config import MUX_SHARING, mux_sharing_options
 from pdserve.gpu.partitions import Partition, PartitionSet
 from pdserve.sched.base import BatchCarry, Plan, StepOutput, Work
 from pdserve.sched.in_flight import InFlightScheduler
@@ -133,14 +134,16 @@ class MultiplexScheduler(InFlightScheduler):
 
     def _planner_config(self, **overrides) -> MuxPlannerConfig:
         sched = self.config
+        sharing = mux_sharing_options(sched.mux_sharing)
         fields = dict(itl_slo_ms=sched.itl_slo_ms, ttft_slo_ms=sched.ttft_slo_ms,
                       max_prefill_tokens=sched.max_num_batched_tokens,
-                      time_slice=sched.mux_time_slice)
+                      **{name: name in sharing for name in MUX_SHARING})
         return MuxPlannerConfig(**{**fields, **self._overrides, **overrides})
 
     def describe(self) -> dict:
+        sharing = sorted(mux_sharing_options(self.config.mux_sharing))
         return {"partitions": self.partitions.describe(), "predictor": self.predictor_source,
-                "time_slice": self.config.mux_time_slice, "itl_slo_ms": self.config.itl_slo_ms}
+                "sharing": sharing, "itl_slo_ms": self.config.itl_slo_ms}
 
     def graph_partitions(self) -> list[Partition]:
         """Where decode graphs are replayed: every split and the whole GPU."""

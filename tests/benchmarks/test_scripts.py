@@ -101,3 +101,31 @@ def test_validation_plot_draws_measured_beside_each_simulation(tmp_path):
         path.write_text(json.dumps(result))
         out = plots.plot(path, tmp_path)
         assert out.name == f"{name}.png" and out.stat().st_size > 1000
+
+
+def test_mux_whatif_walks_a_prompt_with_every_sharing_set(tmp_path):
+    """The planner over the H200 profile (rows committed from the 6f90be1 run): each sharing
+    set prefills the prompt; a dearer mixed step (the online correction) never makes
+    mixed steps alone faster, and leaves the full planner at least the other options' rate
+    (it may pick them)."""
+    from pdserve.sched.predictor import LatencyPredictor
+
+    whatif = _load("mux_whatif")
+    rows = Path(__file__).parents[1] / "data" / "h200_codellama34b_profile_rows_6f90be1.json"
+    data = json.loads(rows.read_text())
+    predictor = LatencyPredictor.fit(data["rows"], gpu_name=data["gpu"], model_name=data["model"],
+                                     num_layers=data["num_layers"], total_sms=data["total_sms"])
+    predictor.save(tmp_path / "predictor.json")
+    out = tmp_path / "whatif.json"
+    assert whatif.main(["--predictor", str(tmp_path / "predictor.json"), "--prompt-tokens", "4096",
+                        "--decode-batches", "2", "--itl-ms", "60", "--corrections", "1.0,1.5",
+                        "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["kind"] == "prediction" and len(result["rows"]) == 2 * 4
+    rate = {(r["mixed_correction"], "+".join(r["sharing"])): r["prefill_tokens_per_s"]
+            for r in result["rows"]}
+    assert rate[1.5, "temporal"] < rate[1.0, "temporal"]
+    for correction in (1.0, 1.5):
+        assert all(rate[correction, name] > 0 for name in ("temporal", "time_slice", "spatial"))
+        full = rate[correction, "temporal+time_slice+spatial"]
+        assert full >= 0.9 * max(rate[correction, n] for n in ("time_slice", "spatial"))

@@ -3,6 +3,7 @@ emulated partitions (CPU) and fake events that complete late, in any order, or o
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -101,13 +102,16 @@ def _multiplex(folder: str, predictor=None, ops=None, partitions=None, **options
     # Spatial and mixed steps unless a test asks for time slicing, which otherwise wins
     # under SplitModel's latencies.
     options = {"dtype": "float32", "block_size": 8, "max_num_batched_tokens": 64,
-               "mux_time_slice": False, **options}
+               "mux_sharing": "temporal,spatial", **options}
     setup = EngineSetup(partitions=partitions, predictor=predictor, ops=ops)
     llm = LLM(folder, schedule="multiplex", setup=setup, **options)
     # Steps are timed by the host's clock, which on a busy CPU says nothing about the fake
-    # latencies these tests plan with: learning from it made decisions (and tests) depend
-    # on machine load. Calibration has its own tests (tests/sched/test_mux_planner.py).
-    llm.engine.scheduler.model.weight = 0.0
+    # latencies these tests plan with: learning from it, or forcing prefill in once a prompt
+    # has waited two seconds of that clock, made decisions (and tests) depend on machine
+    # load. Calibration and the stall rule have their own tests (tests/sched/).
+    scheduler = llm.engine.scheduler
+    scheduler.set_predictor(scheduler.predictor, max_prefill_stall_ms=math.inf)
+    scheduler.model.weight = 0.0
     return llm
 
 
@@ -241,7 +245,8 @@ def test_time_slicing_alternates_lanes_and_matches_transformers(hf_llama, expect
     folder, _ = hf_llama
     prompts, want = expected
     llm = _multiplex(folder, predictor=SliceModel(2), ops=LagOps(seed=seed),
-                     partitions=PartitionSet.build(FakeDriver(), [16, 32]), mux_time_slice=True)
+                     partitions=PartitionSet.build(FakeDriver(), [16, 32]),
+                     mux_sharing="temporal,time_slice,spatial")
     seen = []
 
     def check(policy):
@@ -375,7 +380,9 @@ def test_multiplex_matches_chunked_on_gpu(hf_llama_gpu, planner):
     chunked = _generate(LLM(folder, schedule="chunked", chunk_size=256, **common), prompts)
     predictor = {"spatial": SplitModel(4), "time_slice": SliceModel(4)}.get(planner)
     llm = _multiplex(folder, predictor=predictor, max_num_batched_tokens=256,
-                     mux_predictor="roofline", mux_time_slice=planner == "time_slice", **common)
+                     mux_predictor="roofline",
+                     mux_sharing="temporal,time_slice,spatial" if planner == "time_slice"
+                     else "temporal,spatial", **common)
     policy, graph_sets = llm.engine.scheduler, llm.engine.runner.pools["main"].graphs
     got = _generate(llm, prompts)
     assert got == chunked

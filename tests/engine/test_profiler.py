@@ -70,6 +70,23 @@ def test_a_profile_that_never_timed_a_split_stops_start_up(profiled):
         tuple(g) for g in source["roofline_for_unprofiled"]]
 
 
+def test_without_spatial_sharing_the_splits_need_no_profile(profiled):
+    """Mixed steps and time slices run on the whole GPU: a profile of the whole GPU is all
+    such a planner asks about, so the untimed 24-SM split does not stop start-up."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.core import EngineCore
+
+    _, path = profiled
+    engine = EngineCore(EngineConfig.from_flat(
+        model="tiny", device="cpu", dtype="float32", schedule="multiplex",
+        mux_predictor=str(path), mux_decode_sms="16,24", mux_sharing="temporal,time_slice"))
+    info = engine.describe()
+    assert info["predictor"]["roofline_for_unprofiled"] == []
+    assert info["sharing"] == ["temporal", "time_slice"]
+    planner = engine.scheduler.planner.config
+    assert planner.temporal and planner.time_slice and not planner.spatial
+
+
 def test_cli_entry_point_parses(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr("pdserve.engine.profiler.profile_engine",

@@ -139,7 +139,7 @@ def test_every_schedule_under_tp2_equals_tp1(tiny_ckpt, schedule, monkeypatch):
     prompts = _prompts(PRESETS["tiny"].vocab_size, count=6)
     # Few pages: preemption under the synchronous policies; disagg moves KV between pools.
     options = {**OPTIONS, "schedule": schedule, "num_blocks": 40 if schedule == "disagg" else 12,
-               "disagg_prefill_kv_fraction": 0.5, "mux_time_slice": False}
+               "disagg_prefill_kv_fraction": 0.5, "mux_sharing": "temporal,spatial"}
     want = _generate(LLM(tiny_ckpt, setup=_setup(schedule), **options), prompts)
     llm = LLM(tiny_ckpt, tensor_parallel_size=2, setup=_setup(schedule), **options)
     try:
