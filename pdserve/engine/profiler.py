@@ -57,24 +57,30 @@ class ProfileGrid:
     # its own rows. The whole GPU is always profiled too.
     decode_sms: tuple[int, ...] = (16, 24, 32, 48, 64)
     # (batch, context per request); points whose KV does not fit the pool are skipped
+    # The long-context points (16K of prefix or context) are where long-prompt serving runs
+    # (LooGLE-like: 12-20K prompts beside a few decodes); without them those shapes are
+    # extrapolated from 8K.
     decode_points: tuple[tuple[int, int], ...] = (
         (1, 1024), (1, 8192), (8, 2048), (16, 1024), (16, 8192), (32, 4096), (64, 2048),
-        (128, 1024))
+        (128, 1024), (2, 16384))
     # (new tokens, prefix tokens, layers); layers 0 means all of them
     prefill_points: tuple[tuple[int, int, int], ...] = (
         (256, 0, 6), (256, 0, 0), (256, 8192, 24), (1024, 0, 6), (1024, 0, 24),
         (1024, 0, 0), (1024, 8192, 6), (1024, 8192, 0), (4096, 0, 6), (4096, 0, 24),
-        (4096, 4096, 12), (4096, 0, 0), (2048, 2048, 0), (512, 0, 12))
+        (4096, 4096, 12), (4096, 0, 0), (2048, 2048, 0), (512, 0, 12), (512, 16384, 0),
+        (256, 16384, 24), (2048, 12288, 6))
     # pieces queued on the prefill stream while decode runs beside them (layers > 0 only:
     # a piece that samples copies from pageable memory, which would stall the queueing)
     co_prefill_points: tuple[tuple[int, int, int], ...] = (
         (512, 0, 6), (1024, 0, 12), (2048, 0, 6), (2048, 4096, 12), (4096, 0, 6),
-        (1024, 8192, 6), (256, 0, 24), (4096, 0, 3), (768, 2048, 12), (3072, 0, 4))
+        (1024, 8192, 6), (256, 0, 24), (4096, 0, 3), (768, 2048, 12), (3072, 0, 4),
+        (2048, 16384, 3))
     co_rounds: int = 2  # times the co-running prefill queue is repeated per partition
     # (chunk tokens, prefix, decode batch, decode context per request)
     mixed_points: tuple[tuple[int, int, int, int], ...] = (
         (256, 0, 16, 2048), (1024, 0, 16, 2048), (2048, 0, 32, 1024), (512, 4096, 8, 8192),
-        (1024, 2048, 64, 1024), (128, 0, 32, 4096))
+        (1024, 2048, 64, 1024), (128, 0, 32, 4096), (384, 16384, 2, 16384),
+        (256, 12288, 1, 16384), (512, 8192, 3, 12288))
     repeats: int = 2
     warmup: int = 1
 
