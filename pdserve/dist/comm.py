@@ -85,6 +85,28 @@ class TPComm:
         self._control.broadcast(payload, 0).wait()
         return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
 
+    def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``x`` (a CPU tensor of one shape on all ranks), in rank order, on
+        rank 0; None elsewhere. Sent as raw bytes: gloo need not know the dtype."""
+        flat = x.contiguous().reshape(-1).view(torch.uint8)
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        parts = [torch.empty_like(flat) for _ in range(self.size)] if self.rank == 0 else None
+        self._control.gather([parts] if parts else [], [flat], options).wait()
+        return None if parts is None else [p.view(x.dtype).view(x.shape) for p in parts]
+
+    def scatter_from_first(self, pieces: list[torch.Tensor] | None,
+                           out: torch.Tensor) -> torch.Tensor:
+        """Rank r receives ``pieces[r]`` (given on rank 0, CPU tensors of ``out``'s shape and
+        dtype) into ``out``."""
+        flat = out.reshape(-1).view(torch.uint8)
+        options = dist.ScatterOptions()
+        options.rootRank = 0
+        sent = [[p.contiguous().reshape(-1).view(torch.uint8) for p in pieces]] \
+            if self.rank == 0 else []
+        self._control.scatter([flat], sent, options).wait()
+        return out
+
     def agree_min(self, value: int) -> int:
         """The smallest ``value`` any rank holds (KV pages every rank can fit)."""
         if self.size == 1:

@@ -91,8 +91,11 @@ class KVConnector:
 
     def export(self, transfer_id: str, target: str, pool: str, block_ids: list[int],
                num_tokens: int) -> Event:
-        """Gathers the first ``num_tokens`` tokens' KV now and sends it in the background."""
+        """Gathers the first ``num_tokens`` tokens' KV now and sends it in the background.
+        Under tensor parallelism the buffer holds every rank's KV heads (``transfer/heads.py``)."""
         buffer = gather_blocks(self.runner.pools[pool].kv_caches, block_ids, num_tokens)
+        if self.runner.tp is not None:
+            buffer = self.runner.tp.gather_kv(pool, block_ids, num_tokens, buffer)
 
         def on_done(error: BaseException | None) -> None:
             if error is not None:  # the decode instance times out and fails the request
@@ -115,6 +118,8 @@ class KVConnector:
         return self.receiver.take_dropped(transfer_id)
 
     def scatter(self, buffer: torch.Tensor, pool: str, block_ids: list[int]) -> Event:
+        if self.runner.tp is not None:  # each rank writes its own heads
+            buffer = self.runner.tp.scatter_kv(pool, block_ids, buffer)
         scatter_blocks(buffer, self.runner.pools[pool].kv_caches, block_ids)
         return self.ops.record(None)
 

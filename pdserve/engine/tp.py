@@ -35,11 +35,12 @@ import torch.distributed as dist
 
 from pdserve.config import EngineConfig
 from pdserve.dist.comm import TPComm
-from pdserve.dist.shard import tp_refusal
+from pdserve.dist.shard import TPShard, tp_refusal
 from pdserve.gpu.partitions import Partition
 from pdserve.model.arch import ModelArch
 from pdserve.sampling_params import SamplingParams
 from pdserve.sched.base import BatchCarry, KVMove, Plan, ScheduledRequest, Work
+from pdserve.transfer.heads import HEAD_DIM, head_shard, join_head_shards
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a worker imports torch and connects before this
@@ -61,8 +62,6 @@ def check_tp_config(config: EngineConfig, arch: ModelArch) -> None:
     """Refuses, in one line and before any weight loads, what cannot run split."""
     size = config.device.tensor_parallel_size
     why = tp_refusal(arch, size)
-    if why is None and config.transfer.kv_transfer_port is not None and size > 1:
-        why = "P/D roles (--kv-transfer-port) do not run under tensor parallelism yet"
     first = _first_gpu(config)
     if why is None and size > 1 and first is not None and \
             torch.cuda.device_count() < first + size:
@@ -190,6 +189,25 @@ def _scheduled(mirror: MirrorRequest, num_new_tokens: int, samples: bool) -> Sch
     return item
 
 
+@dataclass(frozen=True)
+class KVHeadSplit:
+    """Which KV heads each rank holds (``transfer/heads.py``): rank r the ``count`` from
+    ``starts[r]``, of the model's ``total``."""
+
+    starts: list[int]
+    count: int
+    total: int
+
+    def join(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        return join_head_shards(shards, self.starts, self.total)
+
+    def split(self, whole: torch.Tensor) -> list[torch.Tensor]:
+        if whole.shape[HEAD_DIM] != self.total:
+            raise ValueError(f"a KV buffer of {whole.shape[HEAD_DIM]} heads for a model with "
+                             f"{self.total} KV heads")
+        return [head_shard(whole, start, self.count) for start in self.starts]
+
+
 # ---- rank 0 ----
 
 
@@ -208,6 +226,9 @@ class TPLeader:
         self.comm = TPComm.connect(store, 0, self.size, device)
         self._store = store  # the workers' rendezvous; kept while the group lives
         self.encoder = PlanEncoder()
+        shards = [TPShard(arch, rank, self.size) for rank in range(self.size)]
+        self.kv_heads = KVHeadSplit([s.kv_head_start for s in shards], shards[0].num_kv_heads,
+                                    arch.num_kv_heads)
         self._pending: list[tuple] = []
         self._carries: dict[int, tuple[int, BatchCarry]] = {}
         self._event_seq: dict[int, int] = {}
@@ -246,11 +267,38 @@ class TPLeader:
 
     def _send(self, commands: list[tuple]) -> None:
         self.check_workers()
-        try:
+        with self._control_channel():
             self.comm.broadcast_object(commands)
+
+    @contextmanager
+    def _control_channel(self) -> Iterator[None]:
+        try:
+            yield
         except RuntimeError as exc:  # gloo: a peer's connection closed
+            self.broken = True
             self._name_dead_worker()
             raise TPGroupBroken(f"tensor-parallel control channel failed: {exc}") from exc
+
+    # ---- KV across instances (P/D roles) ----
+
+    def gather_kv(self, pool: str, block_ids: list[int], num_tokens: int,
+                  own: torch.Tensor) -> torch.Tensor:
+        """The whole model's KV of a request from ``own`` (rank 0's gathered shard) and the
+        workers' shards, which they gather from their pages on this command."""
+        self._send(self._take_pending() + [("gather_kv", pool, list(block_ids), num_tokens)])
+        with self._control_channel():
+            shards = self.comm.gather_to_first(own.cpu())
+        return self.kv_heads.join(shards).to(own.device)
+
+    def scatter_kv(self, pool: str, block_ids: list[int], whole: torch.Tensor) -> torch.Tensor:
+        """Sends each worker its heads of a received buffer to write into its pages
+        ``block_ids``; returns rank 0's heads."""
+        pieces = self.kv_heads.split(whole.cpu())
+        shape = tuple(pieces[0].shape)
+        self._send(self._take_pending() + [("scatter_kv", pool, list(block_ids), shape)])
+        with self._control_channel():
+            self.comm.scatter_from_first(pieces, torch.empty(shape, dtype=whole.dtype))
+        return pieces[0]
 
     # ---- what the runner reports ----
 

@@ -23,6 +23,7 @@ from pdserve.engine.model_runner import ModelRunner, rank_device
 from pdserve.engine.setup import build_disagg_partition, build_partitions
 from pdserve.engine.tp import KEPT_EVENTS, MirrorRequest, PartKey, PlanDecoder, part_key
 from pdserve.sched.base import BatchCarry, KVMove, Work
+from pdserve.transfer import gather_blocks, scatter_blocks
 
 log = logging.getLogger("pdserve.tp_worker")
 
@@ -72,6 +73,25 @@ class TPFollower:
         move = KVMove(mirror, source_pool, source_blocks, target_pool, target_blocks,
                       num_tokens, self.parts.get(key) if key is not None else None)
         self.kv.move(move)
+
+    def _gather_kv(self, pool: str, block_ids: list[int], num_tokens: int) -> None:
+        """A request's KV on this rank's heads, to rank 0 (it exports to another instance)."""
+        self._settle()
+        own = gather_blocks(self.runner.pools[pool].kv_caches, block_ids, num_tokens)
+        self.runner.comm.gather_to_first(own.cpu())
+
+    def _scatter_kv(self, pool: str, block_ids: list[int], shape: tuple) -> None:
+        """This rank's heads of KV received from another instance, into its pages."""
+        dtype = self.runner.kv_caches[0][0].dtype
+        own = self.runner.comm.scatter_from_first(None, torch.empty(shape, dtype=dtype))
+        scatter_blocks(own, self.runner.pools[pool].kv_caches, block_ids)
+        self._settle()  # the next launch, on any stream, reads these pages
+
+    def _settle(self) -> None:
+        # Launches run on their lanes' streams; a transfer's copies are rare enough to wait
+        # for all of them rather than track which launch touched which page.
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
 
     def _launch(self, seq: int, encoded: tuple, waited: list[int]) -> None:
         plan, key, side, pool, layers, final, carry = encoded

@@ -27,7 +27,7 @@ from pdserve.ops.reference import TorchAttentionBackend
 from pdserve.request import Request
 from pdserve.sched.base import Plan
 from tests.engine.test_multiplex import SplitModel
-from tests.parallel.conftest import _save, hf_greedy
+from tests.parallel.conftest import hf_greedy
 
 MAX_NEW = 6
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
@@ -119,18 +119,6 @@ def test_tp2_greedy_equals_tp1_and_transformers(request, ckpt):
         assert info["overlap_schedule"]["off_because"] == \
             "not implemented under --tensor-parallel-size > 1"
     assert all(worker.poll() == 0 for worker in llm.engine.runner.tp.workers), "told to stop"
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    """The tiny preset's shapes as a checkpoint: dummy weights are seeded per rank, so only
-    a checkpoint gives TP=1 and TP=2 the same model."""
-    arch = PRESETS["tiny"]
-    folder = tmp_path_factory.mktemp("tp-tiny")
-    _save(folder, 0.1, vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
-          intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_layers,
-          num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads)
-    return str(folder)
 
 
 @pytest.mark.slow

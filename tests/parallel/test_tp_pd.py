@@ -1,0 +1,121 @@
+"""P/D roles under tensor parallelism, at the engine level: a prefill instance and a decode
+instance of any group sizes (2 -> 1, 1 -> 2, 2 -> 2) hand each prompt's KV over real TCP and
+give the greedy tokens of one TP=1 engine doing everything, with chunked prefill on the
+prefill side. The hand-off protocol (abort while waiting, late KV dropped, a first token
+that ends the request) holds with a group on either side.
+
+Engines are built once per module and shared: each group of two starts a worker process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import LLM
+from pdserve.dist.shard import TPShard
+from pdserve.model.arch import PRESETS
+from pdserve.transfer.heads import head_shard, join_head_shards
+from tests.engine.test_kv_handoff import GREEDY, MAX_NEW, _decode_all, _prefill_all, _prompts
+from tests.engine.test_kv_handoff import (
+    test_abort_while_waiting_for_kv_and_late_kv_is_dropped as check_abort_and_late_kv,
+)
+from tests.engine.test_kv_handoff import (
+    test_first_token_that_ends_the_request_needs_no_kv as check_first_token_ends,
+)
+from tests.parallel.conftest import hf_greedy
+from tests.parallel.test_tensor_parallel import _prompts as vocab_prompts
+
+# chunk_size 24: the longer prompts below prefill in several pieces on the prefill side.
+OPTIONS = {"dtype": "float32", "block_size": 8, "schedule": "chunked", "chunk_size": 24,
+           "max_num_batched_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_ckpt):
+    """Engines by (role, group size[, checkpoint]), built on first use."""
+    built = {}
+
+    def get(role: str, size: int, folder: str = tiny_ckpt):
+        if (role, size, folder) not in built:
+            blocks = {"num_blocks": 64} if role == "decode" else {}
+            built[role, size, folder] = LLM(folder, tensor_parallel_size=size,
+                                            kv_transfer_port=0, **OPTIONS, **blocks).engine
+        return built[role, size, folder]
+
+    yield get
+    for engine in built.values():
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    chosen = _prompts(6, seed=5)
+    assert max(map(len, chosen)) > OPTIONS["chunk_size"], "some prefill must be chunked"
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def single(tiny_ckpt, prompts) -> list[list[int]]:
+    llm = LLM(tiny_ckpt, **OPTIONS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefill_size, decode_size", [(2, 1), (1, 2), (2, 2)])
+def test_pair_of_any_group_sizes_equals_one_engine(engines, prompts, single, prefill_size,
+                                                   decode_size):
+    prefill, decode = engines("prefill", prefill_size), engines("decode", decode_size)
+    assert prefill.describe()["tensor_parallel_size"] == prefill_size
+    assert decode.describe()["tensor_parallel_size"] == decode_size
+    got = _decode_all(decode, prompts, _prefill_all(prefill, decode, prompts))
+    assert [got["tokens"][f"r{i}"] for i in range(len(prompts))] == single
+    assert set(got["finish"].values()) == {"length"}
+    assert decode.blocks.num_free_blocks == decode.blocks.num_blocks
+    assert prefill.blocks.num_free_blocks == prefill.blocks.num_blocks
+
+
+@pytest.mark.slow
+def test_replicated_kv_heads_travel_once_and_are_replicated_on_arrival(engines, mqa_ckpt):
+    """One KV head on two ranks: the sender keeps one replica, the receiver writes it on
+    both; a 2 -> 2 pair and a 1 -> 2 pair give transformers' tokens."""
+    folder, hf = mqa_ckpt
+    chosen = vocab_prompts(hf.config.vocab_size, count=3)
+    want = [hf_greedy(hf, p, MAX_NEW) for p in chosen]
+    decode = engines("decode", 2, folder)
+    for prefill in (engines("prefill", 2, folder), engines("prefill", 1, folder)):
+        got = _decode_all(decode, chosen, _prefill_all(prefill, decode, chosen))
+        assert [got["tokens"][f"r{i}"] for i in range(len(chosen))] == want
+
+
+@pytest.mark.slow
+def test_handoff_protocol_holds_between_groups(engines, prompts, single):
+    pair = engines("prefill", 2), engines("decode", 2)
+    check_abort_and_late_kv(pair)
+    check_first_token_ends(pair)
+    # The aborted request's KV was dropped on rank 0 before any rank wrote it: the pair
+    # still gives the right tokens.
+    got = _decode_all(pair[1], prompts[:2], _prefill_all(*pair, prompts[:2]))
+    assert [got["tokens"]["r0"], got["tokens"]["r1"]] == single[:2]
+
+
+# ---- the head layout itself (no processes) ----
+
+
+@pytest.mark.parametrize("kv_heads, size", [(2, 2), (4, 2), (1, 2), (2, 4)])
+def test_rank_shards_join_to_the_whole_buffer_and_split_back(kv_heads, size):
+    arch = PRESETS["tiny"]
+    arch = type(arch)(**{**arch.__dict__, "num_heads": 8, "num_kv_heads": kv_heads})
+    shards = [TPShard(arch, rank, size) for rank in range(size)]
+    whole = torch.randn(2, 2, 5, kv_heads, 16)
+    pieces = [head_shard(whole, s.kv_head_start, s.num_kv_heads) for s in shards]
+    assert all(p.is_contiguous() and p.shape[3] == shards[0].num_kv_heads for p in pieces)
+    assert torch.equal(join_head_shards(pieces, [s.kv_head_start for s in shards],
+                                        kv_heads), whole)
+
+
+def test_shards_that_miss_a_head_are_refused():
+    pieces = [torch.zeros(1, 2, 3, 1, 4)] * 2
+    with pytest.raises(ValueError, match="cover 1 KV heads, not the model's 2"):
+        join_head_shards(pieces, [0, 0], 2)
