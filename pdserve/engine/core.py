@@ -172,10 +172,6 @@ class EngineCore:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         params.validate()
         params.check_vocab(vocab)
-        if params.prompt_logprobs is not None and self.runner.comm.size > 1:
-            # Scoring runs the LM head on rank 0 alone: its all-gather would wait forever.
-            raise InvalidRequestError("prompt_logprobs is not supported with tensor "
-                                      "parallelism")
         limit = self.max_model_len
         if len(prompt) >= limit:
             raise InvalidRequestError(f"the prompt has {len(prompt)} tokens; this model's context "

@@ -104,10 +104,20 @@ class PlanEncoder:
         start = request.num_computed
         tokens = request.token_ids[start:start + item.num_new_tokens]
         return (request.request_id, start, tokens, item.samples, request.num_preemptions,
-                filled, blocks[max(filled, 0):])
+                filled, blocks[max(filled, 0):], _scoring(request, start, len(tokens)))
 
     def forget(self, request_id: str, pool: str | None = None) -> None:
         forget_request(self.sent, request_id, pool)
+
+
+def _scoring(request, start: int, num_new: int) -> tuple | None:
+    """What a worker needs to score the prompt as rank 0 does (its LM head's all-gathers
+    must meet rank 0's): the width asked for, the prompt's length and the prompt tokens the
+    step's positions score (position p scores token p + 1)."""
+    if not request.scores_prompt:
+        return None
+    targets = request.prompt_token_ids[start + 1:start + 1 + num_new]
+    return request.params.prompt_logprobs, request.num_prompt_tokens, targets
 
 
 def forget_request(by_request: dict[str, dict], request_id: str, pool: str | None) -> None:
@@ -140,7 +150,8 @@ class MirrorRequest:
     """What a worker's forward reads of a request; greedy, with no sampling state."""
 
     __slots__ = ("request_id", "num_computed", "token_ids", "block_ids", "num_preemptions",
-                 "params", "generator")
+                 "params", "generator", "scores_prompt", "num_prompt_tokens",
+                 "prompt_token_ids")
     PARAMS = SamplingParams(temperature=0)
     # What the step's batch building and sampling read of a real request, at the values a
     # worker needs: no grammar, no placeholder ids (overlap is off under TP).
@@ -150,6 +161,18 @@ class MirrorRequest:
     def __init__(self, request_id: str) -> None:
         self.request_id, self.block_ids, self.num_preemptions = request_id, [], 0
         self.params, self.generator = self.PARAMS, None
+        self.score(None, 0)
+
+    def score(self, scoring: tuple | None, start: int) -> None:
+        """Scores the prompt in this step as rank 0's request does, or not at all."""
+        self.scores_prompt = scoring is not None
+        if scoring is None:
+            self.params, self.num_prompt_tokens, self.prompt_token_ids = self.PARAMS, 0, ()
+            return
+        width, self.num_prompt_tokens, targets = scoring
+        if self.params.prompt_logprobs != width:
+            self.params = SamplingParams(temperature=0, prompt_logprobs=width)
+        self.prompt_token_ids = TokenWindow(start + 1, targets)
 
 
 @dataclass
@@ -157,14 +180,16 @@ class PlanDecoder:
     """A worker: the mirrored requests, by (pool, id), kept between launches."""
 
     mirrors: dict[str, dict[str, MirrorRequest]] = field(default_factory=dict)  # id, pool
+    num_scoring: int = 0  # requests of the plan last decoded that score their prompt
 
     def decode(self, encoded: tuple[list, list], pool: str) -> Plan:
         decodes, prefills = encoded
+        self.num_scoring = 0
         return Plan(decodes=[self._one(e, pool) for e in decodes],
                     prefills=[self._one(e, pool) for e in prefills])
 
     def _one(self, entry: tuple, pool: str) -> ScheduledRequest:
-        request_id, start, tokens, samples, preemptions, filled, blocks = entry
+        request_id, start, tokens, samples, preemptions, filled, blocks, scoring = entry
         by_pool = self.mirrors.setdefault(request_id, {})
         mirror = by_pool.get(pool)
         if mirror is None:
@@ -175,6 +200,8 @@ class PlanDecoder:
             mirror.block_ids.extend(blocks)
         mirror.num_computed, mirror.num_preemptions = start, preemptions
         mirror.token_ids = TokenWindow(start, tokens)
+        mirror.score(scoring, start)
+        self.num_scoring += scoring is not None
         return _scheduled(mirror, len(tokens), samples)
 
     def forget(self, request_id: str, pool: str | None = None) -> None:

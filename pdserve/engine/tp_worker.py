@@ -22,6 +22,7 @@ from pdserve.engine.launch import HostBuffers
 from pdserve.engine.model_runner import ModelRunner, rank_device
 from pdserve.engine.setup import build_disagg_partition, build_partitions
 from pdserve.engine.tp import KEPT_EVENTS, MirrorRequest, PartKey, PlanDecoder, part_key
+from pdserve.request import Request
 from pdserve.sched.base import BatchCarry, KVMove, Work
 from pdserve.transfer import gather_blocks, scatter_blocks
 
@@ -97,6 +98,9 @@ class TPFollower:
         plan, key, side, pool, layers, final, carry = encoded
         work = Work(self.decoder.decode(plan, pool), self.parts.get(key) if key else None,
                     side, pool, layers, final, self._carry(carry, final))
+        # The gate a step checks before looking for prompts to score counts real requests,
+        # which a worker has none of: it counts this launch's scoring mirrors instead.
+        Request.num_scoring = self.decoder.num_scoring
         waits = [self.events[s] for s in waited if s in self.events]
         buffers = self.buffers.get(side)
         if buffers is None:

@@ -33,15 +33,16 @@ OPTIONS = {"dtype": "float32", "block_size": 8, "schedule": "chunked", "chunk_si
 
 @pytest.fixture(scope="module")
 def engines(tiny_ckpt):
-    """Engines by (role, group size[, checkpoint]), built on first use."""
+    """Engines by (role, group size[, checkpoint, schedule]), built on first use."""
     built = {}
 
-    def get(role: str, size: int, folder: str = tiny_ckpt):
-        if (role, size, folder) not in built:
+    def get(role: str, size: int, folder: str = tiny_ckpt, schedule: str = "chunked"):
+        key = role, size, folder, schedule
+        if key not in built:
             blocks = {"num_blocks": 64} if role == "decode" else {}
-            built[role, size, folder] = LLM(folder, tensor_parallel_size=size,
-                                            kv_transfer_port=0, **OPTIONS, **blocks).engine
-        return built[role, size, folder]
+            built[key] = LLM(folder, tensor_parallel_size=size, kv_transfer_port=0,
+                             **{**OPTIONS, "schedule": schedule}, **blocks).engine
+        return built[key]
 
     yield get
     for engine in built.values():
@@ -63,10 +64,12 @@ def single(tiny_ckpt, prompts) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prefill_size, decode_size", [(2, 1), (1, 2), (2, 2)])
-def test_pair_of_any_group_sizes_equals_one_engine(engines, prompts, single, prefill_size,
-                                                   decode_size):
-    prefill, decode = engines("prefill", prefill_size), engines("decode", decode_size)
+@pytest.mark.parametrize("prefill_size, decode_size, schedule", [
+    (2, 1, "chunked"), (1, 2, "chunked"), (2, 2, "chunked"), (2, 2, "multiplex")])
+def test_pair_of_any_group_sizes_equals_one_engine(engines, tiny_ckpt, prompts, single,
+                                                   prefill_size, decode_size, schedule):
+    prefill = engines("prefill", prefill_size, tiny_ckpt, schedule)
+    decode = engines("decode", decode_size, tiny_ckpt, schedule)
     assert prefill.describe()["tensor_parallel_size"] == prefill_size
     assert decode.describe()["tensor_parallel_size"] == decode_size
     got = _decode_all(decode, prompts, _prefill_all(prefill, decode, prompts))
