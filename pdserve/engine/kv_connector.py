@@ -117,6 +117,17 @@ class KVConnector:
         will come under this id, so its request can fail now, not at the timeout."""
         return self.receiver.take_dropped(transfer_id)
 
+    def misfit(self, buffer: torch.Tensor, num_prompt_tokens: int) -> str | None:
+        """Why a received buffer cannot be this model's KV of that prompt, or None. Checked
+        before anything is written: a bad buffer fails its request, not the engine."""
+        pages = self.runner.kv_caches[0][0]  # [pages, block, this rank's heads, dim]
+        heads = self.runner.tp.kv_heads.total if self.runner.tp is not None else pages.shape[2]
+        want = (len(self.runner.kv_caches), 2, num_prompt_tokens, heads, pages.shape[3])
+        if tuple(buffer.shape) != want:
+            return (f"received KV of shape {tuple(buffer.shape)}; this model's KV of the "
+                    f"{num_prompt_tokens}-token prompt is {want}")
+        return None
+
     def scatter(self, buffer: torch.Tensor, pool: str, block_ids: list[int]) -> Event:
         if self.runner.tp is not None:  # each rank writes its own heads
             buffer = self.runner.tp.scatter_kv(pool, block_ids, buffer)

@@ -1,8 +1,9 @@
 """P/D roles under tensor parallelism, at the engine level: a prefill instance and a decode
-instance of any group sizes (2 -> 1, 1 -> 2, 2 -> 2) hand each prompt's KV over real TCP and
-give the greedy tokens of one TP=1 engine doing everything, with chunked prefill on the
-prefill side. The hand-off protocol (abort while waiting, late KV dropped, a first token
-that ends the request) holds with a group on either side.
+instance of any group sizes (2 -> 1, 1 -> 2, 2 -> 2; chunked, and a multiplexing 2 -> 2)
+hand each prompt's KV over real TCP and give the greedy tokens of one TP=1 engine doing
+everything, with chunked prefill on the prefill side; with one KV head on two ranks too.
+The hand-off protocol (abort while waiting, late KV dropped, a first token that ends the
+request) holds between groups, and a buffer of the wrong shape fails only its request.
 
 Engines are built once per module and shared: each group of two starts a worker process.
 """
@@ -13,10 +14,16 @@ import pytest
 import torch
 
 from pdserve import LLM
-from pdserve.dist.shard import TPShard
-from pdserve.model.arch import PRESETS
-from pdserve.transfer.heads import head_shard, join_head_shards
-from tests.engine.test_kv_handoff import GREEDY, MAX_NEW, _decode_all, _prefill_all, _prompts
+from pdserve.handoff import KVHandoff
+from pdserve.transfer import TcpKVSender
+from tests.engine.test_kv_handoff import (
+    GREEDY,
+    MAX_NEW,
+    _decode_all,
+    _drain,
+    _prefill_all,
+    _prompts,
+)
 from tests.engine.test_kv_handoff import (
     test_abort_while_waiting_for_kv_and_late_kv_is_dropped as check_abort_and_late_kv,
 )
@@ -103,22 +110,19 @@ def test_handoff_protocol_holds_between_groups(engines, prompts, single):
     assert [got["tokens"]["r0"], got["tokens"]["r1"]] == single[:2]
 
 
-# ---- the head layout itself (no processes) ----
-
-
-@pytest.mark.parametrize("kv_heads, size", [(2, 2), (4, 2), (1, 2), (2, 4)])
-def test_rank_shards_join_to_the_whole_buffer_and_split_back(kv_heads, size):
-    arch = PRESETS["tiny"]
-    arch = type(arch)(**{**arch.__dict__, "num_heads": 8, "num_kv_heads": kv_heads})
-    shards = [TPShard(arch, rank, size) for rank in range(size)]
-    whole = torch.randn(2, 2, 5, kv_heads, 16)
-    pieces = [head_shard(whole, s.kv_head_start, s.num_kv_heads) for s in shards]
-    assert all(p.is_contiguous() and p.shape[3] == shards[0].num_kv_heads for p in pieces)
-    assert torch.equal(join_head_shards(pieces, [s.kv_head_start for s in shards],
-                                        kv_heads), whole)
-
-
-def test_shards_that_miss_a_head_are_refused():
-    pieces = [torch.zeros(1, 2, 3, 1, 4)] * 2
-    with pytest.raises(ValueError, match="cover 1 KV heads, not the model's 2"):
-        join_head_shards(pieces, [0, 0], 2)
+@pytest.mark.slow
+def test_kv_of_another_shape_fails_its_request_not_the_group(engines, prompts, single):
+    """A buffer with the wrong KV heads (another model's) is refused before any rank is told
+    to write it: that request fails, the group stays in step and serves the next."""
+    decode = engines("decode", 2)
+    decode.add_request("odd", [1, 2, 3], GREEDY, handoff=KVHandoff("t-odd", first_token=4))
+    sender = TcpKVSender()
+    try:
+        sender.send(decode.kv_address, "t-odd", torch.randn(2, 2, 3, 3, 16))
+    finally:
+        sender.close()
+    finish = {u.request_id: u.finish_reason for u in _drain(decode) if u.finished}
+    assert finish == {"odd": "error"}
+    got = _decode_all(decode, prompts[:1], _prefill_all(engines("prefill", 2), decode,
+                                                         prompts[:1]))
+    assert got["tokens"]["r0"] == single[0]
