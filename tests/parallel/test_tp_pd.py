@@ -104,10 +104,25 @@ def test_handoff_protocol_holds_between_groups(engines, prompts, single):
     pair = engines("prefill", 2), engines("decode", 2)
     check_abort_and_late_kv(pair)
     check_first_token_ends(pair)
+    _check_abort_during_chunked_prefill(*pair)
     # The aborted request's KV was dropped on rank 0 before any rank wrote it: the pair
     # still gives the right tokens.
     got = _decode_all(pair[1], prompts[:2], _prefill_all(*pair, prompts[:2]))
     assert [got["tokens"]["r0"], got["tokens"]["r1"]] == single[:2]
+
+
+def _check_abort_during_chunked_prefill(prefill, decode) -> None:
+    """Aborted between two chunks of its prompt: nothing is exported, every rank's pages of
+    it are free again (the workers forget it with the next launch)."""
+    sent = prefill.stats().kv_transfers
+    prefill.add_request("cut", list(range(3, 3 + 3 * OPTIONS["chunk_size"])), GREEDY,
+                        handoff=KVHandoff("t-cut", target=decode.kv_address))
+    prefill.step()
+    assert prefill.requests["cut"].num_computed == OPTIONS["chunk_size"]
+    prefill.abort_request("cut")
+    assert [u.finish_reason for u in _drain(prefill)] == ["abort"]
+    assert prefill.stats().kv_transfers == sent
+    assert prefill.blocks.num_free_blocks == prefill.blocks.num_blocks
 
 
 @pytest.mark.slow
