@@ -41,6 +41,7 @@ from pdserve.model.arch import ModelArch
 from pdserve.sampling_params import SamplingParams
 from pdserve.sched.base import BatchCarry, KVMove, Plan, ScheduledRequest, Work
 from pdserve.transfer.heads import HEAD_DIM, head_shard, join_head_shards
+from pdserve.transfer.kv_blocks import host_empty
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a worker imports torch and connects before this
@@ -314,18 +315,17 @@ class TPLeader:
         workers' shards, which they gather from their pages on this command."""
         self._send(self._take_pending() + [("gather_kv", pool, list(block_ids), num_tokens)])
         with self._control_channel():
-            shards = self.comm.gather_to_first(own.cpu())
+            shards = self.comm.gather_to_first(own.cpu().contiguous(), host_empty)
         return self.kv_heads.join(shards).to(own.device)
 
     def scatter_kv(self, pool: str, block_ids: list[int], whole: torch.Tensor) -> torch.Tensor:
         """Sends each worker its heads of a received buffer to write into its pages
         ``block_ids``; returns rank 0's heads."""
         pieces = self.kv_heads.split(whole.cpu())
-        shape = tuple(pieces[0].shape)
-        self._send(self._take_pending() + [("scatter_kv", pool, list(block_ids), shape)])
+        layout = (tuple(pieces[0].shape), pieces[0].dtype)  # the sender's dtype, maybe not ours
+        self._send(self._take_pending() + [("scatter_kv", pool, list(block_ids), layout)])
         with self._control_channel():
-            self.comm.scatter_from_first(pieces, torch.empty(shape, dtype=whole.dtype))
-        return pieces[0]
+            return self.comm.scatter_from_first(pieces, pieces[0])
 
     # ---- what the runner reports ----
 

@@ -25,6 +25,7 @@ from pdserve.engine.tp import KEPT_EVENTS, MirrorRequest, PartKey, PlanDecoder, 
 from pdserve.request import Request
 from pdserve.sched.base import BatchCarry, KVMove, Work
 from pdserve.transfer import gather_blocks, scatter_blocks
+from pdserve.transfer.kv_blocks import host_empty
 
 log = logging.getLogger("pdserve.tp_worker")
 
@@ -79,12 +80,11 @@ class TPFollower:
         """A request's KV on this rank's heads, to rank 0 (it exports to another instance)."""
         self._settle()
         own = gather_blocks(self.runner.pools[pool].kv_caches, block_ids, num_tokens)
-        self.runner.comm.gather_to_first(own.cpu())
+        self.runner.comm.gather_to_first(own.cpu().contiguous())
 
-    def _scatter_kv(self, pool: str, block_ids: list[int], shape: tuple) -> None:
+    def _scatter_kv(self, pool: str, block_ids: list[int], layout: tuple) -> None:
         """This rank's heads of KV received from another instance, into its pages."""
-        dtype = self.runner.kv_caches[0][0].dtype
-        own = self.runner.comm.scatter_from_first(None, torch.empty(shape, dtype=dtype))
+        own = self.runner.comm.scatter_from_first(None, host_empty(*layout))
         scatter_blocks(own, self.runner.pools[pool].kv_caches, block_ids)
         self._settle()  # the next launch, on any stream, reads these pages
 

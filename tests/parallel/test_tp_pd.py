@@ -15,6 +15,7 @@ import torch
 
 from pdserve import LLM
 from pdserve.handoff import KVHandoff
+from pdserve.model.arch import PRESETS
 from pdserve.transfer import TcpKVSender
 from tests.engine.test_kv_handoff import (
     GREEDY,
@@ -125,19 +126,30 @@ def _check_abort_during_chunked_prefill(prefill, decode) -> None:
     assert prefill.blocks.num_free_blocks == prefill.blocks.num_blocks
 
 
+def _send(address: str, transfer_id: str, buffer: torch.Tensor) -> None:
+    sender = TcpKVSender()
+    try:
+        sender.send(address, transfer_id, buffer)
+    finally:
+        sender.close()
+
+
 @pytest.mark.slow
 def test_kv_of_another_shape_fails_its_request_not_the_group(engines, prompts, single):
     """A buffer with the wrong KV heads (another model's) is refused before any rank is told
-    to write it: that request fails, the group stays in step and serves the next."""
+    to write it: that request fails. One of the right shape in another dtype (a float16
+    sender) is cut and sent to the worker in its own dtype, then converted on writing. The
+    group stays in step and serves the next request."""
     decode = engines("decode", 2)
-    decode.add_request("odd", [1, 2, 3], GREEDY, handoff=KVHandoff("t-odd", first_token=4))
-    sender = TcpKVSender()
-    try:
-        sender.send(decode.kv_address, "t-odd", torch.randn(2, 2, 3, 3, 16))
-    finally:
-        sender.close()
+    kv_shape = (len(decode.runner.kv_caches), 2, 3, PRESETS["tiny"].num_kv_heads,
+                PRESETS["tiny"].head_dim)
+    for rid, heads, dtype in [("odd", kv_shape[3] + 1, torch.float32),
+                              ("half", kv_shape[3], torch.float16)]:
+        decode.add_request(rid, [1, 2, 3], GREEDY, handoff=KVHandoff(f"t-{rid}", first_token=4))
+        _send(decode.kv_address, f"t-{rid}", torch.randn(*kv_shape[:3], heads, kv_shape[4],
+                                                         dtype=dtype))
     finish = {u.request_id: u.finish_reason for u in _drain(decode) if u.finished}
-    assert finish == {"odd": "error"}
+    assert finish == {"odd": "error", "half": "length"}
     got = _decode_all(decode, prompts[:1], _prefill_all(engines("prefill", 2), decode,
                                                          prompts[:1]))
     assert got["tokens"]["r0"] == single[0]
