@@ -66,6 +66,9 @@ def test_group_with_a_tp2_decode_instance_and_its_worker_killed(zookeeper):  # n
     gateway = GatewayThread(registry, default_scenario="chat")
     try:
         wait_until(timeout=20, predicate=lambda: _group_sizes(registry) == {"p0": 1, "d0": 2})
+        _, _, raw = gateway.http.request("GET", "/cluster/groups")
+        listed = json.loads(raw)["groups"]["chat"]
+        assert [i["tensor_parallel_size"] for i in listed["decode"]] == [2]
         status, body = _complete(gateway)
         assert status == 200 and body["usage"]["completion_tokens"] == BODY["max_tokens"]
 
