@@ -88,6 +88,7 @@ async def _groups(http: web.Request) -> web.Response:
     gateway = http.app[GATEWAY_KEY]
     registry = gateway.registry
     groups = {s: {role: [{"instance_id": i.instance_id, "http": i.http, "kv": i.kv,
+                          "tensor_parallel_size": i.tensor_parallel_size,
                           "in_flight": _load(gateway, role)[i.instance_id]}
                          for i in registry.instances(s, role)]
                   for role in ("prefill", "decode")}

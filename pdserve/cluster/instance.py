@@ -32,7 +32,8 @@ class GroupMembership:
                                  self.config.role, self.http,
                                  f"{self.config.advertise_host}:{kv_port}", self.model,
                                  client.setup.get("schedule", ""),
-                                 client.setup.get("kv_transport", ""))
+                                 client.setup.get("kv_transport", ""),
+                                 client.setup.get("tensor_parallel_size", 1))
         self.registry = make_registry(self.config.registry)
         self.registry.register(self.instance)
         self.registry.watch_role_requests(self.instance.instance_id, self._move)

@@ -114,7 +114,8 @@ def list_members(registry: Registry, members: list[Member], infos: dict[int, dic
     for member in members:
         info = infos[member.http]
         instance = Instance(member.http, scenario, member.role, member.http,
-                            info["kv_address"], info["model"], info.get("schedule", ""))
+                            info["kv_address"], info["model"], info.get("schedule", ""),
+                            tensor_parallel_size=info.get("tensor_parallel_size", 1))
         registry.register(instance)
         registry.watch_role_requests(instance.instance_id, _mover(registry, instance))
 

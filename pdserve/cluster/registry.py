@@ -104,6 +104,9 @@ class Instance:
     kv_transport: str = ""
     """Its ``--kv-transport`` (auto, tcp, ipc, p2p): what its receiver takes; the transport
     of each pair is agreed when the sender connects (``pdserve/transfer/links.py``)."""
+    tensor_parallel_size: int = 1
+    """GPUs its model is split across (``--tensor-parallel-size``); any prefill size pairs
+    with any decode size (the KV buffer has every head, ``pdserve/transfer/heads.py``)."""
 
     def __post_init__(self) -> None:
         _check_name("instance_id", self.instance_id)

@@ -172,10 +172,6 @@ class EngineCore:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         params.validate()
         params.check_vocab(vocab)
-        if params.prompt_logprobs is not None and self.runner.comm.size > 1:
-            # Scoring runs the LM head on rank 0 alone: its all-gather would wait forever.
-            raise InvalidRequestError("prompt_logprobs is not supported with tensor "
-                                      "parallelism")
         limit = self.max_model_len
         if len(prompt) >= limit:
             raise InvalidRequestError(f"the prompt has {len(prompt)} tokens; this model's context "
@@ -380,10 +376,10 @@ class EngineCore:
     def _admit_prefilled(self, request: Request) -> bool | None:
         """Scatters the received KV into pages the policy reserved. None: no room yet;
         False: a bad buffer."""
-        buffer, num_prompt = request.kv_buffer, request.num_prompt_tokens
-        if buffer.shape[2] != num_prompt:
-            log.error("%s: received KV for %d tokens, the prompt has %d", request.request_id,
-                      buffer.shape[2], num_prompt)
+        buffer = request.kv_buffer
+        why = self.kv.misfit(buffer, request.num_prompt_tokens)
+        if why is not None:
+            log.error("%s: %s", request.request_id, why)
             return False
         pages = self.scheduler.reserve_received(request)
         if pages is None:

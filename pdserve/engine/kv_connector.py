@@ -91,8 +91,11 @@ class KVConnector:
 
     def export(self, transfer_id: str, target: str, pool: str, block_ids: list[int],
                num_tokens: int) -> Event:
-        """Gathers the first ``num_tokens`` tokens' KV now and sends it in the background."""
+        """Gathers the first ``num_tokens`` tokens' KV now and sends it in the background.
+        Under tensor parallelism the buffer holds every rank's KV heads (``transfer/heads.py``)."""
         buffer = gather_blocks(self.runner.pools[pool].kv_caches, block_ids, num_tokens)
+        if self.runner.tp is not None:
+            buffer = self.runner.tp.gather_kv(pool, block_ids, num_tokens, buffer)
 
         def on_done(error: BaseException | None) -> None:
             if error is not None:  # the decode instance times out and fails the request
@@ -114,7 +117,20 @@ class KVConnector:
         will come under this id, so its request can fail now, not at the timeout."""
         return self.receiver.take_dropped(transfer_id)
 
+    def misfit(self, buffer: torch.Tensor, num_prompt_tokens: int) -> str | None:
+        """Why a received buffer cannot be this model's KV of that prompt, or None. Checked
+        before anything is written: a bad buffer fails its request, not the engine."""
+        pages = self.runner.kv_caches[0][0]  # [pages, block, this rank's heads, dim]
+        heads = self.runner.tp.kv_heads.total if self.runner.tp is not None else pages.shape[2]
+        want = (len(self.runner.kv_caches), 2, num_prompt_tokens, heads, pages.shape[3])
+        if tuple(buffer.shape) != want:
+            return (f"received KV of shape {tuple(buffer.shape)}; this model's KV of the "
+                    f"{num_prompt_tokens}-token prompt is {want}")
+        return None
+
     def scatter(self, buffer: torch.Tensor, pool: str, block_ids: list[int]) -> Event:
+        if self.runner.tp is not None:  # each rank writes its own heads
+            buffer = self.runner.tp.scatter_kv(pool, block_ids, buffer)
         scatter_blocks(buffer, self.runner.pools[pool].kv_caches, block_ids)
         return self.ops.record(None)
 

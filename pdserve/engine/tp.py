@@ -35,11 +35,13 @@ import torch.distributed as dist
 
 from pdserve.config import EngineConfig
 from pdserve.dist.comm import TPComm
-from pdserve.dist.shard import tp_refusal
+from pdserve.dist.shard import TPShard, tp_refusal
 from pdserve.gpu.partitions import Partition
 from pdserve.model.arch import ModelArch
 from pdserve.sampling_params import SamplingParams
 from pdserve.sched.base import BatchCarry, KVMove, Plan, ScheduledRequest, Work
+from pdserve.transfer.heads import HEAD_DIM, head_shard, join_head_shards
+from pdserve.transfer.kv_blocks import host_empty
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a worker imports torch and connects before this
@@ -61,8 +63,6 @@ def check_tp_config(config: EngineConfig, arch: ModelArch) -> None:
     """Refuses, in one line and before any weight loads, what cannot run split."""
     size = config.device.tensor_parallel_size
     why = tp_refusal(arch, size)
-    if why is None and config.transfer.kv_transfer_port is not None and size > 1:
-        why = "P/D roles (--kv-transfer-port) do not run under tensor parallelism yet"
     first = _first_gpu(config)
     if why is None and size > 1 and first is not None and \
             torch.cuda.device_count() < first + size:
@@ -105,10 +105,20 @@ class PlanEncoder:
         start = request.num_computed
         tokens = request.token_ids[start:start + item.num_new_tokens]
         return (request.request_id, start, tokens, item.samples, request.num_preemptions,
-                filled, blocks[max(filled, 0):])
+                filled, blocks[max(filled, 0):], _scoring(request, start, len(tokens)))
 
     def forget(self, request_id: str, pool: str | None = None) -> None:
         forget_request(self.sent, request_id, pool)
+
+
+def _scoring(request, start: int, num_new: int) -> tuple | None:
+    """What a worker needs to score the prompt as rank 0 does (its LM head's all-gathers
+    must meet rank 0's): the width asked for, the prompt's length and the prompt tokens the
+    step's positions score (position p scores token p + 1)."""
+    if not request.scores_prompt:
+        return None
+    targets = request.prompt_token_ids[start + 1:start + 1 + num_new]
+    return request.params.prompt_logprobs, request.num_prompt_tokens, targets
 
 
 def forget_request(by_request: dict[str, dict], request_id: str, pool: str | None) -> None:
@@ -141,7 +151,8 @@ class MirrorRequest:
     """What a worker's forward reads of a request; greedy, with no sampling state."""
 
     __slots__ = ("request_id", "num_computed", "token_ids", "block_ids", "num_preemptions",
-                 "params", "generator")
+                 "params", "generator", "scores_prompt", "num_prompt_tokens",
+                 "prompt_token_ids")
     PARAMS = SamplingParams(temperature=0)
     # What the step's batch building and sampling read of a real request, at the values a
     # worker needs: no grammar, no placeholder ids (overlap is off under TP).
@@ -151,6 +162,18 @@ class MirrorRequest:
     def __init__(self, request_id: str) -> None:
         self.request_id, self.block_ids, self.num_preemptions = request_id, [], 0
         self.params, self.generator = self.PARAMS, None
+        self.score(None, 0)
+
+    def score(self, scoring: tuple | None, start: int) -> None:
+        """Scores the prompt in this step as rank 0's request does, or not at all."""
+        self.scores_prompt = scoring is not None
+        if scoring is None:
+            self.params, self.num_prompt_tokens, self.prompt_token_ids = self.PARAMS, 0, ()
+            return
+        width, self.num_prompt_tokens, targets = scoring
+        if self.params.prompt_logprobs != width:
+            self.params = SamplingParams(temperature=0, prompt_logprobs=width)
+        self.prompt_token_ids = TokenWindow(start + 1, targets)
 
 
 @dataclass
@@ -158,14 +181,16 @@ class PlanDecoder:
     """A worker: the mirrored requests, by (pool, id), kept between launches."""
 
     mirrors: dict[str, dict[str, MirrorRequest]] = field(default_factory=dict)  # id, pool
+    num_scoring: int = 0  # requests of the plan last decoded that score their prompt
 
     def decode(self, encoded: tuple[list, list], pool: str) -> Plan:
         decodes, prefills = encoded
+        self.num_scoring = 0
         return Plan(decodes=[self._one(e, pool) for e in decodes],
                     prefills=[self._one(e, pool) for e in prefills])
 
     def _one(self, entry: tuple, pool: str) -> ScheduledRequest:
-        request_id, start, tokens, samples, preemptions, filled, blocks = entry
+        request_id, start, tokens, samples, preemptions, filled, blocks, scoring = entry
         by_pool = self.mirrors.setdefault(request_id, {})
         mirror = by_pool.get(pool)
         if mirror is None:
@@ -176,6 +201,8 @@ class PlanDecoder:
             mirror.block_ids.extend(blocks)
         mirror.num_computed, mirror.num_preemptions = start, preemptions
         mirror.token_ids = TokenWindow(start, tokens)
+        mirror.score(scoring, start)
+        self.num_scoring += scoring is not None
         return _scheduled(mirror, len(tokens), samples)
 
     def forget(self, request_id: str, pool: str | None = None) -> None:
@@ -188,6 +215,25 @@ def _scheduled(mirror: MirrorRequest, num_new_tokens: int, samples: bool) -> Sch
     item = ScheduledRequest.__new__(ScheduledRequest)
     item.request, item.num_new_tokens, item.samples = mirror, num_new_tokens, samples
     return item
+
+
+@dataclass(frozen=True)
+class KVHeadSplit:
+    """Which KV heads each rank holds (``transfer/heads.py``): rank r the ``count`` from
+    ``starts[r]``, of the model's ``total``."""
+
+    starts: list[int]
+    count: int
+    total: int
+
+    def join(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        return join_head_shards(shards, self.starts, self.total)
+
+    def split(self, whole: torch.Tensor) -> list[torch.Tensor]:
+        if whole.shape[HEAD_DIM] != self.total:
+            raise ValueError(f"a KV buffer of {whole.shape[HEAD_DIM]} heads for a model with "
+                             f"{self.total} KV heads")
+        return [head_shard(whole, start, self.count) for start in self.starts]
 
 
 # ---- rank 0 ----
@@ -208,6 +254,9 @@ class TPLeader:
         self.comm = TPComm.connect(store, 0, self.size, device)
         self._store = store  # the workers' rendezvous; kept while the group lives
         self.encoder = PlanEncoder()
+        shards = [TPShard(arch, rank, self.size) for rank in range(self.size)]
+        self.kv_heads = KVHeadSplit([s.kv_head_start for s in shards], shards[0].num_kv_heads,
+                                    arch.num_kv_heads)
         self._pending: list[tuple] = []
         self._carries: dict[int, tuple[int, BatchCarry]] = {}
         self._event_seq: dict[int, int] = {}
@@ -246,11 +295,37 @@ class TPLeader:
 
     def _send(self, commands: list[tuple]) -> None:
         self.check_workers()
-        try:
+        with self._control_channel():
             self.comm.broadcast_object(commands)
+
+    @contextmanager
+    def _control_channel(self) -> Iterator[None]:
+        try:
+            yield
         except RuntimeError as exc:  # gloo: a peer's connection closed
+            self.broken = True
             self._name_dead_worker()
             raise TPGroupBroken(f"tensor-parallel control channel failed: {exc}") from exc
+
+    # ---- KV across instances (P/D roles) ----
+
+    def gather_kv(self, pool: str, block_ids: list[int], num_tokens: int,
+                  own: torch.Tensor) -> torch.Tensor:
+        """The whole model's KV of a request from ``own`` (rank 0's gathered shard) and the
+        workers' shards, which they gather from their pages on this command."""
+        self._send(self._take_pending() + [("gather_kv", pool, list(block_ids), num_tokens)])
+        with self._control_channel():
+            shards = self.comm.gather_to_first(own.cpu().contiguous(), host_empty)
+        return self.kv_heads.join(shards).to(own.device)
+
+    def scatter_kv(self, pool: str, block_ids: list[int], whole: torch.Tensor) -> torch.Tensor:
+        """Sends each worker its heads of a received buffer to write into its pages
+        ``block_ids``; returns rank 0's heads."""
+        pieces = self.kv_heads.split(whole.cpu())
+        layout = (tuple(pieces[0].shape), pieces[0].dtype)  # the sender's dtype, maybe not ours
+        self._send(self._take_pending() + [("scatter_kv", pool, list(block_ids), layout)])
+        with self._control_channel():
+            return self.comm.scatter_from_first(pieces, pieces[0])
 
     # ---- what the runner reports ----
 

@@ -22,7 +22,10 @@ from pdserve.engine.launch import HostBuffers
 from pdserve.engine.model_runner import ModelRunner, rank_device
 from pdserve.engine.setup import build_disagg_partition, build_partitions
 from pdserve.engine.tp import KEPT_EVENTS, MirrorRequest, PartKey, PlanDecoder, part_key
+from pdserve.request import Request
 from pdserve.sched.base import BatchCarry, KVMove, Work
+from pdserve.transfer import gather_blocks, scatter_blocks
+from pdserve.transfer.kv_blocks import host_empty
 
 log = logging.getLogger("pdserve.tp_worker")
 
@@ -73,10 +76,31 @@ class TPFollower:
                       num_tokens, self.parts.get(key) if key is not None else None)
         self.kv.move(move)
 
+    def _gather_kv(self, pool: str, block_ids: list[int], num_tokens: int) -> None:
+        """A request's KV on this rank's heads, to rank 0 (it exports to another instance)."""
+        self._settle()
+        own = gather_blocks(self.runner.pools[pool].kv_caches, block_ids, num_tokens)
+        self.runner.comm.gather_to_first(own.cpu().contiguous())
+
+    def _scatter_kv(self, pool: str, block_ids: list[int], layout: tuple) -> None:
+        """This rank's heads of KV received from another instance, into its pages."""
+        own = self.runner.comm.scatter_from_first(None, host_empty(*layout))
+        scatter_blocks(own, self.runner.pools[pool].kv_caches, block_ids)
+        self._settle()  # the next launch, on any stream, reads these pages
+
+    def _settle(self) -> None:
+        # Launches run on their lanes' streams; a transfer's copies are rare enough to wait
+        # for all of them rather than track which launch touched which page.
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+
     def _launch(self, seq: int, encoded: tuple, waited: list[int]) -> None:
         plan, key, side, pool, layers, final, carry = encoded
         work = Work(self.decoder.decode(plan, pool), self.parts.get(key) if key else None,
                     side, pool, layers, final, self._carry(carry, final))
+        # The gate a step checks before looking for prompts to score counts real requests,
+        # which a worker has none of: it counts this launch's scoring mirrors instead.
+        Request.num_scoring = self.decoder.num_scoring
         waits = [self.events[s] for s in waited if s in self.events]
         buffers = self.buffers.get(side)
         if buffers is None:

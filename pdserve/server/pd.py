@@ -171,6 +171,7 @@ class PDRoutes:
         client, admission = self.serving.client, self.admission
         body = {"model": self.serving.model_name, "kv_address": client.kv_address,
                 "schedule": client.setup.get("schedule", ""),
+                "tensor_parallel_size": client.setup.get("tensor_parallel_size", 1),
                 "queued_prefill_tokens": admission.queued_tokens,
                 "prefill_tokens_per_s": admission.tokens_per_s,
                 "accepted": admission.accepted, "rejected": admission.rejected}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.model.arch import PRESETS
+
 transformers = pytest.importorskip("transformers")
 
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -44,6 +46,18 @@ def mqa_ckpt(tmp_path_factory):
     model = _save(folder, 0.2, vocab_size=299, num_key_value_heads=1,
                   tie_word_embeddings=True)
     return str(folder), model
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """The tiny preset's shapes as a checkpoint: dummy weights are seeded per rank, so only
+    a checkpoint gives TP=1 and TP=2 the same model."""
+    arch = PRESETS["tiny"]
+    folder = tmp_path_factory.mktemp("tp-tiny")
+    _save(folder, 0.1, vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
+          intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_layers,
+          num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads)
+    return str(folder)
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.dist.comm import TPComm
 from pdserve.dist.shard import TPShard, tp_refusal
 from pdserve.engine import model_runner
+from pdserve.engine.launch import PromptRows
 from pdserve.engine.setup import EngineSetup, model_key
 from pdserve.engine.tp import PlanDecoder, PlanEncoder, TPGroupBroken
 from pdserve.model.arch import PRESETS, get_arch
@@ -27,10 +29,14 @@ from pdserve.ops.reference import TorchAttentionBackend
 from pdserve.request import Request
 from pdserve.sched.base import Plan
 from tests.engine.test_multiplex import SplitModel
-from tests.parallel.conftest import _save, hf_greedy
+from tests.engine.test_prompt_logprobs import TOP
+from tests.engine.test_prompt_logprobs import _check_against as check_prompt_logprobs
+from tests.engine.test_prompt_logprobs import _oracle as prompt_oracle
+from tests.parallel.conftest import hf_greedy
 
 MAX_NEW = 6
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+CPU = torch.device("cpu")
 OPTIONS = {"dtype": "float32", "block_size": 8, "max_num_batched_tokens": 64, "chunk_size": 24}
 
 
@@ -121,16 +127,20 @@ def test_tp2_greedy_equals_tp1_and_transformers(request, ckpt):
     assert all(worker.poll() == 0 for worker in llm.engine.runner.tp.workers), "told to stop"
 
 
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    """The tiny preset's shapes as a checkpoint: dummy weights are seeded per rank, so only
-    a checkpoint gives TP=1 and TP=2 the same model."""
-    arch = PRESETS["tiny"]
-    folder = tmp_path_factory.mktemp("tp-tiny")
-    _save(folder, 0.1, vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
-          intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_layers,
-          num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads)
-    return str(folder)
+@pytest.mark.slow
+def test_prompt_logprobs_under_tp2_equal_transformers(gqa_ckpt):
+    """Workers score the prompt with rank 0 (their LM head's all-gathers must meet its
+    own): prompts over several chunks, and a request that asks nothing in the same steps."""
+    folder, hf = gqa_ckpt
+    prompts = _prompts(hf.config.vocab_size, count=3)
+    scored = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=TOP)
+    with LLM(folder, tensor_parallel_size=2, **{**OPTIONS, "chunk_size": 7}) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2],
+                               [scored] * len(prompts) + [GREEDY] * len(prompts))
+        llm.engine.check_integrity()
+    for prompt, out in zip(prompts, outputs, strict=False):
+        check_prompt_logprobs(prompt_oracle(hf, prompt), prompt, out.prompt_logprobs)
+    assert all(out.prompt_logprobs is None for out in outputs[len(prompts):])
 
 
 @pytest.mark.slow
@@ -221,7 +231,7 @@ def test_plan_sends_only_the_page_ids_a_worker_lacks():
         start = request.num_computed
         assert item.request.token_ids[start:start + num_new] == \
             request.token_ids[start:start + num_new]
-        return (sent[0] or sent[1])[0][-1]  # the page ids that travelled
+        return (sent[0] or sent[1])[0][6]  # the page ids that travelled
 
     assert travel("main", 10) == [4, 5]
     request.num_computed, request.block_ids = 10, request.block_ids + [6]
@@ -233,3 +243,24 @@ def test_plan_sends_only_the_page_ids_a_worker_lacks():
     encoder.forget("a")
     decoder.forget("a")
     assert not encoder.sent and not decoder.mirrors
+
+
+def test_a_worker_scores_the_prompt_rows_rank_0_scores():
+    """A scoring request's mirror gives the same prompt rows and targets as the request (its
+    LM head then runs the same all-gathers); once the prompt is scored, neither scores."""
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    request = Request("s", list(range(10, 30)), SamplingParams(max_tokens=1, prompt_logprobs=2))
+    request.block_ids, request.num_computed = [1, 2, 3], 8
+    try:
+        plan = Plan()
+        plan.add(request, 7)
+        mirrored = decoder.decode(encoder.encode(plan, "main"), "main")
+        assert decoder.num_scoring == 1
+        starts = np.array([0, 7])
+        want, got = PromptRows.of(plan, starts, CPU), PromptRows.of(mirrored, starts, CPU)
+        assert torch.equal(got.rows, want.rows) and torch.equal(got.targets, want.targets)
+        assert (got.width, got.starts, got.counts) == (want.width, want.starts, want.counts)
+    finally:
+        request.take_prompt_logprobs()  # the process-wide count of scoring requests
+    mirrored = decoder.decode(encoder.encode(plan, "main"), "main")
+    assert decoder.num_scoring == 0 and not mirrored.scheduled[0].request.scores_prompt
