@@ -329,14 +329,20 @@ def _check_gateway(args: argparse.Namespace) -> None:
 def _check_cluster(args: argparse.Namespace) -> None:
     """The model is resolved (and downloaded) once here; the instances then find it in the
     cache. Served names travel to every instance."""
+    from pdserve.cluster.launch import gpu_groups
     from pdserve.cluster.ray_launch import ray_args_refusal
+    from pdserve.dist.shard import tp_refusal
     from pdserve.model.arch import get_arch
     from pdserve.model.hub import resolve_model_config
 
     if (why := ray_args_refusal(args)) is not None:
         raise UsageError(why)
     _pick_model(args.parser, args)
-    get_arch(resolve_model_config(ModelConfig(model=args.model)))
+    arch = get_arch(resolve_model_config(ModelConfig(model=args.model)))
+    if (why := tp_refusal(arch, args.tensor_parallel_size)) is not None:
+        raise UsageError(why)  # the GPUs are the instances' to count, on their machines
+    if args.gpus and not args.ray_address:
+        gpu_groups([g for g in args.gpus.split(",") if g], 1, args.tensor_parallel_size)
     if args.served_model_name:
         args.serve_args += ["--served-model-name", *args.served_model_name]
     _check_gateway(args)

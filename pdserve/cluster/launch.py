@@ -52,17 +52,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def gpu_groups(gpus: list[str], num_instances: int, group_size: int) -> list[str | None]:
+    """Each instance's CUDA_VISIBLE_DEVICES: ``group_size`` distinct GPUs, handed out in turn
+    (instances share GPUs when there are fewer than they need); None on a machine without."""
+    if not gpus:
+        return [None] * num_instances
+    if len(gpus) < group_size:
+        raise ValueError(f"--tensor-parallel-size {group_size} needs {group_size} GPUs per "
+                         f"instance; --gpus lists {len(gpus)}")
+    return [",".join(gpus[(i * group_size + k) % len(gpus)] for k in range(group_size))
+            for i in range(num_instances)]
+
+
 def spawn_members(model: str, num_prefill: int, num_decode: int, serve_args: list[str],
                   gpus: list[str], registry_url: str, scenario: str,
-                  secret: str | None = None) -> list[Member]:
+                  secret: str | None = None, tensor_parallel_size: int = 1) -> list[Member]:
     """Starts the instances; ``secret`` reaches them in the environment (not in ``ps``)."""
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
     members = []
-    for index, role in enumerate(roles):
+    for role, gpu in zip(roles, gpu_groups(gpus, len(roles), tensor_parallel_size), strict=True):
         port = free_port()
-        gpu = gpus[index % len(gpus)] if gpus else None
         cmd = [sys.executable, "-m", "pdserve", "serve", model, "--host", "127.0.0.1",
                "--port", str(port), "--kv-transfer-port", "0", *serve_args]
+        if tensor_parallel_size > 1:
+            cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
         if registry_url.startswith("zk://"):
             cmd += ["--role", role, "--registry", registry_url, "--scenario", scenario]
         env = dict(os.environ)
@@ -154,7 +167,7 @@ async def run_cluster(args: argparse.Namespace, gateway_config: GatewayConfig) -
     else:
         members = spawn_members(args.model, args.prefill, args.decode, args.serve_args, gpus,
                                 gateway_config.registry, gateway_config.default_scenario,
-                                secret)
+                                secret, args.tensor_parallel_size)
     try:
         infos = await asyncio.get_running_loop().run_in_executor(None, wait_ready, members,
                                                                  secret)
@@ -189,12 +202,13 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
                         "instances in turn (CUDA_VISIBLE_DEVICES); default: the machine's.")
     parser.add_argument("--serve-args", type=shlex.split, default=[],
                         help="Extra flags for every `pdserve serve`, as one string.")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs of each "
+                        "instance (one tensor-parallel group each; on this machine taken in "
+                        "turn from --gpus, with --ray-address one node's bundle).")
     ray = parser.add_argument_group("Ray (pip install 'pdserve[ray]')")
     ray.add_argument("--ray-address", default=None, help="Place the instances on this "
                      "existing Ray cluster (e.g. HEAD_IP:6379, or 'auto'), one placement "
                      "group each, instead of on this machine; the gateway stays here.")
-    ray.add_argument("--tensor-parallel-size", type=int, default=1, help="With "
-                     "--ray-address: GPUs of one node each instance is given (its bundle).")
     ray.add_argument("--ray-prefill-resources", default=None, metavar="JSON",
                      help="With --ray-address: custom Ray resources each prefill instance's "
                      "bundle asks for, e.g. '{\"prefill_pool\": 1}'.")

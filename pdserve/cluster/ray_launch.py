@@ -57,16 +57,15 @@ def parse_resources(text: str | None, flag: str) -> dict[str, float]:
 
 def ray_args_refusal(args: Any) -> str | None:
     """Why the Ray flags of ``pdserve cluster`` cannot work, checked before anything starts."""
-    ray_only = {"--tensor-parallel-size": args.tensor_parallel_size != 1,
-                "--ray-prefill-resources": args.ray_prefill_resources is not None,
+    ray_only = {"--ray-prefill-resources": args.ray_prefill_resources is not None,
                 "--ray-decode-resources": args.ray_decode_resources is not None}
+    if args.tensor_parallel_size < 1:
+        return f"--tensor-parallel-size must be at least 1, not {args.tensor_parallel_size}"
     if not args.ray_address:
         given = [flag for flag, set_ in ray_only.items() if set_]
         return f"{', '.join(given)} needs --ray-address" if given else None
     if args.gpus is not None:
         return "--gpus is for this machine; with --ray-address, Ray hands out the GPUs"
-    if args.tensor_parallel_size < 1:
-        return f"--tensor-parallel-size must be at least 1, not {args.tensor_parallel_size}"
     try:
         parse_resources(args.ray_prefill_resources, "--ray-prefill-resources")
         parse_resources(args.ray_decode_resources, "--ray-decode-resources")

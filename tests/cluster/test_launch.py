@@ -3,6 +3,7 @@ openai client, stopped by SIGTERM with no process left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,15 +12,18 @@ import tempfile
 
 import pytest
 
+from pdserve.cluster.launch import gpu_groups
 from tests.server.conftest import Server, child_pids, free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
 
 
-def test_cluster_command_serves_and_stops_cleanly():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cluster_command_serves_and_stops_cleanly(tp):
+    """tp 2: each instance a tensor-parallel group (two processes over gloo on the CPU)."""
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve", "cluster", "tiny", "--prefill", "1", "--decode", "1",
-           "--host", "127.0.0.1", "--port", str(port),
+           "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", str(tp),
            "--serve-args", "--device cpu --dtype float32"]
     log = tempfile.TemporaryFile()
     cluster = Server(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), port, log=log)
@@ -32,6 +36,10 @@ def test_cluster_command_serves_and_stops_cleanly():
             extra_body={"ignore_eos": True})
         pieces = [chunk.choices[0] for chunk in stream if chunk.choices]
         assert pieces[-1].finish_reason == "length"
+        groups = json.loads(cluster.request("GET", "/cluster/groups")[2])["groups"]
+        sizes = [i["tensor_parallel_size"] for g in groups.values() for role in g.values()
+                 for i in role]
+        assert sizes == [tp, tp]
         cluster.process.send_signal(signal.SIGTERM)
         assert cluster.process.wait(60) == 0, cluster.log_text()
         assert not any(os.path.exists(f"/proc/{pid}") for pid in instances)  # reaped
@@ -39,3 +47,12 @@ def test_cluster_command_serves_and_stops_cleanly():
     finally:
         if cluster.process.poll() is None:
             cluster.process.kill()
+
+
+def test_gpus_are_handed_out_in_groups_of_the_tensor_parallel_size():
+    assert gpu_groups(["0", "1", "2", "3"], 2, 2) == ["0,1", "2,3"]
+    assert gpu_groups(["0", "1", "2", "3"], 3, 2) == ["0,1", "2,3", "0,1"]  # shared in turn
+    assert gpu_groups(["0", "1"], 3, 1) == ["0", "1", "0"]
+    assert gpu_groups([], 2, 4) == [None, None]  # the CPU: gloo processes
+    with pytest.raises(ValueError, match="needs 2 GPUs per instance; --gpus lists 1"):
+        gpu_groups(["0"], 2, 2)

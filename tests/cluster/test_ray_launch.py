@@ -152,7 +152,8 @@ def _complete_until_served(cluster: Server, timeout_s: float = 120.0) -> dict:
 
 @pytest.mark.parametrize("flags, reason", [
     (["--ray-prefill-resources", '{"pool": 1}'], "--ray-prefill-resources needs --ray-address"),
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size needs --ray-address"),
+    (["--tensor-parallel-size", "3"], "does not divide the model's 4 attention heads"),
+    (["--tensor-parallel-size", "2", "--gpus", "0"], "needs 2 GPUs per instance"),
     (["--ray-address", "auto", "--ray-decode-resources", "[1]"],
      "--ray-decode-resources: give a JSON object"),
     (["--ray-address", "auto", "--ray-prefill-resources", "{"],
