@@ -80,7 +80,9 @@ class Launch:
     num_sampled: int
     want_logprobs: bool
     launch_ms: float  # host time spent issuing it (a bubble if longer than a decode step)
-    issued: float = field(default_factory=time.perf_counter)  # when the host began issuing
+    # When the host began issuing; for a launch issued behind its lane's previous one
+    # (overlap), when that one was seen to complete.
+    issued: float = field(default_factory=time.perf_counter)
     prompt: PromptRows | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
