@@ -1,10 +1,10 @@
 """The one policy interface: ``schedule(idle_lanes) -> {lane: Work}`` and
 ``update(work, output)``.
 
-A lane is a slot with at most one launch in flight (the whole GPU for the synchronous
-policies; a decode and a prefill lane for multiplex and disagg). ``EngineCore.step`` collects
-finished launches (``update``), asks the policy for work on its idle lanes (``schedule``) and
-launches it; nothing in the core depends on which policy runs.
+A lane is a slot with at most one launch in flight, two under overlap scheduling (the whole
+GPU for the synchronous policies; a decode and a prefill lane for multiplex and disagg).
+``EngineCore.step`` collects finished launches (``update``), asks the policy for work on its
+idle lanes (``schedule``) and launches it; nothing in the core depends on which policy runs.
 
 Policies differ only in how they fill a launch (which requests advance by how many tokens,
 on which SMs); admission, KV growth, preemption, requests whose KV arrives from another

@@ -155,10 +155,10 @@ class MultiplexScheduler(InFlightScheduler):
         return {
             DECODE_LANE: (
                 "decode steps (spatial, decode-only): the next one follows on the same split "
-                "and stream. Not mixed (temporal) steps: the step after one is decided at a "
-                "drained boundary where the planner may pick any split, and its prompt "
-                "chunks would have to be kept off the prefill lane's stream. Not time-slice "
-                "decodes: the next one is already issued while the piece between them runs"),
+                "and stream. Not mixed (temporal) steps: the planner picks the step after "
+                "one among every split with both lanes drained, so it cannot be issued "
+                "before that choice. Not time-slice decodes: the next one is already "
+                "issued while the piece between them runs"),
             PREFILL_LANE: (
                 "not overlapped: a piece feeds no sampled token to the next launch, and a "
                 "batch's requests join decode only once its last piece completed")}
