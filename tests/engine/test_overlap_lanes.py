@@ -1,12 +1,15 @@
 """Overlap scheduling on the decode lanes of multiplex and disagg: emulated partitions on the
-CPU, fake latencies for planning, and fake events that complete late, so a decode step is
-issued while the one before it is still in flight and feeds on its tokens as placeholders.
+CPU, fake latencies for planning, and fake events that complete a set number of engine steps
+late (never by the host's clock), so a decode step is issued while the one before it is
+still in flight and feeds on its tokens as placeholders.
 Everything a user sees must equal the engine without overlap (tokens, stops found one step
 late, max_tokens, aborts), no page may leak at any step, and a request that ends while a
 decode still computes for it keeps its pages until that decode completes."""
 
 from __future__ import annotations
 
+import math
+import random
 import time
 
 import pytest
@@ -15,6 +18,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.cache.block_manager import BlockManager
 from pdserve.config import SchedulerConfig
 from pdserve.engine.setup import EngineSetup
+from pdserve.engine.streams import SyncStreamOps
 from pdserve.gpu.driver import FakeDriver
 from pdserve.gpu.partitions import PartitionSet
 from pdserve.sched.base import StepOutput, Work
@@ -23,7 +27,6 @@ from tests.engine.factories import make_request
 from tests.engine.test_disagg import NAMED
 from tests.engine.test_multiplex import (
     HeldOps,
-    LagOps,
     SliceModel,
     SplitModel,
     _multiplex,
@@ -47,18 +50,84 @@ class TemporalModel(SplitModel):
         return ms * 100 if co_running else ms
 
 
-def _mux(folder: str, overlap: bool, ops=None, predictor=None, **options):
+class StepEvent:
+    def __init__(self, steps: int):
+        self.left = steps
+
+    def query(self) -> bool:
+        return self.left <= 0
+
+    def synchronize(self) -> None:
+        self.left = 0
+
+
+class StepOps(SyncStreamOps):
+    """Each launch completes 1 to 3 engine steps after it was issued (seeded), counted by
+    ``tick``; what is in flight at each step never depends on the host's speed."""
+
+    def __init__(self, seed: int):
+        self.rng, self.pending = random.Random(seed), []
+
+    def record(self, stream):
+        event = StepEvent(self.rng.randint(1, 3))
+        self.pending.append(event)
+        return event
+
+    def wait(self, stream, event) -> None:
+        return None
+
+    def tick(self) -> None:
+        for event in self.pending:
+            event.left -= 1
+        self.pending = [e for e in self.pending if e.left > 0]
+
+
+def _ticking(llm: LLM, ops: StepOps) -> LLM:
+    """Every engine step first moves the fake device on by one step."""
+    engine, step = llm.engine, llm.engine.step
+
+    def ticked():
+        ops.tick()
+        return step()
+
+    engine.step = ticked
+    return llm
+
+
+def _unclocked(llm: LLM, predictor) -> LLM:
+    """Planning on the fake latencies alone: no learning from the host's timing (as in
+    test_multiplex) and no stall rule, which counts how long prompts waited by its clock."""
+    policy = llm.engine.scheduler
+    policy.set_predictor(predictor, max_prefill_stall_ms=math.inf)
+    policy.model.weight = 0.0
+    return llm
+
+
+def _mux_llm(folder: str, overlap: bool, ops=None, predictor=None, seed: int = 3,
+             **options) -> LLM:
     partitions = PartitionSet.build(FakeDriver(), [16, 24, 32])
-    llm = _multiplex(folder, predictor=predictor or SplitModel(2), ops=ops or LagOps(seed=3),
-                     partitions=partitions, overlap_schedule=overlap, **options)
-    return llm.engine
+    predictor = predictor or SplitModel(2)
+    ops = ops or StepOps(seed)
+    llm = _multiplex(folder, predictor=predictor, ops=ops, partitions=partitions,
+                     overlap_schedule=overlap, **options)
+    llm = _unclocked(llm, predictor)
+    return _ticking(llm, ops) if isinstance(ops, StepOps) else llm
+
+
+def _mux(folder: str, overlap: bool, **options):
+    return _mux_llm(folder, overlap, **options).engine
+
+
+def _disagg_llm(overlap: bool, ops=None, **options) -> LLM:
+    steps = ops or StepOps(seed=1)
+    setup = EngineSetup(disagg_partition=NAMED, ops=steps)
+    options = {"dtype": "float32", "block_size": 8, "max_num_batched_tokens": 64, **options}
+    llm = LLM("tiny", schedule="disagg", setup=setup, overlap_schedule=overlap, **options)
+    return _ticking(llm, steps) if isinstance(steps, StepOps) else llm
 
 
 def _disagg(overlap: bool, ops=None, **options):
-    setup = EngineSetup(disagg_partition=NAMED, ops=ops or LagOps(seed=1))
-    options = {"dtype": "float32", "block_size": 8, "max_num_batched_tokens": 64, **options}
-    return LLM("tiny", schedule="disagg", setup=setup, overlap_schedule=overlap,
-               **options).engine
+    return _disagg_llm(overlap, ops, **options).engine
 
 
 def _watch_placeholders(engine) -> list[int]:
@@ -151,6 +220,48 @@ def test_stops_and_length_limits_one_step_late(hf_llama, policy):
     assert info["dropped_tokens"] > 0, "no stop was found with the next decode in flight"
 
 
+def _tiny_llm(policy: str, overlap: bool) -> LLM:
+    if policy == "disagg":
+        return _disagg_llm(overlap)
+    return _mux_llm("tiny", overlap, predictor=SplitModel(4), seed=2)
+
+
+@pytest.mark.parametrize("policy", ["multiplex", "disagg"])
+def test_stop_strings_end_as_without_overlap(policy):
+    """A stop string is matched on the text by the offline LLM, which aborts the request:
+    the decode in flight then computes one token too many, never seen in the text."""
+    prompts = ["the quick brown fox", "pack my box with five", "sphinx of black quartz",
+               "how vexingly quick", "jived fox nymph"]
+    base = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = [o.outputs[0] for o in _tiny_llm(policy, False).generate(prompts, base)]
+    stops = [_stop_string(o.text) for o in plain]
+    assert sum(s is not None for s in stops) >= 2, "the tiny model's text must hold stops"
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                             stop=[stop] if stop else []) for stop in stops]
+    results = []
+    for overlap in (True, False):
+        llm = _tiny_llm(policy, overlap)
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        _assert_clean(llm.engine)
+        results.append([(o.text, o.token_ids, o.finish_reason) for o in outputs])
+        dropped = _overlap_info(llm.engine)["dropped_tokens"]
+        assert (dropped > 0) == overlap, "aborted with its next decode in flight"
+    assert results[0] == results[1]
+    for (text, token_ids, reason), stop, whole in zip(results[0], stops, plain, strict=True):
+        if stop is not None:
+            assert reason == "stop" and stop not in text
+            assert len(token_ids) < len(whole.token_ids)
+
+
+def _stop_string(text: str) -> str | None:
+    """Two characters a few tokens in; not across bytes that decode to no character (the
+    random tiny model samples any byte), which the detokenizer holds back."""
+    for start in range(3, len(text) - 3):
+        if "\ufffd" not in text[start:start + 2]:
+            return text[start:start + 2]
+    return None
+
+
 def test_preemption_under_overlap_keeps_tokens(hf_llama):
     """A decode pool too small for every request (disagg): victims are never requests a
     decode in flight still uses, and the tokens equal the engine's without overlap."""
@@ -165,8 +276,10 @@ def _held_multiplex(folder):
     partitions = PartitionSet.build(FakeDriver(), [16, 24, 32])
     streams = {p.decode_stream for p in partitions.choices()}
     ops = HeldOps(streams | {partitions.whole_gpu.decode_stream})
-    engine = _multiplex(folder, predictor=SplitModel(2), ops=ops, partitions=partitions,
-                        overlap_schedule=True).engine
+    predictor = SplitModel(2)
+    llm = _multiplex(folder, predictor=predictor, ops=ops, partitions=partitions,
+                     overlap_schedule=True)
+    engine = _unclocked(llm, predictor).engine
     return engine, ops, engine.scheduler
 
 
