@@ -4,10 +4,10 @@ Lanes
 - ``decode``: one decode step in flight (a replay of the chosen partition's own graphs, on
   its decode stream). Under overlap scheduling the next decode step follows it on the same
   split and stream before it completes, its tokens standing as placeholders (two in flight
-  at most); the planner decides it with those tokens unknown. When the planner then wants
-  another split or mode and no piece runs, the lane drains instead, so the switch is taken
-  at the next boundary where both lanes are idle. Mixed (TEMPORAL) and time-slice steps run
-  synchronously (``overlap_lanes`` says why).
+  at most); the planner decides it with those tokens unknown. Beside a running piece it
+  launches as any decode joining one; alone, only while the planner keeps decode alone on
+  the whole GPU, else the lane drains and the next boundary with both lanes idle re-plans.
+  Mixed (TEMPORAL) and time-slice steps run synchronously (``overlap_lanes`` says why).
 - ``prefill``: one prefill batch at a time, run as pieces (layer ranges) on the prefill
   stream, one piece in flight. Pieces are sized by the planner to last about one decode
   step, so the policy re-plans at every step; with no decode running, the batch takes the
@@ -243,22 +243,18 @@ class MultiplexScheduler(InFlightScheduler):
 
     def _follow_decode(self, works) -> None:
         """An overlapped decode is in flight: the next one follows it under ``current``.
-        With a piece beside it, as in ``_decode_beside_piece``; alone, only while the
-        planner keeps this split (else the lane drains and the next boundary re-plans)."""
+        Beside a piece, by the rule of a decode joining a running piece; alone, only while
+        the planner keeps decode alone on the whole GPU (else the lane drains, and the next
+        boundary with both lanes idle takes the planner's choice)."""
+        if self.piece_work is not None:
+            return self._decode_beside_piece(works)
         if self.decode_load() is None:
             return
         plan = self._plan(self.planner, self.prefill_candidates())
-        keeps = (plan.mode in (MuxMode.SPATIAL, MuxMode.DECODE_ONLY)
-                 and plan.decode_sms == self.current.decode_sms)
-        if self.piece_work is None and not keeps:
-            return
-        self.switch_pending = not keeps
-        self._add_decode(works, self.plan_decode())
-        if DECODE_LANE in works and self.piece_work is not None:
-            plan = replace(plan, mode=MuxMode.SPATIAL, decode_sms=self.current.decode_sms,
-                           prefill_sms=self.current.prefill_sms)
-        if DECODE_LANE in works:
-            self._note(plan)
+        if plan.mode == MuxMode.DECODE_ONLY and self.current.whole_gpu:
+            self._add_decode(works, self.plan_decode())
+            if DECODE_LANE in works:
+                self._note(plan)
 
     def _next_slice_decode(self, works) -> None:
         # Queued behind the piece on the same stream: it starts the moment the piece ends.

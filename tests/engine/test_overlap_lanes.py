@@ -131,12 +131,17 @@ def _disagg(overlap: bool, ops=None, **options):
 
 
 def _watch_placeholders(engine) -> list[int]:
-    """Per decode-lane launch: how many of its requests feed a token still being sampled."""
+    """Per decode-lane launch: how many of its requests feed a token still being sampled.
+    Such a launch must follow the decode in flight on its very partition (its stream)."""
     fed, launch = [], engine.runner.launch
 
     def spy(work, *args, **kwargs):
         if work.side == "decode":
             fed.append(sum(s.request.num_placeholders > 0 for s in work.plan.decodes))
+        if work.side == "decode" and fed[-1]:
+            before = engine.in_flight("decode")
+            assert before is not None and before.work.overlapped
+            assert before.work.partition is work.partition and not work.plan.prefills
         return launch(work, *args, **kwargs)
 
     engine.runner.launch = spy
