@@ -267,6 +267,63 @@ def _stop_string(text: str) -> str | None:
     return None
 
 
+def test_received_kv_joins_beside_a_decode_in_flight():
+    """A multiplexing decode instance (P/D across instances, KV over real TCP): requests whose
+    KV arrives join the decode that follows one in flight, beside requests fed placeholders,
+    and every token equals one engine doing everything."""
+    from tests.engine import test_kv_handoff as kv
+
+    prompts = kv._prompts(6, seed=4)
+    single = LLM("tiny", **kv.OPTIONS).generate([{"prompt_token_ids": p} for p in prompts],
+                                                kv.GREEDY)
+    prefill = LLM("tiny", kv_transfer_port=0, **kv.OPTIONS).engine
+    decode = _mux("tiny", True, predictor=SplitModel(4), kv_transfer_port=0, num_blocks=64)
+    joins = []
+    launch = decode.runner.launch
+
+    def spy(work, *args, **kwargs):
+        fed = [s.request.num_placeholders > 0 for s in work.plan.decodes]
+        joins.append(any(fed) and not all(fed))
+        return launch(work, *args, **kwargs)
+
+    decode.runner.launch = spy
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    try:
+        first = kv._prefill_all(prefill, decode, prompts)
+        # All KV here before any request is added: when each joins depends on steps alone.
+        _wait_for(lambda: decode.kv.receiver.pending() == len(prompts))
+        for i, prompt in enumerate(prompts):
+            if i == 2:  # the rest arrive while the first two decode
+                _step_until(decode, tokens, lambda: decode.scheduler.overlapped)
+            decode.add_request(f"r{i}", prompt, kv.GREEDY, handoff=kv.KVHandoff(
+                f"t{i}", first_token=first[f"r{i}"].new_token_ids[0]))
+        _step_until(decode, tokens, lambda: not decode.has_work())
+    finally:
+        prefill.close()
+        decode.close()
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == \
+        [o.outputs[0].token_ids for o in single]
+    assert any(joins), "no request joined a decode issued behind one in flight"
+    _assert_clean(decode)
+
+
+def _step_until(engine, tokens: dict, done) -> None:
+    for _ in range(1000):
+        if done():
+            return
+        for update in engine.step():
+            tokens[update.request_id] += update.new_token_ids
+        engine.check_integrity()
+    raise AssertionError("the engine did not get there")
+
+
+def _wait_for(done, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s  # KV crosses a real socket: a bound, not a figure
+    while not done():
+        assert time.monotonic() < deadline, "the KV never arrived"
+        time.sleep(0.01)
+
+
 def test_preemption_under_overlap_keeps_tokens(hf_llama):
     """A decode pool too small for every request (disagg): victims are never requests a
     decode in flight still uses, and the tokens equal the engine's without overlap."""
