@@ -87,11 +87,13 @@ class BlockManager:
             request.block_ids.append(self._take_fresh())
         return True
 
-    def commit(self, request: Request) -> None:
-        """Registers hashes of the request's blocks that became full and computed."""
+    def commit(self, request: Request, num_written: int | None = None) -> None:
+        """Registers hashes of the request's blocks that became full and computed (of its
+        first ``num_written`` tokens, when some computed ones are still being written)."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed // self.block_size
+        written = request.num_computed if num_written is None else num_written
+        num_full = written // self.block_size
         if num_full <= request.num_committed_blocks:
             return  # the common decode step: nothing new, O(1)
         hashes = self._hash_chain(request)

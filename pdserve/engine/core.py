@@ -12,11 +12,14 @@ complete since that lane last launched, and on KV copies issued since. Lanes of 
 and disagg run on other streams, so a decode step never reads KV a prefill is still writing
 and a page freed by one lane is never overwritten before a pending gather reads it.
 
-Overlap scheduling (synchronous policies, on unless ``--no-overlap-schedule``): a launch the
-policy marks ``overlapped`` advances the counters when issued, its sampled tokens standing as
-placeholders; the next step is planned and issued before it is collected, and reads those
-tokens on the device. Its results are applied one step late: a request that stopped then has
-one more token computed by the launch already issued, which is dropped, never emitted.
+Overlap scheduling (on unless ``--no-overlap-schedule``): a launch the policy marks
+``overlapped`` advances the counters when issued, its sampled tokens standing as
+placeholders; the lane counts as idle while that is its only launch in flight, so the next
+step on the lane is planned and issued before it is collected, and reads those tokens on the
+device. Its results are applied one step late: a request that stopped then has one more
+token computed by the launch already issued, which is dropped, never emitted. Synchronous
+policies collect an overlapped launch only after the next step is issued; the others
+(multiplex, disagg: their decode lane) collect it as soon as its event reports done.
 
 It never detokenizes: stop strings are matched by whoever streams the text (the server or
 the offline ``LLM``), which aborts the request when one hits.
@@ -226,10 +229,9 @@ class EngineCore:
         return updates
 
     def _launch_idle_lanes(self) -> tuple[dict[str, Launch], list[RequestUpdate]]:
-        """Launches the policy's work on lanes with nothing in flight but overlapped launches.
-        Returns (launches by lane, updates of requests whose launch failed)."""
-        idle = tuple(lane for lane in self.scheduler.lanes
-                     if all(launch.work.overlapped for launch in self._in_flight.get(lane, ())))
+        """Launches the policy's work on lanes with nothing in flight but one overlapped
+        launch. Returns (launches by lane, updates of requests whose launch failed)."""
+        idle = tuple(lane for lane in self.scheduler.lanes if self._lane_idle(lane))
         launched, failed = {}, []
         for lane, work in self.scheduler.schedule(idle).items():
             waits, self._fences[lane] = self._fences[lane], []
@@ -245,16 +247,23 @@ class EngineCore:
             launched[lane] = launch
         return launched, failed
 
+    def _lane_idle(self, lane: str) -> bool:
+        # Two in flight at most: the lane's two pinned buffers hold their tokens.
+        launches = self._in_flight.get(lane, ())
+        return not launches or (len(launches) == 1 and launches[0].work.overlapped)
+
     def _next_buffers(self, lane: str) -> HostBuffers:
         pair = self._buffers[lane]
         pair.reverse()
         return pair[0]
 
     def _collect(self) -> list[RequestUpdate]:
-        """Launches that are done, oldest first; an overlapped one waits for ``_settle``."""
-        updates = []
+        """Launches that are done, oldest first; under a synchronous policy an overlapped one
+        waits for ``_settle``."""
+        updates, settles = [], self.scheduler.waits_for_launches
         for lane, launches in list(self._in_flight.items()):
-            while launches and not launches[0].work.overlapped and launches[0].event.query():
+            while launches and not (settles and launches[0].work.overlapped) \
+                    and launches[0].event.query():
                 updates += self._retire(lane)
         return updates
 
@@ -274,7 +283,11 @@ class EngineCore:
         """Applies the lane's oldest launch (done)."""
         launches = self._in_flight[lane]
         launch = launches.pop(0)
-        if not launches:
+        if launches:
+            # The next one on this lane could start on the device only now: its measured
+            # time runs from here, not from its issue (see Launch.output).
+            launches[0].issued = max(launches[0].issued, time.perf_counter())
+        else:
             del self._in_flight[lane]
         self._fence(launch.event)
         return self._complete(launch.work, launch)
@@ -458,10 +471,8 @@ class EngineCore:
             overlap["off_because"] = "--no-overlap-schedule"
         elif not overlap["enabled"] and self.runner.comm.size > 1:
             overlap["off_because"] = "not implemented under --tensor-parallel-size > 1"
-        elif not overlap["enabled"]:
-            overlap["off_because"] = (f"not implemented for --schedule "
-                                      f"{self.config.scheduler.schedule} (its lanes run on "
-                                      "several streams)")
+        else:
+            overlap["lanes"] = self.scheduler.overlap_lanes()
         return overlap
 
     def timeline(self, since: float | None = None) -> list[dict]:

@@ -3,8 +3,9 @@
 Each launch ends by copying its sampled tokens into a pinned host buffer (asynchronously)
 and recording an event on its stream. The engine reads the buffer only after
 ``event.query()`` says the launch is done, so the host never blocks on one lane while
-another could be launched. There is one buffer pair per lane: a lane has at most one launch
-in flight and its buffer is read before the lane launches again.
+another could be launched. There is one buffer pair per lane: a lane has one launch in
+flight (two under overlap scheduling), one per buffer, and a buffer is read before the lane
+launches into it again.
 
 A prefill batch runs as pieces, layer ranges [start, end) with hidden and residual kept
 between pieces. Its inputs are built on the stream of its first piece; a later piece on
@@ -80,7 +81,9 @@ class Launch:
     num_sampled: int
     want_logprobs: bool
     launch_ms: float  # host time spent issuing it (a bubble if longer than a decode step)
-    issued: float = field(default_factory=time.perf_counter)  # when the host began issuing
+    # When the host began issuing; for a launch issued behind its lane's previous one
+    # (overlap), when that one was seen to complete.
+    issued: float = field(default_factory=time.perf_counter)
     prompt: PromptRows | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:

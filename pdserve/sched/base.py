@@ -1,10 +1,10 @@
 """The one policy interface: ``schedule(idle_lanes) -> {lane: Work}`` and
 ``update(work, output)``.
 
-A lane is a slot with at most one launch in flight (the whole GPU for the synchronous
-policies; a decode and a prefill lane for multiplex and disagg). ``EngineCore.step`` collects
-finished launches (``update``), asks the policy for work on its idle lanes (``schedule``) and
-launches it; nothing in the core depends on which policy runs.
+A lane is a slot with at most one launch in flight, two under overlap scheduling (the whole
+GPU for the synchronous policies; a decode and a prefill lane for multiplex and disagg).
+``EngineCore.step`` collects finished launches (``update``), asks the policy for work on its
+idle lanes (``schedule``) and launches it; nothing in the core depends on which policy runs.
 
 Policies differ only in how they fill a launch (which requests advance by how many tokens,
 on which SMs); admission, KV growth, preemption, requests whose KV arrives from another
@@ -138,9 +138,7 @@ class Scheduler:
         # Overlap: requests whose tokens in flight finish them (length, hand-off); they hold
         # their pages until those tokens arrive but are never planned again.
         self.retiring: list[Request] = []
-        # Only one-lane policies overlap so far: one stream orders every launch after the one
-        # before it, which is what makes freeing pages under a running launch safe.
-        self.overlap = OverlapCounters(config.overlap_schedule and self.waits_for_launches)
+        self.overlap = OverlapCounters(config.overlap_schedule)
 
     # ---- the policy interface ----
 
@@ -210,6 +208,10 @@ class Scheduler:
         """This policy's own set-up (partitions, latency model) for results to record."""
         return {}
 
+    def overlap_lanes(self) -> dict[str, str]:
+        """What each lane overlaps under overlap scheduling, and why not where it does not."""
+        return {MAIN_LANE: "every step, but those counted in synchronous_steps"}
+
     def timeline(self, since: float | None = None) -> list[dict]:
         """The SM split over time (policies that split the GPU); empty otherwise."""
         return []
@@ -270,7 +272,7 @@ class Scheduler:
         logprobs = output.logprobs or [None] * len(output.token_ids)
         sampled = iter(zip(output.token_ids, logprobs, strict=True))
         finished = []
-        commit = self.blocks.commit
+        commit = self._committer()
         for item in plan.scheduled:
             request = item.request
             token = next(sampled) if item.samples else None
@@ -290,6 +292,10 @@ class Scheduler:
                 self._finish(request, reason)
                 finished.append(request)
         return finished
+
+    def _committer(self):
+        """Offers a request's computed blocks to the prefix cache after a launch."""
+        return self.blocks.commit
 
     def _leave(self, request: Request) -> None:
         """Takes a finishing request out of its queue: running, retiring, or (preempted while
@@ -372,6 +378,11 @@ class OverlapCounters:
         self.overlapped_steps = 0
         self.synchronous_steps = {"penalties": 0, "grammar": 0}
         self.dropped_tokens = 0  # computed one step past a stop or an abort, never emitted
+
+    def synchronous(self, reason: str) -> None:
+        """Counts a step its policy runs synchronously by design (``reason``)."""
+        if self.enabled:
+            self.synchronous_steps[reason] = self.synchronous_steps.get(reason, 0) + 1
 
     def allows(self, plan: Plan) -> bool:
         # Penalties count the request's output tokens on the host: a token still on the

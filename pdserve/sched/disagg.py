@@ -18,7 +18,11 @@ A request's ``block_ids`` always name pages of the pool it is in at the moment.
 
 Lanes: ``prefill`` (a batch, all layers in one launch, on the prefill partition) and
 ``decode`` (decode steps on the decode partition); the split is fixed. The hand-off is a
-``KVMove`` the engine's KV connector copies before the next launches.
+``KVMove`` the engine's KV connector copies before the next launches. Under overlap
+scheduling a decode step follows the one in flight on the decode stream before it completes
+(its tokens as placeholders); requests handed off meanwhile join it, their KV scattered on
+that stream first. Ended requests keep their decode pages until no launch uses them
+(``InFlightScheduler``).
 """
 
 from __future__ import annotations
@@ -75,8 +79,7 @@ class DisaggScheduler(Scheduler):
         # Not Scheduler.__init__: its queues are the two sides' (see the properties below).
         self.config, self.blocks, self.max_model_len = config, block_manager, max_model_len
         self.last_work: Work | None = None
-        self.overlap = OverlapCounters(enabled=False)  # two streams: not overlapped yet
-        self.retiring: list[Request] = []
+        self.overlap = OverlapCounters(config.overlap_schedule)
         self.partition = partition
         num_prefill, num_decode = split_pool(block_manager.num_blocks,
                                              config.disagg_prefill_kv_fraction)
@@ -86,8 +89,9 @@ class DisaggScheduler(Scheduler):
             max_model_len)
         self.decode = InFlightScheduler(config, BlockManager(num_decode, size, False),
                                         max_model_len)
+        self.prefill.overlap = self.decode.overlap = self.overlap  # one count for describe()
         self.ready: deque[Request] = deque()
-        self.decode_work: Work | None = None
+        self.decodes: deque[Work] = deque()  # the decode lane's launches, oldest first
         self.prefill_work: Work | None = None
         self.num_transfers = 0
         self._timeline: deque[DisaggTimelineEntry] = deque(maxlen=TIMELINE_LENGTH)
@@ -104,7 +108,7 @@ class DisaggScheduler(Scheduler):
     def live_requests(self, pool: str) -> list[Request]:
         if pool == PREFILL_LANE:
             return list(self.prefill.running) + list(self.prefill.waiting) + list(self.ready)
-        return list(self.decode.running)
+        return self.decode.live_requests(pool)
 
     def describe(self) -> dict:
         part = self.partition
@@ -116,14 +120,24 @@ class DisaggScheduler(Scheduler):
 
     # ---- lanes ----
 
+    @property
+    def decode_work(self) -> Work | None:
+        """The newest decode step in flight, if any."""
+        return self.decodes[-1] if self.decodes else None
+
+    @property
+    def retiring(self) -> list[Request]:
+        return self.decode.retiring
+
+    def overlap_lanes(self) -> dict[str, str]:
+        return {DECODE_LANE: "decode steps: the next one follows on the decode stream",
+                PREFILL_LANE: "not overlapped: a prefill batch's requests go to the hand-off "
+                              "queue only once it completed"}
+
     def schedule(self, idle_lanes=(DECODE_LANE, PREFILL_LANE)) -> dict[str, Work]:
         works = {}
-        if self.decode_work is None:
-            plan = self.plan_decode()
-            if plan.decodes:
-                self.decode.launched(plan)
-                works[DECODE_LANE] = self.decode_work = Work(plan, self.partition,
-                                                             pool=DECODE_LANE)
+        if DECODE_LANE in idle_lanes:  # nothing in flight there, or one overlapped step
+            self._schedule_decode(works)
         if self.prefill_work is None:
             plan = self.plan_prefill()
             if not plan.is_empty():
@@ -135,6 +149,19 @@ class DisaggScheduler(Scheduler):
             self.last_work = next(iter(works.values()))
             self._note()
         return works
+
+    def _schedule_decode(self, works: dict[str, Work]) -> None:
+        plan = self.plan_decode()
+        if not plan.decodes:
+            return
+        overlapped = self.overlap.allows(plan)
+        self.decode.launched(plan, overlapped)
+        works[DECODE_LANE] = Work(plan, self.partition, pool=DECODE_LANE, overlapped=overlapped)
+        self.decodes.append(works[DECODE_LANE])
+
+    def issued(self, work: Work) -> None:
+        if work.side == "decode":
+            self.decode.issued(work)
 
     def _note(self) -> None:
         part = self.partition
@@ -148,21 +175,20 @@ class DisaggScheduler(Scheduler):
         return [asdict(e) for e in self._timeline if since is None or e.time >= since]
 
     def update_work(self, work: Work, output: StepOutput) -> list[Request]:
-        if work is self.decode_work:
-            self.decode_work = None
-            return self.decode.complete(work.plan, output)
+        if self.decodes and work is self.decodes[0]:
+            self.decodes.popleft()
+            return self.decode.complete(work.plan, output, work.overlapped)
         self.prefill_work = None
         ended = self.prefill.complete(work.plan, output)
         self.take_prefilled()
         return ended
 
     def fail(self, work: Work) -> list[Request]:
-        side = self.decode if work is self.decode_work else self.prefill
-        if work is self.decode_work:
-            self.decode_work = None
-        else:
-            self.prefill_work = None
-        return side.fail(work)
+        if any(w is work for w in self.decodes):
+            self.decodes = deque(w for w in self.decodes if w is not work)
+            return self.decode.fail(work)
+        self.prefill_work = None
+        return self.prefill.fail(work)
 
     def take_moves(self) -> list[KVMove]:
         moves = []

@@ -7,6 +7,15 @@ disagg): which requests decode, which prefill, which are in flight.
   launch completes ("finish it, then drop").
 - A request joins decode only when its last prefill chunk has completed (``update_work``),
   so a decode step never reads KV a prefill is still writing.
+- Overlap scheduling (decode lanes): a decode launch marked ``overlapped`` advances its
+  requests' counters when issued, so they are ready to decode again while it runs and the
+  next decode follows it on the same stream. They are still in flight: never preempted,
+  never freed, never offered to the prefill lane. One that ends meanwhile (a stop found one
+  step late, an abort) is finished at once, so nothing more is emitted, but it keeps its
+  pages (``draining``) until the last launch using it completes: the lanes run on several
+  streams, and a page freed under a running decode could be handed to a prefill on another
+  stream that writes it first. For the same reason the prefix cache takes a block only
+  once its KV is written (``commit`` counts no token still in flight).
 
 Requests are still tracked by token counters: a running request with one uncomputed token
 decodes; one with more prefills; a prefix hit that leaves one token is simply a decode.
@@ -15,9 +24,10 @@ decodes; one with more prefills; a prefix hit that leaves one token is simply a 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 
-from pdserve.request import Request
+from pdserve.request import Request, RequestStatus
 from pdserve.sched.base import Plan, ScheduledRequest, Scheduler, StepOutput
 from pdserve.sched.mux_planner import DecodeLoad, InFlightPrefill, PrefillRequest
 
@@ -29,8 +39,16 @@ class InFlightScheduler(Scheduler):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.in_flight: set[str] = set()  # request ids used by a launch not yet completed
+        # Request ids used by a launch not yet completed whose counters advance when it does.
+        self.in_flight: set[str] = set()
+        self.overlapped: Counter[str] = Counter()  # by overlapped launches still running
         self.pending_aborts: set[str] = set()
+        self.draining: list[Request] = []  # ended, holding pages until their launches end
+
+    def busy(self, request: Request) -> bool:
+        """A launch still running uses its pages."""
+        request_id = request.request_id
+        return request_id in self.in_flight or request_id in self.overlapped
 
     # ---------------------------------------------------------------- views
 
@@ -46,8 +64,7 @@ class InFlightScheduler(Scheduler):
 
     def prefill_candidates(self) -> list[Request]:
         """Part-prefilled running requests first (they hold blocks), then the waiting queue."""
-        partial = [r for r in self.running
-                   if r.num_uncomputed > 1 and r.request_id not in self.in_flight]
+        partial = [r for r in self.running if r.num_uncomputed > 1 and not self.busy(r)]
         room = max(0, self.config.max_num_seqs - len(self.running))
         waiting = list(self.waiting)[: min(room, MAX_PLANNED_WAITING)]
         return partial + waiting
@@ -116,14 +133,18 @@ class InFlightScheduler(Scheduler):
 
     # ------------------------------------------------------- launch lifecycle
 
-    def launched(self, plan: Plan) -> None:
-        self.in_flight.update(s.request.request_id for s in plan.scheduled)
+    def launched(self, plan: Plan, overlapped: bool = False) -> None:
+        ids = [s.request.request_id for s in plan.scheduled]
+        if overlapped:
+            self.overlapped.update(ids)
+        else:
+            self.in_flight.update(ids)
 
-    def complete(self, plan: Plan, output: StepOutput) -> list[Request]:
+    def complete(self, plan: Plan, output: StepOutput, overlapped: bool = False
+                 ) -> list[Request]:
         """Applies a finished launch; returns the requests that finished or were aborted."""
-        for item in plan.scheduled:
-            self.in_flight.discard(item.request.request_id)
-        ended = self.update(plan, output)
+        self._landed(plan, overlapped)
+        ended = self.update(plan, output, advanced=overlapped)
         for item in plan.scheduled:
             request_id = item.request.request_id
             if request_id in self.pending_aborts and request_id not in self.in_flight:
@@ -131,7 +152,40 @@ class InFlightScheduler(Scheduler):
                 request = self.abort(request_id)
                 if request is not None:
                     ended.append(request)
+        self._release_drained()
         return ended
+
+    def _landed(self, plan: Plan, overlapped: bool) -> None:
+        for item in plan.scheduled:
+            request_id = item.request.request_id
+            if not overlapped:
+                self.in_flight.discard(request_id)
+            elif self.overlapped[request_id] > 1:
+                self.overlapped[request_id] -= 1
+            else:
+                del self.overlapped[request_id]
+
+    def _release_drained(self) -> None:
+        if not self.draining:
+            return
+        done = [r for r in self.draining if not self.busy(r)]
+        for request in done:
+            self.draining.remove(request)
+            self.blocks.free(request)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        if not self.busy(request):
+            return super()._finish(request, reason)
+        request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        self.draining.append(request)
+
+    def _committer(self):
+        return self._commit_written if self.overlapped else self.blocks.commit
+
+    def _commit_written(self, request: Request) -> None:
+        # Each overlapped decode still running owes one token's KV: not in the cache yet.
+        owed = self.overlapped.get(request.request_id, 0)
+        self.blocks.commit(request, request.num_computed - owed)
 
     def drop_if_aborted(self, plan: Plan) -> list[Request] | None:
         """Between two pieces of a prefill batch: if every request in it was aborted, the
@@ -149,20 +203,27 @@ class InFlightScheduler(Scheduler):
         return aborted
 
     def fail(self, work) -> list[Request]:
+        self._landed(work.plan, work.overlapped)
         for item in work.plan.scheduled:
-            self.in_flight.discard(item.request.request_id)
             self.pending_aborts.discard(item.request.request_id)
-        return super().fail(work)
+        failed = super().fail(work)
+        self._release_drained()
+        return failed
 
     def abort(self, request_id: str) -> Request | None:
-        """Aborts now, or (in flight) once its launch completes; None when deferred."""
+        """Aborts now, or (in a launch whose counters advance when it completes) once that
+        launch completes; None when deferred. A request only in overlapped launches ends at
+        once and keeps its pages until they complete (``draining``)."""
         if request_id in self.in_flight:
             self.pending_aborts.add(request_id)
             return None
         return super().abort(request_id)
 
+    def live_requests(self, pool: str) -> list[Request]:
+        return super().live_requests(pool) + self.draining
+
     def has_work(self) -> bool:
-        return super().has_work() or bool(self.in_flight)
+        return super().has_work() or bool(self.in_flight or self.overlapped or self.draining)
 
     def _grow_or_preempt(self, request: Request, num_tokens: int, plan: Plan) -> bool:
         """Like the base rule, but victims are only requests no launch is using.
@@ -170,8 +231,7 @@ class InFlightScheduler(Scheduler):
         Returns False when ``request`` was preempted or no victim was left (it waits).
         """
         while not self.blocks.grow(request, num_tokens):
-            victim = next((r for r in reversed(self.running)
-                           if r.request_id not in self.in_flight), None)
+            victim = next((r for r in reversed(self.running) if not self.busy(r)), None)
             if victim is None:
                 return False
             self._preempt(victim, plan)

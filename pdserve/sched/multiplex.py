@@ -2,8 +2,12 @@
 
 Lanes
 - ``decode``: one decode step in flight (a replay of the chosen partition's own graphs, on
-  its decode stream). The next step needs this step's tokens, so it is scheduled only after
-  this one completed.
+  its decode stream). Under overlap scheduling the next decode step follows it on the same
+  split and stream before it completes, its tokens standing as placeholders (two in flight
+  at most); the planner decides it with those tokens unknown. Beside a running piece it
+  launches as any decode joining one; alone, only while the planner keeps decode alone on
+  the whole GPU, else the lane drains and the next boundary with both lanes idle re-plans.
+  Mixed (TEMPORAL) and time-slice steps run synchronously (``overlap_lanes`` says why).
 - ``prefill``: one prefill batch at a time, run as pieces (layer ranges) on the prefill
   stream, one piece in flight. Pieces are sized by the planner to last about one decode
   step, so the policy re-plans at every step; with no decode running, the batch takes the
@@ -113,7 +117,7 @@ class MultiplexScheduler(InFlightScheduler):
         self.partitions, self.num_layers = partitions, num_layers
         self.set_predictor(predictor)
         self.current: Partition = partitions.whole_gpu
-        self.decode_work: Work | None = None
+        self.decodes: deque[Work] = deque()  # the decode lane's launches, oldest first
         self.piece_work: Work | None = None
         self.batch: PrefillProgress | None = None
         self.switch_pending = False
@@ -145,6 +149,23 @@ class MultiplexScheduler(InFlightScheduler):
         return {"partitions": self.partitions.describe(), "predictor": self.predictor_source,
                 "sharing": sharing, "itl_slo_ms": self.config.itl_slo_ms}
 
+    @property
+    def decode_work(self) -> Work | None:
+        """The newest decode-lane launch in flight (decode or mixed step), if any."""
+        return self.decodes[-1] if self.decodes else None
+
+    def overlap_lanes(self) -> dict[str, str]:
+        return {
+            DECODE_LANE: (
+                "decode steps (spatial, decode-only): the next one follows on the same split "
+                "and stream. Not mixed (temporal) steps: the planner picks the step after "
+                "one among every split with both lanes drained, so it cannot be issued "
+                "before that choice. Not time-slice decodes: the next one is already "
+                "issued while the piece between them runs"),
+            PREFILL_LANE: (
+                "not overlapped: a piece feeds no sampled token to the next launch, and a "
+                "batch's requests join decode only once its last piece completed")}
+
     def graph_partitions(self) -> list[Partition]:
         """Where decode graphs are replayed: every split and the whole GPU."""
         return [*self.partitions.choices(), self.partitions.whole_gpu]
@@ -157,8 +178,11 @@ class MultiplexScheduler(InFlightScheduler):
             self._schedule_drained(works)
         elif self.decode_work is None:
             self._decode_beside_piece(works)
-        elif self.piece_work is None:
-            self._piece_beside_decode(works)
+        else:
+            if self.piece_work is None:
+                self._piece_beside_decode(works)
+            if DECODE_LANE in idle_lanes:  # its one launch in flight is overlapped
+                self._follow_decode(works)
         if works:
             self.last_work = next(iter(works.values()))
         return works
@@ -200,8 +224,10 @@ class MultiplexScheduler(InFlightScheduler):
         if step.is_empty():
             return
         self.launched(step)
+        self.overlap.synchronous("mixed")
         note = DecodeNote(MixedNote(plan, prefill_tokens == plan.prefill.num_tokens))
-        works[DECODE_LANE] = self.decode_work = Work(step, self.current, note=note)
+        works[DECODE_LANE] = Work(step, self.current, note=note)
+        self.decodes.append(works[DECODE_LANE])
         note.entry = self._timeline[-1]
 
     def _decode_beside_piece(self, works) -> None:
@@ -217,6 +243,21 @@ class MultiplexScheduler(InFlightScheduler):
         if works:
             self._note(replace(plan, mode=MuxMode.SPATIAL, decode_sms=self.current.decode_sms,
                                prefill_sms=self.current.prefill_sms))
+
+    def _follow_decode(self, works) -> None:
+        """An overlapped decode is in flight: the next one follows it under ``current``.
+        Beside a piece, by the rule of a decode joining a running piece; alone, only while
+        the planner keeps decode alone on the whole GPU (else the lane drains, and the next
+        boundary with both lanes idle takes the planner's choice)."""
+        if self.piece_work is not None:
+            return self._decode_beside_piece(works)
+        if self.decode_load() is None:
+            return
+        plan = self._plan(self.planner, self.prefill_candidates())
+        if plan.mode == MuxMode.DECODE_ONLY and self.current.whole_gpu:
+            self._add_decode(works, self.plan_decode())
+            if DECODE_LANE in works:
+                self._note(plan)
 
     def _next_slice_decode(self, works) -> None:
         # Queued behind the piece on the same stream: it starts the moment the piece ends.
@@ -274,8 +315,16 @@ class MultiplexScheduler(InFlightScheduler):
     def _add_decode(self, works, plan: Plan) -> None:
         if not plan.decodes:
             return
-        self.launched(plan)
-        works[DECODE_LANE] = self.decode_work = Work(plan, self.current, note=DecodeNote())
+        overlapped = self._overlaps(plan)
+        self.launched(plan, overlapped)
+        works[DECODE_LANE] = Work(plan, self.current, note=DecodeNote(), overlapped=overlapped)
+        self.decodes.append(works[DECODE_LANE])
+
+    def _overlaps(self, plan: Plan) -> bool:
+        if self.time_slicing:  # see overlap_lanes
+            self.overlap.synchronous("time_slice")
+            return False
+        return self.overlap.allows(plan)
 
     def _ensure_batch(self, plan: MuxPlan, candidates) -> bool:
         """The prefill batch to run ``plan``'s piece of: the one in flight, or a new one."""
@@ -304,10 +353,10 @@ class MultiplexScheduler(InFlightScheduler):
     # ------------------------------------------------------------- completion
 
     def update_work(self, work: Work, output: StepOutput) -> list:
-        if work is self.decode_work:
-            self.decode_work = None
+        if self.decodes and work is self.decodes[0]:
+            self.decodes.popleft()
             self._calibrate(work, output)
-            return self.complete(work.plan, output)
+            return self.complete(work.plan, output, work.overlapped)
         self.piece_work = None
         if work.final:
             self.batch = None
@@ -335,8 +384,8 @@ class MultiplexScheduler(InFlightScheduler):
         return aborted
 
     def fail(self, work: Work) -> list:
-        if work is self.decode_work:
-            self.decode_work = None
+        if any(w is work for w in self.decodes):
+            self.decodes = deque(w for w in self.decodes if w is not work)
         elif work is self.piece_work:
             self.piece_work = self.batch = None
         return super().fail(work)

@@ -203,8 +203,10 @@ def test_flag_and_describe():
     assert engine_config_from_args(args).scheduler.overlap_schedule is False
     args = build_parser().parse_args(["serve"])
     assert engine_config_from_args(args).scheduler.overlap_schedule is True
-    info = _overlap_info(_engine("multiplex", overlap=True))
-    assert not info["enabled"] and "multiplex" in info["off_because"]
+    for schedule in ("prefill-first", "multiplex", "disagg"):
+        info = _overlap_info(_engine(schedule, overlap=True))
+        assert info["enabled"] and "off_because" not in info
+        assert "decode" in info["lanes"] or "main" in info["lanes"]
 
 
 def test_placeholder_ids_resolve_on_the_device():
