@@ -41,47 +41,68 @@ class SplitModel:
         return 1e6
 
 
-class LagEvent:
-    """Done after a given number of queries: launches finish late and out of order."""
+class StepEvent:
+    """Done a set number of engine steps after it was recorded (``StepOps.tick``)."""
 
-    def __init__(self, lag: int):
-        self.left = lag
+    def __init__(self, steps: int):
+        self.left = steps
 
     def query(self) -> bool:
-        if self.left <= 0:
-            return True
-        self.left -= 1
-        return False
+        return self.left <= 0
 
     def synchronize(self) -> None:
         self.left = 0
 
 
-class LagOps(SyncStreamOps):
-    def __init__(self, seed: int = 0, most: int = 4):
-        self.rng, self.most = random.Random(seed), most
+class StepOps(SyncStreamOps):
+    """Each launch completes 1 to ``most`` engine steps after it was issued (seeded): launches
+    finish late and out of order, and what is in flight at each step never depends on the
+    host's speed (an event done after N *queries* did: the engine polls for a while, and a
+    busy host polls fewer times)."""
+
+    def __init__(self, seed: int, most: int = 3):
+        self.rng, self.most, self.pending = random.Random(seed), most, []
+
+    def record(self, stream):
+        event = StepEvent(self.rng.randint(1, self.most))
+        self.pending.append(event)
+        return event
+
+    def wait(self, stream, event) -> None:
+        return None
+
+    def tick(self) -> None:
+        for event in self.pending:
+            event.left -= 1
+        self.pending = [e for e in self.pending if e.left > 0]
+
+
+def ticking(llm: LLM, ops: StepOps) -> LLM:
+    """Every engine step first moves the fake device on by one step."""
+    engine, step = llm.engine, llm.engine.step
+
+    def ticked():
+        ops.tick()
+        return step()
+
+    engine.step = ticked
+    return llm
+
+
+class HeldOps(SyncStreamOps):
+    """Events on ``held`` streams complete only when released; others at once."""
+
+    def __init__(self, held):
+        self.held = set(held)
         self.log: list[tuple] = []
 
     def record(self, stream):
-        event = LagEvent(self.rng.randrange(self.most))
+        event = StepEvent(10**9 if stream in self.held else 0)
         self.log.append(("record", stream, event))
         return event
 
     def wait(self, stream, event):
         self.log.append(("wait", stream, event))
-
-
-class HeldOps(LagOps):
-    """Events on ``held`` streams complete only when released; others at once."""
-
-    def __init__(self, held):
-        super().__init__()
-        self.held = set(held)
-
-    def record(self, stream):
-        event = LagEvent(10**9 if stream in self.held else 0)
-        self.log.append(("record", stream, event))
-        return event
 
     def release_all(self) -> None:
         for _, _, event in self.log:
@@ -112,7 +133,7 @@ def _multiplex(folder: str, predictor=None, ops=None, partitions=None, **options
     scheduler = llm.engine.scheduler
     scheduler.set_predictor(scheduler.predictor, max_prefill_stall_ms=math.inf)
     scheduler.model.weight = 0.0
-    return llm
+    return ticking(llm, ops) if isinstance(ops, StepOps) else llm
 
 
 def _run(engine, prompts, params, check=None, abort_at=None) -> dict[str, list[int]]:
@@ -187,7 +208,7 @@ def test_late_out_of_order_completions_keep_tokens_and_the_split_rule(hf_llama, 
     folder, _ = hf_llama
     prompts, want = expected
     partitions = PartitionSet.build(FakeDriver(), [16, 24, 32, 48, 64])
-    ops = LagOps(seed=3)
+    ops = StepOps(seed=3)
     llm = _multiplex(folder, predictor=SplitModel(2), ops=ops, partitions=partitions)
     overlaps = []
 
@@ -209,7 +230,7 @@ def test_preemption_and_abort_under_lagging_completions(hf_llama, expected):
     folder, _ = hf_llama
     prompts, want = expected
     # 20 blocks of 8 tokens cannot hold 10 requests of up to 140 tokens: forces preemption.
-    llm = _multiplex(folder, predictor=SplitModel(2), ops=LagOps(seed=5), num_blocks=20,
+    llm = _multiplex(folder, predictor=SplitModel(2), ops=StepOps(seed=5), num_blocks=20,
                      partitions=PartitionSet.build(FakeDriver(), [16, 24, 32]))
     got = _run(llm.engine, prompts, GREEDY, abort_at=("q3", 12))
     for i, tokens in enumerate(want):
@@ -244,7 +265,7 @@ class SliceModel(SplitModel):
 def test_time_slicing_alternates_lanes_and_matches_transformers(hf_llama, expected, seed):
     folder, _ = hf_llama
     prompts, want = expected
-    llm = _multiplex(folder, predictor=SliceModel(2), ops=LagOps(seed=seed),
+    llm = _multiplex(folder, predictor=SliceModel(2), ops=StepOps(seed=seed),
                      partitions=PartitionSet.build(FakeDriver(), [16, 32]),
                      mux_sharing="temporal,time_slice,spatial")
     seen = []
