@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -297,6 +298,8 @@ def write_record(args: argparse.Namespace, argv: list[str] | None, wall: float,
     record = {"command": shlex.join(command), "git_revision": git_revision(),
               "label": args.label, "python": platform.python_version(), "wall_s": wall,
               "args": vars(args), "summary": summary, "http_process": http_cpu,
+              # pdserve serve runs on uvloop when the Python that starts it can import it.
+              "event_loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
               "first_trace": asdict(traces[0]) if traces else None}
     with open(args.out, "w") as f:
         json.dump(record, f, indent=2)
