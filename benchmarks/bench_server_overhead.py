@@ -9,9 +9,12 @@ and per token we get:
   the request -> first token ready), split into inbound (send -> engine received; itself
   split at the server's arrival stamp into HTTP: send -> request parsed and tokenized, and
   channel: that stamp -> engine received) and outbound (first token ready -> first chunk
-  received);
+  received; itself split where the HTTP process read the token into channel: token ready ->
+  read, and HTTP: read -> chunk received);
 - ITL overhead = client gap between two chunks - engine gap between their tokens;
-- delivery delay = chunk received - its tokens ready in the engine.
+- delivery delay = chunk received - its tokens ready in the engine;
+- the HTTP process's CPU time per chunk (when the benchmark starts the server): what each
+  streamed token costs the one event loop that also takes new requests.
 
 Usage (starts its own server on the tiny model unless --url is given):
 
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import multiprocessing
+import os
 import platform
 import random
 import shlex
@@ -48,6 +53,7 @@ class Trace:
     engine: list[float] = field(default_factory=list)
     engine_arrival: float | None = None
     server_arrival: float | None = None
+    server_first_token: float | None = None
 
 
 async def one_request(session, url: str, prompt: str, max_tokens: int) -> Trace:
@@ -68,6 +74,7 @@ async def one_request(session, url: str, prompt: str, max_tokens: int) -> Trace:
             if "engine_arrival_time" in chunk:
                 trace.engine_arrival = chunk["engine_arrival_time"]
                 trace.server_arrival = chunk["server_arrival_time"]
+                trace.server_first_token = chunk.get("server_first_token_time")
     return trace
 
 
@@ -138,7 +145,7 @@ def overheads(traces: list[Trace]) -> dict[str, list[float]]:
     """Milliseconds, one list per measure."""
     out: dict[str, list[float]] = {k: [] for k in (
         "client_ttft", "engine_ttft", "ttft_overhead", "ttft_inbound", "inbound_http",
-        "inbound_channel", "ttft_outbound",
+        "inbound_channel", "ttft_outbound", "outbound_channel", "outbound_http",
         "client_itl", "engine_itl", "itl_overhead", "delivery_delay")}
     for t in traces:
         if not t.recv or t.engine_arrival is None:
@@ -152,6 +159,9 @@ def overheads(traces: list[Trace]) -> dict[str, list[float]]:
             out["inbound_http"].append(ms(t.server_arrival - t.send))
             out["inbound_channel"].append(ms(t.engine_arrival - t.server_arrival))
         out["ttft_outbound"].append(ms(t.recv[0] - t.engine[0]))
+        if t.server_first_token is not None:
+            out["outbound_channel"].append(ms(t.server_first_token - t.engine[0]))
+            out["outbound_http"].append(ms(t.recv[0] - t.server_first_token))
         for i in range(1, len(t.recv)):
             client_gap, engine_gap = t.recv[i] - t.recv[i - 1], t.engine[i] - t.engine[i - 1]
             out["client_itl"].append(ms(client_gap))
@@ -234,6 +244,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def http_cpu_per_chunk(process: subprocess.Popen | None, cpu_start: float | None,
+                       traces: list[Trace]) -> dict[str, float]:
+    """The HTTP process's CPU time per streamed chunk in the measured run (microseconds):
+    its cost per token, which on a loaded host decides how long a new request waits behind
+    the chunk writes. Empty when the server is not ours (``--url``)."""
+    if process is None or cpu_start is None:
+        return {}
+    chunks = sum(len(t.recv) for t in traces)
+    used = cpu_seconds(process.pid) - cpu_start
+    return {"http_cpu_s": used, "chunks": chunks, "http_cpu_us_per_chunk": used / chunks * 1e6}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     process, base = (None, args.url) if args.url else start_server(args.serve_flags)
@@ -241,9 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         # One unmeasured round at full concurrency: kernel compilation, graph capture and
         # allocator growth happen on first use and are no part of the server's overhead.
         asyncio.run(run_load(base, args.concurrency, 1, args.max_tokens, first_seed=10**6))
+        cpu_start = cpu_seconds(process.pid) if process is not None else None
         start = time.monotonic()
         load = run_clients(base, args)
         wall = time.monotonic() - start
+        http_cpu = http_cpu_per_chunk(process, cpu_start, load.traces)
     finally:
         if process is not None:
             stop_server(process)
@@ -251,18 +282,24 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize({**overheads(traces), "client_loop_lag": load.loop_lag_ms})
     print(f"{len(traces)} requests, {args.concurrency} concurrent, {wall:.1f} s")
     print_table(summary)
+    if http_cpu:
+        print(f"HTTP process CPU: {http_cpu['http_cpu_us_per_chunk']:.1f} us per chunk "
+              f"({http_cpu['http_cpu_s']:.2f} s for {http_cpu['chunks']} chunks)")
     if args.out:
-        write_record(args, argv, wall, summary, traces)
+        write_record(args, argv, wall, summary, traces, http_cpu)
     return 0
 
 
 def write_record(args: argparse.Namespace, argv: list[str] | None, wall: float,
-                 summary: dict[str, dict[str, float]], traces: list[Trace]) -> None:
+                 summary: dict[str, dict[str, float]], traces: list[Trace],
+                 http_cpu: dict[str, float]) -> None:
     command = ["python", "benchmarks/bench_server_overhead.py",
                *(sys.argv[1:] if argv is None else argv)]
     record = {"command": shlex.join(command), "git_revision": git_revision(),
               "label": args.label, "python": platform.python_version(), "wall_s": wall,
-              "args": vars(args), "summary": summary,
+              "args": vars(args), "summary": summary, "http_process": http_cpu,
+              # pdserve serve runs on uvloop when the Python that starts it can import it.
+              "event_loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
               "first_trace": asdict(traces[0]) if traces else None}
     with open(args.out, "w") as f:
         json.dump(record, f, indent=2)

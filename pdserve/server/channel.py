@@ -8,15 +8,17 @@ Neither side ever blocks on the other:
 - the server end lives on the event loop: non-blocking pipe transports that buffer what
   the pipe cannot take yet;
 - the engine end has a receiver thread (which also stamps when each message arrived, even
-  while the engine is busy in a long step) and a sender thread, so the engine loop only
-  touches in-memory queues.
+  while the engine is busy in a long step); the engine loop writes to the non-blocking pipe
+  itself and leaves what the pipe cannot take to a sender thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import queue
+import select
 import struct
 import sys
 import threading
@@ -47,21 +49,53 @@ def encode(batch: list[Any]) -> bytes:
 
 
 class EngineChannel:
-    """The engine process's end: ``take`` and ``send`` never wait on the server."""
+    """The engine process's end: ``take`` and ``send`` never wait on the server.
+
+    ``send`` writes the frame itself when the pipe takes it at once (the usual case: a step's
+    outputs are a few KiB and the server reads continuously), so a token is on its way the
+    moment its step ends. Handing it to a thread instead cost a GIL hand-off, up to the
+    switch interval while the engine loop runs Python. What the pipe cannot take goes to the
+    sender thread, which writes it (and everything sent after it, in order) as the pipe
+    drains.
+    """
 
     def __init__(self, reader: Connection, writer: Connection) -> None:
         sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
         self._reader = reader
         self._writer = writer
+        self._fd = writer.fileno()
+        os.set_blocking(self._fd, False)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Condition()
+        self._backlog = bytearray()  # for the sender thread, in order
+        self._sender_busy = False  # the thread holds bytes that must go before new ones
+        self._closing = False
+        self._broken = False  # the server is gone: nothing more to write
         self._threads = [threading.Thread(target=self._recv_loop, name="engine-recv", daemon=True),
                          threading.Thread(target=self._send_loop, name="engine-send", daemon=True)]
         for thread in self._threads:
             thread.start()
 
     def send(self, message: Any) -> None:
-        self._outbox.put(message)
+        data = encode([message])
+        with self._lock:
+            if self._broken or self._closing:
+                return
+            if not self._backlog and not self._sender_busy:
+                data = data[self._write_some(data):]
+            if data:
+                self._backlog += data
+                self._lock.notify()
+
+    def _write_some(self, data: bytes) -> int:
+        """Bytes of ``data`` the pipe took without waiting."""
+        try:
+            return os.write(self._fd, data)
+        except BlockingIOError:
+            return 0
+        except OSError:  # the server is gone; nothing left to tell it
+            self._broken = True
+            return len(data)
 
     def take(self, timeout: float | None) -> list[tuple[float, Any]]:
         """(arrival time, message) pairs; waits up to ``timeout`` for the first one.
@@ -89,7 +123,9 @@ class EngineChannel:
 
     def close(self, timeout: float = 5.0) -> None:
         """Sends what is queued, then closes the pipes."""
-        self._outbox.put(_CLOSE)
+        with self._lock:
+            self._closing = True
+            self._lock.notify()
         self._threads[1].join(timeout)
         self._reader.close()
 
@@ -106,24 +142,25 @@ class EngineChannel:
 
     def _send_loop(self) -> None:
         while True:
-            batch = [self._outbox.get()]
-            # Whatever queued up while the last send ran goes out as one pickle.
-            while not self._outbox.empty():
-                batch.append(self._outbox.get())
-            closing = any(m is _CLOSE for m in batch)
-            batch = [m for m in batch if m is not _CLOSE]
-            if batch and not self._write(batch):
-                closing = True
+            with self._lock:
+                while not self._backlog and not self._closing:
+                    self._lock.wait()
+                data, self._backlog = bytes(self._backlog), bytearray()
+                self._sender_busy = bool(data)
+                closing = self._closing and not data
             if closing:
                 self._writer.close()
                 return
+            self._write_all(data)
+            with self._lock:
+                self._sender_busy = False
 
-    def _write(self, batch: list[Any]) -> bool:
-        try:
-            self._writer.send_bytes(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
-            return True
-        except (OSError, ValueError):  # the server is gone; nothing left to tell it
-            return False
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view and not self._broken:
+            select.select([], [self._fd], [])  # until the server has read some
+            with self._lock:
+                view = view[self._write_some(view):]
 
 
 # ---- server end ---------------------------------------------------------------------------

@@ -146,6 +146,9 @@ class EngineClient:
         self.dead_reason: str | None = None
         self.restarts = 0  # engine processes started after the first
         self._streams: dict[str, RequestStream] = {}
+        self.batch_received = 0.0
+        """When the channel's latest batch was read (``return_engine_timing`` reports it with
+        a request's first token: the engine-to-server part of its delivery)."""
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[EngineReady] = self._loop.create_future()
         self._closing = False
@@ -270,6 +273,7 @@ class EngineClient:
 
     def _on_batch(self, batch: list[Any]) -> None:
         """Everything the channel had ready: each stream gets all its deltas at once."""
+        self.batch_received = time.monotonic()
         pending: dict[RequestStream, Items] = {}
         for message in batch:
             if isinstance(message, StepOutputs):

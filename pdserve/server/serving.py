@@ -63,6 +63,7 @@ class Generation:
         if resumed is not None:
             self.output.resume(resumed.token_ids, resumed.text_chars)
         self.engine_arrival: float | None = None
+        self.first_token_received: float | None = None  # when the server read it
         self.timing = RequestTiming(arrival=stream.arrival_time)
         self.done = False
 
@@ -97,6 +98,7 @@ class Generation:
             self.engine_arrival = delta.engine_arrival_time
         if delta.new_token_ids and self.timing.first_token is None:
             self.timing.first_token = step_time
+            self.first_token_received = self.client.batch_received
         self.timing.token_times += [step_time] * len(delta.new_token_ids)
 
     @property
@@ -567,6 +569,7 @@ class _SSEWriter:
         if not self.sent_first:
             chunk["engine_arrival_time"] = self.gen.engine_arrival
             chunk["server_arrival_time"] = self.gen.timing.arrival
+            chunk["server_first_token_time"] = self.gen.first_token_received
 
     async def finish(self, usage: dict[str, Any]) -> None:
         tail = b""

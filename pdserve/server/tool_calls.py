@@ -9,9 +9,11 @@
   model writes what it likes; the parser finds its tool calls in the text.
 
 The chat template sees ``tools``. Answers carry ``message.tool_calls`` with finish reason
-``tool_calls``; streams carry OpenAI tool-call deltas (id, type and name, then the
-arguments). A named function's arguments stream as they are generated; ``required`` and
-``auto`` calls go out when complete (content before an ``auto`` call streams as usual).
+``tool_calls``; streams carry OpenAI tool-call deltas: a call's index, id, type and name as
+soon as its name is read, then its arguments as they are generated (content before an
+``auto`` call streams as content). The stream and the whole answer read the text with the
+same reader (``pdserve.structured.tool_parsers``), so the argument pieces add up to the
+whole answer's arguments.
 """
 
 from __future__ import annotations
@@ -23,7 +25,17 @@ from typing import Any
 
 from pdserve.sampling_params import GrammarSpec
 from pdserve.server.protocol import bad_request, get_bool
-from pdserve.structured.tool_parsers import PARSERS, ToolCall, parse_required
+from pdserve.structured.tool_parsers import (
+    READERS,
+    Arguments,
+    CallStart,
+    Content,
+    Event,
+    RequiredReader,
+    ToolCall,
+    ToolCallReader,
+    read_whole,
+)
 
 ANY_OBJECT = {"type": "object"}
 
@@ -83,14 +95,23 @@ class ToolRequest:
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         return schema if self.parallel else {**schema, "maxItems": 1}
 
+    def reader(self) -> ToolCallReader:
+        """A reader of the output's calls (``required`` and ``auto``)."""
+        return RequiredReader() if self.choice == "required" else READERS[self.parser]()
+
     def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A finished output as (content, tool calls)."""
         if self.choice == "named":
             return None, [ToolCall(self.name, text)]
-        if self.choice == "required":
-            calls = parse_required(text)
-            return (text, []) if calls is None else (None, calls)
-        return PARSERS[self.parser]().extract(text)
+        content, calls = read_whole(self.reader(), text)
+        return content, calls if self.parallel else calls[:1]
+
+    def kept(self, events: list[Event]) -> list[Event]:
+        """The events of the calls the answer keeps: the first only, without parallel calls
+        (``auto``; the grammar of ``required`` already allows one)."""
+        if self.parallel:
+            return events
+        return [e for e in events if isinstance(e, Content) or e.index == 0]
 
     def finish_choice(self, choice: dict[str, Any]) -> None:
         """Rewrites a whole chat choice: its text becomes content and tool calls."""
@@ -160,50 +181,59 @@ def _read_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | No
 
 @dataclass
 class ToolStream:
-    """One streamed choice's text turned into content and tool-call deltas."""
+    """One streamed choice's text turned into content and tool-call deltas as it comes."""
 
     request: ToolRequest
-    text: str = ""  # everything generated so far
-    sent: int = 0  # characters of it already sent (as content or named arguments)
-    calls: int = 0  # tool calls begun
+    reader: ToolCallReader | None = None  # required and auto; a named call is all arguments
+    named_started: bool = False
+
+    def __post_init__(self) -> None:
+        if self.request.choice != "named":
+            self.reader = self.request.reader()
 
     def push(self, text: str, finish_reason: str | None
              ) -> tuple[list[dict[str, Any]], str | None]:
-        """The deltas for new ``text`` (content, then each call's header and arguments) and
-        the finish reason to send."""
-        self.text += text
-        if self.request.choice == "named":
-            return self._named(), _finish(finish_reason)
+        """The deltas for new ``text`` (content, each call's header, pieces of its
+        arguments) and the finish reason to send."""
+        if self.reader is None:
+            return self._named(text), _finish(finish_reason)
+        events = self.reader.push(text)
         if finish_reason:
-            content, calls = self.request.split(self.text[self.sent:])
-            if calls:
-                self.sent = len(self.text)
-                deltas = [{"content": content}] if content else []
-                return deltas + [d for c in calls for d in self._call(c) if d], \
-                    _finish(finish_reason)
-        end = len(self.text) if finish_reason else self._content_end()
-        content, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return ([{"content": content}] if content else []), finish_reason
+            events += self.reader.finish()
+        finish = finish_reason
+        if finish == "stop" and self.reader.well_formed:
+            finish = "tool_calls"
+        return _deltas(self.request.kept(events)), finish
 
-    def _content_end(self) -> int:
-        if self.request.choice == "required":
-            return self.sent  # all of it is the calls' JSON: sent when complete
-        return PARSERS[self.request.parser]().content_end(self.text)
-
-    def _named(self) -> list[dict[str, Any]]:
-        piece, self.sent = self.text[self.sent:], len(self.text)
-        deltas = self._call(ToolCall(self.request.name, piece)) if self.calls == 0 else \
-            [_arguments(0, piece)]
-        return [d for d in deltas if d is not None]
-
-    def _call(self, call: ToolCall) -> list[dict[str, Any] | None]:
-        index, self.calls = self.calls, self.calls + 1
-        header = {"index": index, "id": new_call_id(), "type": "function",
-                  "function": {"name": call.name, "arguments": ""}}
-        return [{"tool_calls": [header]}, _arguments(index, call.arguments)]
+    def _named(self, text: str) -> list[dict[str, Any]]:
+        events: list[Event] = [Arguments(0, text)] if text else []
+        if not self.named_started:
+            self.named_started = True
+            events.insert(0, CallStart(0, self.request.name))
+        return _deltas(events)
 
 
-def _arguments(index: int, piece: str) -> dict[str, Any] | None:
-    if not piece:
-        return None
-    return {"tool_calls": [{"index": index, "function": {"arguments": piece}}]}
+def _deltas(events: list[Event]) -> list[dict[str, Any]]:
+    """One delta per call header; consecutive content, or pieces of one call's arguments,
+    merged into one."""
+    deltas: list[dict[str, Any]] = []
+    last: Event | None = None
+    for event in events:
+        if isinstance(event, CallStart):
+            deltas.append({"tool_calls": [_header(event)]})
+        elif isinstance(event, Content) and isinstance(last, Content):
+            deltas[-1]["content"] += event.text
+        elif isinstance(event, Content):
+            deltas.append({"content": event.text})
+        elif isinstance(last, Arguments) and last.index == event.index:
+            deltas[-1]["tool_calls"][0]["function"]["arguments"] += event.text
+        else:
+            deltas.append({"tool_calls": [{"index": event.index,
+                                           "function": {"arguments": event.text}}]})
+        last = event
+    return deltas
+
+
+def _header(start: CallStart) -> dict[str, Any]:
+    return {"index": start.index, "id": new_call_id(), "type": "function",
+            "function": {"name": start.name, "arguments": ""}}

@@ -46,6 +46,7 @@ class FakeHttp:
 class FakeClient:
     def __init__(self) -> None:
         self.aborted: list[str] = []
+        self.batch_received = 0.0  # as EngineClient: when its latest batch was read
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

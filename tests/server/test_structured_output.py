@@ -175,13 +175,68 @@ def test_auto_hermes_finds_the_call_in_the_models_text(hermes):
     message = _chat(hermes, max_tokens=120, tools=[WEATHER], extra_body=forced).choices[0]
     assert message.finish_reason == "tool_calls" and message.message.content == "Sure."
     call = message.message.tool_calls[0]
-    assert (call.function.name, json.loads(call.function.arguments)) == \
-        ("get_weather", {"city": "Paris"})
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Paris"}')
     stream = _chat(hermes, max_tokens=120, tools=[WEATHER], stream=True, extra_body=forced)
     content, calls, finish, _ = _streamed_calls(stream)
-    # Streamed content goes out before the call is known, so its trailing space with it.
-    assert content == "Sure. " and finish == "tool_calls"
+    assert content == "Sure." and finish == "tool_calls"
     assert calls == {0: {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def _answer(server, seed: int, **kwargs) -> tuple[str | None, list[tuple[str, str]], str]:
+    """A whole answer as (content, [(name, arguments)], finish reason)."""
+    choice = server.openai().chat.completions.create(model="tiny", messages=CHAT, seed=seed,
+                                                     **kwargs).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    return choice.message.content, calls, choice.finish_reason
+
+
+def _streamed_answer(server, seed: int, **kwargs) -> tuple[str | None, list, str, int]:
+    """The same, streamed: the deltas put together, and how many carried arguments."""
+    stream = server.openai().chat.completions.create(model="tiny", messages=CHAT, seed=seed,
+                                                     stream=True, **kwargs)
+    content, calls, finish, deltas = _streamed_calls(stream)
+    pieces = sum(1 for d in deltas for part in d.tool_calls or []
+                 if part.id is None and part.function.arguments)
+    ordered = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
+    return content or None, ordered, finish, pieces
+
+
+TWO_HERMES_CALLS = (r'Let me look\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+                    r'\{"city": "[A-Z][a-z]{2,8}"\}\}\n</tool_call>\n<tool_call>\n'
+                    r'\{"name": "get_time", "arguments": \{"zone": -?[1-9]\}\}\n</tool_call>')
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"tool_choice": "required", "logit_bias": {str(ord("]")): 8}},
+    {"tool_choice": NAMED},
+    {"tool_choice": "auto", "extra_body": {"guided_regex": TWO_HERMES_CALLS}},
+], ids=["required", "named", "auto-hermes"])
+def test_streamed_calls_add_up_to_the_whole_answer(hermes, kwargs):
+    # Each seed samples the same tokens whether streamed or not (one request at a time, so
+    # the batch is the same): the deltas must put together exactly the whole answer.
+    several = 0
+    for seed in range(4):
+        whole = _answer(hermes, seed, max_tokens=300, tools=[WEATHER, TIME], **kwargs)
+        content, calls, finish, pieces = _streamed_answer(hermes, seed, max_tokens=300,
+                                                          tools=[WEATHER, TIME], **kwargs)
+        assert whole[2] == "tool_calls" and (content, calls, finish) == whole
+        assert pieces > len(calls)  # arguments came in several pieces, not whole
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+        several += len(calls) > 1
+    if kwargs["tool_choice"] == "auto":
+        assert several == 4 and whole[0] == "Let me look."
+
+
+def test_auto_without_parallel_calls_answers_the_first_call_only(hermes):
+    forced = {"guided_regex": TWO_HERMES_CALLS}
+    whole = _answer(hermes, 1, max_tokens=300, tools=[WEATHER, TIME], parallel_tool_calls=False,
+                    extra_body=forced)
+    assert whole[2] == "tool_calls" and [name for name, _ in whole[1]] == ["get_weather"]
+    streamed = _streamed_answer(hermes, 1, max_tokens=300, tools=[WEATHER, TIME],
+                                parallel_tool_calls=False, extra_body=forced)
+    assert streamed[:3] == whole
 
 
 def test_auto_without_a_call_is_plain_content(hermes):
@@ -192,11 +247,12 @@ def test_auto_without_a_call_is_plain_content(hermes):
 
 def test_auto_llama3_json_through_its_server(launch):
     server = launch("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
-    forced = {"guided_choice": [LLAMA3_CALL]}
-    choice = _chat(server, max_tokens=80, tools=[TIME], extra_body=forced).choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    call = choice.message.tool_calls[0]
-    assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {"zone": 2})
+    forced = {"guided_choice": [LLAMA3_CALL + "; " + LLAMA3_CALL.replace("2", "-5")]}
+    whole = _answer(server, 0, max_tokens=200, tools=[TIME], extra_body=forced)
+    assert whole == (None, [("get_time", '{"zone": 2}'), ("get_time", '{"zone": -5}')],
+                     "tool_calls")
+    assert _streamed_answer(server, 0, max_tokens=200, tools=[TIME],
+                            extra_body=forced)[:3] == whole
 
 
 @pytest.mark.parametrize("extra, param", [
