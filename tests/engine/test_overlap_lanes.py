@@ -390,7 +390,8 @@ def test_mixed_and_time_slice_steps_run_synchronously_and_are_counted(hf_llama):
     requests = {f"q{i}": (p, GREEDY) for i, p in enumerate(_prompts(8, vocab=250))}
     for predictor, mode, reason, options in (
             (TemporalModel(2), "temporal", "mixed", {}),
-            (SliceModel(2), "time_slice", "time_slice", {"mux_sharing": "temporal,time_slice,spatial"})):
+            (SliceModel(2), "time_slice", "time_slice",
+             {"mux_sharing": "temporal,time_slice,spatial"})):
         make = _multiplex_maker(folder, predictor=predictor, **options)
         (on, on_finish, info, _), (off, off_finish, _, _) = _on_and_off(make, requests)
         assert on == off and on_finish == off_finish
