@@ -242,7 +242,7 @@ class FleetSim:
 
     def _schedule_next(self) -> None:
         if self._next < len(self._pending):
-            self.loop.at(self._pending[self._next][0], self._arrive)
+            self.loop.feed(self._pending[self._next][0], self._arrive)
 
     def _arrive(self) -> None:
         arrival, scenario, input_len, output_len, gateway = self._pending[self._next]
