@@ -237,8 +237,11 @@ class LoadOrder(Generic[T]):
     name. Sorting every request's candidates was the fleet's largest cost.
     ``GroupSim(verify_order=True)`` checks it against ``order_prefill`` on every request."""
 
-    def __init__(self, loads: dict[str, int], items: dict[str, T]) -> None:
-        names = sorted(loads)
+    def __init__(self, counts: Counter[str], names: list[str], items: dict[str, T]) -> None:
+        """The order of ``names`` by ``counts`` (a gateway's, which ``shift`` keeps too)."""
+        self.counts = counts
+        loads = {n: counts[n] for n in names}
+        names = sorted(names)
         self._items = [items[n] for n in names]  # by rank
         self._entries = {n: [rank, loads[n]] for rank, n in enumerate(names)}  # [rank, load]
         self._levels: list[list[int]] = [[] for _ in range(max(loads.values(), default=0) + 1)]
@@ -247,9 +250,11 @@ class LoadOrder(Generic[T]):
         self._low = 0  # no instance has a lower load
 
     def shift(self, name: str, delta: int) -> None:
+        """``name``'s count moved by ``delta``."""
+        self.counts[name] += delta
         entry = self._entries.get(name)
         if entry is None:
-            return  # it is leaving this role: no longer offered
+            return  # it is leaving this role: no longer in the order
         rank, load = entry
         levels = self._levels
         levels[load].remove(rank)
@@ -614,8 +619,8 @@ class GroupSim:
         self.window = ScenarioWindow()
         self.moves: list[tuple[float, str, str]] = []
         self._active: dict[str, list] = {}  # role -> its active instances, rebuilt on a move
-        self._orders: dict[str, LoadOrder[PrefillSim]] = {}  # by gateway; rebuilt as _active
-        self._decode_orders: dict[str, LoadOrder[DecodeSim]] = {}  # the same for decode
+        self._orders: dict[GatewaySim, LoadOrder[PrefillSim]] = {}  # rebuilt as _active
+        self._decode_orders: dict[GatewaySim, LoadOrder[DecodeSim]] = {}  # the same, decode
         self._open = 0  # requests in the group, not yet finished or given up on
         self.until = 0.0  # the ratio controller looks at least until then
         self._last_move = -1e9
@@ -656,32 +661,24 @@ class GroupSim:
         return instances
 
     def _order(self, gateway: GatewaySim) -> LoadOrder[PrefillSim]:
-        return self._orders.get(gateway.name) or self._new_order(gateway, "prefill")
+        """``gateway``'s prefill order; its ``shift`` counts a prefill placed or ended."""
+        return self._orders.get(gateway) or self._new_order(gateway, "prefill")
 
     def _decode_order(self, gateway: GatewaySim) -> LoadOrder[DecodeSim]:
-        return self._decode_orders.get(gateway.name) or self._new_order(gateway, "decode")
+        """``gateway``'s decode order; its ``shift`` counts an answer placed or ended."""
+        return self._decode_orders.get(gateway) or self._new_order(gateway, "decode")
 
     def _new_order(self, gateway: GatewaySim, role: str) -> LoadOrder:
         """``gateway``'s order of ``role``'s active instances, kept until the roles change."""
         counts, orders, items = ((gateway.load, self._orders, self.prefill) if role == "prefill"
                                  else (gateway.decode_load, self._decode_orders, self.decode))
-        order = orders[gateway.name] = LoadOrder({n: counts[n] for n in self.active(role)},
-                                                 items)
+        order = orders[gateway] = LoadOrder(counts, self.active(role), items)
         return order
 
-    def _count(self, gateway: GatewaySim, name: str, delta: int) -> None:
-        """A prefill placed on (1) or ended on (-1) ``name``, as ``gateway`` counts it."""
-        _count(gateway.load, self._orders.get(gateway.name), name, delta)
-
-    def _count_decode(self, gateway: GatewaySim, name: str, delta: int) -> None:
-        """An answer placed on (1) or ended on (-1) ``name``, as ``gateway`` counts it."""
-        _count(gateway.decode_load, self._decode_orders.get(gateway.name), name, delta)
-
-    def _offer_order(self, gateway: GatewaySim) -> Iterator[PrefillSim]:
+    def _offer_order(self, gateway: GatewaySim, order: LoadOrder) -> Iterator[PrefillSim]:
         if self.dispatch == "round-robin":
             return (self.prefill[i.instance_id] for i in order_prefill(
                 self._prefill_instances(), self.dispatch, gateway.load, gateway.turn))
-        order = self._order(gateway)
         if self.verify_order:
             expected = order_prefill(self._prefill_instances(), self.dispatch, gateway.load,
                                      gateway.turn)
@@ -701,10 +698,11 @@ class GroupSim:
         gateway.turn += 1
         first_round = request.offers == 0
         budget = self._budget_ms(request)
-        for prefill in self._offer_order(gateway):
+        order = self._order(gateway)
+        for prefill in self._offer_order(gateway, order):
             request.offers += 1
             if prefill.offer(request, budget):
-                self._count(gateway, prefill.name, 1)  # ends the order's iteration
+                order.shift(prefill.name, 1)  # ends the order's iteration
                 return
         if first_round:
             self.window.refused_at_first()
@@ -732,16 +730,17 @@ class GroupSim:
     def _prefilled(self, prefill: PrefillSim, request: SimRequest) -> None:
         name = prefill.name
         gateway = request.gateway
-        self._count(gateway, name, -1)
+        self._order(gateway).shift(name, -1)
         self.window.prefill_ended()
         if self.multiplexing is not None:  # its KV is already where it decodes
-            self._count_decode(gateway, name, 1)
+            self._decode_order(gateway).shift(name, 1)
             self.decode[name].receive(request)
         else:
             # The fewest placed on it, ties by name, as the gateway's ``_pick_decode``;
             # counted from the pick: KV still on the link counts too.
-            decode = self._decode_order(gateway).first()
-            self._count_decode(gateway, decode.name, 1)
+            order = self._decode_order(gateway)
+            decode = order.first()
+            order.shift(decode.name, 1)
             self.loop.at(self.loop.now + self.model.transfer_s(request.input_len),
                          decode.receive, request)
         self._settle(name)
@@ -750,7 +749,7 @@ class GroupSim:
             self._try(waiting)
 
     def _finished(self, decode: DecodeSim, request: SimRequest) -> None:
-        self._count_decode(request.gateway, decode.name, -1)
+        self._decode_order(request.gateway).shift(decode.name, -1)
         self.window.answer_ended()
         self.window.latencies(request.arrival, request.first_token - request.arrival,
                               request.finished - request.arrival)
@@ -810,12 +809,6 @@ class GroupSim:
             self._active.clear()
             self._orders.clear()
         self._decode_orders.clear()
-
-
-def _count(counts: Counter[str], order: LoadOrder | None, name: str, delta: int) -> None:
-    counts[name] += delta
-    if order is not None:
-        order.shift(name, delta)
 
 
 def summarize(requests: list[SimRequest], ttft_slo_s: float) -> dict:
