@@ -25,7 +25,7 @@ import heapq
 import itertools
 import json
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -237,7 +237,7 @@ class LoadOrder(Generic[T]):
     name. Sorting every request's candidates was the fleet's largest cost.
     ``GroupSim(verify_order=True)`` checks it against ``order_prefill`` on every request."""
 
-    def __init__(self, counts: Counter[str], names: list[str], items: dict[str, T]) -> None:
+    def __init__(self, counts: dict[str, int], names: list[str], items: dict[str, T]) -> None:
         """The order of ``names`` by ``counts`` (a gateway's, which ``shift`` keeps too)."""
         self.counts = counts
         loads = {n: counts[n] for n in names}
@@ -289,8 +289,10 @@ class GatewaySim:
 
     def __init__(self, name: str = "g0") -> None:
         self.name = name
-        self.load: Counter[str] = Counter()
-        self.decode_load: Counter[str] = Counter()
+        # Plain dicts, every instance of its groups entered at 0: a Counter's item access
+        # is not specialised for a dict subclass, and these change four times a request.
+        self.load: dict[str, int] = {}
+        self.decode_load: dict[str, int] = {}
         self.turn = 0
         self.lines: dict[int, WaitLine] = {}
 
@@ -612,10 +614,11 @@ class GroupSim:
             sim.noise = self.noise
         if self.multiplexing is not None:
             self._pair(names)
-        for gateway in self.gateways:  # a zero entry is a plain dict hit, not Counter.__missing__
+        for gateway in self.gateways:
             for counts in (gateway.load, gateway.decode_load):
                 counts.update(dict.fromkeys(names, 0))
         self.draining: dict[str, str] = {}  # instance -> the role it moves to
+        self._lines = {gateway: gateway.line(self) for gateway in self.gateways}
         self.window = ScenarioWindow()
         self.moves: list[tuple[float, str, str]] = []
         self._active: dict[str, list] = {}  # role -> its active instances, rebuilt on a move
@@ -688,7 +691,7 @@ class GroupSim:
     def arrive(self, request: SimRequest) -> None:
         self._open += 1
         self.window.request_arrived()
-        if request.gateway.line(self):  # a newcomer queues behind requests already waiting
+        if self._lines[request.gateway]:  # a newcomer queues behind requests already waiting
             self._wait(request, first=False)
         else:
             self._try(request)
@@ -718,13 +721,13 @@ class GroupSim:
         return max(0.0, (self.ttft_slo_s - (self.loop.now - request.arrival)) * 1e3)
 
     def _wait(self, request: SimRequest, first: bool) -> None:
-        request.gateway.line(self).put(request, first)
+        self._lines[request.gateway].put(request, first)
         self.loop.at(self.loop.now + self.retry_poll_s, self._poll,
                      (request, request.wait_token))
 
     def _poll(self, entry: tuple[SimRequest, int]) -> None:
         request, token = entry
-        if request.gateway.line(self).take(request, token):
+        if self._lines[request.gateway].take(request, token):
             self._try(request)
 
     def _prefilled(self, prefill: PrefillSim, request: SimRequest) -> None:
@@ -743,8 +746,9 @@ class GroupSim:
             order.shift(decode.name, 1)
             self.loop.at(self.loop.now + self.model.transfer_s(request.input_len),
                          decode.receive, request)
-        self._settle(name)
-        waiting = gateway.line(self).pop()
+        if self.draining:
+            self._settle(name)
+        waiting = self._lines[gateway].pop()
         if waiting is not None:  # room on that instance: the head of the line tries again
             self._try(waiting)
 
@@ -754,7 +758,8 @@ class GroupSim:
         self.window.latencies(request.arrival, request.first_token - request.arrival,
                               request.finished - request.arrival)
         self._ended(request)
-        self._settle(decode.name)
+        if self.draining:
+            self._settle(decode.name)
 
     def _ended(self, request: SimRequest) -> None:
         self._open -= 1

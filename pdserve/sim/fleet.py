@@ -144,7 +144,9 @@ class Tally:
         self.minute_requests: list[int] = []  # by minute of arrival
         self.minute_met: list[int] = []
 
-    def record(self, scenario: int, request: SimRequest) -> None:
+    def record(self, group: GroupSim, request: SimRequest) -> None:
+        """``request`` ended (``GroupSim.on_answer``)."""
+        scenario = request.scenario
         self.requests[scenario] += 1
         minute = int(request.arrival // self.bin_s)
         if minute >= len(self.minute_requests):
@@ -198,7 +200,7 @@ class FleetSim:
         self.rng = np.random.default_rng(seed)
         options = dict(dispatch=dispatch, ttft_slo_s=ttft_slo_s, max_wait_s=max_wait_s,
                        ratio=ratio, loop=self.loop, gateways=self.gateways,
-                       on_answer=self._answered, multiplexing=multiplexing)
+                       on_answer=self.tally.record, multiplexing=multiplexing)
         if pooled:
             pool = GroupSim(model, sum(s.num_prefill for s in plan.scenarios),
                             sum(s.num_decode for s in plan.scenarios), name="pool", **options)
@@ -260,6 +262,3 @@ class FleetSim:
                              scenario=scenario)
         self.groups[scenario].arrive(request)
         self._schedule_next()
-
-    def _answered(self, group: GroupSim, request: SimRequest) -> None:
-        self.tally.record(request.scenario, request)
