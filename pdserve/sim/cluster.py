@@ -180,22 +180,32 @@ class SimRequest:
 
 
 class EventLoop:
-    """A heap of timed actions. An action is a callable and one argument, so that the hot
-    paths schedule bound methods instead of building a closure per event.
+    """Timed actions, run in time order, those due at one time in the order scheduled. An
+    action is a callable and one argument, so that the hot paths schedule bound methods
+    instead of building a closure per event.
 
-    Besides the heap, one feed: a source of events already in time order (a fleet's
-    arrivals, a fifth of its events) hands the loop only its next time (``feed``), which
-    the loop compares with the heap's head instead of pushing and popping it."""
+    The heap holds only the distinct times (floats, compared directly), each time's actions
+    sit in a list under it: a heap of (time, sequence, action, argument) tuples paid a tuple
+    comparison, several calls deep, at each of the heap's levels. Besides the heap, one
+    feed: a source of events already in time order (a fleet's arrivals, a fifth of its
+    events) hands the loop only its next time (``feed``), which the loop compares with the
+    heap's head instead of pushing and popping it."""
 
     def __init__(self) -> None:
         self.now = 0.0
-        self._events: list = []
-        self._order = itertools.count()
+        self._times: list[float] = []  # heap of the times actions are due at, each once
+        self._due: dict[float, list] = {}  # time -> [action, argument, action, ...]
         self._feed_at = math.inf
         self._feed: Callable[[], None] | None = None
 
     def at(self, when: float, action: Callable[..., None], arg: object = None) -> None:
-        heapq.heappush(self._events, (when, next(self._order), action, arg))
+        due = self._due.get(when)
+        if due is None:
+            self._due[when] = [action, arg]
+            heapq.heappush(self._times, when)
+        else:  # after those already due then (also while they run)
+            due.append(action)
+            due.append(arg)
 
     def feed(self, when: float, action: Callable[[], None]) -> None:
         """``action`` runs at ``when`` (after heap events of that very time); it calls
@@ -216,17 +226,22 @@ class EventLoop:
                 gc.enable()
 
     def _run(self) -> None:
-        events, pop, inf = self._events, heapq.heappop, math.inf
-        while events or self._feed_at < inf:
-            if not events or self._feed_at < events[0][0]:
+        times, due, pop, inf = self._times, self._due, heapq.heappop, math.inf
+        while times or self._feed_at < inf:
+            if not times or self._feed_at < times[0]:
                 self.now, self._feed_at = self._feed_at, inf
                 self._feed()
                 continue
-            self.now, _, action, arg = pop(events)
-            if arg is None:
-                action()
-            else:
-                action(arg)
+            self.now = when = pop(times)
+            actions, i = due[when], 0
+            while i < len(actions):
+                action, arg = actions[i], actions[i + 1]
+                i += 2
+                if arg is None:
+                    action()
+                else:
+                    action(arg)
+            del due[when]
 
 
 class LoadOrder(Generic[T]):
