@@ -283,9 +283,10 @@ class LoadOrder(Generic[T]):
 
     def _lowest(self) -> int:
         levels, low = self._levels, self._low
-        while low < len(levels) - 1 and not levels[low]:
-            low += 1
-        self._low = low
+        if not levels[low]:  # the lowest load left empty: move up to the next in use
+            while low < len(levels) - 1 and not levels[low]:
+                low += 1
+            self._low = low
         return low
 
     def __iter__(self) -> Iterator[T]:
@@ -449,22 +450,17 @@ class DecodeSim:
             self._admit()
             self._schedule(self._next_finish())
         elif len(self.waiting) == 1 and self._fits(request):
-            boundary = self._next_boundary()
-            if self._can_join_now(boundary):
+            now = self.loop.now
+            # the next step boundary; one still ahead when a newcomer joins there already
+            boundary = self._step if now < self._since else self._steps_done(now) + 1
+            sync = self._sync_step
+            # Nothing changes the batch before that boundary (no request ends by then, no
+            # prefill beside it resyncs it): the newcomer is admitted now, from there.
+            if (self.partner is None and self.running[0][0] > boundary
+                    and (sync is None or sync > boundary)):
                 self._join_at(boundary)
             else:
                 self._schedule(boundary)
-
-    def _next_boundary(self) -> int:
-        if self.loop.now < self._since:  # a newcomer already joins at that future boundary
-            return self._step
-        return self._steps_done(self.loop.now) + 1
-
-    def _can_join_now(self, step: int) -> bool:
-        """Nothing changes the batch before ``step`` (no request ends by then, no prefill
-        beside it resyncs it), so the newcomer can be admitted now, from that step."""
-        return (self.partner is None and self.running[0][0] > step
-                and (self._sync_step is None or self._sync_step > step))
 
     def _join_at(self, step: int) -> None:
         """Admits the waiting newcomer from step boundary ``step`` without an event there:
@@ -486,19 +482,16 @@ class DecodeSim:
 
     def _admit(self) -> None:
         """Admits the waiting requests that fit, then sets the stretch from this batch (every
-        change of the batch or of the stretch's start ends here)."""
-        while self.waiting and self._fits(self.waiting[0]):
-            request = self.waiting.popleft()
+        change of the batch or of the stretch's start ends here): step k (from 0) takes
+        _a + _b*k seconds, computed once per change, not per step time asked for."""
+        waiting, running = self.waiting, self.running
+        while waiting and self._fits(waiting[0]):
+            request = waiting.popleft()
             last = self._step + max(1, request.output_len - 1)
-            heapq.heappush(self.running, (last, next(self._seq), request))
+            heapq.heappush(running, (last, next(self._seq), request))
             self.kv_in_use += request.input_len + request.output_len
             self._context_base += request.input_len + request.output_len - last
-        self._set_stretch()
-
-    def _set_stretch(self) -> None:
-        """Step k (from 0) of the current stretch takes _a + _b*k seconds: computed once per
-        change, not per step time asked for (a request's path asks several)."""
-        m, batch = self.model, len(self.running)
+        m, batch = self.model, len(running)
         context = self._context_base + batch * self._step
         self._a = (m.decode_base_s + m.decode_per_request_s * batch
                    + m.decode_per_kv_token_s * context) * self._slowdown
