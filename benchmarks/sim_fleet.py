@@ -21,6 +21,7 @@ These are a model's predictions, not measurements.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -62,12 +63,16 @@ def run_row(args: argparse.Namespace, model: LatencyModel, lengths: Lengths,
                      pooled=labels.get("pooled", False),
                      multiplexing=multiplexing(args, model) if labels.get("multiplex") else None,
                      seed=args.seed)
+    # CPU time on a shared host grows with the other work on it: the load goes with it.
+    load_start = os.getloadavg()
     wall, cpu = time.monotonic(), time.process_time()
     summary = fleet.run(args.duration_s)
     cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    host_load = {"start": load_start, "end": os.getloadavg(), "cpus": os.cpu_count()}
     moves = sum(len(g.moves) for g in {id(g): g for g in fleet.groups}.values())
     row = {**labels, "num_instances": fleet.num_instances, "scenarios": len(plan.scenarios),
-           "moves": moves, "sim_cpu_s": cpu, "sim_wall_s": wall, **summary}
+           "moves": moves, "sim_cpu_s": cpu, "sim_wall_s": wall,
+           "host_load_1_5_15_min": host_load, **summary}
     print(labels, f"{summary['requests']} requests: attainment "
           f"{summary['slo_attainment']:.1%}, TTFT P99 {summary['ttft_p99_s']:.2f} s, "
           f"{moves} moves; {cpu:.0f} s CPU", flush=True)

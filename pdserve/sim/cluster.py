@@ -20,13 +20,15 @@ A request is met when its TTFT is within the SLO; one the gateway gave up on aft
 from __future__ import annotations
 
 import bisect
+import gc
 import heapq
 import itertools
 import json
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -36,6 +38,8 @@ from pdserve.cluster.metrics import ScenarioWindow
 from pdserve.cluster.ratio import decode_floor, judge
 from pdserve.cluster.registry import Instance
 from pdserve.server.pd import PrefillAdmission
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -176,59 +180,121 @@ class SimRequest:
 
 
 class EventLoop:
-    """A heap of timed actions. An action is a callable and one argument, so that the hot
-    paths schedule bound methods instead of building a closure per event."""
+    """Timed actions, run in time order, those due at one time in the order scheduled. An
+    action is a callable and one argument, so that the hot paths schedule bound methods
+    instead of building a closure per event.
+
+    The heap holds only the distinct times (floats, compared directly), each time's actions
+    sit in a list under it: a heap of (time, sequence, action, argument) tuples paid a tuple
+    comparison, several calls deep, at each of the heap's levels. Besides the heap, one
+    feed: a source of events already in time order (a fleet's arrivals, a fifth of its
+    events) hands the loop only its next time (``feed``), which the loop compares with the
+    heap's head instead of pushing and popping it."""
 
     def __init__(self) -> None:
         self.now = 0.0
-        self._events: list = []
-        self._order = itertools.count()
+        self._times: list[float] = []  # heap of the times actions are due at, each once
+        self._due: dict[float, list] = {}  # time -> [action, argument, action, ...]
+        self._feed_at = math.inf
+        self._feed: Callable[[], None] | None = None
 
     def at(self, when: float, action: Callable[..., None], arg: object = None) -> None:
-        heapq.heappush(self._events, (when, next(self._order), action, arg))
+        due = self._due.get(when)
+        if due is None:
+            self._due[when] = [action, arg]
+            heapq.heappush(self._times, when)
+        else:  # after those already due then (also while they run)
+            due.append(action)
+            due.append(arg)
+
+    def feed(self, when: float, action: Callable[[], None]) -> None:
+        """``action`` runs at ``when`` (after heap events of that very time); it calls
+        ``feed`` again for the source's next event, or not when the source is dry."""
+        self._feed_at, self._feed = when, action
 
     def run(self) -> None:
-        events, pop = self._events, heapq.heappop
-        while events:
-            self.now, _, action, arg = pop(events)
-            if arg is None:
-                action()
-            else:
-                action(arg)
+        """Runs every event, with Python's cycle collector paused: the simulator's events,
+        requests and batches form no reference cycles (reference counting frees each as it
+        ends; a test checks none is left), and the collector's passes over the fleet's live
+        objects, set off by its allocations, took about a tenth of the run."""
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            self._run()
+        finally:
+            if paused:
+                gc.enable()
+
+    def _run(self) -> None:
+        times, due, pop, inf = self._times, self._due, heapq.heappop, math.inf
+        while times or self._feed_at < inf:
+            if not times or self._feed_at < times[0]:
+                self.now, self._feed_at = self._feed_at, inf
+                self._feed()
+                continue
+            self.now = when = pop(times)
+            actions, i = due[when], 0
+            while i < len(actions):
+                action, arg = actions[i], actions[i + 1]
+                i += 2
+                if arg is None:
+                    action()
+                else:
+                    action(arg)
+            del due[when]
 
 
-class LoadOrder:
-    """One gateway's instances of one role in a group, in its offer order - fewest in
-    flight from that gateway first, ties by name, the order ``order_prefill`` sorts them
-    in - kept as a load moves by one instead of sorted again per request: a sorted list of
-    names per load. Sorting every request's candidates was the fleet's largest cost.
+class LoadOrder(Generic[T]):
+    """One gateway's instances of one role in a group, in its order - fewest in flight from
+    that gateway first, ties by name: the order ``order_prefill`` offers prefills in, and
+    whose first is the decode instance ``_pick_decode`` picks - kept as a load moves by one
+    instead of sorted again per request: per load, a sorted list of the instances' ranks by
+    name. Sorting every request's candidates was the fleet's largest cost.
     ``GroupSim(verify_order=True)`` checks it against ``order_prefill`` on every request."""
 
-    def __init__(self, loads: dict[str, int]) -> None:
-        self._load = dict(loads)
-        self._levels: list[list[str]] = [[] for _ in range(max(loads.values(), default=0) + 1)]
-        for name in sorted(loads):
-            self._levels[loads[name]].append(name)
-        self._low = 0  # no name has a lower load
+    def __init__(self, counts: dict[str, int], names: list[str], items: dict[str, T]) -> None:
+        """The order of ``names`` by ``counts`` (a gateway's, which ``shift`` keeps too)."""
+        self.counts = counts
+        loads = {n: counts[n] for n in names}
+        names = sorted(names)
+        self._items = [items[n] for n in names]  # by rank
+        self._entries = {n: [rank, loads[n]] for rank, n in enumerate(names)}  # [rank, load]
+        self._levels: list[list[int]] = [[] for _ in range(max(loads.values(), default=0) + 1)]
+        for rank, name in enumerate(names):
+            self._levels[loads[name]].append(rank)
+        self._low = 0  # no instance has a lower load
 
     def shift(self, name: str, delta: int) -> None:
-        load = self._load.get(name)
-        if load is None:
-            return  # it is leaving this role: no longer offered
-        level = self._levels[load]
-        del level[bisect.bisect_left(level, name)]
-        load += delta
-        self._load[name] = load
-        if load == len(self._levels):
-            self._levels.append([])
-        bisect.insort(self._levels[load], name)
-        self._low = min(self._low, load)
-
-    def __iter__(self) -> Iterator[str]:
+        """``name``'s count moved by ``delta``."""
+        self.counts[name] += delta
+        entry = self._entries.get(name)
+        if entry is None:
+            return  # it is leaving this role: no longer in the order
+        rank, load = entry
         levels = self._levels
-        while self._low < len(levels) - 1 and not levels[self._low]:
-            self._low += 1
-        return itertools.chain.from_iterable(levels[self._low:])
+        levels[load].remove(rank)
+        load += delta
+        entry[1] = load
+        if load == len(levels):
+            levels.append([])
+        bisect.insort(levels[load], rank)
+        if load < self._low:
+            self._low = load
+
+    def _lowest(self) -> int:
+        levels, low = self._levels, self._low
+        if not levels[low]:  # the lowest load left empty: move up to the next in use
+            while low < len(levels) - 1 and not levels[low]:
+                low += 1
+            self._low = low
+        return low
+
+    def __iter__(self) -> Iterator[T]:
+        ranks = itertools.chain.from_iterable(self._levels[self._lowest():])
+        return map(self._items.__getitem__, ranks)
+
+    def first(self) -> T:
+        return self._items[self._levels[self._lowest()][0]]
 
 
 class GatewaySim:
@@ -239,8 +305,10 @@ class GatewaySim:
 
     def __init__(self, name: str = "g0") -> None:
         self.name = name
-        self.load: Counter[str] = Counter()
-        self.decode_load: Counter[str] = Counter()
+        # Plain dicts, every instance of its groups entered at 0: a Counter's item access
+        # is not specialised for a dict subclass, and these change four times a request.
+        self.load: dict[str, int] = {}
+        self.decode_load: dict[str, int] = {}
         self.turn = 0
         self.lines: dict[int, WaitLine] = {}
 
@@ -290,6 +358,7 @@ class PrefillSim:
 
     def __init__(self, name: str, loop: EventLoop, model: LatencyModel,
                  on_done: Callable[[PrefillSim, SimRequest], None]) -> None:
+        self.name = name
         self.instance = Instance(name, "sim", "prefill", name, name)
         self.loop, self.model, self.on_done = loop, model, on_done
         self.admission = PrefillAdmission(clock=lambda: loop.now)
@@ -365,6 +434,7 @@ class DecodeSim:
         self.partner: PrefillSim | None = None  # the prefill side of a multiplexing instance
         self.multiplexing: Multiplexing | None = None
         self._slowdown = 1.0  # of the current stretch
+        self._a = self._b = 0.0  # step k of the current stretch takes _a + _b*k seconds
         self.noise: ServiceNoise | None = None
         self._noise_at = 0  # the busy period's step 0 in the noise's drawn sequence
 
@@ -380,32 +450,30 @@ class DecodeSim:
             self._admit()
             self._schedule(self._next_finish())
         elif len(self.waiting) == 1 and self._fits(request):
-            boundary = self._next_boundary()
-            if self._can_join_now(boundary):
+            now = self.loop.now
+            # the next step boundary; one still ahead when a newcomer joins there already
+            boundary = self._step if now < self._since else self._steps_done(now) + 1
+            sync = self._sync_step
+            # Nothing changes the batch before that boundary (no request ends by then, no
+            # prefill beside it resyncs it): the newcomer is admitted now, from there.
+            if (self.partner is None and self.running[0][0] > boundary
+                    and (sync is None or sync > boundary)):
                 self._join_at(boundary)
             else:
                 self._schedule(boundary)
 
-    def _next_boundary(self) -> int:
-        if self.loop.now < self._since:  # a newcomer already joins at that future boundary
-            return self._step
-        return self._steps_done(self.loop.now) + 1
-
-    def _can_join_now(self, step: int) -> bool:
-        """Nothing changes the batch before ``step`` (no request ends by then, no prefill
-        beside it resyncs it), so the newcomer can be admitted now, from that step."""
-        return (self.partner is None and self.running[0][0] > step
-                and (self._sync_step is None or self._sync_step > step))
-
     def _join_at(self, step: int) -> None:
         """Admits the waiting newcomer from step boundary ``step`` without an event there:
-        the boundary's time is exact, and only the next finish needs scheduling again."""
+        the boundary's time is exact. The next finish now comes later (a larger batch steps
+        slower); if it is still the scheduled one, its event stays and, firing early, moves
+        itself (``_sync``): one move for however many newcomers joined before it."""
         self._since = self._time_of(step)  # with the batch before the newcomer
         self._step = step
         self._admit()
-        self._version += 1  # the finish scheduled for the old batch is stale
-        self._sync_step = None
-        self._schedule(self._next_finish())
+        if self._next_finish() != self._sync_step:  # the newcomer ends first
+            self._version += 1
+            self._sync_step = None
+            self._schedule(self._next_finish())
 
     def _fits(self, request: SimRequest) -> bool:
         need = request.input_len + request.output_len
@@ -413,20 +481,21 @@ class DecodeSim:
             self.kv_in_use + need <= self.model.decode_kv_tokens or not self.running)
 
     def _admit(self) -> None:
-        while self.waiting and self._fits(self.waiting[0]):
-            request = self.waiting.popleft()
+        """Admits the waiting requests that fit, then sets the stretch from this batch (every
+        change of the batch or of the stretch's start ends here): step k (from 0) takes
+        _a + _b*k seconds, computed once per change, not per step time asked for."""
+        waiting, running = self.waiting, self.running
+        while waiting and self._fits(waiting[0]):
+            request = waiting.popleft()
             last = self._step + max(1, request.output_len - 1)
-            heapq.heappush(self.running, (last, next(self._seq), request))
+            heapq.heappush(running, (last, next(self._seq), request))
             self.kv_in_use += request.input_len + request.output_len
             self._context_base += request.input_len + request.output_len - last
-
-    def _stretch(self) -> tuple[float, float]:
-        """(a, b): step k (from 0) of the current stretch takes a + b*k seconds."""
-        m, batch = self.model, len(self.running)
+        m, batch = self.model, len(running)
         context = self._context_base + batch * self._step
-        return ((m.decode_base_s + m.decode_per_request_s * batch
-                 + m.decode_per_kv_token_s * context) * self._slowdown,
-                m.decode_per_kv_token_s * batch * self._slowdown)
+        self._a = (m.decode_base_s + m.decode_per_request_s * batch
+                   + m.decode_per_kv_token_s * context) * self._slowdown
+        self._b = m.decode_per_kv_token_s * batch * self._slowdown
 
     def _begin_stretch(self, step: int) -> None:
         self._step, self._since = step, self.loop.now
@@ -440,7 +509,7 @@ class DecodeSim:
             self._schedule(self._steps_done(self.loop.now) + 1)
 
     def _time_of(self, step: int) -> float:
-        a, b = self._stretch()
+        a, b = self._a, self._b
         k = step - self._step
         if self.noise is not None:
             total, weighted = self.noise.span(self._noise_at + self._step,
@@ -452,7 +521,7 @@ class DecodeSim:
         """Whole steps of the current stretch done by ``now`` (plus the steps before it)."""
         if self.noise is not None:
             return self._noisy_steps_done(now)
-        a, b = self._stretch()
+        a, b = self._a, self._b
         elapsed = now - self._since
         if b > 0:
             c = a - b / 2
@@ -491,6 +560,10 @@ class DecodeSim:
     def _sync(self, event: tuple[int, int]) -> None:
         version, step = event
         if version != self._version:
+            return
+        when = self._time_of(step)
+        if when > self.loop.now:  # newcomers joined since it was scheduled (``_join_at``)
+            self.loop.at(when, self._sync, event)
             return
         self._begin_stretch(step)
         self._sync_step = None
@@ -549,14 +622,16 @@ class GroupSim:
             sim.noise = self.noise
         if self.multiplexing is not None:
             self._pair(names)
-        for gateway in self.gateways:  # a zero entry is a plain dict hit, not Counter.__missing__
+        for gateway in self.gateways:
             for counts in (gateway.load, gateway.decode_load):
                 counts.update(dict.fromkeys(names, 0))
         self.draining: dict[str, str] = {}  # instance -> the role it moves to
+        self._lines = {gateway: gateway.line(self) for gateway in self.gateways}
         self.window = ScenarioWindow()
         self.moves: list[tuple[float, str, str]] = []
         self._active: dict[str, list] = {}  # role -> its active instances, rebuilt on a move
-        self._orders: dict[str, LoadOrder] = {}  # by gateway; rebuilt as _active
+        self._orders: dict[GatewaySim, LoadOrder[PrefillSim]] = {}  # rebuilt as _active
+        self._decode_orders: dict[GatewaySim, LoadOrder[DecodeSim]] = {}  # the same, decode
         self._open = 0  # requests in the group, not yet finished or given up on
         self.until = 0.0  # the ratio controller looks at least until then
         self._last_move = -1e9
@@ -596,43 +671,35 @@ class GroupSim:
                                                    for n in self.active("prefill")]
         return instances
 
-    def _order(self, gateway: GatewaySim) -> LoadOrder:
-        order = self._orders.get(gateway.name)
-        if order is None:
-            order = LoadOrder({n: gateway.load[n] for n in self.active("prefill")})
-            self._orders[gateway.name] = order
+    def _order(self, gateway: GatewaySim) -> LoadOrder[PrefillSim]:
+        """``gateway``'s prefill order; its ``shift`` counts a prefill placed or ended."""
+        return self._orders.get(gateway) or self._new_order(gateway, "prefill")
+
+    def _decode_order(self, gateway: GatewaySim) -> LoadOrder[DecodeSim]:
+        """``gateway``'s decode order; its ``shift`` counts an answer placed or ended."""
+        return self._decode_orders.get(gateway) or self._new_order(gateway, "decode")
+
+    def _new_order(self, gateway: GatewaySim, role: str) -> LoadOrder:
+        """``gateway``'s order of ``role``'s active instances, kept until the roles change."""
+        counts, orders, items = ((gateway.load, self._orders, self.prefill) if role == "prefill"
+                                 else (gateway.decode_load, self._decode_orders, self.decode))
+        order = orders[gateway] = LoadOrder(counts, self.active(role), items)
         return order
 
-    def _count(self, gateway: GatewaySim, name: str, delta: int) -> None:
-        """A prefill placed on (1) or ended on (-1) ``name``, as ``gateway`` counts it."""
-        gateway.load[name] += delta
-        order = self._orders.get(gateway.name)
-        if order is not None:
-            order.shift(name, delta)
-
-    def _decode_names(self) -> list[str]:
-        """Sorted, so that ``min`` by load alone breaks ties by name, as the gateway does."""
-        names = self._active.get("decode")
-        if names is None:
-            names = self._active["decode"] = sorted(self.active("decode"))
-        return names
-
-    def _offer_order(self, gateway: GatewaySim) -> Iterator[str]:
+    def _offer_order(self, gateway: GatewaySim, order: LoadOrder) -> Iterator[PrefillSim]:
         if self.dispatch == "round-robin":
-            return (i.instance_id for i in order_prefill(self._prefill_instances(),
-                                                         self.dispatch, gateway.load,
-                                                         gateway.turn))
-        order = self._order(gateway)
+            return (self.prefill[i.instance_id] for i in order_prefill(
+                self._prefill_instances(), self.dispatch, gateway.load, gateway.turn))
         if self.verify_order:
             expected = order_prefill(self._prefill_instances(), self.dispatch, gateway.load,
                                      gateway.turn)
-            assert list(order) == [i.instance_id for i in expected], "offer order differs"
+            assert [p.instance for p in order] == expected, "offer order differs"
         return iter(order)
 
     def arrive(self, request: SimRequest) -> None:
         self._open += 1
         self.window.request_arrived()
-        if request.gateway.line(self):  # a newcomer queues behind requests already waiting
+        if self._lines[request.gateway]:  # a newcomer queues behind requests already waiting
             self._wait(request, first=False)
         else:
             self._try(request)
@@ -642,10 +709,11 @@ class GroupSim:
         gateway.turn += 1
         first_round = request.offers == 0
         budget = self._budget_ms(request)
-        for name in self._offer_order(gateway):
+        order = self._order(gateway)
+        for prefill in self._offer_order(gateway, order):
             request.offers += 1
-            if self.prefill[name].offer(request, budget):
-                self._count(gateway, name, 1)  # ends the order's iteration
+            if prefill.offer(request, budget):
+                order.shift(prefill.name, 1)  # ends the order's iteration
                 return
         if first_round:
             self.window.refused_at_first()
@@ -661,43 +729,45 @@ class GroupSim:
         return max(0.0, (self.ttft_slo_s - (self.loop.now - request.arrival)) * 1e3)
 
     def _wait(self, request: SimRequest, first: bool) -> None:
-        request.gateway.line(self).put(request, first)
+        self._lines[request.gateway].put(request, first)
         self.loop.at(self.loop.now + self.retry_poll_s, self._poll,
                      (request, request.wait_token))
 
     def _poll(self, entry: tuple[SimRequest, int]) -> None:
         request, token = entry
-        if request.gateway.line(self).take(request, token):
+        if self._lines[request.gateway].take(request, token):
             self._try(request)
 
     def _prefilled(self, prefill: PrefillSim, request: SimRequest) -> None:
-        name = prefill.instance.instance_id
+        name = prefill.name
         gateway = request.gateway
-        self._count(gateway, name, -1)
+        self._order(gateway).shift(name, -1)
         self.window.prefill_ended()
         if self.multiplexing is not None:  # its KV is already where it decodes
-            gateway.decode_load[name] += 1
+            self._decode_order(gateway).shift(name, 1)
             self.decode[name].receive(request)
         else:
             # The fewest placed on it, ties by name, as the gateway's ``_pick_decode``;
             # counted from the pick: KV still on the link counts too.
-            decode = self.decode[min(self._decode_names(),
-                                     key=gateway.decode_load.__getitem__)]
-            gateway.decode_load[decode.name] += 1
+            order = self._decode_order(gateway)
+            decode = order.first()
+            order.shift(decode.name, 1)
             self.loop.at(self.loop.now + self.model.transfer_s(request.input_len),
                          decode.receive, request)
-        self._settle(name)
-        waiting = gateway.line(self).pop()
+        if self.draining:
+            self._settle(name)
+        waiting = self._lines[gateway].pop()
         if waiting is not None:  # room on that instance: the head of the line tries again
             self._try(waiting)
 
     def _finished(self, decode: DecodeSim, request: SimRequest) -> None:
-        request.gateway.decode_load[decode.name] -= 1
+        self._decode_order(request.gateway).shift(decode.name, -1)
         self.window.answer_ended()
         self.window.latencies(request.arrival, request.first_token - request.arrival,
                               request.finished - request.arrival)
         self._ended(request)
-        self._settle(decode.name)
+        if self.draining:
+            self._settle(decode.name)
 
     def _ended(self, request: SimRequest) -> None:
         self._open -= 1
@@ -729,6 +799,7 @@ class GroupSim:
         self.draining[name] = role
         self._active.clear()
         self._orders.clear()
+        self._decode_orders.clear()
         self.moves.append((self.loop.now, name, role))
         self._last_move = self.loop.now
         self.window.clear(self.loop.now)
@@ -750,6 +821,7 @@ class GroupSim:
             del self.draining[name]
             self._active.clear()
             self._orders.clear()
+        self._decode_orders.clear()
 
 
 def summarize(requests: list[SimRequest], ttft_slo_s: float) -> dict:

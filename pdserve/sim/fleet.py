@@ -131,21 +131,29 @@ def ideal_prefill_share(model: LatencyModel, inputs: np.ndarray, outputs: np.nda
 
 class Tally:
     """What the fleet's requests came to, kept as counts and flat arrays (millions of
-    requests: no request object outlives its answer)."""
+    requests: no request object outlives its answer). The counts are Python lists while
+    the run adds to them (a numpy element's ``+= 1`` costs several times a list's)."""
 
     def __init__(self, num_scenarios: int, slo_s: float, bin_s: float = 60.0) -> None:
         self.slo_s, self.bin_s = slo_s, bin_s
-        self.requests = np.zeros(num_scenarios, dtype=np.int64)
-        self.met = np.zeros(num_scenarios, dtype=np.int64)
-        self.unserved = np.zeros(num_scenarios, dtype=np.int64)
+        self.requests = [0] * num_scenarios
+        self.met = [0] * num_scenarios
+        self.unserved = [0] * num_scenarios
         self.ttft_s = array("f")
         self.tpot_s = array("f")
-        self.by_minute: dict[int, list[int]] = {}  # minute -> [requests, met]
+        self.minute_requests: list[int] = []  # by minute of arrival
+        self.minute_met: list[int] = []
 
-    def record(self, scenario: int, request: SimRequest) -> None:
+    def record(self, group: GroupSim, request: SimRequest) -> None:
+        """``request`` ended (``GroupSim.on_answer``)."""
+        scenario = request.scenario
         self.requests[scenario] += 1
-        minute = self.by_minute.setdefault(int(request.arrival // self.bin_s), [0, 0])
-        minute[0] += 1
+        minute = int(request.arrival // self.bin_s)
+        if minute >= len(self.minute_requests):
+            grow = minute + 1 - len(self.minute_requests)
+            self.minute_requests += [0] * grow
+            self.minute_met += [0] * grow
+        self.minute_requests[minute] += 1
         if request.unserved:
             self.unserved[scenario] += 1
             return
@@ -156,18 +164,21 @@ class Tally:
                                / (request.output_len - 1))
         if ttft <= self.slo_s:
             self.met[scenario] += 1
-            minute[1] += 1
+            self.minute_met[minute] += 1
 
     def summary(self) -> dict:
         ttft, tpot = np.frombuffer(self.ttft_s, np.float32), np.frombuffer(self.tpot_s, np.float32)
-        total = int(self.requests.sum())
-        per_scenario = self.met / np.maximum(1, self.requests)
-        return {"requests": total, "slo_attainment": float(self.met.sum() / max(1, total)),
-                "unserved": int(self.unserved.sum()),
+        requests, met = np.array(self.requests), np.array(self.met)
+        total = int(requests.sum())
+        per_scenario = met / np.maximum(1, requests)
+        by_minute = [[m, n, k] for m, (n, k) in
+                     enumerate(zip(self.minute_requests, self.minute_met, strict=True)) if n]
+        return {"requests": total, "slo_attainment": float(met.sum() / max(1, total)),
+                "unserved": int(sum(self.unserved)),
                 "worst_scenario_attainment": float(per_scenario.min()),
                 "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
                 "tpot_p50_s": _percentile(tpot, 50), "tpot_p99_s": _percentile(tpot, 99),
-                "by_minute": [[m, *v] for m, v in sorted(self.by_minute.items())]}
+                "by_minute": by_minute}
 
 
 def _percentile(values: np.ndarray, q: float) -> float | None:
@@ -189,7 +200,7 @@ class FleetSim:
         self.rng = np.random.default_rng(seed)
         options = dict(dispatch=dispatch, ttft_slo_s=ttft_slo_s, max_wait_s=max_wait_s,
                        ratio=ratio, loop=self.loop, gateways=self.gateways,
-                       on_answer=self._answered, multiplexing=multiplexing)
+                       on_answer=self.tally.record, multiplexing=multiplexing)
         if pooled:
             pool = GroupSim(model, sum(s.num_prefill for s in plan.scenarios),
                             sum(s.num_decode for s in plan.scenarios), name="pool", **options)
@@ -242,7 +253,7 @@ class FleetSim:
 
     def _schedule_next(self) -> None:
         if self._next < len(self._pending):
-            self.loop.at(self._pending[self._next][0], self._arrive)
+            self.loop.feed(self._pending[self._next][0], self._arrive)
 
     def _arrive(self) -> None:
         arrival, scenario, input_len, output_len, gateway = self._pending[self._next]
@@ -251,6 +262,3 @@ class FleetSim:
                              scenario=scenario)
         self.groups[scenario].arrive(request)
         self._schedule_next()
-
-    def _answered(self, group: GroupSim, request: SimRequest) -> None:
-        self.tally.record(request.scenario, request)

@@ -32,6 +32,9 @@ def test_fleet_dispatch_comparison_reports_each_policy_as_a_simulation(tmp_path)
                                                        "round-robin"]
     assert all(r["requests"] > 500 and len(r["by_minute"]) == 2 for r in result["rows"])
     assert result["command"][0].endswith("sim_fleet.py") and result["git_revision"]
+    # the simulation's CPU time, and how busy the host was around it
+    assert all(r["sim_cpu_s"] > 0 and len(r["host_load_1_5_15_min"]["end"]) == 3
+               for r in result["rows"])
 
 
 def test_gateway_capacity_through_the_real_gateway_and_stand_ins(tmp_path):

@@ -3,6 +3,8 @@ several gateways, groups and one pool over the same instances."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -145,3 +147,33 @@ def test_kept_offer_orders_match_the_gateways_sort_on_every_request(dispatch):
     summary = fleet.run(60.0)
     assert summary["requests"] > 1000
     assert sum(len(g.moves) for g in fleet.groups) > 0  # orders rebuilt after moves too
+
+
+def test_a_run_leaves_no_reference_cycles_for_the_paused_collector():
+    """The event loop pauses Python's cycle collector: that is only safe while reference
+    counting alone frees every request, event and batch of a run."""
+    plan = plan_fleet(MODEL, LENGTHS, num_instances=60, num_scenarios=6, period_s=60.0)
+    FleetSim(plan, MODEL, LENGTHS, num_gateways=3, ratio=RatioConfig()).run(10.0)  # warm-up
+    fleet = FleetSim(plan, MODEL, LENGTHS, num_gateways=3, ratio=RatioConfig())
+    gc.collect()
+    summary = fleet.run(60.0)
+    assert summary["requests"] > 1000 and gc.isenabled()
+    assert gc.collect() == 0  # nothing unreachable was left for the collector
+
+
+def test_the_loop_runs_its_feed_and_its_heap_in_time_order():
+    loop, seen = EventLoop(), []
+    feed = iter([0.5, 1.5, 2.5])
+
+    def arrive() -> None:
+        seen.append(("feed", loop.now))
+        when = next(feed, None)
+        if when is not None:
+            loop.feed(when, arrive)
+
+    for when in (0.0, 1.0, 1.5, 3.0):
+        loop.at(when, lambda: seen.append(("heap", loop.now)))
+    loop.feed(next(feed), arrive)
+    loop.run()
+    assert seen == [("heap", 0.0), ("feed", 0.5), ("heap", 1.0), ("heap", 1.5),
+                    ("feed", 1.5), ("feed", 2.5), ("heap", 3.0)]
