@@ -601,3 +601,32 @@ def test_a_stop_found_late_keeps_pages_until_the_next_decode_lands():
     assert request.token_ids[-1] == 21 and scheduler.overlap.dropped_tokens == 1
     assert not request.block_ids and not scheduler.draining and not scheduler.has_work()
     scheduler.blocks.check_integrity([])
+
+
+def _issue_chunk(scheduler: InFlightScheduler, candidates, tokens: int) -> Work:
+    plan = scheduler.plan_prefill(candidates, [(0, tokens)])
+    work = Work(plan, overlapped=True)
+    scheduler.launched(plan, overlapped=True)
+    scheduler.issued(work)
+    return work
+
+
+def test_a_chunk_follows_its_prompt_on_the_same_stream_and_owes_its_kv():
+    """A prompt's next chunk may be issued behind the one still computing it (a chained mixed
+    step, same stream), never beside it on the prefill lane; the prefix cache takes none of
+    a chunk's blocks until the launch writing them completed."""
+    scheduler = InFlightScheduler(SchedulerConfig(schedule="multiplex"),
+                                  BlockManager(16, 4), 4096)
+    request = make_request(20, max_tokens=9)
+    scheduler.add(request)
+    first = _issue_chunk(scheduler, scheduler.prefill_candidates(), 8)
+    assert request.num_computed == 8 and scheduler.overlapped[request.request_id] == 8
+    assert request not in scheduler.prefill_candidates(), "the prefill lane's other stream"
+    second = _issue_chunk(scheduler, scheduler.prefill_candidates(same_stream=True), 8)
+    assert request.num_computed == 16 and scheduler.overlapped[request.request_id] == 16
+    scheduler.complete(first.plan, StepOutput([]), overlapped=True)
+    assert request.num_committed_blocks == 2, "positions 8-15 are the second chunk's"
+    scheduler.blocks.check_integrity(scheduler.live_requests("main"))
+    scheduler.complete(second.plan, StepOutput([]), overlapped=True)
+    assert request.num_committed_blocks == 4 and not scheduler.overlapped
+    scheduler.blocks.check_integrity(scheduler.live_requests("main"))
