@@ -64,10 +64,10 @@ class SchedulerConfig:
     overlap_schedule: bool = doc(True, "Plan and issue the next step while the device runs "
                                  "this one, its sampled tokens passed on the device (one step "
                                  "late stop checks, never a token past a stop). Every step of "
-                                 "prefill-first and chunked, the decode steps of multiplex "
-                                 "and disagg; steps with penalties or a grammar, and "
-                                 "multiplex's mixed and time-slice steps run synchronously "
-                                 "(counted in /v1/engine/info).")
+                                 "prefill-first and chunked, the decode and mixed steps of "
+                                 "multiplex, the decode steps of disagg; steps with penalties "
+                                 "or a grammar, and multiplex's time-slice steps run "
+                                 "synchronously (counted in /v1/engine/info).")
     itl_slo_ms: float = doc(60.0, "multiplex: inter-token latency target.")
     ttft_slo_ms: float | None = doc(None, "multiplex: time-to-first-token target, if any.")
     mux_decode_sms: str = doc("16,24,32,48,64", "multiplex: decode SM counts to build "

@@ -378,11 +378,19 @@ class OverlapCounters:
         self.overlapped_steps = 0
         self.synchronous_steps = {"penalties": 0, "grammar": 0}
         self.dropped_tokens = 0  # computed one step past a stop or an abort, never emitted
+        # Multiplex's whole-GPU mixed steps: issued behind one still running on the same
+        # stream ("chained"), or only once the decode lane had drained ("after_drain": the
+        # GPU waited while the host planned and built it).
+        self.mixed_steps = {"chained": 0, "after_drain": 0}
 
     def synchronous(self, reason: str) -> None:
         """Counts a step its policy runs synchronously by design (``reason``)."""
         if self.enabled:
             self.synchronous_steps[reason] = self.synchronous_steps.get(reason, 0) + 1
+
+    def mixed_step(self, chained: bool) -> None:
+        if self.enabled:
+            self.mixed_steps["chained" if chained else "after_drain"] += 1
 
     def allows(self, plan: Plan) -> bool:
         # Penalties count the request's output tokens on the host: a token still on the
@@ -403,4 +411,4 @@ class OverlapCounters:
     def describe(self) -> dict:
         return {"enabled": self.enabled, "overlapped_steps": self.overlapped_steps,
                 "synchronous_steps": dict(self.synchronous_steps),
-                "dropped_tokens": self.dropped_tokens}
+                "dropped_tokens": self.dropped_tokens, "mixed_steps": dict(self.mixed_steps)}

@@ -7,15 +7,17 @@ disagg): which requests decode, which prefill, which are in flight.
   launch completes ("finish it, then drop").
 - A request joins decode only when its last prefill chunk has completed (``update_work``),
   so a decode step never reads KV a prefill is still writing.
-- Overlap scheduling (decode lanes): a decode launch marked ``overlapped`` advances its
-  requests' counters when issued, so they are ready to decode again while it runs and the
-  next decode follows it on the same stream. They are still in flight: never preempted,
-  never freed, never offered to the prefill lane. One that ends meanwhile (a stop found one
-  step late, an abort) is finished at once, so nothing more is emitted, but it keeps its
-  pages (``draining``) until the last launch using it completes: the lanes run on several
-  streams, and a page freed under a running decode could be handed to a prefill on another
-  stream that writes it first. For the same reason the prefix cache takes a block only
-  once its KV is written (``commit`` counts no token still in flight).
+- Overlap scheduling (decode lanes): a decode or mixed launch marked ``overlapped``
+  advances its requests' counters when issued, so they are ready to decode (or take their
+  next prompt chunk) again while it runs and the next launch follows it on the same
+  stream. They are still in flight: never preempted, never freed, never offered to the
+  prefill lane. One that ends meanwhile (a stop found one step late, an abort) is finished
+  at once, so nothing more is emitted, but it keeps its pages (``draining``) until the
+  last launch using it completes: the lanes run on several streams, and a page freed under
+  a running decode could be handed to a prefill on another stream that writes it first.
+  For the same reason the prefix cache takes a block only once its KV is written
+  (``commit`` counts no token still in flight: ``overlapped`` counts each request's tokens
+  that launches still running compute).
 
 Requests are still tracked by token counters: a running request with one uncomputed token
 decodes; one with more prefills; a prefix hit that leaves one token is simply a decode.
@@ -41,7 +43,8 @@ class InFlightScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         # Request ids used by a launch not yet completed whose counters advance when it does.
         self.in_flight: set[str] = set()
-        self.overlapped: Counter[str] = Counter()  # by overlapped launches still running
+        # Tokens whose KV overlapped launches still running write, by request id.
+        self.overlapped: Counter[str] = Counter()
         self.pending_aborts: set[str] = set()
         self.draining: list[Request] = []  # ended, holding pages until their launches end
 
@@ -62,9 +65,14 @@ class InFlightScheduler(Scheduler):
             return None
         return DecodeLoad(len(ready), sum(r.num_tokens for r in ready))
 
-    def prefill_candidates(self) -> list[Request]:
-        """Part-prefilled running requests first (they hold blocks), then the waiting queue."""
-        partial = [r for r in self.running if r.num_uncomputed > 1 and not self.busy(r)]
+    def prefill_candidates(self, same_stream: bool = False) -> list[Request]:
+        """Part-prefilled running requests first (they hold blocks), then the waiting queue.
+
+        ``same_stream``: for a step issued behind an overlapped one on its stream, which may
+        take the next chunk of a prompt that one is computing (stream order keeps them apart).
+        """
+        partial = [r for r in self.running if r.num_uncomputed > 1 and (
+            r.request_id not in self.in_flight if same_stream else not self.busy(r))]
         room = max(0, self.config.max_num_seqs - len(self.running))
         waiting = list(self.waiting)[: min(room, MAX_PLANNED_WAITING)]
         return partial + waiting
@@ -134,11 +142,11 @@ class InFlightScheduler(Scheduler):
     # ------------------------------------------------------- launch lifecycle
 
     def launched(self, plan: Plan, overlapped: bool = False) -> None:
-        ids = [s.request.request_id for s in plan.scheduled]
         if overlapped:
-            self.overlapped.update(ids)
+            self.overlapped.update({s.request.request_id: s.num_new_tokens
+                                    for s in plan.scheduled})
         else:
-            self.in_flight.update(ids)
+            self.in_flight.update(s.request.request_id for s in plan.scheduled)
 
     def complete(self, plan: Plan, output: StepOutput, overlapped: bool = False
                  ) -> list[Request]:
@@ -160,8 +168,8 @@ class InFlightScheduler(Scheduler):
             request_id = item.request.request_id
             if not overlapped:
                 self.in_flight.discard(request_id)
-            elif self.overlapped[request_id] > 1:
-                self.overlapped[request_id] -= 1
+            elif self.overlapped[request_id] > item.num_new_tokens:
+                self.overlapped[request_id] -= item.num_new_tokens
             else:
                 del self.overlapped[request_id]
 
@@ -183,7 +191,8 @@ class InFlightScheduler(Scheduler):
         return self._commit_written if self.overlapped else self.blocks.commit
 
     def _commit_written(self, request: Request) -> None:
-        # Each overlapped decode still running owes one token's KV: not in the cache yet.
+        # Tokens an overlapped launch still running computes (one per decode, a prompt
+        # chunk's in a mixed step) have no KV written yet: not in the cache.
         owed = self.overlapped.get(request.request_id, 0)
         self.blocks.commit(request, request.num_computed - owed)
 

@@ -7,7 +7,9 @@ Lanes
   at most); the planner decides it with those tokens unknown. Beside a running piece it
   launches as any decode joining one; alone, only while the planner keeps decode alone on
   the whole GPU, else the lane drains and the next boundary with both lanes idle re-plans.
-  Mixed (TEMPORAL) and time-slice steps run synchronously (``overlap_lanes`` says why).
+  A mixed (TEMPORAL) step is followed by the next one the same way, on the whole GPU's
+  stream, while the planner keeps TEMPORAL. Time-slice decodes run synchronously
+  (``overlap_lanes`` says why).
 - ``prefill``: one prefill batch at a time, run as pieces (layer ranges) on the prefill
   stream, one piece in flight. Pieces are sized by the planner to last about one decode
   step, so the policy re-plans at every step; with no decode running, the batch takes the
@@ -16,7 +18,8 @@ Lanes
   in flight until then), and the engine makes every launch wait on the launches it has seen
   complete, so a decode step never reads KV a prefill is still writing.
 - TEMPORAL: with both lanes drained, a whole-GPU mixed step (decodes plus a prefill chunk)
-  runs on the decode lane, and nothing launches beside it.
+  runs on the decode lane, and nothing launches beside it; under overlap scheduling the
+  next mixed step may follow it on the same stream (see the decode lane).
 - TIME_SLICE: both lanes on the whole GPU's one ordinary stream, so stream order makes them
   alternate: a decode step, then a prefill piece sized to the rest of the ITL budget, then
   the next decode (launched as soon as the previous one completes, queued behind the
@@ -158,10 +161,10 @@ class MultiplexScheduler(InFlightScheduler):
         return {
             DECODE_LANE: (
                 "decode steps (spatial, decode-only): the next one follows on the same split "
-                "and stream. Not mixed (temporal) steps: the planner picks the step after "
-                "one among every split with both lanes drained, so it cannot be issued "
-                "before that choice. Not time-slice decodes: the next one is already "
-                "issued while the piece between them runs"),
+                "and stream. Mixed (temporal) steps: the next mixed step follows on the "
+                "whole GPU's stream while the planner keeps TEMPORAL (mixed_steps counts "
+                "those chained and those issued after the lane drained). Not time-slice "
+                "decodes: the next one is already issued while the piece between them runs"),
             PREFILL_LANE: (
                 "not overlapped: a piece feeds no sampled token to the next launch, and a "
                 "batch's requests join decode only once its last piece completed")}
@@ -217,16 +220,17 @@ class MultiplexScheduler(InFlightScheduler):
         if prefill:
             self._add_piece(works, plan)
 
-    def _schedule_mixed(self, works, plan: MuxPlan, candidates) -> None:
+    def _schedule_mixed(self, works, plan: MuxPlan, candidates, chained: bool = False) -> None:
         step = self.plan_mixed(candidates, plan.prefill.chunks)
-        prefill_tokens = sum(s.num_new_tokens for s in step.prefills)
-        self._note(plan, len(step.decodes), prefill_tokens)
         if step.is_empty():
             return
-        self.launched(step)
-        self.overlap.synchronous("mixed")
+        prefill_tokens = sum(s.num_new_tokens for s in step.prefills)
+        self._note(plan, len(step.decodes), prefill_tokens)
+        overlapped = self.overlap.allows(step)
+        self.overlap.mixed_step(chained)
+        self.launched(step, overlapped)
         note = DecodeNote(MixedNote(plan, prefill_tokens == plan.prefill.num_tokens))
-        works[DECODE_LANE] = Work(step, self.current, note=note)
+        works[DECODE_LANE] = Work(step, self.current, note=note, overlapped=overlapped)
         self.decodes.append(works[DECODE_LANE])
         note.entry = self._timeline[-1]
 
@@ -251,6 +255,8 @@ class MultiplexScheduler(InFlightScheduler):
         boundary with both lanes idle takes the planner's choice)."""
         if self.piece_work is not None:
             return self._decode_beside_piece(works)
+        if self.decode_work.note.mixed is not None:
+            return self._follow_mixed(works)
         if self.decode_load() is None:
             return
         plan = self._plan(self.planner, self.prefill_candidates())
@@ -258,6 +264,18 @@ class MultiplexScheduler(InFlightScheduler):
             self._add_decode(works, self.plan_decode())
             if DECODE_LANE in works:
                 self._note(plan)
+
+    def _follow_mixed(self, works) -> None:
+        """An overlapped mixed step is in flight on the whole GPU: the next one follows it on
+        the same stream while the planner keeps TEMPORAL, its prompt chunks counted as done
+        and the requests whose prompt ends in it decoding on placeholders. Anything else
+        waits for the lane to drain, and the next boundary with both lanes idle re-plans."""
+        if self.batch is not None or self.switch_pending:
+            return
+        candidates = self.prefill_candidates(same_stream=True)
+        plan = self._plan(self.planner, candidates)
+        if plan.mode == MuxMode.TEMPORAL:
+            self._schedule_mixed(works, plan, candidates, chained=True)
 
     def _next_slice_decode(self, works) -> None:
         # Queued behind the piece on the same stream: it starts the moment the piece ends.

@@ -9,7 +9,6 @@ decode still computes for it keeps its pages until that decode completes."""
 from __future__ import annotations
 
 import math
-import random
 import time
 
 import pytest
@@ -18,7 +17,6 @@ from pdserve import LLM, SamplingParams
 from pdserve.cache.block_manager import BlockManager
 from pdserve.config import SchedulerConfig
 from pdserve.engine.setup import EngineSetup
-from pdserve.engine.streams import SyncStreamOps
 from pdserve.gpu.driver import FakeDriver
 from pdserve.gpu.partitions import PartitionSet
 from pdserve.sched.base import StepOutput, Work
@@ -29,8 +27,10 @@ from tests.engine.test_multiplex import (
     HeldOps,
     SliceModel,
     SplitModel,
+    StepOps,
     _multiplex,
     _prompts,
+    ticking,
 )
 from tests.engine.test_overlap import _drive, _overlap_info, _stop_token
 
@@ -50,50 +50,6 @@ class TemporalModel(SplitModel):
         return ms * 100 if co_running else ms
 
 
-class StepEvent:
-    def __init__(self, steps: int):
-        self.left = steps
-
-    def query(self) -> bool:
-        return self.left <= 0
-
-    def synchronize(self) -> None:
-        self.left = 0
-
-
-class StepOps(SyncStreamOps):
-    """Each launch completes 1 to 3 engine steps after it was issued (seeded), counted by
-    ``tick``; what is in flight at each step never depends on the host's speed."""
-
-    def __init__(self, seed: int):
-        self.rng, self.pending = random.Random(seed), []
-
-    def record(self, stream):
-        event = StepEvent(self.rng.randint(1, 3))
-        self.pending.append(event)
-        return event
-
-    def wait(self, stream, event) -> None:
-        return None
-
-    def tick(self) -> None:
-        for event in self.pending:
-            event.left -= 1
-        self.pending = [e for e in self.pending if e.left > 0]
-
-
-def _ticking(llm: LLM, ops: StepOps) -> LLM:
-    """Every engine step first moves the fake device on by one step."""
-    engine, step = llm.engine, llm.engine.step
-
-    def ticked():
-        ops.tick()
-        return step()
-
-    engine.step = ticked
-    return llm
-
-
 def _unclocked(llm: LLM, predictor) -> LLM:
     """Planning on the fake latencies alone: no learning from the host's timing (as in
     test_multiplex) and no stall rule, which counts how long prompts waited by its clock."""
@@ -110,8 +66,7 @@ def _mux_llm(folder: str, overlap: bool, ops=None, predictor=None, seed: int = 3
     ops = ops or StepOps(seed)
     llm = _multiplex(folder, predictor=predictor, ops=ops, partitions=partitions,
                      overlap_schedule=overlap, **options)
-    llm = _unclocked(llm, predictor)
-    return _ticking(llm, ops) if isinstance(ops, StepOps) else llm
+    return _unclocked(llm, predictor)  # _multiplex ticks StepOps itself
 
 
 def _mux(folder: str, overlap: bool, **options):
@@ -123,7 +78,7 @@ def _disagg_llm(overlap: bool, ops=None, **options) -> LLM:
     setup = EngineSetup(disagg_partition=NAMED, ops=steps)
     options = {"dtype": "float32", "block_size": 8, "max_num_batched_tokens": 64, **options}
     llm = LLM("tiny", schedule="disagg", setup=setup, overlap_schedule=overlap, **options)
-    return _ticking(llm, steps) if isinstance(steps, StepOps) else llm
+    return ticking(llm, steps) if isinstance(steps, StepOps) else llm
 
 
 def _disagg(overlap: bool, ops=None, **options):
@@ -132,7 +87,8 @@ def _disagg(overlap: bool, ops=None, **options):
 
 def _watch_placeholders(engine) -> list[int]:
     """Per decode-lane launch: how many of its requests feed a token still being sampled.
-    Such a launch must follow the decode in flight on its very partition (its stream)."""
+    Such a launch must follow the decode-lane launch in flight on its very partition (its
+    stream): a decode behind a decode, a mixed step behind a mixed step."""
     fed, launch = [], engine.runner.launch
 
     def spy(work, *args, **kwargs):
@@ -141,11 +97,17 @@ def _watch_placeholders(engine) -> list[int]:
         if work.side == "decode" and fed[-1]:
             before = engine.in_flight("decode")
             assert before is not None and before.work.overlapped
-            assert before.work.partition is work.partition and not work.plan.prefills
+            assert before.work.partition is work.partition
+            assert _is_mixed(before.work) == _is_mixed(work)
+            assert _is_mixed(work) or not work.plan.prefills
         return launch(work, *args, **kwargs)
 
     engine.runner.launch = spy
     return fed
+
+
+def _is_mixed(work: Work) -> bool:
+    return getattr(work.note, "mixed", None) is not None
 
 
 def _assert_clean(engine) -> None:
@@ -181,7 +143,8 @@ def _disagg_maker(**options):
 
 def _makers(hf_llama):
     folder, _ = hf_llama
-    return {"multiplex": _multiplex_maker(folder), "disagg": _disagg_maker()}
+    return {"multiplex": _multiplex_maker(folder), "disagg": _disagg_maker(),
+            "temporal": _multiplex_maker(folder, predictor=TemporalModel(2))}
 
 
 @pytest.mark.parametrize("policy", ["multiplex", "disagg"])
@@ -199,10 +162,11 @@ def test_decode_lane_overlaps_with_the_same_tokens(hf_llama, policy):
     assert off_info["overlapped_steps"] == 0 and sum(off_fed) == 0
 
 
-@pytest.mark.parametrize("policy", ["multiplex", "disagg"])
+@pytest.mark.parametrize("policy", ["multiplex", "disagg", "temporal"])
 def test_stops_and_length_limits_one_step_late(hf_llama, policy):
-    """Stop tokens found one step late emit nothing past them (the decode already issued
-    has its token dropped); max_tokens is never exceeded and costs no extra step."""
+    """Stop tokens found one step late emit nothing past them (the decode or mixed step
+    already issued has its token dropped); max_tokens is never exceeded and costs no extra
+    step. ``temporal``: multiplex's chained mixed steps."""
     make = _makers(hf_llama)[policy]
     prompts = _prompts(10, vocab=250)
     plain, _ = _drive(make(False), {f"s{i}": (p, GREEDY) for i, p in enumerate(prompts)})
@@ -223,20 +187,24 @@ def test_stops_and_length_limits_one_step_late(hf_llama, policy):
             assert on_finish[rid] == "length"
         assert on[rid] == want
     assert info["dropped_tokens"] > 0, "no stop was found with the next decode in flight"
+    assert (info["mixed_steps"]["chained"] > 0) == (policy == "temporal")
 
 
 def _tiny_llm(policy: str, overlap: bool) -> LLM:
     if policy == "disagg":
         return _disagg_llm(overlap)
-    return _mux_llm("tiny", overlap, predictor=SplitModel(4), seed=2)
+    predictor = TemporalModel(4) if policy == "temporal" else SplitModel(4)
+    return _mux_llm("tiny", overlap, predictor=predictor, seed=2)
 
 
-@pytest.mark.parametrize("policy", ["multiplex", "disagg"])
+@pytest.mark.parametrize("policy", ["multiplex", "disagg", "temporal"])
 def test_stop_strings_end_as_without_overlap(policy):
     """A stop string is matched on the text by the offline LLM, which aborts the request:
     the decode in flight then computes one token too many, never seen in the text."""
     prompts = ["the quick brown fox", "pack my box with five", "sphinx of black quartz",
                "how vexingly quick", "jived fox nymph"]
+    if policy == "temporal":  # prompts of several chunks: mixed steps follow one another
+        prompts += [" ".join([p] * 8) for p in prompts[:2]]
     base = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     plain = [o.outputs[0] for o in _tiny_llm(policy, False).generate(prompts, base)]
     stops = [_stop_string(o.text) for o in plain]
@@ -249,8 +217,9 @@ def test_stop_strings_end_as_without_overlap(policy):
         outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
         _assert_clean(llm.engine)
         results.append([(o.text, o.token_ids, o.finish_reason) for o in outputs])
-        dropped = _overlap_info(llm.engine)["dropped_tokens"]
-        assert (dropped > 0) == overlap, "aborted with its next decode in flight"
+        info = _overlap_info(llm.engine)
+        assert (info["dropped_tokens"] > 0) == overlap, "aborted with its next decode in flight"
+        assert (info["mixed_steps"]["chained"] > 0) == (overlap and policy == "temporal")
     assert results[0] == results[1]
     for (text, token_ids, reason), stop, whole in zip(results[0], stops, plain, strict=True):
         if stop is not None:
@@ -334,11 +303,11 @@ def test_preemption_under_overlap_keeps_tokens(hf_llama):
     assert sum(fed) > 0
 
 
-def _held_multiplex(folder):
+def _held_multiplex(folder, predictor=None):
     partitions = PartitionSet.build(FakeDriver(), [16, 24, 32])
     streams = {p.decode_stream for p in partitions.choices()}
     ops = HeldOps(streams | {partitions.whole_gpu.decode_stream})
-    predictor = SplitModel(2)
+    predictor = predictor or SplitModel(2)
     llm = _multiplex(folder, predictor=predictor, ops=ops, partitions=partitions,
                      overlap_schedule=True)
     engine = _unclocked(llm, predictor).engine
@@ -349,6 +318,28 @@ def _held_disagg():
     ops = HeldOps({"decode", "prefill"})
     engine = _disagg(True, ops=ops)
     return engine, ops, engine.scheduler.decode
+
+
+def _abort_and_drain(engine, ops, side, request_id: str) -> int:
+    """Aborts a request with launches of it in flight: it ends at once, keeps its pages
+    until they completed (never an update after its end), then they are free. Returns the
+    tokens dropped when it ended."""
+    request = engine.requests[request_id]
+    engine.abort_request(request_id)
+    assert request in side.draining and request.block_ids, "pages held under its launches"
+    engine.check_integrity()
+    updates = [u for u in engine.step() if u.request_id == request_id]
+    assert updates[-1].finished and updates[-1].finish_reason == "abort"
+    dropped = _overlap_info(engine)["dropped_tokens"]
+    for _ in range(300):
+        if not engine.has_work():
+            break
+        ops.release_all()
+        assert not [u for u in engine.step() if u.request_id == request_id], \
+            "update after its end"
+        engine.check_integrity()
+    assert not request.block_ids and not side.draining
+    return dropped
 
 
 @pytest.mark.parametrize("policy", ["multiplex", "disagg"])
@@ -367,35 +358,67 @@ def test_abort_while_two_decodes_are_in_flight(hf_llama, policy):
             ops.release_all()
         engine.step()
     assert side.overlapped.get("a") == 2, "a never had two decodes in flight"
-    request = engine.requests["a"]
-    engine.abort_request("a")
-    assert request in side.draining and request.block_ids, "pages held under the decodes"
-    engine.check_integrity()
-    updates = [u for u in engine.step() if u.request_id == "a"]
-    assert updates[-1].finished and updates[-1].finish_reason == "abort"
-    dropped = _overlap_info(engine)["dropped_tokens"]
-    for _ in range(200):
-        if not engine.has_work():
-            break
-        ops.release_all()
-        assert not [u for u in engine.step() if u.request_id == "a"], "update after its end"
-        engine.check_integrity()
-    assert not request.block_ids and not side.draining
+    dropped = _abort_and_drain(engine, ops, side, "a")
     assert _overlap_info(engine)["dropped_tokens"] >= dropped + 2
     _assert_clean(engine)
 
 
-def test_mixed_and_time_slice_steps_run_synchronously_and_are_counted(hf_llama):
+def _watch_mixed(engine) -> list[dict]:
+    """Per mixed step issued: whether it was issued behind another still in flight, how many
+    of its decodes feed their first token as a placeholder (their prompt ended in the step
+    in flight), and how many of its prompt chunks go on from a chunk still in flight."""
+    seen, launch = [], engine.runner.launch
+
+    def spy(work, *args, **kwargs):
+        if _is_mixed(work):
+            before = engine.in_flight("decode")
+            owed = engine.scheduler.overlapped
+            seen.append({
+                "behind": before is not None,
+                "first_token_fed": sum(s.request.num_placeholders > 0 and not
+                                       s.request.num_output_tokens for s in work.plan.decodes),
+                "chunk_goes_on": sum(s.request.request_id in owed for s in work.plan.prefills)})
+        return launch(work, *args, **kwargs)
+
+    engine.runner.launch = spy
+    return seen
+
+
+def test_mixed_steps_chain_with_the_same_tokens(hf_llama):
+    """TEMPORAL picked at every boundary: the next mixed step is issued behind the one in
+    flight, its prompt chunks counted as done, and requests whose prompt ended in it decode
+    on their first token as a placeholder; every token equals the engine without overlap."""
+    folder, _ = hf_llama
+    requests = {f"q{i}": (p, GREEDY) for i, p in enumerate(_prompts(12, vocab=250))}
+    results = []
+    for overlap in (True, False):
+        engine = _mux(folder, overlap, predictor=TemporalModel(2))
+        _watch_placeholders(engine)  # checks what each launch fed placeholders follows
+        mixed = _watch_mixed(engine)
+        tokens, finish = _drive(engine, requests)
+        _assert_clean(engine)
+        results.append((tokens, finish, _overlap_info(engine), mixed))
+    (on, on_finish, info, mixed), (off, off_finish, off_info, off_mixed) = results
+    assert on == off and on_finish == off_finish
+    assert all(len(t) == 10 for t in on.values())
+    counts = info["mixed_steps"]
+    assert counts["chained"] == sum(m["behind"] for m in mixed) > 0
+    assert counts["after_drain"] == sum(not m["behind"] for m in mixed) > 0
+    assert sum(m["first_token_fed"] for m in mixed) > 0, "no first token fed on the device"
+    assert sum(m["chunk_goes_on"] for m in mixed) > 0, "no prompt chunk followed its last"
+    assert not any(m["behind"] for m in off_mixed) and len(off_mixed) > 0
+    assert off_info["mixed_steps"] == {"chained": 0, "after_drain": 0}
+    assert off_info["off_because"] == "--no-overlap-schedule"
+
+
+def test_time_slice_decodes_run_synchronously_and_are_counted(hf_llama):
     folder, _ = hf_llama
     requests = {f"q{i}": (p, GREEDY) for i, p in enumerate(_prompts(8, vocab=250))}
-    for predictor, mode, reason, options in (
-            (TemporalModel(2), "temporal", "mixed", {}),
-            (SliceModel(2), "time_slice", "time_slice",
-             {"mux_sharing": "temporal,time_slice,spatial"})):
-        make = _multiplex_maker(folder, predictor=predictor, **options)
-        (on, on_finish, info, _), (off, off_finish, _, _) = _on_and_off(make, requests)
-        assert on == off and on_finish == off_finish
-        assert info["synchronous_steps"][reason] > 0, mode
+    make = _multiplex_maker(folder, predictor=SliceModel(2),
+                            mux_sharing="temporal,time_slice,spatial")
+    (on, on_finish, info, _), (off, off_finish, _, _) = _on_and_off(make, requests)
+    assert on == off and on_finish == off_finish
+    assert info["synchronous_steps"]["time_slice"] > 0
 
 
 def test_each_decode_is_timed_from_when_the_one_before_it_ended(hf_llama, monkeypatch):
@@ -424,6 +447,66 @@ def test_each_decode_is_timed_from_when_the_one_before_it_ended(hf_llama, monkey
     assert first.work.note.entry is not second.work.note.entry
     assert first.work.note.entry.measured_cycle_ms == 10_000.0
     assert second.work.note.entry.measured_cycle_ms == 5_000.0
+
+
+def _two_mixed_steps_of(engine, ops, request_id: str) -> list:
+    """Releases the device until one mixed step carrying ``request_id`` is in flight, then
+    holds it: the next one, issued behind it, carries the request too."""
+    for _ in range(80):
+        launches = engine._in_flight.get("decode", [])
+        carrying = [la for la in launches if _is_mixed(la.work) and any(
+            s.request.request_id == request_id for s in la.work.plan.scheduled)]
+        if len(carrying) == 2:
+            return carrying
+        if len(carrying) != 1 or len(launches) != 1:
+            ops.release_all()
+        engine.step()
+        engine.check_integrity()
+    raise AssertionError(f"{request_id} never had two mixed steps in flight")
+
+
+def _temporal_held(folder):
+    engine, ops, side = _held_multiplex(folder, TemporalModel(2))
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine.add_request("a", list(range(3, 30)), params)
+    engine.add_request("b", [7 + i % 200 for i in range(400)], params)  # chunk after chunk
+    return engine, ops, side
+
+
+def test_abort_while_two_mixed_steps_are_in_flight(hf_llama):
+    """Aborted with two chained mixed steps of it in flight: it ends at once, nothing more is
+    emitted, its pages stay taken until both completed, then they are free."""
+    engine, ops, side = _temporal_held(hf_llama[0])
+    _two_mixed_steps_of(engine, ops, "b")
+    request = engine.requests["b"]
+    assert request.num_output_tokens == 0 and side.overlapped["b"] > 64, "two prompt chunks"
+    _abort_and_drain(engine, ops, side, "b")
+    assert _overlap_info(engine)["mixed_steps"]["chained"] > 0
+    _assert_clean(engine)
+
+
+def test_a_chained_mixed_step_is_timed_from_when_the_one_before_it_ended(hf_llama,
+                                                                          monkeypatch):
+    """A mixed step issued behind another starts on the device when that one ends: what
+    calibrates the mixed-step prediction is its own time, not the host's gap before it.
+    The host clock is replaced by one the test moves."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["now"])
+    engine, ops, side = _temporal_held(hf_llama[0])
+    observed = []
+    side.model.observe_mixed = lambda predicted, measured: observed.append(measured)
+    first, second = _two_mixed_steps_of(engine, ops, "b")
+    assert first.issued == 0.0 and second.issued == 0.0
+    clock["now"] = 4.0  # time passes with both in flight: the first step's, not the second's
+    engine.step()
+    clock["now"], first.event.left = 10.0, 0
+    engine.step()
+    assert second.issued == 10.0
+    clock["now"], second.event.left = 15.0, 0
+    engine.step()
+    assert first.work.note.entry.measured_cycle_ms == 10_000.0
+    assert second.work.note.entry.measured_cycle_ms == 5_000.0
+    assert second.work.note.mixed.as_planned and observed[-2:] == [10_000.0, 5_000.0]
 
 
 def _prefilled(scheduler: InFlightScheduler, prompt: int):
@@ -473,3 +556,32 @@ def test_a_stop_found_late_keeps_pages_until_the_next_decode_lands():
     assert request.token_ids[-1] == 21 and scheduler.overlap.dropped_tokens == 1
     assert not request.block_ids and not scheduler.draining and not scheduler.has_work()
     scheduler.blocks.check_integrity([])
+
+
+def _issue_chunk(scheduler: InFlightScheduler, candidates, tokens: int) -> Work:
+    plan = scheduler.plan_prefill(candidates, [(0, tokens)])
+    work = Work(plan, overlapped=True)
+    scheduler.launched(plan, overlapped=True)
+    scheduler.issued(work)
+    return work
+
+
+def test_a_chunk_follows_its_prompt_on_the_same_stream_and_owes_its_kv():
+    """A prompt's next chunk may be issued behind the one still computing it (a chained mixed
+    step, same stream), never beside it on the prefill lane; the prefix cache takes none of
+    a chunk's blocks until the launch writing them completed."""
+    scheduler = InFlightScheduler(SchedulerConfig(schedule="multiplex"),
+                                  BlockManager(16, 4), 4096)
+    request = make_request(20, max_tokens=9)
+    scheduler.add(request)
+    first = _issue_chunk(scheduler, scheduler.prefill_candidates(), 8)
+    assert request.num_computed == 8 and scheduler.overlapped[request.request_id] == 8
+    assert request not in scheduler.prefill_candidates(), "the prefill lane's other stream"
+    second = _issue_chunk(scheduler, scheduler.prefill_candidates(same_stream=True), 8)
+    assert request.num_computed == 16 and scheduler.overlapped[request.request_id] == 16
+    scheduler.complete(first.plan, StepOutput([]), overlapped=True)
+    assert request.num_committed_blocks == 2, "positions 8-15 are the second chunk's"
+    scheduler.blocks.check_integrity(scheduler.live_requests("main"))
+    scheduler.complete(second.plan, StepOutput([]), overlapped=True)
+    assert request.num_committed_blocks == 4 and not scheduler.overlapped
+    scheduler.blocks.check_integrity(scheduler.live_requests("main"))
