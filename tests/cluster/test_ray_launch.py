@@ -31,10 +31,10 @@ BODY = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 16, "tem
         "ignore_eos": True}
 
 
-def _ray_start(temp_dir: str, *flags: str) -> None:
+def _ray_start(temp_dir: str, cpus: int, *flags: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    cmd = [shutil.which("ray") or "ray", "start", "--temp-dir", temp_dir, "--num-cpus", "1",
+    cmd = [shutil.which("ray") or "ray", "start", "--temp-dir", temp_dir, "--num-cpus", str(cpus),
            "--object-store-memory", str(80 << 20), "--disable-usage-stats", *flags]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -73,16 +73,20 @@ def _stop_ray(temp_dir: str) -> None:
 
 
 @pytest.fixture
-def ray_cluster() -> Iterator[str]:
+def ray_cluster(request) -> Iterator[str]:
+    """Two nodes; ``request.param``: CPUs each (a bundle asks for one per tensor-parallel
+    rank on a cluster without GPUs)."""
     pytest.importorskip("ray", reason="Ray not installed; pip install -e '.[ray]'")
+    cpus = getattr(request, "param", 1)
     # Short: Ray's socket paths under it must fit a Unix socket name.
     temp_dir = tempfile.mkdtemp(prefix="pdray", dir="/tmp")
     port = free_port()
     try:
-        _ray_start(temp_dir, "--head", "--port", str(port), "--include-dashboard", "false",
-                   "--resources", json.dumps({"pd_prefill": 1}))
+        _ray_start(temp_dir, cpus, "--head", "--port", str(port), "--include-dashboard",
+                   "false", "--resources", json.dumps({"pd_prefill": 1}))
         address = f"{ray.util.get_node_ip_address()}:{port}"
-        _ray_start(temp_dir, "--address", address, "--resources", json.dumps({"pd_decode": 1}))
+        _ray_start(temp_dir, cpus, "--address", address, "--resources",
+                   json.dumps({"pd_decode": 1}))
         yield address
     finally:
         _stop_ray(temp_dir)
@@ -100,11 +104,14 @@ def _nodes_with(address: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ray_cluster, tp", [(1, 1), (2, 2)], indirect=["ray_cluster"])
 def test_ray_places_prefill_and_decode_on_their_nodes_and_the_gateway_serves(
-        ray_cluster, zookeeper):
+        ray_cluster, tp, zookeeper):
+    """tp 2: each instance a tensor-parallel group of two processes in its bundle."""
     gateway_port = free_port()
     cmd = [sys.executable, "-m", "pdserve", "cluster", "tiny", "--prefill", "1", "--decode",
-           "1", "--ray-address", ray_cluster, "--registry", f"zk://{zookeeper}/ray-test",
+           "1", "--ray-address", ray_cluster, "--registry", f"zk://{zookeeper}/ray-test-{tp}",
+           "--tensor-parallel-size", str(tp),
            "--ray-prefill-resources", '{"pd_prefill": 1}',
            "--ray-decode-resources", '{"pd_decode": 1}',
            "--host", "127.0.0.1", "--port", str(gateway_port),
@@ -121,6 +128,9 @@ def test_ray_places_prefill_and_decode_on_their_nodes_and_the_gateway_serves(
         assert nodes[placed["prefill"][0]] == "pd_prefill"
         assert nodes[placed["decode"][0]] == "pd_decode"
         split = _complete_until_served(cluster)
+        groups = json.loads(cluster.request("GET", "/cluster/groups")[2])["groups"]
+        assert [i["tensor_parallel_size"] for g in groups.values() for role in g.values()
+                for i in role] == [tp, tp]
         alone = _complete_at(placed["prefill"][1])  # the prefill instance, asked directly
         assert split["choices"][0]["text"] == alone["choices"][0]["text"]
         assert split["usage"]["completion_tokens"] == BODY["max_tokens"]
