@@ -20,6 +20,7 @@ A request is met when its TTFT is within the SLO; one the gateway gave up on aft
 from __future__ import annotations
 
 import bisect
+import functools
 import gc
 import heapq
 import itertools
@@ -212,26 +213,31 @@ class EventLoop:
         ``feed`` again for the source's next event, or not when the source is dry."""
         self._feed_at, self._feed = when, action
 
-    def run(self) -> None:
-        """Runs every event, with Python's cycle collector paused: the simulator's events,
-        requests and batches form no reference cycles (reference counting frees each as it
-        ends; a test checks none is left), and the collector's passes over the fleet's live
-        objects, set off by its allocations, took about a tenth of the run."""
+    def run(self, until: float = math.inf) -> None:
+        """Runs every event due before ``until`` (a later ``run`` goes on from there), with
+        Python's cycle collector paused: the simulator's events, requests and batches form
+        no reference cycles (reference counting frees each as it ends; a test checks none is
+        left), and the collector's passes over the fleet's live objects, set off by its
+        allocations, took about a tenth of the run."""
         paused = gc.isenabled()
         gc.disable()
         try:
-            self._run()
+            self._run(until)
         finally:
             if paused:
                 gc.enable()
 
-    def _run(self) -> None:
+    def _run(self, until: float) -> None:
         times, due, pop, inf = self._times, self._due, heapq.heappop, math.inf
         while times or self._feed_at < inf:
             if not times or self._feed_at < times[0]:
+                if self._feed_at >= until:
+                    return
                 self.now, self._feed_at = self._feed_at, inf
                 self._feed()
                 continue
+            if times[0] >= until:
+                return
             self.now = when = pop(times)
             actions, i = due[when], 0
             while i < len(actions):
@@ -283,18 +289,20 @@ class LoadOrder(Generic[T]):
 
     def _lowest(self) -> int:
         levels, low = self._levels, self._low
-        if not levels[low]:  # the lowest load left empty: move up to the next in use
-            while low < len(levels) - 1 and not levels[low]:
-                low += 1
-            self._low = low
+        while low < len(levels) - 1 and not levels[low]:  # moved up: the next in use
+            low += 1
+        self._low = low
         return low
 
     def __iter__(self) -> Iterator[T]:
-        ranks = itertools.chain.from_iterable(self._levels[self._lowest():])
-        return map(self._items.__getitem__, ranks)
+        levels = self._levels
+        low = self._low if levels[self._low] else self._lowest()
+        return map(self._items.__getitem__, itertools.chain.from_iterable(levels[low:]))
 
     def first(self) -> T:
-        return self._items[self._levels[self._lowest()][0]]
+        levels = self._levels
+        low = self._low if levels[self._low] else self._lowest()
+        return self._items[levels[low][0]]
 
 
 class GatewaySim:
@@ -361,7 +369,8 @@ class PrefillSim:
         self.name = name
         self.instance = Instance(name, "sim", "prefill", name, name)
         self.loop, self.model, self.on_done = loop, model, on_done
-        self.admission = PrefillAdmission(clock=lambda: loop.now)
+        # The clock reads the loop's time without a Python frame per reading.
+        self.admission = PrefillAdmission(clock=functools.partial(getattr, loop, "now"))
         self.queue: deque[tuple[SimRequest, float]] = deque()
         self.busy = False
         self.partner: DecodeSim | None = None  # the decode side of a multiplexing instance
@@ -383,7 +392,9 @@ class PrefillSim:
     def _start_next(self) -> None:
         job = self.queue.popleft()
         self.busy = True
-        service = self.model.prefill_s(job[0].input_len)
+        m, tokens = self.model, job[0].input_len
+        service = (m.prefill_base_s + m.prefill_per_token_s * tokens  # m.prefill_s, in place
+                   + m.prefill_per_token_sq_s * tokens ** 2)
         if self.noise is not None:
             service *= self.noise.prefill_factor()
         if self.partner is not None:
@@ -448,7 +459,7 @@ class DecodeSim:
                 self._noise_at = self.noise.start()
             self._begin_stretch(0)
             self._admit()
-            self._schedule(self._next_finish())
+            self._schedule(self.running[0][0] if self.running else None)
         elif len(self.waiting) == 1 and self._fits(request):
             now = self.loop.now
             # the next step boundary; one still ahead when a newcomer joins there already
@@ -470,10 +481,10 @@ class DecodeSim:
         self._since = self._time_of(step)  # with the batch before the newcomer
         self._step = step
         self._admit()
-        if self._next_finish() != self._sync_step:  # the newcomer ends first
+        if self.running[0][0] != self._sync_step:  # the newcomer ends first
             self._version += 1
             self._sync_step = None
-            self._schedule(self._next_finish())
+            self._schedule(self.running[0][0] if self.running else None)
 
     def _fits(self, request: SimRequest) -> bool:
         need = request.input_len + request.output_len
@@ -485,8 +496,13 @@ class DecodeSim:
         change of the batch or of the stretch's start ends here): step k (from 0) takes
         _a + _b*k seconds, computed once per change, not per step time asked for."""
         waiting, running = self.waiting, self.running
-        while waiting and self._fits(waiting[0]):
-            request = waiting.popleft()
+        max_batch, pool = self.max_batch, self.model.decode_kv_tokens
+        while waiting:  # those that fit (``_fits``, in place: it runs once a request)
+            request = waiting[0]
+            if len(running) >= max_batch or (
+                    self.kv_in_use + request.input_len + request.output_len > pool and running):
+                break
+            waiting.popleft()
             last = self._step + max(1, request.output_len - 1)
             heapq.heappush(running, (last, next(self._seq), request))
             self.kv_in_use += request.input_len + request.output_len
@@ -547,9 +563,6 @@ class DecodeSim:
                 high = middle
         return self._step + low
 
-    def _next_finish(self) -> int | None:
-        return self.running[0][0] if self.running else None
-
     def _schedule(self, step: int | None) -> None:
         if step is None or (self._sync_step is not None and self._sync_step <= step):
             return
@@ -575,7 +588,7 @@ class DecodeSim:
             request.finished = self.loop.now
             done.append(request)
         self._admit()
-        self._schedule(self._next_finish())
+        self._schedule(self.running[0][0] if self.running else None)
         if self.on_finish is not None:
             for request in done:  # after the batch shrank: the callback may find it idle
                 self.on_finish(self, request)
@@ -632,7 +645,7 @@ class GroupSim:
         self._active: dict[str, list] = {}  # role -> its active instances, rebuilt on a move
         self._orders: dict[GatewaySim, LoadOrder[PrefillSim]] = {}  # rebuilt as _active
         self._decode_orders: dict[GatewaySim, LoadOrder[DecodeSim]] = {}  # the same, decode
-        self._open = 0  # requests in the group, not yet finished or given up on
+        self.open = 0  # requests in the group, not yet finished or given up on
         self.until = 0.0  # the ratio controller looks at least until then
         self._last_move = -1e9
         self._decode_short_at: tuple[int, float] | None = None  # as RatioController keeps
@@ -696,10 +709,15 @@ class GroupSim:
             assert [p.instance for p in order] == expected, "offer order differs"
         return iter(order)
 
+    # The per-request paths below count on the window's fields and read the kept orders
+    # in place rather than through the small methods beside them (``ScenarioWindow``'s
+    # recorders, ``_order``, a TTFT budget function): a Python call per request each, at
+    # millions of requests.
+
     def arrive(self, request: SimRequest) -> None:
-        self._open += 1
-        self.window.request_arrived()
-        if self._lines[request.gateway]:  # a newcomer queues behind requests already waiting
+        self.open += 1
+        self.window.arrived += 1  # ScenarioWindow.request_arrived
+        if self._lines[request.gateway].live:  # a newcomer queues behind those waiting
             self._wait(request, first=False)
         else:
             self._try(request)
@@ -708,9 +726,12 @@ class GroupSim:
         gateway = request.gateway
         gateway.turn += 1
         first_round = request.offers == 0
-        budget = self._budget_ms(request)
-        order = self._order(gateway)
-        for prefill in self._offer_order(gateway, order):
+        budget = (None if self.dispatch != "on-demand" else
+                  max(0.0, (self.ttft_slo_s - (self.loop.now - request.arrival)) * 1e3))
+        order = self._orders.get(gateway) or self._new_order(gateway, "prefill")
+        offers = (iter(order) if self.dispatch != "round-robin" and not self.verify_order
+                  else self._offer_order(gateway, order))
+        for prefill in offers:
             request.offers += 1
             if prefill.offer(request, budget):
                 order.shift(prefill.name, 1)  # ends the order's iteration
@@ -722,11 +743,6 @@ class GroupSim:
             self._ended(request)
             return
         self._wait(request, first=True)
-
-    def _budget_ms(self, request: SimRequest) -> float | None:
-        if self.dispatch != "on-demand":
-            return None
-        return max(0.0, (self.ttft_slo_s - (self.loop.now - request.arrival)) * 1e3)
 
     def _wait(self, request: SimRequest, first: bool) -> None:
         self._lines[request.gateway].put(request, first)
@@ -741,43 +757,49 @@ class GroupSim:
     def _prefilled(self, prefill: PrefillSim, request: SimRequest) -> None:
         name = prefill.name
         gateway = request.gateway
-        self._order(gateway).shift(name, -1)
-        self.window.prefill_ended()
+        (self._orders.get(gateway) or self._order(gateway)).shift(name, -1)
+        self.window.prefilled += 1  # ScenarioWindow.prefill_ended
+        order = self._decode_orders.get(gateway) or self._decode_order(gateway)
         if self.multiplexing is not None:  # its KV is already where it decodes
-            self._decode_order(gateway).shift(name, 1)
+            order.shift(name, 1)
             self.decode[name].receive(request)
         else:
             # The fewest placed on it, ties by name, as the gateway's ``_pick_decode``;
             # counted from the pick: KV still on the link counts too.
-            order = self._decode_order(gateway)
             decode = order.first()
             order.shift(decode.name, 1)
             self.loop.at(self.loop.now + self.model.transfer_s(request.input_len),
                          decode.receive, request)
         if self.draining:
             self._settle(name)
-        waiting = self._lines[gateway].pop()
-        if waiting is not None:  # room on that instance: the head of the line tries again
-            self._try(waiting)
+        line = self._lines[gateway]
+        if line.live:  # room on that instance: the head of the line tries again
+            waiting = line.pop()
+            if waiting is not None:
+                self._try(waiting)
 
     def _finished(self, decode: DecodeSim, request: SimRequest) -> None:
-        self._decode_order(request.gateway).shift(decode.name, -1)
-        self.window.answer_ended()
-        self.window.latencies(request.arrival, request.first_token - request.arrival,
-                              request.finished - request.arrival)
-        self._ended(request)
+        gateway = request.gateway
+        (self._decode_orders.get(gateway) or self._decode_order(gateway)).shift(decode.name, -1)
+        window = self.window
+        window.answered += 1  # ScenarioWindow.answer_ended
+        window.latencies(request.arrival, request.first_token - request.arrival,
+                         request.finished - request.arrival)
+        self.open -= 1  # _ended
+        if self.on_answer is not None:
+            self.on_answer(self, request)
         if self.draining:
             self._settle(decode.name)
 
     def _ended(self, request: SimRequest) -> None:
-        self._open -= 1
+        self.open -= 1
         if self.on_answer is not None:
             self.on_answer(self, request)
 
     # ---- dynamic P/D ratio ----
 
     def _tick(self) -> None:
-        if self._open <= 0 and self.loop.now >= self.until:
+        if self.open <= 0 and self.loop.now >= self.until:
             return
         self.loop.at(self.loop.now + self.ratio_interval_s, self._tick)
         if self.draining or self.loop.now - self._last_move < self.ratio.cooldown_s:

@@ -216,12 +216,24 @@ class FleetSim:
         return sum(s.num_prefill + s.num_decode for s in self.plan.scenarios)
 
     def run(self, duration_s: float) -> dict:
-        for group in {id(g): g for g in self.groups}.values():
+        self.begin(duration_s)
+        self.loop.run()
+        return self.tally.summary()
+
+    def begin(self, duration_s: float) -> None:
+        """Before the loop runs: requests come for ``duration_s``."""
+        for group in self.distinct_groups():
             group.start(duration_s)
         self._duration = duration_s
         self._draw(0.0)
-        self.loop.run()
-        return self.tally.summary()
+
+    def distinct_groups(self) -> list[GroupSim]:
+        """Each group once (a pool stands for every scenario)."""
+        return list({id(g): g for g in self.groups}.values())
+
+    def arrived(self) -> int:
+        """Requests that have come so far: those ended and those still in their groups."""
+        return sum(self.tally.requests) + sum(g.open for g in self.distinct_groups())
 
     def _draw(self, start: float) -> None:
         """Arrivals of every scenario in [start, start + CHUNK_S), in time order."""
