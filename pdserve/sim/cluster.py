@@ -239,10 +239,8 @@ class EventLoop:
             if times[0] >= until:
                 return
             self.now = when = pop(times)
-            actions, i = due[when], 0
-            while i < len(actions):
-                action, arg = actions[i], actions[i + 1]
-                i += 2
+            pairs = iter(due[when])  # a list iterator sees actions appended while it runs
+            for action, arg in zip(pairs, pairs, strict=True):
                 if arg is None:
                     action()
                 else:
@@ -278,7 +276,8 @@ class LoadOrder(Generic[T]):
             return  # it is leaving this role: no longer in the order
         rank, load = entry
         levels = self._levels
-        levels[load].remove(rank)
+        level = levels[load]
+        del level[bisect.bisect_left(level, rank)]  # sorted: not list.remove's scan
         load += delta
         entry[1] = load
         if load == len(levels):
@@ -380,15 +379,6 @@ class PrefillSim:
     def idle(self) -> bool:
         return not (self.busy or self.queue)
 
-    def offer(self, request: SimRequest, ttft_budget_ms: float | None) -> bool:
-        # The real rule (a real instance answers its refusal with a 429).
-        if self.admission.try_admit(request.input_len, ttft_budget_ms) is not None:
-            return False
-        self.queue.append((request, self.loop.now))
-        if not self.busy:
-            self._start_next()
-        return True
-
     def _start_next(self) -> None:
         job = self.queue.popleft()
         self.busy = True
@@ -460,7 +450,9 @@ class DecodeSim:
             self._begin_stretch(0)
             self._admit()
             self._schedule(self.running[0][0] if self.running else None)
-        elif len(self.waiting) == 1 and self._fits(request):
+        elif len(self.waiting) == 1 and len(self.running) < self.max_batch and (
+                self.kv_in_use + request.input_len + request.output_len
+                <= self.model.decode_kv_tokens):  # it fits (as in ``_admit``; running is not empty)
             now = self.loop.now
             # the next step boundary; one still ahead when a newcomer joins there already
             boundary = self._step if now < self._since else self._steps_done(now) + 1
@@ -486,18 +478,15 @@ class DecodeSim:
             self._sync_step = None
             self._schedule(self.running[0][0] if self.running else None)
 
-    def _fits(self, request: SimRequest) -> bool:
-        need = request.input_len + request.output_len
-        return len(self.running) < self.max_batch and (
-            self.kv_in_use + need <= self.model.decode_kv_tokens or not self.running)
-
     def _admit(self) -> None:
         """Admits the waiting requests that fit, then sets the stretch from this batch (every
         change of the batch or of the stretch's start ends here): step k (from 0) takes
         _a + _b*k seconds, computed once per change, not per step time asked for."""
         waiting, running = self.waiting, self.running
         max_batch, pool = self.max_batch, self.model.decode_kv_tokens
-        while waiting:  # those that fit (``_fits``, in place: it runs once a request)
+        # One fits while the batch has room and its whole prompt and answer fit in the pool
+        # (any one does in an empty batch).
+        while waiting:
             request = waiting[0]
             if len(running) >= max_batch or (
                     self.kv_in_use + request.input_len + request.output_len > pool and running):
@@ -544,9 +533,12 @@ class DecodeSim:
             k = int((math.sqrt(c * c + 2 * b * elapsed) - c) / b)
         else:
             k = int(elapsed / a)
-        while k > 0 and self._time_of(self._step + k) > now:  # float rounding
+        # Float rounding; the step times are ``_time_of``'s, written out: the loops ask a
+        # few each, for most requests.
+        since = self._since
+        while k > 0 and since + k * a + b * k * (k - 1) / 2 > now:
             k -= 1
-        while self._time_of(self._step + k + 1) <= now:
+        while since + (k + 1) * a + b * (k + 1) * k / 2 <= now:
             k += 1
         return self._step + k
 
@@ -733,7 +725,11 @@ class GroupSim:
                   else self._offer_order(gateway, order))
         for prefill in offers:
             request.offers += 1
-            if prefill.offer(request, budget):
+            # The real rule (a real instance answers its refusal with a 429).
+            if prefill.admission.try_admit(request.input_len, budget) is None:
+                prefill.queue.append((request, self.loop.now))
+                if not prefill.busy:
+                    prefill._start_next()
                 order.shift(prefill.name, 1)  # ends the order's iteration
                 return
         if first_round:
@@ -768,8 +764,9 @@ class GroupSim:
             # counted from the pick: KV still on the link counts too.
             decode = order.first()
             order.shift(decode.name, 1)
-            self.loop.at(self.loop.now + self.model.transfer_s(request.input_len),
-                         decode.receive, request)
+            m = self.model  # m.transfer_s, in place
+            self.loop.at(self.loop.now + request.input_len * m.kv_bytes_per_token
+                         / (m.link_gb_per_s * 1e9), decode.receive, request)
         if self.draining:
             self._settle(name)
         line = self._lines[gateway]

@@ -273,4 +273,5 @@ class FleetSim:
         request = SimRequest(arrival, input_len, output_len, gateway=self.gateways[gateway],
                              scenario=scenario)
         self.groups[scenario].arrive(request)
-        self._schedule_next()
+        if self._next < len(self._pending):  # _schedule_next, in place
+            self.loop.feed(self._pending[self._next][0], self._arrive)
