@@ -239,8 +239,10 @@ class EventLoop:
             if times[0] >= until:
                 return
             self.now = when = pop(times)
-            pairs = iter(due[when])  # a list iterator sees actions appended while it runs
-            for action, arg in zip(pairs, pairs, strict=True):
+            actions, i = due[when], 0
+            while i < len(actions):  # (a zip over one iterator of it built a zip per time)
+                action, arg = actions[i], actions[i + 1]
+                i += 2
                 if arg is None:
                     action()
                 else:
@@ -293,10 +295,14 @@ class LoadOrder(Generic[T]):
         self._low = low
         return low
 
-    def __iter__(self) -> Iterator[T]:
+    def in_order(self) -> Iterator[T]:
+        """The instances in order (a plain method: ``iter()`` would reach ``__iter__`` through
+        a C slot, a heavier call from the offer path than a method call)."""
         levels = self._levels
         low = self._low if levels[self._low] else self._lowest()
         return map(self._items.__getitem__, itertools.chain.from_iterable(levels[low:]))
+
+    __iter__ = in_order
 
     def first(self) -> T:
         levels = self._levels
@@ -560,7 +566,12 @@ class DecodeSim:
             return
         self._version += 1
         self._sync_step = step
-        self.loop.at(self._time_of(step), self._sync, (self._version, step))
+        if self.noise is None:  # _time_of, in place: once a request or more
+            k = step - self._step
+            when = self._since + k * self._a + self._b * k * (k - 1) / 2
+        else:
+            when = self._time_of(step)
+        self.loop.at(when, self._sync, (self._version, step))
 
     def _sync(self, event: tuple[int, int]) -> None:
         version, step = event
@@ -721,7 +732,7 @@ class GroupSim:
         budget = (None if self.dispatch != "on-demand" else
                   max(0.0, (self.ttft_slo_s - (self.loop.now - request.arrival)) * 1e3))
         order = self._orders.get(gateway) or self._new_order(gateway, "prefill")
-        offers = (iter(order) if self.dispatch != "round-robin" and not self.verify_order
+        offers = (order.in_order() if self.dispatch != "round-robin" and not self.verify_order
                   else self._offer_order(gateway, order))
         for prefill in offers:
             request.offers += 1
