@@ -498,7 +498,8 @@ class DecodeSim:
                     self.kv_in_use + request.input_len + request.output_len > pool and running):
                 break
             waiting.popleft()
-            last = self._step + max(1, request.output_len - 1)
+            steps = request.output_len - 1  # at least 1 (CPython 3.11's max() is a slow call)
+            last = self._step + (steps if steps > 1 else 1)
             heapq.heappush(running, (last, next(self._seq), request))
             self.kv_in_use += request.input_len + request.output_len
             self._context_base += request.input_len + request.output_len - last
@@ -729,8 +730,10 @@ class GroupSim:
         gateway = request.gateway
         gateway.turn += 1
         first_round = request.offers == 0
-        budget = (None if self.dispatch != "on-demand" else
-                  max(0.0, (self.ttft_slo_s - (self.loop.now - request.arrival)) * 1e3))
+        budget = None
+        if self.dispatch == "on-demand":  # what is left of the SLO, at least 0 (not max())
+            budget = (self.ttft_slo_s - (self.loop.now - request.arrival)) * 1e3
+            budget = budget if budget > 0.0 else 0.0
         order = self._orders.get(gateway) or self._new_order(gateway, "prefill")
         offers = (order.in_order() if self.dispatch != "round-robin" and not self.verify_order
                   else self._offer_order(gateway, order))

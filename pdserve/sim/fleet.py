@@ -270,8 +270,10 @@ class FleetSim:
     def _arrive(self) -> None:
         arrival, scenario, input_len, output_len, gateway = self._pending[self._next]
         self._next += 1
-        request = SimRequest(arrival, input_len, output_len, gateway=self.gateways[gateway],
-                             scenario=scenario)
+        # Every field by position: keywords would build a dict per request (a class's call
+        # takes them through C).
+        request = SimRequest(arrival, input_len, output_len, None, None, None, False, 0,
+                             self.gateways[gateway], 0, scenario)
         self.groups[scenario].arrive(request)
         if self._next < len(self._pending):  # _schedule_next, in place
             self.loop.feed(self._pending[self._next][0], self._arrive)
