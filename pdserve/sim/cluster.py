@@ -430,10 +430,7 @@ class DecodeSim:
         self.name, self.loop, self.model, self.max_batch = name, loop, model, max_batch
         self.on_finish = on_finish
         self.waiting: deque[SimRequest] = deque()
-        # A heap of ints, last step << 32 | sequence number, the requests under them in
-        # ``_ending``: (last, seq, request) tuples cost an item-by-item compare each.
-        self.running: list[int] = []
-        self._ending: dict[int, SimRequest] = {}
+        self.running: list[tuple[int, int, SimRequest]] = []  # heap: (last step, seq, request)
         self.kv_in_use = 0  # tokens reserved: prompt plus whole answer of each running one
         self._context_base = 0  # context at step s is _context_base + len(running) * s
         self._seq = itertools.count()
@@ -458,7 +455,7 @@ class DecodeSim:
                 self._noise_at = self.noise.start()
             self._begin_stretch(0)
             self._admit()
-            self._schedule(self.running[0] >> 32 if self.running else None)
+            self._schedule(self.running[0][0] if self.running else None)
         elif len(self.waiting) == 1 and len(self.running) < self.max_batch and (
                 self.kv_in_use + request.input_len + request.output_len
                 <= self.model.decode_kv_tokens):  # it fits (as in ``_admit``; running is not empty)
@@ -468,7 +465,7 @@ class DecodeSim:
             sync = self._sync_step
             # Nothing changes the batch before that boundary (no request ends by then, no
             # prefill beside it resyncs it): the newcomer is admitted now, from there.
-            if (self.partner is None and self.running[0] >> 32 > boundary
+            if (self.partner is None and self.running[0][0] > boundary
                     and (sync is None or sync > boundary)):
                 self._join_at(boundary)
             else:
@@ -482,10 +479,10 @@ class DecodeSim:
         self._since = self._time_of(step)  # with the batch before the newcomer
         self._step = step
         self._admit()
-        if self.running[0] >> 32 != self._sync_step:  # the newcomer ends first
+        if self.running[0][0] != self._sync_step:  # the newcomer ends first
             self._version += 1
             self._sync_step = None
-            self._schedule(self.running[0] >> 32 if self.running else None)
+            self._schedule(self.running[0][0] if self.running else None)
 
     def _admit(self) -> None:
         """Admits the waiting requests that fit, then sets the stretch from this batch (every
@@ -503,9 +500,7 @@ class DecodeSim:
             waiting.popleft()
             steps = request.output_len - 1  # at least 1 (CPython 3.11's max() is a slow call)
             last = self._step + (steps if steps > 1 else 1)
-            key = last << 32 | next(self._seq)  # (a decode instance sees < 2**32 requests)
-            heapq.heappush(running, key)
-            self._ending[key] = request
+            heapq.heappush(running, (last, next(self._seq), request))
             self.kv_in_use += request.input_len + request.output_len
             self._context_base += request.input_len + request.output_len - last
         m, batch = self.model, len(running)
@@ -590,15 +585,14 @@ class DecodeSim:
         self._begin_stretch(step)
         self._sync_step = None
         done = []
-        while self.running and self.running[0] >> 32 <= step:
-            key = heapq.heappop(self.running)
-            last, request = key >> 32, self._ending.pop(key)
+        while self.running and self.running[0][0] <= step:
+            last, _, request = heapq.heappop(self.running)
             self.kv_in_use -= request.input_len + request.output_len
             self._context_base -= request.input_len + request.output_len - last
             request.finished = self.loop.now
             done.append(request)
         self._admit()
-        self._schedule(self.running[0] >> 32 if self.running else None)
+        self._schedule(self.running[0][0] if self.running else None)
         if self.on_finish is not None:
             for request in done:  # after the batch shrank: the callback may find it idle
                 self.on_finish(self, request)
