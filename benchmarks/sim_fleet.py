@@ -69,7 +69,7 @@ def run_row(args: argparse.Namespace, model: LatencyModel, lengths: Lengths,
     summary = fleet.run(args.duration_s)
     cpu, wall = time.process_time() - cpu, time.monotonic() - wall
     host_load = {"start": load_start, "end": os.getloadavg(), "cpus": os.cpu_count()}
-    moves = sum(len(g.moves) for g in {id(g): g for g in fleet.groups}.values())
+    moves = sum(len(g.moves) for g in fleet.distinct_groups())
     row = {**labels, "num_instances": fleet.num_instances, "scenarios": len(plan.scenarios),
            "moves": moves, "sim_cpu_s": cpu, "sim_wall_s": wall,
            "host_load_1_5_15_min": host_load, **summary}

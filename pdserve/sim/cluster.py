@@ -20,6 +20,7 @@ A request is met when its TTFT is within the SLO; one the gateway gave up on aft
 from __future__ import annotations
 
 import bisect
+import functools
 import gc
 import heapq
 import itertools
@@ -212,29 +213,34 @@ class EventLoop:
         ``feed`` again for the source's next event, or not when the source is dry."""
         self._feed_at, self._feed = when, action
 
-    def run(self) -> None:
-        """Runs every event, with Python's cycle collector paused: the simulator's events,
-        requests and batches form no reference cycles (reference counting frees each as it
-        ends; a test checks none is left), and the collector's passes over the fleet's live
-        objects, set off by its allocations, took about a tenth of the run."""
+    def run(self, until: float = math.inf) -> None:
+        """Runs every event due before ``until`` (a later ``run`` goes on from there), with
+        Python's cycle collector paused: the simulator's events, requests and batches form
+        no reference cycles (reference counting frees each as it ends; a test checks none is
+        left), and the collector's passes over the fleet's live objects, set off by its
+        allocations, took about a tenth of the run."""
         paused = gc.isenabled()
         gc.disable()
         try:
-            self._run()
+            self._run(until)
         finally:
             if paused:
                 gc.enable()
 
-    def _run(self) -> None:
+    def _run(self, until: float) -> None:
         times, due, pop, inf = self._times, self._due, heapq.heappop, math.inf
         while times or self._feed_at < inf:
             if not times or self._feed_at < times[0]:
+                if self._feed_at >= until:
+                    return
                 self.now, self._feed_at = self._feed_at, inf
                 self._feed()
                 continue
+            if times[0] >= until:
+                return
             self.now = when = pop(times)
             actions, i = due[when], 0
-            while i < len(actions):
+            while i < len(actions):  # (a zip over one iterator of it built a zip per time)
                 action, arg = actions[i], actions[i + 1]
                 i += 2
                 if arg is None:
@@ -272,7 +278,8 @@ class LoadOrder(Generic[T]):
             return  # it is leaving this role: no longer in the order
         rank, load = entry
         levels = self._levels
-        levels[load].remove(rank)
+        level = levels[load]
+        del level[bisect.bisect_left(level, rank)]  # sorted: not list.remove's scan
         load += delta
         entry[1] = load
         if load == len(levels):
@@ -283,18 +290,24 @@ class LoadOrder(Generic[T]):
 
     def _lowest(self) -> int:
         levels, low = self._levels, self._low
-        if not levels[low]:  # the lowest load left empty: move up to the next in use
-            while low < len(levels) - 1 and not levels[low]:
-                low += 1
-            self._low = low
+        while low < len(levels) - 1 and not levels[low]:  # moved up: the next in use
+            low += 1
+        self._low = low
         return low
 
-    def __iter__(self) -> Iterator[T]:
-        ranks = itertools.chain.from_iterable(self._levels[self._lowest():])
-        return map(self._items.__getitem__, ranks)
+    def in_order(self) -> Iterator[T]:
+        """The instances in order (a plain method: ``iter()`` would reach ``__iter__`` through
+        a C slot, a heavier call from the offer path than a method call)."""
+        levels = self._levels
+        low = self._low if levels[self._low] else self._lowest()
+        return map(self._items.__getitem__, itertools.chain.from_iterable(levels[low:]))
+
+    __iter__ = in_order
 
     def first(self) -> T:
-        return self._items[self._levels[self._lowest()][0]]
+        levels = self._levels
+        low = self._low if levels[self._low] else self._lowest()
+        return self._items[levels[low][0]]
 
 
 class GatewaySim:
@@ -361,7 +374,8 @@ class PrefillSim:
         self.name = name
         self.instance = Instance(name, "sim", "prefill", name, name)
         self.loop, self.model, self.on_done = loop, model, on_done
-        self.admission = PrefillAdmission(clock=lambda: loop.now)
+        # The clock reads the loop's time without a Python frame per reading.
+        self.admission = PrefillAdmission(clock=functools.partial(getattr, loop, "now"))
         self.queue: deque[tuple[SimRequest, float]] = deque()
         self.busy = False
         self.partner: DecodeSim | None = None  # the decode side of a multiplexing instance
@@ -371,19 +385,12 @@ class PrefillSim:
     def idle(self) -> bool:
         return not (self.busy or self.queue)
 
-    def offer(self, request: SimRequest, ttft_budget_ms: float | None) -> bool:
-        # The real rule (a real instance answers its refusal with a 429).
-        if self.admission.try_admit(request.input_len, ttft_budget_ms) is not None:
-            return False
-        self.queue.append((request, self.loop.now))
-        if not self.busy:
-            self._start_next()
-        return True
-
     def _start_next(self) -> None:
         job = self.queue.popleft()
         self.busy = True
-        service = self.model.prefill_s(job[0].input_len)
+        m, tokens = self.model, job[0].input_len
+        service = (m.prefill_base_s + m.prefill_per_token_s * tokens  # m.prefill_s, in place
+                   + m.prefill_per_token_sq_s * tokens ** 2)
         if self.noise is not None:
             service *= self.noise.prefill_factor()
         if self.partner is not None:
@@ -448,8 +455,10 @@ class DecodeSim:
                 self._noise_at = self.noise.start()
             self._begin_stretch(0)
             self._admit()
-            self._schedule(self._next_finish())
-        elif len(self.waiting) == 1 and self._fits(request):
+            self._schedule(self.running[0][0] if self.running else None)
+        elif len(self.waiting) == 1 and len(self.running) < self.max_batch and (
+                self.kv_in_use + request.input_len + request.output_len
+                <= self.model.decode_kv_tokens):  # it fits (as in ``_admit``; running is not empty)
             now = self.loop.now
             # the next step boundary; one still ahead when a newcomer joins there already
             boundary = self._step if now < self._since else self._steps_done(now) + 1
@@ -470,24 +479,27 @@ class DecodeSim:
         self._since = self._time_of(step)  # with the batch before the newcomer
         self._step = step
         self._admit()
-        if self._next_finish() != self._sync_step:  # the newcomer ends first
+        if self.running[0][0] != self._sync_step:  # the newcomer ends first
             self._version += 1
             self._sync_step = None
-            self._schedule(self._next_finish())
-
-    def _fits(self, request: SimRequest) -> bool:
-        need = request.input_len + request.output_len
-        return len(self.running) < self.max_batch and (
-            self.kv_in_use + need <= self.model.decode_kv_tokens or not self.running)
+            self._schedule(self.running[0][0] if self.running else None)
 
     def _admit(self) -> None:
         """Admits the waiting requests that fit, then sets the stretch from this batch (every
         change of the batch or of the stretch's start ends here): step k (from 0) takes
         _a + _b*k seconds, computed once per change, not per step time asked for."""
         waiting, running = self.waiting, self.running
-        while waiting and self._fits(waiting[0]):
-            request = waiting.popleft()
-            last = self._step + max(1, request.output_len - 1)
+        max_batch, pool = self.max_batch, self.model.decode_kv_tokens
+        # One fits while the batch has room and its whole prompt and answer fit in the pool
+        # (any one does in an empty batch).
+        while waiting:
+            request = waiting[0]
+            if len(running) >= max_batch or (
+                    self.kv_in_use + request.input_len + request.output_len > pool and running):
+                break
+            waiting.popleft()
+            steps = request.output_len - 1  # at least 1 (CPython 3.11's max() is a slow call)
+            last = self._step + (steps if steps > 1 else 1)
             heapq.heappush(running, (last, next(self._seq), request))
             self.kv_in_use += request.input_len + request.output_len
             self._context_base += request.input_len + request.output_len - last
@@ -528,9 +540,12 @@ class DecodeSim:
             k = int((math.sqrt(c * c + 2 * b * elapsed) - c) / b)
         else:
             k = int(elapsed / a)
-        while k > 0 and self._time_of(self._step + k) > now:  # float rounding
+        # Float rounding; the step times are ``_time_of``'s, written out: the loops ask a
+        # few each, for most requests.
+        since = self._since
+        while k > 0 and since + k * a + b * k * (k - 1) / 2 > now:
             k -= 1
-        while self._time_of(self._step + k + 1) <= now:
+        while since + (k + 1) * a + b * (k + 1) * k / 2 <= now:
             k += 1
         return self._step + k
 
@@ -547,15 +562,17 @@ class DecodeSim:
                 high = middle
         return self._step + low
 
-    def _next_finish(self) -> int | None:
-        return self.running[0][0] if self.running else None
-
     def _schedule(self, step: int | None) -> None:
         if step is None or (self._sync_step is not None and self._sync_step <= step):
             return
         self._version += 1
         self._sync_step = step
-        self.loop.at(self._time_of(step), self._sync, (self._version, step))
+        if self.noise is None:  # _time_of, in place: once a request or more
+            k = step - self._step
+            when = self._since + k * self._a + self._b * k * (k - 1) / 2
+        else:
+            when = self._time_of(step)
+        self.loop.at(when, self._sync, (self._version, step))
 
     def _sync(self, event: tuple[int, int]) -> None:
         version, step = event
@@ -575,7 +592,7 @@ class DecodeSim:
             request.finished = self.loop.now
             done.append(request)
         self._admit()
-        self._schedule(self._next_finish())
+        self._schedule(self.running[0][0] if self.running else None)
         if self.on_finish is not None:
             for request in done:  # after the batch shrank: the callback may find it idle
                 self.on_finish(self, request)
@@ -632,7 +649,7 @@ class GroupSim:
         self._active: dict[str, list] = {}  # role -> its active instances, rebuilt on a move
         self._orders: dict[GatewaySim, LoadOrder[PrefillSim]] = {}  # rebuilt as _active
         self._decode_orders: dict[GatewaySim, LoadOrder[DecodeSim]] = {}  # the same, decode
-        self._open = 0  # requests in the group, not yet finished or given up on
+        self.open = 0  # requests in the group, not yet finished or given up on
         self.until = 0.0  # the ratio controller looks at least until then
         self._last_move = -1e9
         self._decode_short_at: tuple[int, float] | None = None  # as RatioController keeps
@@ -696,10 +713,15 @@ class GroupSim:
             assert [p.instance for p in order] == expected, "offer order differs"
         return iter(order)
 
+    # The per-request paths below count on the window's fields and read the kept orders
+    # in place rather than through the small methods beside them (``ScenarioWindow``'s
+    # recorders, ``_order``, a TTFT budget function): a Python call per request each, at
+    # millions of requests.
+
     def arrive(self, request: SimRequest) -> None:
-        self._open += 1
-        self.window.request_arrived()
-        if self._lines[request.gateway]:  # a newcomer queues behind requests already waiting
+        self.open += 1
+        self.window.arrived += 1  # ScenarioWindow.request_arrived
+        if self._lines[request.gateway].live:  # a newcomer queues behind those waiting
             self._wait(request, first=False)
         else:
             self._try(request)
@@ -708,11 +730,20 @@ class GroupSim:
         gateway = request.gateway
         gateway.turn += 1
         first_round = request.offers == 0
-        budget = self._budget_ms(request)
-        order = self._order(gateway)
-        for prefill in self._offer_order(gateway, order):
+        budget = None
+        if self.dispatch == "on-demand":  # what is left of the SLO, at least 0 (not max())
+            budget = (self.ttft_slo_s - (self.loop.now - request.arrival)) * 1e3
+            budget = budget if budget > 0.0 else 0.0
+        order = self._orders.get(gateway) or self._new_order(gateway, "prefill")
+        offers = (order.in_order() if self.dispatch != "round-robin" and not self.verify_order
+                  else self._offer_order(gateway, order))
+        for prefill in offers:
             request.offers += 1
-            if prefill.offer(request, budget):
+            # The real rule (a real instance answers its refusal with a 429).
+            if prefill.admission.try_admit(request.input_len, budget) is None:
+                prefill.queue.append((request, self.loop.now))
+                if not prefill.busy:
+                    prefill._start_next()
                 order.shift(prefill.name, 1)  # ends the order's iteration
                 return
         if first_round:
@@ -722,11 +753,6 @@ class GroupSim:
             self._ended(request)
             return
         self._wait(request, first=True)
-
-    def _budget_ms(self, request: SimRequest) -> float | None:
-        if self.dispatch != "on-demand":
-            return None
-        return max(0.0, (self.ttft_slo_s - (self.loop.now - request.arrival)) * 1e3)
 
     def _wait(self, request: SimRequest, first: bool) -> None:
         self._lines[request.gateway].put(request, first)
@@ -741,43 +767,50 @@ class GroupSim:
     def _prefilled(self, prefill: PrefillSim, request: SimRequest) -> None:
         name = prefill.name
         gateway = request.gateway
-        self._order(gateway).shift(name, -1)
-        self.window.prefill_ended()
+        (self._orders.get(gateway) or self._order(gateway)).shift(name, -1)
+        self.window.prefilled += 1  # ScenarioWindow.prefill_ended
+        order = self._decode_orders.get(gateway) or self._decode_order(gateway)
         if self.multiplexing is not None:  # its KV is already where it decodes
-            self._decode_order(gateway).shift(name, 1)
+            order.shift(name, 1)
             self.decode[name].receive(request)
         else:
             # The fewest placed on it, ties by name, as the gateway's ``_pick_decode``;
             # counted from the pick: KV still on the link counts too.
-            order = self._decode_order(gateway)
             decode = order.first()
             order.shift(decode.name, 1)
-            self.loop.at(self.loop.now + self.model.transfer_s(request.input_len),
-                         decode.receive, request)
+            m = self.model  # m.transfer_s, in place
+            self.loop.at(self.loop.now + request.input_len * m.kv_bytes_per_token
+                         / (m.link_gb_per_s * 1e9), decode.receive, request)
         if self.draining:
             self._settle(name)
-        waiting = self._lines[gateway].pop()
-        if waiting is not None:  # room on that instance: the head of the line tries again
-            self._try(waiting)
+        line = self._lines[gateway]
+        if line.live:  # room on that instance: the head of the line tries again
+            waiting = line.pop()
+            if waiting is not None:
+                self._try(waiting)
 
     def _finished(self, decode: DecodeSim, request: SimRequest) -> None:
-        self._decode_order(request.gateway).shift(decode.name, -1)
-        self.window.answer_ended()
-        self.window.latencies(request.arrival, request.first_token - request.arrival,
-                              request.finished - request.arrival)
-        self._ended(request)
+        gateway = request.gateway
+        (self._decode_orders.get(gateway) or self._decode_order(gateway)).shift(decode.name, -1)
+        window = self.window
+        window.answered += 1  # ScenarioWindow.answer_ended
+        window.latencies(request.arrival, request.first_token - request.arrival,
+                         request.finished - request.arrival)
+        self.open -= 1  # _ended
+        if self.on_answer is not None:
+            self.on_answer(self, request)
         if self.draining:
             self._settle(decode.name)
 
     def _ended(self, request: SimRequest) -> None:
-        self._open -= 1
+        self.open -= 1
         if self.on_answer is not None:
             self.on_answer(self, request)
 
     # ---- dynamic P/D ratio ----
 
     def _tick(self) -> None:
-        if self._open <= 0 and self.loop.now >= self.until:
+        if self.open <= 0 and self.loop.now >= self.until:
             return
         self.loop.at(self.loop.now + self.ratio_interval_s, self._tick)
         if self.draining or self.loop.now - self._last_move < self.ratio.cooldown_s:

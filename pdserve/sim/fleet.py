@@ -216,12 +216,24 @@ class FleetSim:
         return sum(s.num_prefill + s.num_decode for s in self.plan.scenarios)
 
     def run(self, duration_s: float) -> dict:
-        for group in {id(g): g for g in self.groups}.values():
+        self.begin(duration_s)
+        self.loop.run()
+        return self.tally.summary()
+
+    def begin(self, duration_s: float) -> None:
+        """Before the loop runs: requests come for ``duration_s``."""
+        for group in self.distinct_groups():
             group.start(duration_s)
         self._duration = duration_s
         self._draw(0.0)
-        self.loop.run()
-        return self.tally.summary()
+
+    def distinct_groups(self) -> list[GroupSim]:
+        """Each group once (a pool stands for every scenario)."""
+        return list({id(g): g for g in self.groups}.values())
+
+    def arrived(self) -> int:
+        """Requests that have come so far: those ended and those still in their groups."""
+        return sum(self.tally.requests) + sum(g.open for g in self.distinct_groups())
 
     def _draw(self, start: float) -> None:
         """Arrivals of every scenario in [start, start + CHUNK_S), in time order."""
@@ -258,7 +270,10 @@ class FleetSim:
     def _arrive(self) -> None:
         arrival, scenario, input_len, output_len, gateway = self._pending[self._next]
         self._next += 1
-        request = SimRequest(arrival, input_len, output_len, gateway=self.gateways[gateway],
-                             scenario=scenario)
+        # Every field by position: keywords would build a dict per request (a class's call
+        # takes them through C).
+        request = SimRequest(arrival, input_len, output_len, None, None, None, False, 0,
+                             self.gateways[gateway], 0, scenario)
         self.groups[scenario].arrive(request)
-        self._schedule_next()
+        if self._next < len(self._pending):  # _schedule_next, in place
+            self.loop.feed(self._pending[self._next][0], self._arrive)

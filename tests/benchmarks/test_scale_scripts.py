@@ -95,3 +95,28 @@ def test_instance_validation_smoke_runs_both_schedules_end_to_end(tmp_path):
                 assert 0 < run["compare"][key][side]["p50"] <= run["compare"][key][side]["p99"]
         assert (out / f"{name}_server.log").stat().st_size > 0
     assert result["schedules"]["multiplex"]["interference"]["steps_during"] > 0
+
+
+def test_instruction_count_arguments_parse_and_a_bad_window_is_refused(capsys):
+    from benchmarks import sim_instructions as script
+
+    args = script.parse_args(["--trace", str(TRACE), "--engine-results", str(ENGINE)])
+    assert (args.start_s, args.end_s, args.instances, args.scenarios) == (40.0, 45.0, 10_000, 200)
+    with pytest.raises(SystemExit):
+        script.parse_args(["--trace", str(TRACE), "--engine-results", str(ENGINE),
+                           "--start-s", "5", "--end-s", "5"])
+    assert "--start-s < --end-s" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
+def test_instruction_count_covers_only_the_window(tmp_path):
+    result = _run("sim_instructions.py", "--trace", str(TRACE), "--engine-results", str(ENGINE),
+                  "--instances", "40", "--scenarios", "2", "--duration-s", "10",
+                  "--start-s", "2", "--end-s", "3", out=tmp_path / "instructions.json")
+    assert result["kind"] == "measurement" and result["num_instances"] == 40
+    assert result["arrivals"] > 0
+    # Python's start and the fleet's set-up alone run to hundreds of millions: counted,
+    # they would put a request far above what the simulator spends on it.
+    assert 1_000 < result["instructions_per_request"] < 1_000_000
+    assert result["instructions"] == pytest.approx(
+        result["instructions_per_request"] * result["arrivals"])
