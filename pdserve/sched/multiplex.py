@@ -81,6 +81,9 @@ class TimelineEntry:
     # The online correction in the cycle's prediction (mixed steps in temporal, co-running
     # decode in spatial; 1.0 where none applies): how far serving moved the profile.
     calibration: float = 1.0
+    # Prompt tokens already cached ahead of the piece or chunk (the planner's view): with
+    # ``calibration`` and the cycles, how prediction error grows with the prefix.
+    prefill_context_tokens: int = 0
 
 
 @dataclass
@@ -423,7 +426,8 @@ class MultiplexScheduler(InFlightScheduler):
         entry = TimelineEntry(
             time.monotonic(), str(plan.mode), plan.decode_sms, plan.prefill_sms, decode_batch,
             prefill_tokens, layers, plan.decode_ms, self.switch_pending, plan.cycle_ms,
-            calibration=self._calibration_of(plan.mode))
+            calibration=self._calibration_of(plan.mode),
+            prefill_context_tokens=plan.prefill.context_tokens if plan.prefill else 0)
         self._timeline.append(entry)
         note = self.decode_work.note if self.decode_work is not None else None
         if isinstance(note, DecodeNote) and note.entry is None:

@@ -202,6 +202,9 @@ def test_spatial_pieces_match_transformers(hf_llama, expected):
     assert all(e["decode_sms"] + e["prefill_sms"] == SMS for e in spatial)
     whole = [e for e in timeline if e["mode"] == "prefill_only"]
     assert any(e["prefill_layers"] == 2 for e in whole), "alone, prefill runs every layer"
+    # The shared prefix is cached after the first prompt: later pieces start behind it.
+    assert any(e["prefill_context_tokens"] > 0 for e in spatial + whole)
+    assert all(e["prefill_context_tokens"] == 0 for e in timeline if e["prefill_tokens"] == 0)
 
 
 def test_late_out_of_order_completions_keep_tokens_and_the_split_rule(hf_llama, expected):
