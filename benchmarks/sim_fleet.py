@@ -51,18 +51,29 @@ def configurations(compare: str) -> list[dict]:
     return [{"dynamic": True}]
 
 
-def run_row(args: argparse.Namespace, model: LatencyModel, lengths: Lengths,
-            labels: dict) -> dict:
+def latency_model(args: argparse.Namespace) -> LatencyModel:
+    return LatencyModel.from_engine_results(args.engine_results, kv_bytes_per_token(args.model),
+                                            link_gb_per_s=args.link_gb_per_s)
+
+
+def build_fleet(args: argparse.Namespace, model: LatencyModel, lengths: Lengths,
+                labels: dict) -> FleetSim:
+    """One row's fleet (``labels``: one of ``configurations``)."""
     share = args.fleet_prefill_share if labels.get("fleet_split") else None
     plan = plan_fleet(model, lengths, args.instances, args.scenarios, args.peak_load, share,
                       args.period_s, seed=args.seed)
-    fleet = FleetSim(plan, model, lengths, dispatch=labels.get("dispatch", "on-demand"),
-                     ttft_slo_s=args.ttft_slo_s, max_wait_s=args.max_wait_s,
-                     num_gateways=args.gateways,
-                     ratio=RatioConfig() if labels.get("dynamic", True) else None,
-                     pooled=labels.get("pooled", False),
-                     multiplexing=multiplexing(args, model) if labels.get("multiplex") else None,
-                     seed=args.seed)
+    return FleetSim(plan, model, lengths, dispatch=labels.get("dispatch", "on-demand"),
+                    ttft_slo_s=args.ttft_slo_s, max_wait_s=args.max_wait_s,
+                    num_gateways=args.gateways,
+                    ratio=RatioConfig() if labels.get("dynamic", True) else None,
+                    pooled=labels.get("pooled", False),
+                    multiplexing=multiplexing(args, model) if labels.get("multiplex") else None,
+                    seed=args.seed)
+
+
+def run_row(args: argparse.Namespace, model: LatencyModel, lengths: Lengths,
+            labels: dict) -> dict:
+    fleet = build_fleet(args, model, lengths, labels)
     # CPU time on a shared host grows with the other work on it: the load goes with it.
     load_start = os.getloadavg()
     wall, cpu = time.monotonic(), time.process_time()
@@ -70,7 +81,8 @@ def run_row(args: argparse.Namespace, model: LatencyModel, lengths: Lengths,
     cpu, wall = time.process_time() - cpu, time.monotonic() - wall
     host_load = {"start": load_start, "end": os.getloadavg(), "cpus": os.cpu_count()}
     moves = sum(len(g.moves) for g in fleet.distinct_groups())
-    row = {**labels, "num_instances": fleet.num_instances, "scenarios": len(plan.scenarios),
+    row = {**labels, "num_instances": fleet.num_instances,
+           "scenarios": len(fleet.plan.scenarios),
            "moves": moves, "sim_cpu_s": cpu, "sim_wall_s": wall,
            "host_load_1_5_15_min": host_load, **summary}
     print(labels, f"{summary['requests']} requests: attainment "
@@ -84,7 +96,7 @@ def multiplexing(args: argparse.Namespace, model: LatencyModel) -> Multiplexing:
                                                args.multiplex_itl_slo_ms)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", required=True, help="Mooncake-format jsonl: lengths.")
@@ -111,14 +123,12 @@ def parse_args() -> argparse.Namespace:
                         help="Which of its runs.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def main() -> int:
     args = parse_args()
-    model = LatencyModel.from_engine_results(args.engine_results,
-                                             kv_bytes_per_token(args.model),
-                                             link_gb_per_s=args.link_gb_per_s)
+    model = latency_model(args)
     lengths = Lengths.from_trace(args.trace)
     config = {k: v for k, v in vars(args).items() if k != "out"}
     config["latency_model"] = model.__dict__

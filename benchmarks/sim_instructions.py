@@ -30,11 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
+from benchmarks import sim_fleet  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
-from pdserve.cluster.config import RatioConfig  # noqa: E402
-from pdserve.sim.cluster import LatencyModel  # noqa: E402
-from pdserve.sim.fleet import FleetSim, Lengths, plan_fleet  # noqa: E402
+from pdserve.sim.fleet import FleetSim, Lengths  # noqa: E402
 
 # The window runs inside this C call, the only ffi_call of the run: callgrind counts there.
 _COUNTED = ctypes.CFUNCTYPE(None)
@@ -63,12 +61,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_fleet(args: argparse.Namespace) -> FleetSim:
-    """``sim_fleet.py --compare none``'s fleet: on-demand dispatch, dynamic ratio."""
-    model = LatencyModel.from_engine_results(args.engine_results, kv_bytes_per_token(args.model))
-    lengths = Lengths.from_trace(args.trace)
-    plan = plan_fleet(model, lengths, args.instances, args.scenarios, seed=args.seed)
-    return FleetSim(plan, model, lengths, num_gateways=args.gateways, ratio=RatioConfig(),
-                    seed=args.seed)
+    """``sim_fleet.py --compare none``'s fleet (its own code and defaults): on-demand
+    dispatch, dynamic ratio."""
+    fleet_args = sim_fleet.parse_args([
+        "--trace", args.trace, "--engine-results", args.engine_results, "--model", args.model,
+        "--instances", str(args.instances), "--scenarios", str(args.scenarios),
+        "--gateways", str(args.gateways), "--duration-s", str(args.duration_s),
+        "--seed", str(args.seed)])
+    (labels,) = sim_fleet.configurations("none")
+    return sim_fleet.build_fleet(fleet_args, sim_fleet.latency_model(fleet_args),
+                                 Lengths.from_trace(args.trace), labels)
 
 
 def run_window(args: argparse.Namespace) -> dict:
