@@ -103,6 +103,38 @@ class Work:
     overlapped: bool = False  # counters advance at issue; the next step is planned meanwhile
 
 
+class LaneLaunches:
+    """A lane's launches in flight, oldest first: one, or two under overlap scheduling."""
+
+    def __init__(self) -> None:
+        self._works: deque[Work] = deque()
+
+    def __bool__(self) -> bool:
+        return bool(self._works)
+
+    @property
+    def newest(self) -> Work | None:
+        return self._works[-1] if self._works else None
+
+    def add(self, work: Work) -> Work:
+        self._works.append(work)
+        return work
+
+    def pop_if_oldest(self, work: Work) -> bool:
+        """Takes ``work`` off when it is the oldest (launches complete in order)."""
+        if self._works and work is self._works[0]:
+            self._works.popleft()
+            return True
+        return False
+
+    def discard(self, work: Work) -> bool:
+        """Takes ``work`` off wherever it is (a failed launch); False when not here."""
+        if not any(w is work for w in self._works):
+            return False
+        self._works = deque(w for w in self._works if w is not work)
+        return True
+
+
 @dataclass(slots=True)
 class KVMove:
     """A request's KV copied from one pool's pages to another's (same-GPU disaggregation)."""

@@ -35,7 +35,15 @@ from pdserve.cache.block_manager import BlockManager
 from pdserve.config import SchedulerConfig
 from pdserve.gpu.partitions import Partition
 from pdserve.request import Request, RequestStatus
-from pdserve.sched.base import KVMove, OverlapCounters, Plan, Scheduler, StepOutput, Work
+from pdserve.sched.base import (
+    KVMove,
+    LaneLaunches,
+    OverlapCounters,
+    Plan,
+    Scheduler,
+    StepOutput,
+    Work,
+)
 from pdserve.sched.in_flight import InFlightScheduler, fcfs_chunks
 
 DECODE_LANE, PREFILL_LANE = "decode", "prefill"
@@ -91,7 +99,7 @@ class DisaggScheduler(Scheduler):
                                         max_model_len)
         self.prefill.overlap = self.decode.overlap = self.overlap  # one count for describe()
         self.ready: deque[Request] = deque()
-        self.decodes: deque[Work] = deque()  # the decode lane's launches, oldest first
+        self.decodes = LaneLaunches()  # the decode lane's
         self.prefill_work: Work | None = None
         self.num_transfers = 0
         self._timeline: deque[DisaggTimelineEntry] = deque(maxlen=TIMELINE_LENGTH)
@@ -123,7 +131,7 @@ class DisaggScheduler(Scheduler):
     @property
     def decode_work(self) -> Work | None:
         """The newest decode step in flight, if any."""
-        return self.decodes[-1] if self.decodes else None
+        return self.decodes.newest
 
     @property
     def retiring(self) -> list[Request]:
@@ -157,7 +165,7 @@ class DisaggScheduler(Scheduler):
         overlapped = self.overlap.allows(plan)
         self.decode.launched(plan, overlapped)
         works[DECODE_LANE] = Work(plan, self.partition, pool=DECODE_LANE, overlapped=overlapped)
-        self.decodes.append(works[DECODE_LANE])
+        self.decodes.add(works[DECODE_LANE])
 
     def issued(self, work: Work) -> None:
         if work.side == "decode":
@@ -175,8 +183,7 @@ class DisaggScheduler(Scheduler):
         return [asdict(e) for e in self._timeline if since is None or e.time >= since]
 
     def update_work(self, work: Work, output: StepOutput) -> list[Request]:
-        if self.decodes and work is self.decodes[0]:
-            self.decodes.popleft()
+        if self.decodes.pop_if_oldest(work):
             return self.decode.complete(work.plan, output, work.overlapped)
         self.prefill_work = None
         ended = self.prefill.complete(work.plan, output)
@@ -184,8 +191,7 @@ class DisaggScheduler(Scheduler):
         return ended
 
     def fail(self, work: Work) -> list[Request]:
-        if any(w is work for w in self.decodes):
-            self.decodes = deque(w for w in self.decodes if w is not work)
+        if self.decodes.discard(work):
             return self.decode.fail(work)
         self.prefill_work = None
         return self.prefill.fail(work)

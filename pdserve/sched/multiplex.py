@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, replace
 
 from pdserve.config import MUX_SHARING, mux_sharing_options
 from pdserve.gpu.partitions import Partition, PartitionSet
-from pdserve.sched.base import BatchCarry, Plan, StepOutput, Work
+from pdserve.sched.base import BatchCarry, LaneLaunches, Plan, StepOutput, Work
 from pdserve.sched.in_flight import InFlightScheduler
 from pdserve.sched.mux_planner import (
     DecodeLoad,
@@ -123,7 +123,7 @@ class MultiplexScheduler(InFlightScheduler):
         self.partitions, self.num_layers = partitions, num_layers
         self.set_predictor(predictor)
         self.current: Partition = partitions.whole_gpu
-        self.decodes: deque[Work] = deque()  # the decode lane's launches, oldest first
+        self.decodes = LaneLaunches()  # the decode lane's
         self.piece_work: Work | None = None
         self.batch: PrefillProgress | None = None
         self.switch_pending = False
@@ -158,7 +158,7 @@ class MultiplexScheduler(InFlightScheduler):
     @property
     def decode_work(self) -> Work | None:
         """The newest decode-lane launch in flight (decode or mixed step), if any."""
-        return self.decodes[-1] if self.decodes else None
+        return self.decodes.newest
 
     def overlap_lanes(self) -> dict[str, str]:
         return {
@@ -234,7 +234,7 @@ class MultiplexScheduler(InFlightScheduler):
         self.launched(step, overlapped)
         note = DecodeNote(MixedNote(plan, prefill_tokens == plan.prefill.num_tokens))
         works[DECODE_LANE] = Work(step, self.current, note=note, overlapped=overlapped)
-        self.decodes.append(works[DECODE_LANE])
+        self.decodes.add(works[DECODE_LANE])
         note.entry = self._timeline[-1]
 
     def _decode_beside_piece(self, works) -> None:
@@ -339,7 +339,7 @@ class MultiplexScheduler(InFlightScheduler):
         overlapped = self._overlaps(plan)
         self.launched(plan, overlapped)
         works[DECODE_LANE] = Work(plan, self.current, note=DecodeNote(), overlapped=overlapped)
-        self.decodes.append(works[DECODE_LANE])
+        self.decodes.add(works[DECODE_LANE])
 
     def _overlaps(self, plan: Plan) -> bool:
         if self.time_slicing:  # see overlap_lanes
@@ -374,8 +374,7 @@ class MultiplexScheduler(InFlightScheduler):
     # ------------------------------------------------------------- completion
 
     def update_work(self, work: Work, output: StepOutput) -> list:
-        if self.decodes and work is self.decodes[0]:
-            self.decodes.popleft()
+        if self.decodes.pop_if_oldest(work):
             self._calibrate(work, output)
             return self.complete(work.plan, output, work.overlapped)
         self.piece_work = None
@@ -405,9 +404,7 @@ class MultiplexScheduler(InFlightScheduler):
         return aborted
 
     def fail(self, work: Work) -> list:
-        if any(w is work for w in self.decodes):
-            self.decodes = deque(w for w in self.decodes if w is not work)
-        elif work is self.piece_work:
+        if not self.decodes.discard(work) and work is self.piece_work:
             self.piece_work = self.batch = None
         return super().fail(work)
 
