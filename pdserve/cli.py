@@ -329,7 +329,7 @@ def _check_gateway(args: argparse.Namespace) -> None:
 def _check_cluster(args: argparse.Namespace) -> None:
     """The model is resolved (and downloaded) once here; the instances then find it in the
     cache. Served names travel to every instance."""
-    from pdserve.cluster.launch import gpu_groups
+    from pdserve.cluster.launch import default_gpus, gpu_groups, gpu_list
     from pdserve.cluster.ray_launch import ray_args_refusal
     from pdserve.dist.shard import tp_refusal
     from pdserve.model.arch import get_arch
@@ -341,8 +341,9 @@ def _check_cluster(args: argparse.Namespace) -> None:
     arch = get_arch(resolve_model_config(ModelConfig(model=args.model)))
     if (why := tp_refusal(arch, args.tensor_parallel_size)) is not None:
         raise UsageError(why)  # the GPUs are the instances' to count, on their machines
-    if args.gpus and not args.ray_address:
-        gpu_groups([g for g in args.gpus.split(",") if g], 1, args.tensor_parallel_size)
+    if not args.ray_address:  # the GPUs this machine hands out, given or found
+        gpus = args.gpus if args.gpus is not None else default_gpus()
+        gpu_groups(gpu_list(gpus), 1, args.tensor_parallel_size)
     if args.served_model_name:
         args.serve_args += ["--served-model-name", *args.served_model_name]
     _check_gateway(args)

@@ -52,6 +52,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def gpu_list(text: str | None) -> list[str]:
+    """``--gpus`` as GPU ids (None or empty: none listed)."""
+    return [g for g in text.split(",") if g] if text else []
+
+
 def gpu_groups(gpus: list[str], num_instances: int, group_size: int) -> list[str | None]:
     """Each instance's CUDA_VISIBLE_DEVICES: ``group_size`` distinct GPUs, handed out in turn
     (instances share GPUs when there are fewer than they need); None on a machine without."""
@@ -155,7 +160,7 @@ def stop_members(members: list[Member], timeout_s: float = 60.0) -> None:
 
 
 async def run_cluster(args: argparse.Namespace, gateway_config: GatewayConfig) -> None:
-    gpus = [g for g in args.gpus.split(",") if g] if args.gpus else []
+    gpus = gpu_list(args.gpus)
     # One command, one group: a fresh secret guards its internal routes unless one is given.
     secret = resolve_secret(gateway_config.cluster_secret) or secrets.token_urlsafe(32)
     gateway_config = replace(gateway_config, cluster_secret=secret)
