@@ -54,6 +54,14 @@ class TimelineQuery:
     since: float | None = None
 
 
+@dataclass(slots=True)
+class DescribeQuery:
+    """Asks for ``EngineCore.describe()`` now (counters as of this moment); answered by a
+    ``DescribeReply``."""
+
+    query_id: int
+
+
 # ---- engine process -> HTTP process -------------------------------------------------------
 
 
@@ -132,6 +140,12 @@ class TimelineReply:
     empty under the other policies."""
 
 
+@dataclass(slots=True)
+class DescribeReply:
+    query_id: int
+    info: dict
+
+
 MUX_MODES = ("spatial", "temporal", "time_slice", "prefill_only", "decode_only", "idle",
              "disagg")
 """The multiplex planner's modes (``MuxMode`` values), listed here so that the server's
@@ -170,6 +184,6 @@ class EngineStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-ToEngine = AddRequest | AbortRequests | Shutdown | TimelineQuery
+ToEngine = AddRequest | AbortRequests | Shutdown | TimelineQuery | DescribeQuery
 FromEngine = (EngineReady | EngineDead | StepOutputs | RequestRejected | EngineStats
-              | TimelineReply)
+              | TimelineReply | DescribeReply)

@@ -173,8 +173,15 @@ async def _timeline(request: web.Request) -> web.Response:
 
 
 async def _engine_info(request: web.Request) -> web.Response:
-    """What runs: schedule, attention backend, SM partitions (real or emulated), predictor."""
-    body = {"object": "engine.info", **_state(request).client.setup}
+    """What runs: schedule, attention backend, SM partitions (real or emulated), predictor,
+    and counters (overlap, calibration) as of now. A stopped engine answers with what it
+    said at start-up, marked so."""
+    client = _state(request).client
+    try:
+        body = {"object": "engine.info", **client.setup, **await client.describe()}
+    except P.APIError:
+        body = {"object": "engine.info", **client.setup,
+                "as_of": "start-up (the engine is not running now)"}
     return web.Response(body=P.dumps(body), content_type="application/json")
 
 

@@ -29,6 +29,8 @@ from pdserve.messages import (
     RequestUpdate,
     Shutdown,
     StepOutputs,
+    DescribeQuery,
+    DescribeReply,
     TimelineQuery,
     TimelineReply,
 )
@@ -242,12 +244,20 @@ class EngineClient:
 
     async def timeline(self, since: float | None = None, timeout: float = 30.0) -> list[dict]:
         """The engine's SM split history (``EngineCore.timeline``); [] under other policies."""
+        return await self._query(lambda query_id: TimelineQuery(query_id, since), timeout)
+
+    async def describe(self, timeout: float = 30.0) -> dict:
+        """``EngineCore.describe()`` now: the set-up plus counters as of this moment (the
+        start-up snapshot, ``setup``, would show counters at zero)."""
+        return await self._query(DescribeQuery, timeout)
+
+    async def _query(self, make: Any, timeout: float) -> Any:
         if self.dead_reason is not None:
             raise APIError(503, "the engine is not running")
         self._next_query += 1
         query_id = self._next_query
         future = self._queries[query_id] = self._loop.create_future()
-        self.channel.send(TimelineQuery(query_id, since))
+        self.channel.send(make(query_id))
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
@@ -293,10 +303,11 @@ class EngineClient:
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, EngineStats):
             self.stats = message
-        elif isinstance(message, TimelineReply):
+        elif isinstance(message, TimelineReply | DescribeReply):
             future = self._queries.get(message.query_id)
             if future is not None and not future.done():
-                future.set_result(message.entries)
+                future.set_result(message.entries if isinstance(message, TimelineReply)
+                                  else message.info)
         elif isinstance(message, RequestRejected):
             stream = self._streams.pop(message.request_id, None)
             if stream is not None:

@@ -23,6 +23,8 @@ from pdserve.messages import (
     RequestRejected,
     Shutdown,
     StepOutputs,
+    DescribeQuery,
+    DescribeReply,
     TimelineQuery,
     TimelineReply,
 )
@@ -126,6 +128,10 @@ class EngineLoop:
             self._send_stats(time.monotonic())  # the running set changed
         elif isinstance(message, TimelineQuery):
             self.channel.send(TimelineReply(message.query_id, self._timeline(message.since)))
+        elif isinstance(message, DescribeQuery):
+            describe = getattr(self.core, "describe", None)  # test stand-ins may have none
+            self.channel.send(DescribeReply(message.query_id,
+                                            describe() if describe is not None else {}))
         elif isinstance(message, Shutdown):
             self.stopping = True
 

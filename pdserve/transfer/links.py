@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import socket
 import struct
@@ -82,10 +83,13 @@ class Endpoint:
     """UUID -> index of every GPU this process sees (to open another process's buffer)."""
     p2p: bool = False
     """torch.distributed has the backend for its device (nccl on CUDA, gloo on CPU)."""
+    pid: int = field(default_factory=os.getpid)
+    """Two engines of one process (tests, one script running both roles) share neither a
+    CUDA IPC handle nor a process group: such a pair falls back to TCP."""
 
     def hello(self) -> dict[str, Any]:
         return {"version": HELLO_VERSION, "want": self.want, "host": self.host,
-                "device": self.device, "gpu": self.gpu, "p2p": self.p2p}
+                "device": self.device, "gpu": self.gpu, "p2p": self.p2p, "pid": self.pid}
 
 
 def local_endpoint(want: str, device: torch.device | str) -> Endpoint:
@@ -158,6 +162,8 @@ def refusals(receiver: Endpoint, sender: dict[str, Any]) -> dict[str, str]:
     for name in AUTO_ORDER:
         if receiver.want not in ("auto", name):
             why[name] = f"the receiver runs --kv-transport {receiver.want}"
+    if sender.get("host") == receiver.host and sender.get("pid") == receiver.pid:
+        why.update(_same_process_refusals(why))
     both_cuda = sender.get("device") == receiver.device == "cuda"
     if "ipc" not in why and not both_cuda:
         why["ipc"] = "CUDA IPC needs KV on CUDA on both sides"
@@ -168,6 +174,16 @@ def refusals(receiver: Endpoint, sender: dict[str, Any]) -> dict[str, str]:
     if "p2p" not in why:
         why.update(_p2p_refusal(receiver, sender))
     return why
+
+
+def _same_process_refusals(refused: dict[str, str]) -> dict[str, str]:
+    # CUDA IPC cannot open a handle in the process that exported it ("invalid device
+    # context"), and a torch.distributed group needs one rank per process.
+    reasons = {"ipc": "both instances run in one process (CUDA IPC opens another process's "
+                      "memory only)",
+               "p2p": "both instances run in one process (a process group needs one rank "
+                      "per process)"}
+    return {name: why for name, why in reasons.items() if name not in refused}
 
 
 def _p2p_refusal(receiver: Endpoint, sender: dict[str, Any]) -> dict[str, str]:

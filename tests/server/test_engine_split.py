@@ -109,3 +109,17 @@ def test_engine_info_says_what_runs(server, mux):
     _, _, body = server.request("GET", "/v1/engine/info")
     info = json.loads(body)
     assert info["schedule"] == "chunked" and "partitions" not in info
+
+
+def test_engine_info_counters_are_live(server):
+    """Results read the overlap counters after a run: they must be the engine's counts now,
+    not the start-up snapshot's zeros."""
+    def overlapped_steps() -> int:
+        status, _, body = server.request("GET", "/v1/engine/info")
+        assert status == 200, body
+        return json.loads(body)["overlap_schedule"]["overlapped_steps"]
+
+    before = overlapped_steps()
+    server.openai().completions.create(model="tiny", prompt="count", max_tokens=8,
+                                       extra_body={"ignore_eos": True})
+    assert overlapped_steps() >= before + 7  # one overlapped step per token after the first

@@ -38,7 +38,8 @@ def _random_kv(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.T
 
 
 def _hello(**fields) -> dict:
-    return Endpoint(**{"want": "auto", **fields}).hello()
+    """A sender's hello from another process (the receivers here are this one)."""
+    return Endpoint(**{"want": "auto", "pid": -1, **fields}).hello()
 
 
 # --- which transport ---------------------------------------------------------------------
@@ -54,6 +55,17 @@ def test_auto_between_hosts_picks_p2p_and_says_why_not_ipc():
     refused = refusals(receiver, _hello(**GPU0))
     assert refused["ipc"] == "the instances are on different hosts"
     assert choose("auto", refused, "r") == "p2p"
+
+
+def test_two_engines_of_one_process_fall_back_to_tcp():
+    # CUDA IPC cannot open a handle in the process that exported it, and a process group
+    # needs a rank per process: a pair inside one process must not pick either.
+    receiver = Endpoint("auto", **GPU0)
+    refused = refusals(receiver, receiver.hello())
+    assert "one process" in refused["ipc"] and "one process" in refused["p2p"]
+    assert choose("auto", refused, "r") == "tcp"
+    with pytest.raises(LinkError, match="ipc: both instances run in one process"):
+        choose("ipc", refused, "r")
 
 
 def test_ipc_needs_the_senders_gpu_visible_to_the_receiver():
