@@ -11,7 +11,7 @@ prediction (``"kind": "prediction"``), never a measurement.
 
     python benchmarks/mux_whatif.py \
         --predictor benchmarks/results/loogle_h200/6f90be1_predictor.json \
-        --out benchmarks/results/mux_whatif_6f90be1.json
+        --out benchmarks/results/mux_whatif_6f90be1_67fb7e0.json
 """
 
 from __future__ import annotations
