@@ -6,12 +6,12 @@ times: the prefill rate the planner expects for each set of sharing options
 (``--mux-sharing``), ITL target and online correction of mixed steps. It answers "is the
 policy or the execution short?": a measured run that trails these figures lost time outside
 the planner's model (host gaps, predictions off); a subset that predicts more than the full
-set means the planner's greedy per-step choice is short-sighted. Every figure is a
+set means the planner's choice among them is short-sighted. Every figure is a
 prediction (``"kind": "prediction"``), never a measurement.
 
     python benchmarks/mux_whatif.py \
         --predictor benchmarks/results/loogle_h200/6f90be1_predictor.json \
-        --out benchmarks/results/mux_whatif_6f90be1.json
+        --out benchmarks/results/mux_whatif_6f90be1_67fb7e0.json
 """
 
 from __future__ import annotations
@@ -42,15 +42,17 @@ WAITED_MS = 1e9  # the prompt has waited "forever": the planner may force prefil
 
 
 def walk_prompt(planner: MuxPlanner, prompt: int, decode: DecodeLoad) -> dict:
-    """Predicted wall time to prefill ``prompt`` tokens beside ``decode``, and the modes used."""
-    done, elapsed_ms, in_flight, modes = 0, 0.0, None, {}
+    """Predicted wall time to prefill ``prompt`` tokens beside ``decode``, the modes used and
+    the longest predicted time between two decode tokens (what the ITL target bounds)."""
+    done, elapsed_ms, in_flight, modes, longest = 0, 0.0, None, {}, 0.0
     while done < prompt or in_flight is not None:
         waiting = [PrefillRequest(prompt - done, done, WAITED_MS)] if done < prompt else []
         plan = planner.plan(decode, waiting, in_flight)
         modes[str(plan.mode)] = modes.get(str(plan.mode), 0) + 1
-        elapsed_ms += _plan_ms(plan)
+        elapsed_ms, longest = elapsed_ms + _plan_ms(plan), max(longest, plan.cycle_ms)
         done, in_flight = _advance(plan, done, in_flight, planner.num_layers)
-    return {"prefill_tokens_per_s": 1e3 * prompt / elapsed_ms, "decisions_by_mode": modes}
+    return {"prefill_tokens_per_s": 1e3 * prompt / elapsed_ms, "decisions_by_mode": modes,
+            "max_cycle_ms": longest}
 
 
 def _plan_ms(plan) -> float:
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=16000)
     parser.add_argument("--decode-batches", default="1,2,3")
     parser.add_argument("--decode-context", type=int, default=16000, help="per request")
-    parser.add_argument("--itl-ms", default="60,80,100")
+    parser.add_argument("--itl-ms", default="40,60,80,100")
     parser.add_argument("--corrections", default="1.0,1.1,1.2,1.3,1.5")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -125,7 +127,7 @@ def _print_table(rows: list[dict]) -> None:
     for row in rows:
         print(f"b{row['decode_batch']} itl {row['itl_ms']:.0f} c {row['mixed_correction']:.1f} "
               f"{'+'.join(row['sharing']):30s} {row['prefill_tokens_per_s']:7.0f} tok/s "
-              f"{row['decisions_by_mode']}")
+              f"cycle <= {row['max_cycle_ms']:5.1f} ms {row['decisions_by_mode']}")
 
 
 def _ints(text: str) -> list[int]:

@@ -25,8 +25,17 @@ time between two decode tokens (``MuxPlan.cycle_ms``: the co-running decode step
 SPATIAL, the mixed step in TEMPORAL, decode step + piece in TIME_SLICE):
 1. SPATIAL, TEMPORAL and TIME_SLICE are each feasible when their cycle is within the
    budget.
-2. Among feasible options, pick the higher predicted prefill progress, in prompt tokens
-   per second of wall time (a piece of T tokens through k of L layers counts T x k / L).
+2. Among feasible options, pick the highest predicted prefill progress, in prompt tokens
+   per second of wall time (a piece of T tokens through k of L layers counts T x k / L),
+   over the work the option commits to (``MuxPlan.committed_tokens_per_s``):
+   - a SPATIAL or TIME_SLICE piece commits its batch to every layer it has left (no mixed
+     step until then), so it counts the batch's whole run: its pieces, the decode steps
+     they wait for, and a short last piece paid as a whole cycle;
+   - a mixed step commits to nothing beyond itself, but the next ones take smaller chunks
+     as the prefix they attend to grows, so it counts the mixed steps through the same
+     prompt tokens as the best batch another option would start: both end in one state.
+   Judged by the next cycle alone, the planner took mixed steps that look fastest at a
+   short prefix and so gave up the large batch a split runs at one rate throughout.
    Ties go to TEMPORAL (one stream, no partition switch), then TIME_SLICE (no partition).
 3. If none is feasible, pick the shortest cycle among SPATIAL on the largest decode
    partition and DECODE_ONLY on the whole GPU (prefill waits a step).
@@ -48,7 +57,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
@@ -189,6 +198,10 @@ class MuxPlan:
     # Predicted time between two decode tokens, what the ITL SLO bounds (0 without decode).
     cycle_ms: float = 0.0
     prefill_waiting: bool = False  # decode ran while prefill work was waiting or in flight
+    # Predicted prefill progress over the work the plan commits to (the module's rule 2):
+    # what ``plan`` picks by; ``prefill_tokens_per_s`` is the rate of this one cycle. An
+    # estimate, not part of what to launch, so plans that launch the same compare equal.
+    committed_tokens_per_s: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -227,9 +240,9 @@ class MuxPlanner:
         solo = self._solo(decode, waiting, in_flight)
         if solo is not None:
             return solo
-        feasible = [p for p in self._sharing(decode, waiting, in_flight) if p.meets_slo]
+        feasible = self._weighed(decode, waiting, in_flight)
         if feasible:  # max() keeps the first of equals: the order of _sharing is on purpose
-            return max(feasible, key=lambda p: p.prefill_tokens_per_s)
+            return max(feasible, key=lambda p: p.committed_tokens_per_s)
         return min(self._fallbacks(decode, waiting, in_flight), key=lambda p: p.cycle_ms)
 
     def options(self, decode: DecodeLoad | None, waiting: Sequence[PrefillRequest] = (),
@@ -239,7 +252,7 @@ class MuxPlanner:
         solo = self._solo(decode, waiting, in_flight)
         if solo is not None:
             return [solo]
-        weighed = [p for p in self._sharing(decode, waiting, in_flight) if p.meets_slo]
+        weighed = self._weighed(decode, waiting, in_flight)
         for plan in self._fallbacks(decode, waiting, in_flight):
             weighed += [plan] if plan not in weighed else []
         return weighed
@@ -271,6 +284,37 @@ class MuxPlanner:
                 self._time_slice(decode, waiting, in_flight),
                 self._spatial(decode, waiting, in_flight))
         return [p for p in made if p is not None]
+
+    def _weighed(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
+                 in_flight: InFlightPrefill | None) -> list[MuxPlan]:
+        """The sharing options that meet the budget, each with its committed rate (rule 2):
+        a mixed step's over the prompt tokens of the best batch another option would start."""
+        feasible = [p for p in self._sharing(decode, waiting, in_flight) if p.meets_slo]
+        batches = [p for p in feasible if p.mode != MuxMode.TEMPORAL and p.prefill.chunks]
+        if not batches:
+            return feasible
+        work = max(batches, key=lambda p: p.committed_tokens_per_s).prefill.num_tokens
+        return [self._mixed_over(p, decode, waiting, work) if p.mode == MuxMode.TEMPORAL
+                else p for p in feasible]
+
+    def _mixed_over(self, plan: MuxPlan, decode: DecodeLoad,
+                    waiting: Sequence[PrefillRequest], work: int) -> MuxPlan:
+        """``plan`` (a mixed step) with the rate of mixed steps through the next ``work``
+        prompt tokens, each step with the largest chunk that fits (the last one no more than
+        is left): chunks shrink as the prefix they attend to grows, so the first step's rate
+        overstates the run. 0 when mixed steps stop fitting the budget on the way."""
+        cfg = self.config
+        ms, done, chunk = 0.0, 0, plan.prefill.num_tokens
+        while done < work and chunk is not None:
+            window, left = _window(waiting, done, work - done), work - done
+            step = lambda tokens, window=window: self._mixed_ms(decode, window, tokens)
+            chunk = _fitting_near(step, chunk, min(left, cfg.min_chunk_tokens),
+                                  min(left, cfg.max_prefill_tokens), cfg.token_align,
+                                  cfg.budget_ms)
+            if chunk is not None:
+                ms, done = ms + step(chunk), done + chunk
+        rate = 1e3 * work / ms if chunk is not None else 0.0
+        return replace(plan, committed_tokens_per_s=rate)
 
     def _fallbacks(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
                    in_flight: InFlightPrefill | None) -> list[MuxPlan]:
@@ -314,8 +358,10 @@ class MuxPlanner:
         else:
             chunks = self._gather(waiting, self._token_budget(waiting, sms, False))
             piece = self._piece(waiting, chunks, 0, self.num_layers, sms, False)
-        return MuxPlan(MuxMode.PREFILL_ONLY, sms, sms, piece, 0.0, self._rate(piece), True,
-                       "no decode running: whole GPU, all remaining layers")
+        rate = self._rate(piece)
+        return MuxPlan(MuxMode.PREFILL_ONLY, sms, sms, piece, 0.0, rate, True,
+                       "no decode running: whole GPU, all remaining layers",
+                       committed_tokens_per_s=rate)
 
     def _spatial(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
                  in_flight: InFlightPrefill | None) -> MuxPlan | None:
@@ -329,12 +375,15 @@ class MuxPlanner:
         decode_sms, prefill_sms = self.partitions[lo]
         decode_ms = step(lo)
         fits = decode_ms <= self.config.budget_ms
-        piece = self._piece_within(waiting, in_flight, prefill_sms, True, decode_ms,
-                                   rate=lambda p: self._rate(p, decode_ms))
+        # A piece starts at a decode boundary, so it holds a whole number of decode steps.
+        run_rate = lambda p: self._run_rate(p, prefill_sms, True,
+                                            cycle=lambda ms: _period(ms, decode_ms))
+        piece = self._piece_within(waiting, in_flight, prefill_sms, True, decode_ms, run_rate)
         reason = (f"smallest decode partition meeting the ITL budget: {decode_sms} SMs"
                   if fits else "no partition meets the ITL budget: largest decode partition")
         return MuxPlan(MuxMode.SPATIAL, decode_sms, prefill_sms, piece, decode_ms,
-                       self._rate(piece, decode_ms), fits, reason, decode_ms, True)
+                       self._rate(piece, decode_ms), fits, reason, decode_ms, True,
+                       run_rate(piece))
 
     def _temporal(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
                   in_flight: InFlightPrefill | None, forced: bool = False) -> MuxPlan | None:
@@ -356,8 +405,9 @@ class MuxPlanner:
                              self.num_layers, ms)
         reason = (f"mixed step with a {chunk}-token chunk" if fits else
                   f"prefill waited {cfg.max_prefill_stall_ms:.0f} ms: smallest mixed step")
-        return MuxPlan(MuxMode.TEMPORAL, self.total_sms, self.total_sms, piece, ms,
-                       1e3 * chunk / ms, fits, reason, ms, True)
+        rate = 1e3 * chunk / ms
+        return MuxPlan(MuxMode.TEMPORAL, self.total_sms, self.total_sms, piece, ms, rate, fits,
+                       reason, ms, True, rate)
 
     def _time_slice(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
                     in_flight: InFlightPrefill | None, forced: bool = False
@@ -370,8 +420,8 @@ class MuxPlanner:
         decode_ms = self._decode_ms(decode, sms, co_running=False)
         room = self.config.budget_ms - decode_ms
         cycle = lambda p: decode_ms + p.predicted_ms
-        piece = self._piece_within(waiting, in_flight, sms, False, room,
-                                   rate=lambda p: _progress(p, self.num_layers, cycle(p)))
+        run_rate = lambda p: self._run_rate(p, sms, False, cycle=lambda ms: decode_ms + ms)
+        piece = self._piece_within(waiting, in_flight, sms, False, room, run_rate)
         fits = piece.predicted_ms <= room
         if not fits and not forced:
             return None
@@ -380,15 +430,16 @@ class MuxPlanner:
                   f"prefill waited {self.config.max_prefill_stall_ms:.0f} ms: smallest slice")
         return MuxPlan(MuxMode.TIME_SLICE, sms, sms, piece, decode_ms,
                        _progress(piece, self.num_layers, cycle(piece)), fits, reason,
-                       cycle(piece), True)
+                       cycle(piece), True, run_rate(piece))
 
     # ------------------------------------------------------------------- pieces
 
     def _piece_within(self, waiting: Sequence[PrefillRequest],
                       in_flight: InFlightPrefill | None, sms: int, co_running: bool,
                       limit_ms: float, rate: Callable[[PrefillPiece], float]) -> PrefillPiece:
-        """The piece with the highest ``rate`` among those predicted within ``limit_ms``; the
-        smallest piece (one layer, the fewest tokens) when none is.
+        """The piece with the highest ``rate`` (of its batch's whole run) among those
+        predicted within ``limit_ms``; the smallest piece (one layer, the fewest tokens) when
+        none is.
 
         A piece continuing the batch in flight keeps its tokens and takes as many layers as
         fit. A new batch weighs a few layer counts around the most that fit with every
@@ -501,10 +552,22 @@ class MuxPlanner:
         piece occupies a whole number of steps."""
         if piece is None or piece.predicted_ms <= 0:
             return 0.0
-        period = piece.predicted_ms
-        if step_ms > 0:
-            period = max(1, math.ceil(piece.predicted_ms / step_ms - 1e-6)) * step_ms
+        period = _period(piece.predicted_ms, step_ms) if step_ms > 0 else piece.predicted_ms
         return _progress(piece, self.num_layers, period)
+
+    def _run_rate(self, piece: PrefillPiece, sms: int, co_running: bool,
+                  cycle: Callable[[float], float]) -> float:
+        """Prompt tokens per second over the run ``piece`` commits its batch to: through
+        every layer it has left, ``piece`` and then pieces of as many layers (the last one
+        shorter), each taking ``cycle(its predicted ms)`` of wall time. A batch that splits
+        its layers unevenly pays for a short last piece as for a whole cycle."""
+        left = self.num_layers - piece.start_layer
+        whole, rest = divmod(left, piece.num_layers)
+        ms = whole * cycle(piece.predicted_ms)
+        if rest:
+            ms += cycle(self._prefill_ms(piece.num_tokens, piece.context_tokens,
+                                         piece.batch_size, sms, co_running, rest))
+        return 1e3 * piece.num_tokens * left / self.num_layers / ms if ms > 0 else 0.0
 
 
 def profile_groups(partitions: Sequence[tuple[int, int]], total_sms: int
@@ -555,8 +618,45 @@ def _progress(piece: PrefillPiece, num_layers: int, period_ms: float) -> float:
     return 1e3 * piece.num_tokens * piece.num_layers / num_layers / period_ms
 
 
+def _period(piece_ms: float, step_ms: float) -> float:
+    """Wall time of a piece launched at a decode boundary: whole decode steps."""
+    return max(1, math.ceil(piece_ms / step_ms - 1e-6)) * step_ms
+
+
+def _window(waiting: Sequence[PrefillRequest], start: int, tokens: int
+            ) -> list[PrefillRequest]:
+    """``waiting`` once its first ``start`` prompt tokens (first come, first served) are
+    prefilled, holding only the ``tokens`` after them."""
+    window, skip, keep = [], start, tokens
+    for request in waiting:
+        skipped = min(request.tokens_remaining, skip)
+        kept = min(request.tokens_remaining - skipped, keep)
+        skip, keep = skip - skipped, keep - kept
+        window.append(replace(request, tokens_remaining=kept,
+                              prefix_tokens=request.prefix_tokens + skipped))
+    return window
+
+
 def _prefix_sum(waiting: Sequence[PrefillRequest], chunks: Sequence[tuple[int, int]]) -> int:
     return sum(waiting[i].prefix_tokens for i, _ in chunks)
+
+
+def _fitting_near(cost, guess: int, lo: int, hi: int, align: int, limit: float) -> int | None:
+    """What ``_largest_fitting`` finds (None when not even ``lo`` fits), searched in ``align``
+    steps from ``guess``: a few calls when the answer is near it, as from one mixed step to
+    the next."""
+    up = lambda n: min(hi, (n // align + 1) * align)
+    down = lambda n: max(lo, (-(-n // align) - 1) * align)
+    n = min(max(guess, lo), hi)
+    if cost(n) <= limit:
+        while n < hi and cost(up(n)) <= limit:
+            n = up(n)
+        return n
+    while n > lo:
+        n = down(n)
+        if cost(n) <= limit:
+            return n
+    return None
 
 
 def _largest_fitting(cost, lo: int, hi: int, align: int, limit: float) -> int:
