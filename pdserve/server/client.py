@@ -22,6 +22,8 @@ from pdserve.handoff import KVHandoff
 from pdserve.messages import (
     AbortRequests,
     AddRequest,
+    DescribeQuery,
+    DescribeReply,
     EngineDead,
     EngineReady,
     EngineStats,
@@ -29,8 +31,6 @@ from pdserve.messages import (
     RequestUpdate,
     Shutdown,
     StepOutputs,
-    DescribeQuery,
-    DescribeReply,
     TimelineQuery,
     TimelineReply,
 )

@@ -17,14 +17,14 @@ from typing import Any
 from pdserve.messages import (
     AbortRequests,
     AddRequest,
+    DescribeQuery,
+    DescribeReply,
     EngineDead,
     EngineReady,
     QueueFullError,
     RequestRejected,
     Shutdown,
     StepOutputs,
-    DescribeQuery,
-    DescribeReply,
     TimelineQuery,
     TimelineReply,
 )
