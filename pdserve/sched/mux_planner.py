@@ -89,12 +89,18 @@ class OnlineCalibration:
     reports (predicted, measured); the step's correction factor (one for mixed steps, one
     for co-running decode steps: shared by every partition, so a split the planner has not
     used yet is judged by what the others showed) moves a ``weight`` of the way (in log
-    space) towards their ratio, within ``bounds``, so one odd step cannot swing it far.
+    space) towards their ratio, within ``bounds``. One step's ratio counts as at most
+    ``step_limit`` (or its inverse), so one odd step moves a factor by a few percent only:
+    on the H200 a fresh server's first eager mixed step (kernels compiled on first use) ran
+    16x its prediction and, counted at 2x, raised the correction 15%; with the planner no
+    longer choosing mixed steps, no later step could bring it back. A real, lasting error
+    is still learned, over a few steps.
     """
 
     def __init__(self, model: LatencyModel, weight: float = 0.2,
-                 bounds: tuple[float, float] = (0.5, 2.0)):
+                 bounds: tuple[float, float] = (0.5, 2.0), step_limit: float = 1.25):
         self.model, self.weight, self.bounds = model, weight, bounds
+        self.step_limit = step_limit
         self.num_layers, self.total_sms = model.num_layers, model.total_sms
         self.mixed_correction = 1.0
         self.decode_correction = 1.0  # co-running decode steps
@@ -122,7 +128,7 @@ class OnlineCalibration:
         if predicted_ms <= 0 or measured_ms <= 0:
             return factor
         low, high = self.bounds
-        ratio = min(max(measured_ms / predicted_ms, low), high)
+        ratio = min(max(measured_ms / predicted_ms, 1.0 / self.step_limit), self.step_limit)
         return min(max(factor * ratio ** self.weight, low), high)
 
 
