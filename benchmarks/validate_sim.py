@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shlex
 import sys
@@ -39,7 +40,7 @@ from pdserve.sim.cluster import GroupSim, LatencyModel, ServiceNoise, SimRequest
 from pdserve.testing import ServeProcess, free_port, start_serve  # noqa: E402
 
 VOCAB = 250  # token ids below the tiny model's special tokens
-STEP_WINDOW = 4
+STEP_WINDOW = 8
 
 
 def start_instance(args) -> ServeProcess:
@@ -51,15 +52,24 @@ def prompt(rng: np.random.Generator, tokens: int) -> list[int]:
 
 
 async def stream(session, url: str, body: dict) -> list[float]:
-    """Arrival times of the streamed chunks that carry text, from the send."""
+    """Arrival time of every generated token, from the send. A chunk may carry several
+    tokens (a model's random ids held back as incomplete UTF-8 until they decode), so
+    tokens are counted by the chunk's ``logprobs`` and each takes its chunk's time."""
     start, times = time.monotonic(), []
-    async with session.post(url, json={**body, "stream": True}) as resp:
+    async with session.post(url, json={**body, "stream": True, "logprobs": 0}) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
         async for line in resp.content:
-            if line.startswith(b"data: {") and b'"text"' in line:
-                times.append(time.monotonic() - start)
+            if line.startswith(b"data: {"):
+                count = tokens_in_chunk(json.loads(line[len(b"data: "):]))
+                times += [time.monotonic() - start] * count
     return times
+
+
+def tokens_in_chunk(chunk: dict) -> int:
+    choices = chunk.get("choices") or [{}]
+    logprobs = choices[0].get("logprobs") or {}
+    return len(logprobs.get("tokens") or ())
 
 
 async def measure_prefill(session, url: str, args, rng) -> tuple[list[dict], list[float]]:

@@ -120,3 +120,19 @@ def test_instruction_count_covers_only_the_window(tmp_path):
     assert 1_000 < result["instructions_per_request"] < 1_000_000
     assert result["instructions"] == pytest.approx(
         result["instructions_per_request"] * result["arrivals"])
+
+
+def test_decode_timing_counts_tokens_not_chunks():
+    """With dummy weights a streamed chunk can carry several tokens (held back as incomplete
+    UTF-8): the validation's decode timing counts them by the chunk's logprobs (the H200
+    run stopped with no decode samples when it counted chunks)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("validate_sim",
+                                                  ROOT / "benchmarks" / "validate_sim.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    three = {"choices": [{"text": "ab", "logprobs": {"tokens": ["a", "", "b"]}}]}
+    assert module.tokens_in_chunk(three) == 3
+    assert module.tokens_in_chunk({"choices": [], "usage": {"completion_tokens": 9}}) == 0
+    assert module.tokens_in_chunk({"choices": [{"text": "", "logprobs": None}]}) == 0
