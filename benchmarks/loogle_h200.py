@@ -138,6 +138,10 @@ def summarise_timeline(entries: list[dict], since: float, itl_ms: float) -> dict
                             "calibration_p50": statistics.median(
                                 e.get("calibration", 1.0) for e in measured),
                             "calibration_last": measured[-1].get("calibration", 1.0)}
+            device = [e["measured_device_ms"] / e["predicted_cycle_ms"] for e in measured
+                      if e.get("measured_device_ms", 0) > 0]
+            if device:  # the launch on the GPU's clock, what the calibration learns from
+                cycles[mode]["device_over_predicted_p50"] = statistics.median(device)
     spatial = [e["decode_sms"] for e in entries if e["mode"] == "spatial"]
     return {"decisions": len(entries), "seconds_by_mode": seconds, "decode_cycle": cycles,
             "spatial_decode_sms": {str(s): spatial.count(s) for s in sorted(set(spatial))}}

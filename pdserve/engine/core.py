@@ -496,4 +496,5 @@ def _kept(work: Work, output: StepOutput, dropped: list[bool]
     keep = [i for i, gone in enumerate(dropped) if not gone]
     logprobs = [output.logprobs[i] for i in keep] if output.logprobs else None
     return ([sampling[i].request for i in keep],
-            StepOutput([output.token_ids[i] for i in keep], logprobs, output.elapsed_ms))
+            StepOutput([output.token_ids[i] for i in keep], logprobs, output.elapsed_ms,
+                       output.device_ms))

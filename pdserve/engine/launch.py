@@ -84,6 +84,9 @@ class Launch:
     # When the host began issuing; for a launch issued behind its lane's previous one
     # (overlap), when that one was seen to complete.
     issued: float = field(default_factory=time.perf_counter)
+    # A timing event recorded on the stream just before the launch's kernels (whole launches
+    # on CUDA), with ``event`` its end: the launch's time on the device.
+    device_start: Any = None
     prompt: PromptRows | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -98,12 +101,15 @@ class Launch:
         """Sampled tokens; only valid once ``event.query()`` is True. ``elapsed_ms`` runs from
         the start of issuing to now (the caller reads it as soon as the event is done)."""
         elapsed = (time.perf_counter() - self.issued) * 1e3
+        device = self.device_start.elapsed_time(self.event) if self.device_start is not None \
+            else None
         if self.num_sampled == 0:
-            return StepOutput(token_ids=[], elapsed_ms=elapsed)
+            return StepOutput(token_ids=[], elapsed_ms=elapsed, device_ms=device)
         n = self.num_sampled
         tokens = self.buffers.tokens[:n].tolist()
         logprobs = self._logprobs() if self.want_logprobs else None
-        return StepOutput(token_ids=tokens, logprobs=logprobs, elapsed_ms=elapsed)
+        return StepOutput(token_ids=tokens, logprobs=logprobs, elapsed_ms=elapsed,
+                          device_ms=device)
 
     def _logprobs(self) -> list[float]:
         logprobs = self.buffers.logprobs[:self.num_sampled].tolist()

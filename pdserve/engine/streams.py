@@ -30,6 +30,8 @@ class StreamOps(Protocol):
 
     def keep_alive(self, tensors: Iterable[torch.Tensor], stream: Any) -> None: ...
 
+    def timed_record(self, stream: Any) -> Any | None: ...
+
     def host_buffer(self, size: int, dtype: torch.dtype) -> torch.Tensor: ...
 
 
@@ -51,6 +53,9 @@ class SyncStreamOps:
 
     def record(self, stream: Any) -> Event:
         return DoneEvent()
+
+    def timed_record(self, stream: Any) -> Any | None:
+        return None  # no device clock: launches are timed on the host
 
     def wait(self, stream: Any, event: Event) -> None:
         return None
@@ -74,6 +79,12 @@ class CudaStreamOps:
 
     def record(self, stream: Any) -> Event:
         event = torch.cuda.Event()
+        event.record(self._stream(stream))
+        return event
+
+    def timed_record(self, stream: Any) -> torch.cuda.Event:
+        """An event that can time the work between it and another such event."""
+        event = torch.cuda.Event(enable_timing=True)
         event.record(self._stream(stream))
         return event
 

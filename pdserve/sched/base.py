@@ -74,6 +74,10 @@ class StepOutput:
     token_ids: list[int]
     logprobs: list[float] | None = None
     elapsed_ms: float | None = None  # launch to observed completion, when the engine timed it
+    # The launch on the GPU's own clock (CUDA events around it; None elsewhere): from when
+    # its stream reached it to its last kernel. Unlike ``elapsed_ms`` it excludes a late
+    # look at a finished launch (the host busy with another lane's work meanwhile).
+    device_ms: float | None = None
 
 
 @dataclass(slots=True)

@@ -78,6 +78,7 @@ class TimelineEntry:
     switch_pending: bool
     predicted_cycle_ms: float = 0.0  # the planner's time between two decode tokens
     measured_cycle_ms: float = 0.0  # the decode launch's issue to observed completion
+    measured_device_ms: float = 0.0  # that launch on the GPU's clock (0: not timed there)
     # The online correction in the cycle's prediction (mixed steps in temporal, co-running
     # decode in spatial; 1.0 where none applies): how far serving moved the profile.
     calibration: float = 1.0
@@ -384,12 +385,16 @@ class MultiplexScheduler(InFlightScheduler):
         return self._drop_aborted_batch()
 
     def _calibrate(self, work: Work, output: StepOutput) -> None:
-        note, measured = work.note, output.elapsed_ms
-        if measured is None:
+        note = work.note
+        if output.elapsed_ms is None:
             return
         entry, mixed = note.entry, note.mixed
         if entry is not None:
-            entry.measured_cycle_ms = measured
+            entry.measured_cycle_ms = output.elapsed_ms
+            entry.measured_device_ms = output.device_ms or 0.0
+        # The profile timed the GPU: learn from the device's clock where there is one (the
+        # host's view adds whatever kept it from looking at a finished step in time).
+        measured = output.device_ms if output.device_ms is not None else output.elapsed_ms
         if mixed is not None and mixed.as_planned:
             self.model.observe_mixed(mixed.plan.decode_ms, measured)
         elif entry is not None and entry.mode == MuxMode.SPATIAL and not entry.switch_pending:
