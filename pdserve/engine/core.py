@@ -37,6 +37,7 @@ from pdserve.engine.launch import HostBuffers, Launch
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.setup import EngineSetup, policy_args
 from pdserve.engine.streams import Event
+from pdserve.engine.warmup import warm_up_eager_steps
 from pdserve.handoff import HANDOFF_FINISH_REASON, KVHandoff
 from pdserve.messages import EngineStats, QueueFullError, RequestUpdate
 from pdserve.model.arch import get_arch, is_checkpoint_dir
@@ -86,6 +87,7 @@ class EngineCore:
         self._buffers = {lane: self._lane_buffers() for lane in self.scheduler.lanes}
         self._fences: dict[str, list[Event]] = {lane: [] for lane in self.scheduler.lanes}
         self._awaiting_kv: dict[str, Request] = {}  # decode side: by transfer id, FCFS
+        self.warmup = warm_up_eager_steps(self)
 
     def _lane_buffers(self) -> list[HostBuffers]:
         """Two pinned buffers (an overlapped launch fills one while the host reads the other)
@@ -462,7 +464,7 @@ class EngineCore:
                 "attention_backend": type(self.runner.attn_backend).__name__,
                 "cuda_graphs": any(pool.graphs for pool in self.runner.pools.values()),
                 "tensor_parallel_size": self.runner.comm.size,
-                "overlap_schedule": self._describe_overlap(),
+                "overlap_schedule": self._describe_overlap(), "eager_warmup": self.warmup,
                 **self.scheduler.describe(), **self.kv.describe()}
 
     def _describe_overlap(self) -> dict:

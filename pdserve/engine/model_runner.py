@@ -181,6 +181,10 @@ class ModelRunner:
         log.info("decode graphs use %.2f GiB", used / GiB)
         pool.graphs[None] = graphs
 
+    def piecewise_tokens(self) -> int:
+        """Largest whole-GPU step with prompt tokens replayed from graphs (0: none)."""
+        return self._piecewise_tokens()
+
     def _piecewise_tokens(self) -> int:
         # Under tensor parallelism the segments would hold collectives of the lane that
         # runs the step; not captured there yet (such steps run eagerly).
