@@ -85,6 +85,8 @@ class TimelineEntry:
     # Prompt tokens already cached ahead of the piece or chunk (the planner's view): with
     # ``calibration`` and the cycles, how prediction error grows with the prefix.
     prefill_context_tokens: int = 0
+    # The prefill rate the planner chose this option by: over the work it commits to.
+    committed_tokens_per_s: float = 0.0
 
 
 @dataclass
@@ -429,7 +431,8 @@ class MultiplexScheduler(InFlightScheduler):
             time.monotonic(), str(plan.mode), plan.decode_sms, plan.prefill_sms, decode_batch,
             prefill_tokens, layers, plan.decode_ms, self.switch_pending, plan.cycle_ms,
             calibration=self._calibration_of(plan.mode),
-            prefill_context_tokens=plan.prefill.context_tokens if plan.prefill else 0)
+            prefill_context_tokens=plan.prefill.context_tokens if plan.prefill else 0,
+            committed_tokens_per_s=plan.committed_tokens_per_s)
         self._timeline.append(entry)
         note = self.decode_work.note if self.decode_work is not None else None
         if isinstance(note, DecodeNote) and note.entry is None:

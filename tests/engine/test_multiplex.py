@@ -205,6 +205,8 @@ def test_spatial_pieces_match_transformers(hf_llama, expected):
     # The shared prefix is cached after the first prompt: later pieces start behind it.
     assert any(e["prefill_context_tokens"] > 0 for e in spatial + whole)
     assert all(e["prefill_context_tokens"] == 0 for e in timeline if e["prefill_tokens"] == 0)
+    # Each sharing choice says the rate it was chosen by (over the work it commits to).
+    assert all(e["committed_tokens_per_s"] > 0 for e in spatial)
 
 
 def test_late_out_of_order_completions_keep_tokens_and_the_split_rule(hf_llama, expected):
