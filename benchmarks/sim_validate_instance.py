@@ -69,7 +69,7 @@ from pdserve.testing import ServeProcess, start_serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW_TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_first_600s.jsonl"
-PREDICTOR = "benchmarks/results/loogle_h200/6f90be1_predictor.json"  # profiled at 6f90be1
+PREDICTOR = "benchmarks/results/loogle_h200/d698fcb_predictor.json"  # profiled at d698fcb
 SCHEDULES = {
     "chunk512": "--schedule chunked --chunk-size 512",
     "multiplex": f"--schedule multiplex --itl-slo-ms 60 --mux-predictor {PREDICTOR}",
