@@ -19,13 +19,13 @@ A request is met when its TTFT is within the SLO; one the gateway gave up on aft
 
 from __future__ import annotations
 
-import bisect
 import functools
 import gc
 import heapq
 import itertools
 import json
 import math
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -250,64 +250,52 @@ class EventLoop:
             del due[when]
 
 
+# A kept order's key of an instance: its load above its rank by name (16 bits: a pool of
+# up to 65,536 instances; a larger load only makes the integer longer, never the order wrong).
+_RANK_BITS = 16
+_RANK = (1 << _RANK_BITS) - 1
+
+
 class LoadOrder(Generic[T]):
     """One gateway's instances of one role in a group, in its order - fewest in flight from
     that gateway first, ties by name: the order ``order_prefill`` offers prefills in, and
     whose first is the decode instance ``_pick_decode`` picks - kept as a load moves by one
-    instead of sorted again per request: per load, a sorted list of the instances' ranks by
-    name. Sorting every request's candidates was the fleet's largest cost.
-    ``GroupSim(verify_order=True)`` checks it against ``order_prefill`` on every request."""
+    instead of sorted again per request: one sorted list of integer keys, each an
+    instance's load above its rank by name. Sorting every request's candidates was the
+    fleet's largest cost. ``GroupSim(verify_order=True)`` checks it against
+    ``order_prefill`` on every request."""
 
     def __init__(self, counts: dict[str, int], names: list[str], items: dict[str, T]) -> None:
         """The order of ``names`` by ``counts`` (a gateway's, which ``shift`` keeps too)."""
         self.counts = counts
-        loads = {n: counts[n] for n in names}
         names = sorted(names)
+        if len(names) > _RANK + 1:
+            raise ValueError(f"a kept order ranks at most {_RANK + 1} instances")
         self._items = [items[n] for n in names]  # by rank
-        self._entries = {n: [rank, loads[n]] for rank, n in enumerate(names)}  # [rank, load]
-        self._levels: list[list[int]] = [[] for _ in range(max(loads.values(), default=0) + 1)]
-        for rank, name in enumerate(names):
-            self._levels[loads[name]].append(rank)
-        self._low = 0  # no instance has a lower load
+        self._keys = {n: counts[n] << _RANK_BITS | rank for rank, n in enumerate(names)}
+        self._order = sorted(self._keys.values())
 
     def shift(self, name: str, delta: int) -> None:
         """``name``'s count moved by ``delta``."""
         self.counts[name] += delta
-        entry = self._entries.get(name)
-        if entry is None:
+        key = self._keys.get(name)
+        if key is None:
             return  # it is leaving this role: no longer in the order
-        rank, load = entry
-        levels = self._levels
-        level = levels[load]
-        del level[bisect.bisect_left(level, rank)]  # sorted: not list.remove's scan
-        load += delta
-        entry[1] = load
-        if load == len(levels):
-            levels.append([])
-        bisect.insort(levels[load], rank)
-        if load < self._low:
-            self._low = load
-
-    def _lowest(self) -> int:
-        levels, low = self._levels, self._low
-        while low < len(levels) - 1 and not levels[low]:  # moved up: the next in use
-            low += 1
-        self._low = low
-        return low
+        order = self._order
+        del order[bisect_left(order, key)]  # sorted: not list.remove's scan
+        key += delta << _RANK_BITS
+        self._keys[name] = key
+        insort(order, key)
 
     def in_order(self) -> Iterator[T]:
         """The instances in order (a plain method: ``iter()`` would reach ``__iter__`` through
         a C slot, a heavier call from the offer path than a method call)."""
-        levels = self._levels
-        low = self._low if levels[self._low] else self._lowest()
-        return map(self._items.__getitem__, itertools.chain.from_iterable(levels[low:]))
+        return map(self._items.__getitem__, map(_RANK.__and__, self._order))
 
     __iter__ = in_order
 
     def first(self) -> T:
-        levels = self._levels
-        low = self._low if levels[self._low] else self._lowest()
-        return self._items[levels[low][0]]
+        return self._items[self._order[0] & _RANK]
 
 
 class GatewaySim:
@@ -604,8 +592,9 @@ class GroupSim:
     fleet (``FleetSim`` calls ``arrive``). Every instance can take either role (as a real
     one does); with ``ratio`` set, the real ratio controller's judgement (``judge``) moves
     one between roles every ``ratio_interval_s``, and a moved instance joins its new role
-    once the work of its old one has drained. ``on_answer`` sees each request that ended:
-    answered, or given up on (``unserved``)."""
+    once the work of its old one has drained. Each request that ended, answered or given up
+    on (``unserved``), is appended to ``ended`` if set (a list its reader empties: a
+    callback per request cost a Python call each)."""
 
     model: LatencyModel
     num_prefill: int
@@ -619,7 +608,7 @@ class GroupSim:
     loop: EventLoop = field(default_factory=EventLoop)
     gateways: list[GatewaySim] = field(default_factory=lambda: [GatewaySim()])
     name: str = "sim"
-    on_answer: Callable[[GroupSim, SimRequest], None] | None = None
+    ended: list[SimRequest] | None = None
     multiplexing: Multiplexing | None = None  # every instance prefills and decodes itself
     verify_order: bool = False  # check each offer order against the gateway's own
     noise: ServiceNoise | None = None  # measured spread of service times; None: medians
@@ -797,15 +786,15 @@ class GroupSim:
         window.latencies(request.arrival, request.first_token - request.arrival,
                          request.finished - request.arrival)
         self.open -= 1  # _ended
-        if self.on_answer is not None:
-            self.on_answer(self, request)
+        if self.ended is not None:
+            self.ended.append(request)
         if self.draining:
             self._settle(decode.name)
 
     def _ended(self, request: SimRequest) -> None:
         self.open -= 1
-        if self.on_answer is not None:
-            self.on_answer(self, request)
+        if self.ended is not None:
+            self.ended.append(request)
 
     # ---- dynamic P/D ratio ----
 
@@ -849,12 +838,12 @@ class GroupSim:
         if role is None:
             return
         old = self.decode[name] if role == "prefill" else self.prefill[name]
-        if old.idle():
+        if old.idle():  # the roles change: every kept order is rebuilt on its next use
             self.roles[name] = role
             del self.draining[name]
             self._active.clear()
             self._orders.clear()
-        self._decode_orders.clear()
+            self._decode_orders.clear()
 
 
 def summarize(requests: list[SimRequest], ttft_slo_s: float) -> dict:
