@@ -19,16 +19,16 @@ A request is met when its TTFT is within the SLO; one the gateway gave up on aft
 
 from __future__ import annotations
 
+import bisect
 import functools
 import gc
-import heapq
 import itertools
 import json
 import math
-from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -197,20 +197,21 @@ class EventLoop:
         self._times: list[float] = []  # heap of the times actions are due at, each once
         self._due: dict[float, list] = {}  # time -> [action, argument, action, ...]
         self._feed_at = math.inf
-        self._feed: Callable[[], None] | None = None
+        self._feed: Callable[[], float] | None = None
 
     def at(self, when: float, action: Callable[..., None], arg: object = None) -> None:
         due = self._due.get(when)
         if due is None:
             self._due[when] = [action, arg]
-            heapq.heappush(self._times, when)
-        else:  # after those already due then (also while they run)
+            heappush(self._times, when)
+        else:  # after those already due then (once they run, it opens a new entry)
             due.append(action)
             due.append(arg)
 
-    def feed(self, when: float, action: Callable[[], None]) -> None:
-        """``action`` runs at ``when`` (after heap events of that very time); it calls
-        ``feed`` again for the source's next event, or not when the source is dry."""
+    def feed(self, when: float, action: Callable[[], float]) -> None:
+        """``action`` runs at ``when`` (after heap events of that very time) and returns when
+        it runs next: the source's next event, or ``math.inf`` when the source is dry (until
+        ``feed`` is called again). A return value spares a call back per event."""
         self._feed_at, self._feed = when, action
 
     def run(self, until: float = math.inf) -> None:
@@ -228,74 +229,96 @@ class EventLoop:
                 gc.enable()
 
     def _run(self, until: float) -> None:
-        times, due, pop, inf = self._times, self._due, heapq.heappop, math.inf
-        while times or self._feed_at < inf:
-            if not times or self._feed_at < times[0]:
-                if self._feed_at >= until:
+        times, due, pop, inf = self._times, self._due, heappop, math.inf
+        while True:
+            head = times[0] if times else inf
+            feed_at = self._feed_at
+            if feed_at < head:
+                if feed_at >= until:
                     return
-                self.now, self._feed_at = self._feed_at, inf
-                self._feed()
+                self.now = feed_at
+                self._feed_at = self._feed()
                 continue
-            if times[0] >= until:
+            if head >= until:  # (with nothing left, inf >= until)
                 return
-            self.now = when = pop(times)
-            actions, i = due[when], 0
-            while i < len(actions):  # (a zip over one iterator of it built a zip per time)
-                action, arg = actions[i], actions[i + 1]
-                i += 2
+            pop(times)
+            self.now = head
+            # Taken out before they run: one due at this time from them opens a new entry,
+            # which the heap hands back at once (after these, before the feed: as before).
+            actions = due.pop(head)
+            if len(actions) == 2:  # most times have one action
+                action, arg = actions
                 if arg is None:
                     action()
                 else:
                     action(arg)
-            del due[when]
-
-
-# A kept order's key of an instance: its load above its rank by name (16 bits: a pool of
-# up to 65,536 instances; a larger load only makes the integer longer, never the order wrong).
-_RANK_BITS = 16
-_RANK = (1 << _RANK_BITS) - 1
+                continue
+            for i in range(0, len(actions), 2):
+                action, arg = actions[i], actions[i + 1]
+                if arg is None:
+                    action()
+                else:
+                    action(arg)
 
 
 class LoadOrder(Generic[T]):
     """One gateway's instances of one role in a group, in its order - fewest in flight from
     that gateway first, ties by name: the order ``order_prefill`` offers prefills in, and
     whose first is the decode instance ``_pick_decode`` picks - kept as a load moves by one
-    instead of sorted again per request: one sorted list of integer keys, each an
-    instance's load above its rank by name. Sorting every request's candidates was the
-    fleet's largest cost. ``GroupSim(verify_order=True)`` checks it against
-    ``order_prefill`` on every request."""
+    instead of sorted again per request: per load, a sorted list of the instances' ranks by
+    name. Sorting every request's candidates was the fleet's largest cost.
+    ``GroupSim(verify_order=True)`` checks it against ``order_prefill`` on every request."""
 
     def __init__(self, counts: dict[str, int], names: list[str], items: dict[str, T]) -> None:
         """The order of ``names`` by ``counts`` (a gateway's, which ``shift`` keeps too)."""
         self.counts = counts
+        loads = {n: counts[n] for n in names}
         names = sorted(names)
-        if len(names) > _RANK + 1:
-            raise ValueError(f"a kept order ranks at most {_RANK + 1} instances")
         self._items = [items[n] for n in names]  # by rank
-        self._keys = {n: counts[n] << _RANK_BITS | rank for rank, n in enumerate(names)}
-        self._order = sorted(self._keys.values())
+        self._entries = {n: [rank, loads[n]] for rank, n in enumerate(names)}  # [rank, load]
+        self._levels: list[list[int]] = [[] for _ in range(max(loads.values(), default=0) + 1)]
+        for rank, name in enumerate(names):
+            self._levels[loads[name]].append(rank)
+        self._low = 0  # no instance has a lower load
 
     def shift(self, name: str, delta: int) -> None:
         """``name``'s count moved by ``delta``."""
         self.counts[name] += delta
-        key = self._keys.get(name)
-        if key is None:
+        entry = self._entries.get(name)
+        if entry is None:
             return  # it is leaving this role: no longer in the order
-        order = self._order
-        del order[bisect_left(order, key)]  # sorted: not list.remove's scan
-        key += delta << _RANK_BITS
-        self._keys[name] = key
-        insort(order, key)
+        rank, load = entry
+        levels = self._levels
+        level = levels[load]
+        del level[bisect.bisect_left(level, rank)]  # sorted: not list.remove's scan
+        load += delta
+        entry[1] = load
+        if load == len(levels):
+            levels.append([])
+        bisect.insort(levels[load], rank)
+        if load < self._low:
+            self._low = load
+
+    def _lowest(self) -> int:
+        levels, low = self._levels, self._low
+        while low < len(levels) - 1 and not levels[low]:  # moved up: the next in use
+            low += 1
+        self._low = low
+        return low
 
     def in_order(self) -> Iterator[T]:
         """The instances in order (a plain method: ``iter()`` would reach ``__iter__`` through
         a C slot, a heavier call from the offer path than a method call)."""
-        return map(self._items.__getitem__, map(_RANK.__and__, self._order))
+        levels = self._levels
+        low = self._low if levels[self._low] else self._lowest()
+        return map(self._items.__getitem__, itertools.chain.from_iterable(levels[low:]))
 
     __iter__ = in_order
 
     def first(self) -> T:
-        return self._items[self._order[0] & _RANK]
+        levels = self._levels
+        low = self._low if levels[self._low] else self._lowest()
+        return self._items[levels[low][0]]
 
 
 class GatewaySim:
@@ -477,20 +500,23 @@ class DecodeSim:
         change of the batch or of the stretch's start ends here): step k (from 0) takes
         _a + _b*k seconds, computed once per change, not per step time asked for."""
         waiting, running = self.waiting, self.running
-        max_batch, pool = self.max_batch, self.model.decode_kv_tokens
-        # One fits while the batch has room and its whole prompt and answer fit in the pool
-        # (any one does in an empty batch).
-        while waiting:
-            request = waiting[0]
-            if len(running) >= max_batch or (
-                    self.kv_in_use + request.input_len + request.output_len > pool and running):
-                break
-            waiting.popleft()
-            steps = request.output_len - 1  # at least 1 (CPython 3.11's max() is a slow call)
-            last = self._step + (steps if steps > 1 else 1)
-            heapq.heappush(running, (last, next(self._seq), request))
-            self.kv_in_use += request.input_len + request.output_len
-            self._context_base += request.input_len + request.output_len - last
+        if waiting:  # (locals: each field read and written once, not per request)
+            step, kv, base = self._step, self.kv_in_use, self._context_base
+            max_batch, pool = self.max_batch, self.model.decode_kv_tokens
+            # One fits while the batch has room and its whole prompt and answer fit in the
+            # pool (any one does in an empty batch).
+            while waiting:
+                request = waiting[0]
+                size = request.input_len + request.output_len
+                if len(running) >= max_batch or (kv + size > pool and running):
+                    break
+                waiting.popleft()
+                steps = request.output_len - 1  # at least 1 (CPython 3.11's max() is slow)
+                last = step + (steps if steps > 1 else 1)
+                heappush(running, (last, next(self._seq), request))
+                kv += size
+                base += size - last
+            self.kv_in_use, self._context_base = kv, base
         m, batch = self.model, len(running)
         context = self._context_base + batch * self._step
         self._a = (m.decode_base_s + m.decode_per_request_s * batch
@@ -566,21 +592,29 @@ class DecodeSim:
         version, step = event
         if version != self._version:
             return
-        when = self._time_of(step)
-        if when > self.loop.now:  # newcomers joined since it was scheduled (``_join_at``)
+        now = self.loop.now
+        if self.noise is None:  # _time_of, in place: once a request or more
+            k = step - self._step
+            when = self._since + k * self._a + self._b * k * (k - 1) / 2
+        else:
+            when = self._time_of(step)
+        if when > now:  # newcomers joined since it was scheduled (``_join_at``)
             self.loop.at(when, self._sync, event)
             return
         self._begin_stretch(step)
         self._sync_step = None
-        done = []
-        while self.running and self.running[0][0] <= step:
-            last, _, request = heapq.heappop(self.running)
-            self.kv_in_use -= request.input_len + request.output_len
-            self._context_base -= request.input_len + request.output_len - last
-            request.finished = self.loop.now
+        running, done = self.running, []
+        kv, base = self.kv_in_use, self._context_base
+        while running and running[0][0] <= step:
+            last, _, request = heappop(running)
+            size = request.input_len + request.output_len
+            kv -= size
+            base -= size - last
+            request.finished = now
             done.append(request)
+        self.kv_in_use, self._context_base = kv, base
         self._admit()
-        self._schedule(self.running[0][0] if self.running else None)
+        self._schedule(running[0][0] if running else None)
         if self.on_finish is not None:
             for request in done:  # after the batch shrank: the callback may find it idle
                 self.on_finish(self, request)

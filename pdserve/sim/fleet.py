@@ -15,7 +15,6 @@ PD-multiplexing one (it prefills and decodes, ``cluster.Multiplexing``).
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,11 +129,6 @@ def ideal_prefill_share(model: LatencyModel, inputs: np.ndarray, outputs: np.nda
     return prefill_s / (prefill_s + decode_s)
 
 
-# What a request's count reads, in one C call per request.
-_ENDED_FIELDS = operator.attrgetter("scenario", "arrival", "first_token", "finished",
-                                    "output_len", "unserved")
-
-
 class Tally:
     """What the fleet's requests came to, kept as counts and flat arrays (millions of
     requests: none is kept past the count after it ended). Groups append each request that
@@ -154,27 +148,34 @@ class Tally:
 
     def count(self) -> None:
         """Counts the requests in ``ended`` and empties it."""
-        if not self.ended:
+        ended = self.ended
+        if not ended:
             return
-        # Given up on: no first token (None becomes NaN), unserved 1.
-        rows = np.array(list(map(_ENDED_FIELDS, self.ended)), dtype=np.float64)
-        self.ended.clear()
-        scenario, arrival, first, finished, output_len, unserved = rows.T
-        scenario, minute = scenario.astype(np.int64), (arrival // self.bin_s).astype(np.int64)
-        served = unserved == 0
+        # A list of each field, then an array of it: cheaper than an array of rows.
+        gave_up = [r for r in ended if r.unserved]
+        answered = [r for r in ended if not r.unserved] if gave_up else ended
+        scenario = np.array([r.scenario for r in answered], np.int64)
+        arrival = np.array([r.arrival for r in answered], np.float64)
+        first = np.array([r.first_token for r in answered], np.float64)
+        finished = np.array([r.finished for r in answered], np.float64)
+        output_len = np.array([r.output_len for r in answered], np.int64)
         ttft = first - arrival
-        met = served & (ttft <= self.slo_s)
-        self._ttft_s.append(ttft[served].astype(np.float32))
-        long = served & (output_len > 1)
+        self._ttft_s.append(ttft.astype(np.float32))
+        long = output_len > 1
         self._tpot_s.append(((finished[long] - first[long]) / (output_len[long] - 1))
                             .astype(np.float32))
+        met = ttft <= self.slo_s
         size = len(self.requests)
-        self.requests += np.bincount(scenario, minlength=size)
         self.met += np.bincount(scenario[met], minlength=size)
-        self.unserved += np.bincount(scenario[~served], minlength=size)
+        given_up = np.array([r.scenario for r in gave_up], np.int64)
+        self.unserved += np.bincount(given_up, minlength=size)
+        self.requests += np.bincount(np.concatenate((scenario, given_up)), minlength=size)
+        arrivals = np.concatenate((arrival, np.array([r.arrival for r in gave_up], np.float64)))
+        minute = (arrivals // self.bin_s).astype(np.int64)
         size = max(len(self.minute_requests), int(minute.max()) + 1)
         self.minute_requests = _added(self.minute_requests, minute, size)
-        self.minute_met = _added(self.minute_met, minute[met], size)
+        self.minute_met = _added(self.minute_met, minute[:len(answered)][met], size)
+        ended.clear()
 
     def summary(self) -> dict:
         self.count()
@@ -299,13 +300,14 @@ class FleetSim:
         if self._next < len(self._pending):
             self.loop.feed(self._pending[self._next][0], self._arrive)
 
-    def _arrive(self) -> None:
-        arrival, scenario, input_len, output_len, gateway = self._pending[self._next]
-        self._next += 1
+    def _arrive(self) -> float:
+        """The next arrival comes in; returns when the one after it comes (the loop's feed)."""
+        pending, i = self._pending, self._next
+        arrival, scenario, input_len, output_len, gateway = pending[i]
+        self._next = i = i + 1
         # Every field by position: keywords would build a dict per request (a class's call
         # takes them through C).
         request = SimRequest(arrival, input_len, output_len, None, None, None, False, 0,
                              self.gateways[gateway], 0, scenario)
         self.groups[scenario].arrive(request)
-        if self._next < len(self._pending):  # _schedule_next, in place
-            self.loop.feed(self._pending[self._next][0], self._arrive)
+        return pending[i][0] if i < len(pending) else math.inf

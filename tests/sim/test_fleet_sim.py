@@ -4,6 +4,7 @@ several gateways, groups and one pool over the same instances."""
 from __future__ import annotations
 
 import gc
+import math
 
 import numpy as np
 import pytest
@@ -165,15 +166,20 @@ def test_the_loop_runs_its_feed_and_its_heap_in_time_order():
     loop, seen = EventLoop(), []
     feed = iter([0.5, 1.5, 2.5])
 
-    def arrive() -> None:
+    def arrive() -> float:
         seen.append(("feed", loop.now))
-        when = next(feed, None)
-        if when is not None:
-            loop.feed(when, arrive)
+        return next(feed, math.inf)
 
-    for when in (0.0, 1.0, 1.5, 3.0):
+    def again_now() -> None:  # one more action due at the time now running
+        seen.append(("heap", loop.now))
+        loop.at(loop.now, lambda: seen.append(("again", loop.now)))
+
+    for when in (0.0, 1.0, 3.0):
         loop.at(when, lambda: seen.append(("heap", loop.now)))
+    loop.at(1.5, again_now)
+    loop.at(1.5, lambda: seen.append(("second", loop.now)))
     loop.feed(next(feed), arrive)
     loop.run()
     assert seen == [("heap", 0.0), ("feed", 0.5), ("heap", 1.0), ("heap", 1.5),
-                    ("feed", 1.5), ("feed", 2.5), ("heap", 3.0)]
+                    ("second", 1.5), ("again", 1.5), ("feed", 1.5), ("feed", 2.5),
+                    ("heap", 3.0)]
