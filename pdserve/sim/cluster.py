@@ -401,7 +401,7 @@ class PrefillSim:
         self.busy = True
         m, tokens = self.model, job[0].input_len
         service = (m.prefill_base_s + m.prefill_per_token_s * tokens  # m.prefill_s, in place
-                   + m.prefill_per_token_sq_s * tokens ** 2)
+                   + m.prefill_per_token_sq_s * (tokens * tokens))  # (** is a slower C call)
         if self.noise is not None:
             service *= self.noise.prefill_factor()
         if self.partner is not None:
@@ -471,23 +471,26 @@ class DecodeSim:
                 self.kv_in_use + request.input_len + request.output_len
                 <= self.model.decode_kv_tokens):  # it fits (as in ``_admit``; running is not empty)
             now = self.loop.now
-            # the next step boundary; one still ahead when a newcomer joins there already
-            boundary = self._step if now < self._since else self._steps_done(now) + 1
+            # the next step boundary and its time; one still ahead when a newcomer joins
+            # there already
+            boundary, at = ((self._step, self._since) if now < self._since
+                            else self._boundary_after(now))
             sync = self._sync_step
             # Nothing changes the batch before that boundary (no request ends by then, no
             # prefill beside it resyncs it): the newcomer is admitted now, from there.
             if (self.partner is None and self.running[0][0] > boundary
                     and (sync is None or sync > boundary)):
-                self._join_at(boundary)
+                self._join_at(boundary, at)
             else:
                 self._schedule(boundary)
 
-    def _join_at(self, step: int) -> None:
+    def _join_at(self, step: int, at: float) -> None:
         """Admits the waiting newcomer from step boundary ``step`` without an event there:
         the boundary's time is exact. The next finish now comes later (a larger batch steps
         slower); if it is still the scheduled one, its event stays and, firing early, moves
-        itself (``_sync``): one move for however many newcomers joined before it."""
-        self._since = self._time_of(step)  # with the batch before the newcomer
+        itself (``_sync``): one move for however many newcomers joined before it. ``at``:
+        the boundary's time, with the batch before the newcomer."""
+        self._since = at
         self._step = step
         self._admit()
         if self.running[0][0] != self._sync_step:  # the newcomer ends first
@@ -532,7 +535,7 @@ class DecodeSim:
         """The prefill side beside it started or ended a prompt: a new stretch at the next
         step boundary."""
         if self.running:
-            self._schedule(self._steps_done(self.loop.now) + 1)
+            self._schedule(self._boundary_after(self.loop.now)[0])
 
     def _time_of(self, step: int) -> float:
         a, b = self._a, self._b
@@ -543,10 +546,12 @@ class DecodeSim:
             return self._since + a * total + b * weighted
         return self._since + k * a + b * k * (k - 1) / 2
 
-    def _steps_done(self, now: float) -> int:
-        """Whole steps of the current stretch done by ``now`` (plus the steps before it)."""
+    def _boundary_after(self, now: float) -> tuple[int, float]:
+        """The first step boundary after ``now`` (counted from the busy period's start, as
+        ``_step``) and its time (``_time_of``'s, which the search computes on its way)."""
         if self.noise is not None:
-            return self._noisy_steps_done(now)
+            step = self._noisy_steps_done(now) + 1
+            return step, self._time_of(step)
         a, b = self._a, self._b
         elapsed = now - self._since
         if b > 0:
@@ -559,12 +564,15 @@ class DecodeSim:
         since = self._since
         while k > 0 and since + k * a + b * k * (k - 1) / 2 > now:
             k -= 1
-        while since + (k + 1) * a + b * (k + 1) * k / 2 <= now:
+        while True:
+            at = since + (k + 1) * a + b * (k + 1) * k / 2
+            if at > now:
+                return self._step + k + 1, at
             k += 1
-        return self._step + k
 
     def _noisy_steps_done(self, now: float) -> int:
-        """As ``_steps_done``, by bisection: no closed form inverts the noisy sums."""
+        """Whole steps of the current stretch done by ``now`` (plus the steps before it), by
+        bisection: no closed form inverts the noisy sums."""
         low, high = 0, 1
         while self._time_of(self._step + high) <= now:
             low, high = high, high * 2
@@ -738,8 +746,8 @@ class GroupSim:
 
     # The per-request paths below count on the window's fields and read the kept orders
     # in place rather than through the small methods beside them (``ScenarioWindow``'s
-    # recorders, ``_order``, a TTFT budget function): a Python call per request each, at
-    # millions of requests.
+    # recorders and ``latencies``, ``_order``, a TTFT budget function): a Python call per
+    # request each, at millions of requests.
 
     def arrive(self, request: SimRequest) -> None:
         self.open += 1
@@ -817,8 +825,10 @@ class GroupSim:
         (self._decode_orders.get(gateway) or self._decode_order(gateway)).shift(decode.name, -1)
         window = self.window
         window.answered += 1  # ScenarioWindow.answer_ended
-        window.latencies(request.arrival, request.first_token - request.arrival,
-                         request.finished - request.arrival)
+        arrival = request.arrival
+        if arrival >= window.opened:  # ScenarioWindow.latencies, in place
+            window.ttft_s.append(request.first_token - arrival)
+            window.e2e_s.append(request.finished - arrival)
         self.open -= 1  # _ended
         if self.ended is not None:
             self.ended.append(request)
