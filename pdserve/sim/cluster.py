@@ -612,15 +612,13 @@ class DecodeSim:
         self._begin_stretch(step)
         self._sync_step = None
         running, done = self.running, []
-        kv, base = self.kv_in_use, self._context_base
-        while running and running[0][0] <= step:
+        while running and running[0][0] <= step:  # most often one ends
             last, _, request = heappop(running)
             size = request.input_len + request.output_len
-            kv -= size
-            base -= size - last
+            self.kv_in_use -= size
+            self._context_base -= size - last
             request.finished = now
             done.append(request)
-        self.kv_in_use, self._context_base = kv, base
         self._admit()
         self._schedule(running[0][0] if running else None)
         if self.on_finish is not None:
