@@ -121,10 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.inside).write_text(json.dumps(run_window(args)))
         return 0
     passed = [a for a in argv if a != "--out" and a != args.out]
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "inside")}
+    # Before the count: the revision that ran (a commit during the minutes it takes would
+    # otherwise be named in its place).
+    header = result_header(config)
     with tempfile.TemporaryDirectory() as workdir:
         window, instructions = under_callgrind(passed, workdir)
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "inside")}
-    result = {**result_header(config), "kind": "measurement", **window,
+    result = {**header, "kind": "measurement", **window,
               "instructions": instructions,
               "instructions_per_request": instructions / max(1, window["arrivals"])}
     print(f"{window['arrivals']} arrivals in [{args.start_s}, {args.end_s}) s: "

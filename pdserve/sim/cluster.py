@@ -22,13 +22,13 @@ from __future__ import annotations
 import bisect
 import functools
 import gc
-import heapq
 import itertools
 import json
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -197,20 +197,21 @@ class EventLoop:
         self._times: list[float] = []  # heap of the times actions are due at, each once
         self._due: dict[float, list] = {}  # time -> [action, argument, action, ...]
         self._feed_at = math.inf
-        self._feed: Callable[[], None] | None = None
+        self._feed: Callable[[], float] | None = None
 
     def at(self, when: float, action: Callable[..., None], arg: object = None) -> None:
         due = self._due.get(when)
         if due is None:
             self._due[when] = [action, arg]
-            heapq.heappush(self._times, when)
-        else:  # after those already due then (also while they run)
+            heappush(self._times, when)
+        else:  # after those already due then (once they run, it opens a new entry)
             due.append(action)
             due.append(arg)
 
-    def feed(self, when: float, action: Callable[[], None]) -> None:
-        """``action`` runs at ``when`` (after heap events of that very time); it calls
-        ``feed`` again for the source's next event, or not when the source is dry."""
+    def feed(self, when: float, action: Callable[[], float]) -> None:
+        """``action`` runs at ``when`` (after heap events of that very time) and returns when
+        it runs next: the source's next event, or ``math.inf`` when the source is dry (until
+        ``feed`` is called again). A return value spares a call back per event."""
         self._feed_at, self._feed = when, action
 
     def run(self, until: float = math.inf) -> None:
@@ -228,26 +229,36 @@ class EventLoop:
                 gc.enable()
 
     def _run(self, until: float) -> None:
-        times, due, pop, inf = self._times, self._due, heapq.heappop, math.inf
-        while times or self._feed_at < inf:
-            if not times or self._feed_at < times[0]:
-                if self._feed_at >= until:
+        times, due, pop, inf = self._times, self._due, heappop, math.inf
+        while True:
+            head = times[0] if times else inf
+            feed_at = self._feed_at
+            if feed_at < head:
+                if feed_at >= until:
                     return
-                self.now, self._feed_at = self._feed_at, inf
-                self._feed()
+                self.now = feed_at
+                self._feed_at = self._feed()
                 continue
-            if times[0] >= until:
+            if head >= until:  # (with nothing left, inf >= until)
                 return
-            self.now = when = pop(times)
-            actions, i = due[when], 0
-            while i < len(actions):  # (a zip over one iterator of it built a zip per time)
-                action, arg = actions[i], actions[i + 1]
-                i += 2
+            pop(times)
+            self.now = head
+            # Taken out before they run: one due at this time from them opens a new entry,
+            # which the heap hands back at once (after these, before the feed: as before).
+            actions = due.pop(head)
+            if len(actions) == 2:  # most times have one action
+                action, arg = actions
                 if arg is None:
                     action()
                 else:
                     action(arg)
-            del due[when]
+                continue
+            for i in range(0, len(actions), 2):
+                action, arg = actions[i], actions[i + 1]
+                if arg is None:
+                    action()
+                else:
+                    action(arg)
 
 
 class LoadOrder(Generic[T]):
@@ -390,7 +401,7 @@ class PrefillSim:
         self.busy = True
         m, tokens = self.model, job[0].input_len
         service = (m.prefill_base_s + m.prefill_per_token_s * tokens  # m.prefill_s, in place
-                   + m.prefill_per_token_sq_s * tokens ** 2)
+                   + m.prefill_per_token_sq_s * (tokens * tokens))  # (** is a slower C call)
         if self.noise is not None:
             service *= self.noise.prefill_factor()
         if self.partner is not None:
@@ -460,23 +471,26 @@ class DecodeSim:
                 self.kv_in_use + request.input_len + request.output_len
                 <= self.model.decode_kv_tokens):  # it fits (as in ``_admit``; running is not empty)
             now = self.loop.now
-            # the next step boundary; one still ahead when a newcomer joins there already
-            boundary = self._step if now < self._since else self._steps_done(now) + 1
+            # the next step boundary and its time; one still ahead when a newcomer joins
+            # there already
+            boundary, at = ((self._step, self._since) if now < self._since
+                            else self._boundary_after(now))
             sync = self._sync_step
             # Nothing changes the batch before that boundary (no request ends by then, no
             # prefill beside it resyncs it): the newcomer is admitted now, from there.
             if (self.partner is None and self.running[0][0] > boundary
                     and (sync is None or sync > boundary)):
-                self._join_at(boundary)
+                self._join_at(boundary, at)
             else:
                 self._schedule(boundary)
 
-    def _join_at(self, step: int) -> None:
+    def _join_at(self, step: int, at: float) -> None:
         """Admits the waiting newcomer from step boundary ``step`` without an event there:
         the boundary's time is exact. The next finish now comes later (a larger batch steps
         slower); if it is still the scheduled one, its event stays and, firing early, moves
-        itself (``_sync``): one move for however many newcomers joined before it."""
-        self._since = self._time_of(step)  # with the batch before the newcomer
+        itself (``_sync``): one move for however many newcomers joined before it. ``at``:
+        the boundary's time, with the batch before the newcomer."""
+        self._since = at
         self._step = step
         self._admit()
         if self.running[0][0] != self._sync_step:  # the newcomer ends first
@@ -489,20 +503,23 @@ class DecodeSim:
         change of the batch or of the stretch's start ends here): step k (from 0) takes
         _a + _b*k seconds, computed once per change, not per step time asked for."""
         waiting, running = self.waiting, self.running
-        max_batch, pool = self.max_batch, self.model.decode_kv_tokens
-        # One fits while the batch has room and its whole prompt and answer fit in the pool
-        # (any one does in an empty batch).
-        while waiting:
-            request = waiting[0]
-            if len(running) >= max_batch or (
-                    self.kv_in_use + request.input_len + request.output_len > pool and running):
-                break
-            waiting.popleft()
-            steps = request.output_len - 1  # at least 1 (CPython 3.11's max() is a slow call)
-            last = self._step + (steps if steps > 1 else 1)
-            heapq.heappush(running, (last, next(self._seq), request))
-            self.kv_in_use += request.input_len + request.output_len
-            self._context_base += request.input_len + request.output_len - last
+        if waiting:  # (locals: each field read and written once, not per request)
+            step, kv, base = self._step, self.kv_in_use, self._context_base
+            max_batch, pool = self.max_batch, self.model.decode_kv_tokens
+            # One fits while the batch has room and its whole prompt and answer fit in the
+            # pool (any one does in an empty batch).
+            while waiting:
+                request = waiting[0]
+                size = request.input_len + request.output_len
+                if len(running) >= max_batch or (kv + size > pool and running):
+                    break
+                waiting.popleft()
+                steps = request.output_len - 1  # at least 1 (CPython 3.11's max() is slow)
+                last = step + (steps if steps > 1 else 1)
+                heappush(running, (last, next(self._seq), request))
+                kv += size
+                base += size - last
+            self.kv_in_use, self._context_base = kv, base
         m, batch = self.model, len(running)
         context = self._context_base + batch * self._step
         self._a = (m.decode_base_s + m.decode_per_request_s * batch
@@ -518,7 +535,7 @@ class DecodeSim:
         """The prefill side beside it started or ended a prompt: a new stretch at the next
         step boundary."""
         if self.running:
-            self._schedule(self._steps_done(self.loop.now) + 1)
+            self._schedule(self._boundary_after(self.loop.now)[0])
 
     def _time_of(self, step: int) -> float:
         a, b = self._a, self._b
@@ -529,10 +546,12 @@ class DecodeSim:
             return self._since + a * total + b * weighted
         return self._since + k * a + b * k * (k - 1) / 2
 
-    def _steps_done(self, now: float) -> int:
-        """Whole steps of the current stretch done by ``now`` (plus the steps before it)."""
+    def _boundary_after(self, now: float) -> tuple[int, float]:
+        """The first step boundary after ``now`` (counted from the busy period's start, as
+        ``_step``) and its time (``_time_of``'s, which the search computes on its way)."""
         if self.noise is not None:
-            return self._noisy_steps_done(now)
+            step = self._noisy_steps_done(now) + 1
+            return step, self._time_of(step)
         a, b = self._a, self._b
         elapsed = now - self._since
         if b > 0:
@@ -545,12 +564,15 @@ class DecodeSim:
         since = self._since
         while k > 0 and since + k * a + b * k * (k - 1) / 2 > now:
             k -= 1
-        while since + (k + 1) * a + b * (k + 1) * k / 2 <= now:
+        while True:
+            at = since + (k + 1) * a + b * (k + 1) * k / 2
+            if at > now:
+                return self._step + k + 1, at
             k += 1
-        return self._step + k
 
     def _noisy_steps_done(self, now: float) -> int:
-        """As ``_steps_done``, by bisection: no closed form inverts the noisy sums."""
+        """Whole steps of the current stretch done by ``now`` (plus the steps before it), by
+        bisection: no closed form inverts the noisy sums."""
         low, high = 0, 1
         while self._time_of(self._step + high) <= now:
             low, high = high, high * 2
@@ -578,21 +600,27 @@ class DecodeSim:
         version, step = event
         if version != self._version:
             return
-        when = self._time_of(step)
-        if when > self.loop.now:  # newcomers joined since it was scheduled (``_join_at``)
+        now = self.loop.now
+        if self.noise is None:  # _time_of, in place: once a request or more
+            k = step - self._step
+            when = self._since + k * self._a + self._b * k * (k - 1) / 2
+        else:
+            when = self._time_of(step)
+        if when > now:  # newcomers joined since it was scheduled (``_join_at``)
             self.loop.at(when, self._sync, event)
             return
         self._begin_stretch(step)
         self._sync_step = None
-        done = []
-        while self.running and self.running[0][0] <= step:
-            last, _, request = heapq.heappop(self.running)
-            self.kv_in_use -= request.input_len + request.output_len
-            self._context_base -= request.input_len + request.output_len - last
-            request.finished = self.loop.now
+        running, done = self.running, []
+        while running and running[0][0] <= step:  # most often one ends
+            last, _, request = heappop(running)
+            size = request.input_len + request.output_len
+            self.kv_in_use -= size
+            self._context_base -= size - last
+            request.finished = now
             done.append(request)
         self._admit()
-        self._schedule(self.running[0][0] if self.running else None)
+        self._schedule(running[0][0] if running else None)
         if self.on_finish is not None:
             for request in done:  # after the batch shrank: the callback may find it idle
                 self.on_finish(self, request)
@@ -604,8 +632,9 @@ class GroupSim:
     fleet (``FleetSim`` calls ``arrive``). Every instance can take either role (as a real
     one does); with ``ratio`` set, the real ratio controller's judgement (``judge``) moves
     one between roles every ``ratio_interval_s``, and a moved instance joins its new role
-    once the work of its old one has drained. ``on_answer`` sees each request that ended:
-    answered, or given up on (``unserved``)."""
+    once the work of its old one has drained. Each request that ended, answered or given up
+    on (``unserved``), is appended to ``ended`` if set (a list its reader empties: a
+    callback per request cost a Python call each)."""
 
     model: LatencyModel
     num_prefill: int
@@ -619,7 +648,7 @@ class GroupSim:
     loop: EventLoop = field(default_factory=EventLoop)
     gateways: list[GatewaySim] = field(default_factory=lambda: [GatewaySim()])
     name: str = "sim"
-    on_answer: Callable[[GroupSim, SimRequest], None] | None = None
+    ended: list[SimRequest] | None = None
     multiplexing: Multiplexing | None = None  # every instance prefills and decodes itself
     verify_order: bool = False  # check each offer order against the gateway's own
     noise: ServiceNoise | None = None  # measured spread of service times; None: medians
@@ -715,8 +744,8 @@ class GroupSim:
 
     # The per-request paths below count on the window's fields and read the kept orders
     # in place rather than through the small methods beside them (``ScenarioWindow``'s
-    # recorders, ``_order``, a TTFT budget function): a Python call per request each, at
-    # millions of requests.
+    # recorders and ``latencies``, ``_order``, a TTFT budget function): a Python call per
+    # request each, at millions of requests.
 
     def arrive(self, request: SimRequest) -> None:
         self.open += 1
@@ -794,18 +823,20 @@ class GroupSim:
         (self._decode_orders.get(gateway) or self._decode_order(gateway)).shift(decode.name, -1)
         window = self.window
         window.answered += 1  # ScenarioWindow.answer_ended
-        window.latencies(request.arrival, request.first_token - request.arrival,
-                         request.finished - request.arrival)
+        arrival = request.arrival
+        if arrival >= window.opened:  # ScenarioWindow.latencies, in place
+            window.ttft_s.append(request.first_token - arrival)
+            window.e2e_s.append(request.finished - arrival)
         self.open -= 1  # _ended
-        if self.on_answer is not None:
-            self.on_answer(self, request)
+        if self.ended is not None:
+            self.ended.append(request)
         if self.draining:
             self._settle(decode.name)
 
     def _ended(self, request: SimRequest) -> None:
         self.open -= 1
-        if self.on_answer is not None:
-            self.on_answer(self, request)
+        if self.ended is not None:
+            self.ended.append(request)
 
     # ---- dynamic P/D ratio ----
 
@@ -849,12 +880,12 @@ class GroupSim:
         if role is None:
             return
         old = self.decode[name] if role == "prefill" else self.prefill[name]
-        if old.idle():
+        if old.idle():  # the roles change: every kept order is rebuilt on its next use
             self.roles[name] = role
             del self.draining[name]
             self._active.clear()
             self._orders.clear()
-        self._decode_orders.clear()
+            self._decode_orders.clear()
 
 
 def summarize(requests: list[SimRequest], ttft_slo_s: float) -> dict:

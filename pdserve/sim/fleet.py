@@ -15,7 +15,6 @@ PD-multiplexing one (it prefills and decodes, ``cluster.Multiplexing``).
 from __future__ import annotations
 
 import math
-from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +30,7 @@ from pdserve.sim.cluster import (
 )
 
 CHUNK_S = 60.0  # arrivals are drawn this much simulated time at once
+COUNT_S = 1.0  # the tally counts the requests that ended this often
 
 
 @dataclass(frozen=True)
@@ -131,54 +131,77 @@ def ideal_prefill_share(model: LatencyModel, inputs: np.ndarray, outputs: np.nda
 
 class Tally:
     """What the fleet's requests came to, kept as counts and flat arrays (millions of
-    requests: no request object outlives its answer). The counts are Python lists while
-    the run adds to them (a numpy element's ``+= 1`` costs several times a list's)."""
+    requests: none is kept past the count after it ended). Groups append each request that
+    ended to ``ended``; ``count`` takes them all at once with numpy (``FleetSim`` calls it
+    every simulated second): a Python call per request cost more."""
 
     def __init__(self, num_scenarios: int, slo_s: float, bin_s: float = 60.0) -> None:
         self.slo_s, self.bin_s = slo_s, bin_s
-        self.requests = [0] * num_scenarios
-        self.met = [0] * num_scenarios
-        self.unserved = [0] * num_scenarios
-        self.ttft_s = array("f")
-        self.tpot_s = array("f")
-        self.minute_requests: list[int] = []  # by minute of arrival
-        self.minute_met: list[int] = []
+        self.ended: list[SimRequest] = []
+        self.requests = np.zeros(num_scenarios, np.int64)
+        self.met = np.zeros(num_scenarios, np.int64)
+        self.unserved = np.zeros(num_scenarios, np.int64)
+        self._ttft_s: list[np.ndarray] = []  # float32 pieces, as answers came
+        self._tpot_s: list[np.ndarray] = []
+        self.minute_requests = np.zeros(0, np.int64)  # by minute of arrival
+        self.minute_met = np.zeros(0, np.int64)
 
-    def record(self, group: GroupSim, request: SimRequest) -> None:
-        """``request`` ended (``GroupSim.on_answer``)."""
-        scenario = request.scenario
-        self.requests[scenario] += 1
-        minute = int(request.arrival // self.bin_s)
-        if minute >= len(self.minute_requests):
-            grow = minute + 1 - len(self.minute_requests)
-            self.minute_requests += [0] * grow
-            self.minute_met += [0] * grow
-        self.minute_requests[minute] += 1
-        if request.unserved:
-            self.unserved[scenario] += 1
+    def count(self) -> None:
+        """Counts the requests in ``ended`` and empties it."""
+        ended = self.ended
+        if not ended:
             return
-        ttft = request.first_token - request.arrival
-        self.ttft_s.append(ttft)
-        if request.output_len > 1:
-            self.tpot_s.append((request.finished - request.first_token)
-                               / (request.output_len - 1))
-        if ttft <= self.slo_s:
-            self.met[scenario] += 1
-            self.minute_met[minute] += 1
+        # A list of each field, then an array of it: cheaper than an array of rows.
+        gave_up = [r for r in ended if r.unserved]
+        answered = [r for r in ended if not r.unserved] if gave_up else ended
+        scenario = np.array([r.scenario for r in answered], np.int64)
+        arrival = np.array([r.arrival for r in answered], np.float64)
+        first = np.array([r.first_token for r in answered], np.float64)
+        finished = np.array([r.finished for r in answered], np.float64)
+        output_len = np.array([r.output_len for r in answered], np.int64)
+        ttft = first - arrival
+        self._ttft_s.append(ttft.astype(np.float32))
+        long = output_len > 1
+        self._tpot_s.append(((finished[long] - first[long]) / (output_len[long] - 1))
+                            .astype(np.float32))
+        met = ttft <= self.slo_s
+        size = len(self.requests)
+        self.met += np.bincount(scenario[met], minlength=size)
+        given_up = np.array([r.scenario for r in gave_up], np.int64)
+        self.unserved += np.bincount(given_up, minlength=size)
+        self.requests += np.bincount(np.concatenate((scenario, given_up)), minlength=size)
+        arrivals = np.concatenate((arrival, np.array([r.arrival for r in gave_up], np.float64)))
+        minute = (arrivals // self.bin_s).astype(np.int64)
+        size = max(len(self.minute_requests), int(minute.max()) + 1)
+        self.minute_requests = _added(self.minute_requests, minute, size)
+        self.minute_met = _added(self.minute_met, minute[:len(answered)][met], size)
+        ended.clear()
 
     def summary(self) -> dict:
-        ttft, tpot = np.frombuffer(self.ttft_s, np.float32), np.frombuffer(self.tpot_s, np.float32)
-        requests, met = np.array(self.requests), np.array(self.met)
+        self.count()
+        ttft, tpot = _joined(self._ttft_s), _joined(self._tpot_s)
+        requests, met = self.requests, self.met
         total = int(requests.sum())
         per_scenario = met / np.maximum(1, requests)
-        by_minute = [[m, n, k] for m, (n, k) in
+        by_minute = [[m, int(n), int(k)] for m, (n, k) in
                      enumerate(zip(self.minute_requests, self.minute_met, strict=True)) if n]
         return {"requests": total, "slo_attainment": float(met.sum() / max(1, total)),
-                "unserved": int(sum(self.unserved)),
+                "unserved": int(self.unserved.sum()),
                 "worst_scenario_attainment": float(per_scenario.min()),
                 "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
                 "tpot_p50_s": _percentile(tpot, 50), "tpot_p99_s": _percentile(tpot, 99),
                 "by_minute": by_minute}
+
+
+def _added(counts: np.ndarray, index: np.ndarray, size: int) -> np.ndarray:
+    """``counts`` grown to ``size``, plus one at each of ``index``."""
+    grown = np.zeros(size, np.int64)
+    grown[:len(counts)] = counts
+    return grown + np.bincount(index, minlength=size)
+
+
+def _joined(pieces: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
 
 
 def _percentile(values: np.ndarray, q: float) -> float | None:
@@ -200,7 +223,7 @@ class FleetSim:
         self.rng = np.random.default_rng(seed)
         options = dict(dispatch=dispatch, ttft_slo_s=ttft_slo_s, max_wait_s=max_wait_s,
                        ratio=ratio, loop=self.loop, gateways=self.gateways,
-                       on_answer=self.tally.record, multiplexing=multiplexing)
+                       ended=self.tally.ended, multiplexing=multiplexing)
         if pooled:
             pool = GroupSim(model, sum(s.num_prefill for s in plan.scenarios),
                             sum(s.num_decode for s in plan.scenarios), name="pool", **options)
@@ -226,6 +249,15 @@ class FleetSim:
             group.start(duration_s)
         self._duration = duration_s
         self._draw(0.0)
+        # Mid-second: a window of whole simulated seconds holds as many counts as seconds.
+        self.loop.at(COUNT_S / 2, self._count)
+
+    def _count(self) -> None:
+        """Counts the requests ended meanwhile, again a second later while requests come
+        (``Tally.summary`` counts the rest)."""
+        self.tally.count()
+        if self.loop.now + COUNT_S < self._duration:
+            self.loop.at(self.loop.now + COUNT_S, self._count)
 
     def distinct_groups(self) -> list[GroupSim]:
         """Each group once (a pool stands for every scenario)."""
@@ -233,7 +265,8 @@ class FleetSim:
 
     def arrived(self) -> int:
         """Requests that have come so far: those ended and those still in their groups."""
-        return sum(self.tally.requests) + sum(g.open for g in self.distinct_groups())
+        return (int(self.tally.requests.sum()) + len(self.tally.ended)
+                + sum(g.open for g in self.distinct_groups()))
 
     def _draw(self, start: float) -> None:
         """Arrivals of every scenario in [start, start + CHUNK_S), in time order."""
@@ -267,13 +300,14 @@ class FleetSim:
         if self._next < len(self._pending):
             self.loop.feed(self._pending[self._next][0], self._arrive)
 
-    def _arrive(self) -> None:
-        arrival, scenario, input_len, output_len, gateway = self._pending[self._next]
-        self._next += 1
+    def _arrive(self) -> float:
+        """The next arrival comes in; returns when the one after it comes (the loop's feed)."""
+        pending, i = self._pending, self._next
+        arrival, scenario, input_len, output_len, gateway = pending[i]
+        self._next = i = i + 1
         # Every field by position: keywords would build a dict per request (a class's call
         # takes them through C).
         request = SimRequest(arrival, input_len, output_len, None, None, None, False, 0,
                              self.gateways[gateway], 0, scenario)
         self.groups[scenario].arrive(request)
-        if self._next < len(self._pending):  # _schedule_next, in place
-            self.loop.feed(self._pending[self._next][0], self._arrive)
+        return pending[i][0] if i < len(pending) else math.inf

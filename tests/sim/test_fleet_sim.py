@@ -4,13 +4,14 @@ several gateways, groups and one pool over the same instances."""
 from __future__ import annotations
 
 import gc
+import math
 
 import numpy as np
 import pytest
 
 from pdserve.cluster.config import RatioConfig
 from pdserve.sim.cluster import DecodeSim, EventLoop, LatencyModel, ServiceNoise, SimRequest
-from pdserve.sim.fleet import FleetPlan, FleetSim, Lengths, Scenario, plan_fleet
+from pdserve.sim.fleet import FleetPlan, FleetSim, Lengths, Scenario, Tally, plan_fleet
 
 MODEL = LatencyModel(1e-4, 1e-9, 0.015, 1e-4, 1e-7, kv_bytes_per_token=1000,
                      link_gb_per_s=1.0, decode_kv_tokens=20_000)
@@ -165,15 +166,55 @@ def test_the_loop_runs_its_feed_and_its_heap_in_time_order():
     loop, seen = EventLoop(), []
     feed = iter([0.5, 1.5, 2.5])
 
-    def arrive() -> None:
+    def arrive() -> float:
         seen.append(("feed", loop.now))
-        when = next(feed, None)
-        if when is not None:
-            loop.feed(when, arrive)
+        return next(feed, math.inf)
 
-    for when in (0.0, 1.0, 1.5, 3.0):
+    def again_now() -> None:  # one more action due at the time now running
+        seen.append(("heap", loop.now))
+        loop.at(loop.now, lambda: seen.append(("again", loop.now)))
+
+    for when in (0.0, 1.0, 3.0):
         loop.at(when, lambda: seen.append(("heap", loop.now)))
+    loop.at(1.5, again_now)
+    loop.at(1.5, lambda: seen.append(("second", loop.now)))
     loop.feed(next(feed), arrive)
     loop.run()
     assert seen == [("heap", 0.0), ("feed", 0.5), ("heap", 1.0), ("heap", 1.5),
-                    ("feed", 1.5), ("feed", 2.5), ("heap", 3.0)]
+                    ("second", 1.5), ("again", 1.5), ("feed", 1.5), ("feed", 2.5),
+                    ("heap", 3.0)]
+
+
+def _ended(scenario: int, arrival: float, ttft: float | None, e2e: float = 0.0,
+           output_len: int = 1) -> SimRequest:
+    """A request that ended: answered (``ttft``) or given up on (None)."""
+    request = SimRequest(arrival, 100, output_len, scenario=scenario)
+    if ttft is None:
+        request.unserved = True
+    else:
+        request.prefill_done = request.first_token = arrival + ttft
+        request.finished = arrival + e2e
+    return request
+
+
+def test_the_tally_counts_ended_requests_together_as_one_at_a_time_would():
+    """Counted in batches (``Tally.count``), every figure is what a count per request gives:
+    per scenario and minute, within the SLO or not, given up on, TPOT only past one token."""
+    tally = Tally(num_scenarios=3, slo_s=2.0)
+    first = [_ended(0, 1.0, 0.5, 3.0, output_len=11), _ended(1, 59.5, 2.5, 4.0, output_len=2),
+             _ended(2, 30.0, None)]
+    second = [_ended(0, 61.0, 2.0, 2.0), _ended(0, 125.0, 1.0, 1.5, output_len=3)]
+    for batch in (first, second):
+        tally.ended.extend(batch)
+        tally.count()
+        assert tally.ended == []
+    summary = tally.summary()
+    assert tally.requests.tolist() == [3, 1, 1] and tally.met.tolist() == [3, 0, 0]
+    assert tally.unserved.tolist() == [0, 0, 1] and summary["unserved"] == 1
+    assert summary["requests"] == 5 and summary["slo_attainment"] == 3 / 5
+    assert summary["worst_scenario_attainment"] == 0.0  # scenarios 1 and 2 met none
+    assert summary["by_minute"] == [[0, 3, 1], [1, 1, 1], [2, 1, 1]]
+    ttft = np.array([0.5, 2.5, 2.0, 1.0], np.float32)
+    assert summary["ttft_p50_s"] == float(np.percentile(ttft, 50))
+    tpot = np.array([2.5 / 10, 1.5 / 1, 0.5 / 2], np.float32)  # (e2e - ttft) / (tokens - 1)
+    assert summary["tpot_p99_s"] == float(np.percentile(tpot, 99))
