@@ -517,9 +517,10 @@ class _SSEWriter:
                         for chunk in chunks)
 
     async def follow(self) -> None:
-        """Until the generation is done, with the dispatcher writing the pieces."""
+        """Until the generation is done, with the dispatcher writing the pieces. Called
+        once the first chunk is written (a first piece always makes one)."""
         stream = self.gen.stream
-        # The first chunk went through aiohttp with the headers; what follows may bypass it.
+        # aiohttp sent the headers with that chunk; what follows may bypass its writer.
         self._transport = self.http.transport
         self._chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
         stream.listener = self._push
