@@ -244,23 +244,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process so far (Linux ``/proc``)."""
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """User and system CPU time of one process so far (Linux ``/proc``)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
-def http_cpu_per_chunk(process: subprocess.Popen | None, cpu_start: float | None,
+def http_cpu_per_chunk(process: subprocess.Popen | None, cpu_start: tuple[float, float] | None,
                        traces: list[Trace]) -> dict[str, float]:
     """The HTTP process's CPU time per streamed chunk in the measured run (microseconds):
     its cost per token, which on a loaded host decides how long a new request waits behind
-    the chunk writes. Empty when the server is not ours (``--url``)."""
+    the chunk writes. Split into user and system (kernel) time: the kernel's part is mostly
+    the socket write of each chunk, which no change to the server's Python removes. Empty
+    when the server is not ours (``--url``)."""
     if process is None or cpu_start is None:
         return {}
     chunks = sum(len(t.recv) for t in traces)
-    used = cpu_seconds(process.pid) - cpu_start
-    return {"http_cpu_s": used, "chunks": chunks, "http_cpu_us_per_chunk": used / chunks * 1e6}
+    user, system = (end - start for end, start in zip(cpu_seconds(process.pid), cpu_start,
+                                                      strict=True))
+    return {"http_cpu_s": user + system, "http_user_s": user, "http_sys_s": system,
+            "chunks": chunks, "http_cpu_us_per_chunk": (user + system) / chunks * 1e6,
+            "http_user_us_per_chunk": user / chunks * 1e6,
+            "http_sys_us_per_chunk": system / chunks * 1e6}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary)
     if http_cpu:
         print(f"HTTP process CPU: {http_cpu['http_cpu_us_per_chunk']:.1f} us per chunk "
-              f"({http_cpu['http_cpu_s']:.2f} s for {http_cpu['chunks']} chunks)")
+              f"({http_cpu['http_cpu_s']:.2f} s for {http_cpu['chunks']} chunks; user "
+              f"{http_cpu['http_user_us_per_chunk']:.1f}, system "
+              f"{http_cpu['http_sys_us_per_chunk']:.1f} us per chunk)")
     if args.out:
         write_record(args, argv, wall, summary, traces, http_cpu)
     return 0

@@ -70,7 +70,8 @@ class RequestStream:
 
     def put(self, items: Items) -> None:
         """One dispatch's deltas (several steps' worth when the server fell behind)."""
-        self.finished = self.finished or any(delta.finished for delta, _ in items)
+        # A request's finishing delta is its last: ``_collect_step`` lets go of it there.
+        self.finished = self.finished or items[-1][0].finished
         if self.listener is not None:
             self.listener(items)
             return

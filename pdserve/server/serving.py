@@ -82,7 +82,7 @@ class Generation:
         """The piece for these deltas; raises ``APIError`` if the engine failed the request."""
         for delta, step_time in items:
             self._note(delta, step_time)
-        out = self.output.process(delta for delta, _ in items)
+        out = self.output.process([delta for delta, _ in items])
         if out.abort:
             self.close()  # the engine never sees stop strings: tell it to stop now
         if out.finish_reason == "error":
@@ -449,6 +449,10 @@ class _SSEWriter:
     itself, inside the dispatch of a step (``_push``): no task wake-up per chunk, so a step's
     chunks for all streams cost one pass. The handler wakes only to write what the
     dispatcher could not (a socket with a backlog), to finish, or for an error.
+
+    Those inline writes go to the socket's transport with the HTTP framing added here
+    (``_frame``), the bytes aiohttp's writer would produce: its coroutine per write cost as
+    much as the formatting of the chunk.
     """
 
     def __init__(self, http: web.Request, response: web.StreamResponse, fmt: Format,
@@ -460,7 +464,13 @@ class _SSEWriter:
         self.offset = 0
         self.sent_first = False
         self.timed = fmt.sampling.return_engine_timing
+        # Read for every piece: what makes a piece without text worth a chunk, and what
+        # keeps a chunk off the pre-encoded text template.
+        self._token_chunks = bool(fmt.sampling.logprobs or self.timed or fmt.with_token_ids)
+        self._templated = not fmt.sampling.logprobs
         self._backlog: list[bytes] = []  # formatted, for the handler to write
+        self._transport: asyncio.Transport | None = None  # set once the headers are out
+        self._chunked = False
         self._error: BaseException | None = None  # raised in the handler
         self.tool_stream = ToolStream(fmt.tools) if fmt.tools is not None else None
 
@@ -473,15 +483,12 @@ class _SSEWriter:
         """The SSE bytes of a piece; b"" for one not worth a chunk."""
         if self.tool_stream is not None:
             return self._encode_tools(piece)
-        wanted = piece.text or piece.finish_reason or (piece.token_ids and (
-            self.fmt.sampling.logprobs or self.timed or self.fmt.with_token_ids))
+        wanted = piece.text or piece.finish_reason or (piece.token_ids and self._token_chunks)
         if self.sent_first and not wanted:
             return b""
         self.offset += len(piece.text)
-        if self.sent_first and not (piece.finish_reason or self.fmt.sampling.logprobs
-                                    or piece.index):
-            timing = self._timing_bytes(piece) if self.timed else b""
-            return self.fmt.text_chunk(piece.text, timing + self._token_id_bytes(piece))
+        if self.sent_first and self._templated and not (piece.finish_reason or piece.index):
+            return self.fmt.text_chunk(piece.text, self._extra_bytes(piece))
         chunk = self.fmt.chunk(piece, self.offset - len(piece.text), first=not self.sent_first)
         if self.timed:
             self._add_timing(chunk, piece)
@@ -510,8 +517,12 @@ class _SSEWriter:
                         for chunk in chunks)
 
     async def follow(self) -> None:
-        """Until the generation is done, with the dispatcher writing the pieces."""
+        """Until the generation is done, with the dispatcher writing the pieces. Called
+        once the first chunk is written (a first piece always makes one)."""
         stream = self.gen.stream
+        # aiohttp sent the headers with that chunk; what follows may bypass its writer.
+        self._transport = self.http.transport
+        self._chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
         stream.listener = self._push
         try:
             while True:
@@ -534,7 +545,7 @@ class _SSEWriter:
         try:
             data = self.encode(self.gen.fold(items))
             if data and not self._backlog and self._has_room(len(data)):
-                _write_now(self.response, data)
+                self._transport.write(self._frame(data))
             elif data:
                 self._backlog.append(data)
         except (P.APIError, ConnectionError) as exc:
@@ -543,15 +554,27 @@ class _SSEWriter:
             self.gen.stream.wake()
 
     def _has_room(self, size: int) -> bool:
-        transport = self.http.transport
+        transport = self._transport
         return (transport is not None and not transport.is_closing()
                 and transport.get_write_buffer_size() + size <= INLINE_WRITE_LIMIT)
+
+    def _frame(self, data: bytes) -> bytes:
+        """``data`` as aiohttp writes it: a chunk of the chunked encoding (HTTP/1.1), or as
+        it is (HTTP/1.0, where the end of the connection ends the body)."""
+        return b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
 
     async def _flush(self) -> None:
         while self._backlog:
             data = b"".join(self._backlog)
             self._backlog.clear()
             await self.response.write(data)
+
+    def _extra_bytes(self, piece: P.Piece) -> bytes:
+        """The optional fields a templated chunk carries after its choices."""
+        if not (self.timed or self.fmt.with_token_ids):
+            return b""
+        timing = self._timing_bytes(piece) if self.timed else b""
+        return timing + self._token_id_bytes(piece)
 
     def _token_id_bytes(self, piece: P.Piece) -> bytes:
         if not self.fmt.with_token_ids:
@@ -673,19 +696,6 @@ def resumed_params(params: SamplingParams, done: int) -> SamplingParams:
                             f"({params.max_tokens}) to generate", param="resume_token_ids")
     return replace(params, max_tokens=params.max_tokens - done,
                    min_tokens=max(0, params.min_tokens - done))
-
-
-def _write_now(response: web.StreamResponse, data: bytes) -> None:
-    # ``StreamResponse.write`` only waits to drain a paused transport (one whose buffer is
-    # over its high-water mark), which ``_has_room`` rules out: the coroutine finishes on its
-    # first step. Should it ever wait, the data is already written and only the drain is
-    # skipped; later pieces then see the full buffer and go through the handler.
-    coro = response.write(data)
-    try:
-        coro.send(None)
-    except StopIteration:
-        return
-    coro.close()
 
 
 def _cut_after_final_message(text: str, content: str) -> str:

@@ -18,8 +18,17 @@ MODEL = "tiny"
 
 
 class FakeTransport:
-    def __init__(self) -> None:
+    """The socket's transport: the dispatcher's inline writes land here, framed."""
+
+    def __init__(self, response: FakeResponse) -> None:
         self.buffered = 0  # what the socket would still hold
+        self.response = response
+
+    def write(self, data: bytes) -> None:
+        size, _, rest = data.partition(b"\r\n")
+        assert rest.endswith(b"\r\n") and int(size, 16) == len(rest) - 2  # one HTTP chunk
+        self.response.data.append(rest[:-2])
+        self.response.by_handler.append(asyncio.current_task().get_name() == "handler")
 
     def is_closing(self) -> bool:
         return False
@@ -29,6 +38,8 @@ class FakeTransport:
 
 
 class FakeResponse:
+    headers = {"Transfer-Encoding": "chunked"}  # as aiohttp sets it for HTTP/1.1
+
     def __init__(self) -> None:
         self.data: list[bytes] = []
         self.by_handler: list[bool] = []  # written by the handler task, not inline
@@ -39,8 +50,8 @@ class FakeResponse:
 
 
 class FakeHttp:
-    def __init__(self) -> None:
-        self.transport = FakeTransport()
+    def __init__(self, response: FakeResponse) -> None:
+        self.transport = FakeTransport(response)
 
 
 class FakeClient:
@@ -59,7 +70,8 @@ def _writer(stop: list[str] | None = None) -> tuple[_SSEWriter, FakeResponse, Fa
     params = body.sampling.sampling_params(2, 4096, 16)
     gen = Generation(FakeClient(), RequestStream("cmpl-1", 0.0), ByteTokenizer(), [1, 2],
                      params)
-    http, response = FakeHttp(), FakeResponse()
+    response = FakeResponse()
+    http = FakeHttp(response)
     writer = _SSEWriter(http, response, fmt, gen)
     writer.sent_first = True
     return writer, response, http
