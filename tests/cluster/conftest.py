@@ -26,6 +26,7 @@ from pdserve.cluster.zk_local import (
 from pdserve.cluster.zk_local import (
     stop as stop_server,
 )
+from tests.server.conftest import Server, start_server
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
@@ -60,6 +61,28 @@ def zookeeper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield hosts
     finally:
         stop_server(process)
+
+
+GROUP_ROOT = "/pdtest"
+
+
+def member_flags(zookeeper: str) -> tuple[str, ...]:
+    """Flags of an instance that joins the 'chat' P/D group under ``GROUP_ROOT``."""
+    return ("--kv-transfer-port", "0", "--registry", f"zk://{zookeeper}{GROUP_ROOT}",
+            "--scenario", "chat")
+
+
+@pytest.fixture(scope="session")
+def zk_group(zookeeper: str) -> Iterator[tuple[Server, Server]]:
+    """p0 (prefill) and d0 (decode), members of the 'chat' group in ``zookeeper`` for the
+    session: the modules that read the group through gateways share them (each pair costs
+    two server starts); a module may add members, and must have removed them when it ends."""
+    flags = member_flags(zookeeper)
+    servers = (start_server(*flags, "--role", "prefill", "--instance-id", "p0"),
+               start_server(*flags, "--role", "decode", "--instance-id", "d0"))
+    yield servers
+    for server in servers:
+        server.stop()
 
 
 # ---- a three-server ensemble ----------------------------------------------------------------
