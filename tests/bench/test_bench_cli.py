@@ -38,11 +38,14 @@ def test_serve_writes_json_report_and_plots(tmp_path):
 
 
 def test_serve_goodput_sweep_and_plot_mode(tmp_path):
+    # 5 req/s: no queue, TTFT ~100 ms, 200 ms under the SLO for a busy host's delays (with
+    # 40 ms and an SLO of 120 ms, a loaded host missed it). 60 req/s: request k of 10 waits
+    # ~100 + 83k ms, so most miss it.
     out = tmp_path / "goodput.json"
-    with ThreadedServer(StandIn(prefill_ms=40.0, itl_ms=2.0)) as server:
+    with ThreadedServer(StandIn(prefill_ms=100.0, itl_ms=2.0)) as server:
         main(["serve", "--base-url", server.url, "--num-prompts", "10",
               "--random-input-len", "8", "--random-output-len", "2", "--burstiness", "100",
-              "--ttft-slo-ms", "120", "--itl-slo-ms", "100", "--goodput",
+              "--ttft-slo-ms", "300", "--itl-slo-ms", "100", "--goodput",
               "--goodput-rates", "5,60", "--no-progress", "--no-timeline", "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["goodput_rps"] == 5.0

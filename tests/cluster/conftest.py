@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,6 +26,27 @@ from pdserve.cluster.zk_local import (
 from pdserve.cluster.zk_local import (
     stop as stop_server,
 )
+from tests.server.conftest import Server, start_server
+
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def late_bound_port() -> int:
+    """A free port for a server that binds it only seconds later (a launcher's gateway, after
+    its instances are up). Not from the kernel's ephemeral range, as ``free_port`` picks:
+    meanwhile every outgoing connection on the host (Ray's, ZooKeeper's, the instances')
+    takes ports from that range, and one took such a port once. Ray's workers listen on
+    10002-19999, so the port comes from between those and the ephemeral range."""
+    low = int(EPHEMERAL_RANGE.read_text().split()[0]) if EPHEMERAL_RANGE.exists() else 32768
+    candidates = range(20000, low)
+    for port in random.sample(candidates, k=min(200, len(candidates))):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +61,28 @@ def zookeeper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield hosts
     finally:
         stop_server(process)
+
+
+GROUP_ROOT = "/pdtest"
+
+
+def member_flags(zookeeper: str) -> tuple[str, ...]:
+    """Flags of an instance that joins the 'chat' P/D group under ``GROUP_ROOT``."""
+    return ("--kv-transfer-port", "0", "--registry", f"zk://{zookeeper}{GROUP_ROOT}",
+            "--scenario", "chat")
+
+
+@pytest.fixture(scope="session")
+def zk_group(zookeeper: str) -> Iterator[tuple[Server, Server]]:
+    """p0 (prefill) and d0 (decode), members of the 'chat' group in ``zookeeper`` for the
+    session: the modules that read the group through gateways share them (each pair costs
+    two server starts); a module may add members, and must have removed them when it ends."""
+    flags = member_flags(zookeeper)
+    servers = (start_server(*flags, "--role", "prefill", "--instance-id", "p0"),
+               start_server(*flags, "--role", "decode", "--instance-id", "d0"))
+    yield servers
+    for server in servers:
+        server.stop()
 
 
 # ---- a three-server ensemble ----------------------------------------------------------------

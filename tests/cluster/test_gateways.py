@@ -12,9 +12,9 @@ import aiohttp
 import pytest
 
 from pdserve.cluster.registry import ZooKeeperRegistry
+from tests.cluster.conftest import GROUP_ROOT
 from tests.cluster.group import stream, wait_until
 from tests.cluster.test_pd_e2e import BODY, GatewayThread
-from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.slow
 LONG = {**BODY, "max_tokens": 48, "stream_options": {"include_usage": True}}
@@ -24,12 +24,9 @@ def _ids(registry, role: str) -> list[str]:
     return [i.instance_id for i in registry.instances("chat", role)]
 
 
-def test_two_gateways_share_a_group_and_one_stopping_spares_the_other(zookeeper):
-    url = f"zk://{zookeeper}/gateways"
-    flags = ("--kv-transfer-port", "0", "--registry", url, "--scenario", "chat")
-    servers = [start_server(*flags, "--role", "prefill", "--instance-id", "p0"),
-               start_server(*flags, "--role", "decode", "--instance-id", "d0")]
-    registries = [ZooKeeperRegistry(zookeeper, "/gateways") for _ in range(2)]
+def test_two_gateways_share_a_group_and_one_stopping_spares_the_other(zookeeper, zk_group):
+    servers = zk_group
+    registries = [ZooKeeperRegistry(zookeeper, GROUP_ROOT) for _ in range(2)]
     gateways = [GatewayThread(r, default_scenario="chat") for r in registries]
     stopped = False
     try:
@@ -65,5 +62,3 @@ def test_two_gateways_share_a_group_and_one_stopping_spares_the_other(zookeeper)
             gateway.stop()
         for registry in registries:
             registry.close()
-        for server in servers:
-            server.stop()

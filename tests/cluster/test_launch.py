@@ -13,7 +13,8 @@ import tempfile
 import pytest
 
 from pdserve.cluster.launch import gpu_groups
-from tests.server.conftest import Server, child_pids, free_port, wait_healthy
+from tests.cluster.conftest import late_bound_port
+from tests.server.conftest import Server, child_pids, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_cluster_command_serves_and_stops_cleanly(tp):
     """tp 2: each instance a tensor-parallel group (two processes over gloo on the CPU)."""
-    port = free_port()
+    port = late_bound_port()
     cmd = [sys.executable, "-m", "pdserve", "cluster", "tiny", "--prefill", "1", "--decode", "1",
            "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", str(tp),
            "--serve-args", "--device cpu --dtype float32"]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster.conftest import late_bound_port
 from tests.server.conftest import Server, free_port, wait_healthy
 
 try:
@@ -27,6 +28,7 @@ try:
 except ImportError:  # the refusals below need no Ray; the cluster test skips
     ray = None
 REPO = Path(__file__).resolve().parents[2]
+NODE_CPUS = 2
 BODY = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0,
         "ignore_eos": True}
 
@@ -72,20 +74,20 @@ def _stop_ray(temp_dir: str) -> None:
             pass
 
 
-@pytest.fixture
-def ray_cluster(request) -> Iterator[str]:
-    """Two nodes; ``request.param``: CPUs each (a bundle asks for one per tensor-parallel
-    rank on a cluster without GPUs)."""
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """Two nodes of two CPUs, shared by the module's launches: a bundle asks for a CPU per
+    tensor-parallel rank on a cluster without GPUs, so a group of two fits a node; each
+    launch gives its placement groups back when it stops (the next waits for them)."""
     pytest.importorskip("ray", reason="Ray not installed; pip install -e '.[ray]'")
-    cpus = getattr(request, "param", 1)
     # Short: Ray's socket paths under it must fit a Unix socket name.
     temp_dir = tempfile.mkdtemp(prefix="pdray", dir="/tmp")
     port = free_port()
     try:
-        _ray_start(temp_dir, cpus, "--head", "--port", str(port), "--include-dashboard",
+        _ray_start(temp_dir, NODE_CPUS, "--head", "--port", str(port), "--include-dashboard",
                    "false", "--resources", json.dumps({"pd_prefill": 1}))
         address = f"{ray.util.get_node_ip_address()}:{port}"
-        _ray_start(temp_dir, cpus, "--address", address, "--resources",
+        _ray_start(temp_dir, NODE_CPUS, "--address", address, "--resources",
                    json.dumps({"pd_decode": 1}))
         yield address
     finally:
@@ -104,11 +106,11 @@ def _nodes_with(address: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ray_cluster, tp", [(1, 1), (2, 2)], indirect=["ray_cluster"])
+@pytest.mark.parametrize("tp", [1, 2])
 def test_ray_places_prefill_and_decode_on_their_nodes_and_the_gateway_serves(
         ray_cluster, tp, zookeeper):
     """tp 2: each instance a tensor-parallel group of two processes in its bundle."""
-    gateway_port = free_port()
+    gateway_port = late_bound_port()
     cmd = [sys.executable, "-m", "pdserve", "cluster", "tiny", "--prefill", "1", "--decode",
            "1", "--ray-address", ray_cluster, "--registry", f"zk://{zookeeper}/ray-test-{tp}",
            "--tensor-parallel-size", str(tp),

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from pdserve.cluster.registry import ZooKeeperRegistry
+from tests.cluster.conftest import GROUP_ROOT, member_flags
 from tests.cluster.group import wait_until
 from tests.cluster.test_pd_e2e import BODY, GatewayThread
 from tests.server.conftest import start_server
@@ -19,13 +20,9 @@ def _ids(registry, role: str) -> list[str]:
     return [i.instance_id for i in registry.instances("chat", role)]
 
 
-def test_group_in_zookeeper(zookeeper):
-    url = f"zk://{zookeeper}/pdtest"
-    flags = ("--kv-transfer-port", "0", "--registry", url, "--scenario", "chat")
-    prefill = start_server(*flags, "--role", "prefill", "--instance-id", "p0")
-    decode = start_server(*flags, "--role", "decode", "--instance-id", "d0")
-    spare = start_server(*flags, "--role", "decode", "--instance-id", "d1")
-    registry = ZooKeeperRegistry(zookeeper, "/pdtest")
+def test_group_in_zookeeper(zookeeper, zk_group):
+    spare = start_server(*member_flags(zookeeper), "--role", "decode", "--instance-id", "d1")
+    registry = ZooKeeperRegistry(zookeeper, GROUP_ROOT)
     gateway = GatewayThread(registry, default_scenario="chat")
     try:
         wait_until(timeout=20, predicate=lambda: _ids(registry, "prefill") == ["p0"]
@@ -45,5 +42,4 @@ def test_group_in_zookeeper(zookeeper):
     finally:
         gateway.stop()
         registry.close()
-        for server in (prefill, decode, spare):
-            server.stop()
+        spare.stop()

@@ -1,7 +1,8 @@
-"""A P/D group whose decode instance runs two tensor-parallel ranks, over real HTTP and a
-real ZooKeeper: the registry records each instance's group size, the gateway serves through
-the pair, and a killed worker of the decode instance makes its server restart the engine
-(as for any engine death), after which the pair serves again.
+"""``pdserve serve --tensor-parallel-size 2`` on the CPU over real HTTP, as the decode instance
+of a P/D group in a real ZooKeeper: the engine process (a daemon) starts its worker, reports
+the group size, serves on its own and through the gateway; the registry records each
+instance's group size; a killed worker stops the engine, which the server restarts (as for
+any engine death) with a fresh worker, after which the instance and the pair serve again.
 
 The prefill instance runs one rank of the dummy model and the decode instance two: dummy
 weights are seeded per rank, so the two halves are different models and only token counts
@@ -20,12 +21,25 @@ from pdserve.cluster.registry import ZooKeeperRegistry
 from tests.cluster.conftest import zookeeper  # noqa: F401  (the fixture)
 from tests.cluster.group import wait_until
 from tests.cluster.test_pd_e2e import BODY, GatewayThread
-from tests.parallel.test_tensor_parallel_server import _worker_pid
-from tests.server.conftest import engine_pid, start_server
+from tests.server.conftest import Server, child_pids, engine_pid, start_server
 from tests.server.test_restart import _wait_for_new_engine
 
 pytestmark = pytest.mark.slow
 ROOT = "/tp-pd"
+
+
+def _worker_pid(engine: int) -> int:
+    for pid in child_pids(engine):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"pdserve.engine.tp_worker" in f.read():
+                return pid
+    raise AssertionError(f"engine {engine} has no tensor-parallel worker")
+
+
+def _serves_alone(server: Server) -> None:
+    done = server.openai().completions.create(model="tiny", prompt="hi", max_tokens=4,
+                                              extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 4
 
 
 def _group_sizes(registry: ZooKeeperRegistry) -> dict[str, int]:
@@ -69,6 +83,9 @@ def test_group_with_a_tp2_decode_instance_and_its_worker_killed(zookeeper):  # n
         _, _, raw = gateway.http.request("GET", "/cluster/groups")
         listed = json.loads(raw)["groups"]["chat"]
         assert [i["tensor_parallel_size"] for i in listed["decode"]] == [2]
+        status, _, raw = decode.request("GET", "/v1/engine/info")
+        assert status == 200 and json.loads(raw)["tensor_parallel_size"] == 2
+        _serves_alone(decode)
         status, body = _complete(gateway)
         assert status == 200 and body["usage"]["completion_tokens"] == BODY["max_tokens"]
 
@@ -82,8 +99,11 @@ def test_group_with_a_tp2_decode_instance_and_its_worker_killed(zookeeper):  # n
         assert status == 503 and "no decode instance" in body["error"]["message"], body
         _wait_for_new_engine(decode, engine)
         assert "tensor-parallel rank 1" in decode.log_text(), decode.log_text()
+        _worker_pid(engine_pid(decode))  # the new engine has its own worker
+        _serves_alone(decode)
         # The gateway routes to the instance again once its failure ages out (5 s).
         wait_until(timeout=60, poll_s=0.5, predicate=lambda: _served(gateway))
+        assert decode.stop() == 0
     finally:
         gateway.stop()
         registry.close()

@@ -155,11 +155,21 @@ def wait_healthy(server: Server, timeout: float = START_TIMEOUT_S) -> None:
     raise RuntimeError("server did not become healthy")
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="session")
+def default_server():
     srv = start_server("--num-blocks", "512", "--max-num-seqs", "64")
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(default_server):
+    """One server for every module that takes the default flags (each start and stop costs
+    seconds of two processes loading torch), idle when a module begins, as a fresh one would
+    be: no request of an earlier module still running, waiting or holding pages. What a
+    module measures on it is a difference (metrics before and after), never a total."""
+    wait_engine_idle(default_server)
+    return default_server
 
 
 @pytest.fixture(scope="module")
