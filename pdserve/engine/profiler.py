@@ -184,6 +184,17 @@ class Fixtures:
         request = self.request(prefix, tokens)
         return None if request is None else Plan(prefills=[ScheduledRequest(request, tokens)])
 
+    def mixed_plan(self, tokens: int, prefix: int, batch: int, context: int) -> Plan | None:
+        """A prompt chunk of ``tokens`` behind ``prefix`` cached ones, beside ``batch``
+        decodes at ``context`` (none when ``batch`` is 0); None when the pool cannot hold it."""
+        plan = self.decode_plan(batch, context) if batch else Plan()
+        prefill = self.prefill_plan(tokens, prefix) if plan is not None else None
+        if prefill is None:
+            self.release()
+            return None
+        plan.prefills = prefill.prefills
+        return plan
+
     def free(self, plan: Plan) -> None:
         for item in plan.scheduled:
             self._drop(item.request)
@@ -369,12 +380,9 @@ class Profiler:
     def _mixed(self) -> None:
         total = self.policy.partitions.total_sms
         for chunk, prefix, batch, context in self.grid.mixed_points:
-            plan = self.fixtures.decode_plan(batch, context)
-            prefill = self.fixtures.prefill_plan(chunk, prefix)
-            if plan is None or prefill is None:
-                self.fixtures.release()
+            plan = self.fixtures.mixed_plan(chunk, prefix, batch, context)
+            if plan is None:
                 continue
-            plan.prefills = prefill.prefills
             ms = self._wall(lambda p=plan: self.runner.execute(p))
             self._add("mixed", chunk, prefix, 1, total, False, ms, decode_batch=batch,
                       decode_context=batch * context)

@@ -20,7 +20,7 @@ import logging
 import time
 
 from pdserve.engine.profiler import Fixtures
-from pdserve.sched.base import MAIN_POOL, Plan
+from pdserve.sched.base import MAIN_POOL
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def run_shapes(engine, tokens: int) -> dict:
     fixtures, started, steps = Fixtures(engine), time.perf_counter(), 0
     try:
         for decodes, prefix in SHAPES:
-            plan = _plan(fixtures, tokens, decodes, prefix)
+            plan = fixtures.mixed_plan(tokens, prefix, decodes, DECODE_CONTEXT)
             if plan is None:  # the pool cannot hold it: nothing to warm at this size
                 continue
             engine.runner.execute(plan)
@@ -68,12 +68,3 @@ def run_shapes(engine, tokens: int) -> dict:
     seconds = time.perf_counter() - started
     log.info("warm-up: %d eager steps of %d prompt tokens in %.2f s", steps, tokens, seconds)
     return {"steps": steps, "prompt_tokens": tokens, "seconds": round(seconds, 3)}
-
-
-def _plan(fixtures: Fixtures, tokens: int, decodes: int, prefix: int) -> Plan | None:
-    plan = fixtures.decode_plan(decodes, DECODE_CONTEXT) if decodes else Plan()
-    prefill = fixtures.prefill_plan(tokens, prefix) if plan is not None else None
-    if prefill is None:
-        return None
-    plan.prefills = prefill.prefills
-    return plan
