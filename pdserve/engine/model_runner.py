@@ -250,7 +250,7 @@ class ModelRunner:
                 self.ops.wait(stream, event)
             start = None
             if work.layers is None:
-                start = self.ops.timed_record(stream)
+                start = self.ops.timed_record(stream) if work.timed else None
                 num, want = self._launch_whole(work, buffers)
                 event = self.ops.timed_record(stream) if start is not None else \
                     self.ops.record(stream)

@@ -105,6 +105,9 @@ class Work:
     carry: object = None
     note: object = None  # the policy's own record of why (e.g. the multiplex plan)
     overlapped: bool = False  # counters advance at issue; the next step is planned meanwhile
+    # A whole launch the policy calibrates against: also timed on the device's clock
+    # (``StepOutput.device_ms``); the others are not, so their steps record no extra events.
+    timed: bool = False
 
 
 class LaneLaunches:

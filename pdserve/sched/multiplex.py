@@ -236,7 +236,8 @@ class MultiplexScheduler(InFlightScheduler):
         self.overlap.mixed_step(chained)
         self.launched(step, overlapped)
         note = DecodeNote(MixedNote(plan, prefill_tokens == plan.prefill.num_tokens))
-        works[DECODE_LANE] = Work(step, self.current, note=note, overlapped=overlapped)
+        works[DECODE_LANE] = Work(step, self.current, note=note, overlapped=overlapped,
+                                  timed=True)
         self.decodes.add(works[DECODE_LANE])
         note.entry = self._timeline[-1]
 
@@ -341,7 +342,8 @@ class MultiplexScheduler(InFlightScheduler):
             return
         overlapped = self._overlaps(plan)
         self.launched(plan, overlapped)
-        works[DECODE_LANE] = Work(plan, self.current, note=DecodeNote(), overlapped=overlapped)
+        works[DECODE_LANE] = Work(plan, self.current, note=DecodeNote(), overlapped=overlapped,
+                                  timed=True)
         self.decodes.add(works[DECODE_LANE])
 
     def _overlaps(self, plan: Plan) -> bool:

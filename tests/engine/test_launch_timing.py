@@ -56,3 +56,36 @@ def test_mixed_step_correction_learns_from_the_device_clock():
     MultiplexScheduler._calibrate(policy, SimpleNamespace(note=note),
                                   StepOutput([1], elapsed_ms=60.0))  # no device clock
     assert model.mixed_correction > 1.0
+
+
+class ClockOps(SyncStreamOps):
+    """A device clock on the CPU: each timing event reads 10 ms after the one before."""
+
+    def __init__(self):
+        self.timed = 0
+
+    def timed_record(self, stream):
+        self.timed += 1
+        return TimedEvent(10.0 * self.timed)
+
+
+def _run(schedule: str) -> tuple[ClockOps, list[dict]]:
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.setup import EngineSetup
+    from pdserve.sampling_params import SamplingParams
+
+    ops = ClockOps()
+    llm = LLM("tiny", device="cpu", schedule=schedule, mux_predictor="roofline",
+              max_num_batched_tokens=64, setup=EngineSetup(ops=ops))
+    llm.generate([{"prompt_token_ids": list(range(3, 40))}],
+                 SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    timeline = llm.engine.timeline() if schedule == "multiplex" else []
+    return ops, timeline
+
+
+def test_only_launches_a_policy_calibrates_are_timed_on_the_device():
+    ops, _ = _run("chunked")
+    assert ops.timed == 0  # chunked steps record no timing events
+    ops, timeline = _run("multiplex")
+    assert ops.timed > 0 and ops.timed % 2 == 0  # a start and an end per decode-lane launch
+    assert any(e["measured_device_ms"] == 10.0 for e in timeline)
