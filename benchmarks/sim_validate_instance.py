@@ -41,6 +41,7 @@ import os
 import shlex
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,7 @@ from benchmarks.validate_sim import (  # noqa: E402
     measure_prefill,
     prompt,
     spread,
+    token_clock,
 )
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.sim.cluster import (  # noqa: E402
@@ -85,18 +87,6 @@ SMOKE = {"model": "tiny", "serve_args": "--device cpu --dtype float32",
          "mix_steps": 400, "mix_warmup_s": 0.3}
 
 
-async def stream_clock(session, url: str, body: dict) -> list[float]:
-    """``time.monotonic()`` of each streamed chunk that carries text."""
-    times = []
-    async with session.post(url, json={**body, "stream": True}) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
-        async for line in resp.content:
-            if line.startswith(b"data: {") and b'"text"' in line:
-                times.append(time.monotonic())
-    return times
-
-
 async def measure_interference(session, url: str, args, rng,
                                model: LatencyModel) -> tuple[Multiplexing, dict]:
     """Both sides beside each other: ``--mix-batch`` streams decode; once they run, one
@@ -104,7 +94,7 @@ async def measure_interference(session, url: str, args, rng,
     that prompt is in flight over the median step before it; prefill's: the prompt's
     latency over the fitted model's time for it alone."""
     body = {"model": args.model, "max_tokens": args.mix_steps, "ignore_eos": True}
-    streams = [asyncio.create_task(stream_clock(session, url, {**body, "prompt": prompt(
+    streams = [asyncio.create_task(token_clock(session, url, {**body, "prompt": prompt(
         rng, args.decode_contexts[0])})) for _ in range(args.mix_batch)]
     await asyncio.sleep(args.mix_warmup_s)
     sent = time.monotonic()
@@ -113,7 +103,7 @@ async def measure_interference(session, url: str, args, rng,
         await resp.read()
     done = time.monotonic()
     runs = await asyncio.gather(*streams)
-    gaps = [(a, b - a) for t in runs for a, b in zip(t[1:-1], t[2:], strict=False)]
+    gaps = [gap for t in runs for gap in chunk_steps(t[1:])]
     before = [g for a, g in gaps if a + g <= sent and a >= sent - 2 * (done - sent)]
     during = [g for a, g in gaps if a + g > sent and a < done]
     if len(before) < 3 or not during:
@@ -124,6 +114,14 @@ async def measure_interference(session, url: str, args, rng,
     return factors, {"prompt_s": done - sent, "steps_before": len(before),
                      "steps_during": len(during), "step_ms_before": np.median(before) * 1e3,
                      "step_ms_during": np.median(during) * 1e3}
+
+
+def chunk_steps(times: list[float]) -> list[tuple[float, float]]:
+    """(start, step) per streamed chunk after the first: the time since the previous chunk
+    over the tokens the chunk carries (one chunk can carry several, see ``token_clock``)."""
+    arrivals = sorted(Counter(times).items())
+    return [(a, (b - a) / count) for (a, _), (b, count) in zip(arrivals, arrivals[1:],
+                                                                  strict=False)]
 
 
 def window_requests(args, model: LatencyModel) -> tuple[list[SimRequest], dict]:
@@ -158,9 +156,11 @@ async def replay(session, url: str, requests: list[SimRequest], args, rng) -> li
     async def one(request: SimRequest) -> dict:
         await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
         sent = time.monotonic()
-        times = await stream_clock(session, url, {
+        times = await token_clock(session, url, {
             "model": args.model, "prompt": prompt(rng, request.input_len),
             "max_tokens": request.output_len, "ignore_eos": True})
+        if len(times) != request.output_len:
+            raise RuntimeError(f"{len(times)} tokens streamed for {request.output_len} asked")
         return {"ttft_s": times[0] - sent,
                 "tpot_s": (times[-1] - times[0]) / max(1, len(times) - 1)}
 
@@ -281,7 +281,8 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"unknown schedule {unknown}: choose from {', '.join(table)}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # on CPU: the instance, not every core
-    header = result_header({k: v for k, v in vars(args).items() if k != "out"})
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    header = result_header({**config, "trace": os.path.relpath(args.trace, ROOT)})
     report = {**header, "kind": "validation", "schedules": {}}
     for name in args.schedules.split(","):
         report["schedules"][name] = asyncio.run(validate(args, name, table[name]))

@@ -52,17 +52,23 @@ def prompt(rng: np.random.Generator, tokens: int) -> list[int]:
 
 
 async def stream(session, url: str, body: dict) -> list[float]:
-    """Arrival time of every generated token, from the send. A chunk may carry several
-    tokens (a model's random ids held back as incomplete UTF-8 until they decode), so
-    tokens are counted by the chunk's ``logprobs`` and each takes its chunk's time."""
-    start, times = time.monotonic(), []
+    """Arrival time of every generated token, from the send (see ``token_clock``)."""
+    start = time.monotonic()
+    return [t - start for t in await token_clock(session, url, body)]
+
+
+async def token_clock(session, url: str, body: dict) -> list[float]:
+    """``time.monotonic()`` at the arrival of every generated token. A chunk may carry
+    several tokens (a model's random ids held back as incomplete UTF-8 until they decode),
+    so tokens are counted by the chunk's ``logprobs`` and each takes its chunk's time."""
+    times = []
     async with session.post(url, json={**body, "stream": True, "logprobs": 0}) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
         async for line in resp.content:
             if line.startswith(b"data: {"):
                 count = tokens_in_chunk(json.loads(line[len(b"data: "):]))
-                times += [time.monotonic() - start] * count
+                times += [time.monotonic()] * count
     return times
 
 
@@ -92,24 +98,42 @@ async def measure_prefill(session, url: str, args, rng) -> tuple[list[dict], lis
 
 async def measure_decode(session, url: str, args, rng) -> tuple[list[dict], list[float]]:
     """Median step per batch and context, and every timed step over its point's median.
-    A step is timed over ``STEP_WINDOW`` tokens: a client that reads several chunks at
-    once (descheduled a moment) would otherwise time single steps near zero beside one
-    long one."""
-    points, ratios, steps = [], [], args.decode_steps
+    Only steps while the whole batch decodes count: the prompts of a batch prefill one
+    after another (under chunked prefill a step then carries prompt pieces too), so the
+    window starts at the batch's last first token and ends at its first last token; each
+    request runs ``--decode-steps`` tokens past the longest such prefill phase. A step is
+    timed over ``STEP_WINDOW`` tokens: a client that reads several chunks at once
+    (descheduled a moment) would otherwise time single steps near zero beside one long one."""
+    points, ratios = [], []
     for context in args.decode_contexts:
         for batch in args.decode_batches:
-            body = {"model": args.model, "max_tokens": steps, "ignore_eos": True}
-            runs = await asyncio.gather(*(stream(session, url, {**body,
-                                                                "prompt": prompt(rng, context)})
-                                          for _ in range(batch)))
-            # Steady state: every request past its prefill and none yet finished.
-            timed = np.concatenate([np.diff(t[8:steps - 8][::STEP_WINDOW]) / STEP_WINDOW
-                                    for t in runs])
+            body = {"model": args.model, "ignore_eos": True,
+                    "max_tokens": args.decode_steps + prefill_steps_bound(batch, context)}
+            runs = await asyncio.gather(*(token_clock(session, url, {
+                **body, "prompt": prompt(rng, context)}) for _ in range(batch)))
+            timed = steady_steps(runs, batch, context, args.decode_steps)
             median = float(np.median(timed))
-            points.append({"batch": batch, "context": context + steps // 2,
+            points.append({"batch": batch, "context": context + args.decode_steps // 2,
                            "step_ms": median * 1e3})
             ratios += (timed / median).tolist()
     return points, ratios
+
+
+def prefill_steps_bound(batch: int, context: int) -> int:
+    """Steps a batch's prompts can take to all start decoding: one per 256 prompt tokens
+    bounds every schedule measured here (chunks of 256 or more, or whole prompts)."""
+    return -(-batch * context // 256)
+
+
+def steady_steps(runs: list[list[float]], batch: int, context: int, wanted: int) -> np.ndarray:
+    """Step times (seconds) of the window where every request of the batch decodes."""
+    start, end = max(t[0] for t in runs), min(t[-1] for t in runs)
+    windows = [np.diff(inside[::STEP_WINDOW]) / STEP_WINDOW
+               for t in runs if len(inside := [x for x in t if start <= x <= end]) > STEP_WINDOW]
+    if sum(len(w) for w in windows) * STEP_WINDOW < wanted // 2:
+        raise RuntimeError(f"decode batch {batch} x {context} tokens: the batch decoded "
+                           f"together for under {wanted // 2} steps; raise --decode-steps")
+    return np.concatenate(windows)
 
 
 def workload(args, rng) -> list[SimRequest]:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,17 +123,42 @@ def test_instruction_count_covers_only_the_window(tmp_path):
         result["instructions_per_request"] * result["arrivals"])
 
 
+def _script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_decode_timing_counts_tokens_not_chunks():
     """With dummy weights a streamed chunk can carry several tokens (held back as incomplete
     UTF-8): the validation's decode timing counts them by the chunk's logprobs (the H200
     run stopped with no decode samples when it counted chunks)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("validate_sim",
-                                                  ROOT / "benchmarks" / "validate_sim.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _script("validate_sim")
     three = {"choices": [{"text": "ab", "logprobs": {"tokens": ["a", "", "b"]}}]}
     assert module.tokens_in_chunk(three) == 3
     assert module.tokens_in_chunk({"choices": [], "usage": {"completion_tokens": 9}}) == 0
     assert module.tokens_in_chunk({"choices": [{"text": "", "logprobs": None}]}) == 0
+
+
+def test_decode_timing_only_while_the_whole_batch_decodes():
+    """The batch's prompts start one after another: steps before the last one's first token
+    (prompt pieces in them under chunked prefill) and after the first one's last token
+    (a smaller batch) are not the batch's decode step (at b249c95 they were, and a chunked
+    instance's batch-32 step read 52 ms where whole-batch steps take ~18)."""
+    module = _script("validate_sim")
+    early = [0.0 + 0.05 * i for i in range(40)]  # mixed steps of 50 ms until 1.0 s ...
+    early = [t for t in early if t < 1.0] + [1.0 + 0.01 * i for i in range(1, 100)]
+    late = [1.0 + 0.01 * i for i in range(120)]  # ... then 10 ms steps, the batch together
+    steps = module.steady_steps([early, late], 2, 64, 32)
+    assert steps == pytest.approx(np.full(len(steps), 0.01))
+    with pytest.raises(RuntimeError, match="raise --decode-steps"):
+        module.steady_steps([early, [t + 0.9 for t in late]], 2, 64, 64)
+
+
+def test_interference_steps_split_a_chunk_over_its_tokens():
+    module = _script("sim_validate_instance")
+    times = [0.0, 0.1, 0.1, 0.1, 0.2]  # the second chunk carried three tokens
+    assert module.chunk_steps(times) == pytest.approx([(0.0, 0.1 / 3), (0.1, 0.1)])
