@@ -333,8 +333,8 @@ def decode_attention(
 
     No host sync and a grid fixed by (batch, heads, num_splits): safe to capture in a CUDA
     graph and replay with new ``seq_lens``/``block_tables`` contents. The one-launch path
-    (``config.one_launch``) keeps arrival counters per device and stream: run it once on a
-    stream before capturing it there, so they exist (a capture cannot clear new memory).
+    (``config.one_launch``) keeps arrival counters per device and stream, cleared when
+    allocated: run a batch size eagerly before capturing it (a capture cannot clear memory).
     """
     batch = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -386,43 +386,41 @@ def decode_attention(
     )  # fmt: skip
 
 
-# Arrival counters of the one-launch decode: one slot per (device, stream). Launches on one
-# stream run one after another, each leaving its slot at 0; launches that may overlap come
-# from different streams (a CUDA graph uses the slot of the stream it was captured on). The
-# slots are cleared when allocated, before any capture: a capture on a new stream (such as
-# torch.cuda.graph's own side stream) takes a free slot without allocating.
-_ARRIVAL_SLOTS = 32
+# Arrival counters of the one-launch decode: a row per (device, stream). Launches on one
+# stream run one after another, each leaving its row at 0; launches that may overlap come
+# from different streams (a CUDA graph uses the row of the stream it was captured on). Rows
+# are cleared when allocated, which a capture cannot do, so an eager launch always leaves a
+# spare row: a capture on a new stream (such as torch.cuda.graph's own) takes it.
 _arrivals: dict[torch.device, torch.Tensor] = {}
-_slot_of_stream: dict[tuple[torch.device, int], int] = {}
+_row_of_stream: dict[tuple[torch.device, int], int] = {}
 _retired_arrivals: list[torch.Tensor] = []  # never freed: captured graphs keep the address
 
 
 def _arrival_counters(count: int, device: torch.device) -> torch.Tensor:
-    """``count`` zeroed int32 counters owned by the current stream of ``device``."""
+    """``count`` int32 counters at 0, owned by the current stream of ``device``."""
     key = (device, _stream_id(device))
-    slot = _slot_of_stream.setdefault(key, sum(d == device for d, _ in _slot_of_stream))
-    if slot >= _ARRIVAL_SLOTS:
-        del _slot_of_stream[key]
-        raise RuntimeError(f"one-launch decode attention ran on more than {_ARRIVAL_SLOTS} "
-                           f"streams of {device}; {TWO_LAUNCH_DECODE_ENV}=1 selects the "
-                           "two-launch path, which keeps no counters")
-    slots = _arrivals.get(device)
-    if slots is None or slots.shape[1] < count:
-        slots = _grow_arrivals(device, count, slots)
-    return slots[slot]
+    row = _row_of_stream.setdefault(key, sum(d == device for d, _ in _row_of_stream))
+    rows = _arrivals.get(device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    spare = 0 if capturing else 1
+    if rows is None or rows.shape[0] < row + 1 + spare or rows.shape[1] < count:
+        if capturing:
+            raise RuntimeError(
+                f"one-launch decode attention needs {count} cleared arrival counters for a "
+                "CUDA-graph capture on a new stream: run it eagerly (at this batch size or "
+                "larger) before capturing"
+            )
+        rows = _grow_arrivals(device, row + 1 + spare, count, rows)
+    return rows[row]
 
 
-def _grow_arrivals(device: torch.device, count: int, old: torch.Tensor | None) -> torch.Tensor:
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"one-launch decode attention needs {count} arrival counters, more than were "
-            "cleared before this CUDA-graph capture: run the largest batch once before "
-            "capturing (a capture cannot clear new memory)"
-        )
+def _grow_arrivals(device: torch.device, num_rows: int, count: int,
+                   old: torch.Tensor | None) -> torch.Tensor:
     if old is not None:
-        _retired_arrivals.append(old)
-    width = triton.next_power_of_2(max(count, 4096))
-    _arrivals[device] = torch.zeros(_ARRIVAL_SLOTS, width, dtype=torch.int32, device=device)
+        _retired_arrivals.append(old)  # in-flight launches and captured graphs still use it
+        num_rows, count = max(num_rows, old.shape[0]), max(count, old.shape[1])
+    shape = (triton.next_power_of_2(max(num_rows, 8)), triton.next_power_of_2(max(count, 4096)))
+    _arrivals[device] = torch.zeros(shape, dtype=torch.int32, device=device)
     return _arrivals[device]
 
 

@@ -287,3 +287,31 @@ def test_one_launch_decode_repeated_gpu():
     for out in outs:
         torch.testing.assert_close(out.float(), ref, **GPU_TOL[torch.bfloat16])
     assert _arrivals_all_zero()
+
+
+def test_arrival_counters_one_row_per_stream(monkeypatch):
+    """Streams get rows of their own (launches on two streams may overlap), a spare row is
+    kept for a capture on a new stream, and a grown buffer keeps the old one alive (graphs
+    captured before still point at it)."""
+    pytest.importorskip("triton")
+    from pdserve.ops import triton_attention as ta
+
+    current = {"stream": 0}
+    monkeypatch.setattr(ta, "_stream_id", lambda device: current["stream"])
+    for name, empty in (("_arrivals", {}), ("_row_of_stream", {}), ("_retired_arrivals", [])):
+        monkeypatch.setattr(ta, name, empty)
+    cpu = torch.device("cpu")
+    rows = {}
+    for stream in range(20):
+        current["stream"] = 7000 + stream
+        rows[stream] = ta._arrival_counters(100, cpu)
+    assert ta._arrivals[cpu].shape[0] > 20  # the spare row
+    current["stream"] = 7003
+    wide = ta._arrival_counters(10_000, cpu)
+    assert wide.numel() >= 10_000 and not wide.any()
+    now = [ta._arrival_counters(100, cpu).data_ptr()]
+    for stream in range(20):
+        current["stream"] = 7000 + stream
+        now.append(ta._arrival_counters(100, cpu).data_ptr())
+    assert len(set(now[1:])) == 20 and now[0] == now[4]
+    assert any(r.data_ptr() == rows[0].data_ptr() for r in ta._retired_arrivals)
