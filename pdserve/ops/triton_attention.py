@@ -139,30 +139,6 @@ def _attend_range(q, k_head, v_head, table, start, end, stride_kp, stride_kb, st
 
 
 @triton.jit
-def _merge_splits(mid_o_row, mid_lse_row, stride_mo_split, num_written,
-                  NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, WRITTEN_ARE_USED: tl.constexpr,
-                  CACHE: tl.constexpr):
-    """One q head's output from the first ``num_written`` split partials, weighted by their
-    log-sum-exp (base 2). ``WRITTEN_ARE_USED``: every written split has tokens, so the
-    partial outputs load beside their log-sum-exps (one round trip, not two)."""
-    offs_s = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    written = offs_s < num_written
-    lse = tl.load(mid_lse_row + offs_s, mask=written, other=float("-inf"), cache_modifier=CACHE)
-    used = lse > float("-inf")
-    # An empty split's partial output was never stored: mask the load, do not read garbage.
-    o_mask = written if WRITTEN_ARE_USED else used
-    o = tl.load(mid_o_row + offs_s[:, None] * stride_mo_split + offs_d[None, :],
-                mask=o_mask[:, None], other=0.0, cache_modifier=CACHE)
-    lse_max = tl.max(lse, 0)
-    # A zero-length context leaves every split at -inf: shift by 0 so no NaN is formed.
-    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)
-    weight = tl.where(used, tl.exp2(lse - lse_max), 0.0)
-    denom = tl.sum(weight, 0)
-    return tl.sum(weight[:, None] * o, 0) / tl.where(denom > 0.0, denom, 1.0)
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -199,6 +175,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TOKENS: tl.constexpr,
     ONE_LAUNCH: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
 ):
     """One program = (decode seq, kv head x head block, split): all q heads of the group
     share each K/V tile, so K/V are read from memory once per group.
@@ -253,7 +230,7 @@ def _decode_split_kernel(
                 arrivals_ptr + seq * tl.num_programs(1) + tl.program_id(1),
                 out_ptr + seq * stride_ot,
                 kv_head * GROUP, head_block * BLOCK_H, used_splits, stride_mo_h, stride_mo_split,
-                stride_ml_h, stride_oh, GROUP, ROWS, HEAD_DIM, NUM_SPLITS,
+                stride_ml_h, stride_oh, GROUP, ROWS, HEAD_DIM, NUM_SPLITS, MERGE_SPLITS,
             )  # fmt: skip
 
 
@@ -261,7 +238,7 @@ def _decode_split_kernel(
 def _arrive_and_merge(mid_o_seq, mid_lse_seq, arrivals, out_seq, first_head, first_row,
                       used_splits, stride_mo_h, stride_mo_split, stride_ml_h, stride_oh,
                       GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr):
+                      NUM_SPLITS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
     """Counts this split in; the last split of the (sequence, head block) to arrive merges
     all of them into the output and sets the count back to 0 for the next launch (CUDA-graph
     replays included), so no launch has to clear it first."""
@@ -273,18 +250,51 @@ def _arrive_and_merge(mid_o_seq, mid_lse_seq, arrivals, out_seq, first_head, fir
         # The acquire half made the other splits' partials visible to the thread that did the
         # atomic; the barrier extends that to every thread, and the loads skip L1 (".cg").
         tl.debug_barrier()
-        offs_d = tl.arange(0, HEAD_DIM)
-        for row in tl.static_range(ROWS):
-            head = first_head + first_row + row
-            in_group = first_row + row < GROUP
-            merged = _merge_splits(
-                mid_o_seq + head * stride_mo_h, mid_lse_seq + head * stride_ml_h,
-                stride_mo_split, tl.where(in_group, used_splits, 0), NUM_SPLITS, HEAD_DIM,
-                True, ".cg",
-            )  # fmt: skip
-            tl.store(out_seq + head * stride_oh + offs_d, merged.to(out_seq.dtype.element_ty),
-                     mask=in_group & (offs_d < HEAD_DIM))  # fmt: skip
+        _merge_group(mid_o_seq, mid_lse_seq, out_seq, first_head, first_row, used_splits,
+                     stride_mo_h, stride_mo_split, stride_ml_h, stride_oh, GROUP, ROWS,
+                     HEAD_DIM, NUM_SPLITS, MERGE_SPLITS)  # fmt: skip
         tl.store(arrivals, 0)
+
+
+@triton.jit
+def _merge_group(mid_o_seq, mid_lse_seq, out_seq, first_head, first_row, used_splits,
+                 stride_mo_h, stride_mo_split, stride_ml_h, stride_oh, GROUP: tl.constexpr,
+                 ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 MERGE_SPLITS: tl.constexpr):
+    """Output rows of a head block from their first ``used_splits`` partials, merged by
+    log-sum-exp (base 2) ``MERGE_SPLITS`` splits at a time with a running maximum. All q
+    heads load at once and no store comes between the chunks' loads, so they can all be in
+    flight together (a loop that stored each head would wait for one L2 round trip per head).
+    """
+    rows = first_row + tl.arange(0, ROWS)
+    row_valid = rows < GROUP
+    heads = first_head + rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    for chunk in tl.static_range(NUM_SPLITS // MERGE_SPLITS):
+        offs_s = chunk * MERGE_SPLITS + tl.arange(0, MERGE_SPLITS)
+        # Only used splits stored a partial; every one of them has tokens.
+        written = row_valid[:, None] & (offs_s < used_splits)[None, :]
+        lse = tl.load(mid_lse_seq + heads[:, None] * stride_ml_h + offs_s[None, :], mask=written,
+                      other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+        o = tl.load(
+            mid_o_seq + heads[:, None, None] * stride_mo_h
+            + offs_s[None, :, None] * stride_mo_split + offs_d[None, None, :],
+            mask=written[:, :, None], other=0.0, cache_modifier=".cg",
+        )  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(lse, 1))
+        # Rows with nothing yet (or invalid rows) shift by 0 so no NaN is formed.
+        shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_i - shift)
+        weight = tl.exp2(lse - shift[:, None])
+        denom = denom * alpha + tl.sum(weight, 1)
+        acc = acc * alpha[:, None] + tl.sum(weight[:, :, None] * o, 1)
+        m_i = m_new
+    out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    tl.store(out_seq + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_seq.dtype.element_ty), mask=row_valid[:, None])  # fmt: skip
 
 
 @triton.jit
@@ -302,16 +312,32 @@ def _decode_reduce_kernel(
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    """Merges the splits of one (seq, q head): the second launch of the two-launch path."""
+    """Merges the splits of one (seq, q head) by their log-sum-exp (base 2): the second
+    launch of the two-launch path."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    out = _merge_splits(
-        mid_o_ptr + seq * stride_mo_s + head * stride_mo_h,
-        mid_lse_ptr + seq * stride_ml_s + head * stride_ml_h,
-        stride_mo_split, NUM_SPLITS, NUM_SPLITS, HEAD_DIM, False, "",
-    )  # fmt: skip
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(mid_lse_ptr + seq * stride_ml_s + head * stride_ml_h + offs_s)
+    used = lse > float("-inf")
+    lse_max = tl.max(lse, 0)
+    # A zero-length context leaves every split at -inf: shift by 0 so no NaN is formed.
+    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)
+    weight = tl.where(used, tl.exp2(lse - lse_max), 0.0)
+    # Unused splits never wrote their partial output: mask the load, do not read garbage.
+    o = tl.load(
+        mid_o_ptr
+        + seq * stride_mo_s
+        + head * stride_mo_h
+        + offs_s[:, None] * stride_mo_split
+        + offs_d[None, :],
+        mask=used[:, None],
+        other=0.0,
+    )
+    denom = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * o, 0) / tl.where(denom > 0.0, denom, 1.0)
     tl.store(
-        out_ptr + seq * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM),
+        out_ptr + seq * stride_ot + head * stride_oh + offs_d,
         out.to(out_ptr.dtype.element_ty),
     )
 
@@ -351,6 +377,7 @@ def decode_attention(
     grid = (batch, num_kv_heads * triton.cdiv(group, _DECODE_BLOCK_H), num_splits)
     one_launch = config.one_launch and num_splits > 1
     arrivals = _arrival_counters(batch * grid[1], q.device) if one_launch else mid_lse
+    rows = triton.next_power_of_2(min(group, _DECODE_BLOCK_H))  # q heads a merge covers
     _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, arrivals, out,
         q.stride(0), q.stride(1),
@@ -364,12 +391,13 @@ def decode_attention(
         page_size,
         GROUP=group,
         BLOCK_H=_DECODE_BLOCK_H,
-        ROWS=min(group, _DECODE_BLOCK_H),
+        ROWS=rows,
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits,
         MIN_SPLIT_TOKENS=max(min_split_tokens, config.block_n),
         ONE_LAUNCH=one_launch,
+        MERGE_SPLITS=_merge_splits(num_splits, rows, head_dim),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
@@ -384,6 +412,12 @@ def decode_attention(
         HEAD_DIM=head_dim,
         num_warps=4 if head_dim >= 128 else 2,
     )  # fmt: skip
+
+
+def _merge_splits(num_splits: int, rows: int, head_dim: int) -> int:
+    """Splits the one-launch merge loads at a time: 8K fp32 partial values (64 registers a
+    thread at 4 warps), all of them at short contexts (8 splits of 8 heads x 128 dims)."""
+    return min(num_splits, max(1, 8192 // (rows * head_dim)))
 
 
 # Arrival counters of the one-launch decode: a row per (device, stream). Launches on one

@@ -73,6 +73,7 @@ def attention_cases(dtype: str):
             yield ta._decode_split_kernel, dtype, dict(
                 GROUP=8, BLOCK_H=16, ROWS=8, HEAD_DIM=head_dim, BLOCK_N=dec.block_n,
                 NUM_SPLITS=splits, MIN_SPLIT_TOKENS=128, ONE_LAUNCH=one_launch,
+                MERGE_SPLITS=ta._merge_splits(splits, 8, head_dim),
             ), dec.num_warps, dec.num_stages  # fmt: skip
         yield ta._decode_reduce_kernel, dtype, dict(NUM_SPLITS=32, HEAD_DIM=head_dim), 4, 2
 

@@ -129,6 +129,21 @@ def test_decode_splits_on_ragged_contexts(batch_size, num_splits, min_split_toke
 
 
 @interpreted
+@pytest.mark.parametrize(
+    "q_heads, kv_heads, head_dim, num_splits",
+    [
+        (16, 1, 64, 32),  # the merge takes the 32 splits 8 at a time (4 chunks)
+        (12, 2, 16, 8),  # a group of 6: the merge's 8 rows include 2 masked ones
+        (24, 1, 16, 4),  # a group of 24: two head blocks, the second half full
+    ],
+)
+def test_one_launch_merge_shapes(q_heads, kv_heads, head_dim, num_splits):
+    batch = _ragged_batch(3, q_heads, kv_heads, seed=4, head_dim=head_dim)  # 1000, 4097, 1
+    out = _decode(batch, num_splits, 16, one_launch=True)
+    torch.testing.assert_close(out, _reference_decode(batch), **INTERP_TOL)
+
+
+@interpreted
 def test_one_launch_decode_twice_on_the_same_buffers():
     """The last split of each group sets its arrival count back to 0, so a second launch on
     the same counters (as a CUDA-graph replay is) merges again, on other contexts too."""
