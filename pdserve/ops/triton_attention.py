@@ -107,7 +107,8 @@ def _split_range(seq_len, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr
 
     The range comes from seq_lens on the device: the grid stays fixed, so a CUDA graph
     captured once replays for any context lengths. Short contexts use fewer splits (the
-    rest run empty) to keep the partial-result traffic small."""
+    rest run empty, or exit at once in the one-launch path) to keep the partial-result
+    traffic small."""
     wanted_splits = (seq_len + MIN_SPLIT_TOKENS - 1) // MIN_SPLIT_TOKENS
     num_splits = tl.minimum(tl.maximum(wanted_splits, 1), NUM_SPLITS)
     num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
@@ -434,18 +435,18 @@ def _arrival_counters(count: int, device: torch.device) -> torch.Tensor:
     """``count`` int32 counters at 0, owned by the current stream of ``device``."""
     key = (device, _stream_id(device))
     row = _row_of_stream.setdefault(key, sum(d == device for d, _ in _row_of_stream))
-    rows = _arrivals.get(device)
+    counters = _arrivals.get(device)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     spare = 0 if capturing else 1
-    if rows is None or rows.shape[0] < row + 1 + spare or rows.shape[1] < count:
+    if counters is None or counters.shape[0] < row + 1 + spare or counters.shape[1] < count:
         if capturing:
             raise RuntimeError(
                 f"one-launch decode attention needs {count} cleared arrival counters for a "
                 "CUDA-graph capture on a new stream: run it eagerly (at this batch size or "
                 "larger) before capturing"
             )
-        rows = _grow_arrivals(device, row + 1 + spare, count, rows)
-    return rows[row]
+        counters = _grow_arrivals(device, row + 1 + spare, count, counters)
+    return counters[row]
 
 
 def _grow_arrivals(device: torch.device, num_rows: int, count: int,
