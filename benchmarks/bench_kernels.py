@@ -7,17 +7,23 @@
 - Prefill attention (Triton extend kernel, causal, one prompt; plus a chunk over a cached
   prefix): TFLOP/s against the GEMM ceiling, next to torch SDPA on contiguous K/V.
 - Fused ops (Triton vs the torch reference): time and achieved bandwidth.
+- ``--decode-ab``: decode attention per layer inside a CUDA graph of several layers (KV
+  larger than L2), one launch (splits merged by the last to arrive) vs two (split + reduce
+  kernel), and a sweep of split sizes and tiles at batch 1..8 and 256 (1K context).
 
     python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h200.json
     python benchmarks/bench_kernels.py --quick              # a few points, for a smoke run
     python benchmarks/bench_kernels.py --sweep              # also try other tile configs
     python benchmarks/bench_kernels.py --extend-sweep-only  # prefill-attention tiles only
+    python benchmarks/bench_kernels.py --decode-ab          # one-launch vs two-launch decode
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import platform
 import subprocess
 import sys
@@ -114,6 +120,88 @@ def bench_decode(
     return {"kernel": "decode", "shape": shape, "batch": batch, "context": context,
             "splits": splits, "ms": ms, "kv_gbs": kv_bytes / ms / 1e6,
             "kv_fits_l2": kv_bytes < 60e6}  # fmt: skip
+
+
+# --------------------------------------------------------------------------- decode A/B
+
+# Batch x context points where the one-launch decode is timed against the two-launch path.
+DECODE_AB_POINTS = [(b, c) for b in (1, 8, 64, 256) for c in (1024, 16384)]
+# At least this much KV per timed graph, so it cannot sit in the 50 MB L2 between replays.
+_AB_MIN_GRAPH_BYTES = 256e6
+_AB_MAX_LAYERS = 48  # CodeLlama-34B's layer count
+
+
+def bench_decode_layers(shape: str, batch: int, context: int, config: DecodeConfig,
+                        splits: int | None = None, min_split_tokens: int = 128) -> dict:
+    """Decode attention of one step over several layers, each with its own KV pages, as
+    one CUDA graph (as the model's decode graph runs it): time per layer, launch gaps and
+    DRAM reads included. ``splits``: None picks the backend's count for the batch."""
+    q_heads, kv_heads, head_dim = HEAD_SHAPES[shape]
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * DTYPE.itemsize
+    layers = max(1, min(_AB_MAX_LAYERS, math.ceil(_AB_MIN_GRAPH_BYTES / kv_bytes)))
+    k_cache, v_cache, tables = paged_cache([context] * (batch * layers), kv_heads, head_dim)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, q_heads, head_dim, dtype=DTYPE, device="cuda")
+    out = torch.empty_like(q)
+    if splits is None:
+        splits = TritonAttentionBackend().num_kv_splits(batch, kv_heads, q.device)
+
+    def step() -> None:
+        for layer_tables in tables.split(batch):
+            decode_attention(q, k_cache, v_cache, layer_tables, seq_lens, out, head_dim**-0.5,
+                             splits, min_split_tokens, config)  # fmt: skip
+
+    ms = do_bench_cudagraph(step, rep=50) / layers
+    return {"kernel": "decode_layers", "shape": shape, "batch": batch, "context": context,
+            "splits": splits, "min_split_tokens": min_split_tokens, "config": config.__dict__,
+            "layers": layers, "us_per_layer": ms * 1e3, "kv_gbs": kv_bytes / ms / 1e6}  # fmt: skip
+
+
+def decode_ab(log: Callable[[dict], dict], copy_gbs: float) -> list[dict]:
+    """One-launch vs two-launch decode per layer at ``DECODE_AB_POINTS`` (34B heads)."""
+    tiles = default_decode_config(128, torch.device("cuda"))
+    rows = []
+    for batch, context in DECODE_AB_POINTS:
+        two = _guarded(bench_decode_layers, "34b", batch, context,
+                       dataclasses.replace(tiles, one_launch=False))  # fmt: skip
+        one = _guarded(bench_decode_layers, "34b", batch, context,
+                       dataclasses.replace(tiles, one_launch=True))  # fmt: skip
+        row = {"kernel": "decode_ab", "batch": batch, "context": context,
+               "splits": one.get("splits"), "layers": one.get("layers"),
+               "two_launch_us": two.get("us_per_layer"), "one_launch_us": one.get("us_per_layer"),
+               "one_launch_of_copy": one.get("kv_gbs", 0) / copy_gbs,
+               "errors": [r["error"] for r in (two, one) if "error" in r]}  # fmt: skip
+        if not row["errors"]:
+            row["speedup"] = row["two_launch_us"] / row["one_launch_us"]
+        rows.append(log(row))
+    return rows
+
+
+# Latency candidates for small batches at 1K (tokens per split, tile): fewer and fatter
+# programs, or more and thinner; and tiles for the bandwidth-bound batch 256.
+SMALL_BATCH_SWEEP = [(m, DecodeConfig(n, 4, 2)) for m, n in
+                     [(64, 32), (64, 64), (128, 64), (128, 128), (256, 64), (256, 128)]]
+LARGE_BATCH_SWEEP = [(s, DecodeConfig(n, w, st)) for s, n, w, st in
+                     [(1, 64, 4, 2), (1, 64, 4, 3), (1, 128, 8, 2), (1, 32, 4, 4), (2, 64, 4, 2)]]
+
+
+def decode_latency_sweep(log: Callable[[dict], dict]) -> list[dict]:
+    """One-launch decode per layer: split sizes and tiles at batch 1..8 / 1K context, and
+    tiles and split counts at batch 256 / 1K (its KV read should run at the copy rate)."""
+    rows = []
+    for batch in (1, 2, 4, 8):
+        for min_split, config in SMALL_BATCH_SWEEP:
+            rows.append(log(_guarded(bench_decode_layers, "34b", batch, 1024, config, None,
+                                     min_split)))  # fmt: skip
+    for splits, config in LARGE_BATCH_SWEEP:
+        rows.append(log(_guarded(bench_decode_layers, "34b", 256, 1024, config, splits)))
+    return rows
+
+
+def run_decode_ab(log: Callable[[dict], dict]) -> dict:
+    ceilings = log({"ceilings": measure_ceilings()})["ceilings"]
+    return {"ceilings": ceilings, "decode_ab": decode_ab(log, ceilings["copy_gbs"]),
+            "decode_sweep": decode_latency_sweep(log)}
 
 
 def decode_fits(batch: int, context: int, shape: str, limit_gb: float) -> bool:
@@ -352,6 +440,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep tile configs")
     parser.add_argument("--extend-sweep-only", action="store_true",
                         help="only the prefill-attention tile sweep (a few minutes)")
+    parser.add_argument("--decode-ab", action="store_true",
+                        help="only decode attention: one launch vs two per layer, and a "
+                             "sweep of its split sizes and tiles")
     parser.add_argument("--max-kv-gb", type=float, default=40.0,
                         help="skip decode points whose KV cache is larger")  # fmt: skip
     args = parser.parse_args()
@@ -362,7 +453,12 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         return row
 
-    results = run_extend_sweep(log) if args.extend_sweep_only else run_all(args, log)
+    if args.decode_ab:
+        results = run_decode_ab(log)
+    elif args.extend_sweep_only:
+        results = run_extend_sweep(log)
+    else:
+        results = run_all(args, log)
     record = {"environment": environment(), **results}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

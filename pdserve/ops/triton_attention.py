@@ -9,6 +9,7 @@ value.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,9 @@ from pdserve.ops.triton_fused import store_kv
 # Rows of q heads one decode program handles; tl.dot needs at least 16 rows, so smaller GQA
 # groups are padded (decode is bandwidth-bound, the wasted MMA rows cost nothing).
 _DECODE_BLOCK_H = 16
+# Set to 1 to run decode attention as two launches (split kernel, then reduce kernel) instead
+# of one, for A/B comparisons of the whole engine.
+TWO_LAUNCH_DECODE_ENV = "PDSERVE_TWO_LAUNCH_DECODE"
 
 
 @dataclass(frozen=True)
@@ -35,11 +39,14 @@ class ExtendConfig:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tile shape and pipelining of the split-KV decode kernel."""
+    """Tile shape and pipelining of the split-KV decode kernel, and how its splits merge:
+    ``one_launch`` merges them in the same launch (the last split of each group to arrive),
+    else a second kernel merges them (the earlier path, kept for A/B comparisons)."""
 
     block_n: int
     num_warps: int
     num_stages: int
+    one_launch: bool = True
 
 
 # --------------------------------------------------------------------------- shared
@@ -73,7 +80,63 @@ def _gather_pages(table, offs_n, valid, page_size):
     return page, offs_n % page_size
 
 
+@triton.jit
+def _load_paged_kv(k_head, v_head, page, in_page, valid, offs_d, stride_kp, stride_kb, stride_vp,
+                   stride_vb):
+    """K and V rows of gathered tokens (``_gather_pages``); tokens not ``valid`` read 0."""
+    k = tl.load(
+        k_head + (page * stride_kp + in_page * stride_kb)[:, None] + offs_d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        v_head + (page * stride_vp + in_page * stride_vb)[:, None] + offs_d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    return k, v
+
+
 # --------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _split_range(seq_len, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 MIN_SPLIT_TOKENS: tl.constexpr):
+    """Token range [start, end) of one split, and how many splits have tokens (at least 1).
+
+    The range comes from seq_lens on the device: the grid stays fixed, so a CUDA graph
+    captured once replays for any context lengths. Short contexts use fewer splits (the
+    rest run empty, or exit at once in the one-launch path) to keep the partial-result
+    traffic small."""
+    wanted_splits = (seq_len + MIN_SPLIT_TOKENS - 1) // MIN_SPLIT_TOKENS
+    num_splits = tl.minimum(tl.maximum(wanted_splits, 1), NUM_SPLITS)
+    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = tl.maximum((num_tiles + num_splits - 1) // num_splits, 1)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    # Every split below this count starts before seq_len; a zero-length context keeps one.
+    used_splits = tl.maximum((num_tiles + tiles_per_split - 1) // tiles_per_split, 1)
+    return start, end, used_splits
+
+
+@triton.jit
+def _attend_range(q, k_head, v_head, table, start, end, stride_kp, stride_kb, stride_vp,
+                  stride_vb, qk_scale, page_size, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Online softmax of the group's q rows over the tokens [start, end) of one sequence."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        page, in_page = _gather_pages(table, offs_n, valid, page_size)
+        k, v = _load_paged_kv(k_head, v_head, page, in_page, valid, offs_d, stride_kp, stride_kb,
+                              stride_vp, stride_vb)  # fmt: skip
+        acc, m_i, l_i = _attend_tile(q, k, v, acc, m_i, l_i, valid[None, :], qk_scale, True)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -85,6 +148,7 @@ def _decode_split_kernel(
     seq_lens_ptr,
     mid_o_ptr,
     mid_lse_ptr,
+    arrivals_ptr,
     out_ptr,
     stride_qt,
     stride_qh,
@@ -106,29 +170,30 @@ def _decode_split_kernel(
     page_size,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TOKENS: tl.constexpr,
+    ONE_LAUNCH: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
 ):
     """One program = (decode seq, kv head x head block, split): all q heads of the group
-    share each K/V tile, so K/V are read from memory once per group."""
+    share each K/V tile, so K/V are read from memory once per group.
+
+    ``ONE_LAUNCH``: splits without tokens exit at once; a sequence with one used split
+    writes its output directly; otherwise each split stores its partial and the last to
+    arrive merges them. Without it every split stores a partial (or -inf) and
+    ``_decode_reduce_kernel`` merges them in a second launch."""
     seq = tl.program_id(0)
     blocks_per_group = (GROUP + BLOCK_H - 1) // BLOCK_H
     kv_head = tl.program_id(1) // blocks_per_group
     head_block = tl.program_id(1) % blocks_per_group
     split = tl.program_id(2)
-
-    # The split range comes from seq_lens on the device: the grid stays fixed, so a CUDA
-    # graph captured once replays for any context lengths. Short contexts use fewer splits
-    # (the rest run empty) to keep the partial-result traffic small.
     seq_len = tl.load(seq_lens_ptr + seq)
-    wanted_splits = (seq_len + MIN_SPLIT_TOKENS - 1) // MIN_SPLIT_TOKENS
-    num_splits = tl.minimum(tl.maximum(wanted_splits, 1), NUM_SPLITS)
-    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    start, end, used_splits = _split_range(seq_len, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT_TOKENS)
+    if ONE_LAUNCH and split >= used_splits:
+        return
 
     in_group = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = in_group < GROUP
@@ -139,36 +204,19 @@ def _decode_split_kernel(
         mask=head_mask[:, None],
         other=0.0,
     )
+    acc, m_i, l_i = _attend_range(
+        q, k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
+        block_tables_ptr + seq * stride_bt, start, end, stride_kp, stride_kb, stride_vp,
+        stride_vb, qk_scale, page_size, BLOCK_H, HEAD_DIM, BLOCK_N,
+    )  # fmt: skip
 
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    table = block_tables_ptr + seq * stride_bt
-    k_head = k_cache_ptr + kv_head * stride_kh
-    v_head = v_cache_ptr + kv_head * stride_vh
-    for tile_start in range(start, end, BLOCK_N):
-        offs_n = tile_start + tl.arange(0, BLOCK_N)
-        valid = offs_n < end
-        page, in_page = _gather_pages(table, offs_n, valid, page_size)
-        k = tl.load(
-            k_head + (page * stride_kp + in_page * stride_kb)[:, None] + offs_d[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_head + (page * stride_vp + in_page * stride_vb)[:, None] + offs_d[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        acc, m_i, l_i = _attend_tile(q, k, v, acc, m_i, l_i, valid[None, :], qk_scale, True)
-
-    # An empty split leaves l_i == 0: its log-sum-exp is -inf and the reduce ignores it.
+    # An empty split leaves l_i == 0: its log-sum-exp is -inf and the merge ignores it.
     has_work = l_i > 0.0
     o = acc / tl.where(has_work, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        # The one split is the whole answer: written here, no reduce launch (what the reduce
-        # would compute from one split is this very value).
-        out = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    out = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    # One split is the whole answer: written here (what a merge of one split computes is
+    # this very value).
+    if NUM_SPLITS == 1 or (ONE_LAUNCH and used_splits == 1):
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
     else:
         lse = tl.where(has_work, m_i + tl.log2(tl.where(has_work, l_i, 1.0)), float("-inf"))
@@ -177,6 +225,77 @@ def _decode_split_kernel(
         mid_o = (mid_o_ptr + seq * stride_mo_s + heads[:, None] * stride_mo_h
                  + split * stride_mo_split + offs_d[None, :])  # fmt: skip
         tl.store(mid_o, o, mask=head_mask[:, None] & (start < end))
+        if ONE_LAUNCH:
+            _arrive_and_merge(
+                mid_o_ptr + seq * stride_mo_s, mid_lse_ptr + seq * stride_ml_s,
+                arrivals_ptr + seq * tl.num_programs(1) + tl.program_id(1),
+                out_ptr + seq * stride_ot,
+                kv_head * GROUP, head_block * BLOCK_H, used_splits, stride_mo_h, stride_mo_split,
+                stride_ml_h, stride_oh, GROUP, ROWS, HEAD_DIM, NUM_SPLITS, MERGE_SPLITS,
+            )  # fmt: skip
+
+
+@triton.jit
+def _arrive_and_merge(mid_o_seq, mid_lse_seq, arrivals, out_seq, first_head, first_row,
+                      used_splits, stride_mo_h, stride_mo_split, stride_ml_h, stride_oh,
+                      GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+    """Counts this split in; the last split of the (sequence, head block) to arrive merges
+    all of them into the output and sets the count back to 0 for the next launch (CUDA-graph
+    replays included), so no launch has to clear it first."""
+    # Every thread's partial stores come before the barrier; the release half of the atomic
+    # then publishes them at GPU scope (the pattern of CUTLASS's split-K semaphore).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+    if arrived == used_splits - 1:
+        # The acquire half made the other splits' partials visible to the thread that did the
+        # atomic; the barrier extends that to every thread, and the loads skip L1 (".cg").
+        tl.debug_barrier()
+        _merge_group(mid_o_seq, mid_lse_seq, out_seq, first_head, first_row, used_splits,
+                     stride_mo_h, stride_mo_split, stride_ml_h, stride_oh, GROUP, ROWS,
+                     HEAD_DIM, NUM_SPLITS, MERGE_SPLITS)  # fmt: skip
+        tl.store(arrivals, 0)
+
+
+@triton.jit
+def _merge_group(mid_o_seq, mid_lse_seq, out_seq, first_head, first_row, used_splits,
+                 stride_mo_h, stride_mo_split, stride_ml_h, stride_oh, GROUP: tl.constexpr,
+                 ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 MERGE_SPLITS: tl.constexpr):
+    """Output rows of a head block from their first ``used_splits`` partials, merged by
+    log-sum-exp (base 2) ``MERGE_SPLITS`` splits at a time with a running maximum. All q
+    heads load at once and no store comes between the chunks' loads, so they can all be in
+    flight together (a loop that stored each head would wait for one L2 round trip per head).
+    """
+    rows = first_row + tl.arange(0, ROWS)
+    row_valid = rows < GROUP
+    heads = first_head + rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    for chunk in tl.static_range(NUM_SPLITS // MERGE_SPLITS):
+        offs_s = chunk * MERGE_SPLITS + tl.arange(0, MERGE_SPLITS)
+        # Only used splits stored a partial; every one of them has tokens.
+        written = row_valid[:, None] & (offs_s < used_splits)[None, :]
+        lse = tl.load(mid_lse_seq + heads[:, None] * stride_ml_h + offs_s[None, :], mask=written,
+                      other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+        o = tl.load(
+            mid_o_seq + heads[:, None, None] * stride_mo_h
+            + offs_s[None, :, None] * stride_mo_split + offs_d[None, None, :],
+            mask=written[:, :, None], other=0.0, cache_modifier=".cg",
+        )  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(lse, 1))
+        # Rows with nothing yet (or invalid rows) shift by 0 so no NaN is formed.
+        shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_i - shift)
+        weight = tl.exp2(lse - shift[:, None])
+        denom = denom * alpha + tl.sum(weight, 1)
+        acc = acc * alpha[:, None] + tl.sum(weight[:, :, None] * o, 1)
+        m_i = m_new
+    out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    tl.store(out_seq + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_seq.dtype.element_ty), mask=row_valid[:, None])  # fmt: skip
 
 
 @triton.jit
@@ -194,7 +313,8 @@ def _decode_reduce_kernel(
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    """Merges the splits of one (seq, q head) by their log-sum-exp (base 2)."""
+    """Merges the splits of one (seq, q head) by their log-sum-exp (base 2): the second
+    launch of the two-launch path."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -239,7 +359,9 @@ def decode_attention(
     their paged context; writes ``out[:len(seq_lens)]``.
 
     No host sync and a grid fixed by (batch, heads, num_splits): safe to capture in a CUDA
-    graph and replay with new ``seq_lens``/``block_tables`` contents.
+    graph and replay with new ``seq_lens``/``block_tables`` contents. The one-launch path
+    (``config.one_launch``) keeps arrival counters per device and stream, cleared when
+    allocated: run a batch size eagerly before capturing it (a capture cannot clear memory).
     """
     batch = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -254,8 +376,11 @@ def decode_attention(
     )
     mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     grid = (batch, num_kv_heads * triton.cdiv(group, _DECODE_BLOCK_H), num_splits)
+    one_launch = config.one_launch and num_splits > 1
+    arrivals = _arrival_counters(batch * grid[1], q.device) if one_launch else mid_lse
+    rows = triton.next_power_of_2(min(group, _DECODE_BLOCK_H))  # q heads a merge covers
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, out,
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, arrivals, out,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -267,14 +392,17 @@ def decode_attention(
         page_size,
         GROUP=group,
         BLOCK_H=_DECODE_BLOCK_H,
+        ROWS=rows,
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits,
         MIN_SPLIT_TOKENS=max(min_split_tokens, config.block_n),
+        ONE_LAUNCH=one_launch,
+        MERGE_SPLITS=_merge_splits(num_splits, rows, head_dim),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
-    if num_splits == 1:  # the split kernel wrote ``out`` itself
+    if num_splits == 1 or one_launch:  # the split kernel wrote ``out`` itself
         return
     _decode_reduce_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, out,
@@ -287,11 +415,61 @@ def decode_attention(
     )  # fmt: skip
 
 
+def _merge_splits(num_splits: int, rows: int, head_dim: int) -> int:
+    """Splits the one-launch merge loads at a time: 8K fp32 partial values (64 registers a
+    thread at 4 warps), all of them at short contexts (8 splits of 8 heads x 128 dims)."""
+    return min(num_splits, max(1, 8192 // (rows * head_dim)))
+
+
+# Arrival counters of the one-launch decode: a row per (device, stream). Launches on one
+# stream run one after another, each leaving its row at 0; launches that may overlap come
+# from different streams (a CUDA graph uses the row of the stream it was captured on). Rows
+# are cleared when allocated, which a capture cannot do, so an eager launch always leaves a
+# spare row: a capture on a new stream (such as torch.cuda.graph's own) takes it.
+_arrivals: dict[torch.device, torch.Tensor] = {}
+_row_of_stream: dict[tuple[torch.device, int], int] = {}
+_retired_arrivals: list[torch.Tensor] = []  # never freed: captured graphs keep the address
+
+
+def _arrival_counters(count: int, device: torch.device) -> torch.Tensor:
+    """``count`` int32 counters at 0, owned by the current stream of ``device``."""
+    key = (device, _stream_id(device))
+    row = _row_of_stream.setdefault(key, sum(d == device for d, _ in _row_of_stream))
+    counters = _arrivals.get(device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    spare = 0 if capturing else 1
+    if counters is None or counters.shape[0] < row + 1 + spare or counters.shape[1] < count:
+        if capturing:
+            raise RuntimeError(
+                f"one-launch decode attention needs {count} cleared arrival counters for a "
+                "CUDA-graph capture on a new stream: run it eagerly (at this batch size or "
+                "larger) before capturing"
+            )
+        counters = _grow_arrivals(device, row + 1 + spare, count, counters)
+    return counters[row]
+
+
+def _grow_arrivals(device: torch.device, num_rows: int, count: int,
+                   old: torch.Tensor | None) -> torch.Tensor:
+    if old is not None:
+        _retired_arrivals.append(old)  # in-flight launches and captured graphs still use it
+        num_rows, count = max(num_rows, old.shape[0]), max(count, old.shape[1])
+    shape = (triton.next_power_of_2(max(num_rows, 8)), triton.next_power_of_2(max(count, 4096)))
+    _arrivals[device] = torch.zeros(shape, dtype=torch.int32, device=device)
+    return _arrivals[device]
+
+
+def _stream_id(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
 def default_decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
+    one_launch = os.environ.get(TWO_LAUNCH_DECODE_ENV, "0") in ("", "0")
     if device.type != "cuda":  # interpreter: small tiles keep it fast and exercise the loops
-        return DecodeConfig(block_n=16, num_warps=1, num_stages=1)
+        return DecodeConfig(block_n=16, num_warps=1, num_stages=1, one_launch=one_launch)
     # 64 tokens x 128 dims of K and of V per stage: 32 KiB, two stages in flight per program.
-    return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
+    block_n = 64 if head_dim <= 128 else 32
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, one_launch=one_launch)
 
 
 # --------------------------------------------------------------------------- extend
@@ -375,16 +553,8 @@ def _extend_kernel(
         offs_n = prefix_full + tl.arange(0, BLOCK_N)
         key_valid = offs_n < prefix_len
         page, in_page = _gather_pages(table, offs_n, key_valid, page_size)
-        k = tl.load(
-            k_head + (page * stride_kcp + in_page * stride_kcb)[:, None] + offs_d[None, :],
-            mask=key_valid[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_head + (page * stride_vcp + in_page * stride_vcb)[:, None] + offs_d[None, :],
-            mask=key_valid[:, None],
-            other=0.0,
-        )
+        k, v = _load_paged_kv(k_head, v_head, page, in_page, key_valid, offs_d, stride_kcp,
+                              stride_kcb, stride_vcp, stride_vcb)  # fmt: skip
         mask = key_valid[None, :]
         acc, m_i, l_i = _attend_tile(q, k, v, acc, m_i, l_i, mask, qk_scale, True)
 

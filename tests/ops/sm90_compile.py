@@ -47,7 +47,7 @@ def compile_kernel(kernel, dtype: str, constexprs: dict, num_warps: int, num_sta
 
 
 def _pointer_type(name: str, dtype: str) -> str:
-    if name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"):
+    if name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "arrivals_ptr"):
         return "*i32"
     if name in ("slot_ptr", "positions_ptr"):
         return "*i64"
@@ -68,10 +68,12 @@ def attention_cases(dtype: str):
             ext.num_stages,
         )
         dec = ta.default_decode_config(head_dim, cuda)
-        for splits in (32, 1):  # one split writes the output itself
+        # One split writes the output itself; several merge in the same launch or in a second.
+        for splits, one_launch in ((32, True), (32, False), (1, False)):
             yield ta._decode_split_kernel, dtype, dict(
-                GROUP=8, BLOCK_H=16, HEAD_DIM=head_dim, BLOCK_N=dec.block_n, NUM_SPLITS=splits,
-                MIN_SPLIT_TOKENS=128,
+                GROUP=8, BLOCK_H=16, ROWS=8, HEAD_DIM=head_dim, BLOCK_N=dec.block_n,
+                NUM_SPLITS=splits, MIN_SPLIT_TOKENS=128, ONE_LAUNCH=one_launch,
+                MERGE_SPLITS=ta._merge_splits(splits, 8, head_dim),
             ), dec.num_warps, dec.num_stages  # fmt: skip
         yield ta._decode_reduce_kernel, dtype, dict(NUM_SPLITS=32, HEAD_DIM=head_dim), 4, 2
 

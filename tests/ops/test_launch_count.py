@@ -56,7 +56,8 @@ def test_interpreted_triton_launches_are_counted():
 @pytest.mark.parametrize("model", ["tiny", "tiny-qwen2"])
 def test_decode_layer_launches_on_the_triton_path(model):
     """Two norms (residual add fused in), QKV GEMM, one rotary+KV-store kernel, split-KV
-    decode attention (split + reduce), o_proj, gate/up GEMM, silu-and-mul, down GEMM."""
+    decode attention (its splits merged in the same launch), o_proj, gate/up GEMM,
+    silu-and-mul, down GEMM."""
     script = _count_script()
     count = script.count_decode_layer(PRESETS[model], 3, 40, "cpu", torch.float32, "triton")
     assert dict(count.by_name) == {
@@ -64,9 +65,21 @@ def test_decode_layer_launches_on_the_triton_path(model):
         "aten::linear": 4,
         "triton::_rope_store_kv_kernel": 1,
         "triton::_decode_split_kernel": 1,
-        "triton::_decode_reduce_kernel": 1,
         "triton::_silu_and_mul_kernel": 1,
     }
+    assert count.total == 9
+
+
+@interpreted
+def test_two_launch_decode_adds_the_reduce_kernel(monkeypatch):
+    """The earlier path, kept for A/B comparisons, merges the splits in a second launch."""
+    from pdserve.ops.triton_attention import TWO_LAUNCH_DECODE_ENV
+
+    monkeypatch.setenv(TWO_LAUNCH_DECODE_ENV, "1")
+    script = _count_script()
+    count = script.count_decode_layer(PRESETS["tiny"], 3, 40, "cpu", torch.float32, "triton")
+    assert count.by_name["triton::_decode_split_kernel"] == 1
+    assert count.by_name["triton::_decode_reduce_kernel"] == 1
     assert count.total == 10
 
 

@@ -7,12 +7,14 @@ check the compiled kernels at real head shapes in bf16/fp16.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_env import interpreted
 from paged_cases import PagedBatch, make_paged_batch, run_both
 
-from pdserve.ops.reference import TorchAttentionBackend
+from pdserve.ops.reference import TorchAttentionBackend, paged_attention, store_kv
 
 # fp32 in the interpreter: only summation order differs from the reference.
 INTERP_TOL = dict(atol=1e-4, rtol=1e-4)
@@ -68,6 +70,89 @@ def test_decode_one_split_interpreted():
     """One split: the split kernel writes the output itself and no reduce runs."""
     batch = make_paged_batch([1, 15, 40, 100], [], 4, 2, 16, 16, pad_decode=2, seed=11)
     _check(batch, _backend(max_kv_splits=1), INTERP_TOL)
+
+
+# Context lengths around page (16) and tile boundaries, and long enough for every split.
+RAGGED_LENS = [1, 15, 16, 17, 1000, 4097]
+
+
+def _ragged_batch(batch_size: int, q_heads: int = 4, kv_heads: int = 1, seed: int = 0,
+                  **gpu: object) -> PagedBatch:
+    """``batch_size`` decode sequences cycling through ``RAGGED_LENS``, their new K/V
+    already stored (as the model's fused rotary + store kernel leaves them). ``gpu``:
+    head_dim, dtype and device for a GPU batch (default: fp32 on the CPU, head_dim 16)."""
+    lens = [RAGGED_LENS[(seed + i) % len(RAGGED_LENS)] for i in range(batch_size)]
+    shape = {"head_dim": 16, **gpu}
+    batch = make_paged_batch(lens, [], q_heads, kv_heads, page_size=16, seed=seed, **shape)
+    store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    return batch
+
+
+def _decode(batch: PagedBatch, num_splits: int, min_split_tokens: int, one_launch: bool):
+    """``decode_attention`` on the batch (the device's default tiles), into an output
+    pre-filled with NaN so any row the kernel leaves unwritten fails the comparison."""
+    from pdserve.ops.triton_attention import decode_attention, default_decode_config
+
+    tiles = default_decode_config(batch.q.shape[-1], batch.q.device)
+    config = dataclasses.replace(tiles, one_launch=one_launch)
+    out = torch.full_like(batch.q, float("nan"))
+    meta, scale = batch.meta, batch.q.shape[-1] ** -0.5
+    decode_attention(batch.q, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens,
+                     out, scale, num_splits, min_split_tokens, config)  # fmt: skip
+    return out
+
+
+def _reference_decode(batch: PagedBatch) -> torch.Tensor:
+    return paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta,
+                           batch.q.shape[-1] ** -0.5)  # fmt: skip
+
+
+def _arrivals_all_zero() -> bool:
+    from pdserve.ops import triton_attention
+
+    return all(not counters.any() for counters in triton_attention._arrivals.values())
+
+
+@interpreted
+@pytest.mark.parametrize("one_launch", [True, False])
+@pytest.mark.parametrize(
+    "batch_size, num_splits, min_split_tokens",
+    [(1, 32, 16), (1, 4, 64), (2, 8, 16), (3, 2, 16), (5, 16, 64), (8, 4, 128), (9, 1, 16)],
+)
+def test_decode_splits_on_ragged_contexts(batch_size, num_splits, min_split_tokens, one_launch):
+    """Every split count merges to the reference: one used split written directly, several
+    merged by the last to arrive (one launch) or by the reduce kernel (two launches)."""
+    batch = _ragged_batch(batch_size, seed=batch_size)
+    out = _decode(batch, num_splits, min_split_tokens, one_launch)
+    torch.testing.assert_close(out, _reference_decode(batch), **INTERP_TOL)
+    assert _arrivals_all_zero()
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "q_heads, kv_heads, head_dim, num_splits",
+    [
+        (16, 1, 64, 32),  # the merge takes the 32 splits 8 at a time (4 chunks)
+        (12, 2, 16, 8),  # a group of 6: the merge's 8 rows include 2 masked ones
+        (24, 1, 16, 4),  # a group of 24: two head blocks, the second half full
+    ],
+)
+def test_one_launch_merge_shapes(q_heads, kv_heads, head_dim, num_splits):
+    batch = _ragged_batch(3, q_heads, kv_heads, seed=4, head_dim=head_dim)  # 1000, 4097, 1
+    out = _decode(batch, num_splits, 16, one_launch=True)
+    torch.testing.assert_close(out, _reference_decode(batch), **INTERP_TOL)
+
+
+@interpreted
+def test_one_launch_decode_twice_on_the_same_buffers():
+    """The last split of each group sets its arrival count back to 0, so a second launch on
+    the same counters (as a CUDA-graph replay is) merges again, on other contexts too."""
+    first = _ragged_batch(4, q_heads=8, kv_heads=2, seed=0)  # contexts up to 17: 2 splits
+    second = _ragged_batch(4, q_heads=8, kv_heads=2, seed=3)  # up to 4097: all 8 splits
+    for batch in (first, first, second):
+        out = _decode(batch, 8, 16, one_launch=True)
+        torch.testing.assert_close(out, _reference_decode(batch), **INTERP_TOL)
+        assert _arrivals_all_zero()
 
 
 @interpreted
@@ -193,3 +278,55 @@ def test_decode_one_split_gpu(dtype):
     lens = [1, 15, 16, 17, 255, 1000, 4097, 9000]
     batch = make_paged_batch(lens, [], 32, 8, 128, 16, dtype, "cuda", pad_decode=2, seed=1)
     _check(batch, _backend(max_kv_splits=1), GPU_TOL[dtype], GPU_MEAN_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_launch", [True, False])
+@pytest.mark.parametrize("batch_size, num_splits", [(1, 32), (2, 16), (5, 8), (9, 4), (3, 1)])
+def test_decode_paths_gpu(batch_size, num_splits, one_launch):
+    """Both merge paths at CodeLlama-34B's head shape, ragged contexts, several splits."""
+    batch = _ragged_batch(batch_size, 64, 8, seed=batch_size, head_dim=128,
+                          dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    out = _decode(batch, num_splits, 64, one_launch)
+    ref = _reference_decode(batch)
+    torch.testing.assert_close(out.float(), ref.float(), **GPU_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_one_launch_decode_repeated_gpu():
+    """Many launches back to back on the same counters: a merge that read a partial before
+    it was visible, or a count not set back to 0, shows up as a wrong or NaN row."""
+    batch = _ragged_batch(9, 64, 8, seed=1, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    ref = _reference_decode(batch).float()
+    outs = [_decode(batch, 32, 16, one_launch=True) for _ in range(200)]
+    for out in outs:
+        torch.testing.assert_close(out.float(), ref, **GPU_TOL[torch.bfloat16])
+    assert _arrivals_all_zero()
+
+
+def test_arrival_counters_one_row_per_stream(monkeypatch):
+    """Streams get rows of their own (launches on two streams may overlap), a spare row is
+    kept for a capture on a new stream, and a grown buffer keeps the old one alive (graphs
+    captured before still point at it)."""
+    pytest.importorskip("triton")
+    from pdserve.ops import triton_attention as ta
+
+    current = {"stream": 0}
+    monkeypatch.setattr(ta, "_stream_id", lambda device: current["stream"])
+    for name, empty in (("_arrivals", {}), ("_row_of_stream", {}), ("_retired_arrivals", [])):
+        monkeypatch.setattr(ta, name, empty)
+    cpu = torch.device("cpu")
+    rows = {}
+    for stream in range(20):
+        current["stream"] = 7000 + stream
+        rows[stream] = ta._arrival_counters(100, cpu)
+    assert ta._arrivals[cpu].shape[0] > 20  # the spare row
+    current["stream"] = 7003
+    wide = ta._arrival_counters(10_000, cpu)
+    assert wide.numel() >= 10_000 and not wide.any()
+    now = [ta._arrival_counters(100, cpu).data_ptr()]
+    for stream in range(20):
+        current["stream"] = 7000 + stream
+        now.append(ta._arrival_counters(100, cpu).data_ptr())
+    assert len(set(now[1:])) == 20 and now[0] == now[4]
+    assert any(r.data_ptr() == rows[0].data_ptr() for r in ta._retired_arrivals)
