@@ -5,7 +5,8 @@ row count (1, 2, 4, 8), times ``F.linear`` and the fused GEMV that replaces it i
 layer (QKV and gate_up: ``rms_norm_gemv``; o_proj: ``gemv_add``; down:
 ``silu_mul_gemv_add``) under each candidate tile config, every one as a CUDA-graph replay
 (no launch cost) and each checked against its torch reference first. Bandwidth is weight
-bytes over time, beside the device-to-device copy bandwidth measured in the same run.
+bytes over time, beside the device-to-device copy bandwidth measured in the same run
+(``ceilings.copy_gbs``, as bench_kernels.py measures it).
 
     python benchmarks/bench_gemv.py --out benchmarks/results/gemv_h200_codellama34b.json
 
@@ -25,7 +26,8 @@ from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench, do_bench_cudagraph
+from bench_kernels import measure_ceilings
+from triton.testing import do_bench_cudagraph
 
 from pdserve.bench.report import git_revision
 from pdserve.model.arch import PRESETS, ModelArch
@@ -140,13 +142,6 @@ def config_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def copy_gbs() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
-    return 2 * (1 << 30) / ms / 1e6  # bytes read + bytes written
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="codellama-34b", choices=sorted(PRESETS))
@@ -157,8 +152,8 @@ def main() -> None:
     report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "model": args.model,
-              "copy_gbs": copy_gbs(), "rows": []}
-    print(json.dumps({"copy_gbs": report["copy_gbs"]}), flush=True)
+              "ceilings": measure_ceilings(), "rows": []}
+    print(json.dumps(report["ceilings"]), flush=True)
     for name, (n, k, op) in projections(PRESETS[args.model]).items():
         for rows in (int(r) for r in args.rows.split(",")):
             row = {"projection": name, **bench_case(Case(n, k, op, rows))}
