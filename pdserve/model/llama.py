@@ -10,6 +10,10 @@ its query and KV heads, its slice of the MLP and of the vocabulary. o_proj and d
 their partial products across ranks; the embedding sums the rows each rank owns; the LM head
 gathers every rank's logits and cuts the vocabulary padding. With one rank there is no
 collective and no extra op.
+
+With ``decode_gemv`` set (one rank), steps of at most ``GEMV_MAX_ROWS`` tokens run each
+layer's fused form, ``LlamaDecoderLayer.forward_gemv``: four GEMVs with the norms, SiLU and
+residual adds inside them, over one residual stream instead of (hidden, residual).
 """
 
 from __future__ import annotations
@@ -269,8 +273,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         self.rotary = RotaryEmbedding(arch, max_positions or arch.max_position_embeddings)
         self.tie_weights()
-        # Set by the engine (``--decode-gemv on``): steps of at most GEMV_MAX_ROWS tokens run
-        # ``LlamaDecoderLayer.forward_gemv`` when the ops run Triton, at one rank.
+        # Set by the engine (``--decode-gemv on``): at one rank, steps of at most
+        # GEMV_MAX_ROWS tokens run ``LlamaDecoderLayer.forward_gemv``.
         self.decode_gemv = False
 
     def tie_weights(self) -> None:
@@ -307,10 +311,12 @@ class LlamaForCausalLM(nn.Module):
         return hidden, residual
 
     def runs_decode_gemv(self, hidden: torch.Tensor) -> bool:
-        """Whether a step of these rows takes the fused GEMV path: by row count and device
-        only (never by data), so a captured graph always replays the path it recorded."""
+        """Whether a step of these rows takes the fused GEMV path: by row count only (never
+        by data), so a captured graph always replays the path it recorded. Its ops run
+        Triton on a GPU and their torch references elsewhere (the engine allows it on CUDA
+        only, where it pays)."""
         return (self.decode_gemv and hidden.shape[0] <= dispatch.GEMV_MAX_ROWS
-                and self.comm.size == 1 and dispatch.uses_triton(hidden))
+                and self.comm.size == 1)
 
     def _forward_layers_gemv(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                              positions: torch.Tensor, meta: AttentionMetadata,

@@ -52,18 +52,39 @@ def row_bucket(rows: int) -> int:
 
 
 def default_config(rows: int) -> GemvConfig:
-    """Hopper starting points: 16-byte loads along K (8 bf16 values per thread), at most
-    ~64 fp32 products per thread in the broadcast form; four rows and up use tensor cores."""
-    bucket = row_bucket(rows)
-    if bucket == 1:
-        return GemvConfig(block_n=16, block_k=512)
-    if bucket == 2:
+    """Hopper starting points: 16-byte loads along K (8 bf16 values per thread), at most 32
+    fp32 partial sums per thread in the broadcast form (ptxas: 96 registers at one row, 128
+    at two, no spills: five and four programs per SM); four rows and up use tensor cores
+    (128 registers, no spills)."""
+    if row_bucket(rows) <= 2:
         return GemvConfig(block_n=8, block_k=512)
     return GemvConfig(block_n=16, block_k=256, num_stages=4, use_dot=True)
 
 
 def config_for(rows: int, n: int, k: int) -> GemvConfig:
     return GEMV_CONFIGS.get((n, k, row_bucket(rows))) or default_config(rows)
+
+
+@triton.jit
+def _tiles(x_ptr, norm_w_ptr, w_rows, offs_m, m_mask, n_mask, k_start, stride_xm, K,
+           PROLOGUE: tl.constexpr, OUT_TY: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_K: tl.constexpr):
+    """The tiles at ``k_start``: f(x) [BLOCK_M, BLOCK_K] in fp32, its rows' sum of x^2 (for
+    the RMSNorm prologue; zeros otherwise) and the weight tile [BLOCK_N, BLOCK_K]."""
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    x_mask = m_mask[:, None] & k_mask[None, :]
+    x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == 1:  # RMSNorm: x^2 summed on the way, the scale applied at the end
+        sum_sq = tl.sum(x * x, 1)
+        x = x * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+    if PROLOGUE == 2:  # SiLU-and-mul: gate in the first K columns, up in the next K
+        up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+        x = (x * tl.sigmoid(x) * up).to(OUT_TY).to(tl.float32)
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    return x, sum_sq, w
 
 
 @triton.jit
@@ -75,29 +96,29 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program: BLOCK_N weight rows against all M rows of x, over the whole K."""
+    out_ty = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-        if PROLOGUE == 1:  # RMSNorm: x^2 summed on the way, the scale applied at the end
-            sum_sq += tl.sum(x * x, 1)
-            x = x * tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        if PROLOGUE == 2:  # SiLU-and-mul: gate in the first K columns, up in the next K
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
-            x = (x * tl.sigmoid(x) * up).to(out_ptr.dtype.element_ty).to(tl.float32)
-        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if USE_DOT:
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k_start in range(0, K, BLOCK_K):
+            x, tile_sq, w = _tiles(x_ptr, norm_w_ptr, w_rows, offs_m, m_mask, n_mask, k_start,
+                                   stride_xm, K, PROLOGUE, out_ty, BLOCK_M, BLOCK_K)
+            sum_sq += tile_sq
             acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=DOT_PRECISION)
-        else:
-            acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+    else:
+        # Products are summed along K only once, after the loop: no cross-thread
+        # reduction per tile.
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k_start in range(0, K, BLOCK_K):
+            x, tile_sq, w = _tiles(x_ptr, norm_w_ptr, w_rows, offs_m, m_mask, n_mask, k_start,
+                                   stride_xm, K, PROLOGUE, out_ty, BLOCK_M, BLOCK_K)
+            sum_sq += tile_sq
+            acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc = tl.sum(acc3, 2)
     if PROLOGUE == 1:
         acc = acc * tl.rsqrt(sum_sq / K + eps)[:, None]
     if HAS_BIAS:
@@ -107,7 +128,7 @@ def _gemv_kernel(
         r_ptrs = residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :]
         acc += tl.load(r_ptrs, mask=out_mask, other=0.0).to(tl.float32)
     o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(o_ptrs, acc.to(out_ty), mask=out_mask)
 
 
 def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,

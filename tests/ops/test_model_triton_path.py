@@ -13,7 +13,7 @@ from kernel_env import interpreted
 
 from pdserve.model.arch import PRESETS
 from pdserve.model.llama import LlamaForCausalLM
-from pdserve.model.testing import PagedRunner
+from pdserve.model.testing import greedy_step_logits
 from pdserve.ops import dispatch
 from pdserve.ops.launch_count import count_launches
 from pdserve.ops.registry import get_attention_backend
@@ -22,13 +22,7 @@ PROMPTS = [[256, 5, 17, 99, 3, 8, 41], [256, 77, 2]]
 
 
 def _logits_over_steps(model: LlamaForCausalLM, steps: int) -> list[torch.Tensor]:
-    """A batched prefill, then greedy decode steps; the logits of every step."""
-    runner = PagedRunner(model, num_blocks=16, block_size=4)
-    logits = [runner.step(list(enumerate(PROMPTS)))]
-    for _ in range(steps):
-        next_ids = logits[-1].argmax(-1).tolist()
-        logits.append(runner.step([(i, [t]) for i, t in enumerate(next_ids)]))
-    return logits
+    return greedy_step_logits(model, PROMPTS, steps)
 
 
 def _model_and_reference_logits(preset: str) -> tuple[LlamaForCausalLM, list[torch.Tensor]]:
