@@ -79,3 +79,20 @@ def test_fused_layer_form_matches_the_usual_one(preset, monkeypatch):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4,
                                    msg=lambda m, step=step: f"step {step}: {m}")
         assert g.argmax(-1).tolist() == e.argmax(-1).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
+def test_fused_layer_form_on_gpu(dtype, atol):
+    """The Triton GEMVs in the whole model on a GPU: decode logits as the usual path's
+    (cuBLAS, separate norms). bf16: logits are O(1) and the two paths round differently,
+    so 0.05 absolute, as the bf16-vs-HF check of test_model_gpu.py allows. One decode step:
+    both paths then decode the same tokens (a later step could follow a near tie apart)."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(PRESETS["tiny-qwen2"], get_attention_backend("triton", "cuda"))
+    model = model.to(dtype)
+    expected = greedy_step_logits(model, PROMPTS, steps=1)
+    model.decode_gemv = True
+    got = greedy_step_logits(model, PROMPTS, steps=1)
+    torch.testing.assert_close(got[1], expected[1], atol=atol, rtol=0)
