@@ -46,10 +46,9 @@ DOT = [GemvConfig(bn, bk, warps, stages, use_dot=True) for bn, bk, warps, stages
 
 
 def candidates(rows: int) -> list[GemvConfig]:
-    """Broadcast configs hold BLOCK_M x BLOCK_N x BLOCK_K products in registers, so they
-    are tried up to four rows only; the tensor-core form from two rows."""
-    bucket = row_bucket(rows)
-    return (BROADCAST if bucket <= 4 else []) + (DOT if bucket >= 2 else [])
+    """Broadcast configs hold BLOCK_M x BLOCK_N x BLOCK_K partial sums in registers, so they
+    are tried up to four rows only; the tensor-core form at every row count."""
+    return (BROADCAST if row_bucket(rows) <= 4 else []) + DOT
 
 
 def projections(arch: ModelArch) -> dict[str, tuple[int, int, str]]:

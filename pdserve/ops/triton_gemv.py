@@ -52,10 +52,10 @@ def row_bucket(rows: int) -> int:
 
 
 def default_config(rows: int) -> GemvConfig:
-    """Hopper starting points: 16-byte loads along K (8 bf16 values per thread), at most 32
-    fp32 partial sums per thread in the broadcast form (ptxas: 96 registers at one row, 128
-    at two, no spills: five and four programs per SM); four rows and up use tensor cores
-    (128 registers, no spills)."""
+    """Hopper starting points, before a sweep: 16-byte loads along K (8 bf16 values per
+    thread), at most 32 fp32 partial sums per thread in the broadcast form (ptxas for sm_90:
+    94-116 registers at one row, 128-155 at two, by prologue; no spills); four rows and up
+    use tensor cores (48-128 registers, no spills)."""
     if row_bucket(rows) <= 2:
         return GemvConfig(block_n=8, block_k=512)
     return GemvConfig(block_n=16, block_k=256, num_stages=4, use_dot=True)
@@ -66,13 +66,10 @@ def config_for(rows: int, n: int, k: int) -> GemvConfig:
 
 
 @triton.jit
-def _tiles(x_ptr, norm_w_ptr, w_rows, offs_m, m_mask, n_mask, k_start, stride_xm, K,
-           PROLOGUE: tl.constexpr, OUT_TY: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_K: tl.constexpr):
-    """The tiles at ``k_start``: f(x) [BLOCK_M, BLOCK_K] in fp32, its rows' sum of x^2 (for
-    the RMSNorm prologue; zeros otherwise) and the weight tile [BLOCK_N, BLOCK_K]."""
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    k_mask = offs_k < K
+def _activation_tile(x_ptr, norm_w_ptr, offs_m, m_mask, offs_k, k_mask, stride_xm, K,
+                     PROLOGUE: tl.constexpr, OUT_TY: tl.constexpr, BLOCK_M: tl.constexpr):
+    """f(x) for one [BLOCK_M, BLOCK_K] tile in fp32, and its rows' sum of x^2 (for the
+    RMSNorm prologue; zeros otherwise)."""
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     x_mask = m_mask[:, None] & k_mask[None, :]
     x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
@@ -83,8 +80,7 @@ def _tiles(x_ptr, norm_w_ptr, w_rows, offs_m, m_mask, n_mask, k_start, stride_xm
     if PROLOGUE == 2:  # SiLU-and-mul: gate in the first K columns, up in the next K
         up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
         x = (x * tl.sigmoid(x) * up).to(OUT_TY).to(tl.float32)
-    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-    return x, sum_sq, w
+    return x, sum_sq
 
 
 @triton.jit
@@ -100,24 +96,39 @@ def _gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k_start in range(0, K, BLOCK_K):
-            x, tile_sq, w = _tiles(x_ptr, norm_w_ptr, w_rows, offs_m, m_mask, n_mask, k_start,
-                                   stride_xm, K, PROLOGUE, out_ty, BLOCK_M, BLOCK_K)
+            offs_k = k_start + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            x, tile_sq = _activation_tile(x_ptr, norm_w_ptr, offs_m, m_mask, offs_k, k_mask,
+                                          stride_xm, K, PROLOGUE, out_ty, BLOCK_M)
             sum_sq += tile_sq
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0)
             acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=DOT_PRECISION)
     else:
-        # Products are summed along K only once, after the loop: no cross-thread
-        # reduction per tile.
+        # The weight tile is loaded as [1, BLOCK_N, BLOCK_K], in the layout of the products
+        # (no shuffle of it through shared memory), one tile ahead of its use (the loads of
+        # tile i + 1 are in flight while tile i is multiplied; past K they are masked off),
+        # and the products are summed along K once, after the loop.
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        w_tiles = w_rows[None, :, :] + tl.arange(0, BLOCK_K)[None, None, :]
+        w_mask_n = n_mask[None, :, None]
+        w_next = tl.load(w_tiles, mask=w_mask_n & (tl.arange(0, BLOCK_K) < K)[None, None, :],
+                         other=0.0)
         for k_start in range(0, K, BLOCK_K):
-            x, tile_sq, w = _tiles(x_ptr, norm_w_ptr, w_rows, offs_m, m_mask, n_mask, k_start,
-                                   stride_xm, K, PROLOGUE, out_ty, BLOCK_M, BLOCK_K)
+            offs_k = k_start + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            w = w_next
+            w_next = tl.load(w_tiles + k_start + BLOCK_K,
+                             mask=w_mask_n & (offs_k + BLOCK_K < K)[None, None, :], other=0.0)
+            x, tile_sq = _activation_tile(x_ptr, norm_w_ptr, offs_m, m_mask, offs_k, k_mask,
+                                          stride_xm, K, PROLOGUE, out_ty, BLOCK_M)
             sum_sq += tile_sq
-            acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc3 += x[:, None, :] * w.to(tl.float32)
         acc = tl.sum(acc3, 2)
     if PROLOGUE == 1:
         acc = acc * tl.rsqrt(sum_sq / K + eps)[:, None]

@@ -176,7 +176,7 @@ def test_gemv_sweep_shapes_candidates_and_table(monkeypatch):
     assert {name: shape[:2] for name, shape in shapes.items()} == {
         "qkv": (10240, 8192), "o_proj": (8192, 8192), "gate_up": (44032, 8192),
         "down": (8192, 22016)}
-    assert not any(c.use_dot for c in bench.candidates(1))
+    assert {c.use_dot for c in bench.candidates(1)} == {False, True}  # both forms
     assert all(c.use_dot for c in bench.candidates(8))
     best = {"block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 3, "use_dot": False,
             "us": 40.0}
