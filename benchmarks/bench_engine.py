@@ -14,6 +14,14 @@ step (schedule + batch build + update).
 
     python benchmarks/bench_engine.py --models llama3-8b codellama-34b --out results.json
 
+``--decode-gemv off,on`` starts the engine once per value (one after the other: two 34B
+engines do not fit at once) and ends with one ``decode_gemv_speedup`` line per decode point:
+step time with the flag off over step time with it on. A short A/B of the small batches:
+
+    python benchmarks/bench_engine.py --models codellama-34b --decode-gemv off,on \
+        --overlap on --decode-batches 1,2,4,8 --decode-contexts 1024 --prefill-lengths none \
+        --out decode_gemv_ab.json
+
 With ``--tensor-parallel-size N`` the rooflines are per GPU: rank 0's shard of the weights,
 its KV heads and its share of the FLOPs, against one GPU's measured ceilings (all-reduce
 time is not in the roofline, so the gap to it includes communication).
@@ -27,6 +35,7 @@ import logging
 import platform
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -196,6 +205,48 @@ class StartupLog(logging.Handler):
 OVERLAP_MODES = {"both": (False, True), "on": (True,), "off": (False,)}
 
 
+@dataclass(frozen=True)
+class Points:
+    """What one engine measures: decode batch x context points, then prefill lengths."""
+
+    decode_batches: tuple[int, ...] = DECODE_BATCHES
+    decode_contexts: tuple[int, ...] = DECODE_CONTEXTS
+    prefill_lengths: tuple[int, ...] = PREFILL_LENGTHS
+
+
+def decode_gemv_speedups(results: list[dict]) -> list[dict]:
+    """Per model and decode point, step time with --decode-gemv off over step time with it
+    on (above 1: the fused path is faster); only points both runs measured."""
+    timed = {}
+    for result in results:
+        for row in result["decode"]:
+            if "step_ms" in row:
+                key = (result["model"], row["batch"], row["context"], row["overlap"])
+                timed[key + (row["decode_gemv"],)] = row
+    speedups = []
+    for (model, batch, context, overlap, mode), off in sorted(timed.items()):
+        on = timed.get((model, batch, context, overlap, "on"))
+        if mode == "off" and on is not None:
+            speedups.append({"decode_gemv_speedup": off["step_ms"] / on["step_ms"],
+                             "model": model, "batch": batch, "context": context,
+                             "overlap": overlap, "step_ms_off": off["step_ms"],
+                             "step_ms_on": on["step_ms"],
+                             "fraction_of_roofline_on": on["fraction_of_roofline"]})
+    return speedups
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """A comma-separated list of sizes; "none" for none."""
+    return () if text == "none" else tuple(int(part) for part in text.split(","))
+
+
+def _gemv_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(part.strip() for part in text.split(","))
+    if not modes or any(mode not in ("off", "on") for mode in modes):
+        raise argparse.ArgumentTypeError(f"{text!r}: off, on, or off,on")
+    return modes
+
+
 def decode_rows(engine: EngineCore, batch: int, context: int, overlap_modes: tuple,
                 roofline_ms: float) -> list[dict]:
     """One row per overlap mode. The engine is started with overlap on; turning it off for a
@@ -220,11 +271,14 @@ def decode_rows(engine: EngineCore, batch: int, context: int, overlap_modes: tup
 
 
 def bench_model(model: str, memory_fraction: float, ceilings: dict,
-                overlap_modes: tuple = (False, True), tensor_parallel_size: int = 1) -> dict:
+                overlap_modes: tuple = (False, True), tensor_parallel_size: int = 1,
+                decode_gemv: str = "off", points: Points | None = None) -> dict:
+    points = points or Points()
     config = EngineConfig.from_flat(model=model, load_format="dummy", schedule="prefill-first",
                                     overlap_schedule=True,
                                     gpu_memory_utilization=memory_fraction,
                                     tensor_parallel_size=tensor_parallel_size,
+                                    decode_gemv=decode_gemv,
                                     max_model_len=max(PREFILL_LENGTHS) + 1, max_num_seqs=256)
     started = time.perf_counter()
     with StartupLog() as startup:
@@ -233,17 +287,19 @@ def bench_model(model: str, memory_fraction: float, ceilings: dict,
               "startup_s": time.perf_counter() - started,
               "kv_pool_tokens": engine.blocks.num_blocks * engine.blocks.block_size,
               "memory_fraction": memory_fraction, "startup_log": startup.lines,
+              "decode_gemv": decode_gemv, "decode_layers": engine.runner.decode_layers,
               "decode": [], "prefill": []}
     weights, kv_token = weight_bytes(engine), kv_bytes_per_token(engine)
     bandwidth = ceilings["copy_bandwidth_gbs"] * 1e9
     result["overlap_schedule"] = engine.describe()["overlap_schedule"]["enabled"]
-    for context in DECODE_CONTEXTS:
-        for batch in DECODE_BATCHES:
+    for context in points.decode_contexts:
+        for batch in points.decode_batches:
             roofline_ms = (weights + batch * context * kv_token) / bandwidth * 1e3
             for row in decode_rows(engine, batch, context, overlap_modes, roofline_ms):
+                row["decode_gemv"] = decode_gemv
                 result["decode"].append(row)
                 print(json.dumps(row), flush=True)
-    for length in PREFILL_LENGTHS:
+    for length in points.prefill_lengths:
         timing = time_prefill(engine, length)
         row = {"tokens": length}
         if timing is None:
@@ -268,18 +324,32 @@ def main() -> None:
                         help="GPUs per model (rooflines are then per GPU)")
     parser.add_argument("--overlap", choices=tuple(OVERLAP_MODES), default="both",
                         help="decode with overlap scheduling, without, or both (default)")
+    parser.add_argument("--decode-gemv", type=_gemv_modes, default=("off",),
+                        help="engine --decode-gemv values, one engine each: off, on, or off,on "
+                        "(then speedup lines at the end)")
+    parser.add_argument("--decode-batches", type=_int_list, default=DECODE_BATCHES)
+    parser.add_argument("--decode-contexts", type=_int_list, default=DECODE_CONTEXTS)
+    parser.add_argument("--prefill-lengths", type=_int_list, default=PREFILL_LENGTHS,
+                        help="comma-separated prompt lengths, or none")
     args = parser.parse_args()
+    points = Points(args.decode_batches, args.decode_contexts, args.prefill_lengths)
     ceilings = measure_ceilings()
     print(json.dumps(ceilings), flush=True)
     report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "ceilings": ceilings, "models": []}
     for model in args.models:
-        report["models"].append(bench_model(model, args.memory_fraction, ceilings,
-                                            OVERLAP_MODES[args.overlap],
-                                            args.tensor_parallel_size))
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        for decode_gemv in args.decode_gemv:
+            report["models"].append(bench_model(model, args.memory_fraction, ceilings,
+                                                OVERLAP_MODES[args.overlap],
+                                                args.tensor_parallel_size, decode_gemv, points))
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+    report["decode_gemv_speedups"] = decode_gemv_speedups(report["models"])
+    for line in report["decode_gemv_speedups"]:
+        print(json.dumps(line), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

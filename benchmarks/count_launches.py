@@ -2,11 +2,13 @@
 
 Builds one decoder layer of a preset architecture with random weights, gives it a decode
 batch over a paged cache, and counts what one call launches (``pdserve.ops.launch_count``):
-the torch-reference path (``PDSERVE_REFERENCE_OPS=1``, what a GPU runs without Triton) and
-the Triton path (on a CPU through Triton's interpreter; set ``TRITON_INTERPRET=1``).
+the torch-reference path (``PDSERVE_REFERENCE_OPS=1``, what a GPU runs without Triton), the
+Triton path (on a CPU through Triton's interpreter; set ``TRITON_INTERPRET=1``) and the fused
+decode-GEMV path of ``--decode-gemv on`` (batches of at most 8).
 
     TRITON_INTERPRET=1 python benchmarks/count_launches.py --model tiny --batch 4
     python benchmarks/count_launches.py --model llama3-8b --device cuda   # on a GPU
+    TRITON_INTERPRET=1 python benchmarks/count_launches.py --paths triton,gemv --batch 1
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from pdserve.ops.registry import get_attention_backend
 
 
 def decode_layer_call(arch: ModelArch, batch: int, context: int, device: str,
-                      dtype: torch.dtype, backend_name: str) -> Callable[[], object]:
+                      dtype: torch.dtype, backend_name: str, gemv: bool = False
+                      ) -> Callable[[], object]:
     """A no-argument call of one middle decoder layer (it has a residual) on a decode batch:
-    ``batch`` sequences with ``context`` tokens cached, one new token each."""
+    ``batch`` sequences with ``context`` tokens cached, one new token each; ``gemv``: the
+    layer's fused-GEMV form (``forward_gemv``, which takes the residual stream)."""
     torch.manual_seed(0)
     backend = get_attention_backend(backend_name, device)
     with torch.device(device):
@@ -49,6 +53,8 @@ def decode_layer_call(arch: ModelArch, batch: int, context: int, device: str,
 
     def call() -> object:
         with torch.inference_mode():
+            if gemv:
+                return layer.forward_gemv(residual, positions, meta, kv, cos_sin)
             return layer(hidden, residual, positions, meta, kv, cos_sin)
 
     return call
@@ -56,9 +62,9 @@ def decode_layer_call(arch: ModelArch, batch: int, context: int, device: str,
 
 def count_decode_layer(arch: ModelArch, batch: int, context: int, device: str,
                        dtype: torch.dtype, path: str) -> LaunchCount:
-    """Launches of one decode-layer call on ``path`` "reference" or "triton"."""
+    """Launches of one decode-layer call on ``path`` "reference", "triton" or "gemv"."""
     call = decode_layer_call(arch, batch, context, device, dtype,
-                             "torch" if path == "reference" else "triton")
+                             "torch" if path == "reference" else "triton", gemv=path == "gemv")
     with _ops_for(path, device):
         call()  # first call: Triton compiles (or the interpreter warms up) outside the count
         return count_calls(call)

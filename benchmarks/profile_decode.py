@@ -9,6 +9,7 @@ had in an eager step, by the profiler (every CUDA kernel, cuBLAS's own included)
 the Python side (``pdserve.ops.launch_count``, the count ``count_launches.py`` makes on CPU).
 
     python benchmarks/profile_decode.py --model llama3-8b --batch 1 --context 1024 --out p.json
+    python benchmarks/profile_decode.py --model codellama-34b --decode-gemv on --out p.json
 """
 
 from __future__ import annotations
@@ -67,18 +68,29 @@ def kernel_breakdown(engine: EngineCore, steps: int) -> dict:
 
 
 def layer_launches(engine: EngineCore, calls: int) -> dict:
-    """Kernels of one decode layer (eager), replayed on the inputs it had in a real step."""
+    """Kernels of one decode layer (eager), replayed on the inputs it had in a real step:
+    the layer's forward, or its fused form when the step ran ``--decode-gemv on``."""
     layers = engine.runner.model.model.layers
     layer = layers[len(layers) // 2]  # a middle layer: it has a residual to add
     captured: dict[str, tuple] = {}
     hook = layer.register_forward_pre_hook(lambda _, args: captured.setdefault("args", args))
+    fused = layer.forward_gemv
+
+    def capture_fused(*args: object) -> object:
+        captured["gemv_args"] = args
+        return fused(*args)
+
+    layer.forward_gemv = capture_fused
     try:
         engine.step()
     finally:
         hook.remove()
+        del layer.forward_gemv  # the class's method again
 
     @torch.inference_mode()
     def call() -> object:  # rewrites the same K/V into the same slots: no state changes
+        if "gemv_args" in captured:
+            return layer.forward_gemv(*captured["gemv_args"])
         return layer(*captured["args"])
 
     rows = profile_kernels(call, calls, "layer")
@@ -97,15 +109,18 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--memory-fraction", type=float, default=0.85)
     parser.add_argument("--out", default="profile_decode.json")
+    parser.add_argument("--decode-gemv", choices=("off", "on"), default="off",
+                        help="the engine's --decode-gemv (fused GEMVs for batches <= 8)")
     args = parser.parse_args()
     config = EngineConfig.from_flat(model=args.model, load_format="dummy",
-                                    schedule="prefill-first",
+                                    schedule="prefill-first", decode_gemv=args.decode_gemv,
                                     gpu_memory_utilization=args.memory_fraction)
     with StartupLog() as collect:
         engine = EngineCore(config)
     free, total = torch.cuda.mem_get_info()
     report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
               "device": torch.cuda.get_device_name(), "model": args.model,
+              "decode_layers": engine.runner.decode_layers,
               "startup_log": collect.lines, "memory_fraction": args.memory_fraction,
               "total_gib": total / 2**30, "free_after_start_gib": free / 2**30,
               "weights_gib": weight_bytes(engine) / 2**30,

@@ -119,6 +119,12 @@ class DeviceConfig:
     attention_backend: str = doc("auto", "auto (triton on GPU, torch on CPU), triton, torch.",
                                  choices=("auto", "triton", "torch"))
     enforce_eager: bool = doc(False, "Never use CUDA graphs.")
+    decode_gemv: str = doc("off", "on: steps of at most 8 tokens (decode batches up to 8) run "
+                           "each layer as four fused Triton GEMVs that stream every weight once "
+                           "(RMSNorm, SiLU-and-mul and residual adds inside them, no split-K) "
+                           "instead of cuBLAS GEMMs and separate small kernels; larger steps "
+                           "keep cuBLAS. Needs a CUDA device with Triton and "
+                           "--tensor-parallel-size 1.", choices=("off", "on"))
     allow_emulated_partitions: bool = doc(
         False, "multiplex / disagg on a GPU whose green contexts cannot be made: run with "
         "nominal partitions on ordinary streams (no real SM split; for debugging only) "

@@ -36,6 +36,7 @@ from pdserve.engine.tp import TPLeader, check_tp_config
 from pdserve.gpu.partitions import Partition
 from pdserve.model.arch import ModelArch
 from pdserve.model.loader import load_model, resolve_dtype
+from pdserve.ops.dispatch import GEMV_MAX_ROWS, triton_available
 from pdserve.ops.registry import get_attention_backend
 from pdserve.sched.base import MAIN_POOL, KVMove, Plan, StepOutput, Work
 
@@ -47,6 +48,21 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def check_decode_gemv(config: EngineConfig, device: torch.device) -> None:
+    """Refuses ``--decode-gemv on`` where its Triton kernels cannot run (a CPU device, no
+    triton) or at several ranks (its residual add sits before o_proj's all-reduce)."""
+    device_config = config.device
+    if device_config.decode_gemv not in ("off", "on"):
+        raise ValueError(f"--decode-gemv {device_config.decode_gemv!r}: choose off or on")
+    if device_config.decode_gemv == "off":
+        return
+    if device_config.tensor_parallel_size > 1:
+        raise ValueError("--decode-gemv on runs at --tensor-parallel-size 1 only")
+    if device.type != "cuda" or not triton_available():
+        raise ValueError("--decode-gemv on runs Triton kernels: it needs a CUDA device and the "
+                         f"triton package (device {device.type!r})")
 
 
 def rank_device(name: str, rank: int) -> torch.device:
@@ -67,6 +83,7 @@ class ModelRunner:
         self.tp: TPLeader | None = None
         if comm is None:
             check_tp_config(config, arch)  # one line, before any worker or weight
+            check_decode_gemv(config, self.device)
         if comm is None and config.device.tensor_parallel_size > 1:
             self.tp = TPLeader(config, arch, max_model_len, self.device)
         self.comm = comm or (self.tp.comm if self.tp else SINGLE)
@@ -78,11 +95,20 @@ class ModelRunner:
         self.model = load_model(config.model, arch, self.device, self.dtype, self.attn_backend,
                                 TPShard(arch, self.comm.rank, self.comm.size), self.comm)
         log.info("model loaded in %.1f s", time.perf_counter() - started)
+        self.model.decode_gemv = config.device.decode_gemv == "on"
+        log.info("decode layers: %s", self.decode_layers)
         # Every rank holds the same pages (of its own KV heads): as many as the fullest fits.
         self.num_blocks = self.comm.agree_min(self._decide_num_blocks())
         self.kv_caches = allocate_kv_pool(self.model.arch, self.num_blocks, self.block_size,
                                           self.dtype, self.device)
         self.pools = {MAIN_POOL: KVPool(self.kv_caches, self._new_tables())}
+
+    @property
+    def decode_layers(self) -> str:
+        """Which decode-layer path runs: for the start-up log and for results to record."""
+        if self.model.decode_gemv:
+            return f"fused Triton GEMVs for steps of <= {GEMV_MAX_ROWS} tokens, cuBLAS above"
+        return "cuBLAS GEMMs with separate norm and SiLU kernels (--decode-gemv off)"
 
     def _new_tables(self) -> BlockTables:
         return BlockTables(-(-self.max_model_len // self.block_size))

@@ -10,6 +10,10 @@ its query and KV heads, its slice of the MLP and of the vocabulary. o_proj and d
 their partial products across ranks; the embedding sums the rows each rank owns; the LM head
 gathers every rank's logits and cuts the vocabulary padding. With one rank there is no
 collective and no extra op.
+
+With ``decode_gemv`` set (one rank), steps of at most ``GEMV_MAX_ROWS`` tokens run each
+layer's fused form, ``LlamaDecoderLayer.forward_gemv``: four GEMVs with the norms, SiLU and
+residual adds inside them, over one residual stream instead of (hidden, residual).
 """
 
 from __future__ import annotations
@@ -127,7 +131,12 @@ class LlamaAttention(nn.Module):
                     cos_sin_cache: torch.Tensor) -> torch.Tensor:
         """[T, q + 2 kv] with q and k rotated and k and v stored: everything before the
         attention itself, which depends on the batch's shape only through T."""
-        qkv = self.qkv_proj(hidden)
+        return self.rotate_and_store(self.qkv_proj(hidden), positions, slot_mapping, kv_cache,
+                                     cos_sin_cache)
+
+    def rotate_and_store(self, qkv: torch.Tensor, positions: torch.Tensor,
+                         slot_mapping: torch.Tensor, kv_cache: KVCache,
+                         cos_sin_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self.split_qkv(qkv)
         # One launch rotates q and k in place and stores k and v; the backend only attends.
         dispatch.rope_store_kv(q, k, v, positions, cos_sin_cache, kv_cache[0], kv_cache[1],
@@ -219,6 +228,24 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = dispatch.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
         return self.mlp(hidden), residual
 
+    def forward_gemv(self, stream: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMetadata, kv_cache: KVCache, cos_sin_cache: torch.Tensor
+                     ) -> torch.Tensor:
+        """The same layer for a few rows (``dispatch.GEMV_MAX_ROWS``), one rank: four fused
+        GEMVs that stream each weight once, the norms, SiLU and residual adds inside them.
+        ``stream`` is the whole residual stream (hidden + residual); returns the next one."""
+        attn, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        qkv = dispatch.rms_norm_gemv(stream, norm.weight, norm.eps, attn.qkv_proj.weight,
+                                     attn.qkv_proj.bias)
+        qkv = attn.rotate_and_store(qkv, positions, meta.slot_mapping, kv_cache, cos_sin_cache)
+        attn_out = attn.attend(qkv, meta, kv_cache).reshape(-1, attn.q_size)
+        stream = dispatch.gemv_add(attn_out, attn.o_proj.weight, attn.o_proj.bias, stream)
+        norm = self.post_attention_layernorm
+        gate_up = dispatch.rms_norm_gemv(stream, norm.weight, norm.eps, mlp.gate_up_proj.weight,
+                                         None)
+        return dispatch.silu_mul_gemv_add(gate_up, mlp.down_proj.weight, None, stream)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, backend: AttentionBackend, vocab_rows: int,
@@ -246,6 +273,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, vocab_rows, bias=False)
         self.rotary = RotaryEmbedding(arch, max_positions or arch.max_position_embeddings)
         self.tie_weights()
+        # Set by the engine (``--decode-gemv on``): at one rank, steps of at most
+        # GEMV_MAX_ROWS tokens run ``LlamaDecoderLayer.forward_gemv``.
+        self.decode_gemv = False
 
     def tie_weights(self) -> None:
         """Shares the embedding with the LM head; re-run after moving off the meta device."""
@@ -271,11 +301,35 @@ class LlamaForCausalLM(nn.Module):
                        kv_caches: list[KVCache], start: int, end: int,
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs layers [start, end). Pass ``residual=None`` before layer 0 (fresh embedding)."""
+        if self.runs_decode_gemv(hidden):
+            return self._forward_layers_gemv(hidden, residual, positions, meta, kv_caches,
+                                             start, end)
         cos_sin = self.rotary.cos_sin_cache
         for i in range(start, end):
             layer = self.model.layers[i]
             hidden, residual = layer(hidden, residual, positions, meta, kv_caches[i], cos_sin)
         return hidden, residual
+
+    def runs_decode_gemv(self, hidden: torch.Tensor) -> bool:
+        """Whether a step of these rows takes the fused GEMV path: by row count only (never
+        by data), so a captured graph always replays the path it recorded. Its ops run
+        Triton on a GPU and their torch references elsewhere (the engine allows it on CUDA
+        only, where it pays)."""
+        return (self.decode_gemv and hidden.shape[0] <= dispatch.GEMV_MAX_ROWS
+                and self.comm.size == 1)
+
+    def _forward_layers_gemv(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                             positions: torch.Tensor, meta: AttentionMetadata,
+                             kv_caches: list[KVCache], start: int, end: int,
+                             ) -> tuple[torch.Tensor, None]:
+        """``forward_layers`` on the fused GEMV path; returns (residual stream, None), which
+        the next layer range and ``final_norm`` read as a fresh stream."""
+        stream = hidden if residual is None else hidden + residual
+        cos_sin = self.rotary.cos_sin_cache
+        for i in range(start, end):
+            stream = self.model.layers[i].forward_gemv(stream, positions, meta, kv_caches[i],
+                                                       cos_sin)
+        return stream, None
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         norm = self.model.norm

@@ -108,6 +108,18 @@ class PagedRunner:
         return self.model.compute_logits(hidden[last_rows])
 
 
+def greedy_step_logits(model: LlamaForCausalLM, prompts: list[list[int]], steps: int,
+                       num_blocks: int = 16, block_size: int = 4) -> list[torch.Tensor]:
+    """A batched prefill of ``prompts``, then ``steps`` greedy decode steps of all of them:
+    the logits of every step (to compare two paths of one model step by step)."""
+    runner = PagedRunner(model, num_blocks=num_blocks, block_size=block_size)
+    logits = [runner.step(list(enumerate(prompts)))]
+    for _ in range(steps):
+        next_ids = logits[-1].argmax(-1).tolist()
+        logits.append(runner.step([(i, [t]) for i, t in enumerate(next_ids)]))
+    return logits
+
+
 def greedy_generate(model: LlamaForCausalLM, prompts: list[list[int]], max_new_tokens: int,
                     block_size: int = 4) -> list[list[int]]:
     """Prefills all prompts as one batch, then decodes them together (no EOS stop)."""

@@ -21,6 +21,9 @@ import torch
 from pdserve.ops import reference
 
 REFERENCE_OPS_ENV = "PDSERVE_REFERENCE_OPS"
+# The fused GEMVs (``rms_norm_gemv`` and the rest) take at most this many rows: decode
+# batches up to 8. Larger batches keep cuBLAS: their GEMMs are no longer pure streaming.
+GEMV_MAX_ROWS = 8
 
 _force_reference = os.environ.get(REFERENCE_OPS_ENV, "0") not in ("", "0", "false", "False")
 _interpret_on_cpu = False
@@ -104,6 +107,35 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if uses_triton(gate_up):
         return _fused().silu_and_mul(gate_up)
     return reference.silu_and_mul(gate_up)
+
+
+@functools.cache
+def _gemv() -> ModuleType:
+    from pdserve.ops import triton_gemv
+
+    return triton_gemv
+
+
+def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(rms_norm(x, norm_weight, eps), weight, bias)``; x has at most
+    ``GEMV_MAX_ROWS`` rows."""
+    backend = _gemv() if uses_triton(x) else reference
+    return backend.rms_norm_gemv(x, norm_weight, eps, weight, bias)
+
+
+def gemv_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             residual: torch.Tensor) -> torch.Tensor:
+    """``residual + F.linear(x, weight, bias)``: the new residual stream."""
+    backend = _gemv() if uses_triton(x) else reference
+    return backend.gemv_add(x, weight, bias, residual)
+
+
+def silu_mul_gemv_add(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      residual: torch.Tensor) -> torch.Tensor:
+    """``residual + F.linear(silu_and_mul(gate_up), weight, bias)``."""
+    backend = _gemv() if uses_triton(gate_up) else reference
+    return backend.silu_mul_gemv_add(gate_up, weight, bias, residual)
 
 
 def apply_rope(

@@ -27,6 +27,29 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate.float()) * up.float()).to(gate_up.dtype)
 
 
+def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(rms_norm(x), weight, bias)`` as the fused GEMV computes it: x times the norm
+    weight in fp32, the dot products scaled by rsqrt(mean(x^2) + eps), rounded once."""
+    x32 = x.float()
+    inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    out = F.linear(x32 * norm_weight.float(), weight.float()) * inv_rms
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def gemv_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             residual: torch.Tensor) -> torch.Tensor:
+    """``residual + F.linear(x, weight, bias)`` in fp32, rounded once: the new residual."""
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return (out + residual.float()).to(x.dtype)
+
+
+def silu_mul_gemv_add(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      residual: torch.Tensor) -> torch.Tensor:
+    """``gemv_add`` of ``silu_and_mul(gate_up)`` (rounded to the activation dtype first)."""
+    return gemv_add(silu_and_mul(gate_up), weight, bias, residual)
+
+
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,12 +17,13 @@ from triton.compiler import ASTSource
 
 from pdserve.ops import triton_attention as ta
 from pdserve.ops import triton_fused as tf
+from pdserve.ops import triton_gemv as tg
 
 HOPPER = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024
 # Small ints that are not 16-divisible in practice (head counts, row lengths, offsets).
 PLAIN_INTS = {"first_seq", "num_heads", "num_kv_heads", "hidden", "head_dim", "inter",
-              "num_q_heads", "q_blocks"}
+              "num_q_heads", "q_blocks", "M"}
 
 
 def compile_kernel(kernel, dtype: str, constexprs: dict, num_warps: int, num_stages: int):
@@ -90,9 +91,26 @@ def fused_cases(dtype: str):
         ), 4, 1  # fmt: skip
 
 
+def gemv_cases(dtype: str):
+    """The decode GEMV's default configs (one per row bucket) and the tuned table's, with
+    each prologue; bias and residual on, as the heaviest variants."""
+    configs = [(bucket, tg.default_config(bucket)) for bucket in (1, 2, 4, 8)]
+    configs += [(bucket, config) for (_, _, bucket), config in tg.GEMV_CONFIGS.items()]
+    # The tensor-core form pads every bucket to 16 rows: one compile per config.
+    launches = {(16 if config.use_dot else bucket, config) for bucket, config in configs}
+    for block_m, config in sorted(launches, key=str):
+        for prologue in (0, 1, 2):
+            yield tg._gemv_kernel, dtype, dict(
+                PROLOGUE=prologue, HAS_BIAS=True, HAS_RESIDUAL=prologue != 1,
+                USE_DOT=config.use_dot, DOT_PRECISION="tf32", BLOCK_M=block_m,
+                BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            ), config.num_warps, config.num_stages  # fmt: skip
+
+
 def main(dtypes: list[str]) -> None:
     for dtype in dtypes:
-        for kernel, dt, constexprs, warps, stages in [*attention_cases(dtype), *fused_cases(dtype)]:
+        cases = [*attention_cases(dtype), *fused_cases(dtype), *gemv_cases(dtype)]
+        for kernel, dt, constexprs, warps, stages in cases:
             compiled = compile_kernel(kernel, dt, constexprs, warps, stages)
             shared = compiled.metadata.shared
             print(f"{kernel.__name__} {dt} {constexprs} warps={warps} stages={stages} "

@@ -52,22 +52,26 @@ def test_interpreted_triton_launches_are_counted():
     assert dict(count.by_name) == {"triton::_rms_norm_kernel": 1}
 
 
+# Both paths: one rotary+KV-store kernel and split-KV decode attention (its splits merged
+# in the same launch).
+_ATTENTION = {"triton::_rope_store_kv_kernel": 1, "triton::_decode_split_kernel": 1}
+LAYER_LAUNCHES = {
+    # Two norms (residual add fused in), QKV, o_proj, gate/up and down GEMMs, silu-and-mul.
+    "triton": {"triton::_rms_norm_kernel": 2, "aten::linear": 4,
+               "triton::_silu_and_mul_kernel": 1, **_ATTENTION},
+    # --decode-gemv on: four fused GEMVs (norms, SiLU and residual adds inside them); no
+    # norm, SiLU or cuBLAS launch.
+    "gemv": {"triton::_gemv_kernel": 4, **_ATTENTION},
+}
+
+
 @interpreted
+@pytest.mark.parametrize("path", ["triton", "gemv"])
 @pytest.mark.parametrize("model", ["tiny", "tiny-qwen2"])
-def test_decode_layer_launches_on_the_triton_path(model):
-    """Two norms (residual add fused in), QKV GEMM, one rotary+KV-store kernel, split-KV
-    decode attention (its splits merged in the same launch), o_proj, gate/up GEMM,
-    silu-and-mul, down GEMM."""
+def test_decode_layer_launches(model, path):
     script = _count_script()
-    count = script.count_decode_layer(PRESETS[model], 3, 40, "cpu", torch.float32, "triton")
-    assert dict(count.by_name) == {
-        "triton::_rms_norm_kernel": 2,
-        "aten::linear": 4,
-        "triton::_rope_store_kv_kernel": 1,
-        "triton::_decode_split_kernel": 1,
-        "triton::_silu_and_mul_kernel": 1,
-    }
-    assert count.total == 9
+    count = script.count_decode_layer(PRESETS[model], 3, 40, "cpu", torch.float32, path)
+    assert dict(count.by_name) == LAYER_LAUNCHES[path]
 
 
 @interpreted

@@ -7,41 +7,61 @@ in summation order); greedy tokens identical.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from kernel_env import interpreted
 
 from pdserve.model.arch import PRESETS
 from pdserve.model.llama import LlamaForCausalLM
-from pdserve.model.testing import PagedRunner
+from pdserve.model.testing import greedy_step_logits
 from pdserve.ops import dispatch
+from pdserve.ops.launch_count import count_launches
 from pdserve.ops.registry import get_attention_backend
 
 PROMPTS = [[256, 5, 17, 99, 3, 8, 41], [256, 77, 2]]
 
 
 def _logits_over_steps(model: LlamaForCausalLM, steps: int) -> list[torch.Tensor]:
-    """A batched prefill, then greedy decode steps; the logits of every step."""
-    runner = PagedRunner(model, num_blocks=16, block_size=4)
-    logits = [runner.step(list(enumerate(PROMPTS)))]
-    for _ in range(steps):
-        next_ids = logits[-1].argmax(-1).tolist()
-        logits.append(runner.step([(i, [t]) for i, t in enumerate(next_ids)]))
-    return logits
+    return greedy_step_logits(model, PROMPTS, steps)
 
 
-@interpreted
-def test_model_triton_path_matches_reference_path():
+def _model_and_reference_logits(preset: str) -> tuple[LlamaForCausalLM, list[torch.Tensor]]:
+    """A tiny model with random norms, its attention switched to Triton after it ran the
+    torch-reference path (whose logits come back too)."""
     torch.manual_seed(0)
-    arch = PRESETS["tiny-qwen2"]  # qkv bias and tied embeddings on top of the Llama layout
-    model = LlamaForCausalLM(arch, get_attention_backend("torch", "cpu"))
+    model = LlamaForCausalLM(PRESETS[preset], get_attention_backend("torch", "cpu"))
     model.model.apply(_randomize_norms)
     with dispatch.reference_ops():
         expected = _logits_over_steps(model, steps=3)
     model.attn_backend = get_attention_backend("triton", "cpu")
     for layer in model.model.layers:
         layer.self_attn.backend = model.attn_backend
+    return model, expected
+
+
+@interpreted
+def test_model_triton_path_matches_reference_path():
+    # tiny-qwen2: qkv bias and tied embeddings on top of the Llama layout
+    model, expected = _model_and_reference_logits("tiny-qwen2")
     with dispatch.interpreted_triton_ops():
         got = _logits_over_steps(model, steps=3)
+    _assert_logits_match(got, expected)
+
+
+@interpreted
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])
+def test_decode_gemv_path_matches_reference_path(preset):
+    """Decode steps (2 rows) on the fused GEMV path, the prefill (10 rows) on the usual one:
+    logits as the reference path's, and the GEMV kernel did run (4 launches per layer)."""
+    model, expected = _model_and_reference_logits(preset)
+    model.decode_gemv = True
+    with dispatch.interpreted_triton_ops(), count_launches() as count:
+        got = _logits_over_steps(model, steps=3)
+    assert count.by_name["triton::_gemv_kernel"] == 3 * 4 * model.num_layers
+    _assert_logits_match(got, expected)
+
+
+def _assert_logits_match(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
     for step, (g, e) in enumerate(zip(got, expected, strict=True)):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4,
                                    msg=lambda m, step=step: f"step {step}: {m}")
