@@ -135,6 +135,8 @@ class ByteTokenizer(Tokenizer):
         except ValueError:
             pass
         # Ids past the byte range (a dummy model's vocab is larger) decode to nothing.
+        if skip_special_tokens:
+            return bytes([i for i in ids if 0 <= i < 256]).decode("utf-8", errors="replace")
         out, run = [], bytearray()
         for i in ids:
             if 0 <= i < 256:
