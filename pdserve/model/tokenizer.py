@@ -209,8 +209,17 @@ _BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>\Z")
 def _decoder_appends_pieces(decoder: dict[str, Any] | None) -> bool:
     if decoder is None:
         return False
-    if decoder.get("type") == "Sequence":
-        return all(_decoder_appends_pieces(d) for d in decoder.get("decoders", []))
+    if decoder.get("type") != "Sequence":
+        return _piecewise(decoder)
+    steps = decoder.get("decoders", [])
+    fused = next((i for i, d in enumerate(steps) if d.get("type") == "Fuse"), len(steps))
+    # After Fuse a step sees the whole text at once (a Replace could match across two
+    # tokens): only the leading Strip may follow it.
+    return (all(_piecewise(d) for d in steps[:fused])
+            and all(d.get("type") == "Strip" and _piecewise(d) for d in steps[fused + 1:]))
+
+
+def _piecewise(decoder: dict[str, Any]) -> bool:
     if decoder.get("type") == "Strip":  # a stop strip would cut the newest token's end
         return decoder.get("stop", 0) == 0 and decoder.get("start", 0) <= 1
     return decoder.get("type") in _PIECEWISE_DECODERS

@@ -157,8 +157,17 @@ def test_plain_text_streams_without_a_decode(tokenizer_and_vocab):
     assert calls == []
 
 
-def test_an_unknown_decoder_gets_no_table(tmp_path):
-    """WordPiece joins tokens with spaces it decides from the neighbour: always decoded."""
+@pytest.mark.parametrize("decoder", [
+    # WordPiece joins tokens with spaces it decides from the neighbour.
+    {"type": "WordPiece", "prefix": "##", "cleanup": True},
+    # After Fuse, a Replace sees the whole text: "ab" split over two tokens still matches.
+    {"type": "Sequence", "decoders": [{"type": "Fuse"}, {"type": "Replace",
+                                                         "pattern": {"String": "ab"},
+                                                         "content": "X"}]},
+    # A trailing strip would cut the newest token's end.
+    {"type": "Sequence", "decoders": [{"type": "Fuse"}, {"type": "Strip", "content": " ",
+                                                         "start": 0, "stop": 1}]}])
+def test_a_decoder_that_looks_across_tokens_gets_no_table(tmp_path, decoder):
     spec = _byte_level_spec()
-    spec["decoder"] = {"type": "WordPiece", "prefix": "##", "cleanup": True}
+    spec["decoder"] = decoder
     assert _save(tmp_path, spec).piece_table == {}
