@@ -278,16 +278,19 @@ def main(argv: list[str] | None = None) -> int:
         # allocator growth happen on first use and are no part of the server's overhead.
         asyncio.run(run_load(base, args.concurrency, 1, args.max_tokens, first_seed=10**6))
         cpu_start = cpu_seconds(process.pid) if process is not None else None
+        load_before = os.getloadavg()
         start = time.monotonic()
         load = run_clients(base, args)
         wall = time.monotonic() - start
+        host_load = {"before": load_before, "after": os.getloadavg()}
         http_cpu = http_cpu_per_chunk(process, cpu_start, load.traces)
     finally:
         if process is not None:
             stop_server(process)
     traces = load.traces
     summary = summarize({**overheads(traces), "client_loop_lag": load.loop_lag_ms})
-    print(f"{len(traces)} requests, {args.concurrency} concurrent, {wall:.1f} s")
+    print(f"{len(traces)} requests, {args.concurrency} concurrent, {wall:.1f} s; host load "
+          f"average {host_load['before'][0]:.2f} before, {host_load['after'][0]:.2f} after")
     print_table(summary)
     if http_cpu:
         print(f"HTTP process CPU: {http_cpu['http_cpu_us_per_chunk']:.1f} us per chunk "
@@ -295,18 +298,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{http_cpu['http_user_us_per_chunk']:.1f}, system "
               f"{http_cpu['http_sys_us_per_chunk']:.1f} us per chunk)")
     if args.out:
-        write_record(args, argv, wall, summary, traces, http_cpu)
+        write_record(args, argv, wall, summary, traces, http_cpu, host_load)
     return 0
 
 
 def write_record(args: argparse.Namespace, argv: list[str] | None, wall: float,
                  summary: dict[str, dict[str, float]], traces: list[Trace],
-                 http_cpu: dict[str, float]) -> None:
+                 http_cpu: dict[str, float], host_load: dict[str, tuple[float, ...]]) -> None:
     command = ["python", "benchmarks/bench_server_overhead.py",
                *(sys.argv[1:] if argv is None else argv)]
     record = {"command": shlex.join(command), "git_revision": git_revision(),
               "label": args.label, "python": platform.python_version(), "wall_s": wall,
               "args": vars(args), "summary": summary, "http_process": http_cpu,
+              # 1/5/15-minute load averages: on a shared host, how much else was running.
+              "host_load": host_load,
               # pdserve serve runs on uvloop when the Python that starts it can import it.
               "event_loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
               "first_trace": asdict(traces[0]) if traces else None}

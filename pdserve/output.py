@@ -98,16 +98,19 @@ class OutputProcessor:
                                top_logprobs=[] if self.want_top_logprobs else None)
         ids, logprobs, reason = self._gather(updates)
         text, ids = self._text(ids, reason)
-        text = self._after_resume(text)
-        logprobs = logprobs[:len(ids)]
+        if self._unsent or self._skip:
+            text = self._after_resume(text)
         abort = self.detok.stopped and reason is None
         if self.detok.stopped:
             reason = "stop"
         self.finished = reason is not None
         self.num_generated += len(ids)
-        return OutputDelta(text, ids, self._token_texts(ids),
-                           logprobs if self.want_logprobs else None, reason, abort,
-                           self._alternatives(logprobs), self._prompt_logprobs())
+        prompt_logprobs = self._prompt_logprobs()
+        if not self.want_logprobs:  # the common case: no per-token texts to decode
+            return OutputDelta(text, ids, [], None, reason, abort, None, prompt_logprobs)
+        logprobs = logprobs[:len(ids)]
+        return OutputDelta(text, ids, self._token_texts(ids), logprobs, reason, abort,
+                           self._alternatives(logprobs), prompt_logprobs)
 
     def _prompt_logprobs(self) -> PromptLogprobs | None:
         scored, self._prompt_scores = self._prompt_scores, None
@@ -127,8 +130,6 @@ class OutputProcessor:
         self._skip = max(0, text_chars - len(text))
 
     def _after_resume(self, text: str) -> str:
-        if not (self._unsent or self._skip):
-            return text
         skipped = min(self._skip, len(text))
         text, self._unsent = self._unsent + text[skipped:], ""
         self._skip -= skipped
@@ -180,7 +181,5 @@ class OutputProcessor:
                 for lp in logprobs]
 
     def _token_texts(self, ids: list[int]) -> list[str]:
-        if not self.want_logprobs:
-            return []
         skip = self.detok.skip_special_tokens
         return [self.tokenizer.decode([i], skip) for i in ids]

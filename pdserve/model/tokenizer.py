@@ -59,6 +59,17 @@ class Tokenizer:
     def starts_with_bos(self, text: str) -> bool:
         return bool(self.bos_token) and text.startswith(self.bos_token)
 
+    @functools.cached_property
+    def piece_table(self) -> dict[int, str]:
+        """Token id -> its text inside any output, for the tokens whose text never depends on
+        their neighbours: appended after such a token, a table token adds exactly this text
+        to the decode. Streaming then looks a token up instead of decoding a window. Built
+        on first use; empty when this tokenizer cannot promise it (every token decodes)."""
+        return self._build_piece_table()
+
+    def _build_piece_table(self) -> dict[int, str]:
+        return {}
+
 
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
@@ -124,6 +135,8 @@ class ByteTokenizer(Tokenizer):
         except ValueError:
             pass
         # Ids past the byte range (a dummy model's vocab is larger) decode to nothing.
+        if skip_special_tokens:
+            return bytes([i for i in ids if 0 <= i < 256]).decode("utf-8", errors="replace")
         out, run = [], bytearray()
         for i in ids:
             if 0 <= i < 256:
@@ -135,6 +148,10 @@ class ByteTokenizer(Tokenizer):
                 run = bytearray()
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
+
+    def _build_piece_table(self) -> dict[int, str]:
+        # An ASCII byte is a whole character; every other byte may be part of one.
+        return {i: chr(i) for i in range(128)}
 
 
 class HFTokenizer(Tokenizer):
@@ -162,6 +179,54 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def _build_piece_table(self) -> dict[int, str]:
+        decoder = json.loads(self._tok.to_str()).get("decoder")
+        if not _decoder_appends_pieces(decoder):
+            return {}
+        anchor = self.encode("a", add_special_tokens=False)[-1:]
+        anchor_text = self.decode(anchor)
+        if not anchor_text:
+            return {}
+        added = set(self._tok.get_added_tokens_decoder())
+        ids = [i for i in range(self._tok.get_vocab_size(with_added_tokens=False))
+               if i not in added and not _BYTE_FALLBACK.match(self._tok.id_to_token(i) or "")]
+        texts = self._tok.decode_batch([anchor + [i] for i in ids], skip_special_tokens=False)
+        return {i: text[len(anchor_text):] for i, text in zip(ids, texts, strict=True)
+                if _is_whole_piece(text, anchor_text)}
+
+
+# Decoders that map each token to text on its own, so a token's text after another token does
+# not depend on what came before. Three exceptions, each handled by the table's users or
+# builder: a Strip that follows Fuse and Metaspace act on the output's first token only (the
+# table is only used after a token with text); ByteFallback joins runs of <0xNN> tokens into
+# one character (those tokens stay out of the table); ByteLevel joins bytes of neighbouring
+# tokens (only tokens that are whole UTF-8 text are in the table).
+_PIECEWISE_DECODERS = {"ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip"}
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>\Z")
+
+
+def _decoder_appends_pieces(decoder: dict[str, Any] | None) -> bool:
+    if decoder is None:
+        return False
+    if decoder.get("type") != "Sequence":
+        return _piecewise(decoder)
+    steps = decoder.get("decoders", [])
+    fused = next((i for i, d in enumerate(steps) if d.get("type") == "Fuse"), len(steps))
+    # After Fuse a step sees the whole text at once (a Replace could match across two
+    # tokens): only the leading Strip may follow it.
+    return (all(_piecewise(d) for d in steps[:fused])
+            and all(d.get("type") == "Strip" and _piecewise(d) for d in steps[fused + 1:]))
+
+
+def _piecewise(decoder: dict[str, Any]) -> bool:
+    if decoder.get("type") == "Strip":  # a stop strip would cut the newest token's end
+        return decoder.get("stop", 0) == 0 and decoder.get("start", 0) <= 1
+    return decoder.get("type") in _PIECEWISE_DECODERS
+
+
+def _is_whole_piece(text: str, anchor_text: str) -> bool:
+    return len(text) > len(anchor_text) and text.startswith(anchor_text) and "\ufffd" not in text
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -217,6 +282,10 @@ class IncrementalDetokenizer:
     push costs O(new tokens), and a token that merges with its neighbours (SentencePiece
     spaces, a UTF-8 character split over byte tokens) is emitted only once complete. A tail
     that could still grow into a stop string is held back until it cannot.
+
+    The common token needs no decode at all: when the window's text is complete and every new
+    token is in the tokenizer's ``piece_table``, the new text is the tokens' table texts, and
+    the window moves exactly as the decode would have moved it (``_push_pieces``).
     """
 
     # Decode this many prompt tokens as left context so the first output token is spaced
@@ -224,8 +293,10 @@ class IncrementalDetokenizer:
     PROMPT_CONTEXT = 5
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
-                 stop: list[str] | str | None = None, skip_special_tokens: bool = True) -> None:
+                 stop: list[str] | str | None = None, skip_special_tokens: bool = True,
+                 use_piece_table: bool = True) -> None:
         self.tokenizer = tokenizer
+        self._pieces = tokenizer.piece_table if use_piece_table else {}
         self.skip_special_tokens = skip_special_tokens
         stop = [stop] if isinstance(stop, str) else (stop or [])
         self.stop = [s for s in stop if s]
@@ -241,9 +312,30 @@ class IncrementalDetokenizer:
         """Newly final text for ``new_token_ids``; "" once a stop string was hit."""
         if self.stopped:
             return ""
-        self._ids.extend(new_token_ids)
-        self._held += self._decode_tail(final=False)
+        text = self._push_pieces(new_token_ids)
+        if text is None:
+            self._ids.extend(new_token_ids)
+            text = self._decode_tail(final=False)
+        if not self.stop:
+            return text  # nothing is ever held back
+        self._held += text
         return self._release()
+
+    def _push_pieces(self, new_token_ids: list[int]) -> str | None:
+        """The new text by table look-up, or None when only a decode can tell. Safe when the
+        last token decoded had text of its own (in the table) and left nothing pending: then
+        the decode of the window plus table tokens is the window's text plus theirs."""
+        ids, pieces = self._ids, self._pieces
+        if not (new_token_ids and ids and self._read_offset == len(ids) and ids[-1] in pieces):
+            return None
+        try:
+            text = "".join([pieces[i] for i in new_token_ids])
+        except KeyError:
+            return None
+        # Where _decode_tail would leave the window: the new tokens, all read.
+        self._ids = list(new_token_ids)
+        self._prefix_offset, self._read_offset = 0, len(new_token_ids)
+        return text
 
     def flush(self) -> str:
         """At the end of generation: the held-back tail (and any never-completed character)."""
@@ -254,6 +346,8 @@ class IncrementalDetokenizer:
         return text
 
     def _decode_tail(self, final: bool) -> str:
+        if self._read_offset == len(self._ids):
+            return ""  # no token since the last text
         decode = self.tokenizer.decode
         window = self._ids[self._prefix_offset:]
         prefix_text = decode(self._ids[self._prefix_offset:self._read_offset],

@@ -209,6 +209,8 @@ class OpenAIServing:
         self.client = client
         self.tool_settings = tool_settings or ToolSettings()
         self.tokenizer = tokenizer
+        if tokenizer is not None:  # the stream's look-up table: built now, not in a request
+            tokenizer.piece_table  # noqa: B018
         self.model_name = model_name
         self.model_names = (model_name, *model_aliases)
         # The generation config's fields, used where a request leaves them unset (vLLM's rule).

@@ -68,6 +68,8 @@ def test_byte_tokenizer_specials():
     assert tok.decode([256, 97, 257]) == "a"
     assert tok.decode([256, 97, 257], skip_special_tokens=False) == "<s>a</s>"
     assert tok.decode([97, 5000, 98]) == "ab"  # a dummy model may sample ids past the bytes
+    assert tok.decode([0xE2, 300, 0x98, 257, 0x83]) == "☃"  # skipped ids split no character
+    assert tok.decode([0xE2, 257, 0x98], skip_special_tokens=False) == "\ufffd</s>\ufffd"
     assert tok.eos_token_ids == [257] and tok.vocab_size == 258
     assert tok.vocab_size <= PRESETS["tiny"].vocab_size
 
