@@ -212,3 +212,45 @@ def test_a_time_slice_piece_is_predicted_its_whole_cycle(fitted):
     assert piece_predicted_ms(plan) == pytest.approx(plan.decode_ms + plan.prefill.predicted_ms)
     spatial = planner(fitted, time_slice=False).plan(DECODE, PROMPT)
     assert piece_predicted_ms(spatial) == spatial.prefill.predicted_ms < spatial.cycle_ms + 1
+
+
+class SharingModel:
+    """Latencies on a 132-SM GPU where decode and prefill share it in pieces (mixed steps
+    never fit), for the tiny model on the CPU."""
+
+    total_sms = 132
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+
+    def predict(self, phase, num_tokens, context_tokens, batch_size, sms, co_running=False,
+                num_layers=None):
+        slower = 1.2 if co_running and sms < self.total_sms else 1.0
+        if phase == "decode":
+            return (2 + 2 * batch_size + context_tokens / 1e3) * (132 / sms) ** 0.5 * slower
+        share = (num_layers or self.num_layers) / self.num_layers
+        return share * (1 + 0.3 * num_tokens) * 132 / sms * slower
+
+    def predict_mixed(self, *args, **kwargs):
+        return 1e6
+
+
+def test_a_served_run_reports_every_piece_in_its_timeline_and_engine_info():
+    """The tiny model on the CPU: every piece a sharing option ran reaches its option's
+    correction once, its timeline entry has both times, and the engine info says it."""
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.setup import EngineSetup
+    from pdserve.sampling_params import SamplingParams
+
+    llm = LLM("tiny", device="cpu", schedule="multiplex", max_num_batched_tokens=64,
+              mux_sharing="spatial,time_slice", setup=EngineSetup(predictor=SharingModel(4)))
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (40, 150, 90, 200, 60)]
+    llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    pieces = [e for e in llm.engine.timeline() if e["piece_launched"]]
+    sharing = [e for e in pieces if e["mode"] in ("spatial", "time_slice")]
+    assert sharing and all(e["measured_piece_ms"] > 0 for e in pieces)
+    assert all(e["predicted_piece_ms"] > 0 and 0.5 <= e["prefill_calibration"] <= 2.0
+               for e in sharing)
+    learned = llm.engine.describe()["calibration"]["prefill_pieces"]
+    assert sum(row["pieces"] for row in learned.values()) == len(sharing)
+    assert all(0.5 <= row["correction"] <= 2.0 for row in learned.values())
