@@ -70,10 +70,12 @@ def walk_prompt(planner: MuxPlanner, prompt: int, decode: DecodeLoad) -> dict:
 
 
 def _plan_ms(plan) -> float:
-    """Time until the next decision: a spatial piece may outlast its decode step."""
+    """Time until the next decision: a spatial piece may outlast its decode step. A piece
+    takes its prediction times its option's prefill correction (a time-slice piece: the
+    whole cycle, as the engine measures it)."""
     if plan.mode == MuxMode.SPATIAL:
-        return max(plan.cycle_ms, plan.prefill.predicted_ms)
-    return plan.cycle_ms
+        return max(plan.cycle_ms, plan.prefill.predicted_ms * plan.prefill_calibration)
+    return plan.cycle_ms * plan.prefill_calibration
 
 
 def _advance(plan, done: int, in_flight: InFlightPrefill | None, num_layers: int):
@@ -93,10 +95,12 @@ def _advance(plan, done: int, in_flight: InFlightPrefill | None, num_layers: int
     return done, (None if in_flight.layers_done >= num_layers else in_flight)
 
 
-def planner_for(predictor, sharing: tuple[str, ...], itl_ms: float, correction: float
-                ) -> MuxPlanner:
+def planner_for(predictor, sharing: tuple[str, ...], itl_ms: float, correction: float,
+                prefill: dict[str, float] | None = None) -> MuxPlanner:
+    """``prefill``: each option's prefill correction, as serving would have learned it."""
     model = OnlineCalibration(predictor)
     model.mixed_correction = correction
+    model.prefill_corrections.update(prefill or {})
     config = MuxPlannerConfig(itl_slo_ms=itl_ms, max_prefill_tokens=24576,
                               **{name: name in sharing for name in MUX_SHARING})
     return MuxPlanner(model, SPLITS, config)
@@ -115,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-context", type=int, default=16000, help="per request")
     parser.add_argument("--itl-ms", default="40,60,80,100")
     parser.add_argument("--corrections", default="1.0,1.1,1.2,1.3,1.5")
+    parser.add_argument("--prefill-corrections", default="", type=_options,
+                        help="measured over predicted prefill pieces per option, e.g. "
+                             "spatial:16=1.2,time_slice=1.1 (default: none)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if bool(args.predictor) == bool(args.timeline):
@@ -127,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             _ints(args.decode_batches), _floats(args.itl_ms), _floats(args.corrections),
             sharing_sets()):
         decode = DecodeLoad(batch, batch * args.decode_context)
-        walked = walk_prompt(planner_for(predictor, sharing, itl, correction),
-                             args.prompt_tokens, decode)
+        walked = walk_prompt(planner_for(predictor, sharing, itl, correction,
+                                         args.prefill_corrections), args.prompt_tokens, decode)
         rows.append({"decode_batch": batch, "itl_ms": itl, "mixed_correction": correction,
                      "sharing": list(sharing), **walked})
     alone_ms = predictor.predict("prefill", args.prompt_tokens, 0, 1, predictor.total_sms)
@@ -136,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
               "git_revision": os.environ.get("PDSERVE_GIT_REVISION", "unknown"),
               "predictor": args.predictor, "gpu": predictor.gpu_name,
               "model": predictor.model_name, "prompt_tokens": args.prompt_tokens,
+              "prefill_corrections": args.prefill_corrections,
               "prefill_alone_tokens_per_s": 1e3 * args.prompt_tokens / alone_ms, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1))
     _print_table(rows)
@@ -165,6 +173,14 @@ def _print_table(rows: list[dict]) -> None:
         print(f"b{row['decode_batch']} itl {row['itl_ms']:.0f} c {row['mixed_correction']:.1f} "
               f"{'+'.join(row['sharing']):30s} {row['prefill_tokens_per_s']:7.0f} tok/s "
               f"cycle <= {row['max_cycle_ms']:5.1f} ms {row['decisions_by_mode']}")
+
+
+def _options(text: str) -> dict[str, float]:
+    """``option=factor,...`` (an empty string: none)."""
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(pair) != 2 for pair in pairs):
+        raise argparse.ArgumentTypeError(f"expected option=factor pairs, got {text!r}")
+    return {option: float(factor) for option, factor in pairs}
 
 
 def _ints(text: str) -> list[int]:
