@@ -314,7 +314,7 @@ class MuxPlanner:
         if feasible:  # max() keeps the first of equals: the incumbent, then _sharing's order
             chosen = max(feasible, key=lambda p: p.weighed_tokens_per_s)
             free = max(feasible, key=_delivered)
-            held = free.option != chosen.option and chosen.held_over is None
+            held = chosen.option == incumbent != free.option and chosen.held_over is None
             return replace(chosen, held_over=free.option) if held else chosen
         return min(self._fallbacks(decode, waiting, in_flight), key=lambda p: p.cycle_ms)
 
