@@ -162,7 +162,8 @@ def delivered(timeline: str, out: str) -> int:
     for option, row in result["prefill_delivery"].items():
         print(f"{option:14s} {row['batches']:3d} batches {row['seconds']:7.1f} s "
               f"{row['realized_tokens_per_s']:6d} tok/s realized, "
-              f"{row['committed_tokens_per_s']:6d} chosen by ({row['realized_over_committed']})")
+              f"{row['committed_tokens_per_s']:6d} chosen by ({row['realized_over_committed']}), "
+              f"{row['switches']} option switches inside batches")
     for option, row in result["piece_times"].items():
         print(f"{option:14s} pieces {row}")
     return 0

@@ -148,8 +148,11 @@ def _batch_summary(group: list[dict], following: float | None) -> dict:
     for entry in group:
         options[option_of(entry)] = options.get(option_of(entry), 0) + 1
     tokens, seconds = group[0]["prefill_tokens"], max(end - start, 1e-9)
+    sharing = [option_of(e) for e in group if e["mode"] in SHARING_MODES]
+    switches = sum(a != b for a, b in zip(sharing, sharing[1:], strict=False))
     return {"start": start, "seconds": seconds, "tokens": tokens, "options": options,
-            "option": _dominant(options), "realized_tokens_per_s": tokens / seconds,
+            "option": _dominant(options), "switches": switches,
+            "realized_tokens_per_s": tokens / seconds,
             "committed_tokens_per_s": group[0].get("committed_tokens_per_s", 0.0)}
 
 
@@ -190,7 +193,7 @@ def _mixed_summary(run: list[dict], end: float) -> dict:
     predicted_s = sum(e["prefill_tokens"] / e["committed_tokens_per_s"] for e in run
                       if e.get("committed_tokens_per_s", 0.0) > 0)
     return {"start": run[0]["time"], "seconds": seconds, "tokens": tokens,
-            "options": {"temporal": len(run)}, "option": "temporal",
+            "options": {"temporal": len(run)}, "option": "temporal", "switches": 0,
             "realized_tokens_per_s": tokens / seconds,
             "committed_tokens_per_s": tokens / predicted_s if predicted_s > 0 else 0.0}
 
@@ -203,6 +206,7 @@ def _delivery(batches: list[dict]) -> dict:
     realized = tokens / seconds
     committed = tokens / predicted_s if predicted_s > 0 else 0.0
     return {"batches": len(batches), "tokens": tokens, "seconds": round(seconds, 3),
+            "switches": sum(b["switches"] for b in batches),
             "realized_tokens_per_s": round(realized), "committed_tokens_per_s": round(committed),
             "realized_over_committed": round(realized / committed, 3) if committed else None}
 

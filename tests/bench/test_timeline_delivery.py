@@ -35,6 +35,7 @@ def test_a_batch_runs_from_its_first_decision_to_the_next_of_another_kind():
     assert batch["realized_tokens_per_s"] == pytest.approx(4800.0)
     assert batch["option"] == "spatial:16"  # prefill alone ran its last layers only
     assert batch["options"] == {"spatial:16": 9, "prefill_only": 1}
+    assert batch["switches"] == 0
     delivered = prefill_delivery(spatial_batch())["spatial:16"]
     assert delivered["realized_over_committed"] == pytest.approx(0.8)
 
@@ -71,6 +72,8 @@ def test_separate_batches_and_options_stay_apart():
     entries = spatial_batch() + [entry(12.0, "temporal", 512, committed=6000.0),
                                  entry(12.1, "decode_only")] + later
     assert [b["start"] for b in prefill_batches(entries)] == [10.0, 30.0]
+    later[3]["decode_sms"] = 24  # one decision beside 24 decode SMs: two switches
+    assert prefill_batches(later)[0]["switches"] == 2
     delivered = prefill_delivery(entries)
     assert delivered["spatial:16"]["batches"] == 2 and delivered["temporal"]["batches"] == 1
 
