@@ -33,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # runnable from a plain checkout
 
+from pdserve.bench.timeline import piece_times, prefill_delivery  # noqa: E402
 from pdserve.testing import start_serve  # noqa: E402
 
 SPLITS = "16,24,32,48,64"
@@ -118,8 +119,9 @@ def attainment(requests: list[dict], output_len: int) -> float:
 
 
 def summarise_timeline(entries: list[dict], since: float, itl_ms: float) -> dict:
-    """Wall time per mode (each decision lasts until the next), and per mode the measured
-    decode cycle over the ITL target and over the prediction (medians, p90)."""
+    """Wall time per mode (each decision lasts until the next), per mode the measured
+    decode cycle over the ITL target and over the prediction (medians, p90), and per
+    sharing option what prefill really got against the rate the planner chose it by."""
     entries = [e for e in entries if e["time"] >= since]
     seconds: dict[str, float] = {}
     for entry, following in zip(entries, entries[1:], strict=False):
@@ -144,7 +146,8 @@ def summarise_timeline(entries: list[dict], since: float, itl_ms: float) -> dict
                 cycles[mode]["device_over_predicted_p50"] = statistics.median(device)
     spatial = [e["decode_sms"] for e in entries if e["mode"] == "spatial"]
     return {"decisions": len(entries), "seconds_by_mode": seconds, "decode_cycle": cycles,
-            "spatial_decode_sms": {str(s): spatial.count(s) for s in sorted(set(spatial))}}
+            "spatial_decode_sms": {str(s): spatial.count(s) for s in sorted(set(spatial))},
+            "prefill_delivery": prefill_delivery(entries), "piece_times": piece_times(entries)}
 
 
 def profile(args, out: Path) -> str:

@@ -56,6 +56,7 @@ from pdserve.sched.mux_planner import (
     MuxPlanner,
     MuxPlannerConfig,
     OnlineCalibration,
+    piece_predicted_ms,
 )
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,17 @@ class TimelineEntry:
     prefill_context_tokens: int = 0
     # The prefill rate the planner chose this option by: over the work it commits to.
     committed_tokens_per_s: float = 0.0
+    # That rate as weighed: over what the option's pieces measured against their
+    # predictions (``prefill_calibration``), less a switch's cost for a challenger.
+    prefill_calibration: float = 1.0
+    weighed_tokens_per_s: float = 0.0
+    held_over: str = ""  # the option the switch margin kept this decision from ("": none)
+    # This decision launched a prefill piece: its predicted time from issue to completion
+    # (a time-slice piece queues behind its decode step: the whole cycle) and the host's
+    # measured one, filled in when the piece completes.
+    piece_launched: bool = False
+    predicted_piece_ms: float = 0.0
+    measured_piece_ms: float = 0.0
 
 
 @dataclass
@@ -105,6 +117,15 @@ class MixedNote:
 
     plan: MuxPlan
     as_planned: bool  # the step carried every prefill token the prediction was for
+
+
+@dataclass
+class PieceNote:
+    """Carried by a prefill piece: what it was predicted to take, by which option's plan."""
+
+    option: str | None  # ``MuxPlan.option``; None (prefill alone): timed, nothing learned
+    predicted_ms: float
+    entry: TimelineEntry | None = None
 
 
 @dataclass
@@ -130,6 +151,8 @@ class MultiplexScheduler(InFlightScheduler):
         self.piece_work: Work | None = None
         self.batch: PrefillProgress | None = None
         self.switch_pending = False
+        self.option: str | None = None  # the sharing option running (``MuxPlan.option``)
+        self.held_decisions = 0  # launching decisions the switch margin kept on ``option``
         self.time_slicing = False  # lanes alternate on the whole GPU's stream (TIME_SLICE)
         self._timeline: deque[TimelineEntry] = deque(maxlen=TIMELINE_LENGTH)
         log.info("multiplex: %r, predictor %s", partitions, type(predictor).__name__)
@@ -156,7 +179,17 @@ class MultiplexScheduler(InFlightScheduler):
     def describe(self) -> dict:
         sharing = sorted(mux_sharing_options(self.config.mux_sharing))
         return {"partitions": self.partitions.describe(), "predictor": self.predictor_source,
-                "sharing": sharing, "itl_slo_ms": self.config.itl_slo_ms}
+                "sharing": sharing, "itl_slo_ms": self.config.itl_slo_ms,
+                "calibration": self.describe_calibration()}
+
+    def describe_calibration(self) -> dict:
+        """How far serving has moved the profile, as of now: mixed steps, co-running decode
+        and each option's prefill pieces; and how often the switch margin held an option."""
+        return {"mixed_steps": round(self.model.mixed_correction, 4),
+                "co_running_decode": round(self.model.decode_correction, 4),
+                "prefill_pieces": self.model.describe_prefill(),
+                "switch_margin": self.planner.config.switch_margin,
+                "decisions_held_by_switch_margin": self.held_decisions}
 
     @property
     def decode_work(self) -> Work | None:
@@ -204,6 +237,7 @@ class MultiplexScheduler(InFlightScheduler):
         self.current = self.partitions.whole_gpu
         self.time_slicing = plan.mode == MuxMode.TIME_SLICE
         if plan.mode == MuxMode.TEMPORAL:
+            self.option = plan.option
             return self._schedule_mixed(works, plan, candidates)
         if plan.mode == MuxMode.DECODE_ONLY:
             self._add_decode(works, self.plan_decode())
@@ -213,6 +247,7 @@ class MultiplexScheduler(InFlightScheduler):
         elif plan.mode in (MuxMode.SPATIAL, MuxMode.TIME_SLICE):
             self._schedule_spatial(works, plan, candidates)
         if works:
+            self.option = plan.option if PREFILL_LANE in works else None
             self._note(plan)
 
     def _schedule_spatial(self, works, plan: MuxPlan, candidates) -> None:
@@ -335,7 +370,7 @@ class MultiplexScheduler(InFlightScheduler):
         in_flight = None
         if self.batch is not None:
             in_flight = self.in_flight_view(self.batch.plan, self.batch.layers_done)
-        return planner.plan(load, self.planner_view(candidates), in_flight)
+        return planner.plan(load, self.planner_view(candidates), in_flight, self.option)
 
     def _add_decode(self, works, plan: Plan) -> None:
         if not plan.decodes:
@@ -372,9 +407,10 @@ class MultiplexScheduler(InFlightScheduler):
         start = batch.layers_done
         end = min(self.num_layers, start + max(1, plan.prefill.num_layers))
         batch.layers_done = end
+        note = PieceNote(plan.option, piece_predicted_ms(plan))
         works[PREFILL_LANE] = self.piece_work = Work(
             batch.plan, self.current, "prefill", layers=(start, end),
-            final=end == self.num_layers, carry=batch.carry)
+            final=end == self.num_layers, carry=batch.carry, note=note)
 
     # ------------------------------------------------------------- completion
 
@@ -383,6 +419,7 @@ class MultiplexScheduler(InFlightScheduler):
             self._calibrate(work, output)
             return self.complete(work.plan, output, work.overlapped)
         self.piece_work = None
+        self._observe_piece(work.note, output)
         if work.final:
             self.batch = None
             return self.complete(work.plan, output)
@@ -404,6 +441,18 @@ class MultiplexScheduler(InFlightScheduler):
         elif entry is not None and entry.mode == MuxMode.SPATIAL and not entry.switch_pending:
             # Its prediction was for this very partition (a pending switch planned another).
             self.model.observe_decode(entry.predicted_decode_ms, measured)
+
+    def _observe_piece(self, note: object, output: StepOutput) -> None:
+        """A piece completed: the timeline gets its time, its option's calibration learns.
+
+        Timed on the host, from issue to the completion seen: no device clock runs around a
+        piece, and what the next piece waits for is the host seeing this one done."""
+        if not isinstance(note, PieceNote) or output.elapsed_ms is None:
+            return
+        if note.entry is not None:
+            note.entry.measured_piece_ms = output.elapsed_ms
+        if note.option is not None:
+            self.model.observe_prefill(note.option, note.predicted_ms, output.elapsed_ms)
 
     def _drop_aborted_batch(self) -> list:
         aborted = self.drop_if_aborted(self.batch.plan)
@@ -434,11 +483,18 @@ class MultiplexScheduler(InFlightScheduler):
             prefill_tokens, layers, plan.decode_ms, self.switch_pending, plan.cycle_ms,
             calibration=self._calibration_of(plan.mode),
             prefill_context_tokens=plan.prefill.context_tokens if plan.prefill else 0,
-            committed_tokens_per_s=plan.committed_tokens_per_s)
+            committed_tokens_per_s=plan.committed_tokens_per_s,
+            prefill_calibration=plan.prefill_calibration,
+            weighed_tokens_per_s=plan.weighed_tokens_per_s, held_over=plan.held_over or "")
         self._timeline.append(entry)
+        self.held_decisions += bool(plan.held_over)
         note = self.decode_work.note if self.decode_work is not None else None
         if isinstance(note, DecodeNote) and note.entry is None:
             note.entry = entry
+        piece = self.piece_work.note if self.piece_work is not None else None
+        if isinstance(piece, PieceNote) and piece.entry is None:
+            piece.entry = entry
+            entry.piece_launched, entry.predicted_piece_ms = True, piece.predicted_ms
 
     def _calibration_of(self, mode: MuxMode) -> float:
         if mode == MuxMode.TEMPORAL:

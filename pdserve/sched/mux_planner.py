@@ -36,6 +36,10 @@ SPATIAL, the mixed step in TEMPORAL, decode step + piece in TIME_SLICE):
      prompt tokens as the best batch another option would start: both end in one state.
    Judged by the next cycle alone, the planner took mixed steps that look fastest at a
    short prefix and so gave up the large batch a split runs at one rate throughout.
+   Each option's rate is divided by what serving measured of its prefill pieces against
+   their predictions (``OnlineCalibration.prefill_correction``, per option and per split;
+   mixed steps are corrected in their prediction already), so an option whose pieces run
+   slower than profiled stops being chosen for a rate it does not deliver.
    Ties go to TEMPORAL (one stream, no partition switch), then TIME_SLICE (no partition).
 3. If none is feasible, pick the shortest cycle among SPATIAL on the largest decode
    partition and DECODE_ONLY on the whole GPU (prefill waits a step).
@@ -43,6 +47,14 @@ SPATIAL, the mixed step in TEMPORAL, decode step + piece in TIME_SLICE):
    waited that long (or a batch is part-way through its layers), DECODE_ONLY is off the
    list and the smallest mixed step and the smallest time slice join it, so a load whose
    decode alone breaks the SLO slows decode down instead of starving new prompts.
+
+4. Hysteresis, given the option running now (``plan``'s ``incumbent``): a switch drains
+   both lanes first (``multiplex.py``), about one of the incumbent's cycles with prefill
+   idle, so a challenger's rate counts that time over the work it commits to and must then
+   beat the incumbent's by ``switch_margin``; the incumbent's split is weighed beside the
+   smallest one that fits, and a split smaller than the incumbent's must fit the budget
+   less ``switch_margin``. A plan kept this way names the option it was kept over
+   (``MuxPlan.held_over``).
 
 A prefill batch that is part-way through its layers (started in spatial pieces) must
 finish its layers before a mixed step can take new prompt tokens, so while one is in
@@ -104,6 +116,8 @@ class OnlineCalibration:
         self.num_layers, self.total_sms = model.num_layers, model.total_sms
         self.mixed_correction = 1.0
         self.decode_correction = 1.0  # co-running decode steps
+        self.prefill_corrections: dict[str, float] = {}  # by ``option_key``
+        self.prefill_pieces: dict[str, int] = {}
 
     def predict(self, phase: str, num_tokens: int, context_tokens: int, batch_size: int,
                 sms: int, co_running: bool = False, num_layers: int | None = None) -> float:
@@ -123,6 +137,31 @@ class OnlineCalibration:
     def observe_decode(self, predicted_ms: float, measured_ms: float) -> None:
         """A co-running decode step; ``predicted_ms``: what ``predict`` said for it."""
         self.decode_correction = self._moved(self.decode_correction, predicted_ms, measured_ms)
+
+    def prefill_correction(self, option: str | None) -> float:
+        """Measured over predicted time of ``option``'s prefill pieces (1.0: none seen)."""
+        return self.prefill_corrections.get(option, 1.0) if option is not None else 1.0
+
+    def observe_prefill(self, option: str, predicted_ms: float, measured_ms: float) -> None:
+        """A prefill piece of ``option`` (``option_key``) completed: it took ``measured_ms``
+        where the plan it was launched by said ``predicted_ms``.
+
+        The profile times a piece on its partition beside a decode step; serving runs it
+        beside other decode batches, with host gaps, eager launches and the lanes' hand-offs
+        in between, and nothing else checks the prefill side of a co-running option: on the
+        H200 the decode side of every option was predicted right while batches run in
+        pieces beside a 16-SM decode partition advanced prompts well below the rate the
+        planner chose them by. The planner divides an option's committed rate by this
+        correction. Every spatial split learns on its own (unlike co-running decode, whose
+        error the splits share): a split not run yet keeps its prediction."""
+        self.prefill_corrections[option] = self._moved(self.prefill_correction(option),
+                                                       predicted_ms, measured_ms)
+        self.prefill_pieces[option] = self.prefill_pieces.get(option, 0) + 1
+
+    def describe_prefill(self) -> dict[str, dict[str, float]]:
+        """Each option's prefill correction and the pieces it learned from."""
+        return {option: {"correction": round(factor, 4), "pieces": self.prefill_pieces[option]}
+                for option, factor in sorted(self.prefill_corrections.items())}
 
     def _moved(self, factor: float, predicted_ms: float, measured_ms: float) -> float:
         if predicted_ms <= 0 or measured_ms <= 0:
@@ -208,6 +247,19 @@ class MuxPlan:
     # what ``plan`` picks by; ``prefill_tokens_per_s`` is the rate of this one cycle. An
     # estimate, not part of what to launch, so plans that launch the same compare equal.
     committed_tokens_per_s: float = field(default=0.0, compare=False)
+    # What serving measured of this option's pieces against their predictions
+    # (``OnlineCalibration.prefill_correction``; 1.0 where nothing was learned) and the
+    # rate the plan was weighed by: the committed rate over that correction, less a
+    # switch's cost for a challenger (rule 4).
+    prefill_calibration: float = field(default=1.0, compare=False)
+    weighed_tokens_per_s: float = field(default=0.0, compare=False)
+    # The option rule 4 kept this plan over (the one the rates alone would pick), if any.
+    held_over: str | None = field(default=None, compare=False)
+
+    @property
+    def option(self) -> str | None:
+        """The sharing option this plan runs (``option_key``)."""
+        return option_key(self.mode, self.decode_sms)
 
 
 @dataclass(frozen=True)
@@ -224,6 +276,9 @@ class MuxPlannerConfig:
     time_slice: bool = False
     # Longest a waiting prompt is held back when no option meets the ITL SLO (rule 3).
     max_prefill_stall_ms: float = 2000.0
+    # Hysteresis (rule 4): how much more a challenger must deliver than the running option,
+    # and how far under the budget a smaller decode partition's step must be to be re-entered.
+    switch_margin: float = 0.03
 
     @property
     def budget_ms(self) -> float:
@@ -234,31 +289,44 @@ class MuxPlanner:
     """``partitions``: (decode SMs, prefill SMs) of each spatial split, any order."""
 
     def __init__(self, predictor: LatencyModel, partitions: Sequence[tuple[int, int]],
-                 config: MuxPlannerConfig, total_sms: int | None = None):
+                 config: MuxPlannerConfig, total_sms: int | None = None,
+                 calibration: OnlineCalibration | None = None):
         self.predictor = predictor
+        # Where each option's prefill correction comes from (rule 2): the predictor itself
+        # when it is an ``OnlineCalibration``; none (1.0 everywhere) otherwise.
+        if calibration is None and isinstance(predictor, OnlineCalibration):
+            calibration = predictor
+        self.calibration = calibration
         self.partitions = sorted(partitions)
         self.config = config
         self.total_sms = total_sms or predictor.total_sms
         self.num_layers = predictor.num_layers
 
     def plan(self, decode: DecodeLoad | None, waiting: Sequence[PrefillRequest] = (),
-             in_flight: InFlightPrefill | None = None) -> MuxPlan:
+             in_flight: InFlightPrefill | None = None, incumbent: str | None = None
+             ) -> MuxPlan:
+        """``incumbent``: the sharing option running now (``MuxPlan.option``), if any: a
+        challenger pays for the switch (rule 4)."""
         solo = self._solo(decode, waiting, in_flight)
         if solo is not None:
             return solo
-        feasible = self._weighed(decode, waiting, in_flight)
-        if feasible:  # max() keeps the first of equals: the order of _sharing is on purpose
-            return max(feasible, key=lambda p: p.committed_tokens_per_s)
+        feasible = self._weighed(decode, waiting, in_flight, incumbent)
+        if feasible:  # max() keeps the first of equals: the incumbent, then _sharing's order
+            chosen = max(feasible, key=lambda p: p.weighed_tokens_per_s)
+            free = max(feasible, key=_delivered)
+            held = chosen.option == incumbent != free.option and chosen.held_over is None
+            return replace(chosen, held_over=free.option) if held else chosen
         return min(self._fallbacks(decode, waiting, in_flight), key=lambda p: p.cycle_ms)
 
     def options(self, decode: DecodeLoad | None, waiting: Sequence[PrefillRequest] = (),
-                in_flight: InFlightPrefill | None = None) -> list[MuxPlan]:
+                in_flight: InFlightPrefill | None = None, incumbent: str | None = None
+                ) -> list[MuxPlan]:
         """Every plan ``plan`` weighs for this load: the feasible sharing options first,
         then what it falls back to when none is."""
         solo = self._solo(decode, waiting, in_flight)
         if solo is not None:
             return [solo]
-        weighed = self._weighed(decode, waiting, in_flight)
+        weighed = self._weighed(decode, waiting, in_flight, incumbent)
         for plan in self._fallbacks(decode, waiting, in_flight):
             weighed += [plan] if plan not in weighed else []
         return weighed
@@ -284,24 +352,55 @@ class MuxPlanner:
         return None
 
     def _sharing(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
-                 in_flight: InFlightPrefill | None) -> list[MuxPlan]:
+                 in_flight: InFlightPrefill | None, incumbent: str | None = None
+                 ) -> list[MuxPlan]:
         """The options that run both phases, in the order that breaks ties (rule 2)."""
         made = (self._temporal(decode, waiting, in_flight),
-                self._time_slice(decode, waiting, in_flight),
-                self._spatial(decode, waiting, in_flight))
-        return [p for p in made if p is not None]
+                self._time_slice(decode, waiting, in_flight))
+        spatial = self._spatial_options(decode, waiting, in_flight, incumbent)
+        return [p for p in made if p is not None] + spatial
 
     def _weighed(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
-                 in_flight: InFlightPrefill | None) -> list[MuxPlan]:
-        """The sharing options that meet the budget, each with its committed rate (rule 2):
-        a mixed step's over the prompt tokens of the best batch another option would start."""
-        feasible = [p for p in self._sharing(decode, waiting, in_flight) if p.meets_slo]
+                 in_flight: InFlightPrefill | None, incumbent: str | None = None
+                 ) -> list[MuxPlan]:
+        """The sharing options that meet the budget, each with the rate it is weighed by
+        (rules 2 and 4), the incumbent first: a mixed step's over the prompt tokens of the
+        best batch another option would start."""
+        feasible = [self._calibrated(p) for p in
+                    self._sharing(decode, waiting, in_flight, incumbent) if p.meets_slo]
         batches = [p for p in feasible if p.mode != MuxMode.TEMPORAL and p.prefill.chunks]
-        if not batches:
-            return feasible
-        work = max(batches, key=lambda p: p.committed_tokens_per_s).prefill.num_tokens
-        return [self._mixed_over(p, decode, waiting, work) if p.mode == MuxMode.TEMPORAL
-                else p for p in feasible]
+        work = max(batches, key=_delivered).prefill.num_tokens if batches else None
+        if work is not None:
+            feasible = [self._mixed_over(p, decode, waiting, work)
+                        if p.mode == MuxMode.TEMPORAL else p for p in feasible]
+        held = next((p for p in feasible if p.option == incumbent), None)
+        weighed = [self._challenging(p, held, work) for p in feasible]
+        return sorted(weighed, key=lambda p: p.option != incumbent)  # stable: rule 2's order
+
+    def _calibrated(self, plan: MuxPlan) -> MuxPlan:
+        if self.calibration is None:
+            return plan
+        return replace(plan, prefill_calibration=self.calibration.prefill_correction(plan.option))
+
+    def _challenging(self, plan: MuxPlan, held: MuxPlan | None, work: int | None) -> MuxPlan:
+        """Rule 4: a plan other than the running option ``held`` delivers its committed work
+        only after a switch (about one of ``held``'s cycles with prefill idle, while the
+        lanes drain), and must beat ``held`` by the switch margin."""
+        rate = _delivered(plan)
+        if held is None or plan is held:
+            return replace(plan, weighed_tokens_per_s=rate)
+        tokens = self._committed_work(plan, work)
+        if rate > 0 and tokens > 0:
+            rate = tokens / (tokens / rate + held.cycle_ms / 1e3)
+        return replace(plan, weighed_tokens_per_s=rate / (1 + self.config.switch_margin))
+
+    def _committed_work(self, plan: MuxPlan, work: int | None) -> float:
+        """Prompt tokens (a share of the layers counting pro rata) the plan's rate runs
+        over: a batch's layers left; mixed steps, the best batch's tokens (rule 2)."""
+        piece = plan.prefill
+        if plan.mode == MuxMode.TEMPORAL:
+            return work if work is not None else piece.num_tokens
+        return piece.num_tokens * (self.num_layers - piece.start_layer) / self.num_layers
 
     def _mixed_over(self, plan: MuxPlan, decode: DecodeLoad,
                     waiting: Sequence[PrefillRequest], work: int) -> MuxPlan:
@@ -371,15 +470,54 @@ class MuxPlanner:
 
     def _spatial(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
                  in_flight: InFlightPrefill | None) -> MuxPlan | None:
+        plans = self._spatial_options(decode, waiting, in_flight)
+        return plans[0] if plans else None
+
+    def _spatial_options(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
+                         in_flight: InFlightPrefill | None, incumbent: str | None = None
+                         ) -> list[MuxPlan]:
+        """SPATIAL on the smallest decode partition that fits, and on the incumbent's split
+        when that is another one and still fits (rule 4 weighs the two)."""
         if not (self.config.spatial and self.partitions):
-            return None
+            return []
+        held = self._split_of(incumbent)
+        smallest, free = self._smallest_fitting(decode, held), self._smallest_fitting(decode)
+        plans = [self._spatial_on(smallest, decode, waiting, in_flight)]
+        if free != smallest:  # the margin kept decode off a smaller split: say so
+            plans[0] = replace(plans[0], held_over=option_key(MuxMode.SPATIAL,
+                                                               self.partitions[free][0]))
+        if held is not None and held != smallest:
+            kept = self._spatial_on(held, decode, waiting, in_flight)
+            plans += [kept] if kept.meets_slo else []
+        return plans
+
+    def _split_of(self, option: str | None) -> int | None:
+        """Index into ``partitions`` of a spatial option's split (None: not spatial)."""
+        for i, (decode_sms, _) in enumerate(self.partitions):
+            if option == option_key(MuxMode.SPATIAL, decode_sms):
+                return i
+        return None
+
+    def _smallest_fitting(self, decode: DecodeLoad, held: int | None = None) -> int:
+        """The smallest decode partition whose co-running step fits the budget (the largest
+        when none does). Below the incumbent's split ``held`` a step must fit the budget
+        less the switch margin: on the H200 a 16-SM decode step predicted right at the
+        budget flipped the split 16 -> 24 -> 16 SMs every ~10 cycles, as its online
+        correction moved by a percent or two, each switch draining both lanes."""
+        budget = self.config.budget_ms
         step = lambda i: self._decode_ms(decode, self.partitions[i][0], co_running=True)
+        limit = lambda i: budget * (1 - self.config.switch_margin) if held is not None \
+            and i < held else budget
         lo, hi = 0, len(self.partitions) - 1
         while lo < hi:  # decode time falls as its SMs grow: bisect for the smallest that fits
             mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if step(mid) <= self.config.budget_ms else (mid + 1, hi)
-        decode_sms, prefill_sms = self.partitions[lo]
-        decode_ms = step(lo)
+            lo, hi = (lo, mid) if step(mid) <= limit(mid) else (mid + 1, hi)
+        return lo
+
+    def _spatial_on(self, index: int, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
+                    in_flight: InFlightPrefill | None) -> MuxPlan:
+        decode_sms, prefill_sms = self.partitions[index]
+        decode_ms = self._decode_ms(decode, decode_sms, co_running=True)
         fits = decode_ms <= self.config.budget_ms
         # A piece starts at a decode boundary, so it holds a whole number of decode steps.
         run_rate = lambda p: self._run_rate(p, prefill_sms, True,
@@ -574,6 +712,27 @@ class MuxPlanner:
             ms += cycle(self._prefill_ms(piece.num_tokens, piece.context_tokens,
                                          piece.batch_size, sms, co_running, rest))
         return 1e3 * piece.num_tokens * left / self.num_layers / ms if ms > 0 else 0.0
+
+
+def option_key(mode: MuxMode, decode_sms: int) -> str | None:
+    """The name a sharing option is calibrated and kept by: ``spatial:<decode SMs>`` (every
+    split its own), ``temporal``, ``time_slice``; None for the solo modes."""
+    if mode == MuxMode.SPATIAL:
+        return f"spatial:{decode_sms}"
+    return str(mode) if mode in (MuxMode.TEMPORAL, MuxMode.TIME_SLICE) else None
+
+
+def piece_predicted_ms(plan: MuxPlan) -> float:
+    """What a piece of ``plan`` should take from its issue to its completion: a time-slice
+    piece queues behind its decode step on the same stream, so its whole cycle."""
+    if plan.mode == MuxMode.TIME_SLICE:
+        return plan.cycle_ms
+    return plan.prefill.predicted_ms if plan.prefill is not None else 0.0
+
+
+def _delivered(plan: MuxPlan) -> float:
+    """The committed rate serving is expected to deliver: over the option's calibration."""
+    return plan.committed_tokens_per_s / plan.prefill_calibration
 
 
 def profile_groups(partitions: Sequence[tuple[int, int]], total_sms: int

@@ -8,9 +8,6 @@ took mixed steps and fell 12% below spatial alone."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from pdserve.sched.mux_planner import (
@@ -23,19 +20,14 @@ from pdserve.sched.mux_planner import (
     OnlineCalibration,
     PrefillRequest,
 )
-from pdserve.sched.predictor import LatencyPredictor
 
-ROWS = Path(__file__).parent.parent / "data" / "h200_codellama34b_profile_rows_6f90be1.json"
 SPLITS = [(16, 116), (24, 108), (32, 100), (48, 84), (64, 68)]
 ITL, DECODE, PROMPT = 80.0, DecodeLoad(2, 2 * 16000), 16000
 
 
 @pytest.fixture(scope="module")
-def h200() -> OnlineCalibration:
-    data = json.loads(ROWS.read_text())
-    fitted = LatencyPredictor.fit(data["rows"], gpu_name=data["gpu"], model_name=data["model"],
-                                  num_layers=data["num_layers"], total_sms=data["total_sms"])
-    model = OnlineCalibration(fitted)
+def h200(fitted_6f90be1) -> OnlineCalibration:
+    model = OnlineCalibration(fitted_6f90be1)
     model.mixed_correction = 1.3
     return model
 

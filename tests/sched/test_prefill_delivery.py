@@ -1,0 +1,256 @@
+"""The planner learns what each sharing option's prefill pieces really take (rule 2's
+correction) and holds the running option against small gains (rule 4's hysteresis).
+
+Planned with the latency model fitted on the committed H200 profile rows of the 6f90be1
+run (codellama-34b, 132 SMs) at an ITL target of 60 ms, beside one decoding request of
+16K tokens of context, with a 16K-token prompt waiting: the LooGLE-like load where the
+planner chose spatial batches their pieces did not deliver."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from pdserve.sched.base import StepOutput
+from pdserve.sched.multiplex import MultiplexScheduler, PieceNote, TimelineEntry
+from pdserve.sched.mux_planner import (
+    DecodeLoad,
+    InFlightPrefill,
+    MuxMode,
+    MuxPlanner,
+    MuxPlannerConfig,
+    OnlineCalibration,
+    PrefillRequest,
+    piece_predicted_ms,
+)
+from pdserve.sched.predictor import LatencyPredictor
+
+SPLITS = [(16, 116), (24, 108), (32, 100), (48, 84), (64, 68)]
+ITL, LAYERS = 60.0, 48
+DECODE, PROMPT = DecodeLoad(1, 16000), [PrefillRequest(16000)]
+
+
+@pytest.fixture(scope="module")
+def fitted(fitted_6f90be1) -> LatencyPredictor:
+    return fitted_6f90be1
+
+
+def planner(model, **options) -> MuxPlanner:
+    """Spatial against time slicing (mixed steps off: a batch in flight rules them out)."""
+    config = MuxPlannerConfig(itl_slo_ms=ITL, max_prefill_tokens=24576,
+                              **{"time_slice": True, "temporal": False, **options})
+    return MuxPlanner(model, SPLITS, config)
+
+
+def serve(plan_with: MuxPlanner, model: OnlineCalibration, slowdown: dict[str, float],
+          decisions: int = 40, decode: DecodeLoad = DECODE) -> list[str]:
+    """Plans ``decisions`` times, each piece taking ``slowdown[option]`` times its
+    prediction (a fake clock: measured = factor x predicted) and reported as the engine
+    reports a completed piece; returns the option chosen at each decision."""
+    chosen, running = [], None
+    for _ in range(decisions):
+        plan = plan_with.plan(decode, PROMPT, None, running)
+        predicted = piece_predicted_ms(plan)
+        model.observe_prefill(plan.option, predicted, slowdown.get(plan.option, 1.0) * predicted)
+        chosen.append(running := plan.option)
+    return chosen
+
+
+def test_spatial_pieces_slower_than_predicted_hand_the_prompt_to_time_slicing(fitted):
+    model = OnlineCalibration(fitted)
+    chosen = serve(planner(model), model, {"spatial:24": 1.3})
+    assert chosen[0] == "spatial:24"  # predicted: 6.5K tokens/s against time slicing's 5.6K
+    assert chosen[-10:] == ["time_slice"] * 10
+    assert model.prefill_correction("spatial:24") > 1.2
+    assert model.prefill_correction("time_slice") == pytest.approx(1.0)
+
+
+def test_spatial_pieces_that_run_as_predicted_keep_spatial(fitted):
+    model = OnlineCalibration(fitted)
+    chosen = serve(planner(model), model, {"spatial:24": 1.0, "time_slice": 1.0})
+    assert set(chosen) == {"spatial:24"}
+    assert model.prefill_correction("spatial:24") == pytest.approx(1.0)
+
+
+def test_each_split_learns_on_its_own(fitted):
+    model = OnlineCalibration(fitted)
+    for _ in range(10):
+        model.observe_prefill("spatial:24", 40.0, 50.0)
+    assert model.prefill_correction("spatial:24") > 1.2
+    assert model.prefill_correction("spatial:32") == model.prefill_correction(None) == 1.0
+    assert model.describe_prefill() == {
+        "spatial:24": {"correction": round(model.prefill_correction("spatial:24"), 4),
+                       "pieces": 10}}
+    # Co-running decode keeps its own correction, shared by the splits.
+    assert model.decode_correction == 1.0
+
+
+def test_one_piece_moves_a_correction_by_at_most_the_step_limit():
+    model = OnlineCalibration(SimpleNamespace(num_layers=LAYERS, total_sms=132))
+    model.observe_prefill("spatial:16", 50.0, 800.0)  # 16x: a cold kernel, a host stall
+    assert model.prefill_correction("spatial:16") == pytest.approx(1.25 ** 0.2)
+    model.observe_prefill("time_slice", 50.0, 50.0 / 16)
+    assert model.prefill_correction("time_slice") == pytest.approx(1.25 ** -0.2)
+    for predicted, measured in ((0.0, 50.0), (50.0, 0.0), (-1.0, 50.0)):
+        model.observe_prefill("spatial:24", predicted, measured)
+    assert model.prefill_correction("spatial:24") == 1.0  # nonsense moves nothing
+    for _ in range(200):
+        model.observe_prefill("spatial:16", 50.0, 500.0)
+    assert model.prefill_correction("spatial:16") == pytest.approx(2.0)  # bounded
+
+
+def test_without_online_learning_nothing_moves(fitted):
+    """A model with no online calibration (the bare predictor) plans as before."""
+    bare, calibrated = planner(fitted), planner(OnlineCalibration(fitted))
+    assert bare.plan(DECODE, PROMPT) == calibrated.plan(DECODE, PROMPT)
+    assert bare.plan(DECODE, PROMPT).prefill_calibration == 1.0
+
+
+def _slow_spatial(fitted, spatial_over_slice: float) -> OnlineCalibration:
+    """A model whose spatial:24 pieces are known to deliver ``spatial_over_slice`` of time
+    slicing's committed rate."""
+    model = OnlineCalibration(fitted)
+    rates = {p.option: p.committed_tokens_per_s for p in planner(model).options(DECODE, PROMPT)}
+    model.prefill_corrections["spatial:24"] = (
+        rates["spatial:24"] / (spatial_over_slice * rates["time_slice"]))
+    return model
+
+
+def test_the_running_option_is_kept_against_a_gain_within_the_switch_margin(fitted):
+    model = _slow_spatial(fitted, 0.99)
+    assert planner(model).plan(DECODE, PROMPT).option == "time_slice"  # nothing running
+    kept = planner(model).plan(DECODE, PROMPT, incumbent="spatial:24")
+    assert kept.option == "spatial:24" and kept.held_over == "time_slice"
+    assert planner(model, switch_margin=0.0).plan(DECODE, PROMPT, incumbent="spatial:24"
+                                                  ).option == "spatial:24"  # switch cost
+
+
+def test_a_clearly_better_option_takes_over_from_the_running_one(fitted):
+    model = _slow_spatial(fitted, 0.8)
+    plan = planner(model).plan(DECODE, PROMPT, incumbent="spatial:24")
+    assert plan.option == "time_slice" and plan.held_over is None
+
+
+def test_a_switch_is_not_worth_it_for_the_last_layers_of_a_batch(fitted):
+    """Time slicing 10% ahead: worth a switch for a whole batch, not for its last layers
+    (one cycle of idle prefill is more than 10% of what is left)."""
+    model = _slow_spatial(fitted, 0.9)
+    fresh = planner(model).plan(DECODE, PROMPT, incumbent="spatial:24")
+    assert fresh.option == "time_slice"
+    started = planner(fitted).plan(DECODE, PROMPT)  # the batch spatial:24 was running
+    assert started.option == "spatial:24"
+    flight = InFlightPrefill(started.prefill.num_tokens, 0, 1, LAYERS - 3)
+    last = planner(model).plan(DECODE, [], flight, incumbent="spatial:24")
+    assert last.option == "spatial:24" and last.held_over == "time_slice"
+
+
+def _decode_near_budget(fitted, sms: int, low: float, high: float) -> DecodeLoad:
+    """Two decoding requests with the context that puts their co-running step on ``sms``
+    decode SMs between ``low`` and ``high`` of the budget."""
+    budget = ITL * 0.9
+    for context in range(20000, 40000, 25):
+        ms = fitted.predict("decode", 2, context, 2, sms, True)
+        if low * budget < ms <= high * budget:
+            return DecodeLoad(2, context)
+    raise AssertionError("no such context")
+
+
+def test_a_smaller_split_is_re_entered_only_clear_of_the_budget(fitted):
+    """Running on 32 decode SMs, a 24-SM step within 3% of the budget (where a percent of
+    online correction flips it over) is not worth draining both lanes for."""
+    edge = _decode_near_budget(fitted, 24, 0.975, 1.0)
+    assert planner(fitted).plan(edge, PROMPT).option == "spatial:24"
+    held = planner(fitted).plan(edge, PROMPT, incumbent="spatial:32")
+    assert held.option == "spatial:32" and held.held_over == "spatial:24"
+    clear = _decode_near_budget(fitted, 24, 0.85, 0.9)
+    assert planner(fitted).plan(clear, PROMPT, incumbent="spatial:32").option == "spatial:24"
+
+
+def test_the_split_stops_flapping_as_the_decode_correction_jitters(fitted):
+    """The H200 run's pattern: a 24-SM step at the budget's edge, its co-running decode
+    correction moving by about a percent each cycle, the split flipped 24 <-> 32 (the
+    decode SMs the H200 run flipped between were 16 and 24) on every crossing."""
+    edge = _decode_near_budget(fitted, 24, 0.99, 1.0)
+
+    def switches(margin: float) -> int:
+        model = OnlineCalibration(fitted)
+        plan_with, running, count = planner(model, switch_margin=margin), None, 0
+        for cycle in range(60):
+            model.decode_correction = 1.015 if cycle % 10 < 5 else 0.99
+            option = plan_with.plan(edge, PROMPT, None, running).option
+            count += running is not None and option != running
+            running = option
+        return count
+
+    assert switches(0.0) >= 10
+    assert switches(0.03) <= 1
+
+
+def test_a_completed_piece_reaches_the_timeline_and_its_options_correction():
+    """What the multiplex policy does when the engine hands back a piece: the host's
+    time from issue to completion goes to the piece's timeline entry and to its option's
+    correction; a piece run with prefill alone is timed but teaches nothing."""
+    model = OnlineCalibration(SimpleNamespace(num_layers=LAYERS, total_sms=132))
+    policy = SimpleNamespace(model=model)
+    entry = TimelineEntry(0.0, "spatial", 24, 108, 1, 4544, 3, 43.8, False, 43.8,
+                          piece_launched=True, predicted_piece_ms=40.0)
+    MultiplexScheduler._observe_piece(policy, PieceNote("spatial:24", 40.0, entry),
+                                      StepOutput([], elapsed_ms=50.0))
+    assert entry.measured_piece_ms == 50.0
+    assert model.prefill_correction("spatial:24") == pytest.approx(1.25 ** 0.2)
+    alone = replace(entry, mode="prefill_only", measured_piece_ms=0.0)
+    MultiplexScheduler._observe_piece(policy, PieceNote(None, 40.0, alone),
+                                      StepOutput([], elapsed_ms=80.0))
+    assert alone.measured_piece_ms == 80.0 and list(model.prefill_corrections) == ["spatial:24"]
+
+
+def test_a_time_slice_piece_is_predicted_its_whole_cycle(fitted):
+    plan = planner(fitted, spatial=False).plan(DECODE, PROMPT)
+    assert plan.mode == MuxMode.TIME_SLICE
+    assert piece_predicted_ms(plan) == pytest.approx(plan.decode_ms + plan.prefill.predicted_ms)
+    spatial = planner(fitted, time_slice=False).plan(DECODE, PROMPT)
+    assert piece_predicted_ms(spatial) == spatial.prefill.predicted_ms < spatial.cycle_ms + 1
+
+
+class SharingModel:
+    """Latencies on a 132-SM GPU where decode and prefill share it in pieces (mixed steps
+    never fit), for the tiny model on the CPU."""
+
+    total_sms = 132
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+
+    def predict(self, phase, num_tokens, context_tokens, batch_size, sms, co_running=False,
+                num_layers=None):
+        slower = 1.2 if co_running and sms < self.total_sms else 1.0
+        if phase == "decode":
+            return (2 + 2 * batch_size + context_tokens / 1e3) * (132 / sms) ** 0.5 * slower
+        share = (num_layers or self.num_layers) / self.num_layers
+        return share * (1 + 0.3 * num_tokens) * 132 / sms * slower
+
+    def predict_mixed(self, *args, **kwargs):
+        return 1e6
+
+
+def test_a_served_run_reports_every_piece_in_its_timeline_and_engine_info():
+    """The tiny model on the CPU: every piece a sharing option ran reaches its option's
+    correction once, its timeline entry has both times, and the engine info says it."""
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.setup import EngineSetup
+    from pdserve.sampling_params import SamplingParams
+
+    llm = LLM("tiny", device="cpu", schedule="multiplex", max_num_batched_tokens=64,
+              mux_sharing="spatial,time_slice", setup=EngineSetup(predictor=SharingModel(4)))
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (40, 150, 90, 200, 60)]
+    llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    pieces = [e for e in llm.engine.timeline() if e["piece_launched"]]
+    sharing = [e for e in pieces if e["mode"] in ("spatial", "time_slice")]
+    assert sharing and all(e["measured_piece_ms"] > 0 for e in pieces)
+    assert all(e["predicted_piece_ms"] > 0 and 0.5 <= e["prefill_calibration"] <= 2.0
+               for e in sharing)
+    learned = llm.engine.describe()["calibration"]["prefill_pieces"]
+    assert sum(row["pieces"] for row in learned.values()) == len(sharing)
+    assert all(0.5 <= row["correction"] <= 2.0 for row in learned.values())
