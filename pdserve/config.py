@@ -124,7 +124,8 @@ class DeviceConfig:
                            "(RMSNorm, SiLU-and-mul and residual adds inside them, no split-K) "
                            "instead of cuBLAS GEMMs and separate small kernels; larger steps "
                            "keep cuBLAS. Needs a CUDA device with Triton and "
-                           "--tensor-parallel-size 1.", choices=("off", "on"))
+                           "--tensor-parallel-size 1. Experimental: slower than cuBLAS on the "
+                           "H200 (docs/architecture.md).", choices=("off", "on"))
     allow_emulated_partitions: bool = doc(
         False, "multiplex / disagg on a GPU whose green contexts cannot be made: run with "
         "nominal partitions on ordinary streams (no real SM split; for debugging only) "

@@ -44,7 +44,27 @@ class GemvConfig:
 
 # Measured configs by (N, K, row bucket); the row bucket is M rounded up to 1, 2, 4 or 8.
 # Empty until a GPU sweep (benchmarks/bench_gemv.py) fills it; misses use default_config.
-GEMV_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+# The fastest config of benchmarks/bench_gemv.py's sweep per codellama-34b shape on the H200
+# (benchmarks/results/gemv_h200_codellama34b_2c05d54.json); even these run at 0.42-1.00x of
+# cuBLAS, which is why the path is off by default.
+GEMV_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
+    (10240, 8192, 1): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3, use_dot=False),
+    (10240, 8192, 2): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3, use_dot=False),
+    (10240, 8192, 4): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3, use_dot=False),
+    (10240, 8192, 8): GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, use_dot=True),
+    (8192, 8192, 1): GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, use_dot=True),
+    (8192, 8192, 2): GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, use_dot=True),
+    (8192, 8192, 4): GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, use_dot=True),
+    (8192, 8192, 8): GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, use_dot=True),
+    (44032, 8192, 1): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3, use_dot=False),
+    (44032, 8192, 2): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3, use_dot=False),
+    (44032, 8192, 4): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3, use_dot=False),
+    (44032, 8192, 8): GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, use_dot=True),
+    (8192, 22016, 1): GemvConfig(block_n=8, block_k=1024, num_warps=8, num_stages=4, use_dot=False),
+    (8192, 22016, 2): GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, use_dot=False),
+    (8192, 22016, 4): GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3, use_dot=False),
+    (8192, 22016, 8): GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, use_dot=True),
+}
 
 
 def row_bucket(rows: int) -> int:

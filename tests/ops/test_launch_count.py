@@ -52,9 +52,9 @@ def test_interpreted_triton_launches_are_counted():
     assert dict(count.by_name) == {"triton::_rms_norm_kernel": 1}
 
 
-# Both paths: one rotary+KV-store kernel and split-KV decode attention (its splits merged
-# in the same launch).
-_ATTENTION = {"triton::_rope_store_kv_kernel": 1, "triton::_decode_split_kernel": 1}
+# Both paths: one rotary+KV-store kernel and split-KV decode attention (split + reduce).
+_ATTENTION = {"triton::_rope_store_kv_kernel": 1, "triton::_decode_split_kernel": 1,
+              "triton::_decode_reduce_kernel": 1}
 LAYER_LAUNCHES = {
     # Two norms (residual add fused in), QKV, o_proj, gate/up and down GEMMs, silu-and-mul.
     "triton": {"triton::_rms_norm_kernel": 2, "aten::linear": 4,
@@ -75,16 +75,16 @@ def test_decode_layer_launches(model, path):
 
 
 @interpreted
-def test_two_launch_decode_adds_the_reduce_kernel(monkeypatch):
-    """The earlier path, kept for A/B comparisons, merges the splits in a second launch."""
-    from pdserve.ops.triton_attention import TWO_LAUNCH_DECODE_ENV
+def test_one_launch_decode_drops_the_reduce_kernel(monkeypatch):
+    """The opt-in path merges the splits in the split kernel's own launch."""
+    from pdserve.ops.triton_attention import ONE_LAUNCH_DECODE_ENV
 
-    monkeypatch.setenv(TWO_LAUNCH_DECODE_ENV, "1")
+    monkeypatch.setenv(ONE_LAUNCH_DECODE_ENV, "1")
     script = _count_script()
     count = script.count_decode_layer(PRESETS["tiny"], 3, 40, "cpu", torch.float32, "triton")
     assert count.by_name["triton::_decode_split_kernel"] == 1
-    assert count.by_name["triton::_decode_reduce_kernel"] == 1
-    assert count.total == 10
+    assert "triton::_decode_reduce_kernel" not in count.by_name
+    assert count.total == 9
 
 
 @interpreted
