@@ -32,6 +32,7 @@ from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.cluster.config import RatioConfig  # noqa: E402
 from pdserve.cluster.gateway import DISPATCH  # noqa: E402
+from pdserve.sim import compiled  # noqa: E402
 from pdserve.sim.cluster import LatencyModel, Multiplexing  # noqa: E402
 from pdserve.sim.fleet import FleetSim, Lengths, plan_fleet  # noqa: E402
 
@@ -134,8 +135,9 @@ def main() -> int:
     config["latency_model"] = model.__dict__
     header = result_header(config)  # before the run: the revision that ran
     rows = [run_row(args, model, lengths, labels) for labels in configurations(args.compare)]
+    # Compiled or not (setup.py's PDSERVE_COMPILE_SIM=1): the same figures, other CPU seconds.
     result = {**header, "kind": "simulation", "num_instances": rows[0]["num_instances"],
-              "rows": rows}
+              "compiled": compiled(), "rows": rows}
     if args.out:
         write_json(result, args.out)
     return 0

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import sim_fleet  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.sim import compiled  # noqa: E402
 from pdserve.sim.fleet import FleetSim, Lengths  # noqa: E402
 
 # The window runs inside this C call, the only ffi_call of the run: callgrind counts there.
@@ -90,7 +91,8 @@ def run_window(args: argparse.Namespace) -> dict:
     _COUNTED(window)()
     if failure:
         raise failure[0]
-    return {"arrivals": fleet.arrived() - before, "num_instances": fleet.num_instances}
+    return {"arrivals": fleet.arrived() - before, "num_instances": fleet.num_instances,
+            "compiled": compiled()}
 
 
 def counted_instructions(callgrind_out: str) -> int:
