@@ -21,6 +21,7 @@ These are a model's predictions, not measurements.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -132,7 +133,7 @@ def main() -> int:
     model = latency_model(args)
     lengths = Lengths.from_trace(args.trace)
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    config["latency_model"] = model.__dict__
+    config["latency_model"] = dataclasses.asdict(model)  # (a compiled one has no __dict__)
     header = result_header(config)  # before the run: the revision that ran
     rows = [run_row(args, model, lengths, labels) for labels in configurations(args.compare)]
     # Compiled or not (setup.py's PDSERVE_COMPILE_SIM=1): the same figures, other CPU seconds.
