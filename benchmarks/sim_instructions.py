@@ -7,7 +7,9 @@ uninstrumented-for-counting up to ``--start-s``; the window up to ``--end-s`` ru
 ctypes callback, and callgrind counts only while ``ffi_call`` is on the stack
 (``--toggle-collect=ffi_call``), so setting up the fleet and the time before the window are
 not counted. The result divides the instructions by the requests that arrived in the
-window.
+window. A compiled simulator's C code (``PDSERVE_COMPILE_SIM=1``, docs/cluster.md) runs
+inside that call too and is counted with the rest; the result says which ran
+(``"compiled"``).
 
     python benchmarks/sim_instructions.py \\
         --trace benchmarks/data/mooncake_conversation_trace.jsonl \\
