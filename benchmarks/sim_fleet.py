@@ -21,6 +21,7 @@ These are a model's predictions, not measurements.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -32,6 +33,7 @@ from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.cluster.config import RatioConfig  # noqa: E402
 from pdserve.cluster.gateway import DISPATCH  # noqa: E402
+from pdserve.sim import compiled  # noqa: E402
 from pdserve.sim.cluster import LatencyModel, Multiplexing  # noqa: E402
 from pdserve.sim.fleet import FleetSim, Lengths, plan_fleet  # noqa: E402
 
@@ -131,11 +133,12 @@ def main() -> int:
     model = latency_model(args)
     lengths = Lengths.from_trace(args.trace)
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    config["latency_model"] = model.__dict__
+    config["latency_model"] = dataclasses.asdict(model)  # (a compiled one has no __dict__)
     header = result_header(config)  # before the run: the revision that ran
     rows = [run_row(args, model, lengths, labels) for labels in configurations(args.compare)]
+    # Compiled or not (setup.py's PDSERVE_COMPILE_SIM=1): the same figures, other CPU seconds.
     result = {**header, "kind": "simulation", "num_instances": rows[0]["num_instances"],
-              "rows": rows}
+              "compiled": compiled(), "rows": rows}
     if args.out:
         write_json(result, args.out)
     return 0

@@ -7,7 +7,9 @@ uninstrumented-for-counting up to ``--start-s``; the window up to ``--end-s`` ru
 ctypes callback, and callgrind counts only while ``ffi_call`` is on the stack
 (``--toggle-collect=ffi_call``), so setting up the fleet and the time before the window are
 not counted. The result divides the instructions by the requests that arrived in the
-window.
+window. A compiled simulator's C code (``PDSERVE_COMPILE_SIM=1``, docs/cluster.md) runs
+inside that call too and is counted with the rest; the result says which ran
+(``"compiled"``).
 
     python benchmarks/sim_instructions.py \\
         --trace benchmarks/data/mooncake_conversation_trace.jsonl \\
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import sim_fleet  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.sim import compiled  # noqa: E402
 from pdserve.sim.fleet import FleetSim, Lengths  # noqa: E402
 
 # The window runs inside this C call, the only ffi_call of the run: callgrind counts there.
@@ -90,7 +93,8 @@ def run_window(args: argparse.Namespace) -> dict:
     _COUNTED(window)()
     if failure:
         raise failure[0]
-    return {"arrivals": fleet.arrived() - before, "num_instances": fleet.num_instances}
+    return {"arrivals": fleet.arrived() - before, "num_instances": fleet.num_instances,
+            "compiled": compiled()}
 
 
 def counted_instructions(callgrind_out: str) -> int:

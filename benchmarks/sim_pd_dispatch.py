@@ -15,6 +15,7 @@ runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def main() -> int:
                                              link_gb_per_s=args.link_gb_per_s)
     rows = ratio_rows(args, model) if args.ratio else dispatch_rows(args, model)
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    config["latency_model"] = model.__dict__
+    config["latency_model"] = dataclasses.asdict(model)
     if args.ratio:
         config["ratio_config"] = RatioConfig().__dict__
     result = {**result_header(config), "kind": "simulation", "rows": rows}

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shlex
@@ -220,8 +221,8 @@ async def _measure_and_replay(name: str, session, url: str, args, rng, phases: d
     return {"service_points": {"prefill": prefill_points, "decode": decode_points},
             "service_spread": {"prefill": spread(prefill_ratios),
                                "decode_step": spread(decode_ratios)},
-            "latency_model": model.__dict__,
-            "interference": {**(factors.__dict__ if factors else {}), **mix},
+            "latency_model": dataclasses.asdict(model),
+            "interference": {**(dataclasses.asdict(factors) if factors else {}), **mix},
             "workload": workload,
             "host_load_average_1min": {"replay_start": load_before,
                                        "replay_end": os.getloadavg()[0]},

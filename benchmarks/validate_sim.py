@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shlex
@@ -219,7 +220,7 @@ async def run(args) -> dict:
     return {"service_points": {"prefill": prefill_points, "decode": decode_points},
             "service_spread": {"prefill": spread(prefill_ratios),
                                "decode_step": spread(decode_ratios)},
-            "latency_model": model.__dict__, "prefill_utilisation": prefill_busy,
+            "latency_model": dataclasses.asdict(model), "prefill_utilisation": prefill_busy,
             "host_load_average_1min": load_average,  # other work on the cores skews both
             "compare": compare(measured, simulated)}
 

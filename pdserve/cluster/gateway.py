@@ -32,7 +32,7 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -451,7 +451,7 @@ class Gateway:
                 for s in self.registry.scenarios() for role in ("prefill", "decode")}
 
 
-def order_prefill(candidates: list[Instance], dispatch: str, load: Counter[str],
+def order_prefill(candidates: list[Instance], dispatch: str, load: Mapping[str, int],
                   turn: int) -> list[Instance]:
     """The order in which a request is offered to prefill instances: in turn for
     round-robin, else fewest prefills in flight from this gateway first."""

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -68,7 +68,7 @@ class LatencyModel:
 
     @classmethod
     def from_engine_results(cls, path: str, kv_bytes_per_token: int,
-                            **options: float) -> LatencyModel:
+                            **options: Any) -> LatencyModel:
         """Least-squares fit to a ``bench_engine.py`` result's prefill and decode points."""
         with open(path) as f:
             measured = json.load(f)["models"][0]
@@ -78,28 +78,29 @@ class LatencyModel:
 
     @classmethod
     def fit(cls, prefill: list[dict], decode: list[dict], kv_bytes_per_token: int,
-            **options: float) -> LatencyModel:
+            **options: Any) -> LatencyModel:
         """Least squares, no coefficient negative, over measured points: prefill
         ``{"tokens", "seconds"}``, decode ``{"batch", "context", "step_ms"}`` (``context``
         per request)."""
         a = np.array([[1.0, p["tokens"], p["tokens"] ** 2] for p in prefill])
         base, per_token, per_token_sq = _fit_nonnegative(a, [p["seconds"] for p in prefill])
         a = np.array([[1.0, d["batch"], d["batch"] * d["context"]] for d in decode])
-        decode_fit = _fit_nonnegative(a, [d["step_ms"] / 1e3 for d in decode])
-        return cls(per_token, per_token_sq, *decode_fit, kv_bytes_per_token=kv_bytes_per_token,
-                   prefill_base_s=base, **options)
+        step_base, per_request, per_kv_token = _fit_nonnegative(
+            a, [d["step_ms"] / 1e3 for d in decode])
+        return cls(per_token, per_token_sq, step_base, per_request, per_kv_token,
+                   kv_bytes_per_token=kv_bytes_per_token, prefill_base_s=base, **options)
 
 
 def _fit_nonnegative(a: np.ndarray, b: list[float]) -> list[float]:
     """Least squares; a coefficient that comes out negative (noise: no cost shrinks as the
     work grows) is fixed at zero and the rest refitted."""
-    free, coefficients = list(range(a.shape[1])), []
+    free, coefficients = list(range(a.shape[1])), np.zeros(0)
     while free:
         coefficients = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
         if (coefficients >= 0).all():
             break
         free = [f for f, c in zip(free, coefficients, strict=True) if c >= 0]
-        coefficients = []  # every coefficient negative: nothing is left to fit
+        coefficients = np.zeros(0)  # every coefficient negative: nothing is left to fit
     result = [0.0] * a.shape[1]
     for f, c in zip(free, coefficients, strict=True):
         result[f] = float(c)
@@ -139,10 +140,13 @@ class ServiceNoise:
     of its own point (prefill: one prompt length; decode: one batch and context). A prompt
     takes the model's time times a ratio drawn at random. Step ``n`` of a decode
     instance's busy period takes the model's step times the ``n``-th of a sequence of
-    ratios drawn once; their running sums keep ``DecodeSim``'s jumps exact."""
+    ratios drawn once; their running sums keep ``DecodeSim``'s jumps exact. With
+    ``first_step`` set, every busy period starts there in the sequence (a reference run
+    can then replay its steps)."""
 
     def __init__(self, prefill_ratios: list[float], decode_ratios: list[float],
-                 seed: int = 0, steps: int = 1 << 20) -> None:
+                 seed: int = 0, steps: int = 1 << 20, first_step: int | None = None) -> None:
+        self._first_step = first_step
         self._rng = np.random.default_rng(seed)
         self._prefill = np.asarray(prefill_ratios, dtype=float)
         factors = self._rng.choice(np.asarray(decode_ratios, dtype=float), steps)
@@ -154,6 +158,8 @@ class ServiceNoise:
 
     def start(self) -> int:
         """Where a busy period starts in the drawn sequence: anywhere in its first half."""
+        if self._first_step is not None:
+            return self._first_step
         return int(self._rng.integers(0, (len(self._sum) - 1) // 2))
 
     def span(self, first: int, end: int) -> tuple[float, float]:
@@ -197,7 +203,7 @@ class EventLoop:
         self._times: list[float] = []  # heap of the times actions are due at, each once
         self._due: dict[float, list] = {}  # time -> [action, argument, action, ...]
         self._feed_at = math.inf
-        self._feed: Callable[[], float] | None = None
+        self._feed: Callable[[], float] = _dry  # runs only at _feed_at: never while dry
 
     def at(self, when: float, action: Callable[..., None], arg: object = None) -> None:
         due = self._due.get(when)
@@ -261,6 +267,11 @@ class EventLoop:
                     action(arg)
 
 
+def _dry() -> float:
+    """A source with no events (``EventLoop``'s feed until one is given)."""
+    return math.inf
+
+
 class LoadOrder(Generic[T]):
     """One gateway's instances of one role in a group, in its order - fewest in flight from
     that gateway first, ties by name: the order ``order_prefill`` offers prefills in, and
@@ -313,7 +324,8 @@ class LoadOrder(Generic[T]):
         low = self._low if levels[self._low] else self._lowest()
         return map(self._items.__getitem__, itertools.chain.from_iterable(levels[low:]))
 
-    __iter__ = in_order
+    def __iter__(self) -> Iterator[T]:
+        return self.in_order()
 
     def first(self) -> T:
         levels = self._levels
@@ -404,10 +416,12 @@ class PrefillSim:
                    + m.prefill_per_token_sq_s * (tokens * tokens))  # (** is a slower C call)
         if self.noise is not None:
             service *= self.noise.prefill_factor()
-        if self.partner is not None:
-            if self.partner.running:
+        partner = self.partner
+        if partner is not None:
+            if partner.running:
+                assert self.multiplexing is not None  # set with the partner (GroupSim._pair)
                 service *= self.multiplexing.prefill_slowdown
-            self.partner.resync()
+            partner.resync()
         self.loop.at(self.loop.now + service, self._finish, job)
 
     def _finish(self, job: tuple[SimRequest, float]) -> None:
@@ -528,8 +542,11 @@ class DecodeSim:
 
     def _begin_stretch(self, step: int) -> None:
         self._step, self._since = step, self.loop.now
-        beside = self.partner is not None and self.partner.busy
-        self._slowdown = self.multiplexing.decode_slowdown if beside else 1.0
+        multiplexing = self.multiplexing  # set with the partner (GroupSim._pair)
+        if self.partner is not None and self.partner.busy and multiplexing is not None:
+            self._slowdown = multiplexing.decode_slowdown
+        else:
+            self._slowdown = 1.0
 
     def resync(self) -> None:
         """The prefill side beside it started or ended a prompt: a new stretch at the next
@@ -664,8 +681,10 @@ class GroupSim:
         self.decode = {n: DecodeSim(n, self.loop, self.model, self._finished) for n in names}
         self.roles = {n: "prefill" if i < self.num_prefill else "decode"
                       for i, n in enumerate(names)}
-        for sim in (*self.prefill.values(), *self.decode.values()):
-            sim.noise = self.noise
+        for prefill in self.prefill.values():
+            prefill.noise = self.noise
+        for decode in self.decode.values():
+            decode.noise = self.noise
         if self.multiplexing is not None:
             self._pair(names)
         for gateway in self.gateways:
@@ -725,11 +744,15 @@ class GroupSim:
         """``gateway``'s decode order; its ``shift`` counts an answer placed or ended."""
         return self._decode_orders.get(gateway) or self._new_order(gateway, "decode")
 
-    def _new_order(self, gateway: GatewaySim, role: str) -> LoadOrder:
+    def _new_order(self, gateway: GatewaySim, role: str) -> LoadOrder[Any]:
         """``gateway``'s order of ``role``'s active instances, kept until the roles change."""
-        counts, orders, items = ((gateway.load, self._orders, self.prefill) if role == "prefill"
-                                 else (gateway.decode_load, self._decode_orders, self.decode))
-        order = orders[gateway] = LoadOrder(counts, self.active(role), items)
+        order: LoadOrder[Any]
+        if role == "prefill":
+            order = self._orders[gateway] = LoadOrder(gateway.load, self.active(role),
+                                                      self.prefill)
+        else:
+            order = self._decode_orders[gateway] = LoadOrder(gateway.decode_load,
+                                                             self.active(role), self.decode)
         return order
 
     def _offer_order(self, gateway: GatewaySim, order: LoadOrder) -> Iterator[PrefillSim]:
@@ -750,13 +773,16 @@ class GroupSim:
     def arrive(self, request: SimRequest) -> None:
         self.open += 1
         self.window.arrived += 1  # ScenarioWindow.request_arrived
-        if self._lines[request.gateway].live:  # a newcomer queues behind those waiting
+        gateway = request.gateway
+        assert gateway is not None  # set before it arrives (GroupSim.run, FleetSim)
+        if self._lines[gateway].live:  # a newcomer queues behind those waiting
             self._wait(request, first=False)
         else:
             self._try(request)
 
     def _try(self, request: SimRequest) -> None:
         gateway = request.gateway
+        assert gateway is not None
         gateway.turn += 1
         first_round = request.offers == 0
         budget = None
@@ -784,18 +810,23 @@ class GroupSim:
         self._wait(request, first=True)
 
     def _wait(self, request: SimRequest, first: bool) -> None:
-        self._lines[request.gateway].put(request, first)
+        gateway = request.gateway
+        assert gateway is not None
+        self._lines[gateway].put(request, first)
         self.loop.at(self.loop.now + self.retry_poll_s, self._poll,
                      (request, request.wait_token))
 
     def _poll(self, entry: tuple[SimRequest, int]) -> None:
         request, token = entry
-        if self._lines[request.gateway].take(request, token):
+        gateway = request.gateway
+        assert gateway is not None
+        if self._lines[gateway].take(request, token):
             self._try(request)
 
     def _prefilled(self, prefill: PrefillSim, request: SimRequest) -> None:
         name = prefill.name
         gateway = request.gateway
+        assert gateway is not None
         (self._orders.get(gateway) or self._order(gateway)).shift(name, -1)
         self.window.prefilled += 1  # ScenarioWindow.prefill_ended
         order = self._decode_orders.get(gateway) or self._decode_order(gateway)
@@ -820,13 +851,15 @@ class GroupSim:
 
     def _finished(self, decode: DecodeSim, request: SimRequest) -> None:
         gateway = request.gateway
+        assert gateway is not None
         (self._decode_orders.get(gateway) or self._decode_order(gateway)).shift(decode.name, -1)
         window = self.window
         window.answered += 1  # ScenarioWindow.answer_ended
-        arrival = request.arrival
+        arrival, first_token, finished = request.arrival, request.first_token, request.finished
+        assert first_token is not None and finished is not None  # it was answered
         if arrival >= window.opened:  # ScenarioWindow.latencies, in place
-            window.ttft_s.append(request.first_token - arrival)
-            window.e2e_s.append(request.finished - arrival)
+            window.ttft_s.append(first_token - arrival)
+            window.e2e_s.append(finished - arrival)
         self.open -= 1  # _ended
         if self.ended is not None:
             self.ended.append(request)
@@ -841,20 +874,22 @@ class GroupSim:
     # ---- dynamic P/D ratio ----
 
     def _tick(self) -> None:
+        ratio = self.ratio
+        assert ratio is not None  # ticks only with a ratio (start)
         if self.open <= 0 and self.loop.now >= self.until:
             return
         self.loop.at(self.loop.now + self.ratio_interval_s, self._tick)
-        if self.draining or self.loop.now - self._last_move < self.ratio.cooldown_s:
+        if self.draining or self.loop.now - self._last_move < ratio.cooldown_s:
             return
         num_decode = len(self.active("decode"))
-        floor = decode_floor(self._decode_short_at, self.loop.now, self.ratio)
-        role = judge(self.window, len(self.active("prefill")), num_decode, self.ratio,
+        floor = decode_floor(self._decode_short_at, self.loop.now, ratio)
+        role = judge(self.window, len(self.active("prefill")), num_decode, ratio,
                      self.loop.now, floor)
         if role == "decode":
             self._decode_short_at = (num_decode, self.loop.now)
         if role is not None:
             self._move(role)
-        elif self.loop.now - self.window.opened >= self.ratio.window_s:
+        elif self.loop.now - self.window.opened >= ratio.window_s:
             self.window.clear(self.loop.now)  # as RatioController._decide does
 
     def _move(self, role: str) -> None:
@@ -889,9 +924,10 @@ class GroupSim:
 
 
 def summarize(requests: list[SimRequest], ttft_slo_s: float) -> dict:
-    served = [r for r in requests if not r.unserved and r.first_token is not None]
-    ttft = np.array([r.first_token - r.arrival for r in served]) if served else np.zeros(1)
-    met = sum(1 for r in served if r.first_token - r.arrival <= ttft_slo_s)
+    served = [r.first_token - r.arrival for r in requests
+              if not r.unserved and r.first_token is not None]  # their TTFTs
+    ttft = np.array(served) if served else np.zeros(1)
+    met = len([t for t in served if t <= ttft_slo_s])
     return {"requests": len(requests), "served": len(served),
             "success_rate": len(served) / len(requests),
             "slo_attainment": met / len(requests),

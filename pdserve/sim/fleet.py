@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -221,9 +222,10 @@ class FleetSim:
         self.gateways = [GatewaySim(f"g{i}") for i in range(num_gateways)]
         self.tally = Tally(len(plan.scenarios), ttft_slo_s)
         self.rng = np.random.default_rng(seed)
-        options = dict(dispatch=dispatch, ttft_slo_s=ttft_slo_s, max_wait_s=max_wait_s,
-                       ratio=ratio, loop=self.loop, gateways=self.gateways,
-                       ended=self.tally.ended, multiplexing=multiplexing)
+        options: dict[str, Any] = dict(
+            dispatch=dispatch, ttft_slo_s=ttft_slo_s, max_wait_s=max_wait_s, ratio=ratio,
+            loop=self.loop, gateways=self.gateways, ended=self.tally.ended,
+            multiplexing=multiplexing)
         if pooled:
             pool = GroupSim(model, sum(s.num_prefill for s in plan.scenarios),
                             sum(s.num_decode for s in plan.scenarios), name="pool", **options)
@@ -271,17 +273,20 @@ class FleetSim:
     def _draw(self, start: float) -> None:
         """Arrivals of every scenario in [start, start + CHUNK_S), in time order."""
         end = min(start + CHUNK_S, self._duration)
-        times, scenarios, inputs, outputs = [], [], [], []
+        pieces: list[np.ndarray] = []
+        scenarios, inputs, outputs = [], [], []
         for index, scenario in enumerate(self.plan.scenarios):
             t = self._poisson(scenario, start, end)
             ins, outs = self.lengths.draw(self.rng, len(t), scenario, self.model.decode_kv_tokens)
-            times.append(t), inputs.append(ins), outputs.append(outs)
+            pieces.append(t)
+            inputs.append(ins)
+            outputs.append(outs)
             scenarios.append(np.full(len(t), index))
-        times = np.concatenate(times)
+        times = np.concatenate(pieces)
         order = np.argsort(times, kind="stable")
         gateways = self.rng.integers(0, len(self.gateways), len(times))
-        columns = [times, np.concatenate(scenarios), np.concatenate(inputs),
-                   np.concatenate(outputs)]
+        columns: list[np.ndarray] = [times, np.concatenate(scenarios), np.concatenate(inputs),
+                                     np.concatenate(outputs)]
         self._pending = list(zip(*(c[order].tolist() for c in columns), gateways.tolist(),
                                  strict=True))
         self._next = 0

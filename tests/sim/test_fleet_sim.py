@@ -75,8 +75,8 @@ def test_decode_jumps_land_where_stepping_one_step_at_a_time_does(max_batch):
 def test_noisy_decode_jumps_match_noisy_steps(max_batch):
     """Measured step ratios (one in ten steps a 4x stall): the jumps still land where a
     step-by-step run with the same ratio per step does, busy periods included."""
-    noise = ServiceNoise([1.0], [1.0] * 9 + [4.0], seed=5, steps=1 << 16)
-    noise.start = lambda: 7  # every busy period at the same place: the reference's
+    # Every busy period at the same place: the reference's.
+    noise = ServiceNoise([1.0], [1.0] * 9 + [4.0], seed=5, steps=1 << 16, first_step=7)
     requests = _random_requests(4, gaps_s=30.0)  # idle gaps: several busy periods
     _decode_alone(requests, max_batch, noise)
     ratios = np.diff(noise._sum)
