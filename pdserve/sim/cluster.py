@@ -113,10 +113,42 @@ class Multiplexing:
     a prompt prefills beside it, and a prompt ``prefill_slowdown`` times as long while a
     batch decodes beside it. Each side's factor is fixed when its stretch of work starts: a
     prompt's for the whole prompt, decode's until its batch next changes or the prefill side
-    starts or ends a prompt (the decode side is then resynced at its next step)."""
+    starts or ends a prompt (the decode side is then resynced at its next step).
+
+    With ``cycle_s`` set (the measured decode step while a prompt prefills beside it: the
+    planner sizes prefill pieces so that a decode token comes once per cycle of about its
+    ITL budget), the factors follow the decode batch instead of staying fixed: beside a
+    prompt a decode step lasts the cycle (or its own time, if longer), and the prompt gets
+    the rest of each cycle, ``1 - decode step / cycle`` of the GPU, so its prefill takes
+    ``cycle / (cycle - decode step)`` times its time alone. ``decode_slowdown`` and
+    ``prefill_slowdown`` then only record the probe's measured factors."""
 
     decode_slowdown: float
     prefill_slowdown: float
+    cycle_s: float | None = None
+
+    def check_cycle(self, model: LatencyModel, max_batch: int = 256) -> None:
+        """The cycle model needs room for prefill in every cycle: the longest decode step
+        the KV pool allows must be shorter than the cycle."""
+        longest = model.decode_step_s(max_batch, model.decode_kv_tokens)
+        if self.cycle_s is not None and longest >= self.cycle_s:
+            raise ValueError(f"a full KV pool's decode step ({longest * 1e3:.1f} ms) leaves "
+                             f"no prefill in a {self.cycle_s * 1e3:.1f} ms cycle")
+
+    def prefill_factor(self, decode_step_s: float) -> float:
+        """How much longer a prompt takes beside a decode batch whose step alone lasts
+        ``decode_step_s``."""
+        if self.cycle_s is None:
+            return self.prefill_slowdown
+        return self.cycle_s / (self.cycle_s - decode_step_s)
+
+    def decode_stretch(self, a: float, b: float) -> tuple[float, float]:
+        """Step ``k`` of a stretch beside a prompt, from its time alone ``a + b*k``."""
+        if self.cycle_s is None:
+            return a * self.decode_slowdown, b * self.decode_slowdown
+        if a >= self.cycle_s:
+            return a, b
+        return self.cycle_s, 0.0
 
     @classmethod
     def from_multiplex_results(cls, path: str, model: LatencyModel,
@@ -406,7 +438,7 @@ class PrefillSim:
             service *= self.noise.prefill_factor()
         if self.partner is not None:
             if self.partner.running:
-                service *= self.multiplexing.prefill_slowdown
+                service *= self.multiplexing.prefill_factor(self.partner.step_alone_s())
             self.partner.resync()
         self.loop.at(self.loop.now + service, self._finish, job)
 
@@ -451,7 +483,7 @@ class DecodeSim:
         self._version = 0  # a sync scheduled before the latest change is stale
         self.partner: PrefillSim | None = None  # the prefill side of a multiplexing instance
         self.multiplexing: Multiplexing | None = None
-        self._slowdown = 1.0  # of the current stretch
+        self._beside = False  # the current stretch runs beside a prompt's prefill
         self._a = self._b = 0.0  # step k of the current stretch takes _a + _b*k seconds
         self.noise: ServiceNoise | None = None
         self._noise_at = 0  # the busy period's step 0 in the noise's drawn sequence
@@ -523,13 +555,20 @@ class DecodeSim:
         m, batch = self.model, len(running)
         context = self._context_base + batch * self._step
         self._a = (m.decode_base_s + m.decode_per_request_s * batch
-                   + m.decode_per_kv_token_s * context) * self._slowdown
-        self._b = m.decode_per_kv_token_s * batch * self._slowdown
+                   + m.decode_per_kv_token_s * context)
+        self._b = m.decode_per_kv_token_s * batch
+        if self._beside:
+            self._a, self._b = self.multiplexing.decode_stretch(self._a, self._b)
 
     def _begin_stretch(self, step: int) -> None:
         self._step, self._since = step, self.loop.now
-        beside = self.partner is not None and self.partner.busy
-        self._slowdown = self.multiplexing.decode_slowdown if beside else 1.0
+        self._beside = self.partner is not None and self.partner.busy
+
+    def step_alone_s(self) -> float:
+        """The current step's time with nothing beside it."""
+        m, batch = self.model, len(self.running)
+        return (m.decode_base_s + m.decode_per_request_s * batch
+                + m.decode_per_kv_token_s * (self._context_base + batch * self._step))
 
     def resync(self) -> None:
         """The prefill side beside it started or ended a prompt: a new stretch at the next
@@ -685,6 +724,7 @@ class GroupSim:
 
     def _pair(self, names: list[str]) -> None:
         """Each instance offers prefills and decodes what it prefilled, on one GPU."""
+        self.multiplexing.check_cycle(self.model)
         for name in names:
             prefill, decode = self.prefill[name], self.decode[name]
             prefill.partner, decode.partner = decode, prefill
