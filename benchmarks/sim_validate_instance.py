@@ -1,9 +1,11 @@
 """Validation: the simulator's models of one instance that prefills and decodes against
 a real ``pdserve serve`` instance per schedule, replaying a window of the Mooncake
 conversation trace. Chunked prefill: ``ChunkedInstanceSim``, the scheduler's steps (a
-token budget of 512 shared by the decode batch and prompt pieces). PD-multiplexing: a
-``GroupSim`` of one multiplexing instance (prompts first come first served, a decode
-batch beside them, each side slowed by a measured factor while the other works).
+token budget of 512 shared by the decode batch and prompt pieces, a mixed step reading the
+weights once: ``mixed_step_s``). PD-multiplexing: a ``GroupSim`` of one multiplexing
+instance (prompts first come first served, a decode batch beside them; beside a prompt a
+decode step lasts the measured cycle, and the prompt gets what the decode step leaves of
+each cycle: ``Multiplexing.cycle_s``).
 
 For each schedule (``--schedules``: chunked prefill with 512-token steps, PD-multiplexing):
 
@@ -12,7 +14,8 @@ For each schedule (``--schedules``: chunked prefill with 512-token steps, PD-mul
    decode steps of streamed batches, and for multiplexing how the two sides slow each
    other (decode steps while one ``--mix-prompt``-token prompt prefills beside
    ``--mix-batch`` decodes, over the steps before it; that prompt's latency over the
-   fitted prefill of it alone);
+   fitted prefill of it alone; for chunked prefill the same probe, beside what
+   ``mixed_step_s`` predicts for it: ``predicted_step_ms_during``, ``predicted_prompt_s``);
 3. replay the window: trace rows with timestamps in ``[--window-start-s, + --window-s)``,
    lengths times ``--input-scale`` / ``--output-scale`` (clipped), every k-th row kept and
    arrivals compressed so that the replay lasts ``--replay-s`` with the fitted prefill
@@ -30,6 +33,13 @@ replays)::
     PYTHONPATH=$PWD python benchmarks/sim_validate_instance.py --out /tmp/validation
 
 ``--smoke`` runs the same steps with the tiny model on CPU in about two minutes.
+
+``--resimulate FILE.json`` re-runs a recorded validation's simulations offline with the
+models of now (``--models-as-of eb12b7d``: as they were at the first H200 validation) from
+the file's own calibration, and prints measured vs simulated: no GPU, no server::
+
+    PYTHONPATH=$PWD python benchmarks/sim_validate_instance.py \
+        --resimulate benchmarks/results/sim_validate_instance_h200_eb12b7d.json
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
 from benchmarks.validate_sim import (  # noqa: E402
     compare,
+    compare_percentiles,
     ints,
     measure_decode,
     measure_prefill,
@@ -66,7 +77,7 @@ from pdserve.sim.cluster import (  # noqa: E402
     ServiceNoise,
     SimRequest,
 )
-from pdserve.sim.instance import ChunkedInstanceSim  # noqa: E402
+from pdserve.sim.instance import ChunkedInstanceSim, mixed_step_s  # noqa: E402
 from pdserve.testing import ServeProcess, start_serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +103,9 @@ async def measure_interference(session, url: str, args, rng,
     """Both sides beside each other: ``--mix-batch`` streams decode; once they run, one
     prompt of ``--mix-prompt`` tokens is sent. Decode's factor: the median step while
     that prompt is in flight over the median step before it; prefill's: the prompt's
-    latency over the fitted model's time for it alone."""
+    latency over the fitted model's time for it alone. The median step during it is also
+    multiplexing's cycle (``Multiplexing.cycle_s``) and, for chunked prefill, the mixed
+    step that ``mixed_step_s`` predicts (``chunked_probe_prediction``)."""
     body = {"model": args.model, "max_tokens": args.mix_steps, "ignore_eos": True}
     streams = [asyncio.create_task(token_clock(session, url, {**body, "prompt": prompt(
         rng, args.decode_contexts[0])})) for _ in range(args.mix_batch)]
@@ -110,10 +123,28 @@ async def measure_interference(session, url: str, args, rng,
         raise RuntimeError(f"the decode streams did not cover the prompt ({len(before)} "
                            f"steps before, {len(during)} during): raise --mix-steps")
     factors = Multiplexing(float(np.median(during) / np.median(before)),
-                           (done - sent) / model.prefill_s(args.mix_prompt))
+                           (done - sent) / model.prefill_s(args.mix_prompt),
+                           cycle_s=float(np.median(during)))
     return factors, {"prompt_s": done - sent, "steps_before": len(before),
                      "steps_during": len(during), "step_ms_before": np.median(before) * 1e3,
                      "step_ms_during": np.median(during) * 1e3}
+
+
+def chunked_probe_prediction(model: LatencyModel, args, step_before_s: float) -> dict:
+    """What ``mixed_step_s`` predicts for the interference probe on a chunked instance:
+    the ``--mix-prompt`` prompt goes in pieces of ``512 - --mix-batch`` tokens beside the
+    decode batch, whose requests hold their prompt plus the tokens decoded by then (the
+    warm-up over the step before). The next GPU run checks the model by these figures
+    against the measured ``step_ms_during`` and ``prompt_s``."""
+    batch, piece = args.mix_batch, 512 - args.mix_batch
+    context = batch * (args.decode_contexts[0] + round(args.mix_warmup_s / step_before_s))
+    steps, done = [], 0
+    while done < args.mix_prompt:
+        n = min(piece, args.mix_prompt - done)
+        steps.append(mixed_step_s(model, batch, context, [(done, n)]))
+        done, context = done + n, context + batch
+    return {"predicted_step_ms_during": float(np.median(steps)) * 1e3,
+            "predicted_prompt_s": float(sum(steps)) + model.prefill_base_s}
 
 
 def chunk_steps(times: list[float]) -> list[tuple[float, float]]:
@@ -167,15 +198,25 @@ async def replay(session, url: str, requests: list[SimRequest], args, rng) -> li
     return await asyncio.gather(*(one(r) for r in requests))
 
 
+MODELS = ("current", "eb12b7d")
+
+
 def simulate(name: str, model: LatencyModel, factors: Multiplexing | None,
-             requests: list[SimRequest], noise: ServiceNoise | None) -> list[dict]:
+             requests: list[SimRequest], noise: ServiceNoise | None,
+             as_of: str = "current") -> list[dict]:
     """chunk512: the chunked instance step by step (``ChunkedInstanceSim``). multiplex: one
     multiplexing instance (``GroupSim``; requests go straight to it, no gateway admission:
-    a blind dispatch over one instance never refuses)."""
+    a blind dispatch over one instance never refuses). ``as_of="eb12b7d"``: the models as
+    they were at the first H200 validation (a mixed step as decode step plus prefill piece;
+    multiplexing's fixed factors, no cycle)."""
     fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
+    old = as_of == "eb12b7d"
     if name == "chunk512":
-        ChunkedInstanceSim(model, chunk_size=512, noise=noise).run(fresh)
+        ChunkedInstanceSim(model, chunk_size=512, noise=noise,
+                           mixed_step="sum" if old else "roofline").run(fresh)
     else:
+        factors = Multiplexing(factors.decode_slowdown, factors.prefill_slowdown) if old \
+            else factors
         GroupSim(model, 1, 0, dispatch="least-connections", max_wait_s=1e9,
                  multiplexing=factors, noise=noise).run(fresh)
     return [{"ttft_s": r.first_token - r.arrival,
@@ -206,9 +247,9 @@ async def _measure_and_replay(name: str, session, url: str, args, rng, phases: d
     decode_points, decode_ratios = await measure_decode(session, url, args, rng)
     model = LatencyModel.fit(prefill_points, decode_points, kv_bytes_per_token(args.model),
                              decode_kv_tokens=args.decode_kv_tokens)
-    factors, mix = None, {}
-    if name == "multiplex":
-        factors, mix = await measure_interference(session, url, args, rng, model)
+    factors, mix = await measure_interference(session, url, args, rng, model)
+    if name == "chunk512":
+        mix.update(chunked_probe_prediction(model, args, mix["step_ms_before"] / 1e3))
     phases["calibrate_s"] = time.monotonic() - clock
     requests, workload = window_requests(args, model)
     clock, load_before = time.monotonic(), os.getloadavg()[0]
@@ -220,12 +261,51 @@ async def _measure_and_replay(name: str, session, url: str, args, rng, phases: d
     return {"service_points": {"prefill": prefill_points, "decode": decode_points},
             "service_spread": {"prefill": spread(prefill_ratios),
                                "decode_step": spread(decode_ratios)},
+            # The draws' source, so that an offline re-simulation can draw them again.
+            "service_ratios": {"prefill": prefill_ratios, "decode_step": decode_ratios},
             "latency_model": model.__dict__,
-            "interference": {**(factors.__dict__ if factors else {}), **mix},
+            "interference": {**factors.__dict__, **mix},
             "workload": workload,
             "host_load_average_1min": {"replay_start": load_before,
                                        "replay_end": os.getloadavg()[0]},
             "compare": compare(measured, simulated)}
+
+
+def resimulate(path: str, as_of: str = "current") -> dict:
+    """Re-runs the simulations of a recorded validation with the models of now (or as of
+    ``as_of``), from its own calibration: the same requests (``window_requests`` with the
+    run's arguments and fitted model), its interference probe, and its measured spread
+    where the file recorded the ratios (``service_ratios``); the medians-only simulation
+    needs none. No GPU, no server."""
+    recorded = json.load(open(path))
+    args = argparse.Namespace(**recorded["config"])
+    args.trace = str(ROOT / args.trace)
+    table = {}
+    for name, run in recorded["schedules"].items():
+        model = LatencyModel(**run["latency_model"])
+        requests, workload = window_requests(args, model)
+        if workload["requests"] != run["workload"]["requests"]:
+            raise SystemExit(f"{name}: {workload['requests']} requests rebuilt, "
+                             f"{run['workload']['requests']} recorded")
+        factors = _recorded_factors(run["interference"])
+        simulated = {"simulated_medians_only": simulate(name, model, factors, requests, None,
+                                                        as_of)}
+        ratios = run.get("service_ratios")
+        if ratios:
+            noise = ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed)
+            simulated["simulated"] = simulate(name, model, factors, requests, noise, as_of)
+        measured = {key: row["measured"] for key, row in run["compare"].items()}
+        table[name] = compare_percentiles(measured, simulated)
+    return {"resimulated_from": os.path.relpath(path, ROOT), "models_as_of": as_of,
+            "schedules": table}
+
+
+def _recorded_factors(interference: dict) -> Multiplexing | None:
+    if "decode_slowdown" not in interference:
+        return None
+    cycle = interference.get("cycle_s") or interference["step_ms_during"] / 1e3
+    return Multiplexing(interference["decode_slowdown"], interference["prefill_slowdown"],
+                        cycle_s=cycle)
 
 
 def _keep_log(server: ServeProcess, path: Path) -> None:
@@ -237,7 +317,13 @@ def _keep_log(server: ServeProcess, path: Path) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="Directory for the JSON and logs.")
+    parser.add_argument("--out", help="Directory for the JSON and logs.")
+    parser.add_argument("--resimulate", metavar="FILE.json",
+                        help="No GPU, no server: re-simulate a recorded validation with the "
+                        "models of now and print measured vs simulated.")
+    parser.add_argument("--models-as-of", choices=MODELS, default="current",
+                        help="With --resimulate: eb12b7d runs the models as they were at the "
+                        "first H200 validation.")
     parser.add_argument("--smoke", action="store_true",
                         help="The tiny model on CPU, small lengths, 20 s replays.")
     parser.add_argument("--schedules", default="chunk512,multiplex",
@@ -269,6 +355,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-kv-tokens", type=int, default=290_000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if not (args.out or args.resimulate):
+        parser.error("--out is required (or --resimulate FILE.json)")
     if args.smoke:
         vars(args).update(SMOKE)
     return args
@@ -276,6 +364,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    if args.resimulate:
+        return print_resimulation(resimulate(args.resimulate, args.models_as_of))
     table = SMOKE_SCHEDULES if args.smoke else SCHEDULES
     unknown = [s for s in args.schedules.split(",") if s not in table]
     if unknown:
@@ -288,6 +378,15 @@ def main() -> int:
         report["schedules"][name] = asyncio.run(validate(args, name, table[name]))
         write_json(report, Path(args.out) / "sim_validate_instance.json")
         for key, row in report["schedules"][name]["compare"].items():
+            print(name, key, json.dumps(row), flush=True)
+    return 0
+
+
+def print_resimulation(result: dict) -> int:
+    print(f"re-simulated offline from {result['resimulated_from']} (models as of "
+          f"{result['models_as_of']}); measured figures are the recorded run's")
+    for name, table in result["schedules"].items():
+        for key, row in table.items():
             print(name, key, json.dumps(row), flush=True)
     return 0
 
