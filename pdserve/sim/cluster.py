@@ -120,34 +120,32 @@ class Multiplexing:
     ITL budget), the factors follow the decode batch instead of staying fixed: beside a
     prompt a decode step lasts the cycle (or its own time, if longer), and the prompt gets
     the rest of each cycle, ``1 - decode step / cycle`` of the GPU, so its prefill takes
-    ``cycle / (cycle - decode step)`` times its time alone. ``decode_slowdown`` and
-    ``prefill_slowdown`` then only record the probe's measured factors."""
+    ``cycle / (cycle - decode step)`` times its time alone. A batch whose step alone is
+    the cycle or longer leaves the planner no option within its budget; it then gives
+    decode the largest split beside prefill, the regime the fixed factors were measured in,
+    so such a batch and a prompt beside it take the fixed factors (``covers`` says whether
+    a load can reach it)."""
 
     decode_slowdown: float
     prefill_slowdown: float
     cycle_s: float | None = None
 
-    def check_cycle(self, model: LatencyModel, max_batch: int = 256) -> None:
-        """The cycle model needs room for prefill in every cycle: the longest decode step
-        the KV pool allows must be shorter than the cycle."""
-        longest = model.decode_step_s(max_batch, model.decode_kv_tokens)
-        if self.cycle_s is not None and longest >= self.cycle_s:
-            raise ValueError(f"a full KV pool's decode step ({longest * 1e3:.1f} ms) leaves "
-                             f"no prefill in a {self.cycle_s * 1e3:.1f} ms cycle")
+    def covers(self, longest_step_s: float) -> bool:
+        """Whether a decode step alone of up to ``longest_step_s`` stays within the cycle
+        (always, with fixed factors)."""
+        return self.cycle_s is None or longest_step_s < self.cycle_s
 
     def prefill_factor(self, decode_step_s: float) -> float:
         """How much longer a prompt takes beside a decode batch whose step alone lasts
         ``decode_step_s``."""
-        if self.cycle_s is None:
+        if self.cycle_s is None or decode_step_s >= self.cycle_s:
             return self.prefill_slowdown
         return self.cycle_s / (self.cycle_s - decode_step_s)
 
     def decode_stretch(self, a: float, b: float) -> tuple[float, float]:
         """Step ``k`` of a stretch beside a prompt, from its time alone ``a + b*k``."""
-        if self.cycle_s is None:
+        if self.cycle_s is None or a >= self.cycle_s:
             return a * self.decode_slowdown, b * self.decode_slowdown
-        if a >= self.cycle_s:
-            return a, b
         return self.cycle_s, 0.0
 
     @classmethod
@@ -724,7 +722,6 @@ class GroupSim:
 
     def _pair(self, names: list[str]) -> None:
         """Each instance offers prefills and decodes what it prefilled, on one GPU."""
-        self.multiplexing.check_cycle(self.model)
         for name in names:
             prefill, decode = self.prefill[name], self.decode[name]
             prefill.partner, decode.partner = decode, prefill

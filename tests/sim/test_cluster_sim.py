@@ -183,15 +183,17 @@ def test_multiplexing_cycle_gives_a_prompt_what_the_decode_step_leaves_of_it():
 def test_multiplexing_cycle_and_fixed_factors_by_hand():
     from pdserve.sim.cluster import Multiplexing
 
-    cycle = Multiplexing(1.0, 1.0, cycle_s=0.04)
+    cycle = Multiplexing(2.0, 3.0, cycle_s=0.04)
     assert cycle.prefill_factor(0.01) == pytest.approx(4 / 3)
     assert cycle.decode_stretch(0.01, 1e-3) == (0.04, 0.0)  # stretched to the cycle
-    assert cycle.decode_stretch(0.05, 1e-3) == (0.05, 1e-3)  # longer alone: its own time
+    # A step alone of the cycle or longer: the fixed factors, on both sides.
+    assert cycle.prefill_factor(0.04) == 3.0
+    assert cycle.decode_stretch(0.05, 1e-3) == (0.1, 2e-3)
+    assert cycle.covers(0.039) and not cycle.covers(0.04)
     fixed = Multiplexing(2.0, 3.0)
     assert fixed.prefill_factor(0.01) == 3.0
     assert fixed.decode_stretch(0.01, 1e-3) == (0.02, 2e-3)
-    with pytest.raises(ValueError, match="leaves no prefill in a 5.0 ms cycle"):
-        GroupSim(MODEL, 1, 0, multiplexing=Multiplexing(1.0, 1.0, cycle_s=0.005))
+    assert fixed.covers(10.0)
 
 
 def test_multiplexing_slowdowns_from_a_multiplex_result(tmp_path):
