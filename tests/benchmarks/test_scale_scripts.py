@@ -95,10 +95,15 @@ def test_instance_validation_smoke_runs_both_schedules_end_to_end(tmp_path):
             for side in ("measured", "simulated", "simulated_medians_only"):
                 assert 0 < run["compare"][key][side]["p50"] <= run["compare"][key][side]["p99"]
         assert (out / f"{name}_server.log").stat().st_size > 0
-    assert result["schedules"]["multiplex"]["interference"]["cycle_s"] > 0
+    multiplex = result["schedules"]["multiplex"]["interference"]
+    assert multiplex["cycle_s"] == pytest.approx(multiplex["queue"]["step_ms_during"] / 1e3)
+    for window in ("timeline_probes", "timeline_replay"):
+        assert multiplex[window]["decisions"] > 0
     chunked = result["schedules"]["chunk512"]
-    assert chunked["interference"]["steps_during"] > 0
-    assert chunked["interference"]["predicted_step_ms_during"] > 0
+    for probe in (chunked["interference"], chunked["interference"]["queue"]):
+        assert probe["steps_during"] > 0 and probe["predicted_step_ms_during"] > 0
+    assert chunked["interference"]["queue"]["prompts"] == 2
+    assert len(chunked["measured_per_request"]) == chunked["workload"]["requests"]
     assert len(chunked["service_ratios"]["decode_step"]) == chunked["service_spread"][
         "decode_step"]["samples"]
 
@@ -153,13 +158,22 @@ def test_chunked_probe_prediction_by_hand():
 
     module = _script("sim_validate_instance")
     model = LatencyModel(1e-4, 0.0, 0.02, 0.0, 1e-6, kv_bytes_per_token=1)
-    args = Namespace(mix_batch=12, mix_prompt=1000, decode_contexts=[100], mix_warmup_s=0.1)
+    args = Namespace(mix_batch=12, mix_prompt=1000, mix_warmup_s=0.1)
+    lone = {"prompts": 1, "decode_context": 100, "step_ms_before": 10.0}
     # 10 steps decoded by the prompt's arrival: 12 x 110 KV tokens, one more each per step;
     # two pieces of 500 tokens, each step 512 tokens of compute (51.2 ms).
-    predicted = module.chunked_probe_prediction(model, args, step_before_s=0.01)
+    predicted = module.chunked_probe_prediction(model, args, lone)
     steps = [0.0512 + 1320e-6, 0.0512 + 1332e-6]
     assert predicted["predicted_step_ms_during"] == pytest.approx(np.median(steps) * 1e3)
     assert predicted["predicted_prompt_s"] == pytest.approx(sum(steps))
+    # Two prompts of 700 queued: 500 of the first; its last 200 and 300 of the second in
+    # one step; the second's last 400.
+    args.mix_prompt = 700
+    queued = module.chunked_probe_prediction(model, args, {**lone, "prompts": 2})
+    steps = [0.0512 + 1320e-6, 0.0512 + 1332e-6, 0.0412 + 1344e-6]
+    assert queued["predicted_step_ms_during"] == pytest.approx(np.median(steps) * 1e3)
+    assert queued["predicted_prompt_s"] == pytest.approx(sum(steps))
+
 
 
 def test_instruction_count_arguments_parse_and_a_bad_window_is_refused(capsys):
