@@ -117,9 +117,13 @@ async def measure_interference(session, url: str, args, rng,
     if args.mix_queue > 1:
         queue = await _probe(session, url, args, rng, args.mix_queue, args.decode_contexts[-1],
                              args.mix_steps * (1 + args.mix_queue // 2))
+        cycle_s, alone_s = queue["step_ms_during"] / 1e3, queue["step_ms_before"] / 1e3
+        # The cycle model's own check: what it predicts for the queue's prompts (None: the
+        # decode step alone fills the cycle, outside the model).
         mix["queue"] = {**queue, "prefill_over_alone": queue["prompt_s"] / (
-            args.mix_queue * model.prefill_s(args.mix_prompt))}
-        cycle_s = queue["step_ms_during"] / 1e3
+            args.mix_queue * model.prefill_s(args.mix_prompt)),
+            "cycle_model_prefill_over_alone": cycle_s / (cycle_s - alone_s)
+            if alone_s < cycle_s else None}
     factors = Multiplexing(lone["step_ms_during"] / lone["step_ms_before"],
                            lone["prompt_s"] / model.prefill_s(args.mix_prompt), cycle_s=cycle_s)
     return factors, mix

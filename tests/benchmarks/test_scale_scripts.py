@@ -96,7 +96,9 @@ def test_instance_validation_smoke_runs_both_schedules_end_to_end(tmp_path):
                 assert 0 < run["compare"][key][side]["p50"] <= run["compare"][key][side]["p99"]
         assert (out / f"{name}_server.log").stat().st_size > 0
     multiplex = result["schedules"]["multiplex"]["interference"]
-    assert multiplex["cycle_s"] == pytest.approx(multiplex["queue"]["step_ms_during"] / 1e3)
+    queue = multiplex["queue"]
+    assert multiplex["cycle_s"] == pytest.approx(queue["step_ms_during"] / 1e3)
+    assert queue["prefill_over_alone"] > 0 and "cycle_model_prefill_over_alone" in queue
     for window in ("timeline_probes", "timeline_replay"):
         assert multiplex[window]["decisions"] > 0
     chunked = result["schedules"]["chunk512"]
