@@ -118,13 +118,14 @@ class Multiplexing:
     With ``cycle_s`` set (the measured decode step while a prompt prefills beside it: the
     planner sizes prefill pieces so that a decode token comes once per cycle of about its
     ITL budget), the factors follow the decode batch instead of staying fixed: beside a
-    prompt a decode step lasts the cycle (or its own time, if longer), and the prompt gets
-    the rest of each cycle, ``1 - decode step / cycle`` of the GPU, so its prefill takes
-    ``cycle / (cycle - decode step)`` times its time alone. A batch whose step alone is
-    the cycle or longer leaves the planner no option within its budget; it then gives
-    decode the largest split beside prefill, the regime the fixed factors were measured in,
-    so such a batch and a prompt beside it take the fixed factors (``covers`` says whether
-    a load can reach it)."""
+    prompt a decode step lasts the cycle, and the prompt gets the rest of each cycle,
+    ``1 - decode step / cycle`` of the GPU, so its prefill takes ``cycle / (cycle -
+    decode step)`` times its time alone: the sides take turns, as mixed steps and time
+    slices do (spatial splits run them at once; docs/cluster.md, validation, says where
+    that matters). A batch whose step alone is the cycle or longer leaves the planner no
+    option within its budget; it then gives decode the largest split beside prefill, the
+    regime the fixed factors were measured in, so such a batch and a prompt beside it take
+    the fixed factors (``covers`` says whether a load can reach it)."""
 
     decode_slowdown: float
     prefill_slowdown: float
