@@ -233,9 +233,15 @@ def spread(ratios: list[float]) -> dict:
 
 def compare(measured: list[dict], simulated: dict[str, list[dict]]) -> dict:
     """Per metric: measured and each simulation's P50 / P99, and the simulation's error."""
+    return compare_percentiles({key: percentiles(measured, key) for key in ("ttft_s", "tpot_s")},
+                               simulated)
+
+
+def compare_percentiles(measured: dict[str, dict], simulated: dict[str, list[dict]]) -> dict:
+    """``compare`` against measured P50 / P99 per metric (a recorded run's, say)."""
     table = {}
     for key in ("ttft_s", "tpot_s"):
-        row = {"measured": percentiles(measured, key)}
+        row = {"measured": measured[key]}
         for name, rows in simulated.items():
             row[name] = percentiles(rows, key)
             row[name + "_error"] = {q: row[name][q] / row["measured"][q] - 1

@@ -114,10 +114,41 @@ class Multiplexing:
     a prompt prefills beside it, and a prompt ``prefill_slowdown`` times as long while a
     batch decodes beside it. Each side's factor is fixed when its stretch of work starts: a
     prompt's for the whole prompt, decode's until its batch next changes or the prefill side
-    starts or ends a prompt (the decode side is then resynced at its next step)."""
+    starts or ends a prompt (the decode side is then resynced at its next step).
+
+    With ``cycle_s`` set (the measured decode step while a prompt prefills beside it: the
+    planner sizes prefill pieces so that a decode token comes once per cycle of about its
+    ITL budget), the factors follow the decode batch instead of staying fixed: beside a
+    prompt a decode step lasts the cycle, and the prompt gets the rest of each cycle,
+    ``1 - decode step / cycle`` of the GPU, so its prefill takes ``cycle / (cycle -
+    decode step)`` times its time alone: the sides take turns, as mixed steps and time
+    slices do (spatial splits run them at once; docs/cluster.md, validation, says where
+    that matters). A batch whose step alone is the cycle or longer leaves the planner no
+    option within its budget; it then gives decode the largest split beside prefill, the
+    regime the fixed factors were measured in, so such a batch and a prompt beside it take
+    the fixed factors (``covers`` says whether a load can reach it)."""
 
     decode_slowdown: float
     prefill_slowdown: float
+    cycle_s: float | None = None
+
+    def covers(self, longest_step_s: float) -> bool:
+        """Whether a decode step alone of up to ``longest_step_s`` stays within the cycle
+        (always, with fixed factors)."""
+        return self.cycle_s is None or longest_step_s < self.cycle_s
+
+    def prefill_factor(self, decode_step_s: float) -> float:
+        """How much longer a prompt takes beside a decode batch whose step alone lasts
+        ``decode_step_s``."""
+        if self.cycle_s is None or decode_step_s >= self.cycle_s:
+            return self.prefill_slowdown
+        return self.cycle_s / (self.cycle_s - decode_step_s)
+
+    def decode_stretch(self, a: float, b: float) -> tuple[float, float]:
+        """Step ``k`` of a stretch beside a prompt, from its time alone ``a + b*k``."""
+        if self.cycle_s is None or a >= self.cycle_s:
+            return a * self.decode_slowdown, b * self.decode_slowdown
+        return self.cycle_s, 0.0
 
     @classmethod
     def from_multiplex_results(cls, path: str, model: LatencyModel,
@@ -420,7 +451,7 @@ class PrefillSim:
         if partner is not None:
             if partner.running:
                 assert self.multiplexing is not None  # set with the partner (GroupSim._pair)
-                service *= self.multiplexing.prefill_slowdown
+                service *= self.multiplexing.prefill_factor(partner.step_alone_s())
             partner.resync()
         self.loop.at(self.loop.now + service, self._finish, job)
 
@@ -465,7 +496,7 @@ class DecodeSim:
         self._version = 0  # a sync scheduled before the latest change is stale
         self.partner: PrefillSim | None = None  # the prefill side of a multiplexing instance
         self.multiplexing: Multiplexing | None = None
-        self._slowdown = 1.0  # of the current stretch
+        self._beside = False  # the current stretch runs beside a prompt's prefill
         self._a = self._b = 0.0  # step k of the current stretch takes _a + _b*k seconds
         self.noise: ServiceNoise | None = None
         self._noise_at = 0  # the busy period's step 0 in the noise's drawn sequence
@@ -537,16 +568,23 @@ class DecodeSim:
         m, batch = self.model, len(running)
         context = self._context_base + batch * self._step
         self._a = (m.decode_base_s + m.decode_per_request_s * batch
-                   + m.decode_per_kv_token_s * context) * self._slowdown
-        self._b = m.decode_per_kv_token_s * batch * self._slowdown
+                   + m.decode_per_kv_token_s * context)
+        self._b = m.decode_per_kv_token_s * batch
+        if self._beside:
+            assert self.multiplexing is not None  # _beside says it is set
+            self._a, self._b = self.multiplexing.decode_stretch(self._a, self._b)
 
     def _begin_stretch(self, step: int) -> None:
         self._step, self._since = step, self.loop.now
-        multiplexing = self.multiplexing  # set with the partner (GroupSim._pair)
-        if self.partner is not None and self.partner.busy and multiplexing is not None:
-            self._slowdown = multiplexing.decode_slowdown
-        else:
-            self._slowdown = 1.0
+        # The multiplexing factors are set with the partner (GroupSim._pair).
+        self._beside = (self.partner is not None and self.partner.busy
+                        and self.multiplexing is not None)
+
+    def step_alone_s(self) -> float:
+        """The current step's time with nothing beside it."""
+        m, batch = self.model, len(self.running)
+        return (m.decode_base_s + m.decode_per_request_s * batch
+                + m.decode_per_kv_token_s * (self._context_base + batch * self._step))
 
     def resync(self) -> None:
         """The prefill side beside it started or ended a prompt: a new stretch at the next

@@ -3,10 +3,17 @@ the structure of the real scheduler's steps, not one slowdown factor for each si
 
 Each step carries one token of every running request and, in the rest of the token
 budget (``chunk_size``), the next pieces of waiting prompts, first come first served. A
-step takes the decode batch's step time plus, for each prompt piece, what the prompt's
-prefill time grows by over that piece (``prefill_s(done + piece) - prefill_s(done)``: a
-prompt's pieces add up to its whole prefill, quadratic part included). A prompt whose
-last piece ran gets its first token at the end of that step and decodes from the next.
+step without prompt pieces takes the decode batch's step time. A mixed step (``mixed_step_s``)
+reads the weights once for all its tokens: its linear layers take the longer of the decode
+batch's weight-bound step (``decode_base_s + decode_per_request_s * batch``) and the
+compute of every token in it (``prefill_per_token_s`` times the pieces' tokens and the
+decode tokens); attention adds what each piece's prefill grows by in the quadratic part
+(over its prefix) and the decode batch's KV read. A prompt whose last piece ran gets its
+first token at the end of that step and decodes from the next.
+
+``mixed_step="sum"`` is the model as it was until the H200 validation at eb12b7d (a mixed
+step took the decode step plus each piece's whole prefill increment: the weights read
+twice); kept so that that run's simulated figures can be reproduced offline.
 ``prefill_base_s`` (a fixed cost per request measured around the engine: HTTP,
 tokenizing) delays the answer's tokens without holding the engine. With
 ``noise`` each step takes a drawn measured ratio times its modelled time.
@@ -18,12 +25,30 @@ from collections import deque
 
 from pdserve.sim.cluster import EventLoop, LatencyModel, ServiceNoise, SimRequest
 
+MIXED_STEP_MODELS = ("roofline", "sum")
+
+
+def mixed_step_s(model: LatencyModel, batch: int, context: int,
+                 pieces: list[tuple[int, int]]) -> float:
+    """One step of ``batch`` decode tokens over ``context`` KV tokens and prompt ``pieces``
+    (tokens done before, tokens now): the weights are read once, so the linear layers cost
+    the larger of the weight-bound decode step and the compute of all the step's tokens."""
+    tokens = batch + sum(n for _, n in pieces)
+    weights_s = model.decode_base_s + model.decode_per_request_s * batch
+    linear_s = max(weights_s, model.prefill_per_token_s * tokens)
+    prefix_attention_s = model.prefill_per_token_sq_s * sum(
+        (done + n) ** 2 - done ** 2 for done, n in pieces)
+    return linear_s + prefix_attention_s + model.decode_per_kv_token_s * context
+
 
 class ChunkedInstanceSim:
     def __init__(self, model: LatencyModel, chunk_size: int = 512,
-                 noise: ServiceNoise | None = None, max_batch: int = 256) -> None:
+                 noise: ServiceNoise | None = None, max_batch: int = 256,
+                 mixed_step: str = "roofline") -> None:
+        if mixed_step not in MIXED_STEP_MODELS:
+            raise ValueError(f"mixed_step must be one of {', '.join(MIXED_STEP_MODELS)}")
         self.model, self.chunk_size, self.max_batch = model, chunk_size, max_batch
-        self.noise = noise
+        self.noise, self.mixed_step = noise, mixed_step
         self.loop = EventLoop()
         self.waiting: deque[list] = deque()  # [request, prompt tokens done]
         self.running: list[list] = []  # [request, tokens still to decode]
@@ -47,7 +72,7 @@ class ChunkedInstanceSim:
             self._stepping = False
             return
         pieces = self._pieces(self.chunk_size - len(self.running))
-        seconds = self._decode_s() + sum(self._piece_s(done, n) for _, done, n in pieces)
+        seconds = self._step_s(pieces)
         if self.noise is not None:
             seconds *= self.noise.span(self._noise_step, self._noise_step + 1)[0]
             self._noise_step += 1
@@ -64,11 +89,21 @@ class ChunkedInstanceSim:
             budget -= take
         return pieces
 
+    def _step_s(self, pieces: list[tuple[list, int, int]]) -> float:
+        if self.mixed_step == "sum":
+            return self._decode_s() + sum(self._piece_s(done, n) for _, done, n in pieces)
+        if not pieces:
+            return self._decode_s()
+        return mixed_step_s(self.model, len(self.running), self._context(),
+                            [(done, n) for _, done, n in pieces])
+
+    def _context(self) -> int:
+        return sum(r.input_len + r.output_len - left for r, left in self.running)
+
     def _decode_s(self) -> float:
         if not self.running:
             return 0.0
-        context = sum(r.input_len + r.output_len - left for r, left in self.running)
-        return self.model.decode_step_s(len(self.running), context)
+        return self.model.decode_step_s(len(self.running), self._context())
 
     def _piece_s(self, done: int, tokens: int) -> float:
         return self.model.prefill_s(done + tokens) - self.model.prefill_s(done)

@@ -95,7 +95,87 @@ def test_instance_validation_smoke_runs_both_schedules_end_to_end(tmp_path):
             for side in ("measured", "simulated", "simulated_medians_only"):
                 assert 0 < run["compare"][key][side]["p50"] <= run["compare"][key][side]["p99"]
         assert (out / f"{name}_server.log").stat().st_size > 0
-    assert result["schedules"]["multiplex"]["interference"]["steps_during"] > 0
+    multiplex = result["schedules"]["multiplex"]["interference"]
+    queue = multiplex["queue"]
+    assert multiplex["cycle_s"] == pytest.approx(queue["step_ms_during"] / 1e3)
+    assert queue["prefill_over_alone"] > 0 and "cycle_model_prefill_over_alone" in queue
+    for window in ("timeline_probes", "timeline_replay"):
+        assert multiplex[window]["decisions"] > 0
+    chunked = result["schedules"]["chunk512"]
+    for probe in (chunked["interference"], chunked["interference"]["queue"]):
+        assert probe["steps_during"] > 0 and probe["predicted_step_ms_during"] > 0
+    assert chunked["interference"]["queue"]["prompts"] == 2
+    assert len(chunked["measured_per_request"]) == chunked["workload"]["requests"]
+    assert len(chunked["service_ratios"]["decode_step"]) == chunked["service_spread"][
+        "decode_step"]["samples"]
+
+
+VALIDATION_H200 = ROOT / "benchmarks" / "results" / "sim_validate_instance_h200_eb12b7d.json"
+
+
+def test_resimulation_with_the_models_as_of_eb12b7d_gives_the_committed_figures():
+    """That run recorded no spread ratios: only its medians-only simulation can be drawn
+    again, and it is, to the last digit."""
+    module = _script("sim_validate_instance")
+    recorded = json.loads(VALIDATION_H200.read_text())
+    again = module.resimulate(str(VALIDATION_H200), "eb12b7d")
+    for name, run in recorded["schedules"].items():
+        for key in ("ttft_s", "tpot_s"):
+            row = again["schedules"][name][key]
+            assert row["simulated_medians_only"] == run["compare"][key]["simulated_medians_only"]
+            assert row["measured"] == run["compare"][key]["measured"]
+            assert "simulated" not in row
+
+
+def test_resimulation_from_the_command_line_with_the_models_of_now():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim_validate_instance.py"),
+                          "--resimulate", str(VALIDATION_H200)], check=True, cwd=ROOT,
+                         timeout=300, capture_output=True, text=True).stdout.splitlines()
+    assert out[0].startswith("re-simulated offline from benchmarks/results/")
+    rows = {tuple(line.split(" ", 2)[:2]): json.loads(line.split(" ", 2)[2]) for line in out[1:]}
+    assert set(rows) == {(s, k) for s in ("chunk512", "multiplex") for k in ("ttft_s", "tpot_s")}
+    recorded = json.loads(VALIDATION_H200.read_text())["schedules"]
+    chunked = rows[("chunk512", "ttft_s")]["simulated_medians_only"]
+    assert chunked != recorded["chunk512"]["compare"]["ttft_s"]["simulated_medians_only"]
+
+
+def test_resimulation_draws_the_recorded_spread(tmp_path):
+    """With ``service_ratios`` recorded (runs after eb12b7d), the noisy simulation runs too:
+    ratios of exactly 1 draw the medians."""
+    module = _script("sim_validate_instance")
+    recorded = json.loads(VALIDATION_H200.read_text())
+    del recorded["schedules"]["multiplex"]
+    recorded["schedules"]["chunk512"]["service_ratios"] = {"prefill": [1.0],
+                                                           "decode_step": [1.0]}
+    path = tmp_path / "recorded.json"
+    path.write_text(json.dumps(recorded))
+    row = module.resimulate(str(path))["schedules"]["chunk512"]["ttft_s"]
+    assert row["simulated"] == pytest.approx(row["simulated_medians_only"], rel=1e-9)
+
+
+def test_chunked_probe_prediction_by_hand():
+    from argparse import Namespace
+
+    from pdserve.sim.cluster import LatencyModel
+
+    module = _script("sim_validate_instance")
+    model = LatencyModel(1e-4, 0.0, 0.02, 0.0, 1e-6, kv_bytes_per_token=1)
+    args = Namespace(mix_batch=12, mix_prompt=1000, mix_warmup_s=0.1)
+    lone = {"prompts": 1, "decode_context": 100, "step_ms_before": 10.0}
+    # 10 steps decoded by the prompt's arrival: 12 x 110 KV tokens, one more each per step;
+    # two pieces of 500 tokens, each step 512 tokens of compute (51.2 ms).
+    predicted = module.chunked_probe_prediction(model, args, lone)
+    steps = [0.0512 + 1320e-6, 0.0512 + 1332e-6]
+    assert predicted["predicted_step_ms_during"] == pytest.approx(np.median(steps) * 1e3)
+    assert predicted["predicted_prompt_s"] == pytest.approx(sum(steps))
+    # Two prompts of 700 queued: 500 of the first; its last 200 and 300 of the second in
+    # one step; the second's last 400.
+    args.mix_prompt = 700
+    queued = module.chunked_probe_prediction(model, args, {**lone, "prompts": 2})
+    steps = [0.0512 + 1320e-6, 0.0512 + 1332e-6, 0.0412 + 1344e-6]
+    assert queued["predicted_step_ms_during"] == pytest.approx(np.median(steps) * 1e3)
+    assert queued["predicted_prompt_s"] == pytest.approx(sum(steps))
+
 
 
 def test_instruction_count_arguments_parse_and_a_bad_window_is_refused(capsys):

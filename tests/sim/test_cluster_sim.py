@@ -164,6 +164,38 @@ def test_multiplexing_instance_slows_each_side_while_the_other_works():
     assert second.finished == pytest.approx(0.425 + 2 * 0.01)
 
 
+def test_multiplexing_cycle_gives_a_prompt_what_the_decode_step_leaves_of_it():
+    from pdserve.sim.cluster import Multiplexing
+
+    mux = Multiplexing(decode_slowdown=2.0, prefill_slowdown=3.0, cycle_s=0.04)
+    first, second = GroupSim(MODEL, 1, 0, multiplexing=mux).run(
+        [SimRequest(0.0, 100, 11), SimRequest(0.125, 100, 3)])
+    # Beside a 10 ms decode step the prompt gets 30 of each 40 ms cycle: 100 ms alone
+    # takes 133 ms (not the probe's fixed 3x).
+    assert second.first_token == pytest.approx(0.125 + 0.1 * 0.04 / 0.03)
+    # Decode: 3 steps of 10 ms to 0.13 s, then 40 ms cycles while the prompt prefills; the
+    # boundary after it ends (0.258 s) is 0.29 s (4 cycles), then 10 ms steps for the
+    # first request's last 3 and, joined there, the second's 2.
+    assert first.finished == pytest.approx(0.13 + 4 * 0.04 + 3 * 0.01)
+    assert second.finished == pytest.approx(0.29 + 2 * 0.01)
+
+
+def test_multiplexing_cycle_and_fixed_factors_by_hand():
+    from pdserve.sim.cluster import Multiplexing
+
+    cycle = Multiplexing(2.0, 3.0, cycle_s=0.04)
+    assert cycle.prefill_factor(0.01) == pytest.approx(4 / 3)
+    assert cycle.decode_stretch(0.01, 1e-3) == (0.04, 0.0)  # stretched to the cycle
+    # A step alone of the cycle or longer: the fixed factors, on both sides.
+    assert cycle.prefill_factor(0.04) == 3.0
+    assert cycle.decode_stretch(0.05, 1e-3) == (0.1, 2e-3)
+    assert cycle.covers(0.039) and not cycle.covers(0.04)
+    fixed = Multiplexing(2.0, 3.0)
+    assert fixed.prefill_factor(0.01) == 3.0
+    assert fixed.decode_stretch(0.01, 1e-3) == (0.02, 2e-3)
+    assert fixed.covers(10.0)
+
+
 def test_multiplexing_slowdowns_from_a_multiplex_result(tmp_path):
     from pdserve.sim.cluster import Multiplexing
 
