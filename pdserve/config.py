@@ -81,6 +81,11 @@ class SchedulerConfig:
                            "temporal (whole-GPU mixed steps), time_slice (decode alone, then a "
                            "prefill layer range sized to the rest of the ITL budget), spatial "
                            "(decode and prefill at once on their own SM partitions).")
+    mux_itl_margin: float = doc(0.9, "multiplex: the share of the ITL target a plan aims at "
+                                "(room for predictor error and jitter), in (0, 1].")
+    mux_switch_margin: float = doc(0.03, "multiplex: how much more prefill (as a fraction) "
+                                   "another sharing option must be predicted to deliver, after "
+                                   "paying for the switch, before the running one is left.")
     mux_allow_unprofiled: bool = doc(False, "multiplex: answer the SM splits a fitted profile "
                                       "never timed with the roofline model, instead of "
                                       "stopping at start-up with the groups it lacks.")
@@ -98,6 +103,10 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         mux_sharing_options(self.mux_sharing)  # a typo stops here, before anything loads
+        if not 0.0 < self.mux_itl_margin <= 1.0:
+            raise ValueError(f"--mux-itl-margin {self.mux_itl_margin}: must be in (0, 1]")
+        if self.mux_switch_margin < 0.0:
+            raise ValueError(f"--mux-switch-margin {self.mux_switch_margin}: must be >= 0")
 
 
 MUX_SHARING = ("temporal", "time_slice", "spatial")

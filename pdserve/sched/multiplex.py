@@ -173,6 +173,8 @@ class MultiplexScheduler(InFlightScheduler):
         sharing = mux_sharing_options(sched.mux_sharing)
         fields = dict(itl_slo_ms=sched.itl_slo_ms, ttft_slo_ms=sched.ttft_slo_ms,
                       max_prefill_tokens=sched.max_num_batched_tokens,
+                      safety_margin=sched.mux_itl_margin,
+                      switch_margin=sched.mux_switch_margin,
                       **{name: name in sharing for name in MUX_SHARING})
         return MuxPlannerConfig(**{**fields, **self._overrides, **overrides})
 
@@ -180,6 +182,7 @@ class MultiplexScheduler(InFlightScheduler):
         sharing = sorted(mux_sharing_options(self.config.mux_sharing))
         return {"partitions": self.partitions.describe(), "predictor": self.predictor_source,
                 "sharing": sharing, "itl_slo_ms": self.config.itl_slo_ms,
+                "itl_margin": self.config.mux_itl_margin,
                 "calibration": self.describe_calibration()}
 
     def describe_calibration(self) -> dict:

@@ -254,3 +254,27 @@ def test_a_served_run_reports_every_piece_in_its_timeline_and_engine_info():
     learned = llm.engine.describe()["calibration"]["prefill_pieces"]
     assert sum(row["pieces"] for row in learned.values()) == len(sharing)
     assert all(0.5 <= row["correction"] <= 2.0 for row in learned.values())
+
+
+def test_the_planning_margins_are_flags_the_planner_uses():
+    """--mux-itl-margin sets the share of the ITL target plans aim at, --mux-switch-margin
+    the gain a challenger needs; both reach the planner and the engine info."""
+    from pdserve.engine.llm import LLM
+
+    llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline",
+              mux_itl_margin=0.95, mux_switch_margin=0.1)
+    planner = llm.engine.scheduler.planner
+    assert planner.config.budget_ms == pytest.approx(60.0 * 0.95)
+    assert planner.config.switch_margin == 0.1
+    info = llm.engine.describe()
+    assert info["itl_margin"] == 0.95 and info["calibration"]["switch_margin"] == 0.1
+
+
+@pytest.mark.parametrize("flags, message", [({"mux_itl_margin": 1.2}, "--mux-itl-margin 1.2"),
+                                            ({"mux_itl_margin": 0.0}, "--mux-itl-margin 0.0"),
+                                            ({"mux_switch_margin": -0.1}, "--mux-switch-margin")])
+def test_planning_margins_out_of_range_are_refused(flags, message):
+    from pdserve.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(schedule="multiplex", **flags)
