@@ -27,7 +27,7 @@ import json
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from heapq import heappop, heappush
 from typing import Any, Generic, TypeVar
 
@@ -54,6 +54,11 @@ class LatencyModel:
     link_gb_per_s: float = 25.0
     decode_kv_tokens: int = 290_000
     prefill_base_s: float = 0.0  # per prefill whatever its length: a step, an HTTP hop
+    # From the prefill's end until the request joins the decode batch, beyond the link's
+    # transfer: the gateway's call to the decode instance, its engine taking the KV in
+    # (``fit_handoff``). Zero: the KV joins as it lands, the fleet figures' model.
+    handoff_base_s: float = 0.0
+    handoff_per_token_s: float = 0.0
 
     def prefill_s(self, tokens: int) -> float:
         return (self.prefill_base_s + self.prefill_per_token_s * tokens
@@ -65,6 +70,19 @@ class LatencyModel:
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / (self.link_gb_per_s * 1e9)
+
+    def handoff_s(self, tokens: int) -> float:
+        """From the prefill's end until a prompt of ``tokens`` joins the decode batch."""
+        return self.transfer_s(tokens) + self.handoff_base_s + self.handoff_per_token_s * tokens
+
+    def fit_handoff(self, points: list[dict]) -> LatencyModel:
+        """This model with the handoff fitted (least squares, nothing negative) to measured
+        ``{"tokens", "seconds"}``: the time from the prefill's end until the request joins
+        the decode batch, the link's transfer included (it is taken off before the fit)."""
+        a = np.array([[1.0, p["tokens"]] for p in points])
+        base, per_token = _fit_nonnegative(
+            a, [p["seconds"] - self.transfer_s(p["tokens"]) for p in points])
+        return replace(self, handoff_base_s=base, handoff_per_token_s=per_token)
 
     @classmethod
     def from_engine_results(cls, path: str, kv_bytes_per_token: int,
@@ -876,9 +894,10 @@ class GroupSim:
             # counted from the pick: KV still on the link counts too.
             decode = order.first()
             order.shift(decode.name, 1)
-            m = self.model  # m.transfer_s, in place
-            self.loop.at(self.loop.now + request.input_len * m.kv_bytes_per_token
-                         / (m.link_gb_per_s * 1e9), decode.receive, request)
+            m, tokens = self.model, request.input_len  # m.handoff_s, in place
+            self.loop.at(self.loop.now + tokens * m.kv_bytes_per_token / (m.link_gb_per_s * 1e9)
+                         + m.handoff_base_s + m.handoff_per_token_s * tokens,
+                         decode.receive, request)
         if self.draining:
             self._settle(name)
         line = self._lines[gateway]
