@@ -156,28 +156,47 @@ async def replay(session, url: str, requests: list[SimRequest], args, rng) -> li
     return await asyncio.gather(*(one(r) for r in requests))
 
 
-async def measure_handoff(session, url: str, model: LatencyModel, args,
-                          rng) -> tuple[list[dict], list[float]]:
+async def measure_handoff(session, url: str, args, rng) -> tuple[list[dict], list[float]]:
     """Through the gateway, one request at a time: how long after its first token (the
-    prefill's, relayed at once) a request joins the decode batch - its second token's gap
-    less one decode step of its own (the median of its later gaps). Median per prompt
-    length, and every sample over its length's median."""
+    prefill's, relayed at once) a request joins the decode batch - the gap to its second
+    token's chunk less the decode steps that chunk carries (each the median of the
+    request's later gaps). Median per prompt length, and every sample over its length's
+    median."""
     points, ratios = [], []
     body = {"model": args.model, "ignore_eos": True, "max_tokens": 2 + 2 * STEP_WINDOW}
     for tokens in args.prompt_lens:
-        seconds = []
-        for _ in range(args.repeats):
+        seconds: list[float] = []
+        for _ in range(4 * args.repeats):
             times = await token_clock(session, url, {**body, "prompt": prompt(rng, tokens)})
-            seconds.append(times[1] - times[0] - float(np.median(np.diff(times[1:]))))
+            sample = handoff_sample(times)
+            if sample is not None:
+                seconds.append(sample)
+            if len(seconds) == args.repeats:
+                break
+        else:
+            raise RuntimeError(f"{tokens}-token prompts: the first token came alone in "
+                               f"{len(seconds)} of {4 * args.repeats} answers")
         median = float(np.median(seconds))
         points.append({"tokens": tokens, "seconds": median})
         ratios += [x / median for x in seconds]
     return points, ratios
 
 
+def handoff_sample(times: list[float]) -> float | None:
+    """From one answer's token times: its first token's chunk until its join; None where
+    the first token came in one chunk with later ones (its text held back as incomplete
+    UTF-8: the tiny model's random ids), which leaves no time of its own."""
+    if times[1] == times[0]:
+        return None
+    steps = np.diff(times[1:])
+    carried = times.count(times[1])  # tokens in the second token's chunk: a step each
+    return times[1] - times[0] - carried * float(np.median(steps[steps > 0]))
+
+
 def decode_timing(rows: list[dict]) -> dict:
     """Where the measured TPOTs go (milliseconds): each request's first gap (its handoff to
-    the decode instance and its first step there) against its later steps, the TPOT
+    the decode instance and its first step there; requests whose first token came alone in
+    its chunk) against its later steps, the TPOT
     without that first gap, and the later steps of a request during which another joined
     the batch (the step whose end is nearest the newcomer's second token) against those
     shared with a request already running and those alone."""
@@ -194,7 +213,8 @@ def decode_timing(rows: list[dict]) -> dict:
                 for r in rows) else "alone"
             kinds[kind].append(gap)
     steady_tpot = [(r["times"][-1] - r["times"][1]) / (len(r["times"]) - 2) for r in rows]
-    return {"first_gap_ms": ms_percentiles([r["times"][1] - r["times"][0] for r in rows]),
+    alone = [r["times"] for r in rows if r["times"][1] > r["times"][0]]
+    return {"first_gap_ms": ms_percentiles([t[1] - t[0] for t in alone]),
             "later_step_ms": ms_percentiles([g for k in kinds.values() for g in k]),
             "tpot_without_first_gap_ms": ms_percentiles(steady_tpot),
             **{f"later_step_{kind}_ms": ms_percentiles(gaps) for kind, gaps in kinds.items()}}
@@ -245,11 +265,11 @@ async def run(args) -> dict:
             server.stop()
     load_average["replayed"] = os.getloadavg()[0]
     model, ratios = calibrated.pop("model"), calibrated.pop("ratios")
-    noise = ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed)
     without = dataclasses.replace(model, handoff_base_s=0.0, handoff_per_token_s=0.0)
-    simulated = {"simulated": simulate(model, requests, args, noise),
+    simulated = {"simulated": simulate(model, requests, args, noise(ratios, args)),
                  "simulated_medians_only": simulate(model, requests, args),
-                 "simulated_without_handoff": simulate(without, requests, args, noise)}
+                 "simulated_without_handoff": simulate(without, requests, args,
+                                                       noise(ratios, args))}
     prefill_busy = sum(model.prefill_s(r.input_len) for r in requests) / requests[-1].arrival
     return {**calibrated, "service_spread": {k: spread(v) for k, v in ratios.items()},
             "latency_model": dataclasses.asdict(model), "prefill_utilisation": prefill_busy,
@@ -286,12 +306,20 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
     model = LatencyModel.fit(prefill_points, decode_points, kv_bytes_per_token(args.model),
                              link_gb_per_s=args.link_gb_per_s,
                              decode_kv_tokens=args.decode_kv_tokens)
-    handoff_points, handoff_ratios = await measure_handoff(session, url, model, args, rng)
+    # Prompts of its own: the replay's request list stays the one earlier runs drew.
+    handoff_points, handoff_ratios = await measure_handoff(
+        session, url, args, np.random.default_rng(args.seed + 1))
     return {"service_points": {"prefill": prefill_points, "decode": decode_points,
                                "handoff": handoff_points},
             "model": model.fit_handoff(handoff_points),
             "ratios": {"prefill": prefill_ratios, "decode_step": decode_ratios,
                        "handoff": handoff_ratios}}
+
+
+def noise(ratios: dict[str, list[float]], args) -> ServiceNoise:
+    """The measured spread, drawn afresh from the seed (each simulation its own)."""
+    return ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed,
+                        handoff_ratios=ratios["handoff"])
 
 
 def spread(ratios: list[float]) -> dict:

@@ -245,6 +245,14 @@ def test_decode_timing_sorts_later_steps_by_a_newcomer_joining():
         np.median([(0.249 - 0.05) / 18 * 1e3, 12.0]))
 
 
+def test_handoff_sample_takes_off_the_steps_its_chunk_carries():
+    module = _script("validate_sim")
+    # First token at 0.1 s; the next chunk, 30 ms later, carries two tokens (two 5 ms steps).
+    times = [0.1, 0.13, 0.13, 0.135, 0.14, 0.145]
+    assert module.handoff_sample(times) == pytest.approx(0.02)
+    assert module.handoff_sample([0.1, 0.1, 0.13, 0.135]) is None  # no time of its own
+
+
 def test_decode_timing_only_while_the_whole_batch_decodes():
     """The batch's prompts start one after another: steps before the last one's first token
     (prompt pieces in them under chunked prefill) and after the first one's last token

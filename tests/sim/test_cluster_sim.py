@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -243,6 +245,19 @@ def test_handoff_fitted_beyond_the_link_delays_the_join_and_only_that():
     (request,) = GroupSim(model, 1, 1).run([SimRequest(0.0, 500, 5)])
     assert request.first_token == pytest.approx(0.5)  # the prefill is not slowed
     assert request.finished == pytest.approx(0.5 + 0.54 + 0.04)  # joins later, same steps
+
+
+def test_measured_handoff_spread_stretches_the_handoff_only():
+    from pdserve.sim.cluster import ServiceNoise
+
+    model = replace(MODEL, handoff_base_s=0.03, handoff_per_token_s=2e-5)
+    noise = ServiceNoise([1.0], [1.0], steps=1 << 12, handoff_ratios=[2.0])
+    (request,) = GroupSim(model, 1, 1, noise=noise).run([SimRequest(0.0, 500, 5)])
+    assert request.first_token == pytest.approx(0.5)
+    assert request.finished == pytest.approx(0.5 + 2 * 0.54 + 0.04)
+    plain = ServiceNoise([1.0], [1.0], steps=1 << 12)  # no handoff ratios: no stretch
+    (request,) = GroupSim(model, 1, 1, noise=plain).run([SimRequest(0.0, 500, 5)])
+    assert request.finished == pytest.approx(0.5 + 0.54 + 0.04)
 
 
 def test_handoff_fit_is_never_negative():
