@@ -160,9 +160,9 @@ async def measure_handoff(session, url: str, args, rng) -> tuple[list[dict], lis
     """Through the gateway, one request at a time: how long after its first token (the
     prefill's, relayed at once) a request joins the decode batch - the gap to its second
     token's chunk less the decode steps that chunk carries (each the median of the
-    request's later gaps). Median per prompt length, and every sample over its length's
-    median."""
-    points, ratios = [], []
+    request's later gaps). Median per prompt length, and every sample (seconds: a median
+    near zero leaves no ratio to speak of)."""
+    points, samples = [], []
     body = {"model": args.model, "ignore_eos": True, "max_tokens": 2 + 2 * STEP_WINDOW}
     for tokens in args.prompt_lens:
         seconds: list[float] = []
@@ -178,8 +178,8 @@ async def measure_handoff(session, url: str, args, rng) -> tuple[list[dict], lis
                                f"{len(seconds)} of {4 * args.repeats} answers")
         median = float(np.median(seconds))
         points.append({"tokens": tokens, "seconds": median})
-        ratios += [x / median for x in seconds]
-    return points, ratios
+        samples += seconds
+    return points, samples
 
 
 def handoff_sample(times: list[float]) -> float | None:
@@ -275,6 +275,8 @@ async def run(args) -> dict:
             "latency_model": dataclasses.asdict(model), "prefill_utilisation": prefill_busy,
             "host_load_average_1min": load_average,  # other work on the cores skews both
             "measured_decode_timing": decode_timing(measured),
+            # every request's token arrivals (s from the replay's start): re-analysable
+            "measured_token_times_s": [[round(t, 5) for t in r["times"]] for r in measured],
             "compare": compare(measured, simulated)}
 
 
@@ -307,19 +309,20 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
                              link_gb_per_s=args.link_gb_per_s,
                              decode_kv_tokens=args.decode_kv_tokens)
     # Prompts of its own: the replay's request list stays the one earlier runs drew.
-    handoff_points, handoff_ratios = await measure_handoff(
+    handoff_points, handoff_samples = await measure_handoff(
         session, url, args, np.random.default_rng(args.seed + 1))
     return {"service_points": {"prefill": prefill_points, "decode": decode_points,
                                "handoff": handoff_points},
+            "handoff_samples_ms": ms_percentiles(handoff_samples),
             "model": model.fit_handoff(handoff_points),
-            "ratios": {"prefill": prefill_ratios, "decode_step": decode_ratios,
-                       "handoff": handoff_ratios}}
+            "ratios": {"prefill": prefill_ratios, "decode_step": decode_ratios}}
 
 
 def noise(ratios: dict[str, list[float]], args) -> ServiceNoise:
-    """The measured spread, drawn afresh from the seed (each simulation its own)."""
+    """The measured spread, drawn afresh from the seed (each simulation its own). A decode
+    ratio is the mean of ``STEP_WINDOW`` steps (``measure_decode``), so each holds as many."""
     return ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed,
-                        handoff_ratios=ratios["handoff"])
+                        steps_per_ratio=STEP_WINDOW)
 
 
 def spread(ratios: list[float]) -> dict:

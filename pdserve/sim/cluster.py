@@ -191,29 +191,27 @@ class ServiceNoise:
     instance's busy period takes the model's step times the ``n``-th of a sequence of
     ratios drawn once; their running sums keep ``DecodeSim``'s jumps exact. With
     ``first_step`` set, every busy period starts there in the sequence (a reference run
-    can then replay its steps). With ``handoff_ratios``, a handoff (``LatencyModel.handoff_s``)
-    takes its time times one of them drawn at random (from a generator of its own: the
-    prefill's draws stay those of a run without)."""
+    can then replay its steps). With ``steps_per_ratio`` above 1, each drawn ratio holds
+    for that many steps in a row: where each measured ratio is the mean of as many steps
+    (a slow stretch of the host slows them all), drawing one per step would average the
+    spread away over an answer."""
 
     def __init__(self, prefill_ratios: list[float], decode_ratios: list[float],
                  seed: int = 0, steps: int = 1 << 20, first_step: int | None = None,
-                 handoff_ratios: list[float] | None = None) -> None:
+                 steps_per_ratio: int = 1) -> None:
         self._first_step = first_step
         self._rng = np.random.default_rng(seed)
-        self._handoff_rng = np.random.default_rng(seed + 1)
-        self._handoff = None if handoff_ratios is None else np.asarray(handoff_ratios, float)
         self._prefill = np.asarray(prefill_ratios, dtype=float)
-        factors = self._rng.choice(np.asarray(decode_ratios, dtype=float), steps)
+        factors = self._rng.choice(np.asarray(decode_ratios, dtype=float),
+                                   -(-steps // steps_per_ratio))
+        if steps_per_ratio > 1:
+            factors = np.repeat(factors, steps_per_ratio)[:steps]
         self._sum = np.concatenate(([0.0], np.cumsum(factors)))
         self._weighted = np.concatenate(([0.0], np.cumsum(np.arange(steps) * factors)))
 
     def prefill_factor(self) -> float:
         return float(self._rng.choice(self._prefill))
 
-    def handoff_factor(self) -> float:
-        if self._handoff is None:  # no draw: a fleet's runs without it stay as fast
-            return 1.0
-        return float(self._handoff_rng.choice(self._handoff))
 
     def start(self) -> int:
         """Where a busy period starts in the drawn sequence: anywhere in its first half."""
@@ -905,11 +903,9 @@ class GroupSim:
             decode = order.first()
             order.shift(decode.name, 1)
             m, tokens = self.model, request.input_len  # m.handoff_s, in place
-            handoff = (tokens * m.kv_bytes_per_token / (m.link_gb_per_s * 1e9)
-                       + m.handoff_base_s + m.handoff_per_token_s * tokens)
-            if self.noise is not None:
-                handoff *= self.noise.handoff_factor()
-            self.loop.at(self.loop.now + handoff, decode.receive, request)
+            self.loop.at(self.loop.now + tokens * m.kv_bytes_per_token / (m.link_gb_per_s * 1e9)
+                         + m.handoff_base_s + m.handoff_per_token_s * tokens,
+                         decode.receive, request)
         if self.draining:
             self._settle(name)
         line = self._lines[gateway]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 
@@ -247,17 +245,14 @@ def test_handoff_fitted_beyond_the_link_delays_the_join_and_only_that():
     assert request.finished == pytest.approx(0.5 + 0.54 + 0.04)  # joins later, same steps
 
 
-def test_measured_handoff_spread_stretches_the_handoff_only():
+def test_decode_ratios_held_for_several_steps_each():
     from pdserve.sim.cluster import ServiceNoise
 
-    model = replace(MODEL, handoff_base_s=0.03, handoff_per_token_s=2e-5)
-    noise = ServiceNoise([1.0], [1.0], steps=1 << 12, handoff_ratios=[2.0])
-    (request,) = GroupSim(model, 1, 1, noise=noise).run([SimRequest(0.0, 500, 5)])
-    assert request.first_token == pytest.approx(0.5)
-    assert request.finished == pytest.approx(0.5 + 2 * 0.54 + 0.04)
-    plain = ServiceNoise([1.0], [1.0], steps=1 << 12)  # no handoff ratios: no stretch
-    (request,) = GroupSim(model, 1, 1, noise=plain).run([SimRequest(0.0, 500, 5)])
-    assert request.finished == pytest.approx(0.5 + 0.54 + 0.04)
+    # Ratios 1 or 3, each held for 4 steps: every run of 4 steps from the start is uniform.
+    noise = ServiceNoise([1.0], [1.0, 3.0], steps=64, first_step=0, steps_per_ratio=4)
+    blocks = [noise.span(i, i + 4)[0] for i in range(0, 60, 4)]
+    assert set(blocks) <= {4.0, 12.0} and len(set(blocks)) == 2
+    assert noise.span(0, 64)[0] == pytest.approx(sum(blocks) + noise.span(60, 64)[0])
 
 
 def test_handoff_fit_is_never_negative():
