@@ -151,7 +151,8 @@ async def replay(session, url: str, requests: list[SimRequest], args, rng) -> li
         sent = time.monotonic()
         times = [t - start for t in await token_clock(session, url, body)]
         return {"ttft_s": times[0] - (sent - start),
-                "tpot_s": (times[-1] - times[0]) / (request.output_len - 1), "times": times}
+                "tpot_s": (times[-1] - times[0]) / (request.output_len - 1), "times": times,
+                "sent": sent - start}
 
     return await asyncio.gather(*(one(r) for r in requests))
 
@@ -196,28 +197,38 @@ def handoff_sample(times: list[float]) -> float | None:
 def decode_timing(rows: list[dict]) -> dict:
     """Where the measured TPOTs go (milliseconds): each request's first gap (its handoff to
     the decode instance and its first step there; requests whose first token came alone in
-    its chunk) against its later steps, the TPOT
-    without that first gap, and the later steps of a request during which another joined
-    the batch (the step whose end is nearest the newcomer's second token) against those
-    shared with a request already running and those alone."""
+    its chunk) against its later steps, the TPOT without that first gap, and the later
+    steps of a request during which another joined the batch (the step whose end is nearest
+    the newcomer's second token) against those shared with a request already running and
+    those alone - alone in the batch while another request waited for its first token (the
+    prefill instance busy on the same host's cores, when rows carry ``sent``) or not."""
     joins = [r["times"][1] for r in rows]
-    kinds: dict[str, list[float]] = {"join": [], "shared": [], "alone": []}
+    kinds: dict[str, list[float]] = {"join": [], "shared": [], "alone_beside_prefill": [],
+                                     "alone": []}
     for row in rows:
         times = np.asarray(row["times"])
         ends, gaps = times[2:], np.diff(times[1:])
         joined = {int(np.argmin(np.abs(ends - t))) for t in joins
                   if times[1] < t <= times[-1]}
         for i, gap in enumerate(gaps):
-            kind = "join" if i in joined else "shared" if any(
-                r is not row and r["times"][1] < ends[i] and r["times"][-1] > ends[i] - gap
-                for r in rows) else "alone"
-            kinds[kind].append(gap)
+            kinds[step_kind(row, rows, ends[i] - gap, ends[i], i in joined)].append(gap)
     steady_tpot = [(r["times"][-1] - r["times"][1]) / (len(r["times"]) - 2) for r in rows]
     alone = [r["times"] for r in rows if r["times"][1] > r["times"][0]]
     return {"first_gap_ms": ms_percentiles([t[1] - t[0] for t in alone]),
             "later_step_ms": ms_percentiles([g for k in kinds.values() for g in k]),
             "tpot_without_first_gap_ms": ms_percentiles(steady_tpot),
             **{f"later_step_{kind}_ms": ms_percentiles(gaps) for kind, gaps in kinds.items()}}
+
+
+def step_kind(row: dict, rows: list[dict], start: float, end: float, joined: bool) -> str:
+    if joined:
+        return "join"
+    others = [r for r in rows if r is not row]
+    if any(r["times"][1] < end and r["times"][-1] > start for r in others):
+        return "shared"
+    if any(r.get("sent", r["times"][0]) < end and r["times"][0] > start for r in others):
+        return "alone_beside_prefill"
+    return "alone"
 
 
 def ms_percentiles(seconds: list[float]) -> dict:

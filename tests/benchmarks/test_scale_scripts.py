@@ -243,6 +243,10 @@ def test_decode_timing_sorts_later_steps_by_a_newcomer_joining():
     assert timing["later_step_shared_ms"]["samples"] == 4
     assert timing["tpot_without_first_gap_ms"]["p50"] == pytest.approx(
         np.median([(0.249 - 0.05) / 18 * 1e3, 12.0]))
+    # B sent at 0.15 s: A's five steps from then until B's first token ran beside its prefill.
+    timing = module.decode_timing([{"times": a, "sent": 0.0}, {"times": b, "sent": 0.15}])
+    assert timing["later_step_alone_beside_prefill_ms"]["samples"] == 5
+    assert timing["later_step_alone_ms"]["samples"] == 11
 
 
 def test_handoff_sample_takes_off_the_steps_its_chunk_carries():
