@@ -3,11 +3,14 @@ against the simulator fitted to those instances.
 
 1. Measure the instances' service times over HTTP: prefill as the latency of one-token
    completions of several prompt lengths (one at a time), decode as the interval between
-   streamed tokens of ``batch`` requests running together at two prompt lengths.
-2. Fit ``LatencyModel.fit`` to those points.
+   streamed tokens of ``batch`` requests running together at two prompt lengths, and the
+   handoff through the gateway: how long after its first token a request, alone, joins
+   the decode batch (its second token's gap less one decode step of its own).
+2. Fit ``LatencyModel.fit`` to those points, and ``fit_handoff`` to the handoff's.
 3. Replay one request list (Poisson arrivals, random prompt and answer lengths, answers
    of exactly their length) through the gateway, streamed, and through ``GroupSim`` with
-   the fitted model; report measured and simulated TTFT and TPOT percentiles side by side.
+   the fitted model; report measured and simulated TTFT and TPOT percentiles side by side,
+   and where the measured TPOTs go (``decode_timing``).
 
 On CPU (the default: the tiny model) the instances, the gateway and the client share the
 host's cores; keep ``--rate`` low enough that requests rarely overlap (the report records
@@ -50,12 +53,6 @@ def start_instance(args) -> ServeProcess:
 
 def prompt(rng: np.random.Generator, tokens: int) -> list[int]:
     return rng.integers(0, VOCAB, tokens).tolist()
-
-
-async def stream(session, url: str, body: dict) -> list[float]:
-    """Arrival time of every generated token, from the send (see ``token_clock``)."""
-    start = time.monotonic()
-    return [t - start for t in await token_clock(session, url, body)]
 
 
 async def token_clock(session, url: str, body: dict) -> list[float]:
@@ -151,10 +148,94 @@ async def replay(session, url: str, requests: list[SimRequest], args, rng) -> li
         await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
         body = {"model": args.model, "prompt": prompt(rng, request.input_len),
                 "max_tokens": request.output_len, "ignore_eos": True}
-        times = await stream(session, url, body)
-        return {"ttft_s": times[0], "tpot_s": (times[-1] - times[0]) / (request.output_len - 1)}
+        sent = time.monotonic()
+        times = [t - start for t in await token_clock(session, url, body)]
+        return {"ttft_s": times[0] - (sent - start),
+                "tpot_s": (times[-1] - times[0]) / (request.output_len - 1), "times": times,
+                "sent": sent - start}
 
     return await asyncio.gather(*(one(r) for r in requests))
+
+
+async def measure_handoff(session, url: str, args, rng) -> tuple[list[dict], list[float]]:
+    """Through the gateway, one request at a time: how long after its first token (the
+    prefill's, relayed at once) a request joins the decode batch - the gap to its second
+    token's chunk less the decode steps that chunk carries (each the median of the
+    request's later gaps). Median per prompt length, and every sample (seconds: a median
+    near zero leaves no ratio to speak of)."""
+    points, samples = [], []
+    body = {"model": args.model, "ignore_eos": True, "max_tokens": 2 + 2 * STEP_WINDOW}
+    for tokens in args.prompt_lens:
+        seconds: list[float] = []
+        for _ in range(4 * args.repeats):
+            times = await token_clock(session, url, {**body, "prompt": prompt(rng, tokens)})
+            sample = handoff_sample(times)
+            if sample is not None:
+                seconds.append(sample)
+            if len(seconds) == args.repeats:
+                break
+        else:
+            raise RuntimeError(f"{tokens}-token prompts: the first token came alone in "
+                               f"{len(seconds)} of {4 * args.repeats} answers")
+        median = float(np.median(seconds))
+        points.append({"tokens": tokens, "seconds": median})
+        samples += seconds
+    return points, samples
+
+
+def handoff_sample(times: list[float]) -> float | None:
+    """From one answer's token times: its first token's chunk until its join; None where
+    the first token came in one chunk with later ones (its text held back as incomplete
+    UTF-8: the tiny model's random ids), which leaves no time of its own."""
+    if times[1] == times[0]:
+        return None
+    steps = np.diff(times[1:])
+    carried = times.count(times[1])  # tokens in the second token's chunk: a step each
+    return times[1] - times[0] - carried * float(np.median(steps[steps > 0]))
+
+
+def decode_timing(rows: list[dict]) -> dict:
+    """Where the measured TPOTs go (milliseconds): each request's first gap (its handoff to
+    the decode instance and its first step there; requests whose first token came alone in
+    its chunk) against its later steps, the TPOT without that first gap, and the later
+    steps of a request during which another joined the batch (the step whose end is nearest
+    the newcomer's second token) against those shared with a request already running and
+    those alone - alone in the batch while another request waited for its first token (the
+    prefill instance busy on the same host's cores, when rows carry ``sent``) or not."""
+    joins = [r["times"][1] for r in rows]
+    kinds: dict[str, list[float]] = {"join": [], "shared": [], "alone_beside_prefill": [],
+                                     "alone": []}
+    for row in rows:
+        times = np.asarray(row["times"])
+        ends, gaps = times[2:], np.diff(times[1:])
+        joined = {int(np.argmin(np.abs(ends - t))) for t in joins
+                  if times[1] < t <= times[-1]}
+        for i, gap in enumerate(gaps):
+            kinds[step_kind(row, rows, ends[i] - gap, ends[i], i in joined)].append(gap)
+    steady_tpot = [(r["times"][-1] - r["times"][1]) / (len(r["times"]) - 2) for r in rows]
+    alone = [r["times"] for r in rows if r["times"][1] > r["times"][0]]
+    return {"first_gap_ms": ms_percentiles([t[1] - t[0] for t in alone]),
+            "later_step_ms": ms_percentiles([g for k in kinds.values() for g in k]),
+            "tpot_without_first_gap_ms": ms_percentiles(steady_tpot),
+            **{f"later_step_{kind}_ms": ms_percentiles(gaps) for kind, gaps in kinds.items()}}
+
+
+def step_kind(row: dict, rows: list[dict], start: float, end: float, joined: bool) -> str:
+    if joined:
+        return "join"
+    others = [r for r in rows if r is not row]
+    if any(r["times"][1] < end and r["times"][-1] > start for r in others):
+        return "shared"
+    if any(r.get("sent", r["times"][0]) < end and r["times"][0] > start for r in others):
+        return "alone_beside_prefill"
+    return "alone"
+
+
+def ms_percentiles(seconds: list[float]) -> dict:
+    if not seconds:
+        return {"samples": 0}
+    return {"samples": len(seconds), **{f"p{q}": float(np.percentile(seconds, q)) * 1e3
+                                        for q in (50, 90, 99)}}
 
 
 def percentiles(rows: list[dict], key: str) -> dict:
@@ -175,54 +256,84 @@ def simulate(model: LatencyModel, requests: list[SimRequest], args,
 async def run(args) -> dict:
     from aiohttp import ClientSession, ClientTimeout
 
-    from pdserve.cluster.app import start_gateway, stop_gateway
-    from pdserve.cluster.config import GatewayConfig
-    from pdserve.cluster.registry import Instance, MemoryRegistry
+    from pdserve.cluster.app import stop_gateway
 
     load_average = {"start": os.getloadavg()[0]}
     prefill, decode = start_instance(args), start_instance(args)
     rng = np.random.default_rng(args.seed)
     try:
         async with ClientSession(timeout=ClientTimeout(total=None)) as session:
-            prefill_points, prefill_ratios = await measure_prefill(
-                session, prefill.url + "/v1/completions", args, rng)
-            decode_points, decode_ratios = await measure_decode(
-                session, decode.url + "/v1/completions", args, rng)
-            model = LatencyModel.fit(prefill_points, decode_points,
-                                     kv_bytes_per_token(args.model),
-                                     link_gb_per_s=args.link_gb_per_s,
-                                     decode_kv_tokens=args.decode_kv_tokens)
-            registry = MemoryRegistry()
-            for name, server, role in (("p", prefill, "prefill"), ("d", decode, "decode")):
-                info = await (await session.get(server.url + "/pd/info")).json()
-                registry.register(Instance(name, "default", role, f"127.0.0.1:{server.port}",
-                                           info["kv_address"], info["model"]))
-            port = free_port()
-            config = GatewayConfig(host="127.0.0.1", port=port,
-                                   ttft_slo_ms=args.ttft_slo_s * 1e3,
-                                   max_wait_s=args.max_wait_s)
-            gateway = await start_gateway(config, registry)
-            requests = workload(args, rng)
-            load_average["calibrated"] = os.getloadavg()[0]
+            gateway, url = await start_group(session, prefill, decode, args)
             try:
-                measured = await replay(session, f"http://127.0.0.1:{port}/v1/completions",
-                                        requests, args, rng)
+                calibrated = await calibrate(session, prefill, decode, url, args, rng)
+                requests = workload(args, rng)
+                load_average["calibrated"] = os.getloadavg()[0]
+                measured = await replay(session, url, requests, args, rng)
             finally:
                 await stop_gateway(*gateway)
     finally:
         for server in (prefill, decode):
             server.stop()
     load_average["replayed"] = os.getloadavg()[0]
-    noise = ServiceNoise(prefill_ratios, decode_ratios, seed=args.seed)
-    simulated = {"simulated": simulate(model, requests, args, noise),
-                 "simulated_medians_only": simulate(model, requests, args)}
+    model, ratios = calibrated.pop("model"), calibrated.pop("ratios")
+    without = dataclasses.replace(model, handoff_base_s=0.0, handoff_per_token_s=0.0)
+    simulated = {"simulated": simulate(model, requests, args, noise(ratios, args)),
+                 "simulated_medians_only": simulate(model, requests, args),
+                 "simulated_without_handoff": simulate(without, requests, args,
+                                                       noise(ratios, args))}
     prefill_busy = sum(model.prefill_s(r.input_len) for r in requests) / requests[-1].arrival
-    return {"service_points": {"prefill": prefill_points, "decode": decode_points},
-            "service_spread": {"prefill": spread(prefill_ratios),
-                               "decode_step": spread(decode_ratios)},
+    return {**calibrated, "service_spread": {k: spread(v) for k, v in ratios.items()},
             "latency_model": dataclasses.asdict(model), "prefill_utilisation": prefill_busy,
             "host_load_average_1min": load_average,  # other work on the cores skews both
+            "measured_decode_timing": decode_timing(measured),
+            # every request's token arrivals (s from the replay's start): re-analysable
+            "measured_token_times_s": [[round(t, 5) for t in r["times"]] for r in measured],
             "compare": compare(measured, simulated)}
+
+
+async def start_group(session, prefill: ServeProcess, decode: ServeProcess, args):
+    """The real gateway in front of the two instances; returns it and its completions URL."""
+    from pdserve.cluster.app import start_gateway
+    from pdserve.cluster.config import GatewayConfig
+    from pdserve.cluster.registry import Instance, MemoryRegistry
+
+    registry = MemoryRegistry()
+    for name, server, role in (("p", prefill, "prefill"), ("d", decode, "decode")):
+        info = await (await session.get(server.url + "/pd/info")).json()
+        registry.register(Instance(name, "default", role, f"127.0.0.1:{server.port}",
+                                   info["kv_address"], info["model"]))
+    port = free_port()
+    config = GatewayConfig(host="127.0.0.1", port=port, ttft_slo_ms=args.ttft_slo_s * 1e3,
+                           max_wait_s=args.max_wait_s)
+    gateway = await start_gateway(config, registry)
+    return gateway, f"http://127.0.0.1:{port}/v1/completions"
+
+
+async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: str, args,
+                    rng) -> dict:
+    """Service times over HTTP, the model fitted to them, and each one's spread."""
+    prefill_points, prefill_ratios = await measure_prefill(
+        session, prefill.url + "/v1/completions", args, rng)
+    decode_points, decode_ratios = await measure_decode(
+        session, decode.url + "/v1/completions", args, rng)
+    model = LatencyModel.fit(prefill_points, decode_points, kv_bytes_per_token(args.model),
+                             link_gb_per_s=args.link_gb_per_s,
+                             decode_kv_tokens=args.decode_kv_tokens)
+    # Prompts of its own: the replay's request list stays the one earlier runs drew.
+    handoff_points, handoff_samples = await measure_handoff(
+        session, url, args, np.random.default_rng(args.seed + 1))
+    return {"service_points": {"prefill": prefill_points, "decode": decode_points,
+                               "handoff": handoff_points},
+            "handoff_samples_ms": ms_percentiles(handoff_samples),
+            "model": model.fit_handoff(handoff_points),
+            "ratios": {"prefill": prefill_ratios, "decode_step": decode_ratios}}
+
+
+def noise(ratios: dict[str, list[float]], args) -> ServiceNoise:
+    """The measured spread, drawn afresh from the seed (each simulation its own). A decode
+    ratio is the mean of ``STEP_WINDOW`` steps (``measure_decode``), so each holds as many."""
+    return ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed,
+                        steps_per_ratio=STEP_WINDOW)
 
 
 def spread(ratios: list[float]) -> dict:

@@ -27,7 +27,7 @@ import json
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from heapq import heappop, heappush
 from typing import Any, Generic, TypeVar
 
@@ -54,6 +54,11 @@ class LatencyModel:
     link_gb_per_s: float = 25.0
     decode_kv_tokens: int = 290_000
     prefill_base_s: float = 0.0  # per prefill whatever its length: a step, an HTTP hop
+    # From the prefill's end until the request joins the decode batch, beyond the link's
+    # transfer: the gateway's call to the decode instance, its engine taking the KV in
+    # (``fit_handoff``). Zero: the KV joins as it lands, the fleet figures' model.
+    handoff_base_s: float = 0.0
+    handoff_per_token_s: float = 0.0
 
     def prefill_s(self, tokens: int) -> float:
         return (self.prefill_base_s + self.prefill_per_token_s * tokens
@@ -65,6 +70,19 @@ class LatencyModel:
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / (self.link_gb_per_s * 1e9)
+
+    def handoff_s(self, tokens: int) -> float:
+        """From the prefill's end until a prompt of ``tokens`` joins the decode batch."""
+        return self.transfer_s(tokens) + self.handoff_base_s + self.handoff_per_token_s * tokens
+
+    def fit_handoff(self, points: list[dict]) -> LatencyModel:
+        """This model with the handoff fitted (least squares, nothing negative) to measured
+        ``{"tokens", "seconds"}``: the time from the prefill's end until the request joins
+        the decode batch, the link's transfer included (it is taken off before the fit)."""
+        a = np.array([[1.0, p["tokens"]] for p in points])
+        base, per_token = _fit_nonnegative(
+            a, [p["seconds"] - self.transfer_s(p["tokens"]) for p in points])
+        return replace(self, handoff_base_s=base, handoff_per_token_s=per_token)
 
     @classmethod
     def from_engine_results(cls, path: str, kv_bytes_per_token: int,
@@ -173,19 +191,27 @@ class ServiceNoise:
     instance's busy period takes the model's step times the ``n``-th of a sequence of
     ratios drawn once; their running sums keep ``DecodeSim``'s jumps exact. With
     ``first_step`` set, every busy period starts there in the sequence (a reference run
-    can then replay its steps)."""
+    can then replay its steps). With ``steps_per_ratio`` above 1, each drawn ratio holds
+    for that many steps in a row: where each measured ratio is the mean of as many steps
+    (a slow stretch of the host slows them all), drawing one per step would average the
+    spread away over an answer."""
 
     def __init__(self, prefill_ratios: list[float], decode_ratios: list[float],
-                 seed: int = 0, steps: int = 1 << 20, first_step: int | None = None) -> None:
+                 seed: int = 0, steps: int = 1 << 20, first_step: int | None = None,
+                 steps_per_ratio: int = 1) -> None:
         self._first_step = first_step
         self._rng = np.random.default_rng(seed)
         self._prefill = np.asarray(prefill_ratios, dtype=float)
-        factors = self._rng.choice(np.asarray(decode_ratios, dtype=float), steps)
+        factors = self._rng.choice(np.asarray(decode_ratios, dtype=float),
+                                   -(-steps // steps_per_ratio))
+        if steps_per_ratio > 1:
+            factors = np.repeat(factors, steps_per_ratio)[:steps]
         self._sum = np.concatenate(([0.0], np.cumsum(factors)))
         self._weighted = np.concatenate(([0.0], np.cumsum(np.arange(steps) * factors)))
 
     def prefill_factor(self) -> float:
         return float(self._rng.choice(self._prefill))
+
 
     def start(self) -> int:
         """Where a busy period starts in the drawn sequence: anywhere in its first half."""
@@ -876,9 +902,10 @@ class GroupSim:
             # counted from the pick: KV still on the link counts too.
             decode = order.first()
             order.shift(decode.name, 1)
-            m = self.model  # m.transfer_s, in place
-            self.loop.at(self.loop.now + request.input_len * m.kv_bytes_per_token
-                         / (m.link_gb_per_s * 1e9), decode.receive, request)
+            m, tokens = self.model, request.input_len  # m.handoff_s, in place
+            self.loop.at(self.loop.now + tokens * m.kv_bytes_per_token / (m.link_gb_per_s * 1e9)
+                         + m.handoff_base_s + m.handoff_per_token_s * tokens,
+                         decode.receive, request)
         if self.draining:
             self._settle(name)
         line = self._lines[gateway]

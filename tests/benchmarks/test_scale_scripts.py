@@ -71,9 +71,12 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     assert result["kind"] == "validation"
     assert len(result["service_points"]["prefill"]) == 2
     assert result["service_spread"]["decode_step"]["samples"] >= 4
+    assert [p["tokens"] for p in result["service_points"]["handoff"]] == [32, 64]
+    assert result["measured_decode_timing"]["first_gap_ms"]["samples"] == 6
     for key in ("ttft_s", "tpot_s"):
         row = result["compare"][key]
-        for side in ("measured", "simulated", "simulated_medians_only"):
+        for side in ("measured", "simulated", "simulated_medians_only",
+                     "simulated_without_handoff"):
             assert 0 < row[side]["p50"] <= row[side]["p99"]
         assert row["simulated_error"]["p50"] == pytest.approx(
             row["simulated"]["p50"] / row["measured"]["p50"] - 1)
@@ -221,6 +224,37 @@ def test_decode_timing_counts_tokens_not_chunks():
     assert module.tokens_in_chunk(three) == 3
     assert module.tokens_in_chunk({"choices": [], "usage": {"completion_tokens": 9}}) == 0
     assert module.tokens_in_chunk({"choices": [{"text": "", "logprobs": None}]}) == 0
+
+
+def test_decode_timing_sorts_later_steps_by_a_newcomer_joining():
+    """A runs alone at 10 ms a step, B's first token comes at 0.20 s and its second (the
+    step it joined in, 25 ms for A) at 0.225 s; they then share 12 ms steps. A's first gap
+    (its handoff) is 50 ms."""
+    module = _script("validate_sim")
+    a = [0.0, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.11, 0.12, 0.13, 0.14, 0.15, 0.16, 0.17,
+         0.18, 0.19, 0.2, 0.225, 0.237, 0.249]
+    b = [0.2, 0.2251, 0.2371, 0.2491, 0.2611]
+    timing = module.decode_timing([{"times": a}, {"times": b}])
+    assert timing["first_gap_ms"]["p99"] == pytest.approx(50, rel=0.02)
+    assert timing["later_step_join_ms"] == pytest.approx(
+        {"samples": 1, "p50": 25.0, "p90": 25.0, "p99": 25.0})
+    assert timing["later_step_alone_ms"]["samples"] == 16  # A: 0.05 .. 0.2 s; B: its last
+    assert timing["later_step_alone_ms"]["p50"] == pytest.approx(10.0)
+    assert timing["later_step_shared_ms"]["samples"] == 4
+    assert timing["tpot_without_first_gap_ms"]["p50"] == pytest.approx(
+        np.median([(0.249 - 0.05) / 18 * 1e3, 12.0]))
+    # B sent at 0.15 s: A's five steps from then until B's first token ran beside its prefill.
+    timing = module.decode_timing([{"times": a, "sent": 0.0}, {"times": b, "sent": 0.15}])
+    assert timing["later_step_alone_beside_prefill_ms"]["samples"] == 5
+    assert timing["later_step_alone_ms"]["samples"] == 11
+
+
+def test_handoff_sample_takes_off_the_steps_its_chunk_carries():
+    module = _script("validate_sim")
+    # First token at 0.1 s; the next chunk, 30 ms later, carries two tokens (two 5 ms steps).
+    times = [0.1, 0.13, 0.13, 0.135, 0.14, 0.145]
+    assert module.handoff_sample(times) == pytest.approx(0.02)
+    assert module.handoff_sample([0.1, 0.1, 0.13, 0.135]) is None  # no time of its own
 
 
 def test_decode_timing_only_while_the_whole_batch_decodes():

@@ -231,3 +231,31 @@ def test_fit_of_points_that_pull_every_coefficient_negative_is_zero_not_a_crash(
     assert _fit_nonnegative(a, [-0.03, -0.02, -0.01]) == [0.0, 0.0, 0.0]
     fitted = _fit_nonnegative(a, [0.020, 0.021, 0.024])
     assert all(c >= 0 for c in fitted)
+
+
+def test_handoff_fitted_beyond_the_link_delays_the_join_and_only_that():
+    # Measured: 30 ms per handoff plus 20 us per prompt token, the link's 1 ms/token included.
+    points = [{"tokens": n, "seconds": 0.03 + 2e-5 * n + 1e-3 * n} for n in (64, 256, 1024)]
+    model = MODEL.fit_handoff(points)
+    assert model.handoff_base_s == pytest.approx(0.03)
+    assert model.handoff_per_token_s == pytest.approx(2e-5)
+    assert model.handoff_s(500) == pytest.approx(0.5 + 0.03 + 0.01)
+    (request,) = GroupSim(model, 1, 1).run([SimRequest(0.0, 500, 5)])
+    assert request.first_token == pytest.approx(0.5)  # the prefill is not slowed
+    assert request.finished == pytest.approx(0.5 + 0.54 + 0.04)  # joins later, same steps
+
+
+def test_decode_ratios_held_for_several_steps_each():
+    from pdserve.sim.cluster import ServiceNoise
+
+    # Ratios 1 or 3, each held for 4 steps: every run of 4 steps from the start is uniform.
+    noise = ServiceNoise([1.0], [1.0, 3.0], steps=64, first_step=0, steps_per_ratio=4)
+    blocks = [noise.span(i, i + 4)[0] for i in range(0, 60, 4)]
+    assert set(blocks) <= {4.0, 12.0} and len(set(blocks)) == 2
+    assert noise.span(0, 64)[0] == pytest.approx(sum(blocks) + noise.span(60, 64)[0])
+
+
+def test_handoff_fit_is_never_negative():
+    # A handoff quicker than the link's model (a slow link assumed): no negative cost.
+    model = MODEL.fit_handoff([{"tokens": n, "seconds": 1e-4 * n} for n in (64, 1024)])
+    assert model.handoff_base_s == 0.0 and model.handoff_per_token_s == 0.0
