@@ -72,7 +72,9 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     assert len(result["service_points"]["prefill"]) == 2
     assert result["service_spread"]["decode_step"]["samples"] >= 4
     assert [p["tokens"] for p in result["service_points"]["handoff"]] == [32, 64]
-    assert result["measured_decode_timing"]["first_gap_ms"]["samples"] == 6
+    # Only requests whose first token came alone in its chunk give a first gap; which do
+    # depends on the sampled ids (text held back as incomplete UTF-8 joins the next chunk).
+    assert 1 <= result["measured_decode_timing"]["first_gap_ms"]["samples"] <= 6
     for key in ("ttft_s", "tpot_s"):
         row = result["compare"][key]
         for side in ("measured", "simulated", "simulated_medians_only",
