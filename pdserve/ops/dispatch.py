@@ -55,9 +55,9 @@ def interpreted_triton_ops() -> Iterator[None]:
     if not (triton_available() and triton_interpreted()):
         raise RuntimeError("interpreted Triton ops need the triton package and "
                            "TRITON_INTERPRET=1 in the environment before triton is imported")
-    from pdserve.ops.interpreter import patch_interpreter_for_numpy_2_4
+    from pdserve.ops.interpreter import patch_interpreter
 
-    patch_interpreter_for_numpy_2_4()
+    patch_interpreter()
     previous, _interpret_on_cpu = _interpret_on_cpu, True
     try:
         yield

@@ -20,9 +20,9 @@ INTERPRETED = HAS_TRITON and not torch.cuda.is_available()
 
 if INTERPRETED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from pdserve.ops.interpreter import patch_interpreter_for_numpy_2_4
+    from pdserve.ops.interpreter import patch_interpreter
 
-    patch_interpreter_for_numpy_2_4()
+    patch_interpreter()
 
 # Tests that run Triton kernels on CPU tensors through the interpreter.
 interpreted = pytest.mark.skipif(
