@@ -289,6 +289,9 @@ def _check_serve(args: argparse.Namespace) -> None:
     if server.chat_template is not None:
         load_chat_template(server.chat_template)
     args.instance = _config_from_args(InstanceConfig, args)
+    if args.instance.role is not None and server.api_server_count > 1:
+        raise UsageError("--role takes --api-server-count 1: each HTTP process would keep "
+                         "its own /pd/prefill admission, and the gateway sees one instance")
     if args.engine_config.transfer.kv_transfer_port is not None:
         from pdserve.sched.policies import role_refusal
 

@@ -62,6 +62,53 @@ class DescribeQuery:
     query_id: int
 
 
+@dataclass(slots=True)
+class RequestMetricsQuery:
+    """Asks for the request metrics summed over every HTTP process; answered by a
+    ``RequestMetricsReply``."""
+
+    query_id: int
+
+
+@dataclass(slots=True)
+class HistogramCounts:
+    """A histogram as plain numbers: ``counts[i]`` values fell in bucket i (the last bucket
+    is +Inf), ``total`` is their sum. The bucket bounds are the server's (``metrics.py``)."""
+
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def add(self, other: HistogramCounts) -> None:
+        if not self.counts:
+            self.counts = [0] * len(other.counts)
+        for i, count in enumerate(other.counts):
+            self.counts[i] += count
+        self.total += other.total
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """What the HTTP side observed of finished requests (latency histograms, finish
+    reasons, error answers). With several HTTP processes each sends the engine process what
+    every finished request added, and ``/metrics`` on any of them shows the sum."""
+
+    ttft: HistogramCounts = field(default_factory=HistogramCounts)
+    itl: HistogramCounts = field(default_factory=HistogramCounts)
+    e2e: HistogramCounts = field(default_factory=HistogramCounts)
+    finished: dict[str, int] = field(default_factory=dict)
+    """Finish reason -> requests."""
+    errors: dict[str, int] = field(default_factory=dict)
+    """HTTP status -> answers."""
+
+    def add(self, other: RequestMetrics) -> None:
+        self.ttft.add(other.ttft)
+        self.itl.add(other.itl)
+        self.e2e.add(other.e2e)
+        for mine, theirs in ((self.finished, other.finished), (self.errors, other.errors)):
+            for key, count in theirs.items():
+                mine[key] = mine.get(key, 0) + count
+
+
 # ---- engine process -> HTTP process -------------------------------------------------------
 
 
@@ -146,6 +193,15 @@ class DescribeReply:
     info: dict
 
 
+@dataclass(slots=True)
+class RequestMetricsReply:
+    query_id: int
+    metrics: RequestMetrics
+    """Summed over every HTTP process."""
+    others_in_flight: int
+    """Requests the engine holds for the other HTTP processes."""
+
+
 MUX_MODES = ("spatial", "temporal", "time_slice", "prefill_only", "decode_only", "idle",
              "disagg")
 """The multiplex planner's modes (``MuxMode`` values), listed here so that the server's
@@ -184,6 +240,7 @@ class EngineStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-ToEngine = AddRequest | AbortRequests | Shutdown | TimelineQuery | DescribeQuery
+ToEngine = (AddRequest | AbortRequests | Shutdown | TimelineQuery | DescribeQuery
+            | RequestMetrics | RequestMetricsQuery)
 FromEngine = (EngineReady | EngineDead | StepOutputs | RequestRejected | EngineStats
-              | TimelineReply | DescribeReply)
+              | TimelineReply | DescribeReply | RequestMetricsReply)

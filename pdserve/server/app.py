@@ -9,6 +9,7 @@ import logging
 import math
 import signal
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,6 +36,8 @@ STATE_KEY = web.AppKey("state", object)
 # its own cluster secret (pdserve/server/pd.py).
 GUARDED_PATHS = ("/v1", "/pd/", "/tokenize", "/detokenize")
 API_KEY_PATHS = ("/v1", "/tokenize", "/detokenize")
+SERVER_HEADER = "X-PDServe-Api-Server"
+"""With --api-server-count > 1: which HTTP process (0 .. N-1) answered."""
 
 
 @dataclass
@@ -58,14 +61,19 @@ class ServerState:
 
 def build_app(client: EngineClient, config: ServerConfig,
               api_keys: tuple[bytes, ...] | None = None,
-              sampling_defaults: dict[str, Any] | None = None) -> web.Application:
+              sampling_defaults: dict[str, Any] | None = None,
+              server_index: int = 0) -> web.Application:
     """``api_keys``: as ``load_api_keys`` gives them (read from ``config`` when None);
-    ``sampling_defaults``: request defaults from the model's generation config."""
+    ``sampling_defaults``: request defaults from the model's generation config;
+    ``server_index``: which of ``config.api_server_count`` HTTP processes this is."""
     if api_keys is None:
         api_keys = load_api_keys(config.api_key, config.api_key_file)
     names = config.served_model_name or (client.model_name,)
     names = (names,) if isinstance(names, str) else tuple(names)  # ServerConfig(..., "name")
-    metrics = ServerMetrics(lambda: client.stats, lambda: client.num_in_flight, names[0])
+    # Several HTTP processes: request metrics are summed in the engine process.
+    publish = client.publish_metrics if config.api_server_count > 1 else None
+    metrics = ServerMetrics(lambda: client.stats, lambda: client.num_in_flight, names[0],
+                            publish)
     state = ServerState(client, config, names[0], metrics, api_keys, model_names=tuple(names))
     state.idle.set()
     if config.chat_template is not None:
@@ -77,6 +85,8 @@ def build_app(client: EngineClient, config: ServerConfig,
     app = web.Application(client_max_size=limits.max_body_bytes,
                           middlewares=[_errors, _api_key, _admission, limits.middleware()])
     app[STATE_KEY] = state
+    if config.api_server_count > 1:
+        app.on_response_prepare.append(_tag_server(str(server_index)))
     app.router.add_post("/v1/completions", serving.completions)
     app.router.add_post("/v1/chat/completions", serving.chat)
     app.router.add_get("/v1/models", _models)
@@ -91,6 +101,13 @@ def build_app(client: EngineClient, config: ServerConfig,
 
 def _state(request: web.Request) -> ServerState:
     return request.app[STATE_KEY]
+
+
+def _tag_server(index: str):
+    async def tag(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[SERVER_HEADER] = index
+
+    return tag
 
 
 # ---- middlewares --------------------------------------------------------------------------
@@ -203,7 +220,16 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    body = _state(request).metrics.render()
+    state = _state(request)
+    if state.metrics.publish is not None:  # the sums over every HTTP process
+        try:
+            reply = await state.client.request_metrics()
+        except P.APIError as exc:
+            raise P.APIError(503, "the request metrics of all HTTP processes are summed in "
+                             f"the engine process, which did not answer: {exc.message}"
+                             ) from None
+        state.metrics.show(reply.metrics, reply.others_in_flight)
+    body = state.metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -228,67 +254,122 @@ def serve(engine_config: Any, config: ServerConfig, core_factory: str = DEFAULT_
         api_keys = load_api_keys(config.api_key, config.api_key_file)
     except APIKeyFileError as exc:
         raise SystemExit(f"pdserve serve: {exc}") from None
-    try:  # the optional extra pdserve[uvloop]: less CPU per streamed chunk
+    run_event_loop(_serve(engine_config, config, api_keys, core_factory, lifecycle))
+
+
+def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Runs ``main`` on uvloop when it is installed (the optional extra pdserve[uvloop]:
+    less CPU per streamed chunk), on asyncio's own loop otherwise."""
+    try:
         import uvloop
     except ImportError:
         uvloop = None
     logger.info("event loop: %s", "uvloop" if uvloop is not None else
                 "asyncio (pip install 'pdserve[uvloop]' for uvloop)")
-    if uvloop is not None:
-        uvloop.run(_serve(engine_config, config, api_keys, core_factory, lifecycle))
-    else:
-        asyncio.run(_serve(engine_config, config, api_keys, core_factory, lifecycle))
+    (uvloop.run if uvloop is not None else asyncio.run)(main)
 
 
 async def _serve(engine_config: Any, config: ServerConfig, api_keys: tuple[bytes, ...],
                  core_factory: str, lifecycle: Lifecycle | None) -> None:
     logger.info("starting the engine process")
-    restart = RestartPolicy(config.engine_restarts, config.engine_restart_backoff_s)
     client = await EngineClient.start(engine_config, core_factory, config.engine_start_timeout,
-                                      restart)
+                                      _restart_policy(config), config.api_server_count)
     model = engine_config.model
-    app = build_app(client, config, api_keys,
-                    sampling_defaults(model.generation_config, model.model))
+    defaults = sampling_defaults(model.generation_config, model.model)
+    workers = await _start_workers(client, config, api_keys, defaults)
+    app = build_app(client, config, api_keys, defaults)
     state = app[STATE_KEY]
+    runner = await listen(app, config)
+    logger.info("serving '%s' on http://%s:%d (max_model_len %d%s)", state.model_name,
+                config.host, config.port, client.max_model_len,
+                f", {config.api_server_count} HTTP processes" if workers else "")
+    if api_keys:
+        logger.info("API key required on /v1 routes (%d key(s) accepted)", len(api_keys))
+    stop, force = install_signals(workers.forward_signal if workers else None)
+    if lifecycle is not None:
+        lifecycle.started(client)
+    ends = [asyncio.ensure_future(stop.wait()), client.gave_up]
+    await asyncio.wait(ends + ([workers.failed] if workers else []),
+                       return_when=asyncio.FIRST_COMPLETED)
+    if lifecycle is not None:
+        lifecycle.stopping()
+    if workers:
+        workers.stop()
+    await drain(state, config.shutdown_timeout, force)
+    await runner.cleanup()
+    if workers:
+        await workers.join(config.shutdown_timeout)
+    await client.shutdown()
+    _exit_with_reason(client, workers)
+    logger.info("stopped")
+
+
+def _restart_policy(config: ServerConfig) -> RestartPolicy:
+    if config.api_server_count == 1:
+        return RestartPolicy(config.engine_restarts, config.engine_restart_backoff_s)
+    if config.engine_restarts:
+        logger.warning("engine restarts are off with --api-server-count %d: if the engine "
+                       "process dies, the server stops (exit code 1)", config.api_server_count)
+    return RestartPolicy(0, off_reason="restarts are off with --api-server-count > 1")
+
+
+async def _start_workers(client: EngineClient, config: ServerConfig,
+                         api_keys: tuple[bytes, ...], defaults: dict[str, Any]) -> Any:
+    """The other HTTP processes, listening once this returns (None with one process)."""
+    if config.api_server_count == 1:
+        return None
+    from pdserve.server.workers import APIWorkers
+
+    workers = APIWorkers(client.worker_pipes, config, api_keys, defaults)
+    client.worker_pipes = []
+    try:
+        await workers.started(config.engine_start_timeout)
+    except RuntimeError as exc:
+        workers.kill()
+        await client.shutdown()
+        raise SystemExit(f"pdserve serve: {exc}") from None
+    return workers
+
+
+def _exit_with_reason(client: EngineClient, workers: Any) -> None:
+    if client.gave_up.done():
+        raise SystemExit(f"pdserve serve: {client.gave_up.result()}")
+    if workers and workers.failed.done():
+        raise SystemExit(f"pdserve serve: {workers.failed.result()}")
+
+
+async def listen(app: web.Application, config: ServerConfig) -> web.AppRunner:
+    """Serves ``app`` on the configured address (shared by every HTTP process when there
+    are several)."""
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup
     # aborts the request and frees its KV blocks at once.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
                            **HTTPLimits.of(config).runner_options())
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
-    logger.info("serving '%s' on http://%s:%d (max_model_len %d)", state.model_name,
-                config.host, config.port, client.max_model_len)
-    if api_keys:
-        logger.info("API key required on /v1 routes (%d key(s) accepted)", len(api_keys))
-    stop, force = _install_signals()
-    if lifecycle is not None:
-        lifecycle.started(client)
-    await asyncio.wait([asyncio.ensure_future(stop.wait()), client.gave_up],
-                       return_when=asyncio.FIRST_COMPLETED)
-    if lifecycle is not None:
-        lifecycle.stopping()
-    await _drain(state, config.shutdown_timeout, force)
-    await runner.cleanup()
-    await client.shutdown()
-    if client.gave_up.done():
-        raise SystemExit(f"pdserve serve: {client.gave_up.result()}")
-    logger.info("stopped")
+    shared = {"reuse_port": True} if config.api_server_count > 1 else {}
+    await web.TCPSite(runner, config.host, config.port, **shared).start()
+    return runner
 
 
-def _install_signals() -> tuple[asyncio.Event, asyncio.Event]:
-    """First SIGTERM/SIGINT starts draining; a second one cuts the drain short."""
+def install_signals(forward: Callable[[], None] | None = None,
+                    signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+                    ) -> tuple[asyncio.Event, asyncio.Event]:
+    """First SIGTERM/SIGINT starts draining; a second one cuts the drain short. Each one is
+    also passed on by ``forward`` (to the other HTTP processes)."""
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:
         (force if stop.is_set() else stop).set()
+        if forward is not None:
+            forward()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in signals:
         loop.add_signal_handler(sig, on_signal)
     return stop, force
 
 
-async def _drain(state: ServerState, timeout: float, force: asyncio.Event) -> None:
+async def drain(state: ServerState, timeout: float, force: asyncio.Event) -> None:
     state.draining = True
     logger.info("draining %d request(s) for up to %.0f s", state.active, timeout)
     start = time.monotonic()

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-_EOF = object()
-_CLOSE = object()
+CHANNEL_CLOSED = object()
+"""What the engine end takes from a channel whose server end has gone."""
 
 # A thread waiting for the GIL gets it after at most this long (Python's default is 5 ms);
 # the engine's helper threads must not add that to every token's delivery.
@@ -49,7 +49,7 @@ def encode(batch: list[Any]) -> bytes:
 
 
 class EngineChannel:
-    """The engine process's end: ``take`` and ``send`` never wait on the server.
+    """One HTTP process's pipe pair at the engine end: ``send`` never waits on the server.
 
     ``send`` writes the frame itself when the pipe takes it at once (the usual case: a step's
     outputs are a few KiB and the server reads continuously), so a token is on its way the
@@ -57,27 +57,38 @@ class EngineChannel:
     switch interval while the engine loop runs Python. What the pipe cannot take goes to the
     sender thread, which writes it (and everything sent after it, in order) as the pipe
     drains.
+
+    The receiver thread puts ``(index, arrival time, messages)`` into ``inbox`` (shared by
+    every channel of an ``EngineChannels``), and ``(index, time, CHANNEL_CLOSED)`` once the
+    server end is gone.
     """
 
-    def __init__(self, reader: Connection, writer: Connection) -> None:
+    def __init__(self, reader: Connection, writer: Connection,
+                 inbox: queue.SimpleQueue | None = None, index: int = 0) -> None:
         sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
+        self.index = index
         self._reader = reader
         self._writer = writer
         self._fd = writer.fileno()
         os.set_blocking(self._fd, False)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox = inbox if inbox is not None else queue.SimpleQueue()
         self._lock = threading.Condition()
         self._backlog = bytearray()  # for the sender thread, in order
         self._sender_busy = False  # the thread holds bytes that must go before new ones
         self._closing = False
         self._broken = False  # the server is gone: nothing more to write
-        self._threads = [threading.Thread(target=self._recv_loop, name="engine-recv", daemon=True),
-                         threading.Thread(target=self._send_loop, name="engine-send", daemon=True)]
+        self._threads = [threading.Thread(target=self._recv_loop, name=f"engine-recv-{index}",
+                                          daemon=True),
+                         threading.Thread(target=self._send_loop, name=f"engine-send-{index}",
+                                          daemon=True)]
         for thread in self._threads:
             thread.start()
 
     def send(self, message: Any) -> None:
-        data = encode([message])
+        self.send_encoded(encode([message]))
+
+    def send_encoded(self, data: bytes) -> None:
+        """Sends a frame made by ``encode`` (one encoding can go to several channels)."""
         with self._lock:
             if self._broken or self._closing:
                 return
@@ -97,30 +108,6 @@ class EngineChannel:
             self._broken = True
             return len(data)
 
-    def take(self, timeout: float | None) -> list[tuple[float, Any]]:
-        """(arrival time, message) pairs; waits up to ``timeout`` for the first one.
-
-        Raises EOFError once the server is gone and everything it sent was taken.
-        """
-        try:
-            first = self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
-        except queue.Empty:
-            return []
-        out: list[tuple[float, Any]] = []
-        item = first
-        while True:
-            if item is _EOF:
-                self._inbox.put(_EOF)  # stays visible to the next call
-                if out:
-                    return out
-                raise EOFError
-            arrived, batch = item
-            out += [(arrived, message) for message in batch]
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return out
-
     def close(self, timeout: float = 5.0) -> None:
         """Sends what is queued, then closes the pipes."""
         with self._lock:
@@ -136,9 +123,9 @@ class EngineChannel:
             # close() from another thread during a blocked recv leaves the connection's
             # handle None mid-read, which multiprocessing reports as a TypeError.
             except (EOFError, OSError, TypeError):
-                self._inbox.put(_EOF)
+                self._inbox.put((self.index, time.monotonic(), CHANNEL_CLOSED))
                 return
-            self._inbox.put((time.monotonic(), pickle.loads(data)))
+            self._inbox.put((self.index, time.monotonic(), pickle.loads(data)))
 
     def _send_loop(self) -> None:
         while True:
@@ -161,6 +148,55 @@ class EngineChannel:
             select.select([], [self._fd], [])  # until the server has read some
             with self._lock:
                 view = view[self._write_some(view):]
+
+
+class EngineChannels:
+    """The engine's ends of the channels of all HTTP processes (``--api-server-count``): one
+    inbox for what they send, each one's messages tagged with its index."""
+
+    def __init__(self, pipes: list[tuple[Connection, Connection]]) -> None:
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.channels = [EngineChannel(reader, writer, self._inbox, index)
+                         for index, (reader, writer) in enumerate(pipes)]
+        self.open = set(range(len(pipes)))
+        """Channels whose server end has not closed yet."""
+
+    def take(self, timeout: float | None) -> list[tuple[int, float, Any]]:
+        """(channel index, arrival time, message) triples; waits up to ``timeout`` for the
+        first. A channel whose server end closed gives one ``CHANNEL_CLOSED`` message.
+
+        Raises EOFError once every server end is gone and everything they sent was taken.
+        """
+        if not self.open and self._inbox.empty():
+            raise EOFError
+        try:
+            item = self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return []
+        out: list[tuple[int, float, Any]] = []
+        while True:
+            index, arrived, batch = item
+            if batch is CHANNEL_CLOSED:
+                self.open.discard(index)
+                out.append((index, arrived, CHANNEL_CLOSED))
+            else:
+                out += [(index, arrived, message) for message in batch]
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return out
+
+    def send(self, index: int, message: Any) -> None:
+        self.channels[index].send(message)
+
+    def broadcast(self, message: Any) -> None:
+        data = encode([message])
+        for index in self.open:
+            self.channels[index].send_encoded(data)
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
 
 
 # ---- server end ---------------------------------------------------------------------------

@@ -27,6 +27,9 @@ from pdserve.messages import (
     EngineDead,
     EngineReady,
     EngineStats,
+    RequestMetrics,
+    RequestMetricsQuery,
+    RequestMetricsReply,
     RequestRejected,
     RequestUpdate,
     Shutdown,
@@ -125,15 +128,29 @@ class RestartPolicy:
     """Wait before the first restart of an outage; each further attempt doubles it."""
     stable_s: float = 60.0
     """An engine that ran this long before dying starts the count of restarts again."""
+    off_reason: str = "restarts are off (--engine-restarts 0)"
+    """What the give-up message says when ``attempts`` is 0."""
 
     def delay(self, attempt: int) -> float:
         return self.backoff_s * 2 ** (attempt - 1)
 
 
+Pipe = tuple[Connection, Connection]
+"""The server end of one channel: (reader from the engine, writer to it)."""
+
+
 class EngineClient:
+    """One HTTP process's view of the engine. The process that starts the engine owns it
+    (``start``); with ``--api-server-count`` N it also opens N - 1 further channels
+    (``worker_pipes``) for the other HTTP processes, which ``attach`` to them."""
+
     def __init__(self, engine_config: Any, core_factory: str = DEFAULT_CORE,
-                 start_timeout: float = 600.0, restart: RestartPolicy | None = None) -> None:
+                 start_timeout: float = 600.0, restart: RestartPolicy | None = None,
+                 api_server_count: int = 1) -> None:
         self.engine_config = engine_config
+        self.api_server_count = api_server_count
+        self.worker_pipes: list[Pipe] = []
+        """Server ends of the other HTTP processes' channels, until handed over."""
         self.core_factory = core_factory
         self.start_timeout = start_timeout
         self.restart_policy = restart or RestartPolicy()
@@ -166,24 +183,39 @@ class EngineClient:
 
     @classmethod
     async def start(cls, engine_config: Any, core_factory: str = DEFAULT_CORE,
-                    timeout: float = 600.0, restart: RestartPolicy | None = None
-                    ) -> EngineClient:
+                    timeout: float = 600.0, restart: RestartPolicy | None = None,
+                    api_server_count: int = 1) -> EngineClient:
         """Spawns the engine process and waits until its model is loaded."""
-        client = cls(engine_config, core_factory, timeout, restart)
+        client = cls(engine_config, core_factory, timeout, restart, api_server_count)
         await client._launch()
         return client
 
+    @classmethod
+    async def attach(cls, pipe: Pipe, timeout: float = 600.0) -> EngineClient:
+        """The client of an HTTP process that did not start the engine: it talks over
+        ``pipe`` (one of the starter's ``worker_pipes``) and never restarts the engine."""
+        client = cls(None, start_timeout=timeout, restart=RestartPolicy(
+            0, off_reason="only the first HTTP process could restart it"))
+        await client._open(*pipe)
+        return client
+
     async def _launch(self) -> None:
-        """Starts an engine process on a fresh channel; RuntimeError if it does not load."""
+        """Starts an engine process on fresh channels; RuntimeError if it does not load."""
+        self.process, pipes = _spawn(self.engine_config, self.core_factory,
+                                     self.api_server_count)
+        self.worker_pipes = pipes[1:]
+        await self._open(*pipes[0])
+
+    async def _open(self, reader: Connection, writer: Connection) -> None:
+        """Reads ``reader`` until the engine says it is ready; RuntimeError if it does not."""
         self._generation += 1
         self._ready = self._loop.create_future()
-        self.process, reader, writer = _spawn(self.engine_config, self.core_factory)
         on_batch, on_eof = self._callbacks(self._generation)
         self.channel = await ServerChannel.open(reader, writer, on_batch, on_eof)
         try:
             ready = await asyncio.wait_for(asyncio.shield(self._ready), self.start_timeout)
         except TimeoutError:
-            self.process.kill()
+            self._kill()
             raise RuntimeError(f"the engine did not load within {self.start_timeout:.0f} s"
                                ) from None
         self._apply_ready(ready)
@@ -236,6 +268,16 @@ class EngineClient:
         if stream is not None and self.dead_reason is None:
             self.channel.send(AbortRequests([request_id]))
 
+    def publish_metrics(self, delta: RequestMetrics) -> None:
+        """Adds what this process observed to the engine process's sums (several HTTP
+        processes)."""
+        if self.dead_reason is None:
+            self.channel.send(delta)
+
+    async def request_metrics(self, timeout: float = 30.0) -> RequestMetricsReply:
+        """The request metrics summed over every HTTP process."""
+        return await self._query(RequestMetricsQuery, timeout)
+
     def abort_all(self, reason: str) -> None:
         ids = list(self._streams)
         for request_id in ids:
@@ -271,6 +313,9 @@ class EngineClient:
         self._closing = True
         if self._restarter is not None:
             self._restarter.cancel()
+        if self.process is None:  # attached: the process that started the engine stops it
+            self.channel.close()
+            return
         if self.process.is_alive():
             self.channel.send(Shutdown())
         await self._loop.run_in_executor(None, self.process.join, timeout)
@@ -296,19 +341,19 @@ class EngineClient:
 
     def _on_eof(self) -> None:
         if not self._ready.done():
+            code = self.process.exitcode if self.process is not None else "unknown"
             self._ready.set_exception(RuntimeError(
-                f"the engine process exited during start-up (code {self.process.exitcode})"))
+                f"the engine process exited during start-up (code {code})"))
         elif not self._closing:
             self._on_death("the engine process exited")
 
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, EngineStats):
             self.stats = message
-        elif isinstance(message, TimelineReply | DescribeReply):
+        elif isinstance(message, TimelineReply | DescribeReply | RequestMetricsReply):
             future = self._queries.get(message.query_id)
             if future is not None and not future.done():
-                future.set_result(message.entries if isinstance(message, TimelineReply)
-                                  else message.info)
+                future.set_result(_answer(message))
         elif isinstance(message, RequestRejected):
             stream = self._streams.pop(message.request_id, None)
             if stream is not None:
@@ -401,7 +446,7 @@ class EngineClient:
     def _give_up(self, reason: str) -> None:
         attempts = self.restart_policy.attempts
         tried = (f"it died or failed to load after {attempts} restart(s) in a row" if attempts
-                 else "restarts are off (--engine-restarts 0)")
+                 else self.restart_policy.off_reason)
         if not self.gave_up.done():
             self.gave_up.set_result(f"the engine process is gone ({reason}); {tried}")
 
@@ -409,10 +454,14 @@ class EngineClient:
         """Kills what is left of the current process (a failed step's engine may still be
         leaving, holding its KV port) and closes its channel."""
         process = self.process
-        if process.is_alive():
-            process.kill()
-        await self._loop.run_in_executor(None, process.join, 10.0)
+        if process is not None:
+            self._kill()
+            await self._loop.run_in_executor(None, process.join, 10.0)
         self.channel.close()
+
+    def _kill(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
 
     def _config_keeping_kv_port(self) -> Any:
         """The engine config for a new process: a KV receiver keeps the port it had, so the
@@ -423,6 +472,12 @@ class EngineClient:
         port = int(self.kv_address.rpartition(":")[2])
         return dataclasses.replace(self.engine_config, transfer=dataclasses.replace(
             transfer, kv_transfer_port=port))
+
+
+def _answer(reply: TimelineReply | DescribeReply | RequestMetricsReply) -> Any:
+    if isinstance(reply, TimelineReply):
+        return reply.entries
+    return reply.info if isinstance(reply, DescribeReply) else reply
 
 
 def _put_all(deliveries: list[tuple[RequestStream, Items]]) -> None:
@@ -436,16 +491,22 @@ def _rejection_error(message: RequestRejected) -> APIError:
     return APIError(message.status, message.message)
 
 
-def _spawn(engine_config: Any, core_factory: str
-           ) -> tuple[mp.process.BaseProcess, Connection, Connection]:
+def _spawn(engine_config: Any, core_factory: str, channels: int = 1
+           ) -> tuple[mp.process.BaseProcess, list[Pipe]]:
+    """The engine process, and the server end of each of its ``channels``."""
     # spawn, not fork: the engine initialises CUDA, which does not survive a fork.
     ctx = mp.get_context("spawn")
-    to_engine_r, to_engine_w = ctx.Pipe(duplex=False)
-    from_engine_r, from_engine_w = ctx.Pipe(duplex=False)
+    engine_ends, server_ends = [], []
+    for _ in range(channels):
+        to_engine_r, to_engine_w = ctx.Pipe(duplex=False)
+        from_engine_r, from_engine_w = ctx.Pipe(duplex=False)
+        engine_ends.append((to_engine_r, from_engine_w))
+        server_ends.append((from_engine_r, to_engine_w))
     process = ctx.Process(target=run_engine_process, name="pdserve-engine", daemon=True,
-                          args=(engine_config, to_engine_r, from_engine_w, core_factory))
+                          args=(engine_config, engine_ends, core_factory))
     process.start()
     # Our copies of the engine's ends must go, or its death would never read as EOF here.
-    to_engine_r.close()
-    from_engine_w.close()
-    return process, from_engine_r, to_engine_w
+    for reader, writer in engine_ends:
+        reader.close()
+        writer.close()
+    return process, server_ends

@@ -6,6 +6,7 @@ also ``pdserve serve --help``.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 
 from pdserve.config import doc
@@ -51,6 +52,11 @@ class ServerConfig:
                                "(Retry-After) and a new one is started, up to this many "
                                "times in a row (an engine that ran 60 s starts the count "
                                "again); then the server exits non-zero. 0: never restart.")
+    api_server_count: int = doc(1, "HTTP processes in front of the one engine, each with "
+                                "its own event loop, all listening on --port (SO_REUSEPORT, "
+                                "Linux): for loads where one process's loop is busier than an "
+                                "engine step. Above 1, engine restarts are off (a dead engine "
+                                "stops the server) and --port must not be 0.")
     engine_restart_backoff_s: float = doc(1.0, "Seconds before the first restart; each "
                                           "further attempt of one outage waits twice as long.")
 
@@ -60,6 +66,21 @@ class ServerConfig:
                              "(llama3_json or hermes)")
         if self.engine_restarts < 0:
             raise ValueError(f"--engine-restarts must be >= 0, not {self.engine_restarts}")
+        self._check_api_server_count()
         if not self.engine_restart_backoff_s >= 0:  # NaN included
             raise ValueError(f"--engine-restart-backoff-s must be >= 0, not "
                              f"{self.engine_restart_backoff_s}")
+
+    def _check_api_server_count(self) -> None:
+        count = self.api_server_count
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"--api-server-count must be an integer >= 1, not {count!r}")
+        if count == 1:
+            return
+        if not hasattr(socket, "SO_REUSEPORT"):
+            raise ValueError(f"--api-server-count {count} needs SO_REUSEPORT (Linux) so that "
+                             "every HTTP process can listen on the port; this platform has "
+                             "none: use 1")
+        if self.port == 0:
+            raise ValueError(f"--api-server-count {count} needs a fixed --port (0 would give "
+                             "each HTTP process a port of its own)")

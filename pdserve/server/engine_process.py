@@ -22,6 +22,9 @@ from pdserve.messages import (
     EngineDead,
     EngineReady,
     QueueFullError,
+    RequestMetrics,
+    RequestMetricsQuery,
+    RequestMetricsReply,
     RequestRejected,
     Shutdown,
     StepOutputs,
@@ -29,7 +32,7 @@ from pdserve.messages import (
     TimelineReply,
 )
 from pdserve.sampling_params import InvalidRequestError
-from pdserve.server.channel import EngineChannel
+from pdserve.server.channel import CHANNEL_CLOSED, EngineChannels
 
 logger = logging.getLogger(__name__)
 
@@ -38,28 +41,29 @@ STATS_INTERVAL_S = 0.2
 IDLE_WAIT_S = 1.0
 
 
-def run_engine_process(config: Any, reader: Connection, writer: Connection,
+def run_engine_process(config: Any, pipes: list[tuple[Connection, Connection]],
                        core_factory: str = DEFAULT_CORE) -> None:
-    """Process entry point. ``core_factory`` is ``module:attr``, called with the config."""
+    """Process entry point. ``pipes``: (reader, writer) of each HTTP process's channel;
+    ``core_factory`` is ``module:attr``, called with the config."""
     # Ctrl-C reaches the whole process group; the server decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
-    channel = EngineChannel(reader, writer)
+    channels = EngineChannels(pipes)
     try:
         core = _load_factory(core_factory)(config)
     except BaseException:  # noqa: BLE001 - whatever broke the load goes back to the server
-        channel.send(EngineDead(traceback.format_exc()))
-        channel.close()
+        channels.broadcast(EngineDead(traceback.format_exc()))
+        channels.close()
         raise SystemExit(1) from None
-    channel.send(EngineReady(core.model_name, core.max_model_len, os.getpid(),
-                             getattr(core, "tokenizer", None), _vocab_size(core),
-                             getattr(core, "kv_address", None), _describe(core)))
+    channels.broadcast(EngineReady(core.model_name, core.max_model_len, os.getpid(),
+                                   getattr(core, "tokenizer", None), _vocab_size(core),
+                                   getattr(core, "kv_address", None), _describe(core)))
     try:
-        code = EngineLoop(core, channel).run()
+        code = EngineLoop(core, channels).run()
     finally:
         if hasattr(core, "close"):
             core.close()
-    channel.close()
+    channels.close()
     raise SystemExit(code)
 
 
@@ -84,11 +88,16 @@ def _load_factory(spec: str):
 
 
 class EngineLoop:
-    def __init__(self, core: Any, channel: EngineChannel) -> None:
+    """Steps the core and routes what comes out: each request's deltas, rejection and
+    queries' answers go to the channel that sent it; stats snapshots go to every channel."""
+
+    def __init__(self, core: Any, channels: EngineChannels) -> None:
         self.core = core
-        self.channel = channel
+        self.channels = channels
         self.stopping = False
         self._arrivals: dict[str, float] = {}  # when the engine received it, until a token
+        self._owners: dict[str, int] = {}  # request id -> the channel that added it
+        self._request_metrics = RequestMetrics()  # summed over the HTTP processes
         self._stats_dirty = False
         self._last_stats = 0.0
 
@@ -101,7 +110,7 @@ class EngineLoop:
                     self._step()
                 self._maybe_send_stats()
         except BaseException:  # noqa: BLE001 - a failed step kills the engine; say why first
-            self.channel.send(EngineDead(traceback.format_exc()))
+            self.channels.broadcast(EngineDead(traceback.format_exc()))
             return 1
         return 0
 
@@ -110,36 +119,61 @@ class EngineLoop:
         if block:
             timeout = STATS_INTERVAL_S if self._stats_dirty else IDLE_WAIT_S
         try:
-            messages = self.channel.take(timeout)
-        except EOFError:  # the server is gone: nobody is left to serve
+            messages = self.channels.take(timeout)
+        except EOFError:  # every server process is gone: nobody is left to serve
             self.stopping = True
             return
-        for arrived, message in messages:
-            self._handle(message, arrived)
+        for index, arrived, message in messages:
+            self._handle(index, message, arrived)
 
-    def _handle(self, message: Any, arrived: float) -> None:
+    def _handle(self, index: int, message: Any, arrived: float) -> None:
         self._stats_dirty = True
         if isinstance(message, AddRequest):
-            self._add(message, arrived)
+            self._add(index, message, arrived)
         elif isinstance(message, AbortRequests):
-            for request_id in message.request_ids:
-                self._arrivals.pop(request_id, None)
-                self.core.abort_request(request_id)
-            self._send_stats(time.monotonic())  # the running set changed
-        elif isinstance(message, TimelineQuery):
-            self.channel.send(TimelineReply(message.query_id, self._timeline(message.since)))
-        elif isinstance(message, DescribeQuery):
-            describe = getattr(self.core, "describe", None)  # test stand-ins may have none
-            self.channel.send(DescribeReply(message.query_id,
-                                            describe() if describe is not None else {}))
+            self._abort(message.request_ids)
+        elif isinstance(message, RequestMetrics):
+            self._request_metrics.add(message)
+        elif message is CHANNEL_CLOSED:
+            self._channel_closed(index)
         elif isinstance(message, Shutdown):
             self.stopping = True
+        else:
+            self._answer(index, message)
+
+    def _answer(self, index: int, query: Any) -> None:
+        if isinstance(query, TimelineQuery):
+            reply = TimelineReply(query.query_id, self._timeline(query.since))
+        elif isinstance(query, DescribeQuery):
+            reply = DescribeReply(query.query_id, _describe(self.core))
+        elif isinstance(query, RequestMetricsQuery):
+            others = sum(1 for owner in self._owners.values() if owner != index)
+            reply = RequestMetricsReply(query.query_id, self._request_metrics, others)
+        else:
+            logger.error("unknown message from server %d: %r", index, type(query).__name__)
+            return
+        self.channels.send(index, reply)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._arrivals.pop(request_id, None)
+            self._owners.pop(request_id, None)
+            self.core.abort_request(request_id)
+        self._send_stats(time.monotonic())  # the running set changed
+
+    def _channel_closed(self, index: int) -> None:
+        """An HTTP process is gone: its requests have nobody to go to; the others go on."""
+        orphans = [rid for rid, owner in self._owners.items() if owner == index]
+        if orphans:
+            logger.warning("server process %d is gone; aborting its %d request(s)", index,
+                           len(orphans))
+            self._abort(orphans)
 
     def _timeline(self, since: float | None) -> list[dict]:
         timeline = getattr(self.core, "timeline", None)  # cores without a split have none
         return timeline(since) if timeline is not None else []
 
-    def _add(self, message: AddRequest, arrived: float) -> None:
+    def _add(self, index: int, message: AddRequest, arrived: float) -> None:
         # Cores without P/D support (test stand-ins) never see the keyword.
         extra = {"handoff": message.handoff} if message.handoff is not None else {}
         try:
@@ -147,9 +181,10 @@ class EngineLoop:
                                   arrival_time=arrived, **extra)
         except Exception as exc:  # noqa: BLE001 - a bad request must never stop the loop
             status, text = _rejection(exc)
-            self.channel.send(RequestRejected(message.request_id, status, text))
+            self.channels.send(index, RequestRejected(message.request_id, status, text))
             return
         self._arrivals[message.request_id] = arrived
+        self._owners[message.request_id] = index
 
     def _step(self) -> None:
         self._stats_dirty = True
@@ -163,7 +198,26 @@ class EngineLoop:
             # The running set changed: the snapshot goes ahead of the tokens that end the
             # requests, so no client sees its answer before /metrics stops counting it.
             self._send_stats(now)
-        self.channel.send(StepOutputs(updates, now))
+        for index, deltas in self._by_channel(updates).items():
+            self.channels.send(index, StepOutputs(deltas, now))
+
+    def _by_channel(self, updates: list) -> dict[int, list]:
+        """One frame per channel per step, with only that channel's requests."""
+        if len(self.channels.channels) == 1:
+            self._forget_finished(updates)
+            return {0: updates}
+        out: dict[int, list] = {}
+        owners = self._owners
+        for update in updates:
+            index = owners.pop(update.request_id, 0) if update.finished else \
+                owners.get(update.request_id, 0)
+            out.setdefault(index, []).append(update)
+        return out
+
+    def _forget_finished(self, updates: list) -> None:
+        for update in updates:
+            if update.finished:
+                self._owners.pop(update.request_id, None)
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()
@@ -175,7 +229,7 @@ class EngineLoop:
         snapshot = self.core.stats()
         if not busy:  # the last step's batch sizes would otherwise read as current load
             snapshot.last_batch_decode = snapshot.last_batch_prefill_tokens = 0
-        self.channel.send(snapshot)
+        self.channels.broadcast(snapshot)
         self._last_stats = now
         self._stats_dirty = busy
 

@@ -13,7 +13,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -22,7 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from pdserve.messages import MUX_MODES, EngineStats
+from pdserve.messages import MUX_MODES, EngineStats, HistogramCounts, RequestMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -45,70 +45,126 @@ class RequestTiming:
 
 
 class ServerMetrics:
+    """``/metrics`` of one HTTP process. Request histograms and counters are kept as plain
+    counts (``RequestMetrics``): in this process (``publish`` None: the only HTTP process),
+    or, with several HTTP processes, sent to the engine process as each request finishes
+    (``publish``) and read back summed over all of them for each scrape (``shown``)."""
+
     def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int],
-                 model_name: str) -> None:
+                 model_name: str, publish: Callable[[RequestMetrics], None] | None = None
+                 ) -> None:
         """``in_flight``: requests the server still has with the engine (its own book)."""
+        self.publish = publish
+        self.local = self.empty()
+        self.shown = self.local
+        """What the next ``render`` shows (``show`` sets the whole server's sums)."""
+        self.others_in_flight = 0
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds",
-                              "Server arrival to the engine's first token.",
-                              buckets=_TTFT_BUCKETS, registry=r)
+        self.ttft = BulkHistogram("pdserve_time_to_first_token_seconds",
+                                  "Server arrival to the engine's first token.",
+                                  _TTFT_BUCKETS, lambda: self.shown.ttft)
         self.itl = BulkHistogram("pdserve_inter_token_latency_seconds",
                                  "Engine-side gap between two consecutive tokens of a request.",
-                                 _ITL_BUCKETS)
-        r.register(self.itl)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds",
-                             "Server arrival to the request's last byte.",
-                             buckets=_E2E_BUCKETS, registry=r)
-        self.finished = Counter("pdserve_requests_finished", "Finished requests.",
-                                ["finish_reason"], registry=r)
-        self.errors = Counter("pdserve_request_errors", "Requests answered with an error.",
-                              ["status"], registry=r)
-        engine = _EngineCollector(stats, in_flight)
-        r.register(engine)
+                                 _ITL_BUCKETS, lambda: self.shown.itl)
+        self.e2e = BulkHistogram("pdserve_e2e_request_latency_seconds",
+                                 "Server arrival to the request's last byte.",
+                                 _E2E_BUCKETS, lambda: self.shown.e2e)
+        self.finished = _LabelledCounter("pdserve_requests_finished", "Finished requests.",
+                                         "finish_reason", lambda: self.shown.finished)
+        errors = _LabelledCounter("pdserve_request_errors", "Requests answered with an error.",
+                                  "status", lambda: self.shown.errors)
+        engine = _EngineCollector(stats, lambda: in_flight() + self.others_in_flight)
+        for collector in (self.ttft, self.itl, self.e2e, self.finished, errors, engine):
+            r.register(collector)
         r.register(_VLLMNames([self.ttft, self.itl, self.e2e, self.finished, engine],
                               model_name))
 
+    def empty(self) -> RequestMetrics:
+        return RequestMetrics(*(HistogramCounts([0] * (len(h) + 1)) for h in
+                                (_TTFT_BUCKETS, _ITL_BUCKETS, _E2E_BUCKETS)))
+
     def observe(self, timing: RequestTiming) -> None:
+        into = self.local if self.publish is None else self.empty()
         if timing.first_token is not None:
-            self.ttft.observe(max(0.0, timing.first_token - timing.arrival))
+            self.ttft.observe_many([max(0.0, timing.first_token - timing.arrival)], into.ttft)
         times = timing.token_times
-        self.itl.observe_many([b - a for a, b in zip(times, times[1:], strict=False)])
+        self.itl.observe_many([b - a for a, b in zip(times, times[1:], strict=False)],
+                              into.itl)
         if timing.finished is not None:
-            self.e2e.observe(timing.finished - timing.arrival)
-        self.finished.labels(timing.finish_reason or "abort").inc()
+            self.e2e.observe_many([timing.finished - timing.arrival], into.e2e)
+        _count(into.finished, timing.finish_reason or "abort")
+        self._published(into)
 
     def count_error(self, status: int) -> None:
-        self.errors.labels(str(status)).inc()
+        into = self.local if self.publish is None else self.empty()
+        _count(into.errors, str(status))
+        self._published(into)
+
+    def _published(self, delta: RequestMetrics) -> None:
+        if self.publish is not None:
+            self.publish(delta)
+
+    def show(self, whole_server: RequestMetrics, others_in_flight: int) -> None:
+        """The sums over every HTTP process, and the requests the others hold, for the next
+        ``render``."""
+        self.shown = whole_server
+        self.others_in_flight = others_in_flight
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
+def _count(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
 class BulkHistogram:
     """A histogram fed many values at once. prometheus_client's ``observe`` takes a lock and
     scans the buckets for each value (about 1.5 us); a finished request brings one value per
-    token, and requests of a closed-loop load finish in bursts on the event loop."""
+    token, and requests of a closed-loop load finish in bursts on the event loop. It shows
+    the counts ``read`` returns (its own by default)."""
 
-    def __init__(self, name: str, doc: str, buckets: Iterable[float]) -> None:
+    def __init__(self, name: str, doc: str, buckets: Iterable[float],
+                 read: Callable[[], HistogramCounts] | None = None) -> None:
         self.name = name
         self.doc = doc
         self.bounds = tuple(float(b) for b in buckets)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
+        self.own = HistogramCounts([0] * (len(self.bounds) + 1))  # the last one is +Inf
+        self._read = read or (lambda: self.own)
 
-    def observe_many(self, values: list[float]) -> None:
-        counts, bounds = self.counts, self.bounds
+    @property
+    def sum(self) -> float:
+        return self.own.total
+
+    def observe_many(self, values: list[float], into: HistogramCounts | None = None) -> None:
+        target = self.own if into is None else into
+        counts, bounds = target.counts, self.bounds
         for value in values:
             counts[bisect_left(bounds, value)] += 1  # buckets are "less than or equal"
-        self.sum += sum(values)
+        target.total += sum(values)
 
     def collect(self) -> Iterable[Metric]:
+        shown = self._read()
         buckets, total = [], 0
-        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+        for bound, count in zip((*self.bounds, math.inf), shown.counts, strict=True):
             total += count
             buckets.append((floatToGoString(bound), total))
-        yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self.sum)
+        yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=shown.total)
+
+
+class _LabelledCounter:
+    """A counter with one label, read from a ``{label value: count}`` dict."""
+
+    def __init__(self, name: str, doc: str, label: str,
+                 read: Callable[[], dict[str, int]]) -> None:
+        self._name, self._doc, self._label, self._read = name, doc, label, read
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(self._name, self._doc, labels=[self._label])
+        for value, count in sorted(self._read().items()):
+            family.add_metric([value], count)
+        yield family
 
 
 class _EngineCollector:
