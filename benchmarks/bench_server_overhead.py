@@ -13,13 +13,15 @@ and per token we get:
   read, and HTTP: read -> chunk received);
 - ITL overhead = client gap between two chunks - engine gap between their tokens;
 - delivery delay = chunk received - its tokens ready in the engine;
-- the HTTP process's CPU time per chunk (when the benchmark starts the server): what each
-  streamed token costs the one event loop that also takes new requests.
+- the HTTP processes' CPU time per chunk (when the benchmark starts the server), summed
+  over all of them with ``--api-server-count`` N > 1: what each streamed token costs the
+  event loops that also take new requests.
 
 Usage (starts its own server on the tiny model unless --url is given):
 
     python benchmarks/bench_server_overhead.py --concurrency 64 --requests-per-client 4 \\
-        --max-tokens 64 --client-processes 4 [--out FILE.json] [-- SERVE FLAGS]
+        --max-tokens 64 --client-processes 4 [--api-server-count N] [--out FILE.json] \\
+        [-- SERVE FLAGS]
 """
 
 from __future__ import annotations
@@ -195,12 +197,13 @@ def print_table(summary: dict[str, dict[str, float]]) -> None:
 # ---- server process -----------------------------------------------------------------------
 
 
-def start_server(serve_flags: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(serve_flags: list[str], api_server_count: int = 1
+                 ) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "pdserve", "serve", "--host", "127.0.0.1", "--port", str(port),
-           *serve_flags]
+           "--api-server-count", str(api_server_count), *serve_flags]
     process = subprocess.Popen(cmd)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
@@ -237,10 +240,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client-processes", type=int, default=4)
     parser.add_argument("--out", help="Write the summary and the command here as JSON.")
     parser.add_argument("--label", default="", help="Free text saved with --out (the device).")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="HTTP processes of the server this starts (pdserve serve "
+                        "--api-server-count); their CPU time is summed.")
     parser.add_argument("serve_flags", nargs="*", help="After --: flags for pdserve serve "
                         "(default: tiny).")
     args = parser.parse_args(argv)
     args.serve_flags = args.serve_flags or ["tiny"]
+    if args.api_server_count < 1:
+        parser.error(f"--api-server-count must be >= 1, not {args.api_server_count}")
+    if any(flag.startswith("--api-server-count") for flag in args.serve_flags):
+        parser.error("give --api-server-count before --, not among the serve flags: the "
+                     "benchmark sums the CPU of that many HTTP processes")
+    if args.url and args.api_server_count != 1:
+        parser.error("--api-server-count is for the server this starts, not with --url")
     return args
 
 
@@ -252,38 +265,74 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
-def http_cpu_per_chunk(process: subprocess.Popen | None, cpu_start: tuple[float, float] | None,
+def http_pids(process: subprocess.Popen, base: str, count: int) -> list[int]:
+    """The server's HTTP processes: the one started, and with ``count`` > 1 its other
+    children except the engine (whose pid ``/v1/engine/info`` names) and multiprocessing's
+    resource tracker."""
+    if count == 1:
+        return [process.pid]
+    with urllib.request.urlopen(base + "/v1/engine/info", timeout=30) as resp:
+        engine = json.load(resp)["engine_pid"]
+    workers = [pid for pid in _children(process.pid)
+               if pid != engine and b"resource_tracker" not in _cmdline(pid)]
+    if len(workers) != count - 1:
+        raise SystemExit(f"found {len(workers)} HTTP processes besides pid {process.pid}, not "
+                         f"{count - 1}: their CPU could not be summed")
+    return [process.pid, *workers]
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+def cpu_of(pids: list[int]) -> list[tuple[float, float]]:
+    return [cpu_seconds(pid) for pid in pids]
+
+
+def http_cpu_per_chunk(pids: list[int], cpu_start: list[tuple[float, float]] | None,
                        traces: list[Trace]) -> dict[str, float]:
-    """The HTTP process's CPU time per streamed chunk in the measured run (microseconds):
-    its cost per token, which on a loaded host decides how long a new request waits behind
-    the chunk writes. Split into user and system (kernel) time: the kernel's part is mostly
-    the socket write of each chunk, which no change to the server's Python removes. Empty
-    when the server is not ours (``--url``)."""
-    if process is None or cpu_start is None:
+    """The HTTP processes' CPU time per streamed chunk in the measured run (microseconds),
+    summed over ``pids``: their cost per token, which on a loaded host decides how long a
+    new request waits behind the chunk writes. Split into user and system (kernel) time: the
+    kernel's part is mostly the socket write of each chunk, which no change to the server's
+    Python removes. Empty when the server is not ours (``--url``)."""
+    if not pids or cpu_start is None:
         return {}
     chunks = sum(len(t.recv) for t in traces)
-    user, system = (end - start for end, start in zip(cpu_seconds(process.pid), cpu_start,
-                                                      strict=True))
+    per_process = [(end[0] - start[0], end[1] - start[1])
+                   for end, start in zip(cpu_of(pids), cpu_start, strict=True)]
+    user = sum(u for u, _ in per_process)
+    system = sum(s for _, s in per_process)
     return {"http_cpu_s": user + system, "http_user_s": user, "http_sys_s": system,
             "chunks": chunks, "http_cpu_us_per_chunk": (user + system) / chunks * 1e6,
             "http_user_us_per_chunk": user / chunks * 1e6,
-            "http_sys_us_per_chunk": system / chunks * 1e6}
+            "http_sys_us_per_chunk": system / chunks * 1e6,
+            "api_server_count": len(pids),
+            "http_cpu_s_per_process": [u + s for u, s in per_process]}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    process, base = (None, args.url) if args.url else start_server(args.serve_flags)
+    process, base = ((None, args.url) if args.url
+                     else start_server(args.serve_flags, args.api_server_count))
     try:
         # One unmeasured round at full concurrency: kernel compilation, graph capture and
         # allocator growth happen on first use and are no part of the server's overhead.
         asyncio.run(run_load(base, args.concurrency, 1, args.max_tokens, first_seed=10**6))
-        cpu_start = cpu_seconds(process.pid) if process is not None else None
+        pids = http_pids(process, base, args.api_server_count) if process is not None else []
+        cpu_start = cpu_of(pids) if pids else None
         load_before = os.getloadavg()
         start = time.monotonic()
         load = run_clients(base, args)
         wall = time.monotonic() - start
         host_load = {"before": load_before, "after": os.getloadavg()}
-        http_cpu = http_cpu_per_chunk(process, cpu_start, load.traces)
+        http_cpu = http_cpu_per_chunk(pids, cpu_start, load.traces)
     finally:
         if process is not None:
             stop_server(process)
@@ -293,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
           f"average {host_load['before'][0]:.2f} before, {host_load['after'][0]:.2f} after")
     print_table(summary)
     if http_cpu:
-        print(f"HTTP process CPU: {http_cpu['http_cpu_us_per_chunk']:.1f} us per chunk "
+        print(f"HTTP CPU ({http_cpu['api_server_count']} process(es)): "
+              f"{http_cpu['http_cpu_us_per_chunk']:.1f} us per chunk "
               f"({http_cpu['http_cpu_s']:.2f} s for {http_cpu['chunks']} chunks; user "
               f"{http_cpu['http_user_us_per_chunk']:.1f}, system "
               f"{http_cpu['http_sys_us_per_chunk']:.1f} us per chunk)")
@@ -310,6 +360,7 @@ def write_record(args: argparse.Namespace, argv: list[str] | None, wall: float,
     record = {"command": shlex.join(command), "git_revision": git_revision(),
               "label": args.label, "python": platform.python_version(), "wall_s": wall,
               "args": vars(args), "summary": summary, "http_process": http_cpu,
+              "api_server_count": args.api_server_count if args.url is None else None,
               # 1/5/15-minute load averages: on a shared host, how much else was running.
               "host_load": host_load,
               # pdserve serve runs on uvloop when the Python that starts it can import it.

@@ -62,10 +62,11 @@ class ServerState:
 def build_app(client: EngineClient, config: ServerConfig,
               api_keys: tuple[bytes, ...] | None = None,
               sampling_defaults: dict[str, Any] | None = None,
-              server_index: int = 0) -> web.Application:
+              server_index: int = 0, created: int | None = None) -> web.Application:
     """``api_keys``: as ``load_api_keys`` gives them (read from ``config`` when None);
     ``sampling_defaults``: request defaults from the model's generation config;
-    ``server_index``: which of ``config.api_server_count`` HTTP processes this is."""
+    ``server_index``: which of ``config.api_server_count`` HTTP processes this is;
+    ``created``: the model's ``created`` time in /v1/models (default: now)."""
     if api_keys is None:
         api_keys = load_api_keys(config.api_key, config.api_key_file)
     names = config.served_model_name or (client.model_name,)
@@ -74,7 +75,8 @@ def build_app(client: EngineClient, config: ServerConfig,
     publish = client.publish_metrics if config.api_server_count > 1 else None
     metrics = ServerMetrics(lambda: client.stats, lambda: client.num_in_flight, names[0],
                             publish)
-    state = ServerState(client, config, names[0], metrics, api_keys, model_names=tuple(names))
+    state = ServerState(client, config, names[0], metrics, api_keys, model_names=tuple(names),
+                        created=P.now_s() if created is None else created)
     state.idle.set()
     if config.chat_template is not None:
         client.tokenizer.chat_template = load_chat_template(config.chat_template)
@@ -194,11 +196,11 @@ async def _engine_info(request: web.Request) -> web.Response:
     and counters (overlap, calibration) as of now. A stopped engine answers with what it
     said at start-up, marked so."""
     client = _state(request).client
+    head = {"object": "engine.info", "engine_pid": client.engine_pid}
     try:
-        body = {"object": "engine.info", **client.setup, **await client.describe()}
+        body = {**head, **client.setup, **await client.describe()}
     except P.APIError:
-        body = {"object": "engine.info", **client.setup,
-                "as_of": "start-up (the engine is not running now)"}
+        body = {**head, **client.setup, "as_of": "start-up (the engine is not running now)"}
     return web.Response(body=P.dumps(body), content_type="application/json")
 
 
@@ -276,8 +278,9 @@ async def _serve(engine_config: Any, config: ServerConfig, api_keys: tuple[bytes
                                       _restart_policy(config), config.api_server_count)
     model = engine_config.model
     defaults = sampling_defaults(model.generation_config, model.model)
-    workers = await _start_workers(client, config, api_keys, defaults)
-    app = build_app(client, config, api_keys, defaults)
+    created = P.now_s()  # every HTTP process's /v1/models says the same
+    workers = await _start_workers(client, config, api_keys, defaults, created)
+    app = build_app(client, config, api_keys, defaults, created=created)
     state = app[STATE_KEY]
     runner = await listen(app, config)
     logger.info("serving '%s' on http://%s:%d (max_model_len %d%s)", state.model_name,
@@ -314,13 +317,14 @@ def _restart_policy(config: ServerConfig) -> RestartPolicy:
 
 
 async def _start_workers(client: EngineClient, config: ServerConfig,
-                         api_keys: tuple[bytes, ...], defaults: dict[str, Any]) -> Any:
+                         api_keys: tuple[bytes, ...], defaults: dict[str, Any], created: int
+                         ) -> Any:
     """The other HTTP processes, listening once this returns (None with one process)."""
     if config.api_server_count == 1:
         return None
     from pdserve.server.workers import APIWorkers
 
-    workers = APIWorkers(client.worker_pipes, config, api_keys, defaults)
+    workers = APIWorkers(client.worker_pipes, config, api_keys, defaults, created)
     client.worker_pipes = []
     try:
         await workers.started(config.engine_start_timeout)

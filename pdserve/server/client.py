@@ -162,6 +162,7 @@ class EngineClient:
         self.vocab_size: int | None = None
         self.kv_address: str | None = None
         self.setup: dict = {}
+        self.engine_pid = 0
         self.stats = EngineStats()
         self.dead_reason: str | None = None
         self.restarts = 0  # engine processes started after the first
@@ -243,6 +244,7 @@ class EngineClient:
         self.vocab_size = ready.vocab_size
         self.kv_address = ready.kv_address
         self.setup = ready.setup
+        self.engine_pid = ready.pid
 
     @property
     def alive(self) -> bool:

@@ -46,7 +46,7 @@ class APIWorkers:
     notices one that dies (``failed``)."""
 
     def __init__(self, pipes: list[Pipe], config: ServerConfig, api_keys: tuple[bytes, ...],
-                 sampling_defaults: dict[str, Any]) -> None:
+                 sampling_defaults: dict[str, Any], created: int) -> None:
         self._loop = asyncio.get_running_loop()
         self.failed: asyncio.Future[str] = self._loop.create_future()
         """Resolves with the reason when a process exits before ``stop``."""
@@ -55,7 +55,7 @@ class APIWorkers:
         self.processes: list[mp.process.BaseProcess] = []
         self._controls: list[Connection] = []
         for index, pipe in enumerate(pipes, start=1):
-            self._start(index, pipe, (config, api_keys, sampling_defaults))
+            self._start(index, pipe, (config, api_keys, sampling_defaults, created))
 
     def _start(self, index: int, pipe: Pipe, settings: tuple) -> None:
         ctx = mp.get_context("spawn")  # no fork: this process holds an event loop and threads
@@ -141,22 +141,24 @@ def _wait_listening(index: int, control: Connection, timeout: float) -> str | No
 
 
 def run_api_server(index: int, pipe: Pipe, config: ServerConfig, api_keys: tuple[bytes, ...],
-                   sampling_defaults: dict[str, Any], control: Connection) -> None:
+                   sampling_defaults: dict[str, Any], created: int, control: Connection
+                   ) -> None:
     """Process entry point of HTTP process ``index`` (1 .. N-1)."""
     # Ctrl-C reaches the whole process group; the first process passes each signal on once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s http-{index} %(levelname)s %(message)s")
-    run_event_loop(_serve(index, pipe, config, api_keys, sampling_defaults, control))
+    settings = (config, api_keys, sampling_defaults, created)
+    run_event_loop(_serve(index, pipe, settings, control))
 
 
-async def _serve(index: int, pipe: Pipe, config: ServerConfig, api_keys: tuple[bytes, ...],
-                 sampling_defaults: dict[str, Any], control: Connection) -> None:
+async def _serve(index: int, pipe: Pipe, settings: tuple, control: Connection) -> None:
+    config, api_keys, sampling_defaults, created = settings
     try:
         client = await EngineClient.attach(pipe, config.engine_start_timeout)
     except RuntimeError as exc:
         raise SystemExit(f"pdserve serve (HTTP process {index}): {exc}") from None
-    app = build_app(client, config, api_keys, sampling_defaults, server_index=index)
+    app = build_app(client, config, api_keys, sampling_defaults, index, created)
     runner = await listen(app, config)
     stop, force = install_signals(signals=(signal.SIGTERM,))
     control.send(LISTENING)
