@@ -146,8 +146,10 @@ class BulkHistogram:
 
     def collect(self) -> Iterable[Metric]:
         shown = self._read()
+        # The engine's sums have no buckets until the first request's figures arrive.
+        counts = shown.counts or [0] * (len(self.bounds) + 1)
         buckets, total = [], 0
-        for bound, count in zip((*self.bounds, math.inf), shown.counts, strict=True):
+        for bound, count in zip((*self.bounds, math.inf), counts, strict=True):
             total += count
             buckets.append((floatToGoString(bound), total))
         yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=shown.total)

@@ -163,8 +163,8 @@ def test_metrics_count_every_process_requests_from_either(multi):
     after = _until_both(multi, counted)
     names = ('vllm:request_success_total{finished_reason="length",model_name="tiny"}',
              'vllm:time_to_first_token_seconds_count{model_name="tiny"}')
-    assert after["0"][names[0]] - base[names[0]] == 16
-    assert after["1"][names[1]] - base[names[1]] == 16
+    assert after["0"][names[0]] - base.get(names[0], 0) == 16
+    assert after["1"][names[1]] - base.get(names[1], 0) == 16
 
 
 async def _open_on_each(session, base: str, max_tokens: int
@@ -189,17 +189,21 @@ def test_running_gauge_and_a_gone_client_on_either_process(multi):
     _until_both(multi, lambda v: v[RUNNING] == 0)
 
     async def run() -> None:
+        # Scraped from a thread: this loop must go on running to close a connection.
+        async def until_both(check) -> dict[str, dict[str, float]]:
+            return await asyncio.to_thread(_until_both, multi, check)
+
         async with _session() as session:
             streams = await _open_on_each(session, multi.url, 3000)
             # Each process counts the other's stream: the gauge is the whole server's.
-            _until_both(multi, lambda v: v[RUNNING] == 2)
+            await until_both(lambda v: v[RUNNING] == 2)
             streams["1"].close()  # the client of process 1 hangs up
-            after_abort = _until_both(multi, lambda v: v[RUNNING] == 1)
+            after_abort = await until_both(lambda v: v[RUNNING] == 1)
             # ... and the engine goes on with process 0's request alone.
             generated = max(v[GENERATED] for v in after_abort.values())
-            _until_both(multi, lambda v: v[RUNNING] == 1 and v[GENERATED] >= generated + 5)
+            await until_both(lambda v: v[RUNNING] == 1 and v[GENERATED] >= generated + 5)
             streams["0"].close()
-        _until_both(multi, lambda v: v[RUNNING] == 0)
+        await until_both(lambda v: v[RUNNING] == 0)
 
     asyncio.run(run())
 
@@ -288,6 +292,34 @@ def test_a_dead_http_process_stops_the_server_after_the_others_drain():
     # The engine dropped only the dead process's request: process 0's ran to its end.
     assert (tokens, finish) == (48, "length")
     assert f"HTTP process 1 (pid {worker}) exited unexpectedly (code -9)" in log
+    _all_gone(everyone)
+
+
+def test_a_killed_first_process_leaves_no_process_behind():
+    server = _start()
+    everyone = [server.process.pid, *child_pids(server.process.pid)]
+    assert len(everyone) >= 3  # the first process, the engine, the other HTTP process
+    server.process.kill()
+    server.process.wait(60)
+    # The other process sees its control pipe close and stops; the engine stops once
+    # every channel has closed.
+    _all_gone(everyone)
+
+
+def test_a_dead_engine_stops_every_process_with_the_reason():
+    server = _start("--engine-restarts", "3")
+    engine = json.loads(server.request("GET", "/v1/engine/info")[2])["engine_pid"]
+    everyone = [server.process.pid, *child_pids(server.process.pid)]
+    os.kill(engine, signal.SIGKILL)
+    try:
+        code = server.process.wait(60)
+    finally:
+        server.stop()
+    log = server.log_text()
+    assert code == 1, log
+    assert "engine restarts are off with --api-server-count 2" in log
+    assert "pdserve serve: the engine process is gone (the engine process exited); restarts " \
+        "are off with --api-server-count > 1" in log
     _all_gone(everyone)
 
 
