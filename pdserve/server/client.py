@@ -493,17 +493,24 @@ def _rejection_error(message: RequestRejected) -> APIError:
     return APIError(message.status, message.message)
 
 
+def channel_pipes(count: int) -> tuple[list[Pipe], list[Pipe]]:
+    """``count`` channels' pipes: the engine's ends (reader from the server, writer to it)
+    and the servers' ends (reader from the engine, writer to it)."""
+    engine_ends, server_ends = [], []
+    for _ in range(count):
+        to_engine_r, to_engine_w = mp.Pipe(duplex=False)
+        from_engine_r, from_engine_w = mp.Pipe(duplex=False)
+        engine_ends.append((to_engine_r, from_engine_w))
+        server_ends.append((from_engine_r, to_engine_w))
+    return engine_ends, server_ends
+
+
 def _spawn(engine_config: Any, core_factory: str, channels: int = 1
            ) -> tuple[mp.process.BaseProcess, list[Pipe]]:
     """The engine process, and the server end of each of its ``channels``."""
     # spawn, not fork: the engine initialises CUDA, which does not survive a fork.
     ctx = mp.get_context("spawn")
-    engine_ends, server_ends = [], []
-    for _ in range(channels):
-        to_engine_r, to_engine_w = ctx.Pipe(duplex=False)
-        from_engine_r, from_engine_w = ctx.Pipe(duplex=False)
-        engine_ends.append((to_engine_r, from_engine_w))
-        server_ends.append((from_engine_r, to_engine_w))
+    engine_ends, server_ends = channel_pipes(channels)
     process = ctx.Process(target=run_engine_process, name="pdserve-engine", daemon=True,
                           args=(engine_config, engine_ends, core_factory))
     process.start()

@@ -4,7 +4,6 @@ answers, every channel the stats, and a channel's end aborts only its requests."
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import pickle
 import threading
 import time
@@ -21,6 +20,7 @@ from pdserve.messages import (
 )
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.channel import EngineChannels
+from pdserve.server.client import channel_pipes
 from pdserve.server.engine_process import EngineLoop
 
 DEADLINE_S = 30
@@ -84,14 +84,8 @@ class ServerEnd:
 
 
 def _channels(count: int) -> tuple[EngineChannels, list[ServerEnd]]:
-    ctx = mp.get_context("spawn")
-    engine_ends, server_ends = [], []
-    for _ in range(count):
-        to_engine_r, to_engine_w = ctx.Pipe(duplex=False)
-        from_engine_r, from_engine_w = ctx.Pipe(duplex=False)
-        engine_ends.append((to_engine_r, from_engine_w))
-        server_ends.append(ServerEnd(from_engine_r, to_engine_w))
-    return EngineChannels(engine_ends), server_ends
+    engine_ends, server_ends = channel_pipes(count)
+    return EngineChannels(engine_ends), [ServerEnd(*ends) for ends in server_ends]
 
 
 def _until(condition) -> None:
