@@ -92,6 +92,7 @@ class APIWorkers:
 
     def forward_signal(self) -> None:
         """One SIGTERM to each live process: the first starts its drain, a second cuts it."""
+        self._stopping = True  # from now on a process that leaves is no failure
         self._signals_sent += 1
         for process in self.processes:
             if process.is_alive():

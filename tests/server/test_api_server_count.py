@@ -328,6 +328,7 @@ def test_a_dead_engine_stops_every_process_with_the_reason():
     (("--api-server-count", "-2"), "--api-server-count must be an integer >= 1, not -2"),
     (("--api-server-count", "two"), "--api-server-count: invalid int value: 'two'"),
     (("--api-server-count", "2", "--port", "0"), "--api-server-count 2 needs a fixed --port"),
+    (("--api-server-count", "2", "--role", "prefill"), "--role takes --api-server-count 1"),
 ])
 def test_bad_api_server_count_stops_before_the_model_loads(flags, says):
     done = subprocess.run([sys.executable, "-m", "pdserve", "serve", "tiny", *flags],
