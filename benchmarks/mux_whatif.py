@@ -284,12 +284,26 @@ def share_fit(predictor, runs: dict[str, tuple[list[dict], PlannerSettings]],
                      for name, batches in rows.items()}}
 
 
+def _over_alone(batches: list[dict], delivered: float) -> dict:
+    """One option's batches: measured and predicted time over their time alone."""
+    alone = sum(b["alone_s"] for b in batches)
+    return {"batches": len(batches),
+            "measured_over_alone": round(sum(b["seconds"] for b in batches) / alone, 3),
+            "predicted_over_alone": round(delivered * sum(b["planned_s"] for b in batches)
+                                          / alone, 3)}
+
+
 def _fit_errors(batches: list[dict], delivered: float, trained: bool) -> dict:
     measured = sum(b["seconds"] for b in batches)
     predicted = delivered * sum(b["planned_s"] for b in batches)
     errors = sorted(abs(delivered * b["planned_s"] / b["seconds"] - 1) for b in batches)
     rank = lambda q: errors[min(len(errors) - 1, int(q * len(errors)))]
+    options: dict[str, list[dict]] = {}
+    for b in batches:
+        options.setdefault(b["option"], []).append(b)
     return {"role": "fitted" if trained else "held out", "batches": len(batches),
+            "by_option": {option: _over_alone(rows, delivered)
+                          for option, rows in sorted(options.items())},
             "decode_batches": sorted({b["decode_batch"] for b in batches}),
             "measured_s": round(measured, 2), "predicted_s": round(predicted, 2),
             "error": round(predicted / measured - 1, 4),
