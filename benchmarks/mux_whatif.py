@@ -37,6 +37,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
 
 from pdserve.bench.timeline import (  # noqa: E402
@@ -56,17 +58,19 @@ from pdserve.sched.mux_planner import (  # noqa: E402
     PrefillRequest,
 )
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
+from pdserve.sim.cluster import _fit_nonnegative  # noqa: E402
 
 SPLITS = ((16, 116), (24, 108), (32, 100), (48, 84), (64, 68))
 WAITED_MS = 1e9  # the prompt has waited "forever": the planner may force prefill in
 
 
 def walk_prompt(planner: MuxPlanner, prompt: int, decode: DecodeLoad) -> dict:
-    """Predicted wall time to prefill ``prompt`` tokens beside ``decode``, the modes used and
-    the longest predicted time between two decode tokens (what the ITL target bounds)."""
+    """Predicted wall time to prefill ``prompt`` tokens beside ``decode``, the modes used,
+    the longest and the mean predicted time between two decode tokens (what the ITL target
+    bounds), and the prefill batches it takes (``_starts_batch``)."""
     done, elapsed_ms, in_flight, modes, longest = 0, 0.0, None, {}, 0.0
     running = None  # the option chosen last: a switch away from it pays (rule 4)
-    tokens_out = 0.0  # decode tokens meanwhile: one per cycle
+    tokens_out, batches, previous = 0.0, 0, None  # decode tokens meanwhile: one per cycle
     while done < prompt or in_flight is not None:
         waiting = [PrefillRequest(prompt - done, done, WAITED_MS)] if done < prompt else []
         plan = planner.plan(decode, waiting, in_flight, running)
@@ -75,10 +79,22 @@ def walk_prompt(planner: MuxPlanner, prompt: int, decode: DecodeLoad) -> dict:
         ms = _plan_ms(plan)
         elapsed_ms, longest = elapsed_ms + ms, max(longest, plan.cycle_ms)
         tokens_out += ms / plan.cycle_ms if plan.cycle_ms > 0 else 0.0
+        batches, previous = batches + _starts_batch(plan, previous), plan.mode
         done, in_flight = _advance(plan, done, in_flight, planner.num_layers)
     return {"prefill_tokens_per_s": 1e3 * prompt / elapsed_ms, "decisions_by_mode": modes,
-            "max_cycle_ms": longest,
+            "max_cycle_ms": longest, "prefill_batches": batches,
             "mean_cycle_ms": elapsed_ms / tokens_out if tokens_out > 0 else 0.0}
+
+
+def _starts_batch(plan, previous: MuxMode | None) -> bool:
+    """Whether ``plan`` starts a prefill batch as a measured timeline counts them
+    (``prefill_batches``, ``mixed_runs``): a batch's first piece, or a run of mixed steps'
+    first step."""
+    if plan.prefill is None:
+        return False
+    if plan.mode == MuxMode.TEMPORAL:
+        return previous != MuxMode.TEMPORAL
+    return bool(plan.prefill.chunks)
 
 
 def _plan_ms(plan) -> float:
@@ -169,38 +185,40 @@ def settings_of(command: str) -> PlannerSettings:
 
 class PlannedShare:
     """What the planner predicts a prompt gets beside a decode batch (``walk_prompt``):
-    its prefill time over its time alone on the whole GPU, and the time between decode
-    tokens meanwhile over the batch's step alone; walks kept by rounded load."""
+    its prefill time over its time alone on the whole GPU, the time between decode tokens
+    meanwhile over the batch's step alone, and the prefill batches it takes; walks kept by
+    rounded load."""
 
     def __init__(self, predictor, settings: PlannerSettings) -> None:
         self.predictor, self.settings = predictor, settings
-        self._walks: dict[tuple[int, int, int], tuple[float, float]] = {}
+        self._walks: dict[tuple[int, int, int], tuple[float, float, int]] = {}
 
-    def factors(self, batch: int, context: int, tokens: int) -> tuple[float, float]:
-        """(prefill, decode) for ``batch`` decodes of ``context`` tokens in all."""
+    def factors(self, batch: int, context: int, tokens: int) -> tuple[float, float, int]:
+        """(prefill, decode, batches) for ``batch`` decodes of ``context`` tokens in all."""
         key = (batch, round(context, -3), max(64, round(tokens / 64) * 64))
         if key not in self._walks:
             self._walks[key] = self._walk(*key)
         return self._walks[key]
 
-    def _walk(self, batch: int, context: int, tokens: int) -> tuple[float, float]:
+    def _walk(self, batch: int, context: int, tokens: int) -> tuple[float, float, int]:
         predictor, sms = self.predictor, self.predictor.total_sms
         walked = walk_prompt(self.settings.planner(predictor), tokens, DecodeLoad(batch, context))
         alone_ms = predictor.predict("prefill", tokens, 0, 1, sms)
         step_ms = predictor.predict("decode", batch, context, batch, sms)
         return (1e3 * tokens / walked["prefill_tokens_per_s"] / alone_ms,
-                walked["mean_cycle_ms"] / step_ms)
+                walked["mean_cycle_ms"] / step_ms, walked["prefill_batches"])
 
 
 def share_table(predictor, settings: PlannerSettings, batches=SHARE_BATCHES,
                 contexts=SHARE_CONTEXTS, prompts=SHARE_PROMPTS) -> dict:
-    """``PlannerShare``'s fields (all but ``delivered``) over a grid of decode batches,
-    contexts per request and prompt lengths."""
+    """``PlannerShare``'s tables (not its measured corrections) over a grid of decode
+    batches, contexts per request and prompt lengths."""
     planned = PlannedShare(predictor, settings)
     cells = [planned.factors(b, b * c, p) for b in batches for c in contexts for p in prompts]
     return {"batches": tuple(map(float, batches)), "contexts": tuple(map(float, contexts)),
             "prompts": tuple(map(float, prompts)), "prefill": tuple(c[0] for c in cells),
-            "decode": tuple(c[1] for c in cells)}
+            "decode": tuple(c[1] for c in cells),
+            "prefill_batches": tuple(float(c[2]) for c in cells)}
 
 
 def beside_decode(entries: list[dict], predictor) -> list[dict]:
@@ -265,51 +283,66 @@ def share_fit(predictor, runs: dict[str, tuple[list[dict], PlannerSettings]],
               train: list[str]) -> dict:
     """The planner's prediction (``PlannedShare``) of each measured batch beside decode,
     its time alone times the planned prefill factor of the prompt it belongs to (a run of
-    mixed steps: the longest), against its measured time; the
-    delivered correction (measured over planned time, summed over the ``train`` runs) and
-    every run's error with it, the others held out."""
-    rows = {}
-    for name, (entries, settings) in runs.items():
-        planned = PlannedShare(predictor, settings)
-        batches = beside_decode(entries, predictor)
-        for b in batches:
-            factor = planned.factors(b["decode_batch"], int(b["decode_context"]),
-                                     b["prompt_tokens"])[0]
-            b["planned_s"] = b["alone_s"] * factor
-        rows[name] = batches
+    mixed steps: the longest), against its measured time. Fitted on the ``train`` runs
+    (least squares, nothing negative): measured = ``delivered_over_planned`` times planned
+    plus ``per_batch_s`` per batch (what a batch costs beyond its pieces: the switch into
+    it, the wait for its last piece); beside it the fit of one factor alone (``scalar``).
+    Every run's error with each, the other runs held out."""
+    rows = {name: _planned(predictor, entries, settings)
+            for name, (entries, settings) in runs.items()}
     fitted = [b for name in train for b in rows[name]]
-    delivered = sum(b["seconds"] for b in fitted) / sum(b["planned_s"] for b in fitted)
-    return {"delivered_over_planned": delivered,
-            "runs": {name: _fit_errors(batches, delivered, name in train)
-                     for name, batches in rows.items()}}
+    delivered, per_batch = _fit_nonnegative(np.array([[b["planned_s"], 1.0] for b in fitted]),
+                                            [b["seconds"] for b in fitted])
+    scalar = sum(b["seconds"] for b in fitted) / sum(b["planned_s"] for b in fitted)
+    return {"delivered_over_planned": delivered, "per_batch_s": per_batch,
+            "runs": {name: _fit_errors(batches, delivered, per_batch, name in train)
+                     for name, batches in rows.items()},
+            "scalar": {"delivered_over_planned": scalar,
+                       "runs": {name: _fit_errors(batches, scalar, 0.0, name in train,
+                                                  detail=False)
+                                for name, batches in rows.items()}}}
 
 
-def _over_alone(batches: list[dict], delivered: float) -> dict:
+def _planned(predictor, entries: list[dict], settings: PlannerSettings) -> list[dict]:
+    """``beside_decode``'s batches, each with the time the planner plans for it."""
+    planned = PlannedShare(predictor, settings)
+    batches = beside_decode(entries, predictor)
+    for b in batches:
+        factor = planned.factors(b["decode_batch"], int(b["decode_context"]),
+                                 b["prompt_tokens"])[0]
+        b["planned_s"] = b["alone_s"] * factor
+    return batches
+
+
+def _over_alone(batches: list[dict], delivered: float, per_batch: float) -> dict:
     """One option's batches: measured and predicted time over their time alone."""
     alone = sum(b["alone_s"] for b in batches)
+    predicted = sum(delivered * b["planned_s"] + per_batch for b in batches)
     return {"batches": len(batches),
             "measured_over_alone": round(sum(b["seconds"] for b in batches) / alone, 3),
-            "predicted_over_alone": round(delivered * sum(b["planned_s"] for b in batches)
-                                          / alone, 3)}
+            "predicted_over_alone": round(predicted / alone, 3)}
 
 
-def _fit_errors(batches: list[dict], delivered: float, trained: bool) -> dict:
+def _fit_errors(batches: list[dict], delivered: float, per_batch: float, trained: bool,
+                detail: bool = True) -> dict:
     measured = sum(b["seconds"] for b in batches)
-    predicted = delivered * sum(b["planned_s"] for b in batches)
-    errors = sorted(abs(delivered * b["planned_s"] / b["seconds"] - 1) for b in batches)
+    predicted = [delivered * b["planned_s"] + per_batch for b in batches]
+    errors = sorted(abs(p / b["seconds"] - 1) for p, b in zip(predicted, batches, strict=True))
     rank = lambda q: errors[min(len(errors) - 1, int(q * len(errors)))]
+    row = {"role": "fitted" if trained else "held out", "batches": len(batches),
+           "measured_s": round(measured, 2), "predicted_s": round(sum(predicted), 2),
+           "error": round(sum(predicted) / measured - 1, 4),
+           "per_batch_abs_error_p50": round(rank(0.5), 4),
+           "per_batch_abs_error_p90": round(rank(0.9), 4)}
+    if not detail:
+        return row
     options: dict[str, list[dict]] = {}
     for b in batches:
         options.setdefault(b["option"], []).append(b)
-    return {"role": "fitted" if trained else "held out", "batches": len(batches),
-            "by_option": {option: _over_alone(rows, delivered)
-                          for option, rows in sorted(options.items())},
-            "decode_batches": sorted({b["decode_batch"] for b in batches}),
-            "measured_s": round(measured, 2), "predicted_s": round(predicted, 2),
-            "error": round(predicted / measured - 1, 4),
-            "per_batch_abs_error_p50": round(rank(0.5), 4),
-            "per_batch_abs_error_p90": round(rank(0.9), 4),
-            "measured_over_alone": round(measured / sum(b["alone_s"] for b in batches), 4)}
+    return {**row, "decode_batches": sorted({b["decode_batch"] for b in batches}),
+            "measured_over_alone": round(measured / sum(b["alone_s"] for b in batches), 4),
+            "by_option": {option: _over_alone(rows, delivered, per_batch)
+                          for option, rows in sorted(options.items())}}
 
 
 def sharing_sets() -> list[tuple[str, ...]]:
@@ -384,7 +417,9 @@ def fit_share(args: argparse.Namespace) -> int:
               "corrections": learned, "fitted_on": train, "held_out": held,
               **share_fit(predictor, runs, train)}
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"delivered over planned prefill time: {result['delivered_over_planned']:.3f}")
+    print(f"measured = {result['delivered_over_planned']:.3f} x planned + "
+          f"{result['per_batch_s']:.3f} s per batch (one factor alone: "
+          f"{result['scalar']['delivered_over_planned']:.3f})")
     for path, row in result["runs"].items():
         print(f"{Path(path).name:45s} {row['role']:8s} {row['batches']:3d} batches "
               f"measured {row['measured_s']:6.1f} s predicted {row['predicted_s']:6.1f} s "

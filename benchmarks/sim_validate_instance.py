@@ -27,8 +27,8 @@ For each schedule (``--schedules``: chunked prefill with 512-token steps, PD-mul
    service times (``ServiceNoise``) and once with medians only; multiplexing also by the
    planner model (``simulated_planner``: ``PlannerShare``, the planner's own choice among
    its options walked over the predictor it serves with and the corrections its engine
-   learned over the probes, scaled by what the instance delivered of the plan in the queue
-   probe);
+   learned over the probes, a cost per prefill batch fitted on measured LooGLE timelines,
+   and what the instance delivered of the plan in the queue probe);
 5. write ``OUT/sim_validate_instance.json`` (after each schedule, so a cut-short run keeps
    what it finished) and each instance's log.
 
@@ -290,37 +290,44 @@ def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
     """The planner model (``PlannerShare``) of a multiplexing schedule: the predictor it
     serves with (``--mux-predictor``) walked with its flags and what its engine learned
     over the probes (``engine_calibration``; a run that did not record it: the corrections
-    the LooGLE fit's walks used, ``SHARE_FIT``), and how much of the plan the instance
-    delivered, fitted on its own probe (``probe_delivered``). None where the schedule
-    plans with the roofline model: no fitted predictor to walk."""
+    the LooGLE fit's walks used), the per-batch cost fitted on the LooGLE timelines
+    (``SHARE_FIT``), and how much of the plan the instance delivered beyond that, fitted on
+    its own probe (``probe_delivered``). None where the schedule plans with the roofline
+    model: no fitted predictor to walk."""
     flags = argparse.ArgumentParser(add_help=False)
     flags.add_argument("--mux-predictor")
     path = flags.parse_known_args(shlex.split(schedule_args))[0].mux_predictor
     if path is None or path == "roofline":
         return None
-    calibration = interference.get("engine_calibration") or \
-        json.loads(SHARE_FIT.read_text())["corrections"]
-    settings = settings_of(schedule_args).learned(calibration)
-    share = PlannerShare(**share_table(LatencyPredictor.load(ROOT / path), settings))
-    return dataclasses.replace(share, delivered=probe_delivered(share, interference, model,
-                                                                args)[0])
+    fit = json.loads(SHARE_FIT.read_text())
+    settings = settings_of(schedule_args).learned(interference.get("engine_calibration")
+                                                  or fit["corrections"])
+    share = PlannerShare(**share_table(LatencyPredictor.load(ROOT / path), settings),
+                         per_batch_s=fit["per_batch_s"])
+    delivered = probe_delivered(share, interference, model, args)[0]
+    if delivered <= 0:
+        raise SystemExit(f"the probe's prompts took less than the fitted per-batch cost "
+                         f"({fit['per_batch_s']:.3f} s a batch): no planner model")
+    return dataclasses.replace(share, delivered=delivered)
 
 
 def probe_delivered(share: PlannerShare, interference: dict, model: LatencyModel,
                     args) -> tuple[float, str]:
     """Measured over planned prefill time in the probe closest to the replay's state (the
-    queue probe where the run has one, else the lone prompt), and which: its prompts'
-    time against each prompt alone (the fitted model) times the planner's factor beside
-    the probe's decode batch (the batch's context as ``chunked_probe_prediction`` counts
-    it: prompt plus the tokens of the warm-up)."""
+    queue probe where the run has one, else the lone prompt), and which: its prompts' time,
+    less the per-batch cost of the batches the planner splits them into, against each
+    prompt alone (the fitted model) times the planner's factor beside the probe's decode
+    batch (the batch's context as ``chunked_probe_prediction`` counts it: prompt plus the
+    tokens of the warm-up)."""
     name = "queue" if "queue" in interference else "lone"
     probe = interference["queue"] if name == "queue" else interference
     prompts = probe.get("prompts", 1)
     context = args.mix_batch * (probe.get("decode_context", args.decode_contexts[0])
                                 + round(args.mix_warmup_s / (probe["step_ms_before"] / 1e3)))
-    planned = prompts * model.prefill_s(args.mix_prompt) * share.planned_prefill(
-        args.mix_batch, context, args.mix_prompt)
-    return probe["prompt_s"] / planned, name
+    load = (args.mix_batch, context, args.mix_prompt)
+    batches_s = prompts * share.per_batch_s * share.planned_batches(*load)
+    planned = prompts * model.prefill_s(args.mix_prompt) * share.planned_prefill(*load)
+    return (probe["prompt_s"] - batches_s) / planned, name
 
 
 def simulate_both(name: str, model: LatencyModel, factors: Multiplexing | None,
@@ -474,10 +481,11 @@ def _share_summary(share: PlannerShare | None, interference: dict, model: Latenc
     if share is None:
         return {"model": None, "why": "the schedule plans with the roofline model"}
     context = sum(r.input_len + r.output_len for r in requests)
+    fit = json.loads(SHARE_FIT.read_text())
     return {"model": "planner", "delivered_over_planned": share.delivered,
             "delivered_from": probe_delivered(share, interference, model, args)[1] + " probe",
-            "delivered_over_planned_loogle_fit": json.loads(SHARE_FIT.read_text())[
-                "delivered_over_planned"],
+            "per_batch_s": share.per_batch_s,
+            "delivered_over_planned_loogle_fit": fit["delivered_over_planned"],
             "engine_calibration_recorded": bool(interference.get("engine_calibration")),
             "covers_every_batch": share.covers(len(requests), context)}
 

@@ -132,15 +132,17 @@ class PlannerShare:
     walking a prompt through its prefill beside a decode batch (``benchmarks/mux_whatif.py``,
     ``share_table``). Per grid point (decode batch, decode context per request, prompt
     tokens): the prompt's time beside the batch over its time alone on the whole GPU
-    (``prefill``) and the time between two decode tokens meanwhile over the batch's step
-    alone (``decode``); both flattened batch-major, then context, then prompt.
+    (``prefill``), the time between two decode tokens meanwhile over the batch's step
+    alone (``decode``) and the prefill batches the planner splits the prompt into
+    (``prefill_batches``); each flattened batch-major, then context, then prompt.
 
     Spatial splits overlap a weight-bound decode step with a compute-bound prefill, mixed
     steps carry both in one step, time slices take turns: the planner picks among them by
     the predictor, so the table follows what the instance would run rather than one rule
-    for all. ``delivered``: measured over planned prefill time, fitted on measured
-    timelines (the planner's predictions miss what the host adds and the options' real
-    rates). Between grid points the factors interpolate linearly in the logarithms of the
+    for all. Two measured corrections turn the plan into what is delivered: a prompt takes
+    ``delivered`` times its planned time plus ``per_batch_s`` per prefill batch (what a
+    batch costs beyond its pieces: the switch into it, the wait for its last piece).
+    Between grid points the tables interpolate linearly in the logarithms of the
     coordinates; beyond the grid they hold the edge's values (``covers`` says whether a
     load stays inside)."""
 
@@ -150,6 +152,8 @@ class PlannerShare:
     prefill: tuple[float, ...]
     decode: tuple[float, ...]
     delivered: float = 1.0
+    prefill_batches: tuple[float, ...] = ()  # needed only with a per-batch cost
+    per_batch_s: float = 0.0
 
     def __post_init__(self) -> None:
         size = len(self.batches) * len(self.contexts) * len(self.prompts)
@@ -158,22 +162,36 @@ class PlannerShare:
             if len(axis) < 2 or any(b <= a for a, b in zip(axis, axis[1:], strict=False)) \
                     or axis[0] <= 0:
                 raise ValueError(f"PlannerShare.{name}: at least two rising positive points")
-        if len(self.prefill) != size or len(self.decode) != size:
-            raise ValueError(f"PlannerShare: {size} grid points, {len(self.prefill)} prefill "
-                             f"and {len(self.decode)} decode factors")
-        if min(self.prefill + self.decode) <= 0 or self.delivered <= 0:
-            raise ValueError("PlannerShare: factors must be positive")
+        counts = len(self.prefill_batches) if self.prefill_batches or self.per_batch_s else size
+        if len(self.prefill) != size or len(self.decode) != size or counts != size:
+            raise ValueError(f"PlannerShare: {size} grid points, {len(self.prefill)} prefill, "
+                             f"{len(self.decode)} decode and {counts} prefill batch figures")
+        if min(self.prefill + self.decode) <= 0 or self.delivered <= 0 or self.per_batch_s < 0:
+            raise ValueError("PlannerShare: factors must be positive, the per-batch cost not "
+                             "negative")
+
+    def prefill_s(self, alone_s: float, batch: int, context: float, tokens: int) -> float:
+        """A prompt of ``tokens`` that takes ``alone_s`` alone, beside ``batch`` decodes of
+        ``context`` tokens in all; never less than alone (the batch takes, never gives)."""
+        beside = alone_s * self.prefill_factor(batch, context, tokens)
+        if self.per_batch_s > 0.0:
+            beside += self.per_batch_s * self._at(self.prefill_batches, batch, context, tokens)
+        return beside if beside > alone_s else alone_s
 
     def prefill_factor(self, batch: int, context: float, tokens: int) -> float:
-        """A prompt of ``tokens`` beside ``batch`` decodes of ``context`` tokens in all:
-        its time over its time alone, never below 1 (the batch takes, never gives)."""
-        factor = self.delivered * self._at(self.prefill, batch, context, tokens)
-        return factor if factor > 1.0 else 1.0
+        """The part of ``prefill_s`` that grows with the prompt's time: delivered over
+        planned times the planner's factor."""
+        return self.delivered * self._at(self.prefill, batch, context, tokens)
 
     def planned_prefill(self, batch: int, context: float, tokens: int) -> float:
-        """The planner's own factor there, before ``delivered``: what a measured one is
+        """The planner's own factor there, before the corrections: what a measured one is
         fitted against."""
         return self._at(self.prefill, batch, context, tokens)
+
+    def planned_batches(self, batch: int, context: float, tokens: int) -> float:
+        """The prefill batches the planner splits such a prompt into (0: none tabulated)."""
+        return self._at(self.prefill_batches, batch, context, tokens) \
+            if self.prefill_batches else 0.0
 
     def decode_factor(self, batch: int, context: float, tokens: int) -> float:
         """The batch's time per token beside that prompt over its step alone (at least 1)."""
@@ -217,8 +235,9 @@ class Multiplexing:
 
     - ``share`` (``PlannerShare``): the planner's own choice among its options for this
       decode batch and prompt, from the instance's fitted predictor, corrected by what
-      measured timelines delivered; a prompt's factor is fixed when it starts (from the
-      batch then), the decode side's at each change of its stretch.
+      measured runs delivered (of the plan, and a cost per prefill batch); a prompt's time
+      is fixed when it starts (from the batch then), the decode side's factor at each
+      change of its stretch.
     - ``cycle_s`` (the measured decode step while a prompt prefills beside it): beside a
       prompt a decode step lasts the cycle and the prompt gets the rest of each cycle,
       ``1 - decode step / cycle`` of the GPU, so its prefill takes ``cycle / (cycle -
@@ -255,12 +274,18 @@ class Multiplexing:
             return self.share.covers(batch, context)
         return self.cycle_s is None or longest_step_s < self.cycle_s
 
-    def prefill_factor(self, decode_step_s: float, batch: int = 0, context: float = 0.0,
-                       tokens: int = 0) -> float:
-        """How much longer a prompt of ``tokens`` takes beside a decode batch of ``batch``
-        requests, ``context`` tokens in all, whose step alone lasts ``decode_step_s``."""
+    def prefill_beside_s(self, alone_s: float, decode_step_s: float, batch: int,
+                         context: float, tokens: int) -> float:
+        """A prompt of ``tokens`` that takes ``alone_s`` alone, beside a decode batch of
+        ``batch`` requests, ``context`` tokens in all, whose step alone lasts
+        ``decode_step_s``."""
         if self.share is not None:
-            return self.share.prefill_factor(batch, context, tokens)
+            return self.share.prefill_s(alone_s, batch, context, tokens)
+        return alone_s * self.prefill_factor(decode_step_s)
+
+    def prefill_factor(self, decode_step_s: float) -> float:
+        """How much longer a prompt takes beside a decode batch whose step alone lasts
+        ``decode_step_s`` (the cycle model or the fixed factors)."""
         if self.cycle_s is None or decode_step_s >= self.cycle_s:
             return self.prefill_slowdown
         return self.cycle_s / (self.cycle_s - decode_step_s)
@@ -587,8 +612,9 @@ class PrefillSim:
             self.tokens = tokens
             if partner.running:
                 assert self.multiplexing is not None  # set with the partner (GroupSim._pair)
-                service *= self.multiplexing.prefill_factor(
-                    partner.step_alone_s(), len(partner.running), partner.context())
+                service = self.multiplexing.prefill_beside_s(
+                    service, partner.step_alone_s(), len(partner.running), partner.context(),
+                    tokens)
             partner.resync()
         self.loop.at(self.loop.now + service, self._finish, job)
 

@@ -146,8 +146,9 @@ def test_resimulation_from_the_command_line_with_the_models_of_now():
 
 def test_resimulation_runs_the_planner_model_fitted_on_the_runs_own_probe():
     """Beside the cycle model, the planner model: its table walked from the run's own
-    predictor, and how much of the plan the instance delivered from the run's lone probe
-    (that run had no queue probe): the probe's prompt comes back as measured."""
+    predictor, the per-batch cost fitted on the LooGLE timelines, and how much of the plan
+    the instance delivered from the run's lone probe (that run had no queue probe): the
+    probe's prompt comes back as measured."""
     module = _script("sim_validate_instance")
     recorded = json.loads(VALIDATION_H200.read_text())
     run = recorded["schedules"]["multiplex"]
@@ -155,8 +156,10 @@ def test_resimulation_runs_the_planner_model_fitted_on_the_runs_own_probe():
     model = module.LatencyModel(**run["latency_model"])
     share = module.planner_share(run["schedule_args"], run["interference"], model, args)
     context = 8 * (1024 + round(3.0 / (run["interference"]["step_ms_before"] / 1e3)))
-    assert share.prefill_factor(8, context, 8192) * model.prefill_s(8192) == pytest.approx(
+    assert share.prefill_s(model.prefill_s(8192), 8, context, 8192) == pytest.approx(
         run["interference"]["prompt_s"])
+    assert share.per_batch_s == pytest.approx(json.loads(module.SHARE_FIT.read_text())[
+        "per_batch_s"]) and share.per_batch_s > 0
     assert share.delivered == pytest.approx(
         module.probe_delivered(share, run["interference"], model, args)[0])
     again = module.resimulate(str(VALIDATION_H200))

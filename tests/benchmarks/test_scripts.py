@@ -167,9 +167,9 @@ def _h200_predictor():
 
 def test_share_fit_on_one_h200_run_predicts_a_held_out_one(tmp_path):
     """The planner's own prediction of what each prefill batch gets beside decode, the
-    delivered correction fitted on the eb12b7d run: the b249c95 run (another revision of
-    the planner, its own load) comes out within 10% of its measured prefill time beside
-    decode, where one fixed factor per run would not need the planner at all."""
+    corrections (delivered over planned, a cost per batch) fitted on the eb12b7d run: the
+    b249c95 run (another revision of the planner, its own load) comes out within 10% of
+    its measured prefill time beside decode."""
     whatif = _load("mux_whatif")
     out = tmp_path / "fit.json"
     train = str(LOOGLE / "eb12b7d_multiplex_rate0.5_timeline.json.gz")
@@ -183,7 +183,9 @@ def test_share_fit_on_one_h200_run_predicts_a_held_out_one(tmp_path):
     assert fitted["role"] == "fitted" and checked["role"] == "held out"
     assert fitted["error"] == pytest.approx(0.0, abs=1e-3)  # fitted on it alone: the sums agree
     assert abs(checked["error"]) < 0.10 and checked["batches"] > 40
-    assert 0.5 < result["delivered_over_planned"] < 1.5
+    assert 0.5 < result["delivered_over_planned"] < 1.5 and result["per_batch_s"] > 0
+    scalar = result["scalar"]  # one factor alone, for comparison
+    assert scalar["runs"][held]["role"] == "held out" and scalar["delivered_over_planned"] > 0
 
 
 def test_share_table_follows_the_planner(tmp_path):
@@ -198,6 +200,7 @@ def test_share_table_follows_the_planner(tmp_path):
                   strict=True))
     assert all(by[32, c, p] > by[1, c, p] for c in (4096, 8192) for p in (2048, 8192))
     assert min(table["prefill"]) > 1.0 and min(table["decode"]) >= 1.0
+    assert min(table["prefill_batches"]) >= 1  # every prompt takes a batch at least
 
 
 # --------------------------------------------------------------------------- decode GEMV A/B

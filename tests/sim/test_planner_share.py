@@ -60,8 +60,26 @@ def test_a_rising_table_gives_a_rising_curve_and_the_delivered_correction_scales
 
 def test_a_prompt_is_never_faster_beside_decode_than_alone():
     share = _share(lambda b, c, p: 1.1, decode=lambda b, c, p: 0.9, delivered=0.5)
-    assert share.prefill_factor(2, 4000, 2000) == 1.0
+    assert share.prefill_s(0.3, 2, 4000, 2000) == 0.3
     assert share.decode_factor(2, 4000, 2000) == 1.0
+
+
+def test_a_batch_costs_its_own_time_beyond_its_pieces():
+    """Each prefill batch the planner splits a prompt into adds the per-batch cost; the
+    batches interpolate as the factors do."""
+    share = _share(_rising, delivered=0.8)
+    counts = tuple(1.0 if p == 1000.0 else 3.0
+                   for _, _, p in itertools.product(*AXES.values()))
+    costly = PlannerShare(**{**share.__dict__, "prefill_batches": counts, "per_batch_s": 0.1})
+    alone = 0.4
+    assert costly.prefill_s(alone, 2, 4000, 1000) == pytest.approx(
+        alone * share.prefill_factor(2, 4000, 1000) + 0.1)
+    assert costly.planned_batches(2, 4000, 2000) == pytest.approx(2.0)  # halfway, in logs
+    assert costly.prefill_s(alone, 2, 4000, 2000) == pytest.approx(
+        alone * share.prefill_factor(2, 4000, 2000) + 0.2)
+    assert share.prefill_s(alone, 2, 4000, 2000) == pytest.approx(
+        alone * share.prefill_factor(2, 4000, 2000))  # no cost, no counts needed
+    assert share.planned_batches(2, 4000, 2000) == 0.0
 
 
 @pytest.mark.parametrize("change, match", [
@@ -71,6 +89,9 @@ def test_a_prompt_is_never_faster_beside_decode_than_alone():
     ({"prefill": (2.0,) * 7}, "8 grid points"),
     ({"decode": (0.0,) * 8}, "positive"),
     ({"delivered": -1.0}, "positive"),
+    ({"per_batch_s": 0.1}, "0 prefill batch figures"),
+    ({"prefill_batches": (1.0,) * 3}, "3 prefill batch figures"),
+    ({"per_batch_s": -0.1, "prefill_batches": (1.0,) * 8}, "not negative"),
 ])
 def test_a_malformed_table_is_refused(change, match):
     fields = {**AXES, "prefill": (2.0,) * 8, "decode": (2.0,) * 8, **change}
@@ -84,15 +105,19 @@ def test_which_model_runs_is_named_and_the_share_wins():
     assert (planner.model, Multiplexing(2.0, 3.0, cycle_s=0.04).model,
             Multiplexing(2.0, 3.0).model) == ("planner", "cycle", "fixed")
     # The cycle would say 4/3 for a 10 ms step; the planner's table says 2.
-    assert planner.prefill_factor(0.01, 2, 2 * 2000, 2000) == pytest.approx(2.0)
+    assert planner.prefill_beside_s(0.5, 0.01, 2, 2 * 2000, 2000) == pytest.approx(1.0)
+    cycle = Multiplexing(2.0, 3.0, cycle_s=0.04)
+    assert cycle.prefill_beside_s(0.5, 0.01, 2, 2 * 2000, 2000) == pytest.approx(0.5 * 4 / 3)
     assert planner.decode_stretch(0.01, 1e-3, 2, 2 * 2000, 2000) == pytest.approx((0.02, 2e-3))
     assert planner.covers(10.0, 2, 2 * 2000) and not planner.covers(0.0, 8, 8 * 2000)
 
 
 def test_the_instance_runs_the_planner_model_beside_its_decode_batch():
-    """A prompt beside a decoding batch takes twice its time alone; the batch's steps
-    take 1.6 times theirs meanwhile, and 10 ms again once the prompt is done."""
-    share = _share(lambda b, c, p: 2.0, decode=lambda b, c, p: 1.6)
+    """A prompt beside a decoding batch takes 1.5 times its time alone and 50 ms for its
+    one batch; the batch's steps take 1.6 times theirs meanwhile, and 10 ms again once
+    the prompt is done."""
+    share = PlannerShare(**{**_share(lambda b, c, p: 1.5, decode=lambda b, c, p: 1.6).__dict__,
+                            "prefill_batches": (1.0,) * 8, "per_batch_s": 0.05})
     first, second = GroupSim(MODEL, 1, 0, multiplexing=Multiplexing(9.0, 9.0, share=share)).run(
         [SimRequest(0.0, 100, 11), SimRequest(0.125, 100, 3)])
     assert first.first_token == pytest.approx(0.1)  # alone
