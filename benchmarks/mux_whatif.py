@@ -31,13 +31,23 @@ import gzip
 import itertools
 import json
 import os
+import shlex
+import statistics
 import sys
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
 
-from pdserve.bench.timeline import piece_times, prefill_delivery  # noqa: E402
-from pdserve.config import MUX_SHARING  # noqa: E402
+from pdserve.bench.timeline import (  # noqa: E402
+    mixed_runs,
+    piece_times,
+    prefill_batches,
+    prefill_delivery,
+)
+from pdserve.config import MUX_SHARING, SchedulerConfig, mux_sharing_options  # noqa: E402
 from pdserve.sched.mux_planner import (  # noqa: E402
     DecodeLoad,
     InFlightPrefill,
@@ -48,25 +58,43 @@ from pdserve.sched.mux_planner import (  # noqa: E402
     PrefillRequest,
 )
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
+from pdserve.sim.cluster import _fit_nonnegative  # noqa: E402
 
 SPLITS = ((16, 116), (24, 108), (32, 100), (48, 84), (64, 68))
 WAITED_MS = 1e9  # the prompt has waited "forever": the planner may force prefill in
 
 
 def walk_prompt(planner: MuxPlanner, prompt: int, decode: DecodeLoad) -> dict:
-    """Predicted wall time to prefill ``prompt`` tokens beside ``decode``, the modes used and
-    the longest predicted time between two decode tokens (what the ITL target bounds)."""
+    """Predicted wall time to prefill ``prompt`` tokens beside ``decode``, the modes used,
+    the longest and the mean predicted time between two decode tokens (what the ITL target
+    bounds), and the prefill batches it takes (``_starts_batch``)."""
     done, elapsed_ms, in_flight, modes, longest = 0, 0.0, None, {}, 0.0
     running = None  # the option chosen last: a switch away from it pays (rule 4)
+    tokens_out, batches, previous = 0.0, 0, None  # decode tokens meanwhile: one per cycle
     while done < prompt or in_flight is not None:
         waiting = [PrefillRequest(prompt - done, done, WAITED_MS)] if done < prompt else []
         plan = planner.plan(decode, waiting, in_flight, running)
         running = plan.option
         modes[str(plan.mode)] = modes.get(str(plan.mode), 0) + 1
-        elapsed_ms, longest = elapsed_ms + _plan_ms(plan), max(longest, plan.cycle_ms)
+        ms = _plan_ms(plan)
+        elapsed_ms, longest = elapsed_ms + ms, max(longest, plan.cycle_ms)
+        tokens_out += ms / plan.cycle_ms if plan.cycle_ms > 0 else 0.0
+        batches, previous = batches + _starts_batch(plan, previous), plan.mode
         done, in_flight = _advance(plan, done, in_flight, planner.num_layers)
     return {"prefill_tokens_per_s": 1e3 * prompt / elapsed_ms, "decisions_by_mode": modes,
-            "max_cycle_ms": longest}
+            "max_cycle_ms": longest, "prefill_batches": batches,
+            "mean_cycle_ms": elapsed_ms / tokens_out if tokens_out > 0 else 0.0}
+
+
+def _starts_batch(plan, previous: MuxMode | None) -> bool:
+    """Whether ``plan`` starts a prefill batch as a measured timeline counts them
+    (``prefill_batches``, ``mixed_runs``): a batch's first piece, or a run of mixed steps'
+    first step."""
+    if plan.prefill is None:
+        return False
+    if plan.mode == MuxMode.TEMPORAL:
+        return previous != MuxMode.TEMPORAL
+    return bool(plan.prefill.chunks)
 
 
 def _plan_ms(plan) -> float:
@@ -96,14 +124,225 @@ def _advance(plan, done: int, in_flight: InFlightPrefill | None, num_layers: int
 
 
 def planner_for(predictor, sharing: tuple[str, ...], itl_ms: float, correction: float,
-                prefill: dict[str, float] | None = None) -> MuxPlanner:
-    """``prefill``: each option's prefill correction, as serving would have learned it."""
+                prefill: dict[str, float] | None = None, max_prefill_tokens: int = 24576,
+                decode_correction: float = 1.0) -> MuxPlanner:
+    """``prefill``: each option's prefill correction, as serving would have learned it;
+    ``decode_correction``: co-running decode steps' (``OnlineCalibration``)."""
     model = OnlineCalibration(predictor)
     model.mixed_correction = correction
+    model.decode_correction = decode_correction
     model.prefill_corrections.update(prefill or {})
-    config = MuxPlannerConfig(itl_slo_ms=itl_ms, max_prefill_tokens=24576,
+    config = MuxPlannerConfig(itl_slo_ms=itl_ms, max_prefill_tokens=max_prefill_tokens,
                               **{name: name in sharing for name in MUX_SHARING})
     return MuxPlanner(model, SPLITS, config)
+
+
+# ------------------------------------------ what a prompt gets beside a decode batch
+
+SHARE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+SHARE_CONTEXTS = (512, 2048, 8192, 16384)  # decode context per request
+SHARE_PROMPTS = (128, 512, 2048, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """What a multiplexing server plans with: its flags (``settings_of``) and what its
+    ``OnlineCalibration`` learned (``/v1/engine/info``'s ``calibration``)."""
+
+    itl_ms: float = SchedulerConfig.itl_slo_ms
+    sharing: tuple[str, ...] = MUX_SHARING
+    max_prefill_tokens: int = SchedulerConfig.max_num_batched_tokens
+    mixed_correction: float = 1.0
+    decode_correction: float = 1.0
+    prefill_corrections: dict[str, float] = field(default_factory=dict)
+
+    def planner(self, predictor) -> MuxPlanner:
+        return planner_for(predictor, self.sharing, self.itl_ms, self.mixed_correction,
+                           self.prefill_corrections, self.max_prefill_tokens,
+                           self.decode_correction)
+
+    def learned(self, calibration: dict | None) -> PlannerSettings:
+        """These settings with the corrections an engine reported (none: unchanged)."""
+        if not calibration:
+            return self
+        pieces = calibration.get("prefill_pieces", {})
+        return replace(self, mixed_correction=calibration["mixed_steps"],
+                       decode_correction=calibration["co_running_decode"],
+                       prefill_corrections={k: v["correction"] for k, v in pieces.items()})
+
+
+def settings_of(command: str) -> PlannerSettings:
+    """The planner flags of a ``pdserve serve`` command line (the rest ignored)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--itl-slo-ms", type=float, default=SchedulerConfig.itl_slo_ms)
+    parser.add_argument("--mux-sharing", default=SchedulerConfig.mux_sharing)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=SchedulerConfig.max_num_batched_tokens)
+    flags, _ = parser.parse_known_args(shlex.split(command))
+    sharing = tuple(n for n in MUX_SHARING if n in mux_sharing_options(flags.mux_sharing))
+    return PlannerSettings(flags.itl_slo_ms, sharing, flags.max_num_batched_tokens)
+
+
+class PlannedShare:
+    """What the planner predicts a prompt gets beside a decode batch (``walk_prompt``):
+    its prefill time over its time alone on the whole GPU, the time between decode tokens
+    meanwhile over the batch's step alone, and the prefill batches it takes; walks kept by
+    rounded load."""
+
+    def __init__(self, predictor, settings: PlannerSettings) -> None:
+        self.predictor, self.settings = predictor, settings
+        self._walks: dict[tuple[int, int, int], tuple[float, float, int]] = {}
+
+    def factors(self, batch: int, context: int, tokens: int) -> tuple[float, float, int]:
+        """(prefill, decode, batches) for ``batch`` decodes of ``context`` tokens in all."""
+        key = (batch, round(context, -3), max(64, round(tokens / 64) * 64))
+        if key not in self._walks:
+            self._walks[key] = self._walk(*key)
+        return self._walks[key]
+
+    def _walk(self, batch: int, context: int, tokens: int) -> tuple[float, float, int]:
+        predictor, sms = self.predictor, self.predictor.total_sms
+        walked = walk_prompt(self.settings.planner(predictor), tokens, DecodeLoad(batch, context))
+        alone_ms = predictor.predict("prefill", tokens, 0, 1, sms)
+        step_ms = predictor.predict("decode", batch, context, batch, sms)
+        return (1e3 * tokens / walked["prefill_tokens_per_s"] / alone_ms,
+                walked["mean_cycle_ms"] / step_ms, walked["prefill_batches"])
+
+
+def share_table(predictor, settings: PlannerSettings, batches=SHARE_BATCHES,
+                contexts=SHARE_CONTEXTS, prompts=SHARE_PROMPTS) -> dict:
+    """``PlannerShare``'s tables (not its measured corrections) over a grid of decode
+    batches, contexts per request and prompt lengths."""
+    planned = PlannedShare(predictor, settings)
+    cells = [planned.factors(b, b * c, p) for b in batches for c in contexts for p in prompts]
+    return {"batches": tuple(map(float, batches)), "contexts": tuple(map(float, contexts)),
+            "prompts": tuple(map(float, prompts)), "prefill": tuple(c[0] for c in cells),
+            "decode": tuple(c[1] for c in cells),
+            "prefill_batches": tuple(float(c[2]) for c in cells)}
+
+
+def beside_decode(entries: list[dict], predictor) -> list[dict]:
+    """The prefill batches a measured multiplex timeline ran beside a decode batch
+    (``prefill_batches``, ``mixed_runs``), each with its prompt tokens, its time, its time
+    alone on the whole GPU by the predictor (a run of mixed steps: each step's chunk over
+    its prefix), the longest prompt it prefilled part of (``prompt_tokens``: prefix and
+    piece) and the decode batch beside it: the median batch of its decisions, and
+    that batch's context (which the timeline does not record) from the decode steps the
+    planner predicted around its start (``decode_context``)."""
+    out = []
+    for batch in [b for b in prefill_batches(entries) if b["option"] != "prefill_only"] \
+            + mixed_runs(entries):
+        end = batch["start"] + batch["seconds"]
+        inside = [e for e in entries if batch["start"] <= e["time"] < end and e["decode_batch"]]
+        if not inside:
+            continue
+        size = round(statistics.median(e["decode_batch"] for e in inside))
+        near = [decode_context(e, predictor) for e in entries
+                if abs(e["time"] - batch["start"]) < 5.0 and e["decode_batch"] == size]
+        known = [c for c in near if c is not None]
+        if not known:
+            continue
+        out.append({"option": batch["option"], "tokens": batch["tokens"],
+                    "prompt_tokens": max(e["prefill_context_tokens"] + e["prefill_tokens"]
+                                         for e in inside),
+                    "seconds": batch["seconds"], "alone_s": _alone_s(batch, inside, predictor),
+                    "decode_batch": size, "decode_context": statistics.median(known)})
+    return out
+
+
+def _alone_s(batch: dict, inside: list[dict], predictor) -> float:
+    if batch["option"] == "temporal":
+        pieces = [(e["prefill_tokens"], e["prefill_context_tokens"]) for e in inside
+                  if e["mode"] == "temporal" and e.get("prefill_tokens")]
+    else:
+        pieces = [(batch["tokens"], inside[0]["prefill_context_tokens"])]
+    sms = predictor.total_sms
+    return sum(predictor.predict("prefill", t, c, 1, sms) for t, c in pieces) / 1e3
+
+
+def decode_context(entry: dict, predictor) -> float | None:
+    """The decode batch's context (tokens in all) that gives the step the planner predicted
+    for ``entry`` (linear in it): a spatial split's decode step (over the co-running
+    correction the entry carries), a mixed step (over the mixed correction), a time slice's
+    or a lone decode step; None for other decisions."""
+    batch, sms, mode = entry["decode_batch"], entry["decode_sms"], entry["mode"]
+    if batch <= 0 or mode not in ("spatial", "time_slice", "decode_only", "temporal"):
+        return None
+    if mode == "temporal":
+        step = lambda c: predictor.predict_mixed(entry["prefill_tokens"],
+                                                 entry["prefill_context_tokens"], 1, batch, c)
+    else:
+        step = lambda c: predictor.predict("decode", batch, c, batch, sms, mode == "spatial")
+    corrected = mode in ("spatial", "temporal")
+    ms = entry["predicted_decode_ms"] / (entry.get("calibration", 1.0) if corrected else 1.0)
+    per_token = (step(100_000) - step(0)) / 100_000
+    return max(0.0, (ms - step(0)) / per_token) if per_token > 0 else None
+
+
+def share_fit(predictor, runs: dict[str, tuple[list[dict], PlannerSettings]],
+              train: list[str]) -> dict:
+    """The planner's prediction (``PlannedShare``) of each measured batch beside decode,
+    its time alone times the planned prefill factor of the prompt it belongs to (a run of
+    mixed steps: the longest), against its measured time. Fitted on the ``train`` runs
+    (least squares, nothing negative): measured = ``delivered_over_planned`` times planned
+    plus ``per_batch_s`` per batch (what a batch costs beyond its pieces: the switch into
+    it, the wait for its last piece); beside it the fit of one factor alone (``scalar``).
+    Every run's error with each, the other runs held out."""
+    rows = {name: _planned(predictor, entries, settings)
+            for name, (entries, settings) in runs.items()}
+    fitted = [b for name in train for b in rows[name]]
+    delivered, per_batch = _fit_nonnegative(np.array([[b["planned_s"], 1.0] for b in fitted]),
+                                            [b["seconds"] for b in fitted])
+    scalar = sum(b["seconds"] for b in fitted) / sum(b["planned_s"] for b in fitted)
+    return {"delivered_over_planned": delivered, "per_batch_s": per_batch,
+            "runs": {name: _fit_errors(batches, delivered, per_batch, name in train)
+                     for name, batches in rows.items()},
+            "scalar": {"delivered_over_planned": scalar,
+                       "runs": {name: _fit_errors(batches, scalar, 0.0, name in train,
+                                                  detail=False)
+                                for name, batches in rows.items()}}}
+
+
+def _planned(predictor, entries: list[dict], settings: PlannerSettings) -> list[dict]:
+    """``beside_decode``'s batches, each with the time the planner plans for it."""
+    planned = PlannedShare(predictor, settings)
+    batches = beside_decode(entries, predictor)
+    for b in batches:
+        factor = planned.factors(b["decode_batch"], int(b["decode_context"]),
+                                 b["prompt_tokens"])[0]
+        b["planned_s"] = b["alone_s"] * factor
+    return batches
+
+
+def _over_alone(batches: list[dict], delivered: float, per_batch: float) -> dict:
+    """One option's batches: measured and predicted time over their time alone."""
+    alone = sum(b["alone_s"] for b in batches)
+    predicted = sum(delivered * b["planned_s"] + per_batch for b in batches)
+    return {"batches": len(batches),
+            "measured_over_alone": round(sum(b["seconds"] for b in batches) / alone, 3),
+            "predicted_over_alone": round(predicted / alone, 3)}
+
+
+def _fit_errors(batches: list[dict], delivered: float, per_batch: float, trained: bool,
+                detail: bool = True) -> dict:
+    measured = sum(b["seconds"] for b in batches)
+    predicted = [delivered * b["planned_s"] + per_batch for b in batches]
+    errors = sorted(abs(p / b["seconds"] - 1) for p, b in zip(predicted, batches, strict=True))
+    rank = lambda q: errors[min(len(errors) - 1, int(q * len(errors)))]
+    row = {"role": "fitted" if trained else "held out", "batches": len(batches),
+           "measured_s": round(measured, 2), "predicted_s": round(sum(predicted), 2),
+           "error": round(sum(predicted) / measured - 1, 4),
+           "per_batch_abs_error_p50": round(rank(0.5), 4),
+           "per_batch_abs_error_p90": round(rank(0.9), 4)}
+    if not detail:
+        return row
+    options: dict[str, list[dict]] = {}
+    for b in batches:
+        options.setdefault(b["option"], []).append(b)
+    return {**row, "decode_batches": sorted({b["decode_batch"] for b in batches}),
+            "measured_over_alone": round(measured / sum(b["alone_s"] for b in batches), 4),
+            "by_option": {option: _over_alone(rows, delivered, per_batch)
+                          for option, rows in sorted(options.items())}}
 
 
 def sharing_sets() -> list[tuple[str, ...]]:
@@ -122,12 +361,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-corrections", default="", type=_options,
                         help="measured over predicted prefill pieces per option, e.g. "
                              "spatial:16=1.2,time_slice=1.1 (default: none)")
+    parser.add_argument("--fit-share", metavar="TIMELINES",
+                        help="with --predictor: fit what the planner's prompts are delivered "
+                        "beside decode on these measured timelines (comma-separated)")
+    parser.add_argument("--hold-out", metavar="TIMELINES", default="",
+                        help="with --fit-share: timelines checked against the fit, not fitted")
+    parser.add_argument("--calibration-from", metavar="RUN.json",
+                        help="with --fit-share: the walks plan with this run's learned "
+                        "corrections (its engine_info calibration)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if bool(args.predictor) == bool(args.timeline):
         parser.error("give exactly one of --predictor (a prediction) and --timeline")
     if args.timeline:
         return delivered(args.timeline, args.out)
+    if args.fit_share:
+        return fit_share(args)
     predictor = LatencyPredictor.load(args.predictor)
     rows = []
     for batch, itl, correction, sharing in itertools.product(
@@ -150,11 +399,54 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def fit_share(args: argparse.Namespace) -> int:
+    """Writes and prints ``share_fit`` over the named timelines (``"kind": "analysis"``).
+    Each timeline's run (the JSON beside it) gives the planner's flags; every walk plans
+    with the corrections of ``--calibration-from`` (none: 1.0)."""
+    predictor = LatencyPredictor.load(args.predictor)
+    learned = None
+    if args.calibration_from:
+        learned = json.loads(Path(args.calibration_from).read_text())["engine_info"][
+            "calibration"]
+    train, held = _paths(args.fit_share), _paths(args.hold_out)
+    runs = {path: (_timeline(path), settings_of(_run_of(path)["server_command"]).learned(
+        learned)) for path in train + held}
+    result = {"kind": "analysis", "command": " ".join(["python", *sys.argv]),
+              "git_revision": os.environ.get("PDSERVE_GIT_REVISION", "unknown"),
+              "predictor": args.predictor, "calibration_from": args.calibration_from,
+              "corrections": learned, "fitted_on": train, "held_out": held,
+              **share_fit(predictor, runs, train)}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"measured = {result['delivered_over_planned']:.3f} x planned + "
+          f"{result['per_batch_s']:.3f} s per batch (one factor alone: "
+          f"{result['scalar']['delivered_over_planned']:.3f})")
+    for path, row in result["runs"].items():
+        print(f"{Path(path).name:45s} {row['role']:8s} {row['batches']:3d} batches "
+              f"measured {row['measured_s']:6.1f} s predicted {row['predicted_s']:6.1f} s "
+              f"({row['error']:+.1%}); per batch |error| p50 {row['per_batch_abs_error_p50']:.0%}"
+              f" p90 {row['per_batch_abs_error_p90']:.0%}")
+    return 0
+
+
+def _paths(text: str) -> list[str]:
+    return [p for p in text.split(",") if p]
+
+
+def _timeline(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def _run_of(timeline: str) -> dict:
+    """The run a ``*_timeline.json[.gz]`` belongs to: the JSON beside it."""
+    name = Path(timeline).name.split("_timeline.json")[0]
+    return json.loads((Path(timeline).parent / f"{name}.json").read_text())
+
+
 def delivered(timeline: str, out: str) -> int:
     """Writes and prints what each option of a measured run delivered to prefill."""
-    opener = gzip.open if timeline.endswith(".gz") else open
-    with opener(timeline, "rt") as f:
-        entries = json.load(f)
+    entries = _timeline(timeline)
     result = {"kind": "measurement", "command": " ".join(["python", *sys.argv]),
               "timeline": timeline, "prefill_delivery": prefill_delivery(entries),
               "piece_times": piece_times(entries)}

@@ -24,7 +24,11 @@ For each schedule (``--schedules``: chunked prefill with 512-token steps, PD-mul
    arrivals compressed so that the replay lasts ``--replay-s`` with the fitted prefill
    ``--load`` busy; streamed straight to the instance;
 4. simulate the same requests with the fitted model, once with the measured spread of
-   service times (``ServiceNoise``) and once with medians only;
+   service times (``ServiceNoise``) and once with medians only; multiplexing also by the
+   planner model (``simulated_planner``: ``PlannerShare``, the planner's own choice among
+   its options walked over the predictor it serves with and the corrections its engine
+   learned over the probes, a cost per prefill batch fitted on measured LooGLE timelines,
+   and what the instance delivered of the plan in the queue probe);
 5. write ``OUT/sim_validate_instance.json`` (after each schedule, so a cut-short run keeps
    what it finished) and each instance's log.
 
@@ -63,6 +67,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.loogle_h200 import summarise_timeline  # noqa: E402
+from benchmarks.mux_whatif import settings_of, share_table  # noqa: E402
 from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
 from benchmarks.validate_sim import (  # noqa: E402
     compare,
@@ -75,10 +80,12 @@ from benchmarks.validate_sim import (  # noqa: E402
     token_clock,
 )
 from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
 from pdserve.sim.cluster import (  # noqa: E402
     GroupSim,
     LatencyModel,
     Multiplexing,
+    PlannerShare,
     ServiceNoise,
     SimRequest,
 )
@@ -88,6 +95,11 @@ from pdserve.testing import ServeProcess, start_serve  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW_TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_first_600s.jsonl"
 PREDICTOR = "benchmarks/results/loogle_h200/d698fcb_predictor.json"  # profiled at d698fcb
+# What the planner's prompts were delivered beside decode, measured over planned, on the
+# LooGLE runs' timelines, and the corrections their walks planned with (``mux_whatif.py
+# --fit-share``).
+SHARE_FIT = ROOT / "benchmarks" / "results" / "loogle_h200" / \
+    "mux_share_fit_d698fcb_predictor.json"
 SCHEDULES = {
     "chunk512": "--schedule chunked --chunk-size 512",
     "multiplex": f"--schedule multiplex --itl-slo-ms 60 --mux-predictor {PREDICTOR}",
@@ -251,10 +263,11 @@ MODELS = ("current", "eb12b7d")
 
 def simulate(name: str, model: LatencyModel, factors: Multiplexing | None,
              requests: list[SimRequest], noise: ServiceNoise | None,
-             as_of: str = "current") -> list[dict]:
+             as_of: str = "current", share: PlannerShare | None = None) -> list[dict]:
     """chunk512: the chunked instance step by step (``ChunkedInstanceSim``). multiplex: one
     multiplexing instance (``GroupSim``; requests go straight to it, no gateway admission:
-    a blind dispatch over one instance never refuses). ``as_of="eb12b7d"``: the models as
+    a blind dispatch over one instance never refuses), by the cycle model, or with
+    ``share`` by the planner model (``Multiplexing``). ``as_of="eb12b7d"``: the models as
     they were at the first H200 validation (a mixed step as decode step plus prefill piece;
     multiplexing's fixed factors, no cycle)."""
     fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
@@ -264,12 +277,75 @@ def simulate(name: str, model: LatencyModel, factors: Multiplexing | None,
                            mixed_step="sum" if old else "roofline").run(fresh)
     else:
         factors = Multiplexing(factors.decode_slowdown, factors.prefill_slowdown) if old \
-            else factors
+            else dataclasses.replace(factors, share=share)
         GroupSim(model, 1, 0, dispatch="least-connections", max_wait_s=1e9,
                  multiplexing=factors, noise=noise).run(fresh)
     return [{"ttft_s": r.first_token - r.arrival,
              "tpot_s": (r.finished - r.first_token) / max(1, r.output_len - 1)}
             for r in fresh]
+
+
+def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
+                  args) -> PlannerShare | None:
+    """The planner model (``PlannerShare``) of a multiplexing schedule: the predictor it
+    serves with (``--mux-predictor``) walked with its flags and what its engine learned
+    over the probes (``engine_calibration``; a run that did not record it: the corrections
+    the LooGLE fit's walks used), the per-batch cost fitted on the LooGLE timelines
+    (``SHARE_FIT``), and how much of the plan the instance delivered beyond that, fitted on
+    its own probe (``probe_delivered``). None where the schedule plans with the roofline
+    model: no fitted predictor to walk."""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--mux-predictor")
+    path = flags.parse_known_args(shlex.split(schedule_args))[0].mux_predictor
+    if path is None or path == "roofline":
+        return None
+    fit = json.loads(SHARE_FIT.read_text())
+    settings = settings_of(schedule_args).learned(interference.get("engine_calibration")
+                                                  or fit["corrections"])
+    share = PlannerShare(**share_table(LatencyPredictor.load(ROOT / path), settings),
+                         per_batch_s=fit["per_batch_s"])
+    delivered = probe_delivered(share, interference, model, args)[0]
+    if delivered <= 0:
+        raise SystemExit(f"the probe's prompts took less than the fitted per-batch cost "
+                         f"({fit['per_batch_s']:.3f} s a batch): no planner model")
+    return dataclasses.replace(share, delivered=delivered)
+
+
+def probe_delivered(share: PlannerShare, interference: dict, model: LatencyModel,
+                    args) -> tuple[float, str]:
+    """Measured over planned prefill time in the probe closest to the replay's state (the
+    queue probe where the run has one, else the lone prompt), and which: its prompts' time,
+    less the per-batch cost of the batches the planner splits them into, against each
+    prompt alone (the fitted model) times the planner's factor beside the probe's decode
+    batch (the batch's context as ``chunked_probe_prediction`` counts it: prompt plus the
+    tokens of the warm-up)."""
+    name = "queue" if "queue" in interference else "lone"
+    probe = interference["queue"] if name == "queue" else interference
+    prompts = probe.get("prompts", 1)
+    context = args.mix_batch * (probe.get("decode_context", args.decode_contexts[0])
+                                + round(args.mix_warmup_s / (probe["step_ms_before"] / 1e3)))
+    load = (args.mix_batch, context, args.mix_prompt)
+    batches_s = prompts * share.per_batch_s * share.planned_batches(*load)
+    planned = prompts * model.prefill_s(args.mix_prompt) * share.planned_prefill(*load)
+    return (probe["prompt_s"] - batches_s) / planned, name
+
+
+def simulate_both(name: str, model: LatencyModel, factors: Multiplexing | None,
+                  requests: list[SimRequest], noise: ServiceNoise | None,
+                  share: PlannerShare | None, as_of: str = "current") -> dict:
+    """Each simulation of a schedule, named as the results keep them: with the measured
+    spread where ``noise`` is given and medians only; for multiplexing with ``share``, the
+    planner model's beside the cycle model's."""
+    runs = {"simulated_medians_only": simulate(name, model, factors, requests, None, as_of)}
+    if noise is not None:
+        runs["simulated"] = simulate(name, model, factors, requests, noise, as_of)
+    if share is not None and name == "multiplex" and as_of == "current":
+        runs["simulated_planner_medians_only"] = simulate(name, model, factors, requests,
+                                                          None, share=share)
+        if noise is not None:
+            runs["simulated_planner"] = simulate(name, model, factors, requests, noise,
+                                                 share=share)
+    return runs
 
 
 async def validate(args, name: str, schedule_args: str) -> dict:
@@ -282,14 +358,16 @@ async def validate(args, name: str, schedule_args: str) -> dict:
     url = server.url + "/v1/completions"
     try:
         async with ClientSession(timeout=ClientTimeout(total=None)) as session:
-            result = await _measure_and_replay(name, session, url, args, rng, phases)
+            result = await _measure_and_replay(name, schedule_args, session, url, args, rng,
+                                               phases)
     finally:
         server.stop()
         _keep_log(server, Path(args.out) / f"{name}_server.log")
     return {"schedule_args": schedule_args, "phases_s": phases, **result}
 
 
-async def _measure_and_replay(name: str, session, url: str, args, rng, phases: dict) -> dict:
+async def _measure_and_replay(name: str, schedule_args: str, session, url: str, args, rng,
+                              phases: dict) -> dict:
     clock = time.monotonic()
     prefill_points, prefill_ratios = await measure_prefill(session, url, args, rng)
     decode_points, decode_ratios = await measure_decode(session, url, args, rng)
@@ -301,12 +379,14 @@ async def _measure_and_replay(name: str, session, url: str, args, rng, phases: d
     clock, load_before = time.monotonic(), os.getloadavg()[0]
     measured = await replay(session, url, requests, args, rng)
     phases["replay_s"] = time.monotonic() - clock
+    share = None
     if name == "multiplex":
         mix["timeline_replay"] = await engine_timeline(session, url, clock)
         mix["cycle_covers_every_batch"] = cycle_covers(model, factors, requests)
+        share = planner_share(schedule_args, mix, model, args)
+        mix["planner_share"] = _share_summary(share, mix, model, args, requests)
     noise = ServiceNoise(prefill_ratios, decode_ratios, seed=args.seed)
-    simulated = {"simulated": simulate(name, model, factors, requests, noise),
-                 "simulated_medians_only": simulate(name, model, factors, requests, None)}
+    simulated = simulate_both(name, model, factors, requests, noise, share)
     return {"service_points": {"prefill": prefill_points, "decode": decode_points},
             "service_spread": {"prefill": spread(prefill_ratios),
                                "decode_step": spread(decode_ratios)},
@@ -333,6 +413,8 @@ async def _probes(name: str, session, url: str, args, rng,
             mix["queue"].update(chunked_probe_prediction(model, args, mix["queue"]))
     else:
         mix["timeline_probes"] = await engine_timeline(session, url, since)
+        # What the planner learned over the probes: the planner model walks with it.
+        mix["engine_calibration"] = (await engine_info(session, url)).get("calibration")
     return factors, mix
 
 
@@ -342,9 +424,13 @@ async def engine_timeline(session, url: str, since: float) -> dict:
     base = url.rsplit("/v1/", 1)[0]
     async with session.get(base + "/v1/engine/timeline") as resp:
         entries = (await resp.json())["entries"]
-    async with session.get(base + "/v1/engine/info") as resp:
-        itl_ms = (await resp.json()).get("itl_slo_ms") or 60.0
+    itl_ms = (await engine_info(session, url)).get("itl_slo_ms") or 60.0
     return summarise_timeline(entries, since, itl_ms)
+
+
+async def engine_info(session, url: str) -> dict:
+    async with session.get(url.rsplit("/v1/", 1)[0] + "/v1/engine/info") as resp:
+        return await resp.json()
 
 
 def resimulate(path: str, as_of: str = "current") -> dict:
@@ -363,15 +449,17 @@ def resimulate(path: str, as_of: str = "current") -> dict:
         if workload["requests"] != run["workload"]["requests"]:
             raise SystemExit(f"{name}: {workload['requests']} requests rebuilt, "
                              f"{run['workload']['requests']} recorded")
-        factors = _recorded_factors(run["interference"])
+        factors, share = _recorded_factors(run["interference"]), None
         if name == "multiplex":
             covered[name] = cycle_covers(model, factors, requests)
-        simulated = {"simulated_medians_only": simulate(name, model, factors, requests, None,
-                                                        as_of)}
+            if as_of == "current":
+                share = planner_share(run["schedule_args"], run["interference"], model, args)
+                covered["multiplex_planner"] = _share_summary(share, run["interference"], model,
+                                                              args, requests)
         ratios = run.get("service_ratios")
-        if ratios:
-            noise = ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed)
-            simulated["simulated"] = simulate(name, model, factors, requests, noise, as_of)
+        noise = ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed) \
+            if ratios else None
+        simulated = simulate_both(name, model, factors, requests, noise, share, as_of)
         measured = {key: row["measured"] for key, row in run["compare"].items()}
         table[name] = compare_percentiles(measured, simulated)
     return {"resimulated_from": os.path.relpath(path, ROOT), "models_as_of": as_of,
@@ -384,6 +472,22 @@ def cycle_covers(model: LatencyModel, factors: Multiplexing, requests: list[SimR
     some batches take the fixed factors, ``Multiplexing``)."""
     context = sum(r.input_len + r.output_len for r in requests)
     return factors.covers(model.decode_step_s(len(requests), context))
+
+
+def _share_summary(share: PlannerShare | None, interference: dict, model: LatencyModel,
+                   args, requests: list[SimRequest]) -> dict:
+    """What the planner model ran with, and whether the replay stays inside its grid (the
+    bound of ``cycle_covers``: every request decoding at once at its full length)."""
+    if share is None:
+        return {"model": None, "why": "the schedule plans with the roofline model"}
+    context = sum(r.input_len + r.output_len for r in requests)
+    fit = json.loads(SHARE_FIT.read_text())
+    return {"model": "planner", "delivered_over_planned": share.delivered,
+            "delivered_from": probe_delivered(share, interference, model, args)[1] + " probe",
+            "per_batch_s": share.per_batch_s,
+            "delivered_over_planned_loogle_fit": fit["delivered_over_planned"],
+            "engine_calibration_recorded": bool(interference.get("engine_calibration")),
+            "covers_every_batch": share.covers(len(requests), context)}
 
 
 def _recorded_factors(interference: dict) -> Multiplexing | None:

@@ -126,44 +126,177 @@ def _fit_nonnegative(a: np.ndarray, b: list[float]) -> list[float]:
 
 
 @dataclass(frozen=True)
+class PlannerShare:
+    """What a prompt gets beside a decode batch on a multiplexing instance, tabulated from
+    the planner itself: the real ``MuxPlanner`` over the instance's own fitted predictor,
+    walking a prompt through its prefill beside a decode batch (``benchmarks/mux_whatif.py``,
+    ``share_table``). Per grid point (decode batch, decode context per request, prompt
+    tokens): the prompt's time beside the batch over its time alone on the whole GPU
+    (``prefill``), the time between two decode tokens meanwhile over the batch's step
+    alone (``decode``) and the prefill batches the planner splits the prompt into
+    (``prefill_batches``); each flattened batch-major, then context, then prompt.
+
+    Spatial splits overlap a weight-bound decode step with a compute-bound prefill, mixed
+    steps carry both in one step, time slices take turns: the planner picks among them by
+    the predictor, so the table follows what the instance would run rather than one rule
+    for all. Two measured corrections turn the plan into what is delivered: a prompt takes
+    ``delivered`` times its planned time plus ``per_batch_s`` per prefill batch (what a
+    batch costs beyond its pieces: the switch into it, the wait for its last piece).
+    Between grid points the tables interpolate linearly in the logarithms of the
+    coordinates; beyond the grid they hold the edge's values (``covers`` says whether a
+    load stays inside)."""
+
+    batches: tuple[float, ...]
+    contexts: tuple[float, ...]
+    prompts: tuple[float, ...]
+    prefill: tuple[float, ...]
+    decode: tuple[float, ...]
+    delivered: float = 1.0
+    prefill_batches: tuple[float, ...] = ()  # needed only with a per-batch cost
+    per_batch_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        size = len(self.batches) * len(self.contexts) * len(self.prompts)
+        for name in ("batches", "contexts", "prompts"):
+            axis = getattr(self, name)
+            if len(axis) < 2 or any(b <= a for a, b in zip(axis, axis[1:], strict=False)) \
+                    or axis[0] <= 0:
+                raise ValueError(f"PlannerShare.{name}: at least two rising positive points")
+        counts = len(self.prefill_batches) if self.prefill_batches or self.per_batch_s else size
+        if len(self.prefill) != size or len(self.decode) != size or counts != size:
+            raise ValueError(f"PlannerShare: {size} grid points, {len(self.prefill)} prefill, "
+                             f"{len(self.decode)} decode and {counts} prefill batch figures")
+        if min(self.prefill + self.decode) <= 0 or self.delivered <= 0 or self.per_batch_s < 0:
+            raise ValueError("PlannerShare: factors must be positive, the per-batch cost not "
+                             "negative")
+
+    def prefill_s(self, alone_s: float, batch: int, context: float, tokens: int) -> float:
+        """A prompt of ``tokens`` that takes ``alone_s`` alone, beside ``batch`` decodes of
+        ``context`` tokens in all; never less than alone (the batch takes, never gives)."""
+        beside = alone_s * self.prefill_factor(batch, context, tokens)
+        if self.per_batch_s > 0.0:
+            beside += self.per_batch_s * self._at(self.prefill_batches, batch, context, tokens)
+        return beside if beside > alone_s else alone_s
+
+    def prefill_factor(self, batch: int, context: float, tokens: int) -> float:
+        """The part of ``prefill_s`` that grows with the prompt's time: delivered over
+        planned times the planner's factor."""
+        return self.delivered * self._at(self.prefill, batch, context, tokens)
+
+    def planned_prefill(self, batch: int, context: float, tokens: int) -> float:
+        """The planner's own factor there, before the corrections: what a measured one is
+        fitted against."""
+        return self._at(self.prefill, batch, context, tokens)
+
+    def planned_batches(self, batch: int, context: float, tokens: int) -> float:
+        """The prefill batches the planner splits such a prompt into (0: none tabulated)."""
+        return self._at(self.prefill_batches, batch, context, tokens) \
+            if self.prefill_batches else 0.0
+
+    def decode_factor(self, batch: int, context: float, tokens: int) -> float:
+        """The batch's time per token beside that prompt over its step alone (at least 1)."""
+        factor = self._at(self.decode, batch, context, tokens)
+        return factor if factor > 1.0 else 1.0
+
+    def covers(self, batch: int, context: float) -> bool:
+        """Whether ``batch`` decodes of ``context`` tokens in all lie inside the grid."""
+        per_request = context / batch if batch > 0 else 0.0
+        return (batch <= self.batches[-1] and self.contexts[0] <= per_request
+                <= self.contexts[-1])
+
+    def _at(self, values: tuple[float, ...], batch: int, context: float, tokens: int) -> float:
+        i, wi = _bracket(self.batches, float(batch))
+        j, wj = _bracket(self.contexts, context / batch if batch > 0 else 0.0)
+        k, wk = _bracket(self.prompts, float(tokens))
+        nc, np_ = len(self.contexts), len(self.prompts)
+        total = 0.0
+        for di, fi in ((0, 1.0 - wi), (1, wi)):
+            for dj, fj in ((0, 1.0 - wj), (1, wj)):
+                row = ((i + di) * nc + j + dj) * np_ + k
+                total += fi * fj * ((1.0 - wk) * values[row] + wk * values[row + 1])
+        return total
+
+
+def _bracket(axis: tuple[float, ...], x: float) -> tuple[int, float]:
+    """Where ``x`` falls on ``axis``: the point below it and its weight towards the next,
+    in logarithms, held at the ends."""
+    if x <= axis[0]:
+        return 0, 0.0
+    if x >= axis[-1]:
+        return len(axis) - 2, 1.0
+    i = bisect.bisect_right(axis, x) - 1
+    return i, math.log(x / axis[i]) / math.log(axis[i + 1] / axis[i])
+
+
+@dataclass(frozen=True)
 class Multiplexing:
     """How the two sides of a PD-multiplexing instance (prefill and decode on one GPU's SM
-    partitions) slow each other: a decode step takes ``decode_slowdown`` times as long while
-    a prompt prefills beside it, and a prompt ``prefill_slowdown`` times as long while a
-    batch decodes beside it. Each side's factor is fixed when its stretch of work starts: a
-    prompt's for the whole prompt, decode's until its batch next changes or the prefill side
-    starts or ends a prompt (the decode side is then resynced at its next step).
+    partitions) slow each other. Three models, the first one set wins (``model`` names it):
 
-    With ``cycle_s`` set (the measured decode step while a prompt prefills beside it: the
-    planner sizes prefill pieces so that a decode token comes once per cycle of about its
-    ITL budget), the factors follow the decode batch instead of staying fixed: beside a
-    prompt a decode step lasts the cycle, and the prompt gets the rest of each cycle,
-    ``1 - decode step / cycle`` of the GPU, so its prefill takes ``cycle / (cycle -
-    decode step)`` times its time alone: the sides take turns, as mixed steps and time
-    slices do (spatial splits run them at once; docs/cluster.md, validation, says where
-    that matters). A batch whose step alone is the cycle or longer leaves the planner no
-    option within its budget; it then gives decode the largest split beside prefill, the
-    regime the fixed factors were measured in, so such a batch and a prompt beside it take
-    the fixed factors (``covers`` says whether a load can reach it)."""
+    - ``share`` (``PlannerShare``): the planner's own choice among its options for this
+      decode batch and prompt, from the instance's fitted predictor, corrected by what
+      measured runs delivered (of the plan, and a cost per prefill batch); a prompt's time
+      is fixed when it starts (from the batch then), the decode side's factor at each
+      change of its stretch.
+    - ``cycle_s`` (the measured decode step while a prompt prefills beside it): beside a
+      prompt a decode step lasts the cycle and the prompt gets the rest of each cycle,
+      ``1 - decode step / cycle`` of the GPU, so its prefill takes ``cycle / (cycle -
+      decode step)`` times its time alone: the sides take turns, as mixed steps and time
+      slices do (spatial splits run them at once, and on the H200 delivered more:
+      docs/cluster.md, validation). A batch whose step alone is the cycle or longer leaves
+      the planner no option within its budget; such a batch and a prompt beside it take the
+      fixed factors (``covers`` says whether a load can reach it).
+    - fixed factors: a decode step takes ``decode_slowdown`` times as long while a prompt
+      prefills beside it, and a prompt ``prefill_slowdown`` times as long while a batch
+      decodes beside it, whatever either's size.
+
+    Each side's factor is fixed when its stretch of work starts: a prompt's for the whole
+    prompt, decode's until its batch next changes or the prefill side starts or ends a
+    prompt (the decode side is then resynced at its next step)."""
 
     decode_slowdown: float
     prefill_slowdown: float
     cycle_s: float | None = None
+    share: PlannerShare | None = None
 
-    def covers(self, longest_step_s: float) -> bool:
+    @property
+    def model(self) -> str:
+        """Which model runs: ``planner``, ``cycle`` or ``fixed``."""
+        if self.share is not None:
+            return "planner"
+        return "fixed" if self.cycle_s is None else "cycle"
+
+    def covers(self, longest_step_s: float, batch: int = 0, context: float = 0.0) -> bool:
         """Whether a decode step alone of up to ``longest_step_s`` stays within the cycle
-        (always, with fixed factors)."""
+        (always, with fixed factors); with ``share``, whether ``batch`` decodes of
+        ``context`` tokens in all stay inside its grid."""
+        if self.share is not None:
+            return self.share.covers(batch, context)
         return self.cycle_s is None or longest_step_s < self.cycle_s
+
+    def prefill_beside_s(self, alone_s: float, decode_step_s: float, batch: int,
+                         context: float, tokens: int) -> float:
+        """A prompt of ``tokens`` that takes ``alone_s`` alone, beside a decode batch of
+        ``batch`` requests, ``context`` tokens in all, whose step alone lasts
+        ``decode_step_s``."""
+        if self.share is not None:
+            return self.share.prefill_s(alone_s, batch, context, tokens)
+        return alone_s * self.prefill_factor(decode_step_s)
 
     def prefill_factor(self, decode_step_s: float) -> float:
         """How much longer a prompt takes beside a decode batch whose step alone lasts
-        ``decode_step_s``."""
+        ``decode_step_s`` (the cycle model or the fixed factors)."""
         if self.cycle_s is None or decode_step_s >= self.cycle_s:
             return self.prefill_slowdown
         return self.cycle_s / (self.cycle_s - decode_step_s)
 
-    def decode_stretch(self, a: float, b: float) -> tuple[float, float]:
-        """Step ``k`` of a stretch beside a prompt, from its time alone ``a + b*k``."""
+    def decode_stretch(self, a: float, b: float, batch: int = 0, context: float = 0.0,
+                       tokens: int = 0) -> tuple[float, float]:
+        """Step ``k`` of a stretch beside a prompt of ``tokens``, from its time alone
+        ``a + b*k`` (the batch: ``batch`` requests, ``context`` tokens in all)."""
+        if self.share is not None:
+            factor = self.share.decode_factor(batch, context, tokens)
+            return a * factor, b * factor
         if self.cycle_s is None or a >= self.cycle_s:
             return a * self.decode_slowdown, b * self.decode_slowdown
         return self.cycle_s, 0.0
@@ -461,6 +594,7 @@ class PrefillSim:
         self.partner: DecodeSim | None = None  # the decode side of a multiplexing instance
         self.multiplexing: Multiplexing | None = None
         self.noise: ServiceNoise | None = None
+        self.tokens = 0  # the prompt prefilling now, or last (multiplexing only)
 
     def idle(self) -> bool:
         return not (self.busy or self.queue)
@@ -475,9 +609,12 @@ class PrefillSim:
             service *= self.noise.prefill_factor()
         partner = self.partner
         if partner is not None:
+            self.tokens = tokens
             if partner.running:
                 assert self.multiplexing is not None  # set with the partner (GroupSim._pair)
-                service *= self.multiplexing.prefill_factor(partner.step_alone_s())
+                service = self.multiplexing.prefill_beside_s(
+                    service, partner.step_alone_s(), len(partner.running), partner.context(),
+                    tokens)
             partner.resync()
         self.loop.at(self.loop.now + service, self._finish, job)
 
@@ -597,8 +734,9 @@ class DecodeSim:
                    + m.decode_per_kv_token_s * context)
         self._b = m.decode_per_kv_token_s * batch
         if self._beside:
-            assert self.multiplexing is not None  # _beside says it is set
-            self._a, self._b = self.multiplexing.decode_stretch(self._a, self._b)
+            assert self.multiplexing is not None and self.partner is not None  # _beside
+            self._a, self._b = self.multiplexing.decode_stretch(self._a, self._b, batch, context,
+                                                                self.partner.tokens)
 
     def _begin_stretch(self, step: int) -> None:
         self._step, self._since = step, self.loop.now
@@ -610,7 +748,11 @@ class DecodeSim:
         """The current step's time with nothing beside it."""
         m, batch = self.model, len(self.running)
         return (m.decode_base_s + m.decode_per_request_s * batch
-                + m.decode_per_kv_token_s * (self._context_base + batch * self._step))
+                + m.decode_per_kv_token_s * self.context())
+
+    def context(self) -> int:
+        """The running requests' context at the current step, in all."""
+        return self._context_base + len(self.running) * self._step
 
     def resync(self) -> None:
         """The prefill side beside it started or ended a prompt: a new stretch at the next

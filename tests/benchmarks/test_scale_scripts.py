@@ -144,6 +144,38 @@ def test_resimulation_from_the_command_line_with_the_models_of_now():
     assert chunked != recorded["chunk512"]["compare"]["ttft_s"]["simulated_medians_only"]
 
 
+def test_resimulation_runs_the_planner_model_fitted_on_the_runs_own_probe():
+    """Beside the cycle model, the planner model: its table walked from the run's own
+    predictor, the per-batch cost fitted on the LooGLE timelines, and how much of the plan
+    the instance delivered from the run's lone probe (that run had no queue probe): the
+    probe's prompt comes back as measured."""
+    module = _script("sim_validate_instance")
+    recorded = json.loads(VALIDATION_H200.read_text())
+    run = recorded["schedules"]["multiplex"]
+    args = module.argparse.Namespace(**recorded["config"])
+    model = module.LatencyModel(**run["latency_model"])
+    share = module.planner_share(run["schedule_args"], run["interference"], model, args)
+    context = 8 * (1024 + round(3.0 / (run["interference"]["step_ms_before"] / 1e3)))
+    assert share.prefill_s(model.prefill_s(8192), 8, context, 8192) == pytest.approx(
+        run["interference"]["prompt_s"])
+    assert share.per_batch_s == pytest.approx(json.loads(module.SHARE_FIT.read_text())[
+        "per_batch_s"]) and share.per_batch_s > 0
+    assert share.delivered == pytest.approx(
+        module.probe_delivered(share, run["interference"], model, args)[0])
+    again = module.resimulate(str(VALIDATION_H200))
+    planner = again["cycle_covers_every_batch"]["multiplex_planner"]
+    assert planner["delivered_from"] == "lone probe" and planner["covers_every_batch"]
+    assert planner["delivered_over_planned"] == pytest.approx(share.delivered)
+    for key in ("ttft_s", "tpot_s"):
+        row = again["schedules"]["multiplex"][key]
+        assert 0 < row["simulated_planner_medians_only"]["p50"] \
+            <= row["simulated_planner_medians_only"]["p99"]
+        assert "simulated_planner_medians_only" not in again["schedules"]["chunk512"][key]
+    roofline = module.planner_share("--schedule multiplex --mux-predictor roofline",
+                                    run["interference"], model, args)
+    assert roofline is None  # said in the result (``_share_summary``), never silent
+
+
 def test_resimulation_draws_the_recorded_spread(tmp_path):
     """With ``service_ratios`` recorded (runs after eb12b7d), the noisy simulation runs too:
     ratios of exactly 1 draw the medians."""

@@ -138,6 +138,71 @@ def test_mux_whatif_walks_a_prompt_with_every_sharing_set(tmp_path):
     assert all(r["max_cycle_ms"] <= 0.9 * r["itl_ms"] for r in result["rows"])
 
 
+LOOGLE = BENCHMARKS / "results" / "loogle_h200"
+
+
+def test_planner_flags_and_learned_corrections_of_a_server_command():
+    whatif = _load("mux_whatif")
+    settings = whatif.settings_of("python -m pdserve serve m --schedule multiplex "
+                                  "--itl-slo-ms 80 --mux-sharing spatial,temporal")
+    assert (settings.itl_ms, settings.sharing, settings.max_prefill_tokens) == \
+        (80.0, ("temporal", "spatial"), 8192)  # the server's own default budget
+    learned = settings.learned({"mixed_steps": 1.1, "co_running_decode": 0.9,
+                                "prefill_pieces": {"spatial:24": {"correction": 1.2,
+                                                                  "pieces": 3}}})
+    planner = learned.planner(_h200_predictor())
+    assert planner.predictor.mixed_correction == 1.1
+    assert planner.predictor.decode_correction == 0.9
+    assert planner.predictor.prefill_corrections == {"spatial:24": 1.2}
+    assert settings.learned(None) is settings
+    with pytest.raises(ValueError, match="--mux-sharing"):
+        whatif.settings_of("--mux-sharing spatal")
+
+
+def _h200_predictor():
+    from pdserve.sched.predictor import LatencyPredictor
+
+    return LatencyPredictor.load(LOOGLE / "d698fcb_predictor.json")
+
+
+def test_share_fit_on_one_h200_run_predicts_a_held_out_one(tmp_path):
+    """The planner's own prediction of what each prefill batch gets beside decode, the
+    corrections (delivered over planned, a cost per batch) fitted on the eb12b7d run: the
+    b249c95 run (another revision of the planner, its own load) comes out within 10% of
+    its measured prefill time beside decode."""
+    whatif = _load("mux_whatif")
+    out = tmp_path / "fit.json"
+    train = str(LOOGLE / "eb12b7d_multiplex_rate0.5_timeline.json.gz")
+    held = str(LOOGLE / "b249c95_multiplex_rate0.5_timeline.json.gz")
+    assert whatif.main(["--predictor", str(LOOGLE / "d698fcb_predictor.json"), "--fit-share",
+                        train, "--hold-out", held, "--calibration-from",
+                        str(LOOGLE / "eb12b7d_multiplex_rate0.5.json"), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["kind"] == "analysis" and result["fitted_on"] == [train]
+    fitted, checked = result["runs"][train], result["runs"][held]
+    assert fitted["role"] == "fitted" and checked["role"] == "held out"
+    assert fitted["error"] == pytest.approx(0.0, abs=1e-3)  # fitted on it alone: the sums agree
+    assert abs(checked["error"]) < 0.10 and checked["batches"] > 40
+    assert 0.5 < result["delivered_over_planned"] < 1.5 and result["per_batch_s"] > 0
+    scalar = result["scalar"]  # one factor alone, for comparison
+    assert scalar["runs"][held]["role"] == "held out" and scalar["delivered_over_planned"] > 0
+
+
+def test_share_table_follows_the_planner(tmp_path):
+    """Beside a larger decode batch a prompt gets less (its factor rises), decode tokens
+    come at least as slowly as alone, and the table has a cell per grid point."""
+    whatif = _load("mux_whatif")
+    settings = whatif.PlannerSettings(itl_ms=60.0)
+    table = whatif.share_table(_h200_predictor(), settings, batches=(1, 32),
+                               contexts=(4096, 8192), prompts=(2048, 8192))
+    assert len(table["prefill"]) == len(table["decode"]) == 8
+    by = dict(zip(itertools.product((1, 32), (4096, 8192), (2048, 8192)), table["prefill"],
+                  strict=True))
+    assert all(by[32, c, p] > by[1, c, p] for c in (4096, 8192) for p in (2048, 8192))
+    assert min(table["prefill"]) > 1.0 and min(table["decode"]) >= 1.0
+    assert min(table["prefill_batches"]) >= 1  # every prompt takes a batch at least
+
+
 # --------------------------------------------------------------------------- decode GEMV A/B
 
 
