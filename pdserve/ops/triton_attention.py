@@ -32,12 +32,20 @@ ONE_LAUNCH_DECODE_ENV = "PDSERVE_ONE_LAUNCH_DECODE"
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Tile shape and pipelining of the extend kernel (the benchmark sweeps these)."""
+    """Tile shape and pipelining of the extend kernel (the benchmark sweeps these), and
+    how its work is laid out over programs."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    pack_gqa: bool = False
+    """One tile holds block_m // group tokens of all q heads of a kv head, so each K/V tile
+    is loaded once per group instead of once per q head (the group must divide block_m)."""
+    kv_splits: int = 1
+    """Programs per query tile, each over a share of the cached prefix, merged by a second
+    kernel: a power of two, or 0 to choose from the shape (``extend_kv_splits``). Pays off
+    for short chunks over a long prefix, where one program per tile leaves SMs idle."""
 
 
 @dataclass(frozen=True)
@@ -274,9 +282,7 @@ def _merge_group(mid_o_seq, mid_lse_seq, out_seq, first_head, first_row, used_sp
     row_valid = rows < GROUP
     heads = first_head + rows
     offs_d = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    denom = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    m_i, denom, acc = _no_partials(ROWS, HEAD_DIM)
     for chunk in tl.static_range(NUM_SPLITS // MERGE_SPLITS):
         offs_s = chunk * MERGE_SPLITS + tl.arange(0, MERGE_SPLITS)
         # Only used splits stored a partial; every one of them has tokens.
@@ -288,17 +294,31 @@ def _merge_group(mid_o_seq, mid_lse_seq, out_seq, first_head, first_row, used_sp
             + offs_s[None, :, None] * stride_mo_split + offs_d[None, None, :],
             mask=written[:, :, None], other=0.0, cache_modifier=".cg",
         )  # fmt: skip
-        m_new = tl.maximum(m_i, tl.max(lse, 1))
-        # Rows with nothing yet (or invalid rows) shift by 0 so no NaN is formed.
-        shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m_i - shift)
-        weight = tl.exp2(lse - shift[:, None])
-        denom = denom * alpha + tl.sum(weight, 1)
-        acc = acc * alpha[:, None] + tl.sum(weight[:, :, None] * o, 1)
-        m_i = m_new
+        m_i, denom, acc = _fold_partials(m_i, denom, acc, lse, o)
     out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
     tl.store(out_seq + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(out_seq.dtype.element_ty), mask=row_valid[:, None])  # fmt: skip
+
+
+@triton.jit
+def _no_partials(ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The state of a log-sum-exp merge before its first partial."""
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    return m_i, tl.zeros([ROWS], dtype=tl.float32), tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+
+
+@triton.jit
+def _fold_partials(m_i, denom, acc, lse, o):
+    """Folds split partials (``lse`` [rows, n], ``o`` [rows, n, dims]) into a running
+    log-sum-exp merge: maximum, denominator and weighted sum of each row."""
+    m_new = tl.maximum(m_i, tl.max(lse, 1))
+    # Rows with nothing yet (or invalid rows) shift by 0 so no NaN is formed.
+    shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - shift)
+    weight = tl.exp2(lse - shift[:, None])
+    denom = denom * alpha + tl.sum(weight, 1)
+    acc = acc * alpha[:, None] + tl.sum(weight[:, :, None] * o, 1)
+    return m_new, denom, acc
 
 
 @triton.jit
@@ -491,6 +511,8 @@ def _extend_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -506,95 +528,182 @@ def _extend_kernel(
     stride_vcb,
     stride_vch,
     stride_bt,
+    stride_mo_t,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_t,
+    stride_ml_h,
     qk_scale,
     page_size,
     first_seq,
     GROUP: tl.constexpr,
+    ROW_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    KV_SPLITS: tl.constexpr,
 ):
-    """One program = (query tile, q head, sequence). The cached prefix is read through the
-    page table; the new tokens' own K/V are read from the contiguous step inputs, with the
-    causal mask applied only on the diagonal tiles and tiles above the diagonal skipped."""
+    """One program = (query tile x prefix split, head slot, sequence). A tile has BLOCK_M
+    rows: BLOCK_M tokens of one q head (``ROW_HEADS`` 1), or BLOCK_M // GROUP tokens of all
+    GROUP q heads of one kv head (``ROW_HEADS`` GROUP, GQA packing: each K/V tile is loaded
+    once for the whole group). The cached prefix is read through the page table; the new
+    tokens' own K/V are read from the contiguous step inputs, with the causal mask applied
+    only on the diagonal tiles and tiles above the diagonal skipped. With ``KV_SPLITS`` > 1
+    each split attends to its share of the prefix (the last one also to the new tokens) and
+    stores a partial for ``_extend_merge_kernel``."""
+    TOKENS: tl.constexpr = BLOCK_M // ROW_HEADS
+    split = tl.program_id(0) % KV_SPLITS
     # Highest query tiles have the most keys under the causal mask: launch them first so
     # the short ones fill the tail of the last wave.
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
+    m_block = tl.num_programs(0) // KV_SPLITS - 1 - tl.program_id(0) // KV_SPLITS
     seq = first_seq + tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     num_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if m_block * BLOCK_M >= num_new:
+    first_tok = m_block * TOKENS
+    if first_tok >= num_new:
         return
     prefix_len = tl.load(seq_lens_ptr + seq) - num_new
-    kv_head = head // GROUP
-
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    tok = first_tok + rows // ROW_HEADS
+    heads = tl.program_id(1) * ROW_HEADS + rows % ROW_HEADS
+    kv_head = tl.program_id(1) * ROW_HEADS // GROUP
     offs_d = tl.arange(0, HEAD_DIM)
-    row_valid = offs_m < num_new
+    row_valid = tok < num_new
     q = tl.load(
-        q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        q_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh
+        + offs_d[None, :],
         mask=row_valid[:, None],
         other=0.0,
-    )
+    )  # fmt: skip
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # Phase 1: the cached prefix, visible to every new token; only its last tile is ragged.
-    table = block_tables_ptr + seq * stride_bt
-    k_head = k_cache_ptr + kv_head * stride_kch
-    v_head = v_cache_ptr + kv_head * stride_vch
-    prefix_full = (prefix_len // BLOCK_N) * BLOCK_N
-    for n0 in range(0, prefix_full, BLOCK_N):
+    # Phase 1: this split's share of the cached prefix, visible to every new token.
+    start, end = _prefix_range(prefix_len, split, BLOCK_N, KV_SPLITS)
+    acc, m_i, l_i = _attend_prefix(
+        q, acc, m_i, l_i, block_tables_ptr + seq * stride_bt, k_cache_ptr + kv_head * stride_kch,
+        v_cache_ptr + kv_head * stride_vch, start, end, stride_kcp, stride_kcb, stride_vcp,
+        stride_vcb, qk_scale, page_size, HEAD_DIM, BLOCK_N,
+    )  # fmt: skip
+    # Phase 2: the new tokens (causal), in the last split.
+    if split == KV_SPLITS - 1:
+        acc, m_i, l_i = _attend_new(
+            q, acc, m_i, l_i, k_ptr + q_start * stride_kt + kv_head * stride_kh,
+            v_ptr + q_start * stride_vt + kv_head * stride_vh, tok, first_tok, num_new,
+            stride_kt, stride_vt, qk_scale, HEAD_DIM, BLOCK_N, TOKENS,
+        )  # fmt: skip
+
+    has_work = l_i > 0.0
+    o = acc / tl.where(has_work, l_i, 1.0)[:, None]
+    store_rows = (q_start + tok)[:, None]
+    if KV_SPLITS == 1:
+        tl.store(out_ptr + store_rows * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])  # fmt: skip
+    else:
+        # An empty split leaves l_i == 0: its log-sum-exp is -inf and the merge skips it.
+        lse = tl.where(has_work, m_i + tl.log2(tl.where(has_work, l_i, 1.0)), float("-inf"))
+        tl.store(mid_lse_ptr + (q_start + tok) * stride_ml_t + heads * stride_ml_h + split, lse,
+                 mask=row_valid)  # fmt: skip
+        mid_o = (mid_o_ptr + store_rows * stride_mo_t + heads[:, None] * stride_mo_h
+                 + split * stride_mo_s + offs_d[None, :])  # fmt: skip
+        tl.store(mid_o, o, mask=row_valid[:, None])
+
+
+@triton.jit
+def _prefix_range(prefix_len, split, BLOCK_N: tl.constexpr, KV_SPLITS: tl.constexpr):
+    """Tokens [start, end) of the prefix that ``split`` attends to: whole tiles, as even a
+    share as the tile count allows (the last splits may be short or empty)."""
+    num_tiles = (prefix_len + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_tiles + KV_SPLITS - 1) // KV_SPLITS
+    start = tl.minimum(split * tiles_per_split * BLOCK_N, prefix_len)
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, prefix_len)
+    return start, end
+
+
+@triton.jit
+def _attend_prefix(q, acc, m_i, l_i, table, k_head, v_head, start, end, stride_kcp, stride_kcb,
+                   stride_vcp, stride_vcb, qk_scale, page_size, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Online softmax over the cached tokens [start, end), ``start`` a multiple of
+    BLOCK_N: whole tiles unmasked, the ragged last one masked."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        page, in_page = _gather_pages(table, offs_n, offs_n < prefix_full, page_size)
+        page, in_page = _gather_pages(table, offs_n, offs_n < full_end, page_size)
         k = tl.load(k_head + (page * stride_kcp + in_page * stride_kcb)[:, None] + offs_d[None, :])
         v = tl.load(v_head + (page * stride_vcp + in_page * stride_vcb)[:, None] + offs_d[None, :])
         acc, m_i, l_i = _attend_tile(q, k, v, acc, m_i, l_i, None, qk_scale, False)
-    if prefix_full < prefix_len:
-        offs_n = prefix_full + tl.arange(0, BLOCK_N)
-        key_valid = offs_n < prefix_len
+    if full_end < end:
+        offs_n = full_end + tl.arange(0, BLOCK_N)
+        key_valid = offs_n < end
         page, in_page = _gather_pages(table, offs_n, key_valid, page_size)
         k, v = _load_paged_kv(k_head, v_head, page, in_page, key_valid, offs_d, stride_kcp,
                               stride_kcb, stride_vcp, stride_vcb)  # fmt: skip
-        mask = key_valid[None, :]
-        acc, m_i, l_i = _attend_tile(q, k, v, acc, m_i, l_i, mask, qk_scale, True)
+        acc, m_i, l_i = _attend_tile(q, k, v, acc, m_i, l_i, key_valid[None, :], qk_scale, True)
+    return acc, m_i, l_i
 
-    # Phase 2a: new tokens strictly below this query tile, all visible, no mask needed.
-    k_base = k_ptr + q_start * stride_kt + kv_head * stride_kh
-    v_base = v_ptr + q_start * stride_vt + kv_head * stride_vh
-    diag_start = m_block * BLOCK_M
-    for n0 in range(0, diag_start, BLOCK_N):
+
+@triton.jit
+def _attend_new(q, acc, m_i, l_i, k_base, v_base, tok, first_tok, num_new, stride_kt, stride_vt,
+                qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr):
+    """Online softmax over the new tokens up to each row's own (``tok``): key tiles wholly
+    below the tile's first token unmasked, the rest up to its last token causally masked."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    # A packed tile (TOKENS < BLOCK_N) can start inside a key tile: that tile is masked.
+    unmasked_end = first_tok // BLOCK_N * BLOCK_N
+    for n0 in range(0, unmasked_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :])
         v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :])
         acc, m_i, l_i = _attend_tile(q, k, v, acc, m_i, l_i, None, qk_scale, False)
-
-    # Phase 2b: the diagonal tiles, causal mask.
-    diag_end = tl.minimum(diag_start + BLOCK_M, num_new)
-    for n0 in range(diag_start, diag_end, BLOCK_N):
+    diag_end = tl.minimum(first_tok + TOKENS, num_new)
+    for n0 in range(unmasked_end, diag_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_valid = offs_n < num_new
-        k = tl.load(
-            k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
-            mask=key_valid[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
-            mask=key_valid[:, None],
-            other=0.0,
-        )
-        causal = (offs_n[None, :] <= offs_m[:, None]) & key_valid[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
+                    mask=key_valid[:, None], other=0.0)  # fmt: skip
+        v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
+                    mask=key_valid[:, None], other=0.0)  # fmt: skip
+        causal = (offs_n[None, :] <= tok[:, None]) & key_valid[None, :]
         acc, m_i, l_i = _attend_tile(q, k, v, acc, m_i, l_i, causal, qk_scale, True)
+    return acc, m_i, l_i
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None],
-    )
+
+@triton.jit(do_not_specialize=["first_seq"])
+def _extend_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, query_start_loc_ptr, stride_mo_t,
+                         stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot,
+                         stride_oh, first_seq, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+                         KV_SPLITS: tl.constexpr):
+    """One program = (BLOCK_T new tokens, q head, sequence): merges the splits' partials
+    by their log-sum-exp (base 2) with a running maximum."""
+    seq = first_seq + tl.program_id(2)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    num_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    valid = tok < num_new
+    rows = q_start + tok
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_i, denom, acc = _no_partials(BLOCK_T, HEAD_DIM)
+    for split in tl.static_range(KV_SPLITS):
+        lse = tl.load(mid_lse_ptr + rows * stride_ml_t + head * stride_ml_h + split, mask=valid,
+                      other=float("-inf"))  # fmt: skip
+        o = tl.load(mid_o_ptr + rows[:, None] * stride_mo_t + head * stride_mo_h
+                    + split * stride_mo_s + offs_d[None, :],
+                    mask=(lse > float("-inf"))[:, None], other=0.0)  # fmt: skip
+        m_i, denom, acc = _fold_partials(m_i, denom, acc, lse[:, None], o[:, None, :])
+    out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=valid[:, None])  # fmt: skip
+
+
+# Auto split count (kv_splits=0): each split keeps at least this many prefix tokens, so the
+# partials' traffic (an fp32 row per split) stays small next to the K/V it saves re-reading.
+_MIN_EXTEND_SPLIT_TOKENS = 512
+_MAX_EXTEND_SPLITS = 16
+_MERGE_TOKENS = 16
 
 
 def extend_attention(
@@ -610,22 +719,29 @@ def extend_attention(
     config: ExtendConfig | None = None,
 ) -> None:
     """Causal attention of sequences ``first_seq..num_seqs-1`` over cached prefix + new
-    tokens; writes their rows of ``out``. The prefix must already be in the cache."""
+    tokens; writes their rows of ``out``. The prefix must already be in the cache.
+
+    ``config.kv_splits`` > 1 allocates the split partials per call (fp32, ``q.shape[0]``
+    x q heads x splits x head_dim): stream-ordered by torch's caching allocator, so eager
+    mixed steps never share them; inside a CUDA-graph capture they come from the graph's
+    private pool and stay with the graph."""
     _check_attention_shapes(q, k_cache, v_cache)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // k_cache.shape[2]
     config = config or default_extend_config(head_dim, q.device)
-    if config.block_m % config.block_n:
-        # The unmasked below-diagonal loop steps by block_n up to a multiple of block_m.
-        raise ValueError(f"block_m {config.block_m} must be a multiple of block_n")
+    row_heads = _extend_row_heads(config, group)
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("the head_dim axis of k and v must be contiguous")
     num_seqs = meta.num_seqs - first_seq
     if num_seqs <= 0 or meta.max_query_len <= 0:
         return
-    grid = (triton.cdiv(meta.max_query_len, config.block_m), num_q_heads, num_seqs)
-    _extend_kernel[grid](
+    tiles = triton.cdiv(meta.max_query_len, config.block_m // row_heads)
+    programs = tiles * (num_q_heads // row_heads) * num_seqs
+    splits = extend_kv_splits(config.kv_splits, programs, meta.max_seq_len, q.device)
+    mid_o, mid_lse = _extend_partials(q, splits)
+    _extend_kernel[(tiles * splits, num_q_heads // row_heads, num_seqs)](
         q, k, v, out, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        mid_o, mid_lse,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
@@ -633,16 +749,65 @@ def extend_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         scale * math.log2(math.e),
         k_cache.shape[1],
         first_seq,
-        GROUP=num_q_heads // num_kv_heads,
+        GROUP=group,
+        ROW_HEADS=row_heads,
         HEAD_DIM=head_dim,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
+        KV_SPLITS=splits,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
+    if splits > 1:
+        _extend_merge_kernel[(triton.cdiv(meta.max_query_len, _MERGE_TOKENS), num_q_heads,
+                              num_seqs)](
+            mid_o, mid_lse, out, meta.query_start_loc,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+            mid_lse.stride(1), out.stride(0), out.stride(1), first_seq,
+            HEAD_DIM=head_dim, BLOCK_T=_MERGE_TOKENS, KV_SPLITS=splits,
+            num_warps=4 if head_dim >= 128 else 2,
+        )  # fmt: skip
+
+
+def _extend_row_heads(config: ExtendConfig, group: int) -> int:
+    """q heads per tile row block: the whole GQA group when packed, else 1."""
+    if not config.pack_gqa:
+        return 1
+    if config.block_m % group:
+        raise ValueError(
+            f"pack_gqa needs the GQA group ({group} q heads per kv head) to divide block_m "
+            f"({config.block_m}); use pack_gqa=False for this model"
+        )
+    return group
+
+
+def extend_kv_splits(requested: int, programs: int, max_seq_len: int,
+                     device: torch.device) -> int:
+    """Prefix splits to launch: ``requested`` (a power of two), or for 0 (auto) enough for
+    about two programs per SM, at most one per ``_MIN_EXTEND_SPLIT_TOKENS`` of the longest
+    context and at most ``_MAX_EXTEND_SPLITS``; 1 when the grid already fills the GPU."""
+    if requested < 0 or requested & (requested - 1):
+        raise ValueError(f"kv_splits must be 0 (auto) or a power of two, got {requested}")
+    if requested:
+        return requested
+    wanted = triton.next_power_of_2(triton.cdiv(2 * _sm_count(device), programs))
+    useful = max(1, max_seq_len // _MIN_EXTEND_SPLIT_TOKENS)
+    useful = 1 << (useful.bit_length() - 1)  # the power of two at or below
+    return min(wanted, useful, _MAX_EXTEND_SPLITS)
+
+
+def _extend_partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-call scratch for the split partials: output rows and their log-sum-exp."""
+    if splits == 1:  # the kernel stores straight into ``out``; placeholders keep one signature
+        placeholder = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
+        return placeholder, placeholder[..., 0]
+    tokens, heads, head_dim = q.shape
+    mid_o = torch.empty(tokens, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    return mid_o, torch.empty(tokens, heads, splits, dtype=torch.float32, device=q.device)
 
 
 def default_extend_config(head_dim: int, device: torch.device,

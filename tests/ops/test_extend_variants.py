@@ -1,0 +1,165 @@
+"""The extend kernel's layouts: GQA packing (rows = token x q head of one kv head) and the
+cached prefix split across programs then merged, against the torch reference.
+
+Interpreter tests (CPU, fp32, tiny shapes) check the indexing: packed rows and their causal
+mask, tiles that start inside a key tile, ragged and empty splits, decode rows left alone in
+a mixed batch. GPU tests run CodeLlama-34B's head shape (64 q heads, 8 kv heads, 128 dims).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_env import interpreted
+from paged_cases import PagedBatch, make_paged_batch
+
+from pdserve.ops.reference import paged_attention, store_kv
+
+INTERP_TOL = dict(atol=1e-4, rtol=1e-4)
+GPU_TOL = dict(atol=3e-2, rtol=3e-2)  # bf16, as in test_triton_attention.py
+GPU_MEAN_TOL = 4e-3
+
+
+def _config(pack_gqa: bool, kv_splits: int, block_m: int = 16, block_n: int = 16, **gpu):
+    from pdserve.ops.triton_attention import ExtendConfig
+
+    tiles = dict(num_warps=1, num_stages=1) if not gpu else gpu
+    return ExtendConfig(block_m, block_n, pack_gqa=pack_gqa, kv_splits=kv_splits, **tiles)
+
+
+def _batch(decode_lens, extend, q_heads, kv_heads, head_dim, page_size=16, seed=0,
+           **gpu) -> PagedBatch:
+    """A batch whose new K/V are already in the cache (as the model's store leaves them)."""
+    batch = make_paged_batch(decode_lens, extend, q_heads, kv_heads, head_dim, page_size,
+                             seed=seed, **gpu)  # fmt: skip
+    store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    return batch
+
+
+def _extend_vs_reference(batch: PagedBatch, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel, reference) rows of the extend sequences; the kernel writes into NaN, and the
+    decode rows before them must stay NaN (the kernel and the merge leave them alone)."""
+    from pdserve.ops.triton_attention import extend_attention
+
+    meta, scale = batch.meta, batch.q.shape[-1] ** -0.5
+    out = torch.full_like(batch.q, float("nan"))
+    extend_attention(batch.q, batch.k, batch.v, out, batch.k_cache, batch.v_cache, meta, scale,
+                     first_seq=meta.num_decode_seqs, config=config)  # fmt: skip
+    first_row = meta.num_decode_seqs  # decode sequences have one row each
+    assert out[:first_row].isnan().all()
+    ref = paged_attention(batch.q, batch.k_cache, batch.v_cache, meta, scale)
+    return out[first_row:].float(), ref[first_row:].float()
+
+
+# --------------------------------------------------------------------------- interpreter
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "decode_lens, extend, q_heads, kv_heads, head_dim, page_size, block_n, kv_splits",
+    [
+        # MHA (group 1): packing is the plain layout; prefixes off and on tile boundaries.
+        ([], [(20, 5), (32, 40), (0, 17)], 2, 2, 16, 16, 16, 1),
+        # group 4, 4 tokens a tile inside 32-token key tiles; two splits, one of them empty
+        # for the 9-token prefix; odd page size.
+        ([], [(0, 37), (9, 20), (70, 3)], 8, 2, 32, 7, 32, 2),
+        # group 8: 2 tokens a tile; decodes first (first_seq 3); four splits.
+        ([5, 40, 1], [(33, 12), (64, 1)], 8, 1, 16, 16, 16, 4),
+        # head_dim 128, group 4, prefix ending mid-page, split in two.
+        ([7], [(45, 6)], 4, 1, 128, 16, 16, 2),
+    ],
+)
+def test_packed_gqa_matches_reference(decode_lens, extend, q_heads, kv_heads, head_dim,
+                                      page_size, block_n, kv_splits):
+    batch = _batch(decode_lens, extend, q_heads, kv_heads, head_dim, page_size, seed=q_heads)
+    out, ref = _extend_vs_reference(batch, _config(True, kv_splits, block_n=block_n))
+    torch.testing.assert_close(out, ref, **INTERP_TOL)
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "decode_lens, extend, q_heads, kv_heads, block_m, kv_splits",
+    [
+        ([], [(50, 4), (0, 33), (17, 16)], 4, 2, 16, 2),  # ragged prefixes and chunks
+        ([3, 18], [(100, 5)], 2, 1, 32, 4),  # decodes first, 2 of 4 splits past the prefix
+        ([], [(16, 20)], 2, 2, 16, 8),  # more splits than prefix tiles: most run empty
+    ],
+)
+def test_split_prefix_matches_reference(decode_lens, extend, q_heads, kv_heads, block_m,
+                                        kv_splits):
+    batch = _batch(decode_lens, extend, q_heads, kv_heads, 16, seed=kv_splits)
+    out, ref = _extend_vs_reference(batch, _config(False, kv_splits, block_m=block_m))
+    torch.testing.assert_close(out, ref, **INTERP_TOL)
+
+
+@interpreted
+@pytest.mark.parametrize("pack_gqa", [False, True])
+def test_auto_splits_on_a_long_prefix(pack_gqa):
+    """kv_splits=0 on a short chunk over a 1100-token prefix picks 2 splits (one per 512
+    tokens of context); the merged result matches the reference."""
+    from pdserve.ops.triton_attention import extend_kv_splits
+
+    batch = _batch([9], [(1100, 3)], 4, 1, 16, seed=5)
+    assert extend_kv_splits(0, 2, batch.meta.max_seq_len, batch.q.device) == 2
+    out, ref = _extend_vs_reference(batch, _config(pack_gqa, 0))
+    torch.testing.assert_close(out, ref, **INTERP_TOL)
+
+
+def test_auto_split_count_follows_the_grid_and_the_context():
+    pytest.importorskip("triton")
+    from pdserve.ops.triton_attention import extend_kv_splits
+
+    cpu = torch.device("cpu")  # counted as 132 SMs
+    assert extend_kv_splits(0, 128, 15616, cpu) == 4  # 256 new over 15K: 2 x 64 programs
+    assert extend_kv_splits(0, 1024, 18432, cpu) == 1  # 2K new over 16K fills the GPU
+    assert extend_kv_splits(0, 8, 1100, cpu) == 2  # capped by the context: 2 x 512 tokens
+    assert extend_kv_splits(0, 1, 100_000, cpu) == 16  # capped at 16
+    assert extend_kv_splits(4, 10_000, 10, cpu) == 4  # an explicit count is kept
+    with pytest.raises(ValueError, match="power of two"):
+        extend_kv_splits(3, 8, 1000, cpu)
+
+
+@interpreted
+@pytest.mark.parametrize("q_heads, kv_heads", [(12, 2), (32, 1)])
+def test_packing_refuses_a_group_that_does_not_divide_the_tile(q_heads, kv_heads):
+    """A group of 6 does not divide a 16-row tile; a group of 32 is larger than it."""
+    batch = _batch([], [(4, 4)], q_heads, kv_heads, 16)
+    with pytest.raises(ValueError, match="pack_gqa needs the GQA group"):
+        _extend_vs_reference(batch, _config(True, 1, block_m=16))
+
+
+# --------------------------------------------------------------------------- GPU
+
+# A prompt, a long chunk, and the short chunks over long prefixes that split pays off on.
+GPU_EXTEND = [(0, 1000), (4000, 1), (2048, 700), (11000, 256), (333, 129)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pack_gqa", [False, True])
+@pytest.mark.parametrize("kv_splits", [1, 2, 0])
+def test_codellama_shape_gpu(pack_gqa, kv_splits):
+    from pdserve.ops.triton_attention import default_extend_config
+
+    tiles = default_extend_config(128, torch.device("cuda"))
+    config = _config(pack_gqa, kv_splits, tiles.block_m, tiles.block_n,
+                     num_warps=tiles.num_warps, num_stages=tiles.num_stages)  # fmt: skip
+    batch = _batch([3, 500, 2049], GPU_EXTEND, 64, 8, 128, seed=kv_splits,
+                   dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    out, ref = _extend_vs_reference(batch, config)
+    torch.testing.assert_close(out, ref, **GPU_TOL)
+    assert (out - ref).abs().mean().item() < GPU_MEAN_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_splits", [4, 0])
+def test_short_chunk_over_long_prefix_gpu(kv_splits):
+    """The multiplexing chunk shape: 256 new tokens over a 15K prefix, packed and split."""
+    from pdserve.ops.triton_attention import default_extend_config
+
+    tiles = default_extend_config(128, torch.device("cuda"))
+    config = _config(True, kv_splits, tiles.block_m, tiles.block_n,
+                     num_warps=tiles.num_warps, num_stages=tiles.num_stages)  # fmt: skip
+    batch = _batch([], [(15360, 256)], 64, 8, 128, seed=1, dtype=torch.bfloat16, device="cuda")
+    out, ref = _extend_vs_reference(batch, config)
+    torch.testing.assert_close(out, ref, **GPU_TOL)
+    assert (out - ref).abs().mean().item() < GPU_MEAN_TOL
