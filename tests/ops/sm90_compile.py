@@ -61,13 +61,14 @@ def attention_cases(dtype: str):
     cuda = torch.device("cuda")
     for head_dim in (64, 128, 256):
         ext = ta.default_extend_config(head_dim, cuda, hopper=True)
-        yield (
-            ta._extend_kernel,
-            dtype,
-            dict(GROUP=8, HEAD_DIM=head_dim, BLOCK_M=ext.block_m, BLOCK_N=ext.block_n),
-            ext.num_warps,
-            ext.num_stages,
-        )
+        # Plain and GQA-packed rows, the output stored directly or as split partials.
+        for row_heads, splits in ((1, 1), (8, 1), (8, 4)):
+            yield ta._extend_kernel, dtype, dict(
+                GROUP=8, ROW_HEADS=row_heads, HEAD_DIM=head_dim, BLOCK_M=ext.block_m,
+                BLOCK_N=ext.block_n, KV_SPLITS=splits,
+            ), ext.num_warps, ext.num_stages  # fmt: skip
+        yield ta._extend_merge_kernel, dtype, dict(
+            HEAD_DIM=head_dim, BLOCK_T=ta._MERGE_TOKENS, KV_SPLITS=16), 4, 1
         dec = ta.default_decode_config(head_dim, cuda)
         # One split writes the output itself; several merge in the same launch or in a second.
         for splits, one_launch in ((32, True), (32, False), (1, False)):
