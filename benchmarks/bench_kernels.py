@@ -5,7 +5,8 @@
   count): batch x context for CodeLlama-34B and Llama-3-8B head shapes, reported as KV
   bytes read per second against the copy ceiling.
 - Prefill attention (Triton extend kernel, causal, one prompt; plus a chunk over a cached
-  prefix): TFLOP/s against the GEMM ceiling, next to torch SDPA on contiguous K/V.
+  prefix): TFLOP/s against the GEMM ceiling, next to torch SDPA on contiguous K/V. The
+  extend sweep also times its layouts (GQA packing on/off x prefix splits 1/2/4/auto).
 - Fused ops (Triton vs the torch reference): time and achieved bandwidth.
 - ``--decode-ab``: decode attention per layer inside a CUDA graph of several layers (KV
   larger than L2), one launch (splits merged by the last to arrive) vs two (split + reduce
@@ -14,7 +15,7 @@
     python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h200.json
     python benchmarks/bench_kernels.py --quick              # a few points, for a smoke run
     python benchmarks/bench_kernels.py --sweep              # also try other tile configs
-    python benchmarks/bench_kernels.py --extend-sweep-only  # prefill-attention tiles only
+    python benchmarks/bench_kernels.py --extend-sweep-only  # prefill-attention tiles, layouts
     python benchmarks/bench_kernels.py --decode-ab          # one-launch vs two-launch decode
 """
 
@@ -48,6 +49,7 @@ from pdserve.ops.triton_attention import (
     default_decode_config,
     default_extend_config,
     extend_attention,
+    extend_grid,
 )
 
 HEAD_SHAPES = {"34b": (64, 8, 128), "8b": (32, 8, 128)}  # q heads, kv heads, head_dim
@@ -215,21 +217,27 @@ def decode_fits(batch: int, context: int, shape: str, limit_gb: float) -> bool:
 def extend_inputs(shape: str, prefix: int, new: int):
     q_heads, kv_heads, head_dim = HEAD_SHAPES[shape]
     k_cache, v_cache, tables = paged_cache([prefix + new], kv_heads, head_dim)
-    meta = AttentionMetadata(
-        num_seqs=1,
-        num_decode_seqs=0,
-        query_start_loc=torch.tensor([0, new], dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor([prefix + new], dtype=torch.int32, device="cuda"),
-        block_tables=tables,
-        slot_mapping=torch.full((new,), -1, dtype=torch.int64, device="cuda"),
-        max_query_len=new,
-        max_seq_len=prefix + new,
-        block_size=PAGE_SIZE,
-    )
+    meta = extend_meta(prefix, new, tables)
     q = torch.randn(new, q_heads, head_dim, dtype=DTYPE, device="cuda")
     k = torch.randn(new, kv_heads, head_dim, dtype=DTYPE, device="cuda")
     v = torch.randn(new, kv_heads, head_dim, dtype=DTYPE, device="cuda")
     return q, k, v, k_cache, v_cache, meta
+
+
+def extend_meta(prefix: int, new: int, tables: torch.Tensor) -> AttentionMetadata:
+    """One sequence of ``new`` tokens over ``prefix`` cached ones, on the tables' device."""
+    device = tables.device
+    return AttentionMetadata(
+        num_seqs=1,
+        num_decode_seqs=0,
+        query_start_loc=torch.tensor([0, new], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([prefix + new], dtype=torch.int32, device=device),
+        block_tables=tables,
+        slot_mapping=torch.full((new,), -1, dtype=torch.int64, device=device),
+        max_query_len=new,
+        max_seq_len=prefix + new,
+        block_size=PAGE_SIZE,
+    )
 
 
 def attention_flops(q_heads: int, head_dim: int, prefix: int, new: int) -> float:
@@ -238,7 +246,7 @@ def attention_flops(q_heads: int, head_dim: int, prefix: int, new: int) -> float
 
 
 def bench_prefill(shape: str, prefix: int, new: int, config: ExtendConfig | None = None) -> dict:
-    q_heads, _, head_dim = HEAD_SHAPES[shape]
+    q_heads, kv_heads, head_dim = HEAD_SHAPES[shape]
     q, k, v, k_cache, v_cache, meta = extend_inputs(shape, prefix, new)
     out = torch.empty_like(q)
     scale = head_dim**-0.5
@@ -247,6 +255,8 @@ def bench_prefill(shape: str, prefix: int, new: int, config: ExtendConfig | None
     flops = attention_flops(q_heads, head_dim, prefix, new)
     row = {"kernel": "prefill", "shape": shape, "prefix": prefix, "new": new, "ms": ms,
            "tflops": flops / ms / 1e9}  # fmt: skip
+    if config is not None:  # the split count kv_splits=0 resolved to
+        row["splits"] = extend_grid(config, meta, q_heads, q_heads // kv_heads, 0, q.device)[1]
     if prefix == 0:
         row["sdpa_ms"] = bench_sdpa(q, k, v, scale)
         row["sdpa_tflops"] = flops / row["sdpa_ms"] / 1e9
@@ -340,6 +350,11 @@ EXTEND_SWEEP = [ExtendConfig(m, n, w, s) for m, n, w, s in [
 # Prompt shapes the sweep times each extend config on: a whole prompt, and chunks over a
 # cached prefix (long-context serving spends most of its attention there).
 EXTEND_SWEEP_SHAPES = ((0, 8192), (16384, 2048), (8192, 512))
+# The layouts (GQA packing x prefix splits, 0 = auto) are timed at the H200's default tiles
+# on these, adding the 256-token chunks multiplexing's mixed steps take at 12-15K context.
+# The plain layout there repeats three tile-sweep points: a check of the run's noise.
+EXTEND_VARIANT_SHAPES = EXTEND_SWEEP_SHAPES + ((12288, 256), (15360, 256))
+EXTEND_VARIANTS = [(pack, splits) for pack in (False, True) for splits in (1, 2, 4, 0)]
 DECODE_SWEEP = [DecodeConfig(n, w, s) for n, w, s in [
     (64, 4, 2), (32, 4, 3), (64, 4, 3), (128, 4, 2), (32, 2, 4), (64, 8, 2),
 ]]  # fmt: skip
@@ -356,13 +371,24 @@ def sweep(log: Callable[[dict], None]) -> list[dict]:
     return rows
 
 
-def sweep_extend(log: Callable[[dict], None]) -> list[dict]:
+def sweep_extend(log: Callable[[dict], None],
+                 measure: Callable[..., dict] | None = None) -> list[dict]:
+    """Every tile config on the sweep shapes, then every layout at the default tiles.
+    ``measure``: how one point is timed (``bench_prefill``)."""
+    measure = measure or bench_prefill
+    points = [(cfg, shape) for cfg in EXTEND_SWEEP for shape in EXTEND_SWEEP_SHAPES]
+    points += [(cfg, shape) for cfg in extend_variants() for shape in EXTEND_VARIANT_SHAPES]
     rows = []
-    for cfg in EXTEND_SWEEP:
-        for prefix, new in EXTEND_SWEEP_SHAPES:
-            row = _guarded(bench_prefill, "34b", prefix, new, cfg)
-            rows.append(log({"sweep": "extend", "config": cfg.__dict__, **row}))
+    for cfg, (prefix, new) in points:
+        row = _guarded(measure, "34b", prefix, new, cfg)
+        rows.append(log({"sweep": "extend", "config": cfg.__dict__, **row}))
     return rows
+
+
+def extend_variants() -> list[ExtendConfig]:
+    tiles = default_extend_config(128, torch.device("cuda"), hopper=True)
+    return [dataclasses.replace(tiles, pack_gqa=pack, kv_splits=splits)
+            for pack, splits in EXTEND_VARIANTS]  # fmt: skip
 
 
 def _guarded(fn: Callable[..., dict], *args: object) -> dict:
@@ -439,7 +465,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few points only")
     parser.add_argument("--sweep", action="store_true", help="also sweep tile configs")
     parser.add_argument("--extend-sweep-only", action="store_true",
-                        help="only the prefill-attention tile sweep (a few minutes)")
+                        help="only the prefill-attention sweep: tiles, then GQA packing x "
+                             "prefix splits (a few minutes)")
     parser.add_argument("--decode-ab", action="store_true",
                         help="only decode attention: one launch vs two per layer, and a "
                              "sweep of its split sizes and tiles")

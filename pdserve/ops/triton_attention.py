@@ -729,17 +729,14 @@ def extend_attention(
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     group = num_q_heads // k_cache.shape[2]
     config = config or default_extend_config(head_dim, q.device)
-    row_heads = _extend_row_heads(config, group)
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("the head_dim axis of k and v must be contiguous")
-    num_seqs = meta.num_seqs - first_seq
+    grid, splits = extend_grid(config, meta, num_q_heads, group, first_seq, q.device)
+    num_seqs = grid[2]
     if num_seqs <= 0 or meta.max_query_len <= 0:
         return
-    tiles = triton.cdiv(meta.max_query_len, config.block_m // row_heads)
-    programs = tiles * (num_q_heads // row_heads) * num_seqs
-    splits = extend_kv_splits(config.kv_splits, programs, meta.max_seq_len, q.device)
     mid_o, mid_lse = _extend_partials(q, splits)
-    _extend_kernel[(tiles * splits, num_q_heads // row_heads, num_seqs)](
+    _extend_kernel[grid](
         q, k, v, out, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         mid_o, mid_lse,
         q.stride(0), q.stride(1),
@@ -754,7 +751,7 @@ def extend_attention(
         k_cache.shape[1],
         first_seq,
         GROUP=group,
-        ROW_HEADS=row_heads,
+        ROW_HEADS=_extend_row_heads(config, group),
         HEAD_DIM=head_dim,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -771,6 +768,18 @@ def extend_attention(
             HEAD_DIM=head_dim, BLOCK_T=_MERGE_TOKENS, KV_SPLITS=splits,
             num_warps=4 if head_dim >= 128 else 2,
         )  # fmt: skip
+
+
+def extend_grid(config: ExtendConfig, meta: AttentionMetadata, num_q_heads: int, group: int,
+                first_seq: int, device: torch.device) -> tuple[tuple[int, int, int], int]:
+    """The extend kernel's grid for sequences ``first_seq..`` of a batch, and its prefix
+    split count (``kv_splits`` 0 resolved): what ``extend_attention`` launches."""
+    row_heads = _extend_row_heads(config, group)
+    num_seqs = meta.num_seqs - first_seq
+    tiles = triton.cdiv(max(meta.max_query_len, 0), config.block_m // row_heads)
+    programs = max(tiles * (num_q_heads // row_heads) * num_seqs, 1)
+    splits = extend_kv_splits(config.kv_splits, programs, meta.max_seq_len, device)
+    return (tiles * splits, num_q_heads // row_heads, num_seqs), splits
 
 
 def _extend_row_heads(config: ExtendConfig, group: int) -> int:

@@ -248,3 +248,28 @@ def test_gemv_sweep_shapes_candidates_and_table(monkeypatch):
     table = bench.config_table([{"n": 8192, "k": 8192, "rows": 3, "best": best}])
     assert table == ["    (8192, 8192, 4): GemvConfig(block_n=8, block_k=512, num_warps=4, "
                      "num_stages=3, use_dot=False),"]
+
+
+@pytest.mark.skipif(not triton_available(), reason="bench_kernels.py imports triton")
+def test_extend_sweep_times_every_layout_on_every_chunk_shape():
+    """The sweep's points (the GPU timing replaced by a record of what it was asked), and
+    the split count auto resolves to on each chunk shape (counting the H200's 132 SMs)."""
+    import torch
+
+    bench = _load("bench_kernels")
+    from pdserve.ops.triton_attention import extend_grid
+
+    asked = []
+    rows = bench.sweep_extend(lambda row: row, lambda *point: asked.append(point) or {})
+    assert len(rows) == len(asked) == 12 * 3 + 8 * 5
+    layouts = {(cfg.pack_gqa, cfg.kv_splits, prefix, new) for _, prefix, new, cfg in asked}
+    assert len(layouts) == 2 * 4 * 5  # the tile sweep's own layout is the plain one
+    auto = {}
+    for _, prefix, new, config in asked:
+        if config.kv_splits == 0:
+            meta = bench.extend_meta(prefix, new, torch.zeros(1, 1, dtype=torch.int32))
+            grid, splits = extend_grid(config, meta, 64, 8, 0, torch.device("cpu"))
+            auto[config.pack_gqa, prefix, new] = splits
+    assert auto[True, 15360, 256] == auto[False, 12288, 256] == 4  # 128 programs: 4 splits
+    assert auto[False, 8192, 512] == 2  # 256 programs
+    assert auto[True, 0, 8192] == auto[False, 16384, 2048] == 1  # the grid fills the GPU
