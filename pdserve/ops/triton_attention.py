@@ -721,10 +721,13 @@ def extend_attention(
     """Causal attention of sequences ``first_seq..num_seqs-1`` over cached prefix + new
     tokens; writes their rows of ``out``. The prefix must already be in the cache.
 
-    ``config.kv_splits`` > 1 allocates the split partials per call (fp32, ``q.shape[0]``
-    x q heads x splits x head_dim): stream-ordered by torch's caching allocator, so eager
-    mixed steps never share them; inside a CUDA-graph capture they come from the graph's
-    private pool and stay with the graph."""
+    More than one prefix split (``config.kv_splits``) allocates the partials per call
+    (fp32, ``q.shape[0]`` x q heads x splits x head_dim) from torch's caching allocator,
+    which orders reuse on the allocating stream: eager steps on several streams (the
+    multiplexing lanes) never share them. No CUDA graph captures this function today (a
+    decode graph has no extend sequence; piecewise graphs run attention between their
+    segments); were it captured, the partials would come from the graph's private pool
+    and stay with the graph, and auto splits depend on host ints only."""
     _check_attention_shapes(q, k_cache, v_cache)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     group = num_q_heads // k_cache.shape[2]
@@ -735,7 +738,7 @@ def extend_attention(
     num_seqs = grid[2]
     if num_seqs <= 0 or meta.max_query_len <= 0:
         return
-    mid_o, mid_lse = _extend_partials(q, splits)
+    mid_o, mid_lse, mid_strides = _extend_partials(q, out, splits)
     _extend_kernel[grid](
         q, k, v, out, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         mid_o, mid_lse,
@@ -746,7 +749,7 @@ def extend_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        *mid_strides,
         scale * math.log2(math.e),
         k_cache.shape[1],
         first_seq,
@@ -760,14 +763,19 @@ def extend_attention(
         num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
-        _extend_merge_kernel[(triton.cdiv(meta.max_query_len, _MERGE_TOKENS), num_q_heads,
-                              num_seqs)](
-            mid_o, mid_lse, out, meta.query_start_loc,
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-            mid_lse.stride(1), out.stride(0), out.stride(1), first_seq,
-            HEAD_DIM=head_dim, BLOCK_T=_MERGE_TOKENS, KV_SPLITS=splits,
-            num_warps=4 if head_dim >= 128 else 2,
-        )  # fmt: skip
+        _merge_extend_splits(mid_o, mid_lse, mid_strides, out, meta, first_seq, splits)
+
+
+def _merge_extend_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, mid_strides: tuple,
+                         out: torch.Tensor, meta: AttentionMetadata, first_seq: int,
+                         splits: int) -> None:
+    grid = (triton.cdiv(meta.max_query_len, _MERGE_TOKENS), out.shape[1],
+            meta.num_seqs - first_seq)  # fmt: skip
+    _extend_merge_kernel[grid](
+        mid_o, mid_lse, out, meta.query_start_loc, *mid_strides, out.stride(0), out.stride(1),
+        first_seq, HEAD_DIM=out.shape[2], BLOCK_T=_MERGE_TOKENS, KV_SPLITS=splits,
+        num_warps=4 if out.shape[2] >= 128 else 2,
+    )  # fmt: skip
 
 
 def extend_grid(config: ExtendConfig, meta: AttentionMetadata, num_q_heads: int, group: int,
@@ -809,14 +817,16 @@ def extend_kv_splits(requested: int, programs: int, max_seq_len: int,
     return min(wanted, useful, _MAX_EXTEND_SPLITS)
 
 
-def _extend_partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-call scratch for the split partials: output rows and their log-sum-exp."""
-    if splits == 1:  # the kernel stores straight into ``out``; placeholders keep one signature
-        placeholder = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
-        return placeholder, placeholder[..., 0]
+def _extend_partials(q: torch.Tensor, out: torch.Tensor, splits: int):
+    """Per-call scratch for the split partials (output rows, their log-sum-exp) and its
+    strides. One split stores straight into ``out`` and never touches them: ``out`` stands
+    in, so the common path allocates nothing."""
+    if splits == 1:
+        return out, out, (0, 0, 0, 0, 0)
     tokens, heads, head_dim = q.shape
     mid_o = torch.empty(tokens, heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    return mid_o, torch.empty(tokens, heads, splits, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=q.device)
+    return mid_o, mid_lse, (*mid_o.stride()[:3], *mid_lse.stride()[:2])
 
 
 def default_extend_config(head_dim: int, device: torch.device,
