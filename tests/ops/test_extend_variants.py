@@ -62,7 +62,7 @@ def _extend_vs_reference(batch: PagedBatch, config) -> tuple[torch.Tensor, torch
         ([], [(20, 5), (32, 40), (0, 17)], 2, 2, 16, 16, 16, 1),
         # group 4, 4 tokens a tile inside 32-token key tiles; two splits, one of them empty
         # for the 9-token prefix; odd page size.
-        ([], [(0, 37), (9, 20), (70, 3)], 8, 2, 32, 7, 32, 2),
+        ([], [(0, 37), (9, 20), (70, 3)], 8, 2, 64, 7, 32, 2),
         # group 8: 2 tokens a tile; decodes first (first_seq 3); four splits.
         ([5, 40, 1], [(33, 12), (64, 1)], 8, 1, 16, 16, 16, 4),
         # head_dim 128, group 4, prefix ending mid-page, split in two.
