@@ -58,8 +58,9 @@ def _extend_vs_reference(batch: PagedBatch, config) -> tuple[torch.Tensor, torch
 @pytest.mark.parametrize(
     "decode_lens, extend, q_heads, kv_heads, head_dim, page_size, block_n, kv_splits",
     [
-        # MHA (group 1): packing is the plain layout; prefixes off and on tile boundaries.
-        ([], [(20, 5), (32, 40), (0, 17)], 2, 2, 16, 16, 16, 1),
+        # MHA (group 1): packing is the plain layout; prefixes off and on tile boundaries;
+        # 16-row tiles inside 32-token key tiles (no longer refused unpacked either).
+        ([], [(20, 5), (32, 40), (0, 17)], 2, 2, 16, 16, 32, 1),
         # group 4, 4 tokens a tile inside 32-token key tiles; two splits, one of them empty
         # for the 9-token prefix; odd page size.
         ([], [(0, 37), (9, 20), (70, 3)], 8, 2, 64, 7, 32, 2),
