@@ -5,8 +5,12 @@ against the simulator fitted to those instances.
    completions of several prompt lengths (one at a time), decode as the interval between
    streamed tokens of ``batch`` requests running together at two prompt lengths, and the
    handoff through the gateway: how long after its first token a request, alone, joins
-   the decode batch (its second token's gap less one decode step of its own).
-2. Fit ``LatencyModel.fit`` to those points, and ``fit_handoff`` to the handoff's.
+   the decode batch (its second token's gap less one decode step of its own); and how the
+   two instances slow each other where they share the host's cores (``measure_sharing``:
+   decode steps with and without prompts running on the prefill instance, prompts with
+   and without a decode running).
+2. Fit ``LatencyModel.fit`` to those points, ``fit_handoff`` to the handoff's and
+   ``SharedCores.from_probe`` to the probe's (on GPUs of their own: factors near 1).
 3. Replay one request list (Poisson arrivals, random prompt and answer lengths, answers
    of exactly their length) through the gateway, streamed, and through ``GroupSim`` with
    the fitted model; report measured and simulated TTFT and TPOT percentiles side by side,
@@ -32,6 +36,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
-from pdserve.sim.cluster import GroupSim, LatencyModel, ServiceNoise, SimRequest  # noqa: E402
+from pdserve.sim.cluster import (  # noqa: E402
+    GroupSim,
+    LatencyModel,
+    ServiceNoise,
+    SharedCores,
+    SimRequest,
+)
 from pdserve.testing import ServeProcess, free_port, start_serve  # noqa: E402
 
 VOCAB = 250  # token ids below the tiny model's special tokens
@@ -55,17 +66,21 @@ def prompt(rng: np.random.Generator, tokens: int) -> list[int]:
     return rng.integers(0, VOCAB, tokens).tolist()
 
 
-async def token_clock(session, url: str, body: dict) -> list[float]:
+async def token_clock(session, url: str, body: dict,
+                      on_first: Callable[[], None] | None = None) -> list[float]:
     """``time.monotonic()`` at the arrival of every generated token. A chunk may carry
     several tokens (a model's random ids held back as incomplete UTF-8 until they decode),
-    so tokens are counted by the chunk's ``logprobs`` and each takes its chunk's time."""
-    times = []
+    so tokens are counted by the chunk's ``logprobs`` and each takes its chunk's time.
+    ``on_first`` is called as the first token arrives."""
+    times: list[float] = []
     async with session.post(url, json={**body, "stream": True, "logprobs": 0}) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
         async for line in resp.content:
             if line.startswith(b"data: {"):
                 count = tokens_in_chunk(json.loads(line[len(b"data: "):]))
+                if count and not times and on_first is not None:
+                    on_first()
                 times += [time.monotonic()] * count
     return times
 
@@ -94,27 +109,30 @@ async def measure_prefill(session, url: str, args, rng) -> tuple[list[dict], lis
     return points, ratios
 
 
-async def measure_decode(session, url: str, args, rng) -> tuple[list[dict], list[float]]:
-    """Median step per batch and context, and every timed step over its point's median.
+async def measure_decode(session, url: str, args,
+                         rng) -> tuple[list[dict], list[np.ndarray]]:
+    """Median step per batch and context, and every timed step over its point's median,
+    per stream in order.
     Only steps while the whole batch decodes count: the prompts of a batch prefill one
     after another (under chunked prefill a step then carries prompt pieces too), so the
     window starts at the batch's last first token and ends at its first last token; each
     request runs ``--decode-steps`` tokens past the longest such prefill phase. A step is
     timed over ``STEP_WINDOW`` tokens: a client that reads several chunks at once
     (descheduled a moment) would otherwise time single steps near zero beside one long one."""
-    points, ratios = [], []
+    points: list[dict] = []
+    ratio_streams: list[np.ndarray] = []
     for context in args.decode_contexts:
         for batch in args.decode_batches:
             body = {"model": args.model, "ignore_eos": True,
                     "max_tokens": args.decode_steps + prefill_steps_bound(batch, context)}
             runs = await asyncio.gather(*(token_clock(session, url, {
                 **body, "prompt": prompt(rng, context)}) for _ in range(batch)))
-            timed = steady_steps(runs, batch, context, args.decode_steps)
-            median = float(np.median(timed))
+            streams = steady_windows(runs, batch, context, args.decode_steps)
+            median = float(np.median(np.concatenate(streams)))
             points.append({"batch": batch, "context": context + args.decode_steps // 2,
                            "step_ms": median * 1e3})
-            ratios += (timed / median).tolist()
-    return points, ratios
+            ratio_streams += [w / median for w in streams]
+    return points, ratio_streams
 
 
 def prefill_steps_bound(batch: int, context: int) -> int:
@@ -125,13 +143,31 @@ def prefill_steps_bound(batch: int, context: int) -> int:
 
 def steady_steps(runs: list[list[float]], batch: int, context: int, wanted: int) -> np.ndarray:
     """Step times (seconds) of the window where every request of the batch decodes."""
+    return np.concatenate(steady_windows(runs, batch, context, wanted))
+
+
+def steady_windows(runs: list[list[float]], batch: int, context: int,
+                   wanted: int) -> list[np.ndarray]:
+    """``steady_steps`` per request, in order: consecutive step times of one stream."""
     start, end = max(t[0] for t in runs), min(t[-1] for t in runs)
     windows = [np.diff(inside[::STEP_WINDOW]) / STEP_WINDOW
                for t in runs if len(inside := [x for x in t if start <= x <= end]) > STEP_WINDOW]
     if sum(len(w) for w in windows) * STEP_WINDOW < wanted // 2:
         raise RuntimeError(f"decode batch {batch} x {context} tokens: the batch decoded "
                            f"together for under {wanted // 2} steps; raise --decode-steps")
-    return np.concatenate(windows)
+    return windows
+
+
+def lag_correlation(streams: list[np.ndarray], lag: int = 1) -> float | None:
+    """Correlation of a step time (an ``STEP_WINDOW``-step mean) with the one ``lag`` later
+    in the same stream, each over its stream's point's median: how long the host's slow
+    stretches last. None with too few pairs to say."""
+    pairs = [(w[:-lag], w[lag:]) for w in streams if len(w) > lag]
+    if sum(len(a) for a, _ in pairs) < 3:
+        return None
+    first = np.concatenate([a for a, _ in pairs])
+    later = np.concatenate([b for _, b in pairs])
+    return float(np.corrcoef(first, later)[0, 1])
 
 
 def workload(args, rng) -> list[SimRequest]:
@@ -181,6 +217,107 @@ async def measure_handoff(session, url: str, args, rng) -> tuple[list[dict], lis
         points.append({"tokens": tokens, "seconds": median})
         samples += seconds
     return points, samples
+
+
+async def measure_sharing(session, prefill_url: str, url: str, args, rng) -> dict:
+    """How the two instances slow each other on the host's shared cores. Rounds in the
+    order alone, beside, beside, alone (``--sharing-cycles`` times: drift of the host over
+    the probe weighs both sides alike). Each round streams one answer through the gateway
+    (the replay's path) at the replay's mean prompt length; in a round beside, prompts of
+    the replay's lengths go to the prefill instance back to back from the answer's first
+    token until its end, in a round alone two prompts of each length follow the answer.
+    Decode: the answer's steps (``STEP_WINDOW``-step means, its first gap left out: the
+    handoff) beside the prompts against alone; prefill: each prompt that ran wholly beside
+    the answer over the median of its length alone."""
+    context = int(np.mean(args.prompt_lens))
+    body = {"model": args.model, "ignore_eos": True, "max_tokens": 2 * args.decode_steps}
+    steps: dict[str, list[float]] = {"alone": [], "beside": []}
+    prompts: dict[str, list[tuple[int, float]]] = {"alone": [], "beside": []}
+    for _ in range(args.sharing_cycles):
+        for side in ("alone", "beside", "beside", "alone"):
+            answer = {**body, "prompt": prompt(rng, context)}
+            if side == "alone":
+                steps[side] += sharing_steps(await token_clock(session, url, answer), None)
+                prompts[side] += await timed_prompts(session, prefill_url, args, rng)
+            else:
+                times, spans = await answer_beside_prompts(session, url, answer,
+                                                           prefill_url, args, rng)
+                steps[side] += sharing_steps(times, (spans[0][1], spans[-1][2]))
+                prompts[side] += [(n, end - sent) for n, sent, end in spans
+                                  if times[1] <= sent and end <= times[-1]]
+    return sharing_summary(steps, prompts, context + args.decode_steps)
+
+
+async def timed_prompts(session, prefill_url: str, args, rng) -> list[tuple[int, float]]:
+    """Two one-token completions of each prompt length, one at a time: (tokens, seconds)."""
+    timed = []
+    for tokens in args.prompt_lens * 2:
+        _, sent, end = await timed_prompt(session, prefill_url, args, tokens, rng)
+        timed.append((tokens, end - sent))
+    return timed
+
+
+async def timed_prompt(session, prefill_url: str, args, tokens: int,
+                       rng) -> tuple[int, float, float]:
+    body = {"model": args.model, "prompt": prompt(rng, tokens), "max_tokens": 1}
+    sent = time.monotonic()
+    async with session.post(prefill_url, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{prefill_url}: {resp.status} {await resp.text()}")
+        await resp.read()
+    return tokens, sent, time.monotonic()
+
+
+async def answer_beside_prompts(session, url: str, answer: dict, prefill_url: str, args,
+                                rng) -> tuple[list[float], list[tuple[int, float, float]]]:
+    """The answer's token times, and (tokens, sent, done) of every prompt sent beside it:
+    back to back from its first token until it ends."""
+    first_token, ended = asyncio.Event(), asyncio.Event()
+    spans: list[tuple[int, float, float]] = []
+
+    async def prompts_until_the_end() -> None:
+        await first_token.wait()
+        while not ended.is_set():
+            tokens = int(rng.choice(args.prompt_lens))
+            spans.append(await timed_prompt(session, prefill_url, args, tokens, rng))
+
+    async def answer_stream() -> list[float]:
+        times = await token_clock(session, url, answer, on_first=first_token.set)
+        ended.set()
+        return times
+
+    times, _ = await asyncio.gather(answer_stream(), prompts_until_the_end())
+    if not spans:
+        raise RuntimeError("sharing probe: no prompt was sent beside the answer")
+    return times, spans
+
+
+def sharing_steps(times: list[float], inside: tuple[float, float] | None) -> list[float]:
+    """An answer's ``STEP_WINDOW``-step means (seconds) after its first gap, those wholly
+    within ``inside`` (start, end) where given."""
+    marks = times[1::STEP_WINDOW]
+    return [(b - a) / STEP_WINDOW for a, b in zip(marks, marks[1:], strict=False)
+            if inside is None or (inside[0] <= a and b <= inside[1])]
+
+
+def sharing_summary(steps: dict[str, list[float]], prompts: dict[str, list[tuple[int, float]]],
+                    context: int) -> dict:
+    """The probe's figures (``SharedCores.from_probe`` reads its medians)."""
+    by_length: dict[int, list[float]] = {}
+    for tokens, seconds in prompts["alone"]:
+        by_length.setdefault(tokens, []).append(seconds)
+    medians = {n: float(np.median(v)) for n, v in by_length.items()}
+    beside = [seconds / medians[n] for n, seconds in prompts["beside"]]
+    if not steps["alone"] or not steps["beside"] or not beside:
+        raise RuntimeError("sharing probe: no decode step or no prompt timed beside the "
+                           "other side; raise --decode-steps")
+    return {"context": context,
+            "decode_step_ms_alone": ms_percentiles(steps["alone"]),
+            "decode_step_ms_beside_prefill": ms_percentiles(steps["beside"]),
+            "prefill_ms_alone": {str(n): m * 1e3 for n, m in sorted(medians.items())},
+            "prefill_beside_decode_over_alone": {
+                "samples": len(beside), **{f"p{q}": float(np.percentile(beside, q))
+                                           for q in (10, 50, 90)}}}
 
 
 def handoff_sample(times: list[float]) -> float | None:
@@ -244,9 +381,9 @@ def percentiles(rows: list[dict], key: str) -> dict:
 
 
 def simulate(model: LatencyModel, requests: list[SimRequest], args,
-             noise: ServiceNoise | None = None) -> list[dict]:
+             noise: ServiceNoise | None = None, cores: SharedCores | None = None) -> list[dict]:
     sim = GroupSim(model, 1, 1, ttft_slo_s=args.ttft_slo_s, max_wait_s=args.max_wait_s,
-                   noise=noise)
+                   noise=noise, shared_cores=cores)
     fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
     return [{"ttft_s": r.first_token - r.arrival,
              "tpot_s": (r.finished - r.first_token) / (r.output_len - 1)}
@@ -259,36 +396,73 @@ async def run(args) -> dict:
     from pdserve.cluster.app import stop_gateway
 
     load_average = {"start": os.getloadavg()[0]}
+    cpu_marks = [cpu_times()]
     prefill, decode = start_instance(args), start_instance(args)
     rng = np.random.default_rng(args.seed)
     try:
         async with ClientSession(timeout=ClientTimeout(total=None)) as session:
             gateway, url = await start_group(session, prefill, decode, args)
             try:
+                cpu_marks.append(cpu_times())
                 calibrated = await calibrate(session, prefill, decode, url, args, rng)
                 requests = workload(args, rng)
                 load_average["calibrated"] = os.getloadavg()[0]
+                cpu_marks.append(cpu_times())
                 measured = await replay(session, url, requests, args, rng)
+                cpu_marks.append(cpu_times())
             finally:
                 await stop_gateway(*gateway)
     finally:
         for server in (prefill, decode):
             server.stop()
     load_average["replayed"] = os.getloadavg()[0]
+    host_cpu = {"calibration": cpu_shares(cpu_marks[1], cpu_marks[2]),
+                "replay": cpu_shares(cpu_marks[2], cpu_marks[3])}
     model, ratios = calibrated.pop("model"), calibrated.pop("ratios")
-    without = dataclasses.replace(model, handoff_base_s=0.0, handoff_per_token_s=0.0)
-    simulated = {"simulated": simulate(model, requests, args, noise(ratios, args)),
-                 "simulated_medians_only": simulate(model, requests, args),
-                 "simulated_without_handoff": simulate(without, requests, args,
-                                                       noise(ratios, args))}
+    cores = calibrated.pop("shared_cores")
     prefill_busy = sum(model.prefill_s(r.input_len) for r in requests) / requests[-1].arrival
     return {**calibrated, "service_spread": {k: spread(v) for k, v in ratios.items()},
-            "latency_model": dataclasses.asdict(model), "prefill_utilisation": prefill_busy,
+            "service_ratios": ratios,  # what the simulations drew from: re-simulable
+            "latency_model": dataclasses.asdict(model),
+            "shared_cores": dataclasses.asdict(cores), "prefill_utilisation": prefill_busy,
             "host_load_average_1min": load_average,  # other work on the cores skews both
+            "host_cpu": host_cpu,
             "measured_decode_timing": decode_timing(measured),
             # every request's token arrivals (s from the replay's start): re-analysable
             "measured_token_times_s": [[round(t, 5) for t in r["times"]] for r in measured],
-            "compare": compare(measured, simulated)}
+            "compare": compare(measured, simulations(model, cores, ratios, requests, args))}
+
+
+def simulations(model: LatencyModel, cores: SharedCores, ratios: dict[str, list[float]],
+                requests: list[SimRequest], args) -> dict[str, list[dict]]:
+    """The fitted group with the measured spread, and each without one of its parts."""
+    without = dataclasses.replace(model, handoff_base_s=0.0, handoff_per_token_s=0.0)
+    return {"simulated": simulate(model, requests, args, noise(ratios, args), cores),
+            "simulated_medians_only": simulate(model, requests, args, cores=cores),
+            "simulated_without_handoff": simulate(without, requests, args,
+                                                  noise(ratios, args), cores),
+            "simulated_without_shared_cores": simulate(model, requests, args,
+                                                       noise(ratios, args))}
+
+
+def cpu_times() -> list[int] | None:
+    """The host's CPU time so far (``/proc/stat``'s ``cpu`` line, in ticks); None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+
+
+def cpu_shares(before: list[int] | None, after: list[int] | None) -> dict:
+    """Over a stretch: the share of the host's CPU time busy (anything but idle and I/O
+    wait) and stolen by the hypervisor (other machines on the same cores)."""
+    if before is None or after is None:
+        return {}
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    total = sum(spent[:8]) or 1  # user .. steal; guest time is counted within user
+    idle = spent[3] + spent[4]
+    return {"busy": (total - idle) / total, "steal": spent[7] / total}
 
 
 async def start_group(session, prefill: ServeProcess, decode: ServeProcess, args):
@@ -322,11 +496,19 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
     # Prompts of its own: the replay's request list stays the one earlier runs drew.
     handoff_points, handoff_samples = await measure_handoff(
         session, url, args, np.random.default_rng(args.seed + 1))
+    sharing = await measure_sharing(session, prefill.url + "/v1/completions", url, args,
+                                    np.random.default_rng(args.seed + 2))
     return {"service_points": {"prefill": prefill_points, "decode": decode_points,
                                "handoff": handoff_points},
             "handoff_samples_ms": ms_percentiles(handoff_samples),
+            "shared_cores_probe": sharing,
+            "decode_step_lag_correlation": {
+                f"{lag * STEP_WINDOW}_steps": lag_correlation(decode_ratios, lag)
+                for lag in (1, 2, 4)},
             "model": model.fit_handoff(handoff_points),
-            "ratios": {"prefill": prefill_ratios, "decode_step": decode_ratios}}
+            "shared_cores": SharedCores.from_probe(sharing),
+            "ratios": {"prefill": prefill_ratios,
+                       "decode_step": np.concatenate(decode_ratios).tolist()}}
 
 
 def noise(ratios: dict[str, list[float]], args) -> ServiceNoise:
@@ -378,6 +560,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-steps", type=int, default=128,
                         help="Tokens per calibration stream (the first and last 8 untimed).")
+    parser.add_argument("--sharing-cycles", type=int, default=3,
+                        help="Rounds alone, beside, beside, alone of the shared-cores probe.")
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--rate", type=float, default=0.5, help="Requests a second.")
     parser.add_argument("--min-output", type=int, default=16)
