@@ -231,18 +231,18 @@ async def measure_sharing(session, prefill_url: str, url: str, args, rng) -> dic
     the answer over the median of its length alone."""
     context = int(np.mean(args.prompt_lens))
     body = {"model": args.model, "ignore_eos": True, "max_tokens": 2 * args.decode_steps}
-    steps: dict[str, list[float]] = {"alone": [], "beside": []}
+    steps: dict[str, list[np.ndarray]] = {"alone": [], "beside": []}
     prompts: dict[str, list[tuple[int, float]]] = {"alone": [], "beside": []}
     for _ in range(args.sharing_cycles):
         for side in ("alone", "beside", "beside", "alone"):
             answer = {**body, "prompt": prompt(rng, context)}
             if side == "alone":
-                steps[side] += sharing_steps(await token_clock(session, url, answer), None)
+                steps[side].append(sharing_steps(await token_clock(session, url, answer), None))
                 prompts[side] += await timed_prompts(session, prefill_url, args, rng)
             else:
                 times, spans = await answer_beside_prompts(session, url, answer,
                                                            prefill_url, args, rng)
-                steps[side] += sharing_steps(times, (spans[0][1], spans[-1][2]))
+                steps[side].append(sharing_steps(times, (spans[0][1], spans[-1][2])))
                 prompts[side] += [(n, end - sent) for n, sent, end in spans
                                   if times[1] <= sent and end <= times[-1]]
     return sharing_summary(steps, prompts, context + args.decode_steps)
@@ -292,28 +292,45 @@ async def answer_beside_prompts(session, url: str, answer: dict, prefill_url: st
     return times, spans
 
 
-def sharing_steps(times: list[float], inside: tuple[float, float] | None) -> list[float]:
+def sharing_steps(times: list[float], inside: tuple[float, float] | None) -> np.ndarray:
     """An answer's ``STEP_WINDOW``-step means (seconds) after its first gap, those wholly
     within ``inside`` (start, end) where given."""
     marks = times[1::STEP_WINDOW]
-    return [(b - a) / STEP_WINDOW for a, b in zip(marks, marks[1:], strict=False)
-            if inside is None or (inside[0] <= a and b <= inside[1])]
+    return np.array([(b - a) / STEP_WINDOW for a, b in zip(marks, marks[1:], strict=False)
+                     if inside is None or (inside[0] <= a and b <= inside[1])])
 
 
-def sharing_summary(steps: dict[str, list[float]], prompts: dict[str, list[tuple[int, float]]],
-                    context: int) -> dict:
-    """The probe's figures (``SharedCores.from_probe`` reads its medians)."""
+def first_over_later(answers: list[np.ndarray]) -> float | None:
+    """Median first step mean of the answers over the median of their later ones."""
+    answers = [w for w in answers if len(w) > 1]
+    if not answers:
+        return None
+    later = np.concatenate([w[1:] for w in answers])
+    return float(np.median([w[0] for w in answers]) / np.median(later))
+
+
+def sharing_summary(steps: dict[str, list[np.ndarray]],
+                    prompts: dict[str, list[tuple[int, float]]], context: int) -> dict:
+    """The probe's figures (``SharedCores.from_probe`` reads its medians), and how the
+    alone answers' step means (through the gateway, as the replay's) spread and hold."""
+    alone = np.concatenate(steps["alone"])
     by_length: dict[int, list[float]] = {}
     for tokens, seconds in prompts["alone"]:
         by_length.setdefault(tokens, []).append(seconds)
     medians = {n: float(np.median(v)) for n, v in by_length.items()}
     beside = [seconds / medians[n] for n, seconds in prompts["beside"]]
-    if not steps["alone"] or not steps["beside"] or not beside:
+    if not len(alone) or not sum(map(len, steps["beside"])) or not beside:
         raise RuntimeError("sharing probe: no decode step or no prompt timed beside the "
                            "other side; raise --decode-steps")
     return {"context": context,
-            "decode_step_ms_alone": ms_percentiles(steps["alone"]),
-            "decode_step_ms_beside_prefill": ms_percentiles(steps["beside"]),
+            "decode_step_ms_alone": ms_percentiles(alone.tolist()),
+            "decode_step_ms_beside_prefill": ms_percentiles(
+                np.concatenate(steps["beside"]).tolist()),
+            # the answer's first 8 steps after it joined against its later ones
+            "alone_first_steps_over_later": first_over_later(steps["alone"]),
+            "alone_step_lag_correlation": {
+                f"{lag * STEP_WINDOW}_steps": lag_correlation(steps["alone"], lag)
+                for lag in (1, 2, 4)},
             "prefill_ms_alone": {str(n): m * 1e3 for n, m in sorted(medians.items())},
             "prefill_beside_decode_over_alone": {
                 "samples": len(beside), **{f"p{q}": float(np.percentile(beside, q))
@@ -430,6 +447,8 @@ async def run(args) -> dict:
             "measured_decode_timing": decode_timing(measured),
             # every request's token arrivals (s from the replay's start): re-analysable
             "measured_token_times_s": [[round(t, 5) for t in r["times"]] for r in measured],
+            # the request list (arrival s, prompt and answer tokens): re-simulable
+            "requests": [[r.arrival, r.input_len, r.output_len] for r in requests],
             "compare": compare(measured, simulations(model, cores, ratios, requests, args))}
 
 

@@ -270,16 +270,17 @@ def test_sharing_probe_sorts_steps_and_prompts_by_what_ran_beside_them():
     inside = (0.05 + 0.001 * window, times[-1])
     assert module.sharing_steps(times, inside) == pytest.approx([1e-3, 2e-3, 2e-3])
     summary = module.sharing_summary(
-        {"alone": [0.002, 0.002, 0.004], "beside": [0.003, 0.003]},
+        {"alone": [np.array([0.002, 0.002, 0.004])], "beside": [np.array([0.003, 0.003])]},
         {"alone": [(64, 0.01), (64, 0.03), (512, 0.1)], "beside": [(64, 0.03), (512, 0.15)]},
         context=300)
     assert summary["decode_step_ms_alone"]["p50"] == pytest.approx(2.0)
+    assert summary["alone_first_steps_over_later"] == pytest.approx(0.002 / 0.003)
     assert summary["decode_step_ms_beside_prefill"]["p50"] == pytest.approx(3.0)
     assert summary["prefill_ms_alone"] == pytest.approx({"64": 20.0, "512": 100.0})
     # each beside its length's median alone: 1.5 and 1.5
     assert summary["prefill_beside_decode_over_alone"]["p50"] == pytest.approx(1.5)
     with pytest.raises(RuntimeError, match="sharing probe"):
-        module.sharing_summary({"alone": [0.002], "beside": []},
+        module.sharing_summary({"alone": [np.array([0.002])], "beside": [np.array([])]},
                                {"alone": [(64, 0.01)], "beside": [(64, 0.01)]}, context=300)
 
 
