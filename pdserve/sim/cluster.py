@@ -254,16 +254,23 @@ class ServiceNoise:
     can then replay its steps). With ``steps_per_ratio`` above 1, each drawn ratio holds
     for that many steps in a row: where each measured ratio is the mean of as many steps
     (a slow stretch of the host slows them all), drawing one per step would average the
-    spread away over an answer."""
+    spread away over an answer. With ``hold_probability`` above 0, each block of steps keeps
+    the previous block's ratio with that probability (drawn afresh otherwise): slow
+    stretches of the host that outlast a block, consecutive blocks' ratios correlating by
+    that much (the correlation of consecutive measured block means)."""
 
     def __init__(self, prefill_ratios: list[float], decode_ratios: list[float],
                  seed: int = 0, steps: int = 1 << 20, first_step: int | None = None,
-                 steps_per_ratio: int = 1) -> None:
+                 steps_per_ratio: int = 1, hold_probability: float = 0.0) -> None:
         self._first_step = first_step
         self._rng = np.random.default_rng(seed)
         self._prefill = np.asarray(prefill_ratios, dtype=float)
-        factors = self._rng.choice(np.asarray(decode_ratios, dtype=float),
-                                   -(-steps // steps_per_ratio))
+        blocks = -(-steps // steps_per_ratio)
+        factors = self._rng.choice(np.asarray(decode_ratios, dtype=float), blocks)
+        if hold_probability > 0.0:
+            fresh = self._rng.random(blocks) >= hold_probability
+            fresh[0] = True
+            factors = factors[np.maximum.accumulate(np.where(fresh, np.arange(blocks), 0))]
         if steps_per_ratio > 1:
             factors = np.repeat(factors, steps_per_ratio)[:steps]
         self._sum = np.concatenate(([0.0], np.cumsum(factors)))

@@ -100,3 +100,17 @@ def test_not_inside_a_multiplexing_instance():
 
     with pytest.raises(ValueError, match="multiplexing"):
         GroupSim(MODEL, 1, 0, multiplexing=Multiplexing(2.0, 3.0), shared_cores=CORES)
+
+
+def test_held_ratios_make_consecutive_blocks_correlate_by_the_hold_probability():
+    """Each 8-step block keeps the previous block's ratio with probability 0.9: consecutive
+    block ratios correlate at about 0.9, the drawn ratios themselves unchanged."""
+    ratios = [0.8, 1.0, 1.5]
+    noise = ServiceNoise([1.0], ratios, seed=2, steps=8 << 14, first_step=0,
+                         steps_per_ratio=8, hold_probability=0.9)
+    blocks = np.array([noise.span(i, i + 8)[0] / 8 for i in range(0, 8 << 14, 8)])
+    assert set(np.round(blocks, 9)) == set(ratios)
+    assert np.corrcoef(blocks[:-1], blocks[1:])[0, 1] == pytest.approx(0.9, abs=0.02)
+    free = ServiceNoise([1.0], ratios, seed=2, steps=8 << 14, first_step=0, steps_per_ratio=8)
+    blocks = np.array([free.span(i, i + 8)[0] / 8 for i in range(0, 8 << 14, 8)])
+    assert abs(np.corrcoef(blocks[:-1], blocks[1:])[0, 1]) < 0.02
