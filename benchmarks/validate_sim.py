@@ -562,6 +562,25 @@ def compare_percentiles(measured: dict[str, dict], simulated: dict[str, list[dic
     return table
 
 
+def summarize_runs(paths: list[str]) -> dict:
+    """Several runs' results side by side, and per metric, simulation and percentile the
+    spread of the simulation's error over the runs (smallest, largest)."""
+    runs = {}
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        runs[Path(path).stem] = {key: run[key] for key in (
+            "git_revision", "created", "host_load_average_1min", "host_cpu", "shared_cores",
+            "compare") if key in run}
+    spread: dict[str, dict] = {}
+    for key in ("ttft_s", "tpot_s"):
+        sides = [k[:-len("_error")] for k in next(iter(runs.values()))["compare"][key]
+                 if k.endswith("_error")]
+        spread[key] = {side: {q: [min(e), max(e)] for q in ("p50", "p99") if (e := [
+            r["compare"][key][side + "_error"][q] for r in runs.values()])} for side in sides}
+    return {"kind": "validation", "runs": runs, "error_spread": spread}
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
@@ -592,7 +611,13 @@ def main() -> int:
     parser.add_argument("--decode-kv-tokens", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
+    parser.add_argument("--summarize", nargs="+", metavar="RESULT",
+                        help="Write runs' results side by side to --out instead of a run.")
     args = parser.parse_args()
+    if args.summarize:
+        write_json({**result_header({"summarize": args.summarize}),
+                    **summarize_runs(args.summarize)}, args.out)
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # instances: one core each, not all
     result = asyncio.run(run(args))
     config = {k: v for k, v in vars(args).items() if k != "out"}

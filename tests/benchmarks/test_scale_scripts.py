@@ -293,6 +293,22 @@ def test_lag_correlation_of_step_means_within_streams():
     assert module.lag_correlation([np.array([1.0, 1.1])]) is None  # one pair: nothing to say
 
 
+def test_validation_runs_summarized_with_the_spread_of_each_error(tmp_path):
+    module = _script("validate_sim")
+    paths = []
+    for i, error in enumerate((-0.05, 0.08)):
+        row = {"measured": {"p50": 1.0, "p99": 2.0}, "simulated": {"p50": 1 + error, "p99": 2.0},
+               "simulated_error": {"p50": error, "p99": 0.0}}
+        path = tmp_path / f"run{i}.json"
+        path.write_text(json.dumps({"git_revision": "abc", "host_load_average_1min": {},
+                                    "compare": {"ttft_s": row, "tpot_s": row}}))
+        paths.append(str(path))
+    summary = module.summarize_runs(paths)
+    assert list(summary["runs"]) == ["run0", "run1"]
+    assert summary["error_spread"]["tpot_s"]["simulated"] == {"p50": [-0.05, 0.08],
+                                                               "p99": [0.0, 0.0]}
+
+
 def test_handoff_sample_takes_off_the_steps_its_chunk_carries():
     module = _script("validate_sim")
     # First token at 0.1 s; the next chunk, 30 ms later, carries two tokens (two 5 ms steps).
