@@ -517,6 +517,9 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
         session, url, args, np.random.default_rng(args.seed + 1))
     sharing = await measure_sharing(session, prefill.url + "/v1/completions", url, args,
                                     np.random.default_rng(args.seed + 2))
+    # The fitted step (timed straight from the decode instance) at the probe's context,
+    # against the probe's alone steps (through the gateway, as the replay's).
+    sharing["fitted_step_ms"] = model.decode_step_s(1, sharing["context"]) * 1e3
     return {"service_points": {"prefill": prefill_points, "decode": decode_points,
                                "handoff": handoff_points},
             "handoff_samples_ms": ms_percentiles(handoff_samples),
