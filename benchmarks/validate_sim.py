@@ -437,6 +437,7 @@ async def run(args) -> dict:
                 "replay": cpu_shares(cpu_marks[2], cpu_marks[3])}
     model, ratios = calibrated.pop("model"), calibrated.pop("ratios")
     cores = calibrated.pop("shared_cores")
+    hold = calibrated["decode_hold_probability"]
     prefill_busy = sum(model.prefill_s(r.input_len) for r in requests) / requests[-1].arrival
     return {**calibrated, "service_spread": {k: spread(v) for k, v in ratios.items()},
             "service_ratios": ratios,  # what the simulations drew from: re-simulable
@@ -449,19 +450,22 @@ async def run(args) -> dict:
             "measured_token_times_s": [[round(t, 5) for t in r["times"]] for r in measured],
             # the request list (arrival s, prompt and answer tokens): re-simulable
             "requests": [[r.arrival, r.input_len, r.output_len] for r in requests],
-            "compare": compare(measured, simulations(model, cores, ratios, requests, args))}
+            "compare": compare(measured,
+                               simulations(model, cores, ratios, hold, requests, args))}
 
 
 def simulations(model: LatencyModel, cores: SharedCores, ratios: dict[str, list[float]],
-                requests: list[SimRequest], args) -> dict[str, list[dict]]:
+                hold: float, requests: list[SimRequest], args) -> dict[str, list[dict]]:
     """The fitted group with the measured spread, and each without one of its parts."""
     without = dataclasses.replace(model, handoff_base_s=0.0, handoff_per_token_s=0.0)
-    return {"simulated": simulate(model, requests, args, noise(ratios, args), cores),
+    return {"simulated": simulate(model, requests, args, noise(ratios, args, hold), cores),
             "simulated_medians_only": simulate(model, requests, args, cores=cores),
             "simulated_without_handoff": simulate(without, requests, args,
-                                                  noise(ratios, args), cores),
+                                                  noise(ratios, args, hold), cores),
             "simulated_without_shared_cores": simulate(model, requests, args,
-                                                       noise(ratios, args))}
+                                                       noise(ratios, args, hold)),
+            "simulated_without_held_stretches": simulate(model, requests, args,
+                                                         noise(ratios, args), cores)}
 
 
 def cpu_times() -> list[int] | None:
@@ -529,15 +533,27 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
                 for lag in (1, 2, 4)},
             "model": model.fit_handoff(handoff_points),
             "shared_cores": SharedCores.from_probe(sharing),
+            "decode_hold_probability": held_stretches(sharing),
             "ratios": {"prefill": prefill_ratios,
                        "decode_step": np.concatenate(decode_ratios).tolist()}}
 
 
-def noise(ratios: dict[str, list[float]], args) -> ServiceNoise:
+def noise(ratios: dict[str, list[float]], args, hold: float = 0.0) -> ServiceNoise:
     """The measured spread, drawn afresh from the seed (each simulation its own). A decode
-    ratio is the mean of ``STEP_WINDOW`` steps (``measure_decode``), so each holds as many."""
+    ratio is the mean of ``STEP_WINDOW`` steps (``measure_decode``), so each holds as many;
+    and the next block keeps it with probability ``hold`` (slow stretches that outlast a
+    block: ``held_stretches``)."""
     return ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed,
-                        steps_per_ratio=STEP_WINDOW)
+                        steps_per_ratio=STEP_WINDOW, hold_probability=hold)
+
+
+def held_stretches(probe: dict) -> float:
+    """How often a block of steps keeps the previous block's ratio: the correlation of
+    consecutive ``STEP_WINDOW``-step means of the probe's alone answers (the longest
+    streams of the calibration, through the gateway as the replay's), none where they
+    do not correlate or no figure came."""
+    correlation = probe["alone_step_lag_correlation"][f"{STEP_WINDOW}_steps"]
+    return min(max(correlation or 0.0, 0.0), 0.99)
 
 
 def spread(ratios: list[float]) -> dict:

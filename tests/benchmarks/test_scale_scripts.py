@@ -77,6 +77,7 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     assert result["shared_cores"]["prefill_slowdown"] == pytest.approx(
         probe["prefill_beside_decode_over_alone"]["p50"])
     assert set(result["host_cpu"]) == {"calibration", "replay"}
+    assert 0 <= result["decode_hold_probability"] < 1
     assert len(result["service_points"]["prefill"]) == 2
     assert result["service_spread"]["decode_step"]["samples"] >= 4
     assert [p["tokens"] for p in result["service_points"]["handoff"]] == [32, 64]
@@ -86,7 +87,8 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     for key in ("ttft_s", "tpot_s"):
         row = result["compare"][key]
         for side in ("measured", "simulated", "simulated_medians_only",
-                     "simulated_without_handoff", "simulated_without_shared_cores"):
+                     "simulated_without_handoff", "simulated_without_shared_cores",
+                     "simulated_without_held_stretches"):
             assert 0 < row[side]["p50"] <= row[side]["p99"]
         assert row["simulated_error"]["p50"] == pytest.approx(
             row["simulated"]["p50"] / row["measured"]["p50"] - 1)
@@ -282,6 +284,13 @@ def test_sharing_probe_sorts_steps_and_prompts_by_what_ran_beside_them():
     with pytest.raises(RuntimeError, match="sharing probe"):
         module.sharing_summary({"alone": [np.array([0.002])], "beside": [np.array([])]},
                                {"alone": [(64, 0.01)], "beside": [(64, 0.01)]}, context=300)
+
+
+def test_held_stretches_from_the_probe_never_negative_nor_whole():
+    module = _script("validate_sim")
+    held = [module.held_stretches({"alone_step_lag_correlation": {"8_steps": c}})
+            for c in (0.6, -0.3, None, 1.0)]
+    assert held == [0.6, 0.0, 0.0, 0.99]
 
 
 def test_lag_correlation_of_step_means_within_streams():
