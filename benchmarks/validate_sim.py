@@ -1,11 +1,12 @@
 """Validation: a real P/D group (one prefill and one decode instance behind the real gateway)
 against the simulator fitted to those instances.
 
-1. Measure the instances' service times over HTTP: prefill as the latency of one-token
-   completions of several prompt lengths (one at a time), decode as the interval between
-   streamed tokens of ``batch`` requests running together at two prompt lengths, and the
-   handoff through the gateway: how long after its first token a request, alone, joins
-   the decode batch (its second token's gap less one decode step of its own); and how the
+1. Measure the instances' service times over HTTP, on the replay's path (through the
+   gateway): prefill as the TTFT of streamed answers of several prompt lengths (one at a
+   time; one-token completions straight at the prefill instance kept beside), decode as
+   the interval between streamed tokens of ``batch`` requests running together at two
+   prompt lengths, and the handoff: how long after its first token a request, alone,
+   joins the decode batch (its second token's gap less one decode step of its own); and how the
    two instances slow each other where they share the host's cores (``measure_sharing``:
    decode steps with and without prompts running on the prefill instance, prompts with
    and without a decode running).
@@ -23,7 +24,7 @@ how busy the prefill side was). On GPUs, e.g.::
     python benchmarks/validate_sim.py --model codellama-34b \\
         --serve-args "--device cuda --dtype bfloat16" --prompt-lens 1024,4096,8192,16384 \\
         --decode-batches 1,16,64 --decode-contexts 1024,8192 --rate 0.5 --requests 300 \\
-        --out benchmarks/results/validation_h200_codellama34b.json
+        --step-floor-ms 15 --out benchmarks/results/validation_h200_codellama34b.json
 """
 
 from __future__ import annotations
@@ -109,30 +110,43 @@ async def measure_prefill(session, url: str, args, rng) -> tuple[list[dict], lis
     return points, ratios
 
 
-async def measure_decode(session, url: str, args,
-                         rng) -> tuple[list[dict], list[np.ndarray]]:
-    """Median step per batch and context, and every timed step over its point's median,
-    per stream in order.
-    Only steps while the whole batch decodes count: the prompts of a batch prefill one
-    after another (under chunked prefill a step then carries prompt pieces too), so the
-    window starts at the batch's last first token and ends at its first last token; each
-    request runs ``--decode-steps`` tokens past the longest such prefill phase. A step is
+async def measure_decode(session, url: str, args, rng,
+                         prefill_s: Callable[[int], float] | None = None,
+                         ) -> tuple[list[dict], list[np.ndarray]]:
+    """Median step per batch and context (each request's prompt and the tokens it had at
+    the window's middle), and every timed step over its point's median, per stream in
+    order. Only steps while the whole batch decodes count: the prompts of a batch prefill
+    one after another (under chunked prefill a step then carries prompt pieces too), so
+    the window starts at the batch's last first token and ends at its first last token;
+    each request runs ``--decode-steps`` tokens past the longest such prefill phase - with
+    ``prefill_s`` (prompts sent through the gateway prefill one after another on the
+    prefill instance) that of the batch's prompts at ``--step-floor-ms`` a step. A step is
     timed over ``STEP_WINDOW`` tokens: a client that reads several chunks at once
     (descheduled a moment) would otherwise time single steps near zero beside one long one."""
     points: list[dict] = []
     ratio_streams: list[np.ndarray] = []
     for context in args.decode_contexts:
         for batch in args.decode_batches:
+            bound = prefill_steps_bound(batch, context)
+            if prefill_s is not None:
+                bound += int(batch * prefill_s(context) / (args.step_floor_ms / 1e3)) + 1
             body = {"model": args.model, "ignore_eos": True,
-                    "max_tokens": args.decode_steps + prefill_steps_bound(batch, context)}
+                    "max_tokens": args.decode_steps + bound}
             runs = await asyncio.gather(*(token_clock(session, url, {
                 **body, "prompt": prompt(rng, context)}) for _ in range(batch)))
             streams = steady_windows(runs, batch, context, args.decode_steps)
             median = float(np.median(np.concatenate(streams)))
-            points.append({"batch": batch, "context": context + args.decode_steps // 2,
+            points.append({"batch": batch, "context": context + tokens_at_middle(runs),
                            "step_ms": median * 1e3})
             ratio_streams += [w / median for w in streams]
     return points, ratio_streams
+
+
+def tokens_at_middle(runs: list[list[float]]) -> int:
+    """The tokens each request of a batch had generated, on average, at the middle of the
+    window where the whole batch decodes."""
+    middle = (max(t[0] for t in runs) + min(t[-1] for t in runs)) / 2
+    return round(float(np.mean([np.searchsorted(t, middle, side="right") for t in runs])))
 
 
 def prefill_steps_bound(batch: int, context: int) -> int:
@@ -193,30 +207,43 @@ async def replay(session, url: str, requests: list[SimRequest], args, rng) -> li
     return await asyncio.gather(*(one(r) for r in requests))
 
 
-async def measure_handoff(session, url: str, args, rng) -> tuple[list[dict], list[float]]:
+async def measure_handoff(session, url: str, args, rng) -> dict:
     """Through the gateway, one request at a time: how long after its first token (the
     prefill's, relayed at once) a request joins the decode batch - the gap to its second
     token's chunk less the decode steps that chunk carries (each the median of the
-    request's later gaps). Median per prompt length, and every sample (seconds: a median
-    near zero leaves no ratio to speak of)."""
-    points, samples = [], []
+    request's later gaps) - and its TTFT (the replay's path: the gateway's hop, the
+    prefill, the first token relayed). Median per prompt length, every handoff sample
+    (seconds: a median near zero leaves no ratio to speak of) and every TTFT over its
+    length's median."""
+    handoff: dict[str, list] = {"points": [], "samples": [], "ttft_points": [], "ttft_ratios": []}
     body = {"model": args.model, "ignore_eos": True, "max_tokens": 2 + 2 * STEP_WINDOW}
     for tokens in args.prompt_lens:
-        seconds: list[float] = []
-        for _ in range(4 * args.repeats):
-            times = await token_clock(session, url, {**body, "prompt": prompt(rng, tokens)})
-            sample = handoff_sample(times)
-            if sample is not None:
-                seconds.append(sample)
-            if len(seconds) == args.repeats:
-                break
-        else:
-            raise RuntimeError(f"{tokens}-token prompts: the first token came alone in "
-                               f"{len(seconds)} of {4 * args.repeats} answers")
-        median = float(np.median(seconds))
-        points.append({"tokens": tokens, "seconds": median})
-        samples += seconds
-    return points, samples
+        seconds, ttfts = await handoffs_of_length(session, url, body, tokens, args, rng)
+        handoff["points"].append({"tokens": tokens, "seconds": float(np.median(seconds))})
+        handoff["samples"] += seconds
+        median = float(np.median(ttfts))
+        handoff["ttft_points"].append({"tokens": tokens, "seconds": median})
+        handoff["ttft_ratios"] += [x / median for x in ttfts]
+    return handoff
+
+
+async def handoffs_of_length(session, url: str, body: dict, tokens: int, args,
+                             rng) -> tuple[list[float], list[float]]:
+    """``--repeats`` answers whose first token came alone in its chunk (the others leave
+    no time of their own): their handoffs and TTFTs."""
+    seconds: list[float] = []
+    ttfts: list[float] = []
+    for _ in range(4 * args.repeats):
+        sent = time.monotonic()
+        times = await token_clock(session, url, {**body, "prompt": prompt(rng, tokens)})
+        sample = handoff_sample(times)
+        if sample is not None:
+            seconds.append(sample)
+            ttfts.append(times[0] - sent)
+        if len(seconds) == args.repeats:
+            return seconds, ttfts
+    raise RuntimeError(f"{tokens}-token prompts: the first token came alone in "
+                       f"{len(seconds)} of {4 * args.repeats} answers")
 
 
 async def measure_sharing(session, prefill_url: str, url: str, args, rng) -> dict:
@@ -508,25 +535,30 @@ async def start_group(session, prefill: ServeProcess, decode: ServeProcess, args
 
 async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: str, args,
                     rng) -> dict:
-    """Service times over HTTP, the model fitted to them, and each one's spread."""
-    prefill_points, prefill_ratios = await measure_prefill(
-        session, prefill.url + "/v1/completions", args, rng)
+    """Service times over HTTP, the model fitted to them, and each one's spread. The model
+    is fitted to what the replay's path gives (through the gateway, as the replay sends its
+    requests): prefill to the TTFTs of the handoff's answers, decode to steps of answers
+    streamed through the gateway (a gateway relaying the tokens on the same cores slows
+    them); prompts timed straight at the prefill instance are kept beside."""
+    direct_points, _ = await measure_prefill(session, prefill.url + "/v1/completions", args,
+                                             rng)
+    lengths = [p["tokens"] for p in direct_points]
+    seconds = [p["seconds"] for p in direct_points]
     decode_points, decode_ratios = await measure_decode(
-        session, decode.url + "/v1/completions", args, rng)
+        session, url, args, rng, lambda tokens: float(np.interp(tokens, lengths, seconds)))
+    # Prompts of its own: the replay's request list stays the one earlier runs drew.
+    handoff = await measure_handoff(session, url, args, np.random.default_rng(args.seed + 1))
+    prefill_points, handoff_points = handoff["ttft_points"], handoff["points"]
     model = LatencyModel.fit(prefill_points, decode_points, kv_bytes_per_token(args.model),
                              link_gb_per_s=args.link_gb_per_s,
                              decode_kv_tokens=args.decode_kv_tokens)
-    # Prompts of its own: the replay's request list stays the one earlier runs drew.
-    handoff_points, handoff_samples = await measure_handoff(
-        session, url, args, np.random.default_rng(args.seed + 1))
     sharing = await measure_sharing(session, prefill.url + "/v1/completions", url, args,
                                     np.random.default_rng(args.seed + 2))
-    # The fitted step (timed straight from the decode instance) at the probe's context,
-    # against the probe's alone steps (through the gateway, as the replay's).
+    # The fitted step at the probe's context, against the probe's alone steps.
     sharing["fitted_step_ms"] = model.decode_step_s(1, sharing["context"]) * 1e3
     return {"service_points": {"prefill": prefill_points, "decode": decode_points,
-                               "handoff": handoff_points},
-            "handoff_samples_ms": ms_percentiles(handoff_samples),
+                               "handoff": handoff_points, "prefill_direct": direct_points},
+            "handoff_samples_ms": ms_percentiles(handoff["samples"]),
             "shared_cores_probe": sharing,
             "decode_step_lag_correlation": {
                 f"{lag * STEP_WINDOW}_steps": lag_correlation(decode_ratios, lag)
@@ -534,7 +566,7 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
             "model": model.fit_handoff(handoff_points),
             "shared_cores": SharedCores.from_probe(sharing),
             "decode_hold_probability": held_stretches(sharing),
-            "ratios": {"prefill": prefill_ratios,
+            "ratios": {"prefill": handoff["ttft_ratios"],
                        "decode_step": np.concatenate(decode_ratios).tolist()}}
 
 
@@ -615,6 +647,9 @@ def main() -> int:
                         "overstated the small ones.")
     parser.add_argument("--decode-contexts", type=ints, default=[64, 1024])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--step-floor-ms", type=float, default=1.0,
+                        help="No decode step is faster (bounds how long a batch's prompts, "
+                        "prefilled one after another, keep it from decoding together).")
     parser.add_argument("--decode-steps", type=int, default=128,
                         help="Tokens per calibration stream (the first and last 8 untimed).")
     parser.add_argument("--sharing-cycles", type=int, default=3,
