@@ -120,22 +120,28 @@ async def measure_decode(session, url: str, args, rng,
     the window starts at the batch's last first token and ends at its first last token;
     each request runs ``--decode-steps`` tokens past the longest such prefill phase - with
     ``prefill_s`` (prompts sent through the gateway prefill one after another on the
-    prefill instance) that of the batch's prompts at ``--step-floor-ms`` a step. A step is
+    prefill instance) that of the batch's prompts at the step of a batch of 1 at that
+    context (a larger batch steps no faster; ``--step-floor-ms`` where none was timed
+    before): a floor far below the steps ran the first requests on to contexts the replay
+    never reaches (twice the prompt, where the tiny model's steps on CPU grew sevenfold). A step is
     timed over ``STEP_WINDOW`` tokens: a client that reads several chunks at once
     (descheduled a moment) would otherwise time single steps near zero beside one long one."""
     points: list[dict] = []
     ratio_streams: list[np.ndarray] = []
     for context in args.decode_contexts:
-        for batch in args.decode_batches:
+        floor_s = args.step_floor_ms / 1e3
+        for batch in sorted(args.decode_batches):
             bound = prefill_steps_bound(batch, context)
-            if prefill_s is not None:
-                bound += int(batch * prefill_s(context) / (args.step_floor_ms / 1e3)) + 1
+            if prefill_s is not None and batch > 1:
+                bound += int(batch * prefill_s(context) / floor_s) + 1
             body = {"model": args.model, "ignore_eos": True,
                     "max_tokens": args.decode_steps + bound}
             runs = await asyncio.gather(*(token_clock(session, url, {
                 **body, "prompt": prompt(rng, context)}) for _ in range(batch)))
             streams = steady_windows(runs, batch, context, args.decode_steps)
             median = float(np.median(np.concatenate(streams)))
+            if batch == 1:
+                floor_s = median
             points.append({"batch": batch, "context": context + tokens_at_middle(runs),
                            "step_ms": median * 1e3})
             ratio_streams += [w / median for w in streams]
