@@ -110,9 +110,15 @@ async def measure_prefill(session, url: str, args, rng) -> tuple[list[dict], lis
     return points, ratios
 
 
-async def measure_decode(session, url: str, args, rng,
-                         prefill_s: Callable[[int], float] | None = None,
-                         ) -> tuple[list[dict], list[np.ndarray]]:
+async def measure_decode(session, url: str, args, rng) -> tuple[list[dict], list[float]]:
+    """``measure_decode_streams`` straight at an instance, the ratios in one list."""
+    points, streams = await measure_decode_streams(session, url, args, rng)
+    return points, np.concatenate(streams).tolist()
+
+
+async def measure_decode_streams(session, url: str, args, rng,
+                                 prefill_s: Callable[[int], float] | None = None,
+                                 ) -> tuple[list[dict], list[np.ndarray]]:
     """Median step per batch and context (each request's prompt and the tokens it had at
     the window's middle), and every timed step over its point's median, per stream in
     order. Only steps while the whole batch decodes count: the prompts of a batch prefill
@@ -129,11 +135,12 @@ async def measure_decode(session, url: str, args, rng,
     points: list[dict] = []
     ratio_streams: list[np.ndarray] = []
     for context in args.decode_contexts:
-        floor_s = args.step_floor_ms / 1e3
+        floor_s: float | None = None  # the step of a batch of 1 at this context, once timed
         for batch in sorted(args.decode_batches):
             bound = prefill_steps_bound(batch, context)
             if prefill_s is not None and batch > 1:
-                bound += int(batch * prefill_s(context) / floor_s) + 1
+                floor = floor_s if floor_s is not None else args.step_floor_ms / 1e3
+                bound += int(batch * prefill_s(context) / floor) + 1
             body = {"model": args.model, "ignore_eos": True,
                     "max_tokens": args.decode_steps + bound}
             runs = await asyncio.gather(*(token_clock(session, url, {
@@ -554,7 +561,7 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
                                              rng)
     lengths = [p["tokens"] for p in direct_points]
     seconds = [p["seconds"] for p in direct_points]
-    decode_points, decode_ratios = await measure_decode(
+    decode_points, decode_ratios = await measure_decode_streams(
         session, url, args, rng, lambda tokens: float(np.interp(tokens, lengths, seconds)))
     # Prompts of its own: the replay's request list stays the one earlier runs drew.
     handoff = await measure_handoff(session, url, args, np.random.default_rng(args.seed + 1))
