@@ -54,19 +54,23 @@ def plot(path: Path, out_dir: Path) -> Path:
 
 
 SIDES = {"measured": "measured", "simulated": "simulated, measured spread",
-         "simulated_medians_only": "simulated, medians only"}
+         "simulated_medians_only": "simulated, medians only",
+         "simulated_without_shared_cores": "simulated, spread, cores not shared"}
 
 
 def plot_validation(plt, result: dict, path: Path, out_dir: Path) -> Path:
     """One panel per run and metric: P50 and P99, measured beside each simulation."""
-    runs = result.get("schedules") or {"P/D group": result}
+    runs = result.get("schedules") or result.get("runs") or {"P/D group": result}
     fig, axes = plt.subplots(len(runs), 2, figsize=(8, 2.8 * len(runs)), squeeze=False)
     for row, (name, run) in zip(axes, runs.items(), strict=True):
         for ax, key in zip(row, ("ttft_s", "tpot_s"), strict=True):
             table = run["compare"][key]
-            for i, side in enumerate(SIDES):
+            sides = [side for side in SIDES if side in table]  # older results have fewer
+            width = 0.8 / len(sides)
+            for i, side in enumerate(sides):
                 values = [table[side][q] * 1e3 for q in ("p50", "p99")]
-                ax.bar([x + 0.27 * (i - 1) for x in (0, 1)], values, 0.27, label=SIDES[side])
+                ax.bar([x + width * (i - (len(sides) - 1) / 2) for x in (0, 1)], values, width,
+                       label=SIDES[side])
             ax.set_xticks([0, 1], ["P50", "P99"])
             ax.set_ylabel(f"{key[:-2].upper()} (ms)")
             ax.set_title(f"{name}: measured against simulated", fontsize=9)

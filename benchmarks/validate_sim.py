@@ -1,12 +1,17 @@
 """Validation: a real P/D group (one prefill and one decode instance behind the real gateway)
 against the simulator fitted to those instances.
 
-1. Measure the instances' service times over HTTP: prefill as the latency of one-token
-   completions of several prompt lengths (one at a time), decode as the interval between
-   streamed tokens of ``batch`` requests running together at two prompt lengths, and the
-   handoff through the gateway: how long after its first token a request, alone, joins
-   the decode batch (its second token's gap less one decode step of its own).
-2. Fit ``LatencyModel.fit`` to those points, and ``fit_handoff`` to the handoff's.
+1. Measure the instances' service times over HTTP, on the replay's path (through the
+   gateway): prefill as the TTFT of streamed answers of several prompt lengths (one at a
+   time; one-token completions straight at the prefill instance kept beside), decode as
+   the interval between streamed tokens of ``batch`` requests running together at two
+   prompt lengths, and the handoff: how long after its first token a request, alone,
+   joins the decode batch (its second token's gap less one decode step of its own); and how the
+   two instances slow each other where they share the host's cores (``measure_sharing``:
+   decode steps with and without prompts running on the prefill instance, prompts with
+   and without a decode running).
+2. Fit ``LatencyModel.fit`` to those points, ``fit_handoff`` to the handoff's and
+   ``SharedCores.from_probe`` to the probe's (on GPUs of their own: factors near 1).
 3. Replay one request list (Poisson arrivals, random prompt and answer lengths, answers
    of exactly their length) through the gateway, streamed, and through ``GroupSim`` with
    the fitted model; report measured and simulated TTFT and TPOT percentiles side by side,
@@ -19,7 +24,7 @@ how busy the prefill side was). On GPUs, e.g.::
     python benchmarks/validate_sim.py --model codellama-34b \\
         --serve-args "--device cuda --dtype bfloat16" --prompt-lens 1024,4096,8192,16384 \\
         --decode-batches 1,16,64 --decode-contexts 1024,8192 --rate 0.5 --requests 300 \\
-        --out benchmarks/results/validation_h200_codellama34b.json
+        --step-floor-ms 15 --out benchmarks/results/validation_h200_codellama34b.json
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
-from pdserve.sim.cluster import GroupSim, LatencyModel, ServiceNoise, SimRequest  # noqa: E402
+from pdserve.sim.cluster import (  # noqa: E402
+    GroupSim,
+    LatencyModel,
+    ServiceNoise,
+    SharedCores,
+    SimRequest,
+)
 from pdserve.testing import ServeProcess, free_port, start_serve  # noqa: E402
 
 VOCAB = 250  # token ids below the tiny model's special tokens
@@ -55,17 +67,21 @@ def prompt(rng: np.random.Generator, tokens: int) -> list[int]:
     return rng.integers(0, VOCAB, tokens).tolist()
 
 
-async def token_clock(session, url: str, body: dict) -> list[float]:
+async def token_clock(session, url: str, body: dict,
+                      on_first: Callable[[], None] | None = None) -> list[float]:
     """``time.monotonic()`` at the arrival of every generated token. A chunk may carry
     several tokens (a model's random ids held back as incomplete UTF-8 until they decode),
-    so tokens are counted by the chunk's ``logprobs`` and each takes its chunk's time."""
-    times = []
+    so tokens are counted by the chunk's ``logprobs`` and each takes its chunk's time.
+    ``on_first`` is called as the first token arrives."""
+    times: list[float] = []
     async with session.post(url, json={**body, "stream": True, "logprobs": 0}) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
         async for line in resp.content:
             if line.startswith(b"data: {"):
                 count = tokens_in_chunk(json.loads(line[len(b"data: "):]))
+                if count and not times and on_first is not None:
+                    on_first()
                 times += [time.monotonic()] * count
     return times
 
@@ -95,26 +111,55 @@ async def measure_prefill(session, url: str, args, rng) -> tuple[list[dict], lis
 
 
 async def measure_decode(session, url: str, args, rng) -> tuple[list[dict], list[float]]:
-    """Median step per batch and context, and every timed step over its point's median.
-    Only steps while the whole batch decodes count: the prompts of a batch prefill one
-    after another (under chunked prefill a step then carries prompt pieces too), so the
-    window starts at the batch's last first token and ends at its first last token; each
-    request runs ``--decode-steps`` tokens past the longest such prefill phase. A step is
+    """``measure_decode_streams`` straight at an instance, the ratios in one list."""
+    points, streams = await measure_decode_streams(session, url, args, rng)
+    return points, np.concatenate(streams).tolist()
+
+
+async def measure_decode_streams(session, url: str, args, rng,
+                                 prefill_s: Callable[[int], float] | None = None,
+                                 ) -> tuple[list[dict], list[np.ndarray]]:
+    """Median step per batch and context (each request's prompt and the tokens it had at
+    the window's middle), and every timed step over its point's median, per stream in
+    order. Only steps while the whole batch decodes count: the prompts of a batch prefill
+    one after another (under chunked prefill a step then carries prompt pieces too), so
+    the window starts at the batch's last first token and ends at its first last token;
+    each request runs ``--decode-steps`` tokens past the longest such prefill phase - with
+    ``prefill_s`` (prompts sent through the gateway prefill one after another on the
+    prefill instance) that of the batch's prompts at the step of a batch of 1 at that
+    context (a larger batch steps no faster; ``--step-floor-ms`` where none was timed
+    before): a floor far below the steps ran the first requests on to contexts the replay
+    never reaches (twice the prompt, where the tiny model's steps on CPU grew sevenfold). A step is
     timed over ``STEP_WINDOW`` tokens: a client that reads several chunks at once
     (descheduled a moment) would otherwise time single steps near zero beside one long one."""
-    points, ratios = [], []
+    points: list[dict] = []
+    ratio_streams: list[np.ndarray] = []
     for context in args.decode_contexts:
-        for batch in args.decode_batches:
+        floor_s: float | None = None  # the step of a batch of 1 at this context, once timed
+        for batch in sorted(args.decode_batches):
+            bound = prefill_steps_bound(batch, context)
+            if prefill_s is not None and batch > 1:
+                floor = floor_s if floor_s is not None else args.step_floor_ms / 1e3
+                bound += int(batch * prefill_s(context) / floor) + 1
             body = {"model": args.model, "ignore_eos": True,
-                    "max_tokens": args.decode_steps + prefill_steps_bound(batch, context)}
+                    "max_tokens": args.decode_steps + bound}
             runs = await asyncio.gather(*(token_clock(session, url, {
                 **body, "prompt": prompt(rng, context)}) for _ in range(batch)))
-            timed = steady_steps(runs, batch, context, args.decode_steps)
-            median = float(np.median(timed))
-            points.append({"batch": batch, "context": context + args.decode_steps // 2,
+            streams = steady_windows(runs, batch, context, args.decode_steps)
+            median = float(np.median(np.concatenate(streams)))
+            if batch == 1:
+                floor_s = median
+            points.append({"batch": batch, "context": context + tokens_at_middle(runs),
                            "step_ms": median * 1e3})
-            ratios += (timed / median).tolist()
-    return points, ratios
+            ratio_streams += [w / median for w in streams]
+    return points, ratio_streams
+
+
+def tokens_at_middle(runs: list[list[float]]) -> int:
+    """The tokens each request of a batch had generated, on average, at the middle of the
+    window where the whole batch decodes."""
+    middle = (max(t[0] for t in runs) + min(t[-1] for t in runs)) / 2
+    return round(float(np.mean([np.searchsorted(t, middle, side="right") for t in runs])))
 
 
 def prefill_steps_bound(batch: int, context: int) -> int:
@@ -125,13 +170,31 @@ def prefill_steps_bound(batch: int, context: int) -> int:
 
 def steady_steps(runs: list[list[float]], batch: int, context: int, wanted: int) -> np.ndarray:
     """Step times (seconds) of the window where every request of the batch decodes."""
+    return np.concatenate(steady_windows(runs, batch, context, wanted))
+
+
+def steady_windows(runs: list[list[float]], batch: int, context: int,
+                   wanted: int) -> list[np.ndarray]:
+    """``steady_steps`` per request, in order: consecutive step times of one stream."""
     start, end = max(t[0] for t in runs), min(t[-1] for t in runs)
     windows = [np.diff(inside[::STEP_WINDOW]) / STEP_WINDOW
                for t in runs if len(inside := [x for x in t if start <= x <= end]) > STEP_WINDOW]
     if sum(len(w) for w in windows) * STEP_WINDOW < wanted // 2:
         raise RuntimeError(f"decode batch {batch} x {context} tokens: the batch decoded "
                            f"together for under {wanted // 2} steps; raise --decode-steps")
-    return np.concatenate(windows)
+    return windows
+
+
+def lag_correlation(streams: list[np.ndarray], lag: int = 1) -> float | None:
+    """Correlation of a step time (an ``STEP_WINDOW``-step mean) with the one ``lag`` later
+    in the same stream, each over its stream's point's median: how long the host's slow
+    stretches last. None with too few pairs to say."""
+    pairs = [(w[:-lag], w[lag:]) for w in streams if len(w) > lag]
+    if sum(len(a) for a, _ in pairs) < 3:
+        return None
+    first = np.concatenate([a for a, _ in pairs])
+    later = np.concatenate([b for _, b in pairs])
+    return float(np.corrcoef(first, later)[0, 1])
 
 
 def workload(args, rng) -> list[SimRequest]:
@@ -157,30 +220,161 @@ async def replay(session, url: str, requests: list[SimRequest], args, rng) -> li
     return await asyncio.gather(*(one(r) for r in requests))
 
 
-async def measure_handoff(session, url: str, args, rng) -> tuple[list[dict], list[float]]:
+async def measure_handoff(session, url: str, args, rng) -> dict:
     """Through the gateway, one request at a time: how long after its first token (the
     prefill's, relayed at once) a request joins the decode batch - the gap to its second
     token's chunk less the decode steps that chunk carries (each the median of the
-    request's later gaps). Median per prompt length, and every sample (seconds: a median
-    near zero leaves no ratio to speak of)."""
-    points, samples = [], []
+    request's later gaps) - and its TTFT (the replay's path: the gateway's hop, the
+    prefill, the first token relayed). Median per prompt length, every handoff sample
+    (seconds: a median near zero leaves no ratio to speak of) and every TTFT over its
+    length's median."""
+    handoff: dict[str, list] = {"points": [], "samples": [], "ttft_points": [], "ttft_ratios": []}
     body = {"model": args.model, "ignore_eos": True, "max_tokens": 2 + 2 * STEP_WINDOW}
     for tokens in args.prompt_lens:
-        seconds: list[float] = []
-        for _ in range(4 * args.repeats):
-            times = await token_clock(session, url, {**body, "prompt": prompt(rng, tokens)})
-            sample = handoff_sample(times)
-            if sample is not None:
-                seconds.append(sample)
-            if len(seconds) == args.repeats:
-                break
-        else:
-            raise RuntimeError(f"{tokens}-token prompts: the first token came alone in "
-                               f"{len(seconds)} of {4 * args.repeats} answers")
-        median = float(np.median(seconds))
-        points.append({"tokens": tokens, "seconds": median})
-        samples += seconds
-    return points, samples
+        seconds, ttfts = await handoffs_of_length(session, url, body, tokens, args, rng)
+        handoff["points"].append({"tokens": tokens, "seconds": float(np.median(seconds))})
+        handoff["samples"] += seconds
+        median = float(np.median(ttfts))
+        handoff["ttft_points"].append({"tokens": tokens, "seconds": median})
+        handoff["ttft_ratios"] += [x / median for x in ttfts]
+    return handoff
+
+
+async def handoffs_of_length(session, url: str, body: dict, tokens: int, args,
+                             rng) -> tuple[list[float], list[float]]:
+    """``--repeats`` answers whose first token came alone in its chunk (the others leave
+    no time of their own): their handoffs and TTFTs."""
+    seconds: list[float] = []
+    ttfts: list[float] = []
+    for _ in range(4 * args.repeats):
+        sent = time.monotonic()
+        times = await token_clock(session, url, {**body, "prompt": prompt(rng, tokens)})
+        sample = handoff_sample(times)
+        if sample is not None:
+            seconds.append(sample)
+            ttfts.append(times[0] - sent)
+        if len(seconds) == args.repeats:
+            return seconds, ttfts
+    raise RuntimeError(f"{tokens}-token prompts: the first token came alone in "
+                       f"{len(seconds)} of {4 * args.repeats} answers")
+
+
+async def measure_sharing(session, prefill_url: str, url: str, args, rng) -> dict:
+    """How the two instances slow each other on the host's shared cores. Rounds in the
+    order alone, beside, beside, alone (``--sharing-cycles`` times: drift of the host over
+    the probe weighs both sides alike). Each round streams one answer through the gateway
+    (the replay's path) at the replay's mean prompt length; in a round beside, prompts of
+    the replay's lengths go to the prefill instance back to back from the answer's first
+    token until its end, in a round alone two prompts of each length follow the answer.
+    Decode: the answer's steps (``STEP_WINDOW``-step means, its first gap left out: the
+    handoff) beside the prompts against alone; prefill: each prompt that ran wholly beside
+    the answer over the median of its length alone."""
+    context = int(np.mean(args.prompt_lens))
+    body = {"model": args.model, "ignore_eos": True, "max_tokens": 2 * args.decode_steps}
+    steps: dict[str, list[np.ndarray]] = {"alone": [], "beside": []}
+    prompts: dict[str, list[tuple[int, float]]] = {"alone": [], "beside": []}
+    for _ in range(args.sharing_cycles):
+        for side in ("alone", "beside", "beside", "alone"):
+            answer = {**body, "prompt": prompt(rng, context)}
+            if side == "alone":
+                steps[side].append(sharing_steps(await token_clock(session, url, answer), None))
+                prompts[side] += await timed_prompts(session, prefill_url, args, rng)
+            else:
+                times, spans = await answer_beside_prompts(session, url, answer,
+                                                           prefill_url, args, rng)
+                steps[side].append(sharing_steps(times, (spans[0][1], spans[-1][2])))
+                prompts[side] += [(n, end - sent) for n, sent, end in spans
+                                  if times[1] <= sent and end <= times[-1]]
+    return sharing_summary(steps, prompts, context + args.decode_steps)
+
+
+async def timed_prompts(session, prefill_url: str, args, rng) -> list[tuple[int, float]]:
+    """Two one-token completions of each prompt length, one at a time: (tokens, seconds)."""
+    timed = []
+    for tokens in args.prompt_lens * 2:
+        _, sent, end = await timed_prompt(session, prefill_url, args, tokens, rng)
+        timed.append((tokens, end - sent))
+    return timed
+
+
+async def timed_prompt(session, prefill_url: str, args, tokens: int,
+                       rng) -> tuple[int, float, float]:
+    body = {"model": args.model, "prompt": prompt(rng, tokens), "max_tokens": 1}
+    sent = time.monotonic()
+    async with session.post(prefill_url, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{prefill_url}: {resp.status} {await resp.text()}")
+        await resp.read()
+    return tokens, sent, time.monotonic()
+
+
+async def answer_beside_prompts(session, url: str, answer: dict, prefill_url: str, args,
+                                rng) -> tuple[list[float], list[tuple[int, float, float]]]:
+    """The answer's token times, and (tokens, sent, done) of every prompt sent beside it:
+    back to back from its first token until it ends."""
+    first_token, ended = asyncio.Event(), asyncio.Event()
+    spans: list[tuple[int, float, float]] = []
+
+    async def prompts_until_the_end() -> None:
+        await first_token.wait()
+        while not ended.is_set():
+            tokens = int(rng.choice(args.prompt_lens))
+            spans.append(await timed_prompt(session, prefill_url, args, tokens, rng))
+
+    async def answer_stream() -> list[float]:
+        times = await token_clock(session, url, answer, on_first=first_token.set)
+        ended.set()
+        return times
+
+    times, _ = await asyncio.gather(answer_stream(), prompts_until_the_end())
+    if not spans:
+        raise RuntimeError("sharing probe: no prompt was sent beside the answer")
+    return times, spans
+
+
+def sharing_steps(times: list[float], inside: tuple[float, float] | None) -> np.ndarray:
+    """An answer's ``STEP_WINDOW``-step means (seconds) after its first gap, those wholly
+    within ``inside`` (start, end) where given."""
+    marks = times[1::STEP_WINDOW]
+    return np.array([(b - a) / STEP_WINDOW for a, b in zip(marks, marks[1:], strict=False)
+                     if inside is None or (inside[0] <= a and b <= inside[1])])
+
+
+def first_over_later(answers: list[np.ndarray]) -> float | None:
+    """Median first step mean of the answers over the median of their later ones."""
+    answers = [w for w in answers if len(w) > 1]
+    if not answers:
+        return None
+    later = np.concatenate([w[1:] for w in answers])
+    return float(np.median([w[0] for w in answers]) / np.median(later))
+
+
+def sharing_summary(steps: dict[str, list[np.ndarray]],
+                    prompts: dict[str, list[tuple[int, float]]], context: int) -> dict:
+    """The probe's figures (``SharedCores.from_probe`` reads its medians), and how the
+    alone answers' step means (through the gateway, as the replay's) spread and hold."""
+    alone = np.concatenate(steps["alone"])
+    by_length: dict[int, list[float]] = {}
+    for tokens, seconds in prompts["alone"]:
+        by_length.setdefault(tokens, []).append(seconds)
+    medians = {n: float(np.median(v)) for n, v in by_length.items()}
+    beside = [seconds / medians[n] for n, seconds in prompts["beside"]]
+    if not len(alone) or not sum(map(len, steps["beside"])) or not beside:
+        raise RuntimeError("sharing probe: no decode step or no prompt timed beside the "
+                           "other side; raise --decode-steps")
+    return {"context": context,
+            "decode_step_ms_alone": ms_percentiles(alone.tolist()),
+            "decode_step_ms_beside_prefill": ms_percentiles(
+                np.concatenate(steps["beside"]).tolist()),
+            # the answer's first 8 steps after it joined against its later ones
+            "alone_first_steps_over_later": first_over_later(steps["alone"]),
+            "alone_step_lag_correlation": {
+                f"{lag * STEP_WINDOW}_steps": lag_correlation(steps["alone"], lag)
+                for lag in (1, 2, 4)},
+            "prefill_ms_alone": {str(n): m * 1e3 for n, m in sorted(medians.items())},
+            "prefill_beside_decode_over_alone": {
+                "samples": len(beside), **{f"p{q}": float(np.percentile(beside, q))
+                                           for q in (10, 50, 90)}}}
 
 
 def handoff_sample(times: list[float]) -> float | None:
@@ -244,9 +438,9 @@ def percentiles(rows: list[dict], key: str) -> dict:
 
 
 def simulate(model: LatencyModel, requests: list[SimRequest], args,
-             noise: ServiceNoise | None = None) -> list[dict]:
+             noise: ServiceNoise | None = None, cores: SharedCores | None = None) -> list[dict]:
     sim = GroupSim(model, 1, 1, ttft_slo_s=args.ttft_slo_s, max_wait_s=args.max_wait_s,
-                   noise=noise)
+                   noise=noise, shared_cores=cores)
     fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
     return [{"ttft_s": r.first_token - r.arrival,
              "tpot_s": (r.finished - r.first_token) / (r.output_len - 1)}
@@ -259,36 +453,83 @@ async def run(args) -> dict:
     from pdserve.cluster.app import stop_gateway
 
     load_average = {"start": os.getloadavg()[0]}
+    cpu_marks = [cpu_times()]
     prefill, decode = start_instance(args), start_instance(args)
     rng = np.random.default_rng(args.seed)
     try:
         async with ClientSession(timeout=ClientTimeout(total=None)) as session:
             gateway, url = await start_group(session, prefill, decode, args)
             try:
+                cpu_marks.append(cpu_times())
                 calibrated = await calibrate(session, prefill, decode, url, args, rng)
                 requests = workload(args, rng)
                 load_average["calibrated"] = os.getloadavg()[0]
+                cpu_marks.append(cpu_times())
                 measured = await replay(session, url, requests, args, rng)
+                cpu_marks.append(cpu_times())
             finally:
                 await stop_gateway(*gateway)
     finally:
         for server in (prefill, decode):
             server.stop()
     load_average["replayed"] = os.getloadavg()[0]
+    host_cpu = {"calibration": cpu_shares(cpu_marks[1], cpu_marks[2]),
+                "replay": cpu_shares(cpu_marks[2], cpu_marks[3])}
     model, ratios = calibrated.pop("model"), calibrated.pop("ratios")
-    without = dataclasses.replace(model, handoff_base_s=0.0, handoff_per_token_s=0.0)
-    simulated = {"simulated": simulate(model, requests, args, noise(ratios, args)),
-                 "simulated_medians_only": simulate(model, requests, args),
-                 "simulated_without_handoff": simulate(without, requests, args,
-                                                       noise(ratios, args))}
+    cores = calibrated.pop("shared_cores")
+    hold = calibrated["decode_hold_probability"]
     prefill_busy = sum(model.prefill_s(r.input_len) for r in requests) / requests[-1].arrival
     return {**calibrated, "service_spread": {k: spread(v) for k, v in ratios.items()},
-            "latency_model": dataclasses.asdict(model), "prefill_utilisation": prefill_busy,
+            "service_ratios": ratios,  # what the simulations drew from: re-simulable
+            "latency_model": dataclasses.asdict(model),
+            "shared_cores": dataclasses.asdict(cores), "prefill_utilisation": prefill_busy,
             "host_load_average_1min": load_average,  # other work on the cores skews both
+            "host_cpu": host_cpu,
             "measured_decode_timing": decode_timing(measured),
             # every request's token arrivals (s from the replay's start): re-analysable
             "measured_token_times_s": [[round(t, 5) for t in r["times"]] for r in measured],
-            "compare": compare(measured, simulated)}
+            # the request list (arrival s, prompt and answer tokens): re-simulable
+            "requests": [[r.arrival, r.input_len, r.output_len] for r in requests],
+            "compare": compare(measured,
+                               simulations(model, cores, ratios, hold, requests, args))}
+
+
+def simulations(model: LatencyModel, cores: SharedCores, ratios: dict[str, list[float]],
+                hold: float, requests: list[SimRequest], args) -> dict[str, list[dict]]:
+    """The fitted group with the measured spread, and each without one of its parts. With
+    the spread, the requests' results of ``--draws`` draws pooled: one draw's P99 of 100
+    requests moved by up to 20% from seed to seed."""
+    without = dataclasses.replace(model, handoff_base_s=0.0, handoff_per_token_s=0.0)
+
+    def drawn(model: LatencyModel, hold: float, cores: SharedCores | None) -> list[dict]:
+        return [row for draw in range(args.draws) for row in simulate(
+            model, requests, args, noise(ratios, args, hold, args.seed + draw), cores)]
+
+    return {"simulated": drawn(model, hold, cores),
+            "simulated_medians_only": simulate(model, requests, args, cores=cores),
+            "simulated_without_handoff": drawn(without, hold, cores),
+            "simulated_without_shared_cores": drawn(model, hold, None),
+            "simulated_without_held_stretches": drawn(model, 0.0, cores)}
+
+
+def cpu_times() -> list[int] | None:
+    """The host's CPU time so far (``/proc/stat``'s ``cpu`` line, in ticks); None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+
+
+def cpu_shares(before: list[int] | None, after: list[int] | None) -> dict:
+    """Over a stretch: the share of the host's CPU time busy (anything but idle and I/O
+    wait) and stolen by the hypervisor (other machines on the same cores)."""
+    if before is None or after is None:
+        return {}
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    total = sum(spent[:8]) or 1  # user .. steal; guest time is counted within user
+    idle = spent[3] + spent[4]
+    return {"busy": (total - idle) / total, "steal": spent[7] / total}
 
 
 async def start_group(session, prefill: ServeProcess, decode: ServeProcess, args):
@@ -311,29 +552,59 @@ async def start_group(session, prefill: ServeProcess, decode: ServeProcess, args
 
 async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: str, args,
                     rng) -> dict:
-    """Service times over HTTP, the model fitted to them, and each one's spread."""
-    prefill_points, prefill_ratios = await measure_prefill(
-        session, prefill.url + "/v1/completions", args, rng)
-    decode_points, decode_ratios = await measure_decode(
-        session, decode.url + "/v1/completions", args, rng)
+    """Service times over HTTP, the model fitted to them, and each one's spread. The model
+    is fitted to what the replay's path gives (through the gateway, as the replay sends its
+    requests): prefill to the TTFTs of the handoff's answers, decode to steps of answers
+    streamed through the gateway (a gateway relaying the tokens on the same cores slows
+    them); prompts timed straight at the prefill instance are kept beside."""
+    direct_points, _ = await measure_prefill(session, prefill.url + "/v1/completions", args,
+                                             rng)
+    lengths = [p["tokens"] for p in direct_points]
+    seconds = [p["seconds"] for p in direct_points]
+    decode_points, decode_ratios = await measure_decode_streams(
+        session, url, args, rng, lambda tokens: float(np.interp(tokens, lengths, seconds)))
+    # Prompts of its own: the replay's request list stays the one earlier runs drew.
+    handoff = await measure_handoff(session, url, args, np.random.default_rng(args.seed + 1))
+    prefill_points, handoff_points = handoff["ttft_points"], handoff["points"]
     model = LatencyModel.fit(prefill_points, decode_points, kv_bytes_per_token(args.model),
                              link_gb_per_s=args.link_gb_per_s,
                              decode_kv_tokens=args.decode_kv_tokens)
-    # Prompts of its own: the replay's request list stays the one earlier runs drew.
-    handoff_points, handoff_samples = await measure_handoff(
-        session, url, args, np.random.default_rng(args.seed + 1))
+    sharing = await measure_sharing(session, prefill.url + "/v1/completions", url, args,
+                                    np.random.default_rng(args.seed + 2))
+    # The fitted step at the probe's context, against the probe's alone steps.
+    sharing["fitted_step_ms"] = model.decode_step_s(1, sharing["context"]) * 1e3
     return {"service_points": {"prefill": prefill_points, "decode": decode_points,
-                               "handoff": handoff_points},
-            "handoff_samples_ms": ms_percentiles(handoff_samples),
+                               "handoff": handoff_points, "prefill_direct": direct_points},
+            "handoff_samples_ms": ms_percentiles(handoff["samples"]),
+            "shared_cores_probe": sharing,
+            "decode_step_lag_correlation": {
+                f"{lag * STEP_WINDOW}_steps": lag_correlation(decode_ratios, lag)
+                for lag in (1, 2, 4)},
             "model": model.fit_handoff(handoff_points),
-            "ratios": {"prefill": prefill_ratios, "decode_step": decode_ratios}}
+            "shared_cores": SharedCores.from_probe(sharing),
+            "decode_hold_probability": held_stretches(sharing),
+            "ratios": {"prefill": handoff["ttft_ratios"],
+                       "decode_step": np.concatenate(decode_ratios).tolist()}}
 
 
-def noise(ratios: dict[str, list[float]], args) -> ServiceNoise:
+def noise(ratios: dict[str, list[float]], args, hold: float = 0.0,
+          seed: int | None = None) -> ServiceNoise:
     """The measured spread, drawn afresh from the seed (each simulation its own). A decode
-    ratio is the mean of ``STEP_WINDOW`` steps (``measure_decode``), so each holds as many."""
-    return ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed,
-                        steps_per_ratio=STEP_WINDOW)
+    ratio is the mean of ``STEP_WINDOW`` steps (``measure_decode``), so each holds as many;
+    and the next block keeps it with probability ``hold`` (slow stretches that outlast a
+    block: ``held_stretches``)."""
+    return ServiceNoise(ratios["prefill"], ratios["decode_step"],
+                        seed=args.seed if seed is None else seed,
+                        steps_per_ratio=STEP_WINDOW, hold_probability=hold)
+
+
+def held_stretches(probe: dict) -> float:
+    """How often a block of steps keeps the previous block's ratio: the correlation of
+    consecutive ``STEP_WINDOW``-step means of the probe's alone answers (the longest
+    streams of the calibration, through the gateway as the replay's), none where they
+    do not correlate or no figure came."""
+    correlation = probe["alone_step_lag_correlation"][f"{STEP_WINDOW}_steps"]
+    return min(max(correlation or 0.0, 0.0), 0.99)
 
 
 def spread(ratios: list[float]) -> dict:
@@ -361,6 +632,25 @@ def compare_percentiles(measured: dict[str, dict], simulated: dict[str, list[dic
     return table
 
 
+def summarize_runs(paths: list[str]) -> dict:
+    """Several runs' results side by side, and per metric, simulation and percentile the
+    spread of the simulation's error over the runs (smallest, largest)."""
+    runs = {}
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        runs[Path(path).stem] = {key: run[key] for key in (
+            "git_revision", "created", "host_load_average_1min", "host_cpu", "shared_cores",
+            "compare") if key in run}
+    spread: dict[str, dict] = {}
+    for key in ("ttft_s", "tpot_s"):
+        sides = [k[:-len("_error")] for k in next(iter(runs.values()))["compare"][key]
+                 if k.endswith("_error")]
+        spread[key] = {side: {q: [min(e), max(e)] for q in ("p50", "p99") if (e := [
+            r["compare"][key][side + "_error"][q] for r in runs.values()])} for side in sides}
+    return {"kind": "validation", "runs": runs, "error_spread": spread}
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
@@ -376,8 +666,15 @@ def main() -> int:
                         "overstated the small ones.")
     parser.add_argument("--decode-contexts", type=ints, default=[64, 1024])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--step-floor-ms", type=float, default=1.0,
+                        help="No decode step is faster (bounds how long a batch's prompts, "
+                        "prefilled one after another, keep it from decoding together).")
     parser.add_argument("--decode-steps", type=int, default=128,
                         help="Tokens per calibration stream (the first and last 8 untimed).")
+    parser.add_argument("--sharing-cycles", type=int, default=3,
+                        help="Rounds alone, beside, beside, alone of the shared-cores probe.")
+    parser.add_argument("--draws", type=int, default=10,
+                        help="Draws of the measured spread per simulation, pooled.")
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--rate", type=float, default=0.5, help="Requests a second.")
     parser.add_argument("--min-output", type=int, default=16)
@@ -389,7 +686,13 @@ def main() -> int:
     parser.add_argument("--decode-kv-tokens", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
+    parser.add_argument("--summarize", nargs="+", metavar="RESULT",
+                        help="Write runs' results side by side to --out instead of a run.")
     args = parser.parse_args()
+    if args.summarize:
+        write_json({**result_header({"summarize": args.summarize}),
+                    **summarize_runs(args.summarize)}, args.out)
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # instances: one core each, not all
     result = asyncio.run(run(args))
     config = {k: v for k, v in vars(args).items() if k != "out"}

@@ -317,6 +317,66 @@ class Multiplexing:
         return cls(decode, prefill)
 
 
+@dataclass(frozen=True)
+class SharedCores:
+    """How the P/D instances of one group slow each other where they share a host's cores
+    (the CPU validation: both instances, the gateway and the client on two cores): a decode
+    step takes ``decode_slowdown`` times its time while a prefill instance of the group is
+    busy, and a prompt ``prefill_slowdown`` times its time when a decode batch of the group
+    runs as it starts. Fitted from a probe that times each side with and without the other
+    working (``benchmarks/validate_sim.py``), never from a replay. Instances on devices of
+    their own (the fleet) share nothing: ``GroupSim``'s default is None."""
+
+    decode_slowdown: float = 1.0
+    prefill_slowdown: float = 1.0
+
+    @classmethod
+    def from_probe(cls, probe: dict) -> SharedCores:
+        """From a probe's medians (``validate_sim.measure_sharing``'s result): decode steps
+        beside prompts over alone, and prompts beside a decode batch over alone."""
+        beside, alone = probe["decode_step_ms_beside_prefill"], probe["decode_step_ms_alone"]
+        return cls(decode_slowdown=beside["p50"] / alone["p50"],
+                   prefill_slowdown=probe["prefill_beside_decode_over_alone"]["p50"])
+
+
+class _CoreSharing:
+    """A group's instances on shared cores: which prefill instances are busy and which
+    decode instances run a batch. A decode instance starts a stretch at its next step
+    boundary when the first prefill instance gets busy or the last one goes idle."""
+
+    def __init__(self, factors: SharedCores, decodes: list[DecodeSim]) -> None:
+        self.factors = factors
+        self.decodes = decodes
+        self.busy_prefills: set[str] = set()
+        self.running_decodes: set[str] = set()
+
+    def prefill_starts(self, name: str, service_s: float) -> float:
+        """A prompt of ``service_s`` alone starts: its time beside the decode batches."""
+        if name not in self.busy_prefills:
+            self.busy_prefills.add(name)
+            if len(self.busy_prefills) == 1:
+                self._resync_decodes()
+        if self.running_decodes:
+            return service_s * self.factors.prefill_slowdown
+        return service_s
+
+    def prefill_idle(self, name: str) -> None:
+        self.busy_prefills.discard(name)
+        if not self.busy_prefills:
+            self._resync_decodes()
+
+    def decode_running(self, name: str, running: bool) -> None:
+        (self.running_decodes.add if running else self.running_decodes.discard)(name)
+
+    def slowdown(self) -> float:
+        """A decode stretch starting now: its steps' factor."""
+        return self.factors.decode_slowdown if self.busy_prefills else 1.0
+
+    def _resync_decodes(self) -> None:
+        for decode in self.decodes:
+            decode.cores_changed()
+
+
 class ServiceNoise:
     """The measured spread of service times, as ratios of each measured time to the median
     of its own point (prefill: one prompt length; decode: one batch and context). A prompt
@@ -327,16 +387,23 @@ class ServiceNoise:
     can then replay its steps). With ``steps_per_ratio`` above 1, each drawn ratio holds
     for that many steps in a row: where each measured ratio is the mean of as many steps
     (a slow stretch of the host slows them all), drawing one per step would average the
-    spread away over an answer."""
+    spread away over an answer. With ``hold_probability`` above 0, each block of steps keeps
+    the previous block's ratio with that probability (drawn afresh otherwise): slow
+    stretches of the host that outlast a block, consecutive blocks' ratios correlating by
+    that much (the correlation of consecutive measured block means)."""
 
     def __init__(self, prefill_ratios: list[float], decode_ratios: list[float],
                  seed: int = 0, steps: int = 1 << 20, first_step: int | None = None,
-                 steps_per_ratio: int = 1) -> None:
+                 steps_per_ratio: int = 1, hold_probability: float = 0.0) -> None:
         self._first_step = first_step
         self._rng = np.random.default_rng(seed)
         self._prefill = np.asarray(prefill_ratios, dtype=float)
-        factors = self._rng.choice(np.asarray(decode_ratios, dtype=float),
-                                   -(-steps // steps_per_ratio))
+        blocks = -(-steps // steps_per_ratio)
+        factors = self._rng.choice(np.asarray(decode_ratios, dtype=float), blocks)
+        if hold_probability > 0.0:
+            fresh = self._rng.random(blocks) >= hold_probability
+            fresh[0] = True
+            factors = factors[np.maximum.accumulate(np.where(fresh, np.arange(blocks), 0))]
         if steps_per_ratio > 1:
             factors = np.repeat(factors, steps_per_ratio)[:steps]
         self._sum = np.concatenate(([0.0], np.cumsum(factors)))
@@ -595,6 +662,7 @@ class PrefillSim:
         self.multiplexing: Multiplexing | None = None
         self.noise: ServiceNoise | None = None
         self.tokens = 0  # the prompt prefilling now, or last (multiplexing only)
+        self.cores: _CoreSharing | None = None  # shares a host's cores with the group
 
     def idle(self) -> bool:
         return not (self.busy or self.queue)
@@ -616,6 +684,8 @@ class PrefillSim:
                     service, partner.step_alone_s(), len(partner.running), partner.context(),
                     tokens)
             partner.resync()
+        if self.cores is not None:
+            service = self.cores.prefill_starts(self.name, service)
         self.loop.at(self.loop.now + service, self._finish, job)
 
     def _finish(self, job: tuple[SimRequest, float]) -> None:
@@ -629,6 +699,8 @@ class PrefillSim:
             self._start_next()
         elif self.partner is not None:
             self.partner.resync()
+        if self.cores is not None and not self.busy:
+            self.cores.prefill_idle(self.name)
         self.on_done(self, request)
 
 
@@ -663,6 +735,8 @@ class DecodeSim:
         self._a = self._b = 0.0  # step k of the current stretch takes _a + _b*k seconds
         self.noise: ServiceNoise | None = None
         self._noise_at = 0  # the busy period's step 0 in the noise's drawn sequence
+        self.cores: _CoreSharing | None = None  # shares a host's cores with the group
+        self._slowdown = 1.0  # the current stretch's factor from the group's shared cores
 
     def idle(self) -> bool:
         return not (self.running or self.waiting)
@@ -675,6 +749,8 @@ class DecodeSim:
             self._begin_stretch(0)
             self._admit()
             self._schedule(self.running[0][0] if self.running else None)
+            if self.cores is not None and self.running:
+                self.cores.decode_running(self.name, True)
         elif len(self.waiting) == 1 and len(self.running) < self.max_batch and (
                 self.kv_in_use + request.input_len + request.output_len
                 <= self.model.decode_kv_tokens):  # it fits (as in ``_admit``; running is not empty)
@@ -737,12 +813,17 @@ class DecodeSim:
             assert self.multiplexing is not None and self.partner is not None  # _beside
             self._a, self._b = self.multiplexing.decode_stretch(self._a, self._b, batch, context,
                                                                 self.partner.tokens)
+        if self._slowdown != 1.0:
+            self._a *= self._slowdown
+            self._b *= self._slowdown
 
     def _begin_stretch(self, step: int) -> None:
         self._step, self._since = step, self.loop.now
         # The multiplexing factors are set with the partner (GroupSim._pair).
         self._beside = (self.partner is not None and self.partner.busy
                         and self.multiplexing is not None)
+        if self.cores is not None:
+            self._slowdown = self.cores.slowdown()
 
     def step_alone_s(self) -> float:
         """The current step's time with nothing beside it."""
@@ -759,6 +840,14 @@ class DecodeSim:
         step boundary."""
         if self.running:
             self._schedule(self._boundary_after(self.loop.now)[0])
+
+    def cores_changed(self) -> None:
+        """A prefill instance of the group got busy or went idle: a new stretch at the
+        next step boundary (at the current stretch's start where that is still ahead: a
+        newcomer joined there, ``_join_at``)."""
+        if self.running:
+            now = self.loop.now
+            self._schedule(self._step if now < self._since else self._boundary_after(now)[0])
 
     def _time_of(self, step: int) -> float:
         a, b = self._a, self._b
@@ -844,6 +933,8 @@ class DecodeSim:
             done.append(request)
         self._admit()
         self._schedule(running[0][0] if running else None)
+        if self.cores is not None and not running:
+            self.cores.decode_running(self.name, False)
         if self.on_finish is not None:
             for request in done:  # after the batch shrank: the callback may find it idle
                 self.on_finish(self, request)
@@ -875,6 +966,7 @@ class GroupSim:
     multiplexing: Multiplexing | None = None  # every instance prefills and decodes itself
     verify_order: bool = False  # check each offer order against the gateway's own
     noise: ServiceNoise | None = None  # measured spread of service times; None: medians
+    shared_cores: SharedCores | None = None  # the instances share a host's cores
 
     def __post_init__(self) -> None:
         if self.dispatch not in DISPATCH:
@@ -893,6 +985,8 @@ class GroupSim:
             decode.noise = self.noise
         if self.multiplexing is not None:
             self._pair(names)
+        if self.shared_cores is not None:
+            self._share_cores(self.shared_cores)
         for gateway in self.gateways:
             for counts in (gateway.load, gateway.decode_load):
                 counts.update(dict.fromkeys(names, 0))
@@ -915,6 +1009,17 @@ class GroupSim:
             prefill.partner, decode.partner = decode, prefill
             prefill.multiplexing = decode.multiplexing = self.multiplexing
             self.roles[name] = "prefill"
+
+    def _share_cores(self, factors: SharedCores) -> None:
+        """Every instance slows the other role's while it works (``SharedCores``)."""
+        if self.multiplexing is not None:
+            raise ValueError("shared cores are between P/D instances, not inside a "
+                             "multiplexing one")
+        sharing = _CoreSharing(factors, list(self.decode.values()))
+        for prefill in self.prefill.values():
+            prefill.cores = sharing
+        for decode in self.decode.values():
+            decode.cores = sharing
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
         gateway = self.gateways[0]

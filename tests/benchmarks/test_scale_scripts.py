@@ -67,8 +67,17 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     result = _run("validate_sim.py", "--requests", "6", "--repeats", "1", "--rate", "2",
                   "--prompt-lens", "32,64", "--decode-batches", "1,2",
                   "--decode-contexts", "32", "--min-output", "12", "--max-output", "20",
-                  out=tmp_path / "validation.json")
+                  "--sharing-cycles", "1", out=tmp_path / "validation.json")
     assert result["kind"] == "validation"
+    # The shared-cores factors are the probe's medians, as the simulations used them.
+    probe = result["shared_cores_probe"]
+    assert probe["decode_step_ms_alone"]["samples"] > 0
+    assert result["shared_cores"]["decode_slowdown"] == pytest.approx(
+        probe["decode_step_ms_beside_prefill"]["p50"] / probe["decode_step_ms_alone"]["p50"])
+    assert result["shared_cores"]["prefill_slowdown"] == pytest.approx(
+        probe["prefill_beside_decode_over_alone"]["p50"])
+    assert set(result["host_cpu"]) == {"calibration", "replay"}
+    assert 0 <= result["decode_hold_probability"] < 1
     assert len(result["service_points"]["prefill"]) == 2
     assert result["service_spread"]["decode_step"]["samples"] >= 4
     assert [p["tokens"] for p in result["service_points"]["handoff"]] == [32, 64]
@@ -78,7 +87,8 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     for key in ("ttft_s", "tpot_s"):
         row = result["compare"][key]
         for side in ("measured", "simulated", "simulated_medians_only",
-                     "simulated_without_handoff"):
+                     "simulated_without_handoff", "simulated_without_shared_cores",
+                     "simulated_without_held_stretches"):
             assert 0 < row[side]["p50"] <= row[side]["p99"]
         assert row["simulated_error"]["p50"] == pytest.approx(
             row["simulated"]["p50"] / row["measured"]["p50"] - 1)
@@ -281,6 +291,63 @@ def test_decode_timing_sorts_later_steps_by_a_newcomer_joining():
     timing = module.decode_timing([{"times": a, "sent": 0.0}, {"times": b, "sent": 0.15}])
     assert timing["later_step_alone_beside_prefill_ms"]["samples"] == 5
     assert timing["later_step_alone_ms"]["samples"] == 11
+
+
+def test_sharing_probe_sorts_steps_and_prompts_by_what_ran_beside_them():
+    module = _script("validate_sim")
+    window = module.STEP_WINDOW
+    # An answer's first gap (its handoff, 50 ms) left out; then 1 ms steps for two windows
+    # and 2 ms steps for two more: only windows wholly inside (start, end) count.
+    times = [0.0, 0.05] + [0.05 + 0.001 * (i + 1) for i in range(2 * window)]
+    times += [times[-1] + 0.002 * (i + 1) for i in range(2 * window)]
+    assert module.sharing_steps(times, None) == pytest.approx([1e-3, 1e-3, 2e-3, 2e-3])
+    inside = (0.05 + 0.001 * window, times[-1])
+    assert module.sharing_steps(times, inside) == pytest.approx([1e-3, 2e-3, 2e-3])
+    summary = module.sharing_summary(
+        {"alone": [np.array([0.002, 0.002, 0.004])], "beside": [np.array([0.003, 0.003])]},
+        {"alone": [(64, 0.01), (64, 0.03), (512, 0.1)], "beside": [(64, 0.03), (512, 0.15)]},
+        context=300)
+    assert summary["decode_step_ms_alone"]["p50"] == pytest.approx(2.0)
+    assert summary["alone_first_steps_over_later"] == pytest.approx(0.002 / 0.003)
+    assert summary["decode_step_ms_beside_prefill"]["p50"] == pytest.approx(3.0)
+    assert summary["prefill_ms_alone"] == pytest.approx({"64": 20.0, "512": 100.0})
+    # each beside its length's median alone: 1.5 and 1.5
+    assert summary["prefill_beside_decode_over_alone"]["p50"] == pytest.approx(1.5)
+    with pytest.raises(RuntimeError, match="sharing probe"):
+        module.sharing_summary({"alone": [np.array([0.002])], "beside": [np.array([])]},
+                               {"alone": [(64, 0.01)], "beside": [(64, 0.01)]}, context=300)
+
+
+def test_held_stretches_from_the_probe_never_negative_nor_whole():
+    module = _script("validate_sim")
+    held = [module.held_stretches({"alone_step_lag_correlation": {"8_steps": c}})
+            for c in (0.6, -0.3, None, 1.0)]
+    assert held == [0.6, 0.0, 0.0, 0.99]
+
+
+def test_lag_correlation_of_step_means_within_streams():
+    module = _script("validate_sim")
+    slow_then_fast = np.array([1.2, 1.2, 1.2, 0.8, 0.8, 0.8])
+    assert module.lag_correlation([slow_then_fast]) == pytest.approx(2 / 3)
+    alternating = np.array([1.2, 0.8] * 3)
+    assert module.lag_correlation([alternating]) == pytest.approx(-1.0)
+    assert module.lag_correlation([np.array([1.0, 1.1])]) is None  # one pair: nothing to say
+
+
+def test_validation_runs_summarized_with_the_spread_of_each_error(tmp_path):
+    module = _script("validate_sim")
+    paths = []
+    for i, error in enumerate((-0.05, 0.08)):
+        row = {"measured": {"p50": 1.0, "p99": 2.0}, "simulated": {"p50": 1 + error, "p99": 2.0},
+               "simulated_error": {"p50": error, "p99": 0.0}}
+        path = tmp_path / f"run{i}.json"
+        path.write_text(json.dumps({"git_revision": "abc", "host_load_average_1min": {},
+                                    "compare": {"ttft_s": row, "tpot_s": row}}))
+        paths.append(str(path))
+    summary = module.summarize_runs(paths)
+    assert list(summary["runs"]) == ["run0", "run1"]
+    assert summary["error_spread"]["tpot_s"]["simulated"] == {"p50": [-0.05, 0.08],
+                                                               "p99": [0.0, 0.0]}
 
 
 def test_handoff_sample_takes_off_the_steps_its_chunk_carries():
