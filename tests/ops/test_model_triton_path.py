@@ -7,7 +7,6 @@ in summation order); greedy tokens identical.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from kernel_env import interpreted
 
@@ -49,11 +48,12 @@ def test_model_triton_path_matches_reference_path():
 
 
 @interpreted
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])
-def test_decode_gemv_path_matches_reference_path(preset):
+def test_decode_gemv_path_matches_reference_path():
     """Decode steps (2 rows) on the fused GEMV path, the prefill (10 rows) on the usual one:
-    logits as the reference path's, and the GEMV kernel did run (4 launches per layer)."""
-    model, expected = _model_and_reference_logits(preset)
+    logits as the reference path's, and the GEMV kernel did run (4 launches per layer).
+    tiny-qwen2 only: the Llama layout plus the qkv bias the GEMV adds (one preset keeps the
+    interpreter's time down; the GPU tests run the kernels on the real shapes)."""
+    model, expected = _model_and_reference_logits("tiny-qwen2")
     model.decode_gemv = True
     with dispatch.interpreted_triton_ops(), count_launches() as count:
         got = _logits_over_steps(model, steps=3)
