@@ -96,7 +96,10 @@ class EngineLoop:
         self.channels = channels
         self.stopping = False
         self._arrivals: dict[str, float] = {}  # when the engine received it, until a token
-        self._owners: dict[str, int] = {}  # request id -> the channel that added it
+        # request id -> the channel that added it; kept only with several channels (with
+        # one, every answer goes to it and the step path does no bookkeeping).
+        self._routed = len(channels.channels) > 1
+        self._owners: dict[str, int] = {}
         self._request_metrics = RequestMetrics()  # summed over the HTTP processes
         self._stats_dirty = False
         self._last_stats = 0.0
@@ -184,7 +187,8 @@ class EngineLoop:
             self.channels.send(index, RequestRejected(message.request_id, status, text))
             return
         self._arrivals[message.request_id] = arrived
-        self._owners[message.request_id] = index
+        if self._routed:
+            self._owners[message.request_id] = index
 
     def _step(self) -> None:
         self._stats_dirty = True
@@ -203,21 +207,14 @@ class EngineLoop:
 
     def _by_channel(self, updates: list) -> dict[int, list]:
         """One frame per channel per step, with only that channel's requests."""
-        if len(self.channels.channels) == 1:
-            self._forget_finished(updates)
+        if not self._routed:
             return {0: updates}
         out: dict[int, list] = {}
         owners = self._owners
         for update in updates:
-            index = owners.pop(update.request_id, 0) if update.finished else \
-                owners.get(update.request_id, 0)
-            out.setdefault(index, []).append(update)
+            owner = owners.pop if update.finished else owners.get
+            out.setdefault(owner(update.request_id, 0), []).append(update)
         return out
-
-    def _forget_finished(self, updates: list) -> None:
-        for update in updates:
-            if update.finished:
-                self._owners.pop(update.request_id, None)
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()
