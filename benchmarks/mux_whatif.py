@@ -58,7 +58,7 @@ from pdserve.sched.mux_planner import (  # noqa: E402
     PrefillRequest,
 )
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
-from pdserve.sim.cluster import _fit_nonnegative  # noqa: E402
+from pdserve.sim.cluster import fit_nonnegative  # noqa: E402
 
 SPLITS = ((16, 116), (24, 108), (32, 100), (48, 84), (64, 68))
 WAITED_MS = 1e9  # the prompt has waited "forever": the planner may force prefill in
@@ -291,7 +291,7 @@ def share_fit(predictor, runs: dict[str, tuple[list[dict], PlannerSettings]],
     rows = {name: _planned(predictor, entries, settings)
             for name, (entries, settings) in runs.items()}
     fitted = [b for name in train for b in rows[name]]
-    delivered, per_batch = _fit_nonnegative(np.array([[b["planned_s"], 1.0] for b in fitted]),
+    delivered, per_batch = fit_nonnegative(np.array([[b["planned_s"], 1.0] for b in fitted]),
                                             [b["seconds"] for b in fitted])
     scalar = sum(b["seconds"] for b in fitted) / sum(b["planned_s"] for b in fitted)
     return {"delivered_over_planned": delivered, "per_batch_s": per_batch,

@@ -80,7 +80,7 @@ class LatencyModel:
         ``{"tokens", "seconds"}``: the time from the prefill's end until the request joins
         the decode batch, the link's transfer included (it is taken off before the fit)."""
         a = np.array([[1.0, p["tokens"]] for p in points])
-        base, per_token = _fit_nonnegative(
+        base, per_token = fit_nonnegative(
             a, [p["seconds"] - self.transfer_s(p["tokens"]) for p in points])
         return replace(self, handoff_base_s=base, handoff_per_token_s=per_token)
 
@@ -101,15 +101,15 @@ class LatencyModel:
         ``{"tokens", "seconds"}``, decode ``{"batch", "context", "step_ms"}`` (``context``
         per request)."""
         a = np.array([[1.0, p["tokens"], p["tokens"] ** 2] for p in prefill])
-        base, per_token, per_token_sq = _fit_nonnegative(a, [p["seconds"] for p in prefill])
+        base, per_token, per_token_sq = fit_nonnegative(a, [p["seconds"] for p in prefill])
         a = np.array([[1.0, d["batch"], d["batch"] * d["context"]] for d in decode])
-        step_base, per_request, per_kv_token = _fit_nonnegative(
+        step_base, per_request, per_kv_token = fit_nonnegative(
             a, [d["step_ms"] / 1e3 for d in decode])
         return cls(per_token, per_token_sq, step_base, per_request, per_kv_token,
                    kv_bytes_per_token=kv_bytes_per_token, prefill_base_s=base, **options)
 
 
-def _fit_nonnegative(a: np.ndarray, b: list[float]) -> list[float]:
+def fit_nonnegative(a: np.ndarray, b: list[float]) -> list[float]:
     """Least squares; a coefficient that comes out negative (noise: no cost shrinks as the
     work grows) is fixed at zero and the rest refitted."""
     free, coefficients = list(range(a.shape[1])), np.zeros(0)

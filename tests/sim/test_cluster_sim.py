@@ -225,11 +225,11 @@ def test_fit_of_points_that_pull_every_coefficient_negative_is_zero_not_a_crash(
     """Decode points at one context make the per-request and per-KV-token columns
     collinear; noisy steps that shrink as the batch grows then pull every coefficient
     below zero (seen on the H200 with one context): the fit keeps none rather than crash."""
-    from pdserve.sim.cluster import _fit_nonnegative
+    from pdserve.sim.cluster import fit_nonnegative
 
     a = np.array([[1.0, b, b * 2048.0] for b in (1, 8, 32)])
-    assert _fit_nonnegative(a, [-0.03, -0.02, -0.01]) == [0.0, 0.0, 0.0]
-    fitted = _fit_nonnegative(a, [0.020, 0.021, 0.024])
+    assert fit_nonnegative(a, [-0.03, -0.02, -0.01]) == [0.0, 0.0, 0.0]
+    fitted = fit_nonnegative(a, [0.020, 0.021, 0.024])
     assert all(c >= 0 for c in fitted)
 
 
