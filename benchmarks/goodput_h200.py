@@ -62,6 +62,7 @@ from pdserve.bench.evidence import (  # noqa: E402
     goodput_table,
     load_records,
     missing_probes,
+    off_definition,
     searches,
 )
 from pdserve.bench.report import result_header, write_json  # noqa: E402
@@ -71,8 +72,9 @@ from pdserve.bench.workloads import BenchError, salted, workload_stats  # noqa: 
 
 RESULTS = ROOT / "benchmarks" / "results" / "goodput_h200"
 TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl"
-# Profiled at 6f90be1, after the 128-token attention tiles (the 4f22d08 profile predates them).
-PREDICTOR = ROOT / "benchmarks" / "results" / "loogle_h200" / "6f90be1_predictor.json"
+# Profiled at d698fcb with the long-context grid (prompt pieces over cached prefixes up to 16K,
+# decode on 16-64 SMs); the probes from efbfdd5 on ran with it.
+PREDICTOR = ROOT / "benchmarks" / "results" / "loogle_h200" / "d698fcb_predictor.json"
 TPOT_SLO_MS = 60.0
 FIGURE3_ITL_MS = (40.0, 60.0, 80.0, 100.0)
 TARGET = 0.9
@@ -187,11 +189,13 @@ def search_spaces() -> dict[str, SearchSpace]:
             for w in WORKLOADS.values()}
 
 
-def next_search_rate(results: Path, workload: str, config: str) -> float | None:
-    """The next rate of this pair's searches (TPOT 60 first, then the Figure 3 targets)."""
+def next_search_rate(folders: list[Path], workload: str, config: str) -> float | None:
+    """The next rate of this pair's searches (TPOT 60 first, then the Figure 3 targets), from
+    the records in ``folders``."""
     wanted = [(workload, config, slo)
               for slo in sorted(search_slos(config), key=lambda s: s != TPOT_SLO_MS)]
-    found = searches(load_records(results), wanted, search_spaces())
+    records = [r for folder in folders for r in load_records(folder)]
+    found = searches(records, wanted, search_spaces())
     return next((s.next_rate for s in found if s.next_rate is not None), None)
 
 
@@ -223,8 +227,17 @@ class RunOptions:
     """Per configuration per call, for --search targets."""
     budget: Budget
     server_cmd: str = DEFAULT_SERVER_CMD
+    out: Path | None = None
+    """Where new records and server logs go (a device call's output folder); None: results.
+    Recorded probes and search states are read from both."""
     failed: list[str] = dataclasses.field(default_factory=list)
     """Configurations whose server did not come up (the call's exit status is then 1)."""
+
+    def written(self) -> Path:
+        return self.out or self.results
+
+    def folders(self) -> list[Path]:
+        return [self.results] if self.out is None else [self.results, self.out]
 
 
 def probe_seconds(workload: ProbeWorkload, rate: float, trace: Path) -> float:
@@ -261,7 +274,7 @@ class ConfigRun:
         return shlex.split(template) + shlex.split(self.opts.server_args) + shlex.split(args)
 
     async def start(self) -> None:
-        log = self.opts.results / "logs" / f"{self.config}.log"
+        log = self.opts.written() / "logs" / f"{self.config}.log"
         self.server = ManagedServer(self.command(), self.opts.port, log)
         print(f"[goodput] {self.config}: {shlex.join(self.server.command)}", flush=True)
         self.server.start()
@@ -280,15 +293,24 @@ class ConfigRun:
         return start + probe_seconds(workload, rate, self.opts.trace)
 
 
+def defined_probe(path: Path) -> bool:
+    """Whether a recorded probe sent the request count its workload defines (imported runs
+    from before the definition may not; those are run again when asked for)."""
+    record = json.loads(path.read_text())
+    probe = record["probe"]
+    return len(record["samples"]) == expected_requests(probe["workload"], probe["rate"])
+
+
 def next_probe(target: Target, run: ConfigRun) -> float | None:
     """The rate to probe for ``target`` now, or None when it has nothing (left) to run."""
-    results = run.opts.results
+    folders = run.opts.folders()
     if target.rate is not None:
-        exists = probe_path(results, target.workload, target.config, target.rate).exists()
-        return None if exists else target.rate
+        paths = [probe_path(f, target.workload, target.config, target.rate) for f in folders]
+        recorded = any(p.exists() and defined_probe(p) for p in paths)
+        return None if recorded else target.rate
     if run.done >= run.opts.max_probes:
         return None
-    return next_search_rate(results, target.workload, target.config)
+    return next_search_rate(folders, target.workload, target.config)
 
 
 class ServerFailed(RuntimeError):
@@ -346,7 +368,7 @@ async def _probe(run: ConfigRun, workload: ProbeWorkload, rate: float) -> bool:
     except TimeoutError:
         print(f"[goodput] {label} cut at the budget limit; nothing written", flush=True)
         return False
-    path = probe_path(run.opts.results, workload.name, run.config, rate)
+    path = probe_path(run.opts.written(), workload.name, run.config, rate)
     write_json(probe_record(run, spec, requests, rate, result), path)
     run.done += 1
     print(f"[goodput] {label}: attainment {result['slo_attainment']:.3f} -> {path}", flush=True)
@@ -462,20 +484,25 @@ def run_commands(probes: list[tuple[str, str, float]]) -> list[str]:
         for i in range(0, len(configs), CONFIGS_PER_CALL):
             group = ",".join(configs[i:i + CONFIGS_PER_CALL])
             commands.append(f"python benchmarks/goodput_h200.py run --search {workload}:{group} "
-                            "--max-probes 2 --budget-s 510")
+                            "--max-probes 2 --budget-s 510 --out $OUT/goodput")
     return commands
+
+
+def expected_requests(workload: str, rate: float) -> int:
+    return WORKLOADS[workload].num_requests(rate)
 
 
 def summary_markdown(found: list[Search], figure3_workloads: list[str], out_dir: Path) -> str:
     table = [s for s in found if s.tpot_slo_ms == TPOT_SLO_MS and s.config in TABLE_CONFIGS]
-    missing = missing_probes(found)
+    missing = missing_probes(found, expected_requests)
     parts = ["# Goodput on the H200 (CodeLlama-34B, dummy weights)", "",
              "Goodput = the highest probed rate with >= 90% of requests within TTFT "
              "(loogle 15 s, sharegpt 2 s, mooncake 5 s) and TPOT 60 ms; `between a and b`: "
              "a passed, b failed, the rates between not yet probed.", "",
-             goodput_table(table, search_spaces(), list(WORKLOADS), list(TABLE_CONFIGS)), "",
+             goodput_table(table, search_spaces(), list(WORKLOADS), list(TABLE_CONFIGS),
+                           expected_requests), "",
              "## Attainment of every search", "", ATTAINMENT_HEADER]
-    parts += [attainment_table(s) for s in found]
+    parts += [attainment_table(s, expected_requests) for s in found]
     parts += ["", *(figure3(found, w, out_dir) + "\n" for w in figure3_workloads)]
     parts += ["## Missing next (one per unfinished search)", ""]
     parts += [f"- {w}:{c}:{r:g}" for w, c, r in missing] or ["- nothing: every search ended"]
@@ -492,7 +519,7 @@ def summarise(results: Path, out_dir: Path, figure3_workloads: list[str]) -> dic
     (out_dir / "summary.md").write_text(markdown)
     data = {"searches": [_search_json(s) for s in found],
             "missing": [{"workload": w, "config": c, "rate": r}
-                        for w, c, r in missing_probes(found)]}
+                        for w, c, r in missing_probes(found, expected_requests)]}
     (out_dir / "summary.json").write_text(json.dumps(data, indent=1) + "\n")
     print(markdown)
     return data
@@ -503,7 +530,9 @@ def _search_json(search: Search) -> dict:
             "tpot_slo_ms": search.tpot_slo_ms, "curve": search.curve,
             "goodput_rps": search.bracket.low, "lowest_failing_rps": search.bracket.high,
             "finished": search.finished, "next_rate": search.next_rate,
-            "revisions": search.revisions}
+            "revisions": search.revisions,
+            "off_definition_requests": {f"{rate:g}": n for rate, n in
+                                        off_definition(search, expected_requests).items()}}
 
 
 # --- committed records that match a probe's definition ----------------------------------------
@@ -645,7 +674,11 @@ def _run_parser(sub) -> None:
     p.add_argument("--trace-path", type=Path, default=TRACE)
     p.add_argument("--predictor", type=Path, default=PREDICTOR,
                    help="Fitted multiplex latency predictor (passed as --mux-predictor).")
-    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--results", type=Path, default=RESULTS,
+                   help="Recorded probes: skipped, and the searches' state.")
+    p.add_argument("--out", type=Path,
+                   help="Write new records and server logs here instead of --results (a "
+                   "device call's output folder); records in both count.")
 
 
 def _summarise_parser(sub) -> None:
@@ -674,7 +707,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     budget = Budget(time.monotonic() + args.budget_s)
     opts = RunOptions(args.results, args.trace_path, args.predictor, args.model,
                       args.server_args, args.port, args.startup_s, args.max_probes, budget,
-                      args.server_cmd)
+                      args.server_cmd, args.out)
     asyncio.run(run_targets(targets, opts))
     return 1 if opts.failed else 0
 

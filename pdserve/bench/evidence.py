@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,8 @@ class Search:
     revisions: list[str] = field(default_factory=list)
     bracket: Bracket = field(default_factory=lambda: Bracket(0.0, None))
     next_rate: float | None = None
+    requests: dict[float, int] = field(default_factory=dict)
+    """Rate -> how many requests that probe sent."""
 
     @property
     def finished(self) -> bool:
@@ -79,7 +82,21 @@ def search_of(workload: str, config: str, by_rate: dict[float, dict], space: Sea
     revisions = sorted({short_revision(r) for r in by_rate.values()})
     return Search(workload, config, tpot_slo_ms, curve, revisions,
                   rate_bracket(curve, space.target),
-                  next_rate(curve, list(space.ladder), space.start_rate, space.target))
+                  next_rate(curve, list(space.ladder), space.start_rate, space.target),
+                  {rate: len(r["samples"]) for rate, r in by_rate.items()})
+
+
+ExpectedRequests = Callable[[str, float], int]
+"""(workload, rate) -> how many requests the workload's probe definition sends at that rate."""
+
+
+def off_definition(search: Search, expected: ExpectedRequests | None) -> dict[float, int]:
+    """Rate -> request count, for the probes that sent another number of requests than the
+    definition (runs imported from before it): their queues had another span to build."""
+    if expected is None:
+        return {}
+    return {rate: n for rate, n in search.requests.items()
+            if n != expected(search.workload, rate)}
 
 
 def searches(records: list[dict], wanted: list[tuple[str, str, float]],
@@ -103,35 +120,49 @@ def main_revision(found: list[Search]) -> str | None:
 
 
 def goodput_table(found: list[Search], spaces: dict[str, SearchSpace],
-                  workloads: list[str], configs: list[str]) -> str:
+                  workloads: list[str], configs: list[str],
+                  expected: ExpectedRequests | None = None) -> str:
     """Markdown: one row per config, one goodput column per workload (req/s); cells whose
-    probes are not (only) from the table's main revision carry † and their revisions."""
+    probes are not (only) from the table's main revision carry † and their revisions; cells
+    with a probe off the workload's request count (``expected``) carry ‡."""
     cells = {(s.workload, s.config): s for s in found}
     main = main_revision(found)
     lines = ["| configuration | " + " | ".join(f"{w} (req/s)" for w in workloads) + " |",
              "|---" * (len(workloads) + 1) + "|"]
     for config in configs:
-        row = [_table_cell(cells.get((w, config)), spaces[w], main) for w in workloads]
+        row = [_table_cell(cells.get((w, config)), spaces[w], main, expected)
+               for w in workloads]
         lines.append(f"| {config} | " + " | ".join(row) + " |")
     if main and any("†" in line for line in lines):
         lines.append(f"\n† probes from a revision other than {main} (the revision of most "
                      "probes): not the same code.")
+    if any("‡" in line for line in lines):
+        lines.append("\n‡ a probe of this search sent another number of requests than the "
+                     "workload's definition (a run imported from before it; the attainment "
+                     "table names it): its queue had a longer or shorter span to build.")
     return "\n".join(lines)
 
 
-def _table_cell(search: Search | None, space: SearchSpace, main: str | None) -> str:
+def _table_cell(search: Search | None, space: SearchSpace, main: str | None,
+                expected: ExpectedRequests | None) -> str:
     if search is None:
         return "-"
     text = goodput_cell(search, space.ladder)
     if search.revisions and search.revisions != [main]:
         text += f" † ({', '.join(search.revisions)})"
+    if off_definition(search, expected):
+        text += " ‡"
     return text
 
 
-def attainment_table(search: Search) -> str:
-    rates = " ".join(f"{rate:g}: {100 * a:.0f}%" for rate, a in search.curve) or "no probes"
-    nxt = "done" if search.finished else f"next {search.next_rate:g}" \
-        if search.next_rate is not None else "-"
+def attainment_table(search: Search, expected: ExpectedRequests | None = None) -> str:
+    off = off_definition(search, expected)
+    rates = " ".join(f"{rate:g}: {100 * a:.0f}%" + (f" ({off[rate]} requests)" if rate in off
+                                                    else "")
+                     for rate, a in search.curve) or "no probes"
+    redo = reprobe_rate(search, expected)
+    nxt = f"re-probe {redo:g}" if redo is not None else "done" if search.finished \
+        else f"next {search.next_rate:g}" if search.next_rate is not None else "-"
     return (f"| {search.workload} | {search.config} | {search.tpot_slo_ms:g} | {rates} | "
             f"{search.bracket.describe()} | {nxt} | {', '.join(search.revisions) or '-'} |")
 
@@ -140,12 +171,25 @@ ATTAINMENT_HEADER = ("| workload | config | TPOT SLO (ms) | attainment by rate (
                      "goodput | search | revisions |\n|---|---|---|---|---|---|---|")
 
 
-def missing_probes(found: list[Search]) -> list[tuple[str, str, float]]:
-    """(workload, config, rate) each unfinished search needs next, without repeats."""
+def reprobe_rate(search: Search, expected: ExpectedRequests | None) -> float | None:
+    """The failing rate that ends a finished search, when its probe is off the definition:
+    a longer run's failure does not show that the defined one fails, so it is run again."""
+    high = search.bracket.high
+    if search.finished and high is not None and high in off_definition(search, expected):
+        return high
+    return None
+
+
+def missing_probes(found: list[Search], expected: ExpectedRequests | None = None
+                   ) -> list[tuple[str, str, float]]:
+    """(workload, config, rate) each unfinished search needs next, and the re-probes of
+    off-definition failures that end a search, without repeats."""
     out: list[tuple[str, str, float]] = []
     for search in found:
-        probe = (search.workload, search.config, search.next_rate)
-        if search.next_rate is not None and probe not in out:
+        rate = search.next_rate if search.next_rate is not None \
+            else reprobe_rate(search, expected)
+        probe = (search.workload, search.config, rate)
+        if rate is not None and probe not in out:
             out.append(probe)
     return out
 

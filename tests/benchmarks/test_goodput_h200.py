@@ -8,6 +8,7 @@ import shlex
 import socket
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_scripts import _load
@@ -103,15 +104,17 @@ def test_definitions_cover_the_issue():
 
 # --- the summary, on records whose answers are known ------------------------------------------
 
-def _record(workload: str, config: str, rate: float, met: int, of: int, revision: str,
-            created: str, tpot_ms: float = 30.0) -> dict:
-    """``met`` of ``of`` requests within every SLO (TTFT 1 s, TPOT ``tpot_ms``), the rest
-    failed."""
+def _record(tool, workload: str, config: str, rate: float, share: float, revision: str,
+            created: str, tpot_ms: float = 30.0, requests: int | None = None) -> dict:
+    """``share`` of the requests within every SLO (TTFT 1 s, TPOT ``tpot_ms``), the rest
+    failed; as many requests as the workload's definition sends at ``rate`` unless told."""
+    n = tool.expected_requests(workload, rate) if requests is None else requests
+    met = round(share * n)
     ok = {"success": True, "ttft_ms": 1000.0, "tpot_ms": tpot_ms}
     bad = {"success": False, "ttft_ms": None, "tpot_ms": None}
     return {"created": created, "git_revision": revision,
             "probe": {"workload": workload, "config": config, "rate": rate},
-            "samples": [ok] * met + [bad] * (of - met)}
+            "samples": [ok] * met + [bad] * (n - met)}
 
 
 def _write(tool, folder, record: dict) -> None:
@@ -122,15 +125,15 @@ def _write(tool, folder, record: dict) -> None:
 
 def test_summary_brackets_missing_probes_revisions_and_figure3(tool, tmp_path):
     rev_a, rev_b = "a" * 40, "b" * 40
-    for rate, met in ((0.2, 10), (0.4, 5)):  # 0.3 not probed yet
-        _write(tool, tmp_path, _record("loogle", "multiplex-itl60", rate, met, 10, rev_a, "2"))
-    for rate, met in ((0.1, 10), (0.15, 8)):  # adjacent rungs: settled at 0.1
-        _write(tool, tmp_path, _record("loogle", "chunk512", rate, met, 10, rev_a, "2"))
-    _write(tool, tmp_path, _record("loogle", "chunk1024", 0.3, 10, 10, rev_b, "1"))
+    for rate, met in ((0.2, 1.0), (0.4, 0.5)):  # 0.3 not probed yet
+        _write(tool, tmp_path, _record(tool, "loogle", "multiplex-itl60", rate, met, rev_a, "2"))
+    for rate, met in ((0.1, 1.0), (0.15, 0.8)):  # adjacent rungs: settled at 0.1
+        _write(tool, tmp_path, _record(tool, "loogle", "chunk512", rate, met, rev_a, "2"))
+    _write(tool, tmp_path, _record(tool, "loogle", "chunk1024", 0.3, 1.0, rev_b, "1"))
     # An older record of the same probe loses to the newer one.
-    older = _record("loogle", "chunk2048", 0.3, 0, 10, rev_b, "1")
+    older = _record(tool, "loogle", "chunk2048", 0.3, 0.0, rev_b, "1")
     tool.write_json(older, tmp_path / "old_copy.json")
-    _write(tool, tmp_path, _record("loogle", "chunk2048", 0.3, 10, 10, rev_a, "3"))
+    _write(tool, tmp_path, _record(tool, "loogle", "chunk2048", 0.3, 1.0, rev_a, "3"))
 
     data = tool.summarise(tmp_path, tmp_path, ["loogle"])
     by_key = {(s["workload"], s["config"], s["tpot_slo_ms"]): s for s in data["searches"]}
@@ -157,11 +160,60 @@ def test_summary_brackets_missing_probes_revisions_and_figure3(tool, tmp_path):
 
 def test_chunked_probes_serve_every_figure3_slo(tool, tmp_path):
     # TPOT 70 ms: within 80 and 100, not 40 or 60.
-    _write(tool, tmp_path, _record("loogle", "chunk256", 0.3, 10, 10, "c" * 40, "1", 70.0))
+    _write(tool, tmp_path, _record(tool, "loogle", "chunk256", 0.3, 1.0, "c" * 40, "1", 70.0))
     data = tool.summarise(tmp_path, tmp_path, ["loogle"])
     goodput = {s["tpot_slo_ms"]: s["goodput_rps"] for s in data["searches"]
                if s["config"] == "chunk256"}
     assert goodput == {40.0: 0.0, 60.0: 0.0, 80.0: 0.3, 100.0: 0.3}
+
+
+def test_a_failure_off_the_probe_definition_is_probed_again(tool, tmp_path):
+    # 0.45 passed as defined; 0.5 (the next rung) failed in a 40-request run (the definition
+    # sends 30 there): the bracket stands but is marked, and 0.5 is asked for again.
+    _write(tool, tmp_path, _record(tool, "loogle", "multiplex-itl60", 0.45, 1.0, "a" * 40, "2"))
+    _write(tool, tmp_path, _record(tool, "loogle", "multiplex-itl60", 0.5, 0.2, "b" * 40, "1",
+                                   requests=40))
+    _write(tool, tmp_path, _record(tool, "loogle", "chunk256", 0.45, 1.0, "a" * 40, "2"))
+    _write(tool, tmp_path, _record(tool, "loogle", "chunk256", 0.5, 0.2, "a" * 40, "2"))
+    data = tool.summarise(tmp_path, tmp_path, ["loogle"])
+    mux = next(s for s in data["searches"]
+               if s["config"] == "multiplex-itl60" and s["tpot_slo_ms"] == 60.0)
+    assert (mux["goodput_rps"], mux["lowest_failing_rps"]) == (0.45, 0.5)
+    assert mux["off_definition_requests"] == {"0.5": 40}
+    missing = {(m["workload"], m["config"], m["rate"]) for m in data["missing"]}
+    assert ("loogle", "multiplex-itl60", 0.5) in missing
+    assert not {m for m in missing if m[:2] == ("loogle", "chunk256") and m[2] <= 0.5}
+    markdown = (tmp_path / "summary.md").read_text()
+    assert "0.5: 20% (40 requests)" in markdown and "| re-probe 0.5 |" in markdown
+    row = next(line for line in markdown.splitlines() if line.startswith("| multiplex-itl60 |"))
+    assert "‡" in row
+    chunk_row = next(line for line in markdown.splitlines() if line.startswith("| chunk256 |"))
+    assert "‡" not in chunk_row
+    # An explicit --probe of it runs again; one recorded as defined does not.
+    run = _config_run(tool, tmp_path)
+    assert tool.next_probe(tool.Target("loogle", "multiplex-itl60", 0.5), run) == 0.5
+    assert tool.next_probe(tool.Target("loogle", "chunk256", 0.5), run) is None
+
+
+def _config_run(tool, results: Path, out: Path | None = None):
+    opts = tool.RunOptions(results, Path("trace"), Path("predictor"), "tiny", "", 0, 0.0, 2,
+                           tool.Budget(0.0), out=out)
+    return SimpleNamespace(opts=opts, done=0)
+
+
+def test_a_device_call_reads_the_repository_records_and_writes_elsewhere(tool, tmp_path):
+    repo, device = tmp_path / "repo", tmp_path / "device"
+    device.mkdir()
+    _write(tool, repo, _record(tool, "loogle", "chunk256", 0.3, 1.0, "a" * 40, "1"))
+    run = _config_run(tool, repo, device)
+    assert run.opts.written() == device
+    # Recorded in the repository: skipped; the search goes on from it (0.3 passed: 0.6).
+    assert tool.next_probe(tool.Target("loogle", "chunk256", 0.3), run) is None
+    assert tool.next_probe(tool.Target("loogle", "chunk256"), run) == 0.6
+    # Recorded in the call's output folder earlier in the call: the search moves on again.
+    _write(tool, device, _record(tool, "loogle", "chunk256", 0.6, 0.0, "a" * 40, "2"))
+    assert tool.next_probe(tool.Target("loogle", "chunk256", 0.6), run) is None
+    assert tool.next_probe(tool.Target("loogle", "chunk256"), run) == 0.45
 
 
 STANDIN = Path(__file__).resolve().parents[1] / "bench" / "bench_standin.py"
