@@ -24,6 +24,7 @@ from pdserve.engine.setup import build_disagg_partition, build_partitions
 from pdserve.engine.tp import KEPT_EVENTS, MirrorRequest, PartKey, PlanDecoder, part_key
 from pdserve.request import Request
 from pdserve.sched.base import BatchCarry, KVMove, Work
+from pdserve.signals import ignore_group_signals
 from pdserve.transfer import gather_blocks, scatter_blocks
 from pdserve.transfer.kv_blocks import host_empty
 
@@ -124,6 +125,7 @@ class TPFollower:
 
 def main() -> int:
     rank, size, port, config, arch, max_model_len = pickle.load(sys.stdin.buffer)
+    ignore_group_signals()  # rank 0's process stops this one (its control channel closes)
     logging.basicConfig(level=logging.WARNING, format=f"tp rank {rank}: %(message)s")
     device = rank_device(config.device.device, rank)
     if device.type == "cuda":

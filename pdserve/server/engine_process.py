@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import signal
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -33,6 +32,7 @@ from pdserve.messages import (
 )
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.server.channel import CHANNEL_CLOSED, EngineChannels
+from pdserve.signals import ignore_group_signals
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,7 @@ def run_engine_process(config: Any, pipes: list[tuple[Connection, Connection]],
                        core_factory: str = DEFAULT_CORE) -> None:
     """Process entry point. ``pipes``: (reader, writer) of each HTTP process's channel;
     ``core_factory`` is ``module:attr``, called with the config."""
-    # Ctrl-C reaches the whole process group; the server decides when the engine stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_group_signals()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     channels = EngineChannels(pipes)
     try:

@@ -6,9 +6,10 @@ listens on the same port (``SO_REUSEPORT``: the kernel spreads new connections o
 processes). A control pipe between the first process and each other one says when it
 listens, and its end tells the other process that the first one is gone.
 
-Life cycle: SIGTERM or SIGINT at the first process is passed on as SIGTERM (once per
-signal: a second one cuts every drain short); the others ignore SIGINT, which Ctrl-C sends
-to the whole process group, so that each signal counts once. Each process drains its own
+Life cycle: SIGTERM or SIGINT at the first process is passed on as ``DRAIN_SIGNAL`` (once
+per signal: a second one cuts every drain short); the others ignore SIGINT and SIGTERM,
+which reach the whole process group (Ctrl-C; systemd's default stop; ``kill -- -PGID``), so
+that each signal counts once. Each process drains its own
 requests; the first one waits for the others to leave, then stops the engine. A process
 that dies stops the whole server (exit code 1, the reason logged): the engine aborts only
 the dead process's requests, and the others drain theirs.
@@ -34,10 +35,14 @@ from pdserve.server.app import (
 )
 from pdserve.server.client import EngineClient, Pipe
 from pdserve.server.config import ServerConfig
+from pdserve.signals import ignore_group_signals
 
 logger = logging.getLogger("pdserve.server")
 
 LISTENING = "listening"
+DRAIN_SIGNAL = signal.SIGUSR1
+"""How the first process passes a stop on: a signal of its own, since the others ignore
+the ones that reach the whole process group."""
 EXIT_GRACE_S = 10.0  # past the drain: the aborted requests' answers and the channel's close
 
 
@@ -91,12 +96,13 @@ class APIWorkers:
         self.failed.set_result(reason)
 
     def forward_signal(self) -> None:
-        """One SIGTERM to each live process: the first starts its drain, a second cuts it."""
+        """One ``DRAIN_SIGNAL`` to each live process: the first starts its drain, a second
+        cuts it."""
         self._stopping = True  # from now on a process that leaves is no failure
         self._signals_sent += 1
         for process in self.processes:
             if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)
+                os.kill(process.pid, DRAIN_SIGNAL)
 
     def stop(self) -> None:
         """Starts every process's drain (unless a signal already did)."""
@@ -145,8 +151,7 @@ def run_api_server(index: int, pipe: Pipe, config: ServerConfig, api_keys: tuple
                    sampling_defaults: dict[str, Any], created: int, control: Connection
                    ) -> None:
     """Process entry point of HTTP process ``index`` (1 .. N-1)."""
-    # Ctrl-C reaches the whole process group; the first process passes each signal on once.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_group_signals()  # the first process passes each one on once
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s http-{index} %(levelname)s %(message)s")
     settings = (config, api_keys, sampling_defaults, created)
@@ -161,7 +166,7 @@ async def _serve(index: int, pipe: Pipe, settings: tuple, control: Connection) -
         raise SystemExit(f"pdserve serve (HTTP process {index}): {exc}") from None
     app = build_app(client, config, api_keys, sampling_defaults, index, created)
     runner = await listen(app, config)
-    stop, force = install_signals(signals=(signal.SIGTERM,))
+    stop, force = install_signals(signals=(DRAIN_SIGNAL,))
     control.send(LISTENING)
     _stop_when_first_process_goes(control, stop)
     await asyncio.wait([asyncio.ensure_future(stop.wait()), client.gave_up],

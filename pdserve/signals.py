@@ -1,0 +1,15 @@
+"""Signals in a server made of several processes."""
+
+from __future__ import annotations
+
+import signal
+
+
+def ignore_group_signals() -> None:
+    """For a server's processes other than the first HTTP process (the engine, its
+    tensor-parallel ranks, the other HTTP processes): Ctrl-C, systemd's default stop and
+    ``kill -- -PGID`` signal the whole process group, and an engine that left at once would
+    lose every request the server is draining. The first HTTP process alone decides when each
+    of them stops (a message, a closed channel, or a signal of its own)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
