@@ -1,5 +1,6 @@
 """`pdserve cluster`: a P/D group and its gateway from one command, answered through the
-openai client, stopped by SIGTERM with no process left behind."""
+openai client, stopped by SIGTERM (or Ctrl-C to its process group, a stream in flight
+drained to its end) with no process left behind."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def test_cluster_command_serves_and_stops_cleanly(tp):
            "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", str(tp),
            "--serve-args", "--device cpu --dtype float32"]
     log = tempfile.TemporaryFile()
-    cluster = Server(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), port, log=log)
+    # A session of its own, so that the test can Ctrl-C the command's process group.
+    cluster = Server(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True), port, log=log)
     try:
         wait_healthy(cluster, timeout=180)
         instances = child_pids(cluster.process.pid)
@@ -41,7 +44,16 @@ def test_cluster_command_serves_and_stops_cleanly(tp):
         sizes = [i["tensor_parallel_size"] for g in groups.values() for role in g.values()
                  for i in role]
         assert sizes == [tp, tp]
-        cluster.process.send_signal(signal.SIGTERM)
+        if tp == 1:  # Ctrl-C mid-stream: the instances drain it to its end
+            stream = cluster.openai().completions.create(
+                model="tiny", prompt="Hello", max_tokens=24, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+            first = next(iter(stream))
+            os.killpg(cluster.process.pid, signal.SIGINT)
+            rest = [chunk.choices[0] for chunk in stream if chunk.choices]
+            assert first.choices and rest[-1].finish_reason == "length", cluster.log_text()
+        else:
+            cluster.process.send_signal(signal.SIGTERM)
         assert cluster.process.wait(60) == 0, cluster.log_text()
         assert not any(os.path.exists(f"/proc/{pid}") for pid in instances)  # reaped
         assert child_pids(cluster.process.pid) == []
