@@ -2,7 +2,9 @@
 a real ``pdserve serve`` instance per schedule, replaying a window of the Mooncake
 conversation trace. Chunked prefill: ``ChunkedInstanceSim``, the scheduler's steps (a
 token budget of 512 shared by the decode batch and prompt pieces, a mixed step reading the
-weights once: ``mixed_step_s``). PD-multiplexing: a ``GroupSim`` of one multiplexing
+weights once: ``mixed_step_s``, plus a fixed cost per mixed step fitted on the lone probe:
+``fit_mixed_step_extra``; each step planned as the previous one starts, as the engine's
+overlap scheduling does). PD-multiplexing: a ``GroupSim`` of one multiplexing
 instance (prompts first come first served, a decode batch beside them; beside a prompt a
 decode step lasts the measured cycle, and the prompt gets what the decode step leaves of
 each cycle: ``Multiplexing.cycle_s``).
@@ -16,7 +18,9 @@ For each schedule (``--schedules``: chunked prefill with 512-token steps, PD-mul
    the steps before it; that prompt's latency over the fitted prefill of it alone; then
    the queue probe, ``--mix-queue`` such prompts at once beside decodes at the longer
    context). Chunked prefill: beside each probe what ``mixed_step_s`` predicts for it
-   (``predicted_step_ms_during``, ``predicted_prompt_s``). Multiplexing: the queue probe's
+   (``predicted_step_ms_during``, ``predicted_prompt_s``), the mixed step's extra cost
+   fitted on the lone probe and the queue probe simulated with it
+   (``mixed_step_extra_s``, ``queue_simulated_prompt_s``). Multiplexing: the queue probe's
    median step is the cycle, and the engine's timeline over the probes and the replay is
    kept (modes, cycles, prefill delivered per option);
 3. replay the window: trace rows with timestamps in ``[--window-start-s, + --window-s)``,
@@ -54,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gzip
 import json
 import os
 import shlex
@@ -446,7 +451,13 @@ async def _measure_and_replay(name: str, schedule_args: str, session, url: str, 
     phases["replay_s"] = time.monotonic() - clock
     share = None
     if name == "multiplex":
-        mix["timeline_replay"] = await engine_timeline(session, url, clock)
+        mix["timeline_replay"] = await engine_timeline(
+            session, url, clock, keep=Path(args.out) / f"{name}_timeline_replay.json.gz")
+        # What the engine learned by the replay's end: the planner's choice between mixed
+        # steps and time slices follows its mixed-step correction, which the walk takes
+        # from after the probes (``engine_calibration``).
+        mix["engine_calibration_after_replay"] = (await engine_info(session, url)).get(
+            "calibration")
         mix["cycle_covers_every_batch"] = cycle_covers(model, factors, requests)
         share = planner_share(schedule_args, mix, model, args)
         mix["planner_share"] = _share_summary(share, mix, model, args, requests)
@@ -486,12 +497,18 @@ async def _probes(name: str, session, url: str, args, rng,
     return factors, mix
 
 
-async def engine_timeline(session, url: str, since: float) -> dict:
+async def engine_timeline(session, url: str, since: float, keep: Path | None = None) -> dict:
     """The multiplexing engine's planning decisions since ``since`` (this host's
-    ``time.monotonic()``), summarised as the LooGLE runs are (``summarise_timeline``)."""
+    ``time.monotonic()``), summarised as the LooGLE runs are (``summarise_timeline``);
+    with ``keep``, the decisions themselves written there (gzipped JSON): each one's
+    option, decode batch and cycle, to set beside what the planner model walks."""
     base = url.rsplit("/v1/", 1)[0]
     async with session.get(base + "/v1/engine/timeline") as resp:
         entries = (await resp.json())["entries"]
+    if keep is not None:
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(keep, "wt") as f:
+            json.dump([e for e in entries if e["time"] >= since], f)
     itl_ms = (await engine_info(session, url)).get("itl_slo_ms") or 60.0
     return summarise_timeline(entries, since, itl_ms)
 

@@ -150,3 +150,12 @@ def test_efbfdd5_chunked_replay_resimulated_within_3_percent_with_the_lone_probe
     for key in ("ttft_s", "tpot_s"):
         for quantile in ("p50", "p99"):
             assert abs(errors[key]["simulated_medians_only_error"][quantile]) < 0.03
+
+
+def test_a_run_without_the_lone_probe_gets_no_extra_cost_and_says_so():
+    module = _validation_script()
+    path = module.ROOT / "benchmarks" / "results" / "sim_validate_instance_h200_eb12b7d.json"
+    extra_s, source = module.recorded_mixed_step_extra(str(path))
+    assert extra_s == 0.0 and source.startswith("none: ")
+    assert module.solve_increasing(lambda x: 1.0 + x, 0.5) == 0.0  # already as slow
+    assert module.solve_increasing(lambda x: x * x, 4.0) == pytest.approx(2.0, abs=1e-5)
