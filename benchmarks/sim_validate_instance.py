@@ -2,7 +2,9 @@
 a real ``pdserve serve`` instance per schedule, replaying a window of the Mooncake
 conversation trace. Chunked prefill: ``ChunkedInstanceSim``, the scheduler's steps (a
 token budget of 512 shared by the decode batch and prompt pieces, a mixed step reading the
-weights once: ``mixed_step_s``). PD-multiplexing: a ``GroupSim`` of one multiplexing
+weights once: ``mixed_step_s``, plus a fixed cost per mixed step fitted on the lone probe:
+``fit_mixed_step_extra``; each step planned as the previous one starts, as the engine's
+overlap scheduling does). PD-multiplexing: a ``GroupSim`` of one multiplexing
 instance (prompts first come first served, a decode batch beside them; beside a prompt a
 decode step lasts the measured cycle, and the prompt gets what the decode step leaves of
 each cycle: ``Multiplexing.cycle_s``).
@@ -16,7 +18,9 @@ For each schedule (``--schedules``: chunked prefill with 512-token steps, PD-mul
    the steps before it; that prompt's latency over the fitted prefill of it alone; then
    the queue probe, ``--mix-queue`` such prompts at once beside decodes at the longer
    context). Chunked prefill: beside each probe what ``mixed_step_s`` predicts for it
-   (``predicted_step_ms_during``, ``predicted_prompt_s``). Multiplexing: the queue probe's
+   (``predicted_step_ms_during``, ``predicted_prompt_s``), the mixed step's extra cost
+   fitted on the lone probe and the queue probe simulated with it
+   (``mixed_step_extra_s``, ``queue_simulated_prompt_s``). Multiplexing: the queue probe's
    median step is the cycle, and the engine's timeline over the probes and the replay is
    kept (modes, cycles, prefill delivered per option);
 3. replay the window: trace rows with timestamps in ``[--window-start-s, + --window-s)``,
@@ -54,12 +58,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gzip
 import json
 import os
 import shlex
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -194,6 +200,62 @@ def chunked_probe_prediction(model: LatencyModel, args, probe: dict) -> dict:
             "predicted_prompt_s": float(sum(steps)) + model.prefill_base_s}
 
 
+def simulated_probe_s(model: LatencyModel, args, probe: dict, mixed_extra_s: float,
+                      decode_steps: int) -> float:
+    """The probe (``_probe``) replayed on the chunked instance model: ``--mix-batch``
+    requests of the probe's decode context at 0, decoding ``decode_steps`` tokens, and its
+    prompts at ``--mix-warmup-s``; the time from then until the last prompt's first token,
+    as ``prompt_s`` measures it. Unlike ``chunked_probe_prediction`` it keeps what is left of
+    the decode requests' own prompts when the probe's arrive (the queue probe's 8 x 4K
+    prompts take longer than the warm-up)."""
+    decodes = [SimRequest(0.0, probe["decode_context"], decode_steps)
+               for _ in range(args.mix_batch)]
+    prompts = [SimRequest(args.mix_warmup_s, args.mix_prompt, 1)
+               for _ in range(probe["prompts"])]
+    ChunkedInstanceSim(model, chunk_size=512, mixed_step_extra_s=mixed_extra_s,
+                       overlap=True).run(decodes + prompts)
+    return max(float(r.first_token or 0.0) for r in prompts) - args.mix_warmup_s
+
+
+def fit_mixed_step_extra(model: LatencyModel, args, interference: dict) -> tuple[float, dict]:
+    """What a step carrying prompt pieces beside decodes costs on the instance beyond
+    ``mixed_step_s`` (fitted on steps apart: prefill alone and decode alone): the fixed
+    cost per mixed step that makes the lone probe's simulated prompt time its measured
+    one (zero where the model is already as slow). The queue probe is the check: its
+    simulated prompt time with that cost (``queue_simulated_prompt_s``) against its
+    measured one. A run without the lone probe (eb12b7d's chunked schedule): zero."""
+    if "prompt_s" not in interference:
+        return 0.0, {}
+
+    def lone_s(extra_s: float) -> float:
+        return simulated_probe_s(model, args, interference, extra_s, args.mix_steps)
+
+    extra_s = solve_increasing(lone_s, interference["prompt_s"])
+    checks = {"simulated_prompt_s": lone_s(extra_s)}
+    if "queue" in interference:
+        checks["queue_simulated_prompt_s"] = simulated_probe_s(
+            model, args, interference["queue"], extra_s,
+            args.mix_steps * (1 + args.mix_queue // 2))
+    return extra_s, checks
+
+
+def solve_increasing(f: Callable[[float], float], target: float,
+                     tolerance: float = 1e-6) -> float:
+    """The x >= 0 where the increasing ``f`` reaches ``target`` (bisection); 0 where
+    ``f(0)`` is already there."""
+    if f(0.0) >= target:
+        return 0.0
+    low, high = 0.0, 1e-3
+    while f(high) < target:
+        low, high = high, high * 2
+        if high > 10.0:
+            raise SystemExit(f"no cost up to 10 s a step reaches {target:.3f} s")
+    while high - low > tolerance:
+        middle = (low + high) / 2
+        low, high = (middle, high) if f(middle) < target else (low, middle)
+    return (low + high) / 2
+
+
 def _budget_pieces(done: list[int], length: int, budget: int) -> list[tuple[int, int]]:
     """This step's pieces of the prompts (``done``: tokens each has had, updated)."""
     pieces = []
@@ -263,18 +325,23 @@ MODELS = ("current", "eb12b7d")
 
 def simulate(name: str, model: LatencyModel, factors: Multiplexing | None,
              requests: list[SimRequest], noise: ServiceNoise | None,
-             as_of: str = "current", share: PlannerShare | None = None) -> list[dict]:
+             as_of: str = "current", share: PlannerShare | None = None,
+             mixed_extra_s: float = 0.0) -> list[dict]:
     """chunk512: the chunked instance step by step (``ChunkedInstanceSim``). multiplex: one
     multiplexing instance (``GroupSim``; requests go straight to it, no gateway admission:
     a blind dispatch over one instance never refuses), by the cycle model, or with
     ``share`` by the planner model (``Multiplexing``). ``as_of="eb12b7d"``: the models as
     they were at the first H200 validation (a mixed step as decode step plus prefill piece;
-    multiplexing's fixed factors, no cycle)."""
+    multiplexing's fixed factors, no cycle). The chunked instance of now plans each step as
+    the engine's overlap scheduling does and adds ``mixed_extra_s`` to each mixed step
+    (``fit_mixed_step_extra``)."""
     fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
     old = as_of == "eb12b7d"
     if name == "chunk512":
         ChunkedInstanceSim(model, chunk_size=512, noise=noise,
-                           mixed_step="sum" if old else "roofline").run(fresh)
+                           mixed_step="sum" if old else "roofline",
+                           mixed_step_extra_s=0.0 if old else mixed_extra_s,
+                           overlap=not old).run(fresh)
     else:
         factors = Multiplexing(factors.decode_slowdown, factors.prefill_slowdown) if old \
             else dataclasses.replace(factors, share=share)
@@ -332,13 +399,16 @@ def probe_delivered(share: PlannerShare, interference: dict, model: LatencyModel
 
 def simulate_both(name: str, model: LatencyModel, factors: Multiplexing | None,
                   requests: list[SimRequest], noise: ServiceNoise | None,
-                  share: PlannerShare | None, as_of: str = "current") -> dict:
+                  share: PlannerShare | None, as_of: str = "current",
+                  mixed_extra_s: float = 0.0) -> dict:
     """Each simulation of a schedule, named as the results keep them: with the measured
     spread where ``noise`` is given and medians only; for multiplexing with ``share``, the
     planner model's beside the cycle model's."""
-    runs = {"simulated_medians_only": simulate(name, model, factors, requests, None, as_of)}
+    runs = {"simulated_medians_only": simulate(name, model, factors, requests, None, as_of,
+                                               mixed_extra_s=mixed_extra_s)}
     if noise is not None:
-        runs["simulated"] = simulate(name, model, factors, requests, noise, as_of)
+        runs["simulated"] = simulate(name, model, factors, requests, noise, as_of,
+                                     mixed_extra_s=mixed_extra_s)
     if share is not None and name == "multiplex" and as_of == "current":
         runs["simulated_planner_medians_only"] = simulate(name, model, factors, requests,
                                                           None, share=share)
@@ -381,12 +451,19 @@ async def _measure_and_replay(name: str, schedule_args: str, session, url: str, 
     phases["replay_s"] = time.monotonic() - clock
     share = None
     if name == "multiplex":
-        mix["timeline_replay"] = await engine_timeline(session, url, clock)
+        mix["timeline_replay"] = await engine_timeline(
+            session, url, clock, keep=Path(args.out) / f"{name}_timeline_replay.json.gz")
+        # What the engine learned by the replay's end: the planner's choice between mixed
+        # steps and time slices follows its mixed-step correction, which the walk takes
+        # from after the probes (``engine_calibration``).
+        mix["engine_calibration_after_replay"] = (await engine_info(session, url)).get(
+            "calibration")
         mix["cycle_covers_every_batch"] = cycle_covers(model, factors, requests)
         share = planner_share(schedule_args, mix, model, args)
         mix["planner_share"] = _share_summary(share, mix, model, args, requests)
     noise = ServiceNoise(prefill_ratios, decode_ratios, seed=args.seed)
-    simulated = simulate_both(name, model, factors, requests, noise, share)
+    simulated = simulate_both(name, model, factors, requests, noise, share,
+                              mixed_extra_s=mix.get("mixed_step_extra_s", 0.0))
     return {"service_points": {"prefill": prefill_points, "decode": decode_points},
             "service_spread": {"prefill": spread(prefill_ratios),
                                "decode_step": spread(decode_ratios)},
@@ -411,6 +488,8 @@ async def _probes(name: str, session, url: str, args, rng,
         mix.update(chunked_probe_prediction(model, args, mix))
         if "queue" in mix:
             mix["queue"].update(chunked_probe_prediction(model, args, mix["queue"]))
+        mix["mixed_step_extra_s"], checks = fit_mixed_step_extra(model, args, mix)
+        mix.update(checks)
     else:
         mix["timeline_probes"] = await engine_timeline(session, url, since)
         # What the planner learned over the probes: the planner model walks with it.
@@ -418,12 +497,18 @@ async def _probes(name: str, session, url: str, args, rng,
     return factors, mix
 
 
-async def engine_timeline(session, url: str, since: float) -> dict:
+async def engine_timeline(session, url: str, since: float, keep: Path | None = None) -> dict:
     """The multiplexing engine's planning decisions since ``since`` (this host's
-    ``time.monotonic()``), summarised as the LooGLE runs are (``summarise_timeline``)."""
+    ``time.monotonic()``), summarised as the LooGLE runs are (``summarise_timeline``);
+    with ``keep``, the decisions themselves written there (gzipped JSON): each one's
+    option, decode batch and cycle, to set beside what the planner model walks."""
     base = url.rsplit("/v1/", 1)[0]
     async with session.get(base + "/v1/engine/timeline") as resp:
         entries = (await resp.json())["entries"]
+    if keep is not None:
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(keep, "wt") as f:
+            json.dump([e for e in entries if e["time"] >= since], f)
     itl_ms = (await engine_info(session, url)).get("itl_slo_ms") or 60.0
     return summarise_timeline(entries, since, itl_ms)
 
@@ -433,16 +518,17 @@ async def engine_info(session, url: str) -> dict:
         return await resp.json()
 
 
-def resimulate(path: str, as_of: str = "current") -> dict:
+def resimulate(path: str, as_of: str = "current", extra_from: str | None = None) -> dict:
     """Re-runs the simulations of a recorded validation with the models of now (or as of
     ``as_of``), from its own calibration: the same requests (``window_requests`` with the
     run's arguments and fitted model), its interference probe, and its measured spread
     where the file recorded the ratios (``service_ratios``); the medians-only simulation
-    needs none. No GPU, no server."""
+    needs none. ``extra_from``: the chunked mixed step's extra cost fitted on that recorded
+    run's lone probe instead (a run without its own probe). No GPU, no server."""
     recorded = json.load(open(path))
     args = argparse.Namespace(**recorded["config"])
     args.trace = str(ROOT / args.trace)
-    table, covered = {}, {}
+    table, covered, extra = {}, {}, {}
     for name, run in recorded["schedules"].items():
         model = LatencyModel(**run["latency_model"])
         requests, workload = window_requests(args, model)
@@ -459,11 +545,28 @@ def resimulate(path: str, as_of: str = "current") -> dict:
         ratios = run.get("service_ratios")
         noise = ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed) \
             if ratios else None
-        simulated = simulate_both(name, model, factors, requests, noise, share, as_of)
+        extra_s = 0.0
+        if name == "chunk512":
+            extra_s, extra["from"] = recorded_mixed_step_extra(extra_from or path)
+            extra["mixed_step_extra_s"] = extra_s
+        simulated = simulate_both(name, model, factors, requests, noise, share, as_of, extra_s)
         measured = {key: row["measured"] for key, row in run["compare"].items()}
         table[name] = compare_percentiles(measured, simulated)
     return {"resimulated_from": os.path.relpath(path, ROOT), "models_as_of": as_of,
-            "schedules": table, "cycle_covers_every_batch": covered}
+            "schedules": table, "cycle_covers_every_batch": covered, "chunked": extra}
+
+
+def recorded_mixed_step_extra(path: str) -> tuple[float, str]:
+    """The chunked mixed step's extra cost (``fit_mixed_step_extra``) fitted on a recorded
+    run's lone probe, and where from."""
+    recorded = json.load(open(path))
+    args = argparse.Namespace(**recorded["config"])
+    run = recorded["schedules"]["chunk512"]
+    extra_s = fit_mixed_step_extra(LatencyModel(**run["latency_model"]), args,
+                                   run["interference"])[0]
+    source = os.path.relpath(path, ROOT)
+    return extra_s, (f"{source}'s lone probe" if "prompt_s" in run["interference"]
+                     else f"none: {source} has no lone probe")
 
 
 def cycle_covers(model: LatencyModel, factors: Multiplexing, requests: list[SimRequest]) -> bool:
@@ -514,6 +617,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--models-as-of", choices=MODELS, default="current",
                         help="With --resimulate: eb12b7d runs the models as they were at the "
                         "first H200 validation.")
+    parser.add_argument("--mixed-step-extra-from", metavar="FILE.json",
+                        help="With --resimulate: the chunked mixed step's extra cost fitted "
+                        "on this recorded run's lone probe (for a run that has none).")
     parser.add_argument("--smoke", action="store_true",
                         help="The tiny model on CPU, small lengths, 20 s replays.")
     parser.add_argument("--schedules", default="chunk512,multiplex",
@@ -557,7 +663,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.resimulate:
-        return print_resimulation(resimulate(args.resimulate, args.models_as_of))
+        return print_resimulation(resimulate(args.resimulate, args.models_as_of,
+                                             args.mixed_step_extra_from))
     table = SMOKE_SCHEDULES if args.smoke else SCHEDULES
     unknown = [s for s in args.schedules.split(",") if s not in table]
     if unknown:
@@ -577,7 +684,8 @@ def main() -> int:
 def print_resimulation(result: dict) -> int:
     print(f"re-simulated offline from {result['resimulated_from']} (models as of "
           f"{result['models_as_of']}); measured figures are the recorded run's; "
-          f"multiplexing's cycle covers every batch: {result['cycle_covers_every_batch']}")
+          f"multiplexing's cycle covers every batch: {result['cycle_covers_every_batch']}; "
+          f"chunked: {result['chunked']}")
     for name, table in result["schedules"].items():
         for key, row in table.items():
             print(name, key, json.dumps(row), flush=True)

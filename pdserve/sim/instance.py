@@ -11,6 +11,13 @@ decode tokens); attention adds what each piece's prefill grows by in the quadrat
 (over its prefix) and the decode batch's KV read. A prompt whose last piece ran gets its
 first token at the end of that step and decodes from the next.
 
+Two things of the real engine that steps measured apart do not show, both measured on the
+H200 (``benchmarks/sim_validate_instance.py``): ``mixed_step_extra_s``, what a step with
+prompt pieces beside decodes costs beyond ``mixed_step_s`` (fitted on the validation's lone
+interference probe: about 2 ms a step at efbfdd5), and ``overlap``: the engine plans step
+k + 1 as it issues step k (overlap scheduling, on by default), so a prompt that arrives
+while a step runs starts in the step after the next one.
+
 ``mixed_step="sum"`` is the model as it was until the H200 validation at eb12b7d (a mixed
 step took the decode step plus each piece's whole prefill increment: the weights read
 twice); kept so that that run's simulated figures can be reproduced offline.
@@ -44,11 +51,14 @@ def mixed_step_s(model: LatencyModel, batch: int, context: int,
 class ChunkedInstanceSim:
     def __init__(self, model: LatencyModel, chunk_size: int = 512,
                  noise: ServiceNoise | None = None, max_batch: int = 256,
-                 mixed_step: str = "roofline") -> None:
+                 mixed_step: str = "roofline", mixed_step_extra_s: float = 0.0,
+                 overlap: bool = False) -> None:
         if mixed_step not in MIXED_STEP_MODELS:
             raise ValueError(f"mixed_step must be one of {', '.join(MIXED_STEP_MODELS)}")
         self.model, self.chunk_size, self.max_batch = model, chunk_size, max_batch
         self.noise, self.mixed_step = noise, mixed_step
+        self.mixed_step_extra_s, self.overlap = mixed_step_extra_s, overlap
+        self._planned_at = 0.0  # when this step's plan was made (overlap: the last start)
         self.loop = EventLoop()
         self.waiting: deque[list] = deque()  # [request, prompt tokens done]
         self.running: list[list] = []  # [request, tokens still to decode]
@@ -72,6 +82,7 @@ class ChunkedInstanceSim:
             self._stepping = False
             return
         pieces = self._pieces(self.chunk_size - len(self.running))
+        self._planned_at = self.loop.now
         seconds = self._step_s(pieces)
         if self.noise is not None:
             seconds *= self.noise.span(self._noise_step, self._noise_step + 1)[0]
@@ -80,10 +91,13 @@ class ChunkedInstanceSim:
 
     def _pieces(self, budget: int) -> list[tuple[list, int, int]]:
         """(entry, tokens done before, tokens now) of each waiting prompt in this step."""
-        pieces = []
+        pieces: list[tuple[list, int, int]] = []
+        planned_at = self._planned_at if self.overlap and self.running else self.loop.now
         for entry in self.waiting:
             if budget <= 0 or len(self.running) + len(pieces) >= self.max_batch:
                 break
+            if entry[1] == 0 and entry[0].arrival > planned_at:
+                break  # arrived after this step was planned (``overlap``)
             take = min(budget, entry[0].input_len - entry[1])
             pieces.append((entry, entry[1], take))
             budget -= take
@@ -94,8 +108,9 @@ class ChunkedInstanceSim:
             return self._decode_s() + sum(self._piece_s(done, n) for _, done, n in pieces)
         if not pieces:
             return self._decode_s()
-        return mixed_step_s(self.model, len(self.running), self._context(),
-                            [(done, n) for _, done, n in pieces])
+        extra_s = self.mixed_step_extra_s if self.running else 0.0
+        return extra_s + mixed_step_s(self.model, len(self.running), self._context(),
+                                      [(done, n) for _, done, n in pieces])
 
     def _context(self) -> int:
         return sum(r.input_len + r.output_len - left for r, left in self.running)
