@@ -369,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration-from", metavar="RUN.json",
                         help="with --fit-share: the walks plan with this run's learned "
                         "corrections (its engine_info calibration)")
+    parser.add_argument("--graph-replay", metavar="TIMELINES",
+                        help="with --predictor: re-plan these runs' mixed-step decisions with "
+                        "mixed steps on the prefill-step graphs weighed (comma-separated)")
+    parser.add_argument("--graph-factors", default="1.0,0.95,0.9,0.85",
+                        help="with --graph-replay: graph steps' cost over eager steps' "
+                        "(as the run learned them)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if bool(args.predictor) == bool(args.timeline):
@@ -377,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         return delivered(args.timeline, args.out)
     if args.fit_share:
         return fit_share(args)
+    if args.graph_replay:
+        return graph_replay(args)
     predictor = LatencyPredictor.load(args.predictor)
     rows = []
     for batch, itl, correction, sharing in itertools.product(
@@ -425,6 +433,72 @@ def fit_share(args: argparse.Namespace) -> int:
               f"measured {row['measured_s']:6.1f} s predicted {row['predicted_s']:6.1f} s "
               f"({row['error']:+.1%}); per batch |error| p50 {row['per_batch_abs_error_p50']:.0%}"
               f" p90 {row['per_batch_abs_error_p90']:.0%}")
+    return 0
+
+
+GRAPH_STEP_TOKENS = 256  # --piecewise-graph-max-tokens' default
+LOOGLE_PROMPT = 16000  # the LooGLE-like prompts' middle (12,000-20,000 tokens)
+
+
+def replay_graph_steps(predictor, entries: list[dict], settings: PlannerSettings,
+                       factor: float) -> dict:
+    """Each mixed-step decision beside decode in a measured timeline, re-planned with the
+    run's settings and learned corrections, without and with graph steps weighed at
+    ``factor`` of the eager steps' learned cost. The timeline records the chunk's prefix, not the prompt's
+    length: the prompt is taken as ``LOOGLE_PROMPT`` tokens (or its prefix plus the chunk,
+    if longer)."""
+    rows = []
+    for entry in entries:
+        if entry["mode"] != "temporal" or not entry["decode_batch"] or \
+                not entry["prefill_tokens"]:
+            continue
+        context = decode_context(entry, predictor)
+        if context is None:
+            continue
+        prefix = entry["prefill_context_tokens"]
+        load = DecodeLoad(entry["decode_batch"], int(context))
+        waiting = [PrefillRequest(max(LOOGLE_PROMPT - prefix, entry["prefill_tokens"]), prefix,
+                                  0.0)]
+        rows.append([_replanned(predictor, settings, factor, tokens, load, waiting)
+                     for tokens in (0, GRAPH_STEP_TOKENS)])
+    return _replay_summary(rows, factor)
+
+
+def _replanned(predictor, settings: PlannerSettings, factor: float, graph_tokens: int,
+               load: DecodeLoad, waiting: list[PrefillRequest]):
+    planner = settings.planner(predictor)
+    model = planner.predictor  # graph steps relative to the run's learned eager steps
+    model.graph_mixed_correction = factor * model.mixed_correction
+    planner.config = replace(planner.config, graph_step_tokens=graph_tokens)
+    return planner.plan(load, waiting, None, "temporal")
+
+
+def _replay_summary(rows: list, factor: float) -> dict:
+    changed = [(off, on) for off, on in rows if (off.option, off.prefill.num_tokens) !=
+               (on.option, on.prefill.num_tokens)]
+    rate = lambda plans: statistics.mean(p.prefill_tokens_per_s for p in plans) if plans else 0
+    return {"graph_factor": factor, "decisions": len(rows), "changed": len(changed),
+            "to_graph_steps": sum(on.mode == MuxMode.TEMPORAL and on.prefill.num_tokens
+                                  + 1 <= GRAPH_STEP_TOKENS for _, on in changed),
+            "predicted_tokens_per_s_off": round(rate([r[0] for r in rows])),
+            "predicted_tokens_per_s_on": round(rate([r[1] for r in rows]))}
+
+
+def graph_replay(args: argparse.Namespace) -> int:
+    """Writes and prints ``replay_graph_steps`` per timeline and factor (a prediction)."""
+    predictor = LatencyPredictor.load(args.predictor)
+    result = {"kind": "prediction", "command": " ".join(["python", *sys.argv]),
+              "git_revision": os.environ.get("PDSERVE_GIT_REVISION", "unknown"),
+              "predictor": args.predictor, "prompt_tokens_assumed": LOOGLE_PROMPT, "runs": {}}
+    for path in _paths(args.graph_replay):
+        run = _run_of(path)
+        settings = settings_of(run["server_command"]).learned(
+            run.get("engine_info", {}).get("calibration"))
+        result["runs"][path] = [replay_graph_steps(predictor, _timeline(path), settings, f)
+                                for f in _floats(args.graph_factors)]
+        for row in result["runs"][path]:
+            print(f"{Path(path).name:45s} {row}")
+    Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
 
