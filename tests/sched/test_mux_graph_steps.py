@@ -59,12 +59,13 @@ def test_graph_steps_at_the_eager_cost_change_nothing(profile):
         assert plan_at(profile, prefix, 1.0) == plan_at(profile, prefix, 1.0, graph_tokens=0)
 
 
-def test_graph_steps_weigh_in_the_committed_rate_against_other_options(profile):
-    """Rule 2 counts mixed steps through a batch's worth of prompt tokens: with graph steps
-    measured cheaper, that run is faster, and mixed steps win over options they lost to."""
+def test_the_committed_rate_counts_graph_steps_through_the_whole_run(profile):
+    """Rule 2 weighs mixed steps through a batch's worth of prompt tokens (all three options
+    offered): with graph steps measured cheaper, the steps of that run take them and its
+    rate rises."""
     off = plan_at(profile, 8000, 0.85, graph_tokens=0, time_slice=True)
     on = plan_at(profile, 8000, 0.85, time_slice=True)
-    assert on.mode == MuxMode.TEMPORAL
+    assert on.mode == MuxMode.TEMPORAL and on.prefill.num_tokens == 255
     assert on.committed_tokens_per_s > off.committed_tokens_per_s
 
 
@@ -89,3 +90,22 @@ def test_the_graph_step_flag_reaches_the_planner_and_bad_values_are_refused():
     assert llm.engine.describe()["calibration"]["graph_mixed_steps"] == 1.0
     with pytest.raises(ValueError, match="--mux-graph-step-tokens -1"):
         SchedulerConfig(schedule="multiplex", mux_graph_step_tokens=-1)
+
+
+@pytest.mark.parametrize("graph_tokens", [0, 100_000])
+def test_a_served_run_teaches_each_kind_of_mixed_step_its_own_correction(graph_tokens):
+    """The tiny model on the CPU, mixed steps only: with every step within the graph bound
+    only the graph steps' correction learns, with none only the eager one."""
+    from pdserve.engine.llm import LLM
+    from pdserve.sampling_params import SamplingParams
+
+    llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline",
+              max_num_batched_tokens=64, mux_sharing="temporal",
+              mux_graph_step_tokens=graph_tokens)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (40, 150, 90, 200)]
+    llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert any(e["mode"] == "temporal" and e["decode_batch"] for e in llm.engine.timeline())
+    learned = llm.engine.describe()["calibration"]
+    moved, kept = ("graph_mixed_steps", "mixed_steps") if graph_tokens else \
+        ("mixed_steps", "graph_mixed_steps")
+    assert learned[moved] != 1.0 and learned[kept] == 1.0
