@@ -8,7 +8,9 @@ Pure logic over a latency predictor (no torch). At every decode step the engine 
   ITL budget; prefill gets a piece (tokens x layers) predicted to last about one decode
   step, so the scheduler can re-plan at every step and neither stream idles.
 - TEMPORAL: one whole-GPU mixed step; decode tokens ride along in a prefill chunk's GEMMs
-  (chunked prefill), with the largest chunk whose predicted step fits the ITL budget.
+  (chunked prefill), with the largest chunk whose predicted step fits the ITL budget. With
+  ``MuxPlannerConfig.graph_step_tokens`` the largest chunk whose step stays on the
+  prefill-step graphs is weighed beside it, at its own learned cost; the higher rate wins.
 - TIME_SLICE: whole-GPU time slicing at layer boundaries. A decode step runs alone on the
   whole GPU (graph replay), then a whole-GPU prefill piece (a layer range) sized so that
   decode step + piece fit the ITL budget; the next decode step starts after the piece.
@@ -115,9 +117,9 @@ class OnlineCalibration:
         self.step_limit = step_limit
         self.num_layers, self.total_sms = model.num_layers, model.total_sms
         self.mixed_correction = 1.0
-        # Mixed steps small enough for the prefill-step graphs learn their own factor: their
-        # launches cost little and the profile's mixed rows are all eager, so one shared
-        # factor would be wrong for both kinds.
+        # Mixed steps small enough for the prefill-step graphs learn their own factor: the
+        # profile's mixed rows are all eager, and graph steps measured cheaper must not pull
+        # the eager steps' predictions down with them (nor eager ones keep graph steps dear).
         self.graph_mixed_correction = 1.0
         self.decode_correction = 1.0  # co-running decode steps
         self.prefill_corrections: dict[str, float] = {}  # by ``option_key``
