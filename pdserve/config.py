@@ -88,8 +88,8 @@ class SchedulerConfig:
                                    "paying for the switch, before the running one is left.")
     mux_graph_step_tokens: int = doc(0, "multiplex: weigh mixed steps that fit the prefill-step "
                                      "graphs (prompt and decode tokens up to this many; match "
-                                     "--piecewise-graph-max-tokens) as an option of their own, "
-                                     "at a cost learned from such steps; 0: off.")
+                                     "--piecewise-graph-max-tokens at most) as an option of "
+                                     "their own, at a cost learned from such steps; 0: off.")
     mux_allow_unprofiled: bool = doc(False, "multiplex: answer the SM splits a fitted profile "
                                       "never timed with the roofline model, instead of "
                                       "stopping at start-up with the groups it lacks.")
@@ -179,6 +179,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+
+    def __post_init__(self) -> None:
+        graph_steps = self.scheduler.mux_graph_step_tokens
+        most = 0 if self.device.enforce_eager else self.device.piecewise_graph_max_tokens
+        if graph_steps > most:
+            raise ValueError(f"--mux-graph-step-tokens {graph_steps}: the prefill-step graphs "
+                             f"hold at most {most} tokens (--piecewise-graph-max-tokens, "
+                             "--enforce-eager); larger steps run eagerly")
 
     @classmethod
     def from_flat(cls, **kwargs: Any) -> EngineConfig:

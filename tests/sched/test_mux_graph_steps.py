@@ -92,10 +92,22 @@ def test_the_graph_step_flag_reaches_the_planner_and_bad_values_are_refused():
         SchedulerConfig(schedule="multiplex", mux_graph_step_tokens=-1)
 
 
-@pytest.mark.parametrize("graph_tokens", [0, 100_000])
+@pytest.mark.parametrize("flags", [{"mux_graph_step_tokens": 512},
+                                   {"mux_graph_step_tokens": 256, "enforce_eager": True},
+                                   {"mux_graph_step_tokens": 256,
+                                    "piecewise_graph_max_tokens": 128}])
+def test_graph_steps_larger_than_the_graphs_are_refused(flags):
+    from pdserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--mux-graph-step-tokens .* at most"):
+        EngineConfig.from_flat(schedule="multiplex", **flags)
+
+
+@pytest.mark.parametrize("graph_tokens", [0, 256])
 def test_a_served_run_teaches_each_kind_of_mixed_step_its_own_correction(graph_tokens):
     """The tiny model on the CPU, mixed steps only: with every step within the graph bound
-    only the graph steps' correction learns, with none only the eager one."""
+    only the graph steps' correction learns, with none only the eager one (the CPU has no
+    graphs: what is tested is which correction a step teaches)."""
     from pdserve.engine.llm import LLM
     from pdserve.sampling_params import SamplingParams
 
