@@ -39,6 +39,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import shlex
 import sys
 import time
@@ -127,15 +128,20 @@ CONFIGS["prefill-first"] = "--schedule prefill-first --max-num-batched-tokens 24
 CONFIGS["disagg"] = "--schedule disagg --disagg-decode-sms 56 --max-num-batched-tokens 24576"
 CONFIGS.update({f"multiplex-itl{itl:g}": f"{MUX_ARGS} --itl-slo-ms {itl:g}"
                 for itl in FIGURE3_ITL_MS})
+# Mixed steps only, and mixed steps that fit the 256-token prefill-step graphs weighed as
+# an option of their own: A/B against multiplex-itl60 and chunk256.
+CONFIGS["multiplex-temporal-itl60"] = f"{MUX_ARGS} --itl-slo-ms 60 --mux-sharing temporal"
+CONFIGS["multiplex-graph-itl60"] = f"{MUX_ARGS} --itl-slo-ms 60 --mux-graph-step-tokens 256"
 TABLE_CONFIGS = ("multiplex-itl60", "chunk256", "chunk512", "chunk1024", "chunk2048",
                  "prefill-first", "disagg")
 SERVER_ARGS = "--load-format dummy --max-model-len 24576"
 
 
 def itl_target(config: str) -> float | None:
-    """The ITL SLO a multiplex configuration serves to (None: not a multiplex one)."""
-    return float(config.removeprefix("multiplex-itl")) if config.startswith("multiplex-itl") \
-        else None
+    """The ITL SLO a multiplex configuration (``multiplex[-<variant>]-itl<N>``) serves to
+    (None: not a multiplex one)."""
+    match = re.fullmatch(r"multiplex(?:-[a-z][a-z0-9-]*?)?-itl(\d+(?:\.\d+)?)", config)
+    return float(match.group(1)) if match else None
 
 
 def probe_path(results: Path, workload: str, config: str, rate: float) -> Path:

@@ -56,6 +56,7 @@ from pdserve.sched.mux_planner import (  # noqa: E402
     MuxPlannerConfig,
     OnlineCalibration,
     PrefillRequest,
+    option_key,
 )
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
 from pdserve.sim.cluster import fit_nonnegative  # noqa: E402
@@ -369,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration-from", metavar="RUN.json",
                         help="with --fit-share: the walks plan with this run's learned "
                         "corrections (its engine_info calibration)")
+    parser.add_argument("--graph-replay", metavar="TIMELINES",
+                        help="with --predictor: re-plan these runs' mixed-step decisions with "
+                        "mixed steps on the prefill-step graphs weighed (comma-separated)")
+    parser.add_argument("--graph-factors", default="1.0,0.95,0.9,0.85",
+                        help="with --graph-replay: graph steps' cost over eager steps' "
+                        "(as the run learned them)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if bool(args.predictor) == bool(args.timeline):
@@ -377,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         return delivered(args.timeline, args.out)
     if args.fit_share:
         return fit_share(args)
+    if args.graph_replay:
+        return graph_replay(args)
     predictor = LatencyPredictor.load(args.predictor)
     rows = []
     for batch, itl, correction, sharing in itertools.product(
@@ -425,6 +434,93 @@ def fit_share(args: argparse.Namespace) -> int:
               f"measured {row['measured_s']:6.1f} s predicted {row['predicted_s']:6.1f} s "
               f"({row['error']:+.1%}); per batch |error| p50 {row['per_batch_abs_error_p50']:.0%}"
               f" p90 {row['per_batch_abs_error_p90']:.0%}")
+    return 0
+
+
+GRAPH_STEP_TOKENS = 256  # --piecewise-graph-max-tokens' default
+LOOGLE_PROMPT = 16000  # the LooGLE-like prompts' middle (12,000-20,000 tokens)
+
+
+def replay_graph_steps(predictor, entries: list[dict], settings: PlannerSettings,
+                       factor: float) -> dict:
+    """The decisions beside decode of a measured timeline that start prefill work (each
+    mixed step, each spatial or time-slice batch's first piece), re-planned with the run's
+    settings and learned corrections, without and with graph steps weighed at ``factor`` of
+    the eager steps' learned cost; by the option the run chose. The timeline records a
+    batch's prefix, not its prompts' length: one prompt of ``LOOGLE_PROMPT`` tokens is taken
+    (or of its prefix and the batch's tokens, if longer)."""
+    rows: dict[str, list] = {}
+    for entry, incumbent in _starts_beside_decode(entries):
+        context = decode_context(entry, predictor)
+        if context is None:
+            continue
+        prefix, tokens = entry["prefill_context_tokens"], entry["prefill_tokens"]
+        load = DecodeLoad(entry["decode_batch"], int(context))
+        waiting = [PrefillRequest(max(LOOGLE_PROMPT - prefix, tokens), prefix, 0.0)]
+        plans = [_replanned(predictor, settings, factor, graph, load, waiting, incumbent)
+                 for graph in (0, GRAPH_STEP_TOKENS)]
+        rows.setdefault(_option_of(entry), []).append((load, *plans))
+    return {"graph_factor": factor,
+            "by_option": {option: _replay_summary(r) for option, r in sorted(rows.items())}}
+
+
+def _starts_beside_decode(entries: list[dict]):
+    """(decision, the option running before it) for each mixed step and each spatial or
+    time-slice batch's first decision, with a decode batch beside it."""
+    starts = {b["start"] for b in prefill_batches(entries)}
+    previous = None
+    for entry in entries:
+        begins = entry["mode"] == "temporal" or (
+            entry["mode"] in ("spatial", "time_slice") and entry["time"] in starts)
+        if begins and entry["decode_batch"] and entry["prefill_tokens"]:
+            yield entry, previous
+        previous = _option_of(entry)
+
+
+def _option_of(entry: dict) -> str | None:
+    mode = MuxMode(entry["mode"])
+    return option_key(mode, entry["decode_sms"])
+
+
+def _replanned(predictor, settings: PlannerSettings, factor: float, graph_tokens: int,
+               load: DecodeLoad, waiting: list[PrefillRequest], incumbent: str | None):
+    planner = settings.planner(predictor)
+    model = planner.predictor  # graph steps relative to the run's learned eager steps
+    model.graph_mixed_correction = factor * model.mixed_correction
+    planner.config = replace(planner.config, graph_step_tokens=graph_tokens)
+    return planner.plan(load, waiting, None, incumbent)
+
+
+def _replay_summary(rows: list) -> dict:
+    """How many (load, plan without, plan with graph steps) rows change their choice, how
+    many to graph steps, and the mean rate each choice is expected to deliver."""
+    chosen = lambda plan: (plan.option, plan.prefill.num_tokens if plan.prefill else 0)
+    changed = [(load, on) for load, off, on in rows if chosen(off) != chosen(on)]
+    expected = lambda i: round(statistics.mean(r[i].committed_tokens_per_s
+                                               / r[i].prefill_calibration for r in rows))
+    return {"decisions": len(rows), "changed": len(changed),
+            "to_graph_steps": sum(on.mode == MuxMode.TEMPORAL and
+                                  on.prefill.num_tokens + load.batch_size <= GRAPH_STEP_TOKENS
+                                  for load, on in changed),
+            "expected_tokens_per_s_off": expected(1), "expected_tokens_per_s_on": expected(2)}
+
+
+def graph_replay(args: argparse.Namespace) -> int:
+    """Writes and prints ``replay_graph_steps`` per timeline and factor (a prediction)."""
+    predictor = LatencyPredictor.load(args.predictor)
+    result = {"kind": "prediction", "command": " ".join(["python", *sys.argv]),
+              "git_revision": os.environ.get("PDSERVE_GIT_REVISION", "unknown"),
+              "predictor": args.predictor, "prompt_tokens_assumed": LOOGLE_PROMPT, "runs": {}}
+    for path in _paths(args.graph_replay):
+        run = _run_of(path)
+        settings = settings_of(run["server_command"]).learned(
+            run.get("engine_info", {}).get("calibration"))
+        result["runs"][path] = [replay_graph_steps(predictor, _timeline(path), settings, f)
+                                for f in _floats(args.graph_factors)]
+        for row in result["runs"][path]:
+            for option, summary in row["by_option"].items():
+                print(f"{Path(path).name:45s} x{row['graph_factor']:<5} {option:11s} {summary}")
+    Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
 

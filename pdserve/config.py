@@ -86,6 +86,10 @@ class SchedulerConfig:
     mux_switch_margin: float = doc(0.03, "multiplex: how much more prefill (as a fraction) "
                                    "another sharing option must be predicted to deliver, after "
                                    "paying for the switch, before the running one is left.")
+    mux_graph_step_tokens: int = doc(0, "multiplex: weigh mixed steps that fit the prefill-step "
+                                     "graphs (prompt and decode tokens up to this many; match "
+                                     "--piecewise-graph-max-tokens at most) as an option of "
+                                     "their own, at a cost learned from such steps; 0: off.")
     mux_allow_unprofiled: bool = doc(False, "multiplex: answer the SM splits a fitted profile "
                                       "never timed with the roofline model, instead of "
                                       "stopping at start-up with the groups it lacks.")
@@ -107,6 +111,9 @@ class SchedulerConfig:
             raise ValueError(f"--mux-itl-margin {self.mux_itl_margin}: must be in (0, 1]")
         if self.mux_switch_margin < 0.0:
             raise ValueError(f"--mux-switch-margin {self.mux_switch_margin}: must be >= 0")
+        if self.mux_graph_step_tokens < 0:
+            raise ValueError(f"--mux-graph-step-tokens {self.mux_graph_step_tokens}: must be "
+                             ">= 0")
 
 
 MUX_SHARING = ("temporal", "time_slice", "spatial")
@@ -172,6 +179,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+
+    def __post_init__(self) -> None:
+        graph_steps = self.scheduler.mux_graph_step_tokens
+        most = 0 if self.device.enforce_eager else self.device.piecewise_graph_max_tokens
+        if graph_steps > most:
+            raise ValueError(f"--mux-graph-step-tokens {graph_steps}: the prefill-step graphs "
+                             f"hold at most {most} tokens (--piecewise-graph-max-tokens, "
+                             "--enforce-eager); larger steps run eagerly")
 
     @classmethod
     def from_flat(cls, **kwargs: Any) -> EngineConfig:

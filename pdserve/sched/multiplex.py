@@ -117,6 +117,7 @@ class MixedNote:
 
     plan: MuxPlan
     as_planned: bool  # the step carried every prefill token the prediction was for
+    on_graphs: bool = False  # predicted as a step replayed from the prefill-step graphs
 
 
 @dataclass
@@ -175,6 +176,7 @@ class MultiplexScheduler(InFlightScheduler):
                       max_prefill_tokens=sched.max_num_batched_tokens,
                       safety_margin=sched.mux_itl_margin,
                       switch_margin=sched.mux_switch_margin,
+                      graph_step_tokens=sched.mux_graph_step_tokens,
                       **{name: name in sharing for name in MUX_SHARING})
         return MuxPlannerConfig(**{**fields, **self._overrides, **overrides})
 
@@ -189,6 +191,7 @@ class MultiplexScheduler(InFlightScheduler):
         """How far serving has moved the profile, as of now: mixed steps, co-running decode
         and each option's prefill pieces; and how often the switch margin held an option."""
         return {"mixed_steps": round(self.model.mixed_correction, 4),
+                "graph_mixed_steps": round(self.model.graph_mixed_correction, 4),
                 "co_running_decode": round(self.model.decode_correction, 4),
                 "prefill_pieces": self.model.describe_prefill(),
                 "switch_margin": self.planner.config.switch_margin,
@@ -273,7 +276,8 @@ class MultiplexScheduler(InFlightScheduler):
         overlapped = self.overlap.allows(step)
         self.overlap.mixed_step(chained)
         self.launched(step, overlapped)
-        note = DecodeNote(MixedNote(plan, prefill_tokens == plan.prefill.num_tokens))
+        graphs = self.planner.on_graphs(plan.prefill.num_tokens, len(step.decodes))
+        note = DecodeNote(MixedNote(plan, prefill_tokens == plan.prefill.num_tokens, graphs))
         works[DECODE_LANE] = Work(step, self.current, note=note, overlapped=overlapped,
                                   timed=True)
         self.decodes.add(works[DECODE_LANE])
@@ -440,7 +444,7 @@ class MultiplexScheduler(InFlightScheduler):
         # host's view adds whatever kept it from looking at a finished step in time).
         measured = output.device_ms if output.device_ms is not None else output.elapsed_ms
         if mixed is not None and mixed.as_planned:
-            self.model.observe_mixed(mixed.plan.decode_ms, measured)
+            self.model.observe_mixed(mixed.plan.decode_ms, measured, mixed.on_graphs)
         elif entry is not None and entry.mode == MuxMode.SPATIAL and not entry.switch_pending:
             # Its prediction was for this very partition (a pending switch planned another).
             self.model.observe_decode(entry.predicted_decode_ms, measured)

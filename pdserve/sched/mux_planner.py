@@ -8,7 +8,9 @@ Pure logic over a latency predictor (no torch). At every decode step the engine 
   ITL budget; prefill gets a piece (tokens x layers) predicted to last about one decode
   step, so the scheduler can re-plan at every step and neither stream idles.
 - TEMPORAL: one whole-GPU mixed step; decode tokens ride along in a prefill chunk's GEMMs
-  (chunked prefill), with the largest chunk whose predicted step fits the ITL budget.
+  (chunked prefill), with the largest chunk whose predicted step fits the ITL budget. With
+  ``MuxPlannerConfig.graph_step_tokens`` the largest chunk whose step stays on the
+  prefill-step graphs is weighed beside it, at its own learned cost; the higher rate wins.
 - TIME_SLICE: whole-GPU time slicing at layer boundaries. A decode step runs alone on the
   whole GPU (graph replay), then a whole-GPU prefill piece (a layer range) sized so that
   decode step + piece fit the ITL budget; the next decode step starts after the piece.
@@ -115,6 +117,10 @@ class OnlineCalibration:
         self.step_limit = step_limit
         self.num_layers, self.total_sms = model.num_layers, model.total_sms
         self.mixed_correction = 1.0
+        # Mixed steps small enough for the prefill-step graphs learn their own factor: the
+        # profile's mixed rows are all eager, and graph steps measured cheaper must not pull
+        # the eager steps' predictions down with them (nor eager ones keep graph steps dear).
+        self.graph_mixed_correction = 1.0
         self.decode_correction = 1.0  # co-running decode steps
         self.prefill_corrections: dict[str, float] = {}  # by ``option_key``
         self.prefill_pieces: dict[str, int] = {}
@@ -130,9 +136,20 @@ class OnlineCalibration:
     def predict_mixed(self, *args, **kwargs) -> float:
         return self.mixed_correction * self.model.predict_mixed(*args, **kwargs)
 
-    def observe_mixed(self, predicted_ms: float, measured_ms: float) -> None:
-        """``predicted_ms``: what ``predict_mixed`` said for the step that ran."""
-        self.mixed_correction = self._moved(self.mixed_correction, predicted_ms, measured_ms)
+    def predict_graph_mixed(self, *args, **kwargs) -> float:
+        """A mixed step replayed from the prefill-step graphs (``predict_mixed``'s arguments)."""
+        return self.graph_mixed_correction * self.model.predict_mixed(*args, **kwargs)
+
+    def observe_mixed(self, predicted_ms: float, measured_ms: float, graph: bool = False
+                      ) -> None:
+        """``predicted_ms``: what ``predict_mixed`` (``graph``: ``predict_graph_mixed``) said
+        for the step that ran."""
+        if graph:
+            self.graph_mixed_correction = self._moved(self.graph_mixed_correction,
+                                                      predicted_ms, measured_ms)
+        else:
+            self.mixed_correction = self._moved(self.mixed_correction, predicted_ms,
+                                                measured_ms)
 
     def observe_decode(self, predicted_ms: float, measured_ms: float) -> None:
         """A co-running decode step; ``predicted_ms``: what ``predict`` said for it."""
@@ -279,6 +296,12 @@ class MuxPlannerConfig:
     # Hysteresis (rule 4): how much more a challenger must deliver than the running option,
     # and how far under the budget a smaller decode partition's step must be to be re-entered.
     switch_margin: float = 0.03
+    # Largest whole-GPU step (prompt and decode tokens) the engine replays from its prefill
+    # step graphs; 0: mixed steps are all predicted as eager ones. When set, a mixed step
+    # also weighs the largest chunk that keeps the step on the graphs, at the graph steps'
+    # own learned cost (``OnlineCalibration.predict_graph_mixed``): on the H200 the planner's
+    # 64-token chunks plus the decode batch left almost every mixed step one token over.
+    graph_step_tokens: int = 0
 
     @property
     def budget_ms(self) -> float:
@@ -412,12 +435,10 @@ class MuxPlanner:
         ms, done, chunk = 0.0, 0, plan.prefill.num_tokens
         while done < work and chunk is not None:
             window, left = _window(waiting, done, work - done), work - done
-            step = lambda tokens, window=window: self._mixed_ms(decode, window, tokens)
-            chunk = _fitting_near(step, chunk, min(left, cfg.min_chunk_tokens),
-                                  min(left, cfg.max_prefill_tokens), cfg.token_align,
-                                  cfg.budget_ms)
+            chunk = self._mixed_chunk(decode, window, min(left, cfg.min_chunk_tokens),
+                                      min(left, cfg.max_prefill_tokens), guess=chunk)
             if chunk is not None:
-                ms, done = ms + step(chunk), done + chunk
+                ms, done = ms + self._mixed_ms(decode, window, chunk), done + chunk
         rate = 1e3 * work / ms if chunk is not None else 0.0
         return replace(plan, committed_tokens_per_s=rate)
 
@@ -541,17 +562,44 @@ class MuxPlanner:
         if not fits and not forced:
             return None
         largest = min(available, cfg.max_prefill_tokens)
-        chunk = (_largest_fitting(step, smallest, largest, cfg.token_align, cfg.budget_ms)
-                 if fits else smallest)
+        chunk = self._mixed_chunk(decode, waiting, smallest, largest) if fits else smallest
         chunks = self._gather(waiting, chunk)
         ms = step(chunk)
         piece = PrefillPiece(tuple(chunks), chunk, _prefix_sum(waiting, chunks), len(chunks), 0,
                              self.num_layers, ms)
-        reason = (f"mixed step with a {chunk}-token chunk" if fits else
+        graphs = " on the prefill-step graphs" if self.on_graphs(chunk, decode.batch_size) else ""
+        reason = (f"mixed step with a {chunk}-token chunk{graphs}" if fits else
                   f"prefill waited {cfg.max_prefill_stall_ms:.0f} ms: smallest mixed step")
         rate = 1e3 * chunk / ms
         return MuxPlan(MuxMode.TEMPORAL, self.total_sms, self.total_sms, piece, ms, rate, fits,
                        reason, ms, True, rate)
+
+    def on_graphs(self, prefill_tokens: int, decode_batch: int) -> bool:
+        """Whether a mixed step of this many prompt tokens beside ``decode_batch`` decodes is
+        predicted as one replayed from the prefill-step graphs (``graph_step_tokens``)."""
+        return 0 < prefill_tokens + decode_batch <= self.config.graph_step_tokens
+
+    def _mixed_chunk(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest], lo: int,
+                     hi: int, guess: int | None = None) -> int | None:
+        """The chunk in [lo, hi] of the highest predicted rate among the largest mixed steps
+        that fit the budget on the prefill-step graphs and eagerly (None: none fits); a
+        ``guess`` (the last step's chunk) is searched from."""
+        cfg = self.config
+        step = lambda tokens: self._mixed_ms(decode, waiting, tokens)
+        found = [_fitting_near(step, guess, a, b, cfg.token_align, cfg.budget_ms)
+                 if guess is not None else
+                 _largest_fitting(step, a, b, cfg.token_align, cfg.budget_ms)
+                 if step(a) <= cfg.budget_ms else None
+                 for a, b in self._graph_ranges(decode, lo, hi)]
+        return max((n for n in found if n is not None), key=lambda n: n / step(n), default=None)
+
+    def _graph_ranges(self, decode: DecodeLoad, lo: int, hi: int) -> list[tuple[int, int]]:
+        """[lo, hi] cut where a mixed step outgrows the prefill-step graphs: a step's
+        predicted cost grows with its chunk on each side, not across the cut."""
+        graph_hi = self.config.graph_step_tokens - decode.batch_size
+        if self.config.graph_step_tokens <= 0 or not lo <= graph_hi < hi:
+            return [(lo, hi)]
+        return [(lo, graph_hi), (graph_hi + 1, hi)]
 
     def _time_slice(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
                     in_flight: InFlightPrefill | None, forced: bool = False
@@ -685,7 +733,10 @@ class MuxPlanner:
     def _mixed_ms(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest], tokens: int
                   ) -> float:
         chunks = self._gather(waiting, tokens)
-        return self.predictor.predict_mixed(sum(t for _, t in chunks),
+        predict = self.predictor.predict_mixed
+        if self.calibration is not None and self.on_graphs(tokens, decode.batch_size):
+            predict = self.calibration.predict_graph_mixed
+        return predict(sum(t for _, t in chunks),
                                             _prefix_sum(waiting, chunks), len(chunks),
                                             decode.batch_size, decode.context_tokens,
                                             self.total_sms)

@@ -188,6 +188,26 @@ def test_share_fit_on_one_h200_run_predicts_a_held_out_one(tmp_path):
     assert scalar["runs"][held]["role"] == "held out" and scalar["delivered_over_planned"] > 0
 
 
+def test_graph_replay_of_a_measured_run_changes_choices_only_when_graph_steps_are_cheaper(
+        tmp_path):
+    """The eb12b7d run's decisions that start prefill work, re-planned with graph steps
+    weighed: at the eager steps' cost almost nothing changes; measured cheaper, most mixed
+    steps move onto the graphs and every option's expected rate rises or holds."""
+    whatif = _load("mux_whatif")
+    out = tmp_path / "replay.json"
+    timeline = str(LOOGLE / "eb12b7d_multiplex_rate0.5_timeline.json.gz")
+    assert whatif.main(["--predictor", str(LOOGLE / "d698fcb_predictor.json"), "--graph-replay",
+                        timeline, "--graph-factors", "1.0,0.85", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    same, cheaper = (row["by_option"] for row in result["runs"][timeline])
+    assert result["kind"] == "prediction" and same["temporal"]["decisions"] > 700
+    assert sum(row["changed"] for row in same.values()) < 0.02 * sum(
+        row["decisions"] for row in same.values())
+    assert cheaper["temporal"]["to_graph_steps"] > 0.9 * cheaper["temporal"]["decisions"]
+    assert all(row["expected_tokens_per_s_on"] >= row["expected_tokens_per_s_off"]
+               for row in cheaper.values())
+
+
 def test_share_table_follows_the_planner(tmp_path):
     """Beside a larger decode batch a prompt gets less (its factor rises), decode tokens
     come at least as slowly as alone, and the table has a cell per grid point."""
