@@ -549,7 +549,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-@dataclass
+@dataclass(slots=True)
 class Piece:
     """New output of one request since the last piece: text plus what clients may ask for."""
 
@@ -658,7 +658,9 @@ def dumps(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-_encode_str = json.JSONEncoder(ensure_ascii=False).encode
+# The C function ``json.dumps(..., ensure_ascii=False)`` encodes every string with, called
+# without an encoder object in between: a streamed chunk's text goes through it once.
+_encode_str = json.encoder.encode_basestring
 
 
 def dumps_str(text: str) -> bytes:

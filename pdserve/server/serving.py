@@ -82,7 +82,9 @@ class Generation:
         """The piece for these deltas; raises ``APIError`` if the engine failed the request."""
         for delta, step_time in items:
             self._note(delta, step_time)
-        out = self.output.process([delta for delta, _ in items])
+        # One delta per call is the usual case (a stream that kept up with the engine).
+        deltas = [items[0][0]] if len(items) == 1 else [delta for delta, _ in items]
+        out = self.output.process(deltas)
         if out.abort:
             self.close()  # the engine never sees stop strings: tell it to stop now
         if out.finish_reason == "error":
@@ -132,6 +134,7 @@ class Format:
     """Internal P/D route: chunks also carry ``pdserve_token_ids`` (the gateway strips them)."""
 
     _text_prefix: bytes = b""
+    """``data: `` and the chunk's JSON up to its text."""
     _text_suffix: bytes = b""
 
     def __post_init__(self) -> None:
@@ -146,6 +149,7 @@ class Format:
             self._text_suffix = b',"logprobs":null,"finish_reason":null}]'
         if self.sampling.include_usage:
             self._text_suffix += b',"usage":null'
+        self._text_prefix = b"data: " + self._text_prefix
 
     def with_echo(self, piece: P.Piece) -> P.Piece:
         """A choice's first piece with the echoed prompt before it (and, with logprobs, the
@@ -168,8 +172,8 @@ class Format:
 
     def text_chunk(self, text: str, timing: bytes = b"") -> bytes:
         """The SSE event of a chunk with nothing but new text (and optional timing fields)."""
-        return (b"data: " + self._text_prefix + P.dumps_str(text) + self._text_suffix + timing
-                + b"}\n\n")
+        return b"".join((self._text_prefix, P.dumps_str(text), self._text_suffix, timing,
+                         b"}\n\n"))
 
     def chunk(self, piece: P.Piece, offset: int, first: bool) -> dict[str, Any]:
         logprobs = self.sampling.logprobs
@@ -470,6 +474,7 @@ class _SSEWriter:
         # keeps a chunk off the pre-encoded text template.
         self._token_chunks = bool(fmt.sampling.logprobs or self.timed or fmt.with_token_ids)
         self._templated = not fmt.sampling.logprobs
+        self._extras = bool(self.timed or fmt.with_token_ids)  # fields after the choices
         self._backlog: list[bytes] = []  # formatted, for the handler to write
         self._transport: asyncio.Transport | None = None  # set once the headers are out
         self._chunked = False
@@ -485,12 +490,15 @@ class _SSEWriter:
         """The SSE bytes of a piece; b"" for one not worth a chunk."""
         if self.tool_stream is not None:
             return self._encode_tools(piece)
-        wanted = piece.text or piece.finish_reason or (piece.token_ids and self._token_chunks)
-        if self.sent_first and not wanted:
-            return b""
-        self.offset += len(piece.text)
-        if self.sent_first and self._templated and not (piece.finish_reason or piece.index):
-            return self.fmt.text_chunk(piece.text, self._extra_bytes(piece))
+        text = piece.text
+        if self.sent_first:
+            if not (text or piece.finish_reason or (piece.token_ids and self._token_chunks)):
+                return b""
+            if self._templated and not (piece.finish_reason or piece.index):
+                self.offset += len(text)
+                return self.fmt.text_chunk(text, self._extra_bytes(piece) if self._extras
+                                           else b"")
+        self.offset += len(text)
         chunk = self.fmt.chunk(piece, self.offset - len(piece.text), first=not self.sent_first)
         if self.timed:
             self._add_timing(chunk, piece)
@@ -546,10 +554,11 @@ class _SSEWriter:
             return  # tokens past a stop string, sent before the engine saw the abort
         try:
             data = self.encode(self.gen.fold(items))
-            if data and not self._backlog and self._has_room(len(data)):
-                self._transport.write(self._frame(data))
-            elif data:
-                self._backlog.append(data)
+            if data:
+                if not self._backlog and self._has_room(len(data)):
+                    self._transport.write(self._frame(data))
+                else:
+                    self._backlog.append(data)
         except (P.APIError, ConnectionError) as exc:
             self._error = exc
         if self._backlog or self._error is not None or self.gen.done:
@@ -573,10 +582,8 @@ class _SSEWriter:
 
     def _extra_bytes(self, piece: P.Piece) -> bytes:
         """The optional fields a templated chunk carries after its choices."""
-        if not (self.timed or self.fmt.with_token_ids):
-            return b""
         timing = self._timing_bytes(piece) if self.timed else b""
-        return timing + self._token_id_bytes(piece)
+        return timing + self._token_id_bytes(piece) if self.fmt.with_token_ids else timing
 
     def _token_id_bytes(self, piece: P.Piece) -> bytes:
         if not self.fmt.with_token_ids:

@@ -106,7 +106,8 @@ class LockstepClient(EngineClient):
 
     async def _settle(self) -> None:
         await asyncio.sleep(0)  # deliveries scheduled with call_soon run first
-        while not all(_waiting(stream) for stream in self._streams.values()):
+        while self._handing_scheduled or not all(_waiting(stream)
+                                                 for stream in self._streams.values()):
             await asyncio.sleep(0.001)
 
 
