@@ -26,7 +26,7 @@ from pdserve.cluster.zk_local import (
 from pdserve.cluster.zk_local import (
     stop as stop_server,
 )
-from tests.server.conftest import Server, start_servers
+from tests.server.conftest import Server, start_servers, stop_servers
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
@@ -81,8 +81,7 @@ def zk_group(zookeeper: str) -> Iterator[tuple[Server, Server]]:
     servers = start_servers((*flags, "--role", "prefill", "--instance-id", "p0"),
                             (*flags, "--role", "decode", "--instance-id", "d0"))
     yield servers
-    for server in servers:
-        server.stop()
+    stop_servers(servers)
 
 
 # ---- a three-server ensemble ----------------------------------------------------------------

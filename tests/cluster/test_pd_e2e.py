@@ -20,6 +20,7 @@ from tests.server.conftest import (
     free_port,
     start_server,
     start_servers,
+    stop_servers,
     wait_engine_idle,
 )
 
@@ -58,8 +59,7 @@ def _instance(server: Server, role: str, name: str | None = None) -> Instance:
 def instances():
     prefill, decode = start_servers(("--kv-transfer-port", "0"), ("--kv-transfer-port", "0"))
     yield prefill, decode
-    for server in (prefill, decode):
-        server.stop()
+    stop_servers((prefill, decode))
 
 
 @pytest.fixture

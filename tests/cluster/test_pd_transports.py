@@ -13,7 +13,7 @@ import pytest
 from pdserve.cluster.registry import MemoryRegistry
 from tests.cluster.group import wait_until
 from tests.cluster.test_pd_e2e import BODY, GatewayThread, _complete, _instance
-from tests.server.conftest import Server, start_servers
+from tests.server.conftest import Server, start_servers, stop_servers
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,7 @@ def test_p2p_pair_through_the_gateway_equals_one_instance():
     finally:
         gateway.stop()
         registry.close()
-        for server in (prefill, decode):
-            server.stop()
+        stop_servers((prefill, decode))
 
 
 def _sent_by_transport(server: Server) -> dict[str, float]:

@@ -13,7 +13,7 @@ import pytest
 from pdserve.cluster.registry import Instance, ZooKeeperRegistry
 from tests.cluster.group import SECRET, wait_until
 from tests.cluster.test_pd_e2e import BODY, GatewayThread
-from tests.server.conftest import start_servers
+from tests.server.conftest import start_servers, stop_servers
 
 pytestmark = pytest.mark.slow
 
@@ -83,5 +83,4 @@ def test_serving_goes_on_through_a_server_and_then_the_leader_stopping(ensemble)
         print({phase: f"{s.count(200)}/{len(s)} answered" for phase, s in statuses.items()})
         gateway.stop()
         registry.close()
-        for server in servers:
-            server.stop()
+        stop_servers(servers)

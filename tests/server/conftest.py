@@ -147,10 +147,17 @@ def start_servers(*flag_sets: tuple[str, ...]) -> list[Server]:
     started = [f.result() for f in futures if f.exception() is None]
     failed = [f.exception() for f in futures if f.exception() is not None]
     if failed:
-        for server in started:
-            server.stop()
+        stop_servers(started)
         raise failed[0]
     return started
+
+
+def stop_servers(servers) -> None:
+    """Stops them side by side: each drains and exits on its own."""
+    servers = list(servers)
+    if servers:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(Server.stop, servers))
 
 
 def wait_engine_idle(server, timeout: float = 30) -> dict[str, float]:
@@ -206,5 +213,4 @@ def launch():
         return started[-1]
 
     yield start
-    for srv in started:
-        srv.stop()
+    stop_servers(started)
