@@ -181,8 +181,10 @@ def main() -> None:
     parser.add_argument("--prefill-ms", type=float, default=50.0)
     parser.add_argument("--itl-ms", type=float, default=5.0)
     args = parser.parse_args()
+    # No graceful drain: aiohttp's default waits up to 60 s for in-flight handlers, and a
+    # stopped stand-in's queued prefills (sleeps) have no one left to answer.
     web.run_app(StandIn(args.prefill_ms, args.itl_ms).app(), host=args.host, port=args.port,
-                print=None)
+                print=None, shutdown_timeout=0.5)
 
 
 if __name__ == "__main__":

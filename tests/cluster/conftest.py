@@ -26,7 +26,7 @@ from pdserve.cluster.zk_local import (
 from pdserve.cluster.zk_local import (
     stop as stop_server,
 )
-from tests.server.conftest import Server, start_server
+from tests.server.conftest import Server, start_servers, stop_servers
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
@@ -78,11 +78,10 @@ def zk_group(zookeeper: str) -> Iterator[tuple[Server, Server]]:
     session: the modules that read the group through gateways share them (each pair costs
     two server starts); a module may add members, and must have removed them when it ends."""
     flags = member_flags(zookeeper)
-    servers = (start_server(*flags, "--role", "prefill", "--instance-id", "p0"),
-               start_server(*flags, "--role", "decode", "--instance-id", "d0"))
+    servers = start_servers((*flags, "--role", "prefill", "--instance-id", "p0"),
+                            (*flags, "--role", "decode", "--instance-id", "d0"))
     yield servers
-    for server in servers:
-        server.stop()
+    stop_servers(servers)
 
 
 # ---- a three-server ensemble ----------------------------------------------------------------

@@ -16,7 +16,7 @@ import aiohttp
 
 from pdserve.cluster.registry import Instance, MemoryRegistry
 from tests.cluster.test_pd_e2e import GatewayThread
-from tests.server.conftest import Server, start_server
+from tests.server.conftest import Server, start_server, stop_servers
 
 SECRET = "group-test-secret"
 SCENARIO = "default"
@@ -100,8 +100,7 @@ class Group:
     def close(self) -> None:
         if self.gateway is not None:
             self.gateway.stop()
-        for server in list(self.members.values()):  # replacements may still be joining
-            server.stop()
+        stop_servers(list(self.members.values()))  # replacements may still be joining
         self.registry.close()
 
     def retries(self, stage: str) -> float:

@@ -15,7 +15,14 @@ from aiohttp import web
 from pdserve.cluster.app import start_gateway, stop_gateway
 from pdserve.cluster.config import GatewayConfig
 from pdserve.cluster.registry import Instance, MemoryRegistry
-from tests.server.conftest import Server, free_port, start_server, wait_engine_idle
+from tests.server.conftest import (
+    Server,
+    free_port,
+    start_server,
+    start_servers,
+    stop_servers,
+    wait_engine_idle,
+)
 
 pytestmark = pytest.mark.slow
 SCENARIO = "default"
@@ -50,11 +57,9 @@ def _instance(server: Server, role: str, name: str | None = None) -> Instance:
 
 @pytest.fixture(scope="module")
 def instances():
-    prefill = start_server("--kv-transfer-port", "0")
-    decode = start_server("--kv-transfer-port", "0")
+    prefill, decode = start_servers(("--kv-transfer-port", "0"), ("--kv-transfer-port", "0"))
     yield prefill, decode
-    for server in (prefill, decode):
-        server.stop()
+    stop_servers((prefill, decode))
 
 
 @pytest.fixture

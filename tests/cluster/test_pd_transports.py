@@ -13,15 +13,14 @@ import pytest
 from pdserve.cluster.registry import MemoryRegistry
 from tests.cluster.group import wait_until
 from tests.cluster.test_pd_e2e import BODY, GatewayThread, _complete, _instance
-from tests.server.conftest import Server, start_server
+from tests.server.conftest import Server, start_servers, stop_servers
 
 pytestmark = pytest.mark.slow
 
 
 def test_p2p_pair_through_the_gateway_equals_one_instance():
     # Both explicit: each receiver refuses plain TCP, so an answer proves the p2p path.
-    prefill = start_server("--kv-transfer-port", "0", "--kv-transport", "p2p")
-    decode = start_server("--kv-transfer-port", "0", "--kv-transport", "p2p")
+    prefill, decode = start_servers(*[("--kv-transfer-port", "0", "--kv-transport", "p2p")] * 2)
     registry = MemoryRegistry()
     registry.register(_instance(prefill, "prefill"))
     registry.register(_instance(decode, "decode"))
@@ -36,8 +35,7 @@ def test_p2p_pair_through_the_gateway_equals_one_instance():
     finally:
         gateway.stop()
         registry.close()
-        for server in (prefill, decode):
-            server.stop()
+        stop_servers((prefill, decode))
 
 
 def _sent_by_transport(server: Server) -> dict[str, float]:

@@ -106,10 +106,11 @@ def _nodes_with(address: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
 def test_ray_places_prefill_and_decode_on_their_nodes_and_the_gateway_serves(
-        ray_cluster, tp, zookeeper):
-    """tp 2: each instance a tensor-parallel group of two processes in its bundle."""
+        ray_cluster, zookeeper):
+    """Each instance a tensor-parallel group of two processes in its bundle: the launcher
+    differs from size 1 only by the flag it passes on and the bundle's CPUs (a multiple)."""
+    tp = 2
     gateway_port = late_bound_port()
     cmd = [sys.executable, "-m", "pdserve", "cluster", "tiny", "--prefill", "1", "--decode",
            "1", "--ray-address", ray_cluster, "--registry", f"zk://{zookeeper}/ray-test-{tp}",

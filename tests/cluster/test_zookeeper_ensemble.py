@@ -13,7 +13,7 @@ import pytest
 from pdserve.cluster.registry import Instance, ZooKeeperRegistry
 from tests.cluster.group import SECRET, wait_until
 from tests.cluster.test_pd_e2e import BODY, GatewayThread
-from tests.server.conftest import start_server
+from tests.server.conftest import start_servers, stop_servers
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +41,8 @@ def test_serving_goes_on_through_a_server_and_then_the_leader_stopping(ensemble)
     url = f"zk://{ensemble.hosts}/pdtest"
     flags = ("--kv-transfer-port", "0", "--registry", url, "--scenario", "chat",
              "--cluster-secret", SECRET)
-    servers = [start_server(*flags, "--role", "prefill", "--instance-id", "p0"),
-               start_server(*flags, "--role", "decode", "--instance-id", "d0")]
+    servers = start_servers((*flags, "--role", "prefill", "--instance-id", "p0"),
+                            (*flags, "--role", "decode", "--instance-id", "d0"))
     registry = ZooKeeperRegistry(ensemble.hosts, "/pdtest")
     gateway = GatewayThread(registry, default_scenario="chat", cluster_secret=SECRET)
     statuses: dict[str, list[int]] = {}
@@ -83,5 +83,4 @@ def test_serving_goes_on_through_a_server_and_then_the_leader_stopping(ensemble)
         print({phase: f"{s.count(200)}/{len(s)} answered" for phase, s in statuses.items()})
         gateway.stop()
         registry.close()
-        for server in servers:
-            server.stop()
+        stop_servers(servers)

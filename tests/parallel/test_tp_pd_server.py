@@ -21,7 +21,7 @@ from pdserve.cluster.registry import ZooKeeperRegistry
 from tests.cluster.conftest import zookeeper  # noqa: F401  (the fixture)
 from tests.cluster.group import wait_until
 from tests.cluster.test_pd_e2e import BODY, GatewayThread
-from tests.server.conftest import Server, child_pids, engine_pid, start_server
+from tests.server.conftest import Server, child_pids, engine_pid, start_servers
 from tests.server.test_restart import _wait_for_new_engine
 
 pytestmark = pytest.mark.slow
@@ -72,10 +72,10 @@ def _served(gateway: GatewayThread) -> bool:
 def test_group_with_a_tp2_decode_instance_and_its_worker_killed(zookeeper):  # noqa: F811
     flags = ("--kv-transfer-port", "0", "--registry", f"zk://{zookeeper}{ROOT}",
              "--scenario", "chat")
-    prefill = start_server(*flags, "--role", "prefill", "--instance-id", "p0")
-    decode = start_server(*flags, "--role", "decode", "--instance-id", "d0",
-                          "--tensor-parallel-size", "2", "--engine-restarts", "2",
-                          "--engine-restart-backoff-s", "0.2")
+    prefill, decode = start_servers(
+        (*flags, "--role", "prefill", "--instance-id", "p0"),
+        (*flags, "--role", "decode", "--instance-id", "d0", "--tensor-parallel-size", "2",
+         "--engine-restarts", "2", "--engine-restart-backoff-s", "0.2"))
     registry = ZooKeeperRegistry(zookeeper, ROOT)
     gateway = GatewayThread(registry, default_scenario="chat")
     try:

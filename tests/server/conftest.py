@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,10 +115,10 @@ def engine_pid(server: Server, missing_ok: bool = False) -> int | None:
 
 
 def start_server(*flags: str, api_key: str | None = None, env: dict[str, str] | None = None,
-                 client_key: str | None = None) -> Server:
+                 client_key: str | None = None, port: int | None = None) -> Server:
     """``api_key`` goes on the command line; ``env`` adds environment variables;
     ``client_key`` is the key the test clients send (``api_key`` by default)."""
-    port = free_port()
+    port = port or free_port()
     cmd = [sys.executable, "-m", "pdserve", "serve", "tiny", "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--device", "cpu", *flags]
     if api_key:
@@ -127,6 +130,34 @@ def start_server(*flags: str, api_key: str | None = None, env: dict[str, str] | 
     server = Server(process, port, client_key or api_key, log)
     wait_healthy(server)
     return server
+
+
+def start_servers(*flag_sets: tuple[str, ...]) -> list[Server]:
+    """One server per flag set, started side by side (most of a start is loading torch and
+    the model, which the cores do at once), on ports that differ: all of them are held at
+    the same time while they are drawn. Stops the others when one fails to start."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in flag_sets]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        ports = [sock.getsockname()[1] for sock in sockets]
+    with ThreadPoolExecutor(len(flag_sets)) as pool:
+        futures = [pool.submit(start_server, *flags, port=port)
+                   for flags, port in zip(flag_sets, ports, strict=True)]
+    started = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        stop_servers(started)
+        raise failed[0]
+    return started
+
+
+def stop_servers(servers) -> None:
+    """Stops them side by side: each drains and exits on its own."""
+    servers = list(servers)
+    if servers:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(Server.stop, servers))
 
 
 def wait_engine_idle(server, timeout: float = 30) -> dict[str, float]:
@@ -182,5 +213,4 @@ def launch():
         return started[-1]
 
     yield start
-    for srv in started:
-        srv.stop()
+    stop_servers(started)
