@@ -13,3 +13,14 @@ def ignore_group_signals() -> None:
     of them stops (a message, a closed channel, or a signal of its own)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` of a child that must stop (SIGTERM: a drain) when the process that
+    started it dies, even killed, although no group signal reaches it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the parent's stop still ends it on a clean shutdown

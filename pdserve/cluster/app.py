@@ -110,7 +110,7 @@ async def start_gateway(config: GatewayConfig, registry: Registry | None = None
     gateway = Gateway(registry or make_registry(config.registry), config)
     await gateway.start()
     runner = web.AppRunner(build_gateway_app(gateway), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=1.0,
+                           access_log=None, shutdown_timeout=config.shutdown_timeout,
                            **HTTPLimits.of(config).runner_options())
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()

@@ -33,6 +33,9 @@ class GatewayConfig:
     max_attempts: int = doc(4, "Instances one request may be tried on: one that fails (dies, "
                             "loses the KV, answers 5xx) hands the request to another; a "
                             "stream resumes after the tokens the client already has.")
+    shutdown_timeout: float = doc(30.0, "On SIGTERM or SIGINT, seconds the requests in flight "
+                                  "through the gateway may run (new ones are no longer "
+                                  "accepted); then the rest are cut.")
     api_key: str | None = doc(None, "If set, clients need 'Authorization: Bearer KEY'.")
     cluster_secret: str | None = doc(None, "Secret sent to the instances' internal /pd/ "
                                      "routes (their --cluster-secret); default: "

@@ -28,6 +28,7 @@ from pdserve.cluster.app import start_gateway, stop_gateway
 from pdserve.cluster.config import GatewayConfig
 from pdserve.cluster.registry import Instance, Registry, make_registry
 from pdserve.server.pd import SECRET_ENV, resolve_secret, secret_headers
+from pdserve.signals import die_with_parent
 
 log = logging.getLogger("pdserve.launch")
 HEALTH_TIMEOUT_S = 900.0
@@ -88,7 +89,12 @@ def spawn_members(model: str, num_prefill: int, num_decode: int, serve_args: lis
             env[SECRET_ENV] = secret
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
-        members.append(Member(role, port, subprocess.Popen(cmd, env=env), gpu))
+        # A process group of its own: Ctrl-C (or kill -- -PGID) reaches only this launcher,
+        # which drains the gateway first and then stops each member once; a member that got
+        # the signal too would count the launcher's as a second one and cut its own drain.
+        # It still stops (SIGTERM) if the launcher dies.
+        process = subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=die_with_parent)
+        members.append(Member(role, port, process, gpu))
     return members
 
 

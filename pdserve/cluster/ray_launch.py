@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from pdserve.server.pd import SECRET_ENV
+from pdserve.signals import die_with_parent
 
 log = logging.getLogger("pdserve.launch")
 READY_TIMEOUT_S = 600.0
@@ -93,7 +94,7 @@ class InstanceHost:
                 str(port), "--kv-transfer-host", host, "--advertise-host", host]
         # Dies with this actor's process: a launcher killed outright leaves no server.
         self.process = subprocess.Popen(full, env={**os.environ, **env},
-                                        preexec_fn=_die_with_parent)
+                                        preexec_fn=die_with_parent)
         return host, port, ray.get_runtime_context().get_node_id()
 
     def node_address(self) -> str:
@@ -113,15 +114,6 @@ class InstanceHost:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: stop() still ends it on a clean shutdown
 
 
 class RayProcess:
