@@ -48,8 +48,12 @@ def test_goodput_finds_standin_knee():
         result = asyncio.run(_run(server.url, spec, slo, opts))
     print("standin goodput", result["goodput_rps"])
     assert 15.0 <= result["goodput_rps"] <= 26.0, result["goodput"]["points"]
-    rates = sorted(p["rate"] for p in result["goodput"]["points"])
-    assert rates[0] == 5.0 and rates[-1] >= 25.0
+    points = sorted((p["rate"], p["attainment"]) for p in result["goodput"]["points"])
+    # Started at 5 req/s and went past the knee: the highest probe failed (which side of
+    # 20 req/s the knee falls on depends on the host's load: client and stand-in share one
+    # process, so the search need not reach 25).
+    assert points[0][0] == 5.0 and points[-1][1] < 0.9
+    assert any(met >= 0.9 for rate, met in points if rate >= 15.0)
     assert result["slo_attainment"] >= 0.9
 
 
