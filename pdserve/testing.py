@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -17,10 +18,22 @@ from typing import IO
 START_TIMEOUT_S = 600.0  # a large model on a GPU loads for minutes
 
 
+_GIVEN_PORTS: set[int] = set()
+_GIVEN_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now and never handed out before by this process: servers
+    started from several threads at once (replacements joining a group) could otherwise be
+    handed the same port, one failing to bind while its health check reaches the other."""
+    with _GIVEN_LOCK:
+        while True:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            if port not in _GIVEN_PORTS:
+                _GIVEN_PORTS.add(port)
+                return port
 
 
 @dataclass
