@@ -494,7 +494,8 @@ def test_a_chained_mixed_step_is_timed_from_when_the_one_before_it_ended(hf_llam
     monkeypatch.setattr(time, "perf_counter", lambda: clock["now"])
     engine, ops, side = _temporal_held(hf_llama[0])
     observed = []
-    side.model.observe_mixed = lambda predicted, measured: observed.append(measured)
+    side.model.observe_mixed = (
+        lambda predicted, measured, on_graphs=False: observed.append(measured))
     first, second = _two_mixed_steps_of(engine, ops, "b")
     assert first.issued == 0.0 and second.issued == 0.0
     clock["now"] = 4.0  # time passes with both in flight: the first step's, not the second's
