@@ -584,14 +584,21 @@ class MuxPlanner:
         """The chunk in [lo, hi] of the highest predicted rate among the largest mixed steps
         that fit the budget on the prefill-step graphs and eagerly (None: none fits); a
         ``guess`` (the last step's chunk) is searched from."""
-        cfg = self.config
         step = lambda tokens: self._mixed_ms(decode, waiting, tokens)
-        found = [_fitting_near(step, guess, a, b, cfg.token_align, cfg.budget_ms)
-                 if guess is not None else
-                 _largest_fitting(step, a, b, cfg.token_align, cfg.budget_ms)
-                 if step(a) <= cfg.budget_ms else None
+        found = [self._largest_step(step, a, b, guess)
                  for a, b in self._graph_ranges(decode, lo, hi)]
         return max((n for n in found if n is not None), key=lambda n: n / step(n), default=None)
+
+    def _largest_step(self, step: Callable[[int], float], lo: int, hi: int,
+                      guess: int | None) -> int | None:
+        """The largest chunk in [lo, hi] whose ``step`` fits the budget (None: none does),
+        searched from ``guess`` when there is one."""
+        cfg = self.config
+        if guess is not None:
+            return _fitting_near(step, guess, lo, hi, cfg.token_align, cfg.budget_ms)
+        if step(lo) > cfg.budget_ms:
+            return None
+        return _largest_fitting(step, lo, hi, cfg.token_align, cfg.budget_ms)
 
     def _graph_ranges(self, decode: DecodeLoad, lo: int, hi: int) -> list[tuple[int, int]]:
         """[lo, hi] cut where a mixed step outgrows the prefill-step graphs: a step's
@@ -736,10 +743,8 @@ class MuxPlanner:
         predict = self.predictor.predict_mixed
         if self.calibration is not None and self.on_graphs(tokens, decode.batch_size):
             predict = self.calibration.predict_graph_mixed
-        return predict(sum(t for _, t in chunks),
-                                            _prefix_sum(waiting, chunks), len(chunks),
-                                            decode.batch_size, decode.context_tokens,
-                                            self.total_sms)
+        return predict(sum(t for _, t in chunks), _prefix_sum(waiting, chunks), len(chunks),
+                       decode.batch_size, decode.context_tokens, self.total_sms)
 
     def _rate(self, piece: PrefillPiece | None, step_ms: float = 0.0) -> float:
         """Prompt tokens per second a stream of such pieces advances (a share of the layers
