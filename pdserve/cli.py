@@ -261,6 +261,7 @@ def _check_engine_args(args: argparse.Namespace) -> None:
     arch = get_arch(model)
     read_generation_config(model.generation_config, model.model)
     _check_device(config.device.device, model.dtype)
+    _check_graph_steps(config)
     args.engine_config = dataclasses.replace(config, model=model)
     check_tp_config(args.engine_config, arch)
 
@@ -275,6 +276,21 @@ def _check_device(device: str, dtype: str) -> None:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {device}: no CUDA GPU is visible to this process")
     resolve_dtype(dtype, "cpu")
+
+
+def _check_graph_steps(config) -> None:
+    """--mux-graph-step-tokens where no prefill-step graphs are captured stops before the
+    model loads: its "graph" steps would run eagerly and learn an eager cost unasked."""
+    import torch
+
+    if config.scheduler.mux_graph_step_tokens <= 0:
+        return
+    on_cpu = config.device.device == "cpu" or not torch.cuda.is_available()
+    where = "on the CPU" if on_cpu else (
+        "under tensor parallelism" if config.device.tensor_parallel_size > 1 else None)
+    if where is not None:
+        raise UsageError(f"--mux-graph-step-tokens {config.scheduler.mux_graph_step_tokens}: "
+                         f"no prefill-step graphs are captured {where}; leave it at 0")
 
 
 def _check_serve(args: argparse.Namespace) -> None:

@@ -89,7 +89,9 @@ class SchedulerConfig:
     mux_graph_step_tokens: int = doc(0, "multiplex: weigh mixed steps that fit the prefill-step "
                                      "graphs (prompt and decode tokens up to this many; match "
                                      "--piecewise-graph-max-tokens at most) as an option of "
-                                     "their own, at a cost learned from such steps; 0: off.")
+                                     "their own, at a cost learned from such steps; 0: off. "
+                                     "Needs the graphs: refused on the CPU, under tensor "
+                                     "parallelism and with --enforce-eager.")
     mux_allow_unprofiled: bool = doc(False, "multiplex: answer the SM splits a fitted profile "
                                       "never timed with the roofline model, instead of "
                                       "stopping at start-up with the groups it lacks.")

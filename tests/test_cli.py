@@ -91,6 +91,13 @@ def test_mux_sharing_that_names_no_known_option():
                           "--mux-sharing 'temporal,spacial'", "unknown: spacial")
 
 
+def test_graph_steps_where_no_graphs_are_captured():
+    """The CPU captures no prefill-step graphs: the flag stops before the model loads."""
+    assert_one_line_error(pdserve("serve", "tiny", "--device", "cpu", "--schedule", "multiplex",
+                                  "--mux-graph-step-tokens", "256"),
+                          "--mux-graph-step-tokens 256", "on the CPU")
+
+
 def test_model_given_twice_and_different():
     assert_usage_error(pdserve("generate", "tiny", "--model", "tiny-qwen2", "--prompt", "x"),
                        "generate", "disagree")

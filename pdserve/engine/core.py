@@ -69,6 +69,7 @@ class EngineCore:
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         self.runner = ModelRunner(config, self.arch, self.max_model_len, setup.ops)
+        self._check_graph_steps()
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching)
         self.scheduler = make_scheduler(config.scheduler, self.blocks, self.max_model_len,
@@ -105,6 +106,18 @@ class EngineCore:
         why = role_refusal(config.scheduler.schedule)
         if why is not None:
             raise ValueError(why)
+
+    def _check_graph_steps(self) -> None:
+        """Multiplexing's graph steps need the prefill-step graphs this runner captures (none
+        under tensor parallelism or with --enforce-eager). The CPU captures none either; there
+        the steps within the bound are planned as graph steps and run like every CPU step (the
+        decision logic's reference, which tests use; the CLI refuses the flag on the CPU)."""
+        wanted = self.config.scheduler.mux_graph_step_tokens
+        captured = self.runner.piecewise_tokens()
+        if wanted > captured and self.runner.device.type == "cuda":
+            raise ValueError(f"--mux-graph-step-tokens {wanted}: this runner captures "
+                             f"prefill-step graphs of at most {captured} tokens (none under "
+                             "tensor parallelism); larger steps run eagerly")
 
     @property
     def kv_address(self) -> str | None:
