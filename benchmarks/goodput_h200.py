@@ -428,9 +428,19 @@ async def run_targets(targets: list[Target], opts: RunOptions) -> None:
 
 # --- summary ----------------------------------------------------------------------------------
 
-def wanted_searches(figure3_workloads: list[str]) -> list[tuple[str, str, float]]:
-    """The README table's searches (TPOT 60), then Figure 3's (ITL 40..100)."""
-    wanted = [(w, c, TPOT_SLO_MS) for w in WORKLOADS for c in TABLE_CONFIGS]
+def probed_variants(records: list[dict]) -> list[str]:
+    """Configurations outside the README table's that have probes (A/B variants such as
+    multiplex-graph-itl60 at ITL 60), in CONFIGS order."""
+    probed = {r["probe"]["config"] for r in records}
+    return [c for c in CONFIGS if c in probed and c not in TABLE_CONFIGS
+            and itl_target(c) == TPOT_SLO_MS]
+
+
+def wanted_searches(figure3_workloads: list[str], variants: list[str] = ()
+                    ) -> list[tuple[str, str, float]]:
+    """The README table's searches (TPOT 60) and those of the probed ``variants``, then
+    Figure 3's (ITL 40..100)."""
+    wanted = [(w, c, TPOT_SLO_MS) for w in WORKLOADS for c in (*TABLE_CONFIGS, *variants)]
     for workload in figure3_workloads:
         for itl in FIGURE3_ITL_MS:
             wanted += [(workload, f"chunk{c}", itl) for c in (256, 512, 1024, 2048)]
@@ -498,14 +508,16 @@ def expected_requests(workload: str, rate: float) -> int:
     return WORKLOADS[workload].num_requests(rate)
 
 
-def summary_markdown(found: list[Search], figure3_workloads: list[str], out_dir: Path) -> str:
-    table = [s for s in found if s.tpot_slo_ms == TPOT_SLO_MS and s.config in TABLE_CONFIGS]
+def summary_markdown(found: list[Search], figure3_workloads: list[str], out_dir: Path,
+                     variants: list[str] = ()) -> str:
+    rows = [*TABLE_CONFIGS, *variants]
+    table = [s for s in found if s.tpot_slo_ms == TPOT_SLO_MS and s.config in rows]
     missing = missing_probes(found, expected_requests)
     parts = ["# Goodput on the H200 (CodeLlama-34B, dummy weights)", "",
              "Goodput = the highest probed rate with >= 90% of requests within TTFT "
              "(loogle 15 s, sharegpt 2 s, mooncake 5 s) and TPOT 60 ms; `between a and b`: "
              "a passed, b failed, the rates between not yet probed.", "",
-             goodput_table(table, search_spaces(), list(WORKLOADS), list(TABLE_CONFIGS),
+             goodput_table(table, search_spaces(), list(WORKLOADS), rows,
                            expected_requests), "",
              "## Attainment of every search", "", ATTAINMENT_HEADER]
     parts += [attainment_table(s, expected_requests) for s in found]
@@ -518,10 +530,11 @@ def summary_markdown(found: list[Search], figure3_workloads: list[str], out_dir:
 
 
 def summarise(results: Path, out_dir: Path, figure3_workloads: list[str]) -> dict:
-    found = searches(load_records(results), wanted_searches(figure3_workloads),
-                     search_spaces())
+    records = load_records(results)
+    variants = probed_variants(records)
+    found = searches(records, wanted_searches(figure3_workloads, variants), search_spaces())
     out_dir.mkdir(parents=True, exist_ok=True)
-    markdown = summary_markdown(found, figure3_workloads, out_dir)
+    markdown = summary_markdown(found, figure3_workloads, out_dir, variants)
     (out_dir / "summary.md").write_text(markdown)
     data = {"searches": [_search_json(s) for s in found],
             "missing": [{"workload": w, "config": c, "rate": r}
