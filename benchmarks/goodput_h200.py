@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gzip
 import hashlib
 import json
 import math
@@ -376,6 +377,8 @@ async def _probe(run: ConfigRun, workload: ProbeWorkload, rate: float) -> bool:
         return False
     path = probe_path(run.opts.written(), workload.name, run.config, rate)
     write_json(probe_record(run, spec, requests, rate, result), path)
+    if itl_target(run.config) is not None:
+        write_timeline(result.get("engine_timeline") or [], path)
     run.done += 1
     print(f"[goodput] {label}: attainment {result['slo_attainment']:.3f} -> {path}", flush=True)
     return True
@@ -388,7 +391,20 @@ async def _measure(run: ConfigRun, workload: ProbeWorkload, spec: WorkloadSpec,
         run.warmed.add(workload.name)
     ctx = RunContext(progress=False, keep_samples=True)
     slo = SloOptions(workload.ttft_slo_ms, TPOT_SLO_MS)
-    return await run_at_rate(run.backend, spec, requests, rate, slo, ctx)
+    result = await run_at_rate(run.backend, spec, requests, rate, slo, ctx)
+    result["engine_after"] = await run.backend.fetch_engine_info()
+    return result
+
+
+def timeline_path(record_path: Path) -> Path:
+    return record_path.with_name(record_path.stem + "_timeline.json.gz")
+
+
+def write_timeline(entries: list[dict], record_path: Path) -> None:
+    """A multiplex probe's engine timeline beside its record (the planner's decisions,
+    predicted and measured, for ``benchmarks/mux_whatif.py --timeline``)."""
+    with gzip.open(timeline_path(record_path), "wt") as out:
+        json.dump(entries, out)
 
 
 def compact_samples(samples: list[dict]) -> list[dict]:
@@ -407,7 +423,8 @@ def probe_record(run: ConfigRun, spec: WorkloadSpec, requests: list, rate: float
     engine = run.backend.engine_info or {}
     modes = Counter(e.get("mode") for e in result.get("engine_timeline") or [])
     summary = {k: v for k, v in result.items()
-               if k not in ("samples", "timeline", "engine_timeline")}
+               if k not in ("samples", "timeline", "engine_timeline", "engine_after")}
+    after = result.get("engine_after") or {}
     record = result_header({"name": run.config, "server_command": run.server.command,
                             "server_args": CONFIGS[run.config], "engine": engine})
     return {**record, "probe": {"workload": spec.label, "config": run.config, "rate": rate,
@@ -417,6 +434,7 @@ def probe_record(run: ConfigRun, spec: WorkloadSpec, requests: list, rate: float
             "predictor": predictor_info(run.opts.predictor)
             if itl_target(run.config) is not None else None,
             "partitions": engine.get("partitions"), "engine_modes": dict(modes),
+            "calibration_after": after.get("calibration"),
             "summary": summary, "samples": compact_samples(result["samples"])}
 
 

@@ -104,7 +104,9 @@ class HttpBackend:
     """A pdserve server's ``/v1/engine/info`` (schedule, partitions, predictor): results
     record what actually ran."""
 
-    async def _engine_info(self) -> dict | None:
+    async def fetch_engine_info(self) -> dict | None:
+        """``/v1/engine/info`` now (None from a server without it): after a run it holds
+        what the engine learned (multiplexing's calibration) and its counters."""
         try:
             async with self.session.get(self.base_url + "/v1/engine/info") as resp:
                 return await resp.json() if resp.status == 200 else None
@@ -125,7 +127,7 @@ class HttpBackend:
         if self.extra_body is None:
             self.extra_body = dict(PDSERVE_EXTRA_BODY) if self.owned_by == "pdserve" else {}
         if self.owned_by == "pdserve":
-            self.engine_info = await self._engine_info()
+            self.engine_info = await self.fetch_engine_info()
 
     async def model_card(self) -> dict:
         """The first ``/v1/models`` entry ({} when the server has no such list); a server

@@ -283,3 +283,39 @@ def test_imported_records_give_the_attainment_their_runs_reported(tool, tmp_path
     assert records["multiplex-itl60"]["predictor"]["sha256"]
     assert records["chunk512"]["git_revision"] == "36d9d59"
     assert records["multiplex-itl60"]["git_revision"] in ("4f22d08", "6f90be1")
+
+
+def test_a_probed_variant_gets_a_row_and_a_search_of_its_own(tool, tmp_path):
+    _write(tool, tmp_path, _record(tool, "loogle", "multiplex-graph-itl60", 0.5, 1.0,
+                                   "a" * 40, "1"))
+    _write(tool, tmp_path, _record(tool, "loogle", "chunk256", 0.5, 1.0, "a" * 40, "1"))
+    data = tool.summarise(tmp_path, tmp_path, [])
+    graph = [s for s in data["searches"] if s["config"] == "multiplex-graph-itl60"]
+    assert [(s["workload"], s["goodput_rps"]) for s in graph if s["curve"]] == [("loogle", 0.5)]
+    rows = [line for line in (tmp_path / "summary.md").read_text().splitlines()
+            if line.startswith("| multiplex-graph-itl60 |")]
+    assert len(rows) == 1 and ">= 0.5" in rows[0]
+    # A variant nobody probed stays out of the table.
+    assert "| multiplex-temporal-itl60 |" not in (tmp_path / "summary.md").read_text()
+
+
+def test_a_multiplex_probe_keeps_its_timeline_and_what_the_engine_learned(tool, tmp_path):
+    import gzip
+    import json
+
+    entries = [{"mode": "temporal", "decode_batch": 2}, {"mode": "spatial", "decode_batch": 3}]
+    result = {"samples": [], "engine_timeline": entries,
+              "engine_after": {"calibration": {"mixed_steps": 1.2}}, "slo_attainment": 1.0}
+    run = SimpleNamespace(backend=SimpleNamespace(engine_info={"partitions": None}),
+                          server=SimpleNamespace(command="pdserve serve"), config="chunk16",
+                          opts=SimpleNamespace(predictor=tmp_path / "none.json"))
+    spec = tool.WORKLOADS["tiny"].build_spec(4.0, tmp_path)
+    record = tool.probe_record(run, spec, [], 4.0, result)
+    assert record["calibration_after"] == {"mixed_steps": 1.2}
+    assert record["engine_modes"] == {"temporal": 1, "spatial": 1}
+    assert "engine_after" not in record["summary"]
+    path = tmp_path / "loogle__multiplex-itl60__r0.5.json"
+    tool.write_timeline(entries, path)
+    with gzip.open(tmp_path / "loogle__multiplex-itl60__r0.5_timeline.json.gz", "rt") as f:
+        assert json.load(f) == entries
+    assert load_records(tmp_path) == []  # a timeline is not a probe record
