@@ -55,6 +55,9 @@ BATCH_EDGES = (1, 4, 8, 16, 32)
 CHUNK_EDGES = (128, 256, 512, 1024)
 PREFIX_EDGES = (0, 2048, 8192, 16384)
 CONTEXT_EDGES = (2048, 4096, 8192, 16384)  # decode context per request
+# A prompt whose first token came within this of the one before it was prefilled in the
+# same batch: its own window says nothing of its rate (one ITL target of 60 ms).
+SAME_BATCH_S = 0.06
 SPLIT_OPTIONS = ("spatial", "time_slice")  # the options whose prefill pieces are corrected
 
 
@@ -252,8 +255,8 @@ def decode_states(spans: list[Span]) -> list[dict]:
                        "decode_batch": load.batch_size,
                        "decode_context_per_request": round(
                            load.context_tokens / max(load.batch_size, 1)),
-                       "measured_tokens_per_s": round(span.prompt / seconds) if seconds > 0
-                       else None, "seconds": seconds, "load": load})
+                       "measured_tokens_per_s": round(span.prompt / seconds)
+                       if seconds > SAME_BATCH_S else None, "seconds": seconds, "load": load})
     return states
 
 
