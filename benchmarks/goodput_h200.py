@@ -133,6 +133,10 @@ CONFIGS.update({f"multiplex-itl{itl:g}": f"{MUX_ARGS} --itl-slo-ms {itl:g}"
 # an option of their own: A/B against multiplex-itl60 and chunk256.
 CONFIGS["multiplex-temporal-itl60"] = f"{MUX_ARGS} --itl-slo-ms 60 --mux-sharing temporal"
 CONFIGS["multiplex-graph-itl60"] = f"{MUX_ARGS} --itl-slo-ms 60 --mux-graph-step-tokens 256"
+# The same with each option's prefill correction converging on its pieces' measured over
+# predicted time instead of compounding it (the Mooncake A/B against multiplex-graph-itl60).
+CONFIGS["multiplex-graph-converging-itl60"] = (CONFIGS["multiplex-graph-itl60"]
+                                               + " --mux-prefill-correction converging")
 TABLE_CONFIGS = ("multiplex-itl60", "chunk256", "chunk512", "chunk1024", "chunk2048",
                  "prefill-first", "disagg")
 SERVER_ARGS = "--load-format dummy --max-model-len 24576"

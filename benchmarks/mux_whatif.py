@@ -34,6 +34,7 @@ import os
 import shlex
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -52,6 +53,7 @@ from pdserve.sched.mux_planner import (  # noqa: E402
     DecodeLoad,
     InFlightPrefill,
     MuxMode,
+    MuxPlan,
     MuxPlanner,
     MuxPlannerConfig,
     OnlineCalibration,
@@ -65,10 +67,13 @@ SPLITS = ((16, 116), (24, 108), (32, 100), (48, 84), (64, 68))
 WAITED_MS = 1e9  # the prompt has waited "forever": the planner may force prefill in
 
 
-def walk_prompt(planner: MuxPlanner, prompt: int, decode: DecodeLoad) -> dict:
+def walk_prompt(planner: MuxPlanner, prompt: int, decode: DecodeLoad,
+                plan_ms: Callable[[MuxPlan], float] | None = None) -> dict:
     """Predicted wall time to prefill ``prompt`` tokens beside ``decode``, the modes used,
     the longest and the mean predicted time between two decode tokens (what the ITL target
-    bounds), and the prefill batches it takes (``_starts_batch``)."""
+    bounds), and the prefill batches it takes (``_starts_batch``). ``plan_ms``: how long a
+    plan takes (default ``_plan_ms``: as the planner's corrections expect)."""
+    plan_ms = plan_ms or _plan_ms
     done, elapsed_ms, in_flight, modes, longest = 0, 0.0, None, {}, 0.0
     running = None  # the option chosen last: a switch away from it pays (rule 4)
     tokens_out, batches, previous = 0.0, 0, None  # decode tokens meanwhile: one per cycle
@@ -77,7 +82,7 @@ def walk_prompt(planner: MuxPlanner, prompt: int, decode: DecodeLoad) -> dict:
         plan = planner.plan(decode, waiting, in_flight, running)
         running = plan.option
         modes[str(plan.mode)] = modes.get(str(plan.mode), 0) + 1
-        ms = _plan_ms(plan)
+        ms = plan_ms(plan)
         elapsed_ms, longest = elapsed_ms + ms, max(longest, plan.cycle_ms)
         tokens_out += ms / plan.cycle_ms if plan.cycle_ms > 0 else 0.0
         batches, previous = batches + _starts_batch(plan, previous), plan.mode

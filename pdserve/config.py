@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.sched.mux_planner import PREFILL_RULES
+
 
 def doc(default: Any, help: str, **kwargs) -> Any:
     """A dataclass field whose help text the CLI reads."""
@@ -92,6 +94,13 @@ class SchedulerConfig:
                                      "their own, at a cost learned from such steps; 0: off. "
                                      "Needs the graphs: refused on the CPU, under tensor "
                                      "parallelism and with --enforce-eager.")
+    mux_prefill_correction: str = doc("compounding", "multiplex: how each sharing option's "
+                                      "prefill correction learns from its pieces: "
+                                      "'compounding' moves it by every piece's measured over "
+                                      "predicted time (it drifts to a bound while pieces run "
+                                      "a few percent off the profile); 'converging' moves it "
+                                      "towards that ratio, as the mixed-step correction does.",
+                                      choices=PREFILL_RULES)
     mux_allow_unprofiled: bool = doc(False, "multiplex: answer the SM splits a fitted profile "
                                       "never timed with the roofline model, instead of "
                                       "stopping at start-up with the groups it lacks.")
@@ -113,6 +122,9 @@ class SchedulerConfig:
             raise ValueError(f"--mux-itl-margin {self.mux_itl_margin}: must be in (0, 1]")
         if self.mux_switch_margin < 0.0:
             raise ValueError(f"--mux-switch-margin {self.mux_switch_margin}: must be >= 0")
+        if self.mux_prefill_correction not in PREFILL_RULES:
+            raise ValueError(f"--mux-prefill-correction {self.mux_prefill_correction}: "
+                             f"expected one of {', '.join(PREFILL_RULES)}")
         if self.mux_graph_step_tokens < 0:
             raise ValueError(f"--mux-graph-step-tokens {self.mux_graph_step_tokens}: must be "
                              ">= 0")

@@ -90,6 +90,10 @@ class LatencyModel(Protocol):
                       ) -> float: ...
 
 
+# How an option's prefill correction learns (``OnlineCalibration.observe_prefill``).
+PREFILL_RULES = ("compounding", "converging")
+
+
 class OnlineCalibration:
     """A latency model whose mixed-step and co-running decode predictions follow what the
     engine measures.
@@ -112,9 +116,13 @@ class OnlineCalibration:
     """
 
     def __init__(self, model: LatencyModel, weight: float = 0.2,
-                 bounds: tuple[float, float] = (0.5, 2.0), step_limit: float = 1.25):
+                 bounds: tuple[float, float] = (0.5, 2.0), step_limit: float = 1.25,
+                 prefill_rule: str = "compounding"):
+        if prefill_rule not in PREFILL_RULES:
+            raise ValueError(f"prefill correction rule {prefill_rule!r}: expected one of "
+                             f"{', '.join(PREFILL_RULES)}")
         self.model, self.weight, self.bounds = model, weight, bounds
-        self.step_limit = step_limit
+        self.step_limit, self.prefill_rule = step_limit, prefill_rule
         self.num_layers, self.total_sms = model.num_layers, model.total_sms
         self.mixed_correction = 1.0
         # Mixed steps small enough for the prefill-step graphs learn their own factor: the
@@ -170,9 +178,20 @@ class OnlineCalibration:
         pieces beside a 16-SM decode partition advanced prompts well below the rate the
         planner chose them by. The planner divides an option's committed rate by this
         correction. Every spatial split learns on its own (unlike co-running decode, whose
-        error the splits share): a split not run yet keeps its prediction."""
-        self.prefill_corrections[option] = self._moved(self.prefill_correction(option),
-                                                       predicted_ms, measured_ms)
+        error the splits share): a split not run yet keeps its prediction.
+
+        ``predicted_ms`` is the profile's (a plan's piece carries no correction: the planner
+        divides rates by it). The default ``"compounding"`` rule moves the factor by that
+        ratio, so it keeps moving while pieces run off the profile at all: on the H200 pieces
+        that took 0.97-0.98 of their prediction walked their option's factor to its 0.5
+        bound, and ones at 1.19 to 2.0, doubling or halving the rate the planner weighs the
+        option by. ``"converging"`` (``--mux-prefill-correction``) compares the corrected
+        prediction, as mixed steps and decode steps do, so the factor settles on the
+        pieces' measured over predicted time."""
+        factor = self.prefill_correction(option)
+        if self.prefill_rule == "converging":
+            predicted_ms *= factor
+        self.prefill_corrections[option] = self._moved(factor, predicted_ms, measured_ms)
         self.prefill_pieces[option] = self.prefill_pieces.get(option, 0) + 1
 
     def describe_prefill(self) -> dict[str, dict[str, float]]:

@@ -90,11 +90,15 @@ def test_bad_probes_are_refused_by_name(tool, tmp_path):
 
 def test_every_multiplex_config_serves_to_the_itl_its_name_gives():
     module = _load("goodput_h200")
-    for name in ("multiplex-itl60", "multiplex-temporal-itl60", "multiplex-graph-itl60"):
+    for name in ("multiplex-itl60", "multiplex-temporal-itl60", "multiplex-graph-itl60",
+                 "multiplex-graph-converging-itl60"):
         assert module.itl_target(name) == 60.0
         assert "--itl-slo-ms 60" in module.CONFIGS[name]
     assert "--mux-sharing temporal" in module.CONFIGS["multiplex-temporal-itl60"]
     assert "--mux-graph-step-tokens 256" in module.CONFIGS["multiplex-graph-itl60"]
+    converging = module.CONFIGS["multiplex-graph-converging-itl60"]
+    assert converging == module.CONFIGS["multiplex-graph-itl60"] \
+        + " --mux-prefill-correction converging"
     assert module.itl_target("chunk256") is None and module.itl_target("multiplex-itl") is None
 
 def test_definitions_cover_the_issue():

@@ -278,3 +278,63 @@ def test_planning_margins_out_of_range_are_refused(flags, message):
 
     with pytest.raises(ValueError, match=message):
         SchedulerConfig(schedule="multiplex", **flags)
+
+
+# --- how a prefill correction learns (--mux-prefill-correction) ---------------------------
+
+MOONCAKE_DECODE = DecodeLoad(6, 6 * 10000)  # the Mooncake probe's median decode batch
+
+
+def _learned(rule: str, ratio: float, base=None, pieces: int = 120) -> OnlineCalibration:
+    """A model whose time-slice pieces all took ``ratio`` of their (profile) prediction."""
+    base = base or SimpleNamespace(num_layers=LAYERS, total_sms=132)
+    model = OnlineCalibration(base, prefill_rule=rule)
+    for _ in range(pieces):
+        model.observe_prefill("time_slice", 50.0, ratio * 50.0)
+    return model
+
+
+@pytest.mark.parametrize("ratio", [0.97, 1.19])
+def test_a_converging_correction_settles_on_the_pieces_ratio(ratio):
+    assert _learned("converging", ratio).prefill_correction("time_slice") == \
+        pytest.approx(ratio, rel=1e-3)
+
+
+@pytest.mark.parametrize("ratio, bound", [(0.97, 0.5), (1.19, 2.0)])
+def test_a_compounding_correction_walks_to_its_bound_on_a_steady_ratio(ratio, bound):
+    """The default rule, as the H200 timelines recorded it: pieces 3% under their
+    prediction halve the factor the option's rate is divided by."""
+    assert _learned("compounding", ratio).prefill_correction("time_slice") == \
+        pytest.approx(bound)
+
+
+def test_a_compounded_correction_hands_mixed_steps_over_to_time_slices(fitted):
+    """Beside the Mooncake probe's decode batch mixed steps are predicted faster; pieces
+    3% quicker than profiled make time slicing win under the compounding rule only."""
+    config = MuxPlannerConfig(itl_slo_ms=ITL, max_prefill_tokens=24576, time_slice=True,
+                              spatial=False)
+    chosen = {}
+    for rule in ("compounding", "converging"):
+        model = _learned(rule, 0.97, fitted)
+        plan = MuxPlanner(model, SPLITS, config).plan(MOONCAKE_DECODE, [PrefillRequest(10000)])
+        chosen[rule] = plan.option
+    assert chosen == {"compounding": "time_slice", "converging": "temporal"}
+
+
+def test_an_unknown_prefill_rule_is_refused():
+    from pdserve.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match="--mux-prefill-correction averaging"):
+        SchedulerConfig(schedule="multiplex", mux_prefill_correction="averaging")
+    with pytest.raises(ValueError, match="'averaging'"):
+        OnlineCalibration(SimpleNamespace(num_layers=LAYERS, total_sms=132),
+                          prefill_rule="averaging")
+
+
+def test_the_prefill_rule_is_a_flag_the_engine_uses():
+    from pdserve.engine.llm import LLM
+
+    llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline",
+              mux_prefill_correction="converging")
+    assert llm.engine.scheduler.model.prefill_rule == "converging"
+    assert llm.engine.describe()["calibration"]["prefill_rule"] == "converging"

@@ -1,0 +1,75 @@
+"""benchmarks/mux_calibration_audit.py: the update rule it reads off recorded corrections,
+and the decode load it rebuilds from per-request records."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pdserve.sched.mux_planner import PREFILL_RULES, OnlineCalibration
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def audit():
+    spec = importlib.util.spec_from_file_location("mux_calibration_audit",
+                                                  BENCHMARKS / "mux_calibration_audit.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mux_calibration_audit"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _recorded(rule: str) -> list[dict]:
+    """Time-slice decisions as a timeline records them: the correction each was planned
+    with, then its piece's predicted and measured time (learned before the next one)."""
+    model = OnlineCalibration(SimpleNamespace(num_layers=48, total_sms=132), prefill_rule=rule)
+    entries = []
+    for i in range(40):
+        measured = 50.0 * (0.8 + 0.025 * (i % 5))  # 0.8-0.9 of the prediction
+        entries.append({"mode": "time_slice", "decode_sms": 132, "piece_launched": True,
+                        "prefill_calibration": model.prefill_correction("time_slice"),
+                        "predicted_piece_ms": 50.0, "measured_piece_ms": measured})
+        model.observe_prefill("time_slice", 50.0, measured)
+    return entries
+
+
+@pytest.mark.parametrize("rule", PREFILL_RULES)
+def test_the_update_rule_is_read_off_the_recorded_corrections(audit, rule):
+    found = audit.prefill_corrections(_recorded(rule))["time_slice"]["update_rule"]
+    other = next(r for r in PREFILL_RULES if r != rule)
+    assert found["steps_checked"] > 10
+    assert found[f"match_{rule}"] == found["steps_checked"]
+    assert found[f"match_{other}"] < found["steps_checked"] / 4
+
+
+def test_decode_load_and_prefill_windows_from_request_records(audit):
+    record = {"samples": [
+        {"success": True, "send_s": 0.0, "ttft_ms": 1000.0, "e2e_ms": 11000.0,
+         "prompt_len": 4000, "output_tokens": 100},
+        {"success": True, "send_s": 0.5, "ttft_ms": 1500.0, "e2e_ms": 5500.0,
+         "prompt_len": 2000, "output_tokens": 40},
+        {"success": False, "send_s": 0.6, "ttft_ms": 0.0, "e2e_ms": 0.0,
+         "prompt_len": 9, "output_tokens": 0}]}
+    spans = audit.spans_of(record)
+    assert [start for _, start in audit.prefill_windows(spans)] == [0.0, 1.0]
+    load = audit.decode_load_at(spans, 3.0)  # both decode: 20% and 25% through
+    assert (load.batch_size, load.context_tokens) == (2, 4000 + 20 + 2000 + 10)
+    states = audit.decode_states(spans)
+    assert [s["decode_batch"] for s in states] == [0, 1]  # the second: beside the first
+    assert states[1]["measured_tokens_per_s"] == 2000
+
+
+def test_a_mixed_step_is_set_against_its_uncorrected_prediction(audit):
+    entry = {"mode": "temporal", "time": 1.0, "decode_sms": 132, "decode_batch": 1,
+             "prefill_tokens": 256, "prefill_context_tokens": 0,
+             "predicted_decode_ms": 55.0, "calibration": 1.1, "measured_cycle_ms": 60.0,
+             "measured_device_ms": 52.0}
+    predictor = SimpleNamespace(predict_mixed=lambda *args, **kw: 50.0, total_sms=132)
+    [step] = audit.mixed_steps([entry], predictor)
+    assert step["ratio"] == pytest.approx(52.0 / 50.0)  # the device's clock, as learned
