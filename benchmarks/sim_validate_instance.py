@@ -412,7 +412,12 @@ def fit_probe_delivered(share: PlannerShare, interference: dict, model: LatencyM
         return simulated_mux_probe_s(model, dataclasses.replace(share, delivered=delivered),
                                      args, probe, steps)
 
-    return solve_rising(probe_s, probe["prompt_s"], 0.05, 20.0)
+    delivered = solve_rising(probe_s, probe["prompt_s"], 0.05, 20.0)
+    # Not rising everywhere: a prompt that starts after the decode streams ended runs alone.
+    if abs(probe_s(delivered) / probe["prompt_s"] - 1.0) > 0.01:
+        raise SystemExit(f"no delivered factor replays the probe's {probe['prompt_s']:.3f} s "
+                         f"(at {delivered:.3f}: {probe_s(delivered):.3f} s)")
+    return delivered
 
 
 def _closest_probe(interference: dict, args) -> tuple[dict, int]:
