@@ -49,7 +49,7 @@ replays, the queue probes about 25 s each)::
 ``--resimulate FILE.json`` re-runs a recorded validation's simulations offline with the
 models of now (``--models-as-of eb12b7d``: as they were at the first H200 validation;
 ``7dad880``: the planner model as it was there) from the file's own calibration, and
-prints measured vs simulated: no GPU, no server::
+prints measured vs simulated (``--out FILE.json`` keeps it): no GPU, no server::
 
     PYTHONPATH=$PWD python benchmarks/sim_validate_instance.py \
         --resimulate benchmarks/results/sim_validate_instance_h200_eb12b7d.json
@@ -691,7 +691,8 @@ def _keep_log(server: ServeProcess, path: Path) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="Directory for the JSON and logs.")
+    parser.add_argument("--out", help="Directory for the JSON and logs (with --resimulate: "
+                        "the JSON file to write the re-simulation to, if any).")
     parser.add_argument("--resimulate", metavar="FILE.json",
                         help="No GPU, no server: re-simulate a recorded validation with the "
                         "models of now and print measured vs simulated.")
@@ -745,8 +746,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.resimulate:
-        return print_resimulation(resimulate(args.resimulate, args.models_as_of,
-                                             args.mixed_step_extra_from))
+        result = resimulate(args.resimulate, args.models_as_of, args.mixed_step_extra_from)
+        if args.out:
+            config = {k: v for k, v in vars(args).items() if k != "out"}
+            write_json({**result_header(config), "kind": "validation", **result}, args.out)
+        return print_resimulation(result)
     table = SMOKE_SCHEDULES if args.smoke else SCHEDULES
     unknown = [s for s in args.schedules.split(",") if s not in table]
     if unknown:

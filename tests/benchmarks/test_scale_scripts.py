@@ -142,10 +142,15 @@ def test_resimulation_with_the_models_as_of_eb12b7d_gives_the_committed_figures(
             assert "simulated" not in row
 
 
-def test_resimulation_from_the_command_line_with_the_models_of_now():
+def test_resimulation_from_the_command_line_with_the_models_of_now(tmp_path):
+    kept = tmp_path / "resimulated.json"
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim_validate_instance.py"),
-                          "--resimulate", str(VALIDATION_H200)], check=True, cwd=ROOT,
-                         timeout=300, capture_output=True, text=True).stdout.splitlines()
+                          "--resimulate", str(VALIDATION_H200), "--out", str(kept)],
+                         check=True, cwd=ROOT, timeout=300, capture_output=True,
+                         text=True).stdout.splitlines()
+    written = json.loads(kept.read_text())
+    assert written["kind"] == "validation" and written["models_as_of"] == "current"
+    assert set(written["schedules"]) == {"chunk512", "multiplex"}
     assert out[0].startswith("re-simulated offline from benchmarks/results/")
     rows = {tuple(line.split(" ", 2)[:2]): json.loads(line.split(" ", 2)[2]) for line in out[1:]}
     assert set(rows) == {(s, k) for s in ("chunk512", "multiplex") for k in ("ttft_s", "tpot_s")}
