@@ -383,7 +383,7 @@ def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
             raise SystemExit(f"the probe's prompts took less than the fitted per-batch cost "
                              f"({fit['per_batch_s']:.3f} s a batch): no planner model")
         return dataclasses.replace(share, delivered=delivered)
-    settings = dataclasses.replace(settings, piece_timing=probe_piece_timing(interference))
+    settings = dataclasses.replace(settings, piece_timing=probe_piece_timing(interference) or None)
     share = PlannerShare(**share_table(predictor, settings))
     return dataclasses.replace(share, delivered=fit_probe_delivered(share, interference,
                                                                     model, args))
@@ -392,7 +392,7 @@ def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
 def probe_piece_timing(interference: dict) -> dict[str, float]:
     """Each option's prefill pieces' measured over predicted time (the median) over the
     probes, from the engine's timeline (``timeline_probes``); empty where the run did not
-    record it: every piece then takes its prediction."""
+    record it (the walk then times pieces by the engine's corrections, as before)."""
     pieces = (interference.get("timeline_probes") or {}).get("piece_times", {})
     return {option: row["measured_over_predicted_p50"] for option, row in pieces.items()}
 

@@ -163,7 +163,7 @@ def test_resimulation_runs_the_planner_model_fitted_on_the_runs_own_probe():
     """Beside the cycle model, the planner model: its table walked from the run's own
     predictor, and how much of the plan the instance delivered fitted by replaying the run's
     lone probe on the instance model (that run had no queue probe, nor a probe timeline: its
-    pieces take their prediction): the probe's prompt comes back as measured."""
+    pieces are timed by the corrections): the probe's prompt comes back as measured."""
     module = _script("sim_validate_instance")
     recorded = json.loads(VALIDATION_H200.read_text())
     run = recorded["schedules"]["multiplex"]
