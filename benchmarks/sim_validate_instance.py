@@ -356,7 +356,7 @@ def simulate(name: str, model: LatencyModel, factors: Multiplexing | None,
 
 
 def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
-                  args, as_of: str = "current") -> PlannerShare | None:
+                  args, as_of: str = "current", only: str | None = None) -> PlannerShare | None:
     """The planner model (``PlannerShare``) of a multiplexing schedule: the predictor it
     serves with (``--mux-predictor``) walked with its flags and what its engine learned
     over the probes (``engine_calibration``; a run that did not record it: the corrections
@@ -365,8 +365,10 @@ def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
     instance delivered, fitted by replaying its own probe on the instance model
     (``fit_probe_delivered``). ``as_of="7dad880"``: the model as it was there, its pieces
     timed by the engine's corrections, a per-batch cost fitted on the LooGLE timelines
-    (``SHARE_FIT``) and the delivered factor in closed form (``probe_delivered``). None
-    where the schedule plans with the roofline model: no fitted predictor to walk."""
+    (``SHARE_FIT``) and the delivered factor in closed form (``probe_delivered``). ``only``
+    (a what-if): the planner walked with that one option (``ONE_OPTION``) and delivering
+    what it delivered in the probes (``option_delivered``). None where the schedule plans
+    with the roofline model: no fitted predictor to walk."""
     flags = argparse.ArgumentParser(add_help=False)
     flags.add_argument("--mux-predictor")
     path = flags.parse_known_args(shlex.split(schedule_args))[0].mux_predictor
@@ -384,9 +386,27 @@ def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
                              f"({fit['per_batch_s']:.3f} s a batch): no planner model")
         return dataclasses.replace(share, delivered=delivered)
     settings = dataclasses.replace(settings, piece_timing=probe_piece_timing(interference) or None)
+    if only is not None:
+        share = PlannerShare(**share_table(predictor, dataclasses.replace(settings,
+                                                                          sharing=(only,))))
+        return dataclasses.replace(share, delivered=option_delivered(interference, only))
     share = PlannerShare(**share_table(predictor, settings))
     return dataclasses.replace(share, delivered=fit_probe_delivered(share, interference,
                                                                     model, args))
+
+
+ONE_OPTION = ("temporal", "time_slice")
+
+
+def option_delivered(interference: dict, option: str) -> float:
+    """Planned over realized prefill rate of ``option`` over the probes (the engine's
+    timeline: ``prefill_delivery``'s realized over committed rate, inverted); stops with
+    the reason where the probes did not run it."""
+    delivery = (interference.get("timeline_probes") or {}).get("prefill_delivery", {})
+    if option not in delivery:
+        raise SystemExit(f"the probes ran no {option} (ran: {', '.join(delivery) or 'none'}):"
+                         f" nothing to say what it delivers")
+    return 1.0 / delivery[option]["realized_over_committed"]
 
 
 def probe_piece_timing(interference: dict) -> dict[str, float]:
@@ -595,13 +615,15 @@ async def engine_info(session, url: str) -> dict:
         return await resp.json()
 
 
-def resimulate(path: str, as_of: str = "current", extra_from: str | None = None) -> dict:
+def resimulate(path: str, as_of: str = "current", extra_from: str | None = None,
+               only: str | None = None) -> dict:
     """Re-runs the simulations of a recorded validation with the models of now (or as of
     ``as_of``), from its own calibration: the same requests (``window_requests`` with the
     run's arguments and fitted model), its interference probe, and its measured spread
     where the file recorded the ratios (``service_ratios``); the medians-only simulation
     needs none. ``extra_from``: the chunked mixed step's extra cost fitted on that recorded
-    run's lone probe instead (a run without its own probe). No GPU, no server."""
+    run's lone probe instead (a run without its own probe). ``only``: the planner model
+    walked with that one option (``planner_share``). No GPU, no server."""
     recorded = json.load(open(path))
     args = argparse.Namespace(**recorded["config"])
     args.trace = str(ROOT / args.trace)
@@ -617,7 +639,7 @@ def resimulate(path: str, as_of: str = "current", extra_from: str | None = None)
             covered[name] = cycle_covers(model, factors, requests)
             if as_of != "eb12b7d":
                 share = planner_share(run["schedule_args"], run["interference"], model, args,
-                                      as_of)
+                                      as_of, only)
                 covered["multiplex_planner"] = _share_summary(share, run["interference"], model,
                                                               args, requests, as_of)
         ratios = run.get("service_ratios")
@@ -631,6 +653,7 @@ def resimulate(path: str, as_of: str = "current", extra_from: str | None = None)
         measured = {key: row["measured"] for key, row in run["compare"].items()}
         table[name] = compare_percentiles(measured, simulated)
     return {"resimulated_from": os.path.relpath(path, ROOT), "models_as_of": as_of,
+            "planner_options": only or "all",
             "schedules": table, "cycle_covers_every_batch": covered, "chunked": extra}
 
 
@@ -703,6 +726,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mixed-step-extra-from", metavar="FILE.json",
                         help="With --resimulate: the chunked mixed step's extra cost fitted "
                         "on this recorded run's lone probe (for a run that has none).")
+    parser.add_argument("--planner-only", choices=ONE_OPTION,
+                        help="With --resimulate (a what-if): the planner model walked with this "
+                        "one option, delivering what it delivered in the run's probes.")
     parser.add_argument("--smoke", action="store_true",
                         help="The tiny model on CPU, small lengths, 20 s replays.")
     parser.add_argument("--schedules", default="chunk512,multiplex",
@@ -738,6 +764,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if not (args.out or args.resimulate):
         parser.error("--out is required (or --resimulate FILE.json)")
+    if args.planner_only and not (args.resimulate and args.models_as_of == "current"):
+        parser.error("--planner-only is a what-if of the models of now: with --resimulate")
     if args.smoke:
         vars(args).update(SMOKE)
     return args
@@ -746,7 +774,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.resimulate:
-        result = resimulate(args.resimulate, args.models_as_of, args.mixed_step_extra_from)
+        result = resimulate(args.resimulate, args.models_as_of, args.mixed_step_extra_from,
+                            args.planner_only)
         if args.out:
             config = {k: v for k, v in vars(args).items() if k != "out"}
             write_json({**result_header(config), "kind": "validation", **result}, args.out)

@@ -83,3 +83,14 @@ def test_the_probe_fit_stops_with_the_reason_outside_its_range():
     with pytest.raises(SystemExit, match="no factor from"):
         module.fit_probe_delivered(_share(1.5), interference, MODEL, args)
     assert module.solve_rising(lambda x: x * x, 4.0, 0.1, 10.0) == pytest.approx(2.0, 1e-5)
+
+
+def test_one_option_delivers_what_the_probes_saw_it_deliver_or_stops():
+    module = _script("sim_validate_instance")
+    interference = {"timeline_probes": {"prefill_delivery": {
+        "time_slice": {"realized_over_committed": 0.8}}}}
+    assert module.option_delivered(interference, "time_slice") == pytest.approx(1.25)
+    with pytest.raises(SystemExit, match="the probes ran no temporal"):
+        module.option_delivered(interference, "temporal")
+    with pytest.raises(SystemExit, match="the probes ran no temporal"):
+        module.option_delivered({}, "temporal")
