@@ -277,7 +277,7 @@ def walk_states(states: list[dict], predictor, settings, graph_tokens: int,
         planner.config = replace(planner.config, graph_step_tokens=graph_tokens)
         expected = walk_prompt(planner, state["prompt"], state["load"])
         at_profile = walk_prompt(planner, state["prompt"], state["load"],
-                                 lambda plan: at_profile_ms(plan, mixed))
+                                 plan_ms=lambda plan: at_profile_ms(plan, mixed))
         for mode, count in expected["decisions_by_mode"].items():
             modes[mode] = modes.get(mode, 0) + count
         tokens += state["prompt"]

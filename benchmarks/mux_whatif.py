@@ -68,12 +68,14 @@ WAITED_MS = 1e9  # the prompt has waited "forever": the planner may force prefil
 
 
 def walk_prompt(planner: MuxPlanner, prompt: int, decode: DecodeLoad,
+                piece_timing: dict[str, float] | None = None, *,
                 plan_ms: Callable[[MuxPlan], float] | None = None) -> dict:
     """Predicted wall time to prefill ``prompt`` tokens beside ``decode``, the modes used,
     the longest and the mean predicted time between two decode tokens (what the ITL target
-    bounds), and the prefill batches it takes (``_starts_batch``). ``plan_ms``: how long a
-    plan takes (default ``_plan_ms``: as the planner's corrections expect)."""
-    plan_ms = plan_ms or _plan_ms
+    bounds), and the prefill batches it takes (``_starts_batch``). How long a plan takes:
+    ``plan_ms`` if given, else ``_plan_ms`` with ``piece_timing``, each option's pieces'
+    measured over predicted time (None: by the corrections the planner chose with)."""
+    plan_ms = plan_ms or (lambda plan: _plan_ms(plan, piece_timing))
     done, elapsed_ms, in_flight, modes, longest = 0, 0.0, None, {}, 0.0
     running = None  # the option chosen last: a switch away from it pays (rule 4)
     tokens_out, batches, previous = 0.0, 0, None  # decode tokens meanwhile: one per cycle
@@ -103,13 +105,22 @@ def _starts_batch(plan, previous: MuxMode | None) -> bool:
     return bool(plan.prefill.chunks)
 
 
-def _plan_ms(plan) -> float:
+def _plan_ms(plan, piece_timing: dict[str, float] | None = None) -> float:
     """Time until the next decision: a spatial piece may outlast its decode step. A piece
-    takes its prediction times its option's prefill correction (a time-slice piece: the
-    whole cycle, as the engine measures it)."""
+    takes its prediction times its option's factor (a time-slice piece: the whole cycle,
+    as the engine measures it): ``piece_timing``'s measured one (1.0 for an option it
+    lacks), else the prefill correction the planner chose with. The two differ: the
+    engine's correction moves by each piece's measured over *uncorrected* predicted time,
+    so it drifts to a bound while pieces run a little under or over their prediction (on
+    the H200 at 7dad880 time-slice pieces took 0.95 of it, and the correction sat at its
+    floor, 0.5: a walk timed by it thought time slices twice as fast as they ran)."""
+    if piece_timing is None:
+        factor = plan.prefill_calibration
+    else:
+        factor = piece_timing.get(plan.option, 1.0) if plan.option else 1.0
     if plan.mode == MuxMode.SPATIAL:
-        return max(plan.cycle_ms, plan.prefill.predicted_ms * plan.prefill_calibration)
-    return plan.cycle_ms * plan.prefill_calibration
+        return max(plan.cycle_ms, plan.prefill.predicted_ms * factor)
+    return plan.cycle_ms * factor
 
 
 def _advance(plan, done: int, in_flight: InFlightPrefill | None, num_layers: int):
@@ -161,6 +172,9 @@ class PlannerSettings:
     mixed_correction: float = 1.0
     decode_correction: float = 1.0
     prefill_corrections: dict[str, float] = field(default_factory=dict)
+    # Each option's prefill pieces' measured over predicted time, which the walk advances
+    # by (``_plan_ms``); None: by ``prefill_corrections``, the engine's own expectation.
+    piece_timing: dict[str, float] | None = None
 
     def planner(self, predictor) -> MuxPlanner:
         return planner_for(predictor, self.sharing, self.itl_ms, self.mixed_correction,
@@ -208,7 +222,8 @@ class PlannedShare:
 
     def _walk(self, batch: int, context: int, tokens: int) -> tuple[float, float, int]:
         predictor, sms = self.predictor, self.predictor.total_sms
-        walked = walk_prompt(self.settings.planner(predictor), tokens, DecodeLoad(batch, context))
+        walked = walk_prompt(self.settings.planner(predictor), tokens, DecodeLoad(batch, context),
+                             self.settings.piece_timing)
         alone_ms = predictor.predict("prefill", tokens, 0, 1, sms)
         step_ms = predictor.predict("decode", batch, context, batch, sms)
         return (1e3 * tokens / walked["prefill_tokens_per_s"] / alone_ms,

@@ -31,8 +31,9 @@ For each schedule (``--schedules``: chunked prefill with 512-token steps, PD-mul
    service times (``ServiceNoise``) and once with medians only; multiplexing also by the
    planner model (``simulated_planner``: ``PlannerShare``, the planner's own choice among
    its options walked over the predictor it serves with and the corrections its engine
-   learned over the probes, a cost per prefill batch fitted on measured LooGLE timelines,
-   and what the instance delivered of the plan in the queue probe);
+   learned over the probes, each option's pieces timed as the probes measured them, and
+   what the instance delivered of the plan, fitted by replaying the queue probe on the
+   instance model);
 5. write ``OUT/sim_validate_instance.json`` (after each schedule, so a cut-short run keeps
    what it finished) and each instance's log.
 
@@ -46,8 +47,9 @@ replays, the queue probes about 25 s each)::
 ``--smoke`` runs the same steps with the tiny model on CPU in about two minutes.
 
 ``--resimulate FILE.json`` re-runs a recorded validation's simulations offline with the
-models of now (``--models-as-of eb12b7d``: as they were at the first H200 validation) from
-the file's own calibration, and prints measured vs simulated: no GPU, no server::
+models of now (``--models-as-of eb12b7d``: as they were at the first H200 validation;
+``7dad880``: the planner model as it was there) from the file's own calibration, and
+prints measured vs simulated (``--out FILE.json`` keeps it): no GPU, no server::
 
     PYTHONPATH=$PWD python benchmarks/sim_validate_instance.py \
         --resimulate benchmarks/results/sim_validate_instance_h200_eb12b7d.json
@@ -60,6 +62,7 @@ import asyncio
 import dataclasses
 import gzip
 import json
+import math
 import os
 import shlex
 import sys
@@ -320,7 +323,7 @@ async def replay(session, url: str, requests: list[SimRequest], args, rng) -> li
     return await asyncio.gather(*(one(r) for r in requests))
 
 
-MODELS = ("current", "eb12b7d")
+MODELS = ("current", "7dad880", "eb12b7d")
 
 
 def simulate(name: str, model: LatencyModel, factors: Multiplexing | None,
@@ -353,14 +356,19 @@ def simulate(name: str, model: LatencyModel, factors: Multiplexing | None,
 
 
 def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
-                  args) -> PlannerShare | None:
+                  args, as_of: str = "current", only: str | None = None) -> PlannerShare | None:
     """The planner model (``PlannerShare``) of a multiplexing schedule: the predictor it
     serves with (``--mux-predictor``) walked with its flags and what its engine learned
     over the probes (``engine_calibration``; a run that did not record it: the corrections
-    the LooGLE fit's walks used), the per-batch cost fitted on the LooGLE timelines
-    (``SHARE_FIT``), and how much of the plan the instance delivered beyond that, fitted on
-    its own probe (``probe_delivered``). None where the schedule plans with the roofline
-    model: no fitted predictor to walk."""
+    the LooGLE fit's walks used), which choose each option; each option's pieces timed as
+    the probes measured them (``probe_piece_timing``), and how much of the plan the
+    instance delivered, fitted by replaying its own probe on the instance model
+    (``fit_probe_delivered``). ``as_of="7dad880"``: the model as it was there, its pieces
+    timed by the engine's corrections, a per-batch cost fitted on the LooGLE timelines
+    (``SHARE_FIT``) and the delivered factor in closed form (``probe_delivered``). ``only``
+    (a what-if): the planner walked with that one option (``ONE_OPTION``) and delivering
+    what it delivered in the probes (``option_delivered``). None where the schedule plans
+    with the roofline model: no fitted predictor to walk."""
     flags = argparse.ArgumentParser(add_help=False)
     flags.add_argument("--mux-predictor")
     path = flags.parse_known_args(shlex.split(schedule_args))[0].mux_predictor
@@ -369,18 +377,107 @@ def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
     fit = json.loads(SHARE_FIT.read_text())
     settings = settings_of(schedule_args).learned(interference.get("engine_calibration")
                                                   or fit["corrections"])
-    share = PlannerShare(**share_table(LatencyPredictor.load(ROOT / path), settings),
-                         per_batch_s=fit["per_batch_s"])
-    delivered = probe_delivered(share, interference, model, args)[0]
-    if delivered <= 0:
-        raise SystemExit(f"the probe's prompts took less than the fitted per-batch cost "
-                         f"({fit['per_batch_s']:.3f} s a batch): no planner model")
-    return dataclasses.replace(share, delivered=delivered)
+    predictor = LatencyPredictor.load(ROOT / path)
+    if as_of == "7dad880":
+        share = PlannerShare(**share_table(predictor, settings), per_batch_s=fit["per_batch_s"])
+        delivered = probe_delivered(share, interference, model, args)[0]
+        if delivered <= 0:
+            raise SystemExit(f"the probe's prompts took less than the fitted per-batch cost "
+                             f"({fit['per_batch_s']:.3f} s a batch): no planner model")
+        return dataclasses.replace(share, delivered=delivered)
+    settings = dataclasses.replace(settings, piece_timing=probe_piece_timing(interference) or None)
+    if only is not None:
+        share = PlannerShare(**share_table(predictor, dataclasses.replace(settings,
+                                                                          sharing=(only,))))
+        return dataclasses.replace(share, delivered=option_delivered(interference, only))
+    share = PlannerShare(**share_table(predictor, settings))
+    return dataclasses.replace(share, delivered=fit_probe_delivered(share, interference,
+                                                                    model, args))
+
+
+ONE_OPTION = ("temporal", "time_slice")
+
+
+def option_delivered(interference: dict, option: str) -> float:
+    """Planned over realized prefill rate of ``option`` over the probes (the engine's
+    timeline: ``prefill_delivery``'s realized over committed rate, inverted); stops with
+    the reason where the probes did not run it."""
+    delivery = (interference.get("timeline_probes") or {}).get("prefill_delivery", {})
+    if option not in delivery:
+        raise SystemExit(f"the probes ran no {option} (ran: {', '.join(delivery) or 'none'}):"
+                         f" nothing to say what it delivers")
+    return 1.0 / delivery[option]["realized_over_committed"]
+
+
+def probe_piece_timing(interference: dict) -> dict[str, float]:
+    """Each option's prefill pieces' measured over predicted time (the median) over the
+    probes, from the engine's timeline (``timeline_probes``); empty where the run did not
+    record it (the walk then times pieces by the engine's corrections, as before)."""
+    pieces = (interference.get("timeline_probes") or {}).get("piece_times", {})
+    return {option: row["measured_over_predicted_p50"] for option, row in pieces.items()}
+
+
+def fit_probe_delivered(share: PlannerShare, interference: dict, model: LatencyModel,
+                        args) -> float:
+    """Measured over planned prefill time: the factor with which the probe closest to the
+    replay's state (the queue probe where the run has one, else the lone prompt), replayed
+    on the multiplexing instance model (``simulated_mux_probe_s``), takes as long as it
+    did. The replay keeps what the closed form (``probe_delivered``) left out: the decode
+    streams' own prompts still prefilling when the probe's arrive (at 7dad880 the queue
+    probe's eight 4K prompts took longer than the warm-up, and the closed form put their
+    time on the probe's four: 2.40 of the plan)."""
+    probe, steps = _closest_probe(interference, args)
+
+    def probe_s(delivered: float) -> float:
+        return simulated_mux_probe_s(model, dataclasses.replace(share, delivered=delivered),
+                                     args, probe, steps)
+
+    delivered = solve_rising(probe_s, probe["prompt_s"], 0.05, 20.0)
+    # Not rising everywhere: a prompt that starts after the decode streams ended runs alone.
+    if abs(probe_s(delivered) / probe["prompt_s"] - 1.0) > 0.01:
+        raise SystemExit(f"no delivered factor replays the probe's {probe['prompt_s']:.3f} s "
+                         f"(at {delivered:.3f}: {probe_s(delivered):.3f} s)")
+    return delivered
+
+
+def _closest_probe(interference: dict, args) -> tuple[dict, int]:
+    """The queue probe where recorded (else the lone one) and its streams' decode steps."""
+    if "queue" in interference:
+        return interference["queue"], args.mix_steps * (1 + args.mix_queue // 2)
+    return {"prompts": 1, **interference}, args.mix_steps
+
+
+def simulated_mux_probe_s(model: LatencyModel, share: PlannerShare, args, probe: dict,
+                          decode_steps: int) -> float:
+    """The probe (``_probe``) replayed on one multiplexing instance with the planner model:
+    ``--mix-batch`` requests of the probe's decode context at 0, decoding ``decode_steps``
+    tokens, its prompts at ``--mix-warmup-s``; the time from then until the last prompt's
+    first token, as ``prompt_s`` measures it."""
+    decodes = [SimRequest(0.0, probe.get("decode_context", args.decode_contexts[0]),
+                          decode_steps) for _ in range(args.mix_batch)]
+    prompts = [SimRequest(args.mix_warmup_s, args.mix_prompt, 1)
+               for _ in range(probe.get("prompts", 1))]
+    GroupSim(model, 1, 0, dispatch="least-connections", max_wait_s=1e9,
+             multiplexing=Multiplexing(1.0, 1.0, share=share)).run(decodes + prompts)
+    return max(float(r.first_token or 0.0) for r in prompts) - args.mix_warmup_s
+
+
+def solve_rising(f: Callable[[float], float], target: float, low: float,
+                 high: float) -> float:
+    """The x in [``low``, ``high``] where the non-decreasing ``f`` reaches ``target``
+    (bisection in logarithms); stops with the reason where the range does not hold it."""
+    if not f(low) <= target <= f(high):
+        raise SystemExit(f"no factor from {low} to {high} gives {target:.3f} s")
+    while high / low > 1 + 1e-6:
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if f(middle) < target else (low, middle)
+    return math.sqrt(low * high)
 
 
 def probe_delivered(share: PlannerShare, interference: dict, model: LatencyModel,
                     args) -> tuple[float, str]:
-    """Measured over planned prefill time in the probe closest to the replay's state (the
+    """The planner model's delivered factor as of 7dad880 (now ``fit_probe_delivered``).
+    Measured over planned prefill time in the probe closest to the replay's state (the
     queue probe where the run has one, else the lone prompt), and which: its prompts' time,
     less the per-batch cost of the batches the planner splits them into, against each
     prompt alone (the fitted model) times the planner's factor beside the probe's decode
@@ -409,7 +506,7 @@ def simulate_both(name: str, model: LatencyModel, factors: Multiplexing | None,
     if noise is not None:
         runs["simulated"] = simulate(name, model, factors, requests, noise, as_of,
                                      mixed_extra_s=mixed_extra_s)
-    if share is not None and name == "multiplex" and as_of == "current":
+    if share is not None and name == "multiplex" and as_of != "eb12b7d":
         runs["simulated_planner_medians_only"] = simulate(name, model, factors, requests,
                                                           None, share=share)
         if noise is not None:
@@ -518,13 +615,15 @@ async def engine_info(session, url: str) -> dict:
         return await resp.json()
 
 
-def resimulate(path: str, as_of: str = "current", extra_from: str | None = None) -> dict:
+def resimulate(path: str, as_of: str = "current", extra_from: str | None = None,
+               only: str | None = None) -> dict:
     """Re-runs the simulations of a recorded validation with the models of now (or as of
     ``as_of``), from its own calibration: the same requests (``window_requests`` with the
     run's arguments and fitted model), its interference probe, and its measured spread
     where the file recorded the ratios (``service_ratios``); the medians-only simulation
     needs none. ``extra_from``: the chunked mixed step's extra cost fitted on that recorded
-    run's lone probe instead (a run without its own probe). No GPU, no server."""
+    run's lone probe instead (a run without its own probe). ``only``: the planner model
+    walked with that one option (``planner_share``). No GPU, no server."""
     recorded = json.load(open(path))
     args = argparse.Namespace(**recorded["config"])
     args.trace = str(ROOT / args.trace)
@@ -538,10 +637,11 @@ def resimulate(path: str, as_of: str = "current", extra_from: str | None = None)
         factors, share = _recorded_factors(run["interference"]), None
         if name == "multiplex":
             covered[name] = cycle_covers(model, factors, requests)
-            if as_of == "current":
-                share = planner_share(run["schedule_args"], run["interference"], model, args)
+            if as_of != "eb12b7d":
+                share = planner_share(run["schedule_args"], run["interference"], model, args,
+                                      as_of, only)
                 covered["multiplex_planner"] = _share_summary(share, run["interference"], model,
-                                                              args, requests)
+                                                              args, requests, as_of)
         ratios = run.get("service_ratios")
         noise = ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed) \
             if ratios else None
@@ -553,6 +653,7 @@ def resimulate(path: str, as_of: str = "current", extra_from: str | None = None)
         measured = {key: row["measured"] for key, row in run["compare"].items()}
         table[name] = compare_percentiles(measured, simulated)
     return {"resimulated_from": os.path.relpath(path, ROOT), "models_as_of": as_of,
+            "planner_options": only or "all",
             "schedules": table, "cycle_covers_every_batch": covered, "chunked": extra}
 
 
@@ -578,19 +679,22 @@ def cycle_covers(model: LatencyModel, factors: Multiplexing, requests: list[SimR
 
 
 def _share_summary(share: PlannerShare | None, interference: dict, model: LatencyModel,
-                   args, requests: list[SimRequest]) -> dict:
+                   args, requests: list[SimRequest], as_of: str = "current") -> dict:
     """What the planner model ran with, and whether the replay stays inside its grid (the
     bound of ``cycle_covers``: every request decoding at once at its full length)."""
     if share is None:
         return {"model": None, "why": "the schedule plans with the roofline model"}
     context = sum(r.input_len + r.output_len for r in requests)
     fit = json.loads(SHARE_FIT.read_text())
-    return {"model": "planner", "delivered_over_planned": share.delivered,
-            "delivered_from": probe_delivered(share, interference, model, args)[1] + " probe",
-            "per_batch_s": share.per_batch_s,
-            "delivered_over_planned_loogle_fit": fit["delivered_over_planned"],
-            "engine_calibration_recorded": bool(interference.get("engine_calibration")),
-            "covers_every_batch": share.covers(len(requests), context)}
+    source = "queue" if "queue" in interference else "lone"
+    summary = {"model": "planner", "delivered_over_planned": share.delivered,
+               "delivered_from": f"{source} probe", "per_batch_s": share.per_batch_s,
+               "engine_calibration_recorded": bool(interference.get("engine_calibration")),
+               "covers_every_batch": share.covers(len(requests), context)}
+    if as_of == "7dad880":
+        return {**summary, "delivered_over_planned_loogle_fit": fit["delivered_over_planned"]}
+    return {**summary, "delivered_fit": "the probe replayed on the instance model",
+            "piece_timing": probe_piece_timing(interference)}
 
 
 def _recorded_factors(interference: dict) -> Multiplexing | None:
@@ -610,16 +714,21 @@ def _keep_log(server: ServeProcess, path: Path) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="Directory for the JSON and logs.")
+    parser.add_argument("--out", help="Directory for the JSON and logs (with --resimulate: "
+                        "the JSON file to write the re-simulation to, if any).")
     parser.add_argument("--resimulate", metavar="FILE.json",
                         help="No GPU, no server: re-simulate a recorded validation with the "
                         "models of now and print measured vs simulated.")
     parser.add_argument("--models-as-of", choices=MODELS, default="current",
                         help="With --resimulate: eb12b7d runs the models as they were at the "
-                        "first H200 validation.")
+                        "first H200 validation, 7dad880 the multiplexing planner model as it "
+                        "was there.")
     parser.add_argument("--mixed-step-extra-from", metavar="FILE.json",
                         help="With --resimulate: the chunked mixed step's extra cost fitted "
                         "on this recorded run's lone probe (for a run that has none).")
+    parser.add_argument("--planner-only", choices=ONE_OPTION,
+                        help="With --resimulate (a what-if): the planner model walked with this "
+                        "one option, delivering what it delivered in the run's probes.")
     parser.add_argument("--smoke", action="store_true",
                         help="The tiny model on CPU, small lengths, 20 s replays.")
     parser.add_argument("--schedules", default="chunk512,multiplex",
@@ -655,6 +764,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if not (args.out or args.resimulate):
         parser.error("--out is required (or --resimulate FILE.json)")
+    if args.planner_only and not (args.resimulate and args.models_as_of == "current"):
+        parser.error("--planner-only is a what-if of the models of now: with --resimulate")
     if args.smoke:
         vars(args).update(SMOKE)
     return args
@@ -663,8 +774,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.resimulate:
-        return print_resimulation(resimulate(args.resimulate, args.models_as_of,
-                                             args.mixed_step_extra_from))
+        result = resimulate(args.resimulate, args.models_as_of, args.mixed_step_extra_from,
+                            args.planner_only)
+        if args.out:
+            config = {k: v for k, v in vars(args).items() if k != "out"}
+            write_json({**result_header(config), "kind": "validation", **result}, args.out)
+        return print_resimulation(result)
     table = SMOKE_SCHEDULES if args.smoke else SCHEDULES
     unknown = [s for s in args.schedules.split(",") if s not in table]
     if unknown:
