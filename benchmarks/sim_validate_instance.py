@@ -621,7 +621,8 @@ def parse_args() -> argparse.Namespace:
                         help="With --resimulate: the chunked mixed step's extra cost fitted "
                         "on this recorded run's lone probe (for a run that has none).")
     parser.add_argument("--smoke", action="store_true",
-                        help="The tiny model on CPU, small lengths, 20 s replays.")
+                        help="The tiny model on CPU, small lengths, 20 s replays (flags given "
+                        "beside it win over its values).")
     parser.add_argument("--schedules", default="chunk512,multiplex",
                         help=f"Of {', '.join(SCHEDULES)}.")
     parser.add_argument("--model", default="codellama-34b")
@@ -652,11 +653,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mix-warmup-s", type=float, default=3.0)
     parser.add_argument("--decode-kv-tokens", type=int, default=290_000)
     parser.add_argument("--seed", type=int, default=0)
+    if parser.parse_known_args()[0].smoke:
+        # As defaults, not over the parsed values: a flag given beside --smoke is taken,
+        # where an update after parsing dropped it without a word.
+        parser.set_defaults(**SMOKE)
     args = parser.parse_args()
     if not (args.out or args.resimulate):
         parser.error("--out is required (or --resimulate FILE.json)")
-    if args.smoke:
-        vars(args).update(SMOKE)
     return args
 
 
