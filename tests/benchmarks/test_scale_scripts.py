@@ -129,6 +129,7 @@ def test_instance_validation_smoke_runs_both_schedules_end_to_end(tmp_path):
 
 
 VALIDATION_H200 = ROOT / "benchmarks" / "results" / "sim_validate_instance_h200_eb12b7d.json"
+TRACE_OF_H200 = ROOT / json.loads(VALIDATION_H200.read_text())["config"]["trace"]
 
 
 def test_resimulation_with_the_models_as_of_eb12b7d_gives_the_committed_figures():
@@ -157,17 +158,31 @@ def test_resimulation_from_the_command_line_with_the_models_of_now():
     assert chunked != recorded["chunk512"]["compare"]["ttft_s"]["simulated_medians_only"]
 
 
-def test_resimulation_runs_the_planner_model_fitted_on_the_runs_own_probe():
+def test_resimulation_runs_the_planner_model_fitted_on_the_runs_own_probe(monkeypatch):
     """Beside the cycle model, the planner model: its table walked from the run's own
     predictor, the per-batch cost fitted on the LooGLE timelines, and how much of the plan
     the instance delivered from the run's lone probe (that run had no queue probe): the
-    probe's prompt comes back as measured."""
+    probe's prompt comes back as measured. The share is the one the re-simulation built
+    (its table's walk is most of this test's time: walked once, not twice)."""
     module = _script("sim_validate_instance")
     recorded = json.loads(VALIDATION_H200.read_text())
     run = recorded["schedules"]["multiplex"]
     args = module.argparse.Namespace(**recorded["config"])
     model = module.LatencyModel(**run["latency_model"])
-    share = module.planner_share(run["schedule_args"], run["interference"], model, args)
+    built = []  # (arguments, share) of each planner_share call the re-simulation makes
+    planner_share = module.planner_share
+
+    def recording(*arguments):
+        built.append((arguments, planner_share(*arguments)))
+        return built[-1][1]
+
+    monkeypatch.setattr(module, "planner_share", recording)
+    again = module.resimulate(str(VALIDATION_H200))
+    assert len(built) == 1
+    (schedule_args, interference, built_model, built_args), share = built[0]
+    assert (schedule_args, interference, built_model) == (run["schedule_args"],
+                                                          run["interference"], model)
+    assert vars(built_args) == {**vars(args), "trace": str(TRACE_OF_H200)}
     context = 8 * (1024 + round(3.0 / (run["interference"]["step_ms_before"] / 1e3)))
     assert share.prefill_s(model.prefill_s(8192), 8, context, 8192) == pytest.approx(
         run["interference"]["prompt_s"])
@@ -175,7 +190,6 @@ def test_resimulation_runs_the_planner_model_fitted_on_the_runs_own_probe():
         "per_batch_s"]) and share.per_batch_s > 0
     assert share.delivered == pytest.approx(
         module.probe_delivered(share, run["interference"], model, args)[0])
-    again = module.resimulate(str(VALIDATION_H200))
     planner = again["cycle_covers_every_batch"]["multiplex_planner"]
     assert planner["delivered_from"] == "lone probe" and planner["covers_every_batch"]
     assert planner["delivered_over_planned"] == pytest.approx(share.delivered)
