@@ -24,14 +24,15 @@ def _logits_over_steps(model: LlamaForCausalLM, steps: int) -> list[torch.Tensor
     return greedy_step_logits(model, PROMPTS, steps)
 
 
-def _model_and_reference_logits(preset: str) -> tuple[LlamaForCausalLM, list[torch.Tensor]]:
-    """A tiny model with random norms, its attention switched to Triton after it ran the
-    torch-reference path (whose logits come back too)."""
+def _model_and_reference_logits(preset: str, steps: int = 3
+                                ) -> tuple[LlamaForCausalLM, list[torch.Tensor]]:
+    """A tiny model with random norms, its attention switched to Triton after it ran
+    ``steps`` decode steps on the torch-reference path (whose logits come back too)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(PRESETS[preset], get_attention_backend("torch", "cpu"))
     model.model.apply(_randomize_norms)
     with dispatch.reference_ops():
-        expected = _logits_over_steps(model, steps=3)
+        expected = _logits_over_steps(model, steps=steps)
     model.attn_backend = get_attention_backend("triton", "cpu")
     for layer in model.model.layers:
         layer.self_attn.backend = model.attn_backend
@@ -52,12 +53,14 @@ def test_decode_gemv_path_matches_reference_path():
     """Decode steps (2 rows) on the fused GEMV path, the prefill (10 rows) on the usual one:
     logits as the reference path's, and the GEMV kernel did run (4 launches per layer).
     tiny-qwen2 only: the Llama layout plus the qkv bias the GEMV adds (one preset keeps the
-    interpreter's time down; the GPU tests run the kernels on the real shapes)."""
-    model, expected = _model_and_reference_logits("tiny-qwen2")
+    interpreter's time down; the GPU tests run the kernels on the real shapes). Two decode
+    steps, the second reading the KV the first wrote through the GEMV: each interpreted
+    step takes ~8 s on a 2-core host, and a third would repeat the second's path."""
+    model, expected = _model_and_reference_logits("tiny-qwen2", steps=2)
     model.decode_gemv = True
     with dispatch.interpreted_triton_ops(), count_launches() as count:
-        got = _logits_over_steps(model, steps=3)
-    assert count.by_name["triton::_gemv_kernel"] == 3 * 4 * model.num_layers
+        got = _logits_over_steps(model, steps=2)
+    assert count.by_name["triton::_gemv_kernel"] == 2 * 4 * model.num_layers
     _assert_logits_match(got, expected)
 
 
