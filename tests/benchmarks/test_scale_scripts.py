@@ -67,7 +67,8 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     result = _run("validate_sim.py", "--requests", "6", "--repeats", "1", "--rate", "2",
                   "--prompt-lens", "32,64", "--decode-batches", "1,2",
                   "--decode-contexts", "32", "--min-output", "12", "--max-output", "20",
-                  "--sharing-cycles", "1", out=tmp_path / "validation.json")
+                  "--sharing-cycles", "1", "--decode-steps", "64",
+                  out=tmp_path / "validation.json")
     assert result["kind"] == "validation"
     # The shared-cores factors are the probe's medians, as the simulations used them.
     probe = result["shared_cores_probe"]
