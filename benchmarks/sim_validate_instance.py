@@ -730,7 +730,8 @@ def parse_args() -> argparse.Namespace:
                         help="With --resimulate (a what-if): the planner model walked with this "
                         "one option, delivering what it delivered in the run's probes.")
     parser.add_argument("--smoke", action="store_true",
-                        help="The tiny model on CPU, small lengths, 20 s replays.")
+                        help="The tiny model on CPU, small lengths, 20 s replays (flags given "
+                        "beside it win over its values).")
     parser.add_argument("--schedules", default="chunk512,multiplex",
                         help=f"Of {', '.join(SCHEDULES)}.")
     parser.add_argument("--model", default="codellama-34b")
@@ -761,13 +762,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mix-warmup-s", type=float, default=3.0)
     parser.add_argument("--decode-kv-tokens", type=int, default=290_000)
     parser.add_argument("--seed", type=int, default=0)
+    if parser.parse_known_args()[0].smoke:
+        # As defaults, not over the parsed values: a flag given beside --smoke is taken,
+        # where an update after parsing dropped it without a word.
+        parser.set_defaults(**SMOKE)
     args = parser.parse_args()
     if not (args.out or args.resimulate):
         parser.error("--out is required (or --resimulate FILE.json)")
     if args.planner_only and not (args.resimulate and args.models_as_of == "current"):
         parser.error("--planner-only is a what-if of the models of now: with --resimulate")
-    if args.smoke:
-        vars(args).update(SMOKE)
     return args
 
 

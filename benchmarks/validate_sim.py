@@ -38,6 +38,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,22 @@ STEP_WINDOW = 8
 
 def start_instance(args) -> ServeProcess:
     return start_serve(args.model, "--kv-transfer-port", "0", *shlex.split(args.serve_args))
+
+
+def start_instances(args) -> tuple[ServeProcess, ServeProcess]:
+    """The prefill and the decode instance, started side by side: a start is mostly one
+    process loading torch and the model, which two cores do at once. Stops the one that
+    came up when the other fails."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start_instance, args) for _ in range(2)]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for future in futures:
+            if future.exception() is None:
+                future.result().stop()
+        raise failed[0]
+    prefill, decode = (f.result() for f in futures)
+    return prefill, decode
 
 
 def prompt(rng: np.random.Generator, tokens: int) -> list[int]:
@@ -454,7 +471,7 @@ async def run(args) -> dict:
 
     load_average = {"start": os.getloadavg()[0]}
     cpu_marks = [cpu_times()]
-    prefill, decode = start_instance(args), start_instance(args)
+    prefill, decode = start_instances(args)
     rng = np.random.default_rng(args.seed)
     try:
         async with ClientSession(timeout=ClientTimeout(total=None)) as session:

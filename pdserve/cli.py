@@ -148,7 +148,7 @@ def _add_bench(sub) -> None:
 
 
 def _add_profile(sub) -> None:
-    from pdserve.engine.profiler import add_parser
+    from pdserve.engine.profile_args import add_parser
 
     add_parser(sub).set_defaults(check=_check_profile)
 

@@ -79,6 +79,16 @@ def test_flag_that_does_not_exist():
     assert "unrecognized arguments: --pipeline-parallel-size 2" in result.stderr.splitlines()[-1]
 
 
+def test_a_usage_error_comes_before_torch_is_imported():
+    """Every subcommand's parser is built for any command line: none may import torch
+    (~1 s), or a mistyped flag and ``--help`` wait for it (the profiler's did)."""
+    code = ("import sys\nfrom pdserve.cli import main\ntry:\n    main(['serve', '--nope'])\n"
+            "except SystemExit:\n    print('torch imported:', 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=300)
+    assert result.stdout.strip() == "torch imported: False", result.stdout + result.stderr
+
+
 def test_tensor_parallel_size_that_does_not_divide_the_heads():
     assert_one_line_error(pdserve("generate", "tiny", "--prompt", "x",
                                   "--tensor-parallel-size", "3"),

@@ -461,32 +461,7 @@ def profile_engine(engine, grid: ProfileGrid, out: Path | None = None) -> Profil
                          launch)
 
 
-# ---------------------------------------------------------------------- CLI
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "profile", help="Profile decode/prefill latency per SM split; fit and save the "
-        "multiplex latency predictor.", description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", nargs="?", default="codellama-34b",
-                        help="Preset name or checkpoint folder (default: codellama-34b).")
-    parser.add_argument("--load-format", default="auto", help="auto | dummy | safetensors.")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--out", default=None, help="A .json file, or a folder (default: "
-                        "$PDSERVE_PROFILE_DIR or ~/.cache/pdserve/profiles).")
-    parser.add_argument("--decode-sms", default=None,
-                        help="Decode SM counts to profile, comma-separated (default "
-                        "16,24,32,48,64, the serving default).")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="Profile the model split over this many GPUs (saved apart from "
-                        "the one-GPU profile).")
-    parser.add_argument("--quick", action="store_true",
-                        help="A tiny grid for small models and smoke tests.")
-    parser.set_defaults(func=_run)
-    return parser
+# ------------------------------------------- CLI (its parser: profile_args.py, without torch)
 
 
 def engine_for_profile(model: str, grid: ProfileGrid, max_model_len: int = 0, **options
@@ -514,7 +489,7 @@ def grid_from_args(args: argparse.Namespace) -> ProfileGrid:
     return grid
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     grid = grid_from_args(args)
     options = dict(load_format=args.load_format, dtype=args.dtype, device=args.device,
                    tensor_parallel_size=args.tensor_parallel_size)
@@ -527,6 +502,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdserve.engine.profile_args import add_parser
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="pdserve")
     add_parser(parser.add_subparsers(dest="command", required=True))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -63,7 +64,13 @@ def run_engine_process(config: Any, pipes: list[tuple[Connection, Connection]],
         if hasattr(core, "close"):
             core.close()
     channels.close()
-    raise SystemExit(code)
+    # Out without the interpreter's teardown: with torch loaded it took 0.5-1 s of every
+    # server's stop (measured on a 2-core host), and nothing is owed by now: the core is
+    # closed (its tensor-parallel workers stopped), the channels flushed and closed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _vocab_size(core: Any) -> int | None:

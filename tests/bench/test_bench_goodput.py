@@ -43,16 +43,16 @@ def test_goodput_finds_standin_knee():
     # 100 ms of TTFT slack, 90% of 20 requests meet the SLO up to about 22.7 req/s.
     spec = WorkloadSpec(num_prompts=20, input_len=8, output_len=3, burstiness=100.0, seed=1)
     slo = SloOptions(ttft_slo_ms=150.0, itl_slo_ms=50.0)
-    opts = GoodputOptions(enabled=True, start_rate=5.0, rel_tol=0.1, max_probes=8)
+    opts = GoodputOptions(enabled=True, start_rate=10.0, rel_tol=0.1, max_probes=8)
     with ThreadedServer(StandIn(prefill_ms=50.0, itl_ms=5.0)) as server:
         result = asyncio.run(_run(server.url, spec, slo, opts))
     print("standin goodput", result["goodput_rps"])
     assert 15.0 <= result["goodput_rps"] <= 26.0, result["goodput"]["points"]
     points = sorted((p["rate"], p["attainment"]) for p in result["goodput"]["points"])
-    # Started at 5 req/s and went past the knee: the highest probe failed (which side of
-    # 20 req/s the knee falls on depends on the host's load: client and stand-in share one
-    # process, so the search need not reach 25).
-    assert points[0][0] == 5.0 and points[-1][1] < 0.9
+    # Started at 10 req/s (at 5, the first probe alone took 4 s) and went past the knee:
+    # the highest probe failed (which side of 20 req/s the knee falls on depends on the
+    # host's load: client and stand-in share one process, so the search need not reach 25).
+    assert points[0][0] == 10.0 and points[-1][1] < 0.9
     assert any(met >= 0.9 for rate, met in points if rate >= 15.0)
     assert result["slo_attainment"] >= 0.9
 

@@ -238,19 +238,20 @@ def _quick(tool, monkeypatch) -> None:
                                ttft_slo_ms=60_000.0, span_s=0.01, min_requests=3,
                                max_requests=3, drain_s=0.1, ladder=(100.0,), start_rate=100.0)
     monkeypatch.setitem(tool.WORKLOADS, "quick", quick)
-    monkeypatch.setitem(tool.CONFIGS, "slow", "--prefill-ms 5000")
+    monkeypatch.setitem(tool.CONFIGS, "slow", "--prefill-ms 3000")
 
 
 @pytest.mark.slow
 def test_a_probe_that_overruns_the_budget_is_cut_and_writes_nothing(tool, tmp_path,
                                                                      monkeypatch, capsys):
-    # The stand-in prefills one request at a time, 5 s each: warm-up and probe need >= 25 s.
-    # The drain allowance (0.1 s) lets the probe start; the budget leaves it ~12 s.
+    # The stand-in prefills one request at a time, 3 s each: warm-up and probe need >= 15 s.
+    # The drain allowance (0.1 s) lets the probe start; the budget leaves it < 7 s (the
+    # budget less the 15 s kept for stopping, less the stand-in's start).
     _quick(tool, monkeypatch)
     command = f"{shlex.quote(sys.executable)} {STANDIN} --host 127.0.0.1 --port {{port}}"
     code = tool.main(["run", "--probe", "quick:slow:100", "--model", "standin",
                       "--server-args", "", "--server-cmd", command, "--startup-s", "3",
-                      "--budget-s", "27", "--results", str(tmp_path),
+                      "--budget-s", "22", "--results", str(tmp_path),
                       "--port", str(_free_port())])
     assert code == 0
     assert "quick:slow:100 cut at the budget limit; nothing written" in capsys.readouterr().out

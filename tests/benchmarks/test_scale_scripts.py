@@ -67,7 +67,8 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     result = _run("validate_sim.py", "--requests", "6", "--repeats", "1", "--rate", "2",
                   "--prompt-lens", "32,64", "--decode-batches", "1,2",
                   "--decode-contexts", "32", "--min-output", "12", "--max-output", "20",
-                  "--sharing-cycles", "1", out=tmp_path / "validation.json")
+                  "--sharing-cycles", "1", "--decode-steps", "64",
+                  out=tmp_path / "validation.json")
     assert result["kind"] == "validation"
     # The shared-cores factors are the probe's medians, as the simulations used them.
     probe = result["shared_cores_probe"]
@@ -96,13 +97,16 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
 
 def test_instance_validation_smoke_runs_both_schedules_end_to_end(tmp_path):
     """The H200 command's own steps on the tiny model on CPU: two real instances, the
-    trace window replayed, both models simulated, one JSON under --out."""
+    trace window replayed, both models simulated, one JSON under --out. The replays last
+    4 s instead of the smoke's 20 (still dozens of requests each): a flag beside --smoke
+    wins over its value."""
     out = tmp_path / "out"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim_validate_instance.py"),
-                    "--smoke", "--out", str(out)], check=True, cwd=ROOT, timeout=900,
-                   env={**os.environ, "PDSERVE_GIT_REVISION": "abc123"})
+                    "--smoke", "--replay-s", "4", "--out", str(out)], check=True, cwd=ROOT,
+                   timeout=900, env={**os.environ, "PDSERVE_GIT_REVISION": "abc123"})
     result = json.loads((out / "sim_validate_instance.json").read_text())
     assert result["kind"] == "validation" and result["git_revision"] == "abc123"
+    assert result["config"]["replay_s"] == 4.0 and result["config"]["model"] == "tiny"
     assert set(result["schedules"]) == {"chunk512", "multiplex"}
     for name, run in result["schedules"].items():
         assert run["workload"]["window_s"] == [0.0, 600.0] and run["workload"]["requests"] > 5
@@ -126,6 +130,7 @@ def test_instance_validation_smoke_runs_both_schedules_end_to_end(tmp_path):
 
 
 VALIDATION_H200 = ROOT / "benchmarks" / "results" / "sim_validate_instance_h200_eb12b7d.json"
+TRACE_OF_H200 = ROOT / json.loads(VALIDATION_H200.read_text())["config"]["trace"]
 
 
 def test_resimulation_with_the_models_as_of_eb12b7d_gives_the_committed_figures():
@@ -143,38 +148,58 @@ def test_resimulation_with_the_models_as_of_eb12b7d_gives_the_committed_figures(
 
 
 def test_resimulation_from_the_command_line_with_the_models_of_now(tmp_path):
+    """The recorded run's chunked schedule alone: the multiplexing one would walk the
+    planner's share table (~9 s), which the planner test below runs in-process; the command
+    line prints every schedule with the same loop, and keeps the re-simulation with --out."""
+    recorded = json.loads(VALIDATION_H200.read_text())
+    del recorded["schedules"]["multiplex"]
+    path = tmp_path / "chunked_only.json"
+    path.write_text(json.dumps(recorded))
     kept = tmp_path / "resimulated.json"
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim_validate_instance.py"),
-                          "--resimulate", str(VALIDATION_H200), "--out", str(kept)],
-                         check=True, cwd=ROOT, timeout=300, capture_output=True,
-                         text=True).stdout.splitlines()
+                          "--resimulate", str(path), "--out", str(kept)], check=True, cwd=ROOT,
+                         timeout=300, capture_output=True, text=True).stdout.splitlines()
+    assert out[0].startswith(f"re-simulated offline from {os.path.relpath(path, ROOT)}")
     written = json.loads(kept.read_text())
     assert written["kind"] == "validation" and written["models_as_of"] == "current"
-    assert set(written["schedules"]) == {"chunk512", "multiplex"}
-    assert out[0].startswith("re-simulated offline from benchmarks/results/")
+    assert set(written["schedules"]) == {"chunk512"}
     rows = {tuple(line.split(" ", 2)[:2]): json.loads(line.split(" ", 2)[2]) for line in out[1:]}
-    assert set(rows) == {(s, k) for s in ("chunk512", "multiplex") for k in ("ttft_s", "tpot_s")}
-    recorded = json.loads(VALIDATION_H200.read_text())["schedules"]
+    assert set(rows) == {("chunk512", "ttft_s"), ("chunk512", "tpot_s")}
     chunked = rows[("chunk512", "ttft_s")]["simulated_medians_only"]
-    assert chunked != recorded["chunk512"]["compare"]["ttft_s"]["simulated_medians_only"]
+    assert chunked != recorded["schedules"]["chunk512"]["compare"]["ttft_s"][
+        "simulated_medians_only"]
 
 
-def test_resimulation_runs_the_planner_model_fitted_on_the_runs_own_probe():
+def test_resimulation_runs_the_planner_model_fitted_on_the_runs_own_probe(monkeypatch):
     """Beside the cycle model, the planner model: its table walked from the run's own
     predictor, and how much of the plan the instance delivered fitted by replaying the run's
     lone probe on the instance model (that run had no queue probe, nor a probe timeline: its
-    pieces are timed by the corrections): the probe's prompt comes back as measured."""
+    pieces are timed by the corrections): the probe's prompt comes back as measured. The
+    share is the one the re-simulation built (its table's walk is most of this test's time:
+    walked once, not twice)."""
     module = _script("sim_validate_instance")
     recorded = json.loads(VALIDATION_H200.read_text())
     run = recorded["schedules"]["multiplex"]
     args = module.argparse.Namespace(**recorded["config"])
     model = module.LatencyModel(**run["latency_model"])
-    share = module.planner_share(run["schedule_args"], run["interference"], model, args)
+    built = []  # (arguments, share) of each planner_share call the re-simulation makes
+    planner_share = module.planner_share
+
+    def recording(*arguments):
+        built.append((arguments, planner_share(*arguments)))
+        return built[-1][1]
+
+    monkeypatch.setattr(module, "planner_share", recording)
+    again = module.resimulate(str(VALIDATION_H200))
+    assert len(built) == 1
+    (schedule_args, interference, built_model, built_args, as_of, only), share = built[0]
+    assert (schedule_args, interference, built_model) == (run["schedule_args"],
+                                                          run["interference"], model)
+    assert (as_of, only) == ("current", None)
     assert share.per_batch_s == 0.0
-    assert module.simulated_mux_probe_s(model, share, args, {"prompts": 1, **run[
+    assert module.simulated_mux_probe_s(model, share, built_args, {"prompts": 1, **run[
         "interference"]}, args.mix_steps) == pytest.approx(run["interference"]["prompt_s"],
                                                            rel=0.01)
-    again = module.resimulate(str(VALIDATION_H200))
     planner = again["cycle_covers_every_batch"]["multiplex_planner"]
     assert planner["delivered_from"] == "lone probe" and planner["covers_every_batch"]
     assert planner["delivered_over_planned"] == pytest.approx(share.delivered)

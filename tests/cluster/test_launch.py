@@ -49,7 +49,7 @@ def test_cluster_command_serves_and_stops_cleanly():
         # Ctrl-C mid-stream reaches every process of the group, tensor-parallel ranks
         # included: only the launcher acts on it, and the instances drain the stream.
         stream = cluster.openai().completions.create(
-            model="tiny", prompt="Hello", max_tokens=400, temperature=0, stream=True,
+            model="tiny", prompt="Hello", max_tokens=100, temperature=0, stream=True,
             extra_body={"ignore_eos": True})
         first = next(iter(stream))
         os.killpg(cluster.process.pid, signal.SIGINT)

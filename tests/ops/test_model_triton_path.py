@@ -18,6 +18,10 @@ from pdserve.ops.launch_count import count_launches
 from pdserve.ops.registry import get_attention_backend
 
 PROMPTS = [[256, 5, 17, 99, 3, 8, 41], [256, 77, 2]]
+# The second decode step reads KV that the first wrote on the path under test; a third would
+# repeat the second's path, and each interpreted step costs seconds (3 s, 8 s with the GEMV
+# on a 2-core host).
+DECODE_STEPS = 2
 
 
 def _logits_over_steps(model: LlamaForCausalLM, steps: int) -> list[torch.Tensor]:
@@ -25,13 +29,13 @@ def _logits_over_steps(model: LlamaForCausalLM, steps: int) -> list[torch.Tensor
 
 
 def _model_and_reference_logits(preset: str) -> tuple[LlamaForCausalLM, list[torch.Tensor]]:
-    """A tiny model with random norms, its attention switched to Triton after it ran the
-    torch-reference path (whose logits come back too)."""
+    """A tiny model with random norms, its attention switched to Triton after it ran
+    ``DECODE_STEPS`` on the torch-reference path (whose logits come back too)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(PRESETS[preset], get_attention_backend("torch", "cpu"))
     model.model.apply(_randomize_norms)
     with dispatch.reference_ops():
-        expected = _logits_over_steps(model, steps=3)
+        expected = _logits_over_steps(model, steps=DECODE_STEPS)
     model.attn_backend = get_attention_backend("triton", "cpu")
     for layer in model.model.layers:
         layer.self_attn.backend = model.attn_backend
@@ -43,7 +47,7 @@ def test_model_triton_path_matches_reference_path():
     # tiny-qwen2: qkv bias and tied embeddings on top of the Llama layout
     model, expected = _model_and_reference_logits("tiny-qwen2")
     with dispatch.interpreted_triton_ops():
-        got = _logits_over_steps(model, steps=3)
+        got = _logits_over_steps(model, steps=DECODE_STEPS)
     _assert_logits_match(got, expected)
 
 
@@ -56,8 +60,8 @@ def test_decode_gemv_path_matches_reference_path():
     model, expected = _model_and_reference_logits("tiny-qwen2")
     model.decode_gemv = True
     with dispatch.interpreted_triton_ops(), count_launches() as count:
-        got = _logits_over_steps(model, steps=3)
-    assert count.by_name["triton::_gemv_kernel"] == 3 * 4 * model.num_layers
+        got = _logits_over_steps(model, steps=DECODE_STEPS)
+    assert count.by_name["triton::_gemv_kernel"] == DECODE_STEPS * 4 * model.num_layers
     _assert_logits_match(got, expected)
 
 
