@@ -335,11 +335,13 @@ class PrefillSteps:
     takes ``prefill_s`` as before. With ``tokens_one_step_late`` a step's first tokens are
     handed back only once the next step has run, if there is work for one: overlap
     scheduling on a CPU, where issuing a step runs it (``pdserve/engine/core.py``: a
-    synchronous policy collects an overlapped launch after issuing the next; on a GPU the
-    issue returns at once and the tokens come with their own step). A prompt that comes
-    in while another prefills then waits for its first piece to be handed its own first
-    token. ``GroupSim``'s default, None, runs whole prompts one after another, each handed
-    back as it ends: the fleet's figures."""
+    synchronous policy collects an overlapped launch after issuing the next). A prompt
+    that ends while another waits thus hands back its first token after the other's first
+    piece. Each step is planned as it starts, as on a CPU; on a GPU the issue returns at
+    once, the tokens come with their own step and the next step is planned a step ahead,
+    which ``ChunkedInstanceSim(overlap=True)`` models and this does not. ``GroupSim``'s
+    default, None, runs whole prompts one after another, each handed back as it ends: the
+    fleet's figures."""
 
     chunk_tokens: int
     tokens_one_step_late: bool = False
