@@ -50,6 +50,7 @@ from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.sim.cluster import (  # noqa: E402
     GroupSim,
     LatencyModel,
+    PrefillSteps,
     ServiceNoise,
     SharedCores,
     SimRequest,
@@ -455,9 +456,10 @@ def percentiles(rows: list[dict], key: str) -> dict:
 
 
 def simulate(model: LatencyModel, requests: list[SimRequest], args,
-             noise: ServiceNoise | None = None, cores: SharedCores | None = None) -> list[dict]:
+             noise: ServiceNoise | None = None, cores: SharedCores | None = None,
+             steps: PrefillSteps | None = None) -> list[dict]:
     sim = GroupSim(model, 1, 1, ttft_slo_s=args.ttft_slo_s, max_wait_s=args.max_wait_s,
-                   noise=noise, shared_cores=cores)
+                   noise=noise, shared_cores=cores, prefill_steps=steps)
     fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
     return [{"ttft_s": r.first_token - r.arrival,
              "tpot_s": (r.finished - r.first_token) / (r.output_len - 1)}
@@ -477,6 +479,7 @@ async def run(args) -> dict:
         async with ClientSession(timeout=ClientTimeout(total=None)) as session:
             gateway, url = await start_group(session, prefill, decode, args)
             try:
+                steps = await prefill_steps_of(session, prefill)
                 cpu_marks.append(cpu_times())
                 calibrated = await calibrate(session, prefill, decode, url, args, rng)
                 requests = workload(args, rng)
@@ -497,6 +500,7 @@ async def run(args) -> dict:
     hold = calibrated["decode_hold_probability"]
     prefill_busy = sum(model.prefill_s(r.input_len) for r in requests) / requests[-1].arrival
     return {**calibrated, "service_spread": {k: spread(v) for k, v in ratios.items()},
+            "prefill_steps": dataclasses.asdict(steps),  # how the prefill instance steps
             "service_ratios": ratios,  # what the simulations drew from: re-simulable
             "latency_model": dataclasses.asdict(model),
             "shared_cores": dataclasses.asdict(cores), "prefill_utilisation": prefill_busy,
@@ -507,26 +511,71 @@ async def run(args) -> dict:
             "measured_token_times_s": [[round(t, 5) for t in r["times"]] for r in measured],
             # the request list (arrival s, prompt and answer tokens): re-simulable
             "requests": [[r.arrival, r.input_len, r.output_len] for r in requests],
-            "compare": compare(measured,
-                               simulations(model, cores, ratios, hold, requests, args))}
+            "compare": compare(measured, simulations(model, cores, ratios, hold, steps,
+                                                     requests, args))}
 
 
 def simulations(model: LatencyModel, cores: SharedCores, ratios: dict[str, list[float]],
-                hold: float, requests: list[SimRequest], args) -> dict[str, list[dict]]:
+                hold: float, steps: PrefillSteps, requests: list[SimRequest],
+                args) -> dict[str, list[dict]]:
     """The fitted group with the measured spread, and each without one of its parts. With
     the spread, the requests' results of ``--draws`` draws pooled: one draw's P99 of 100
     requests moved by up to 20% from seed to seed."""
     without = dataclasses.replace(model, handoff_base_s=0.0, handoff_per_token_s=0.0)
 
-    def drawn(model: LatencyModel, hold: float, cores: SharedCores | None) -> list[dict]:
+    def drawn(model: LatencyModel, hold: float, cores: SharedCores | None,
+              steps: PrefillSteps | None = steps) -> list[dict]:
         return [row for draw in range(args.draws) for row in simulate(
-            model, requests, args, noise(ratios, args, hold, args.seed + draw), cores)]
+            model, requests, args, noise(ratios, args, hold, args.seed + draw), cores, steps)]
 
     return {"simulated": drawn(model, hold, cores),
-            "simulated_medians_only": simulate(model, requests, args, cores=cores),
+            "simulated_medians_only": simulate(model, requests, args, cores=cores,
+                                               steps=steps),
             "simulated_without_handoff": drawn(without, hold, cores),
             "simulated_without_shared_cores": drawn(model, hold, None),
-            "simulated_without_held_stretches": drawn(model, 0.0, cores)}
+            "simulated_without_held_stretches": drawn(model, 0.0, cores),
+            "simulated_without_prefill_steps": drawn(model, hold, cores, None)}
+
+
+async def prefill_steps_of(session, prefill: ServeProcess) -> PrefillSteps:
+    """How the prefill instance steps through prompts, from what its engine reports: the
+    chunked policy's budget, and whether a step's tokens come back only after the next
+    step ran (overlap scheduling where issuing a step runs it: not on a CUDA device)."""
+    info = await (await session.get(prefill.url + "/v1/engine/info")).json()
+    if info.get("schedule") != "chunked":
+        raise RuntimeError(f"the prefill instance runs --schedule {info.get('schedule')}: the "
+                           "simulator models a chunked prefill instance's steps only")
+    late = info["overlap_schedule"]["enabled"] and not info["device"].startswith("cuda")
+    return PrefillSteps(info["chunk_size"], tokens_one_step_late=late)
+
+
+def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
+    """A recorded run's measured percentiles against the simulations of today's code, from
+    its recorded model, factors, spread and requests. ``steps``: the prefill instance's
+    steps where the run did not record them."""
+    with open(path) as f:
+        run = json.load(f)
+    if "prefill_steps" in run:
+        steps = PrefillSteps(**run["prefill_steps"])
+    if steps is None:
+        raise SystemExit(f"{path} records no prefill_steps: name what its prefill instance "
+                         "ran with --assume-prefill-steps CHUNK[,late]")
+    requests = [SimRequest(float(a), int(n), int(o)) for a, n, o in run["requests"]]
+    simulated = simulations(LatencyModel(**run["latency_model"]),
+                            SharedCores(**run["shared_cores"]), run["service_ratios"],
+                            run["decode_hold_probability"], steps, requests, args)
+    measured = {key: run["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
+    return {"resimulated": path, "recorded_revision": run.get("git_revision"),
+            "prefill_steps": dataclasses.asdict(steps),
+            "compare": compare_percentiles(measured, simulated)}
+
+
+def assumed_steps(text: str) -> PrefillSteps:
+    """``CHUNK`` or ``CHUNK,late`` (--assume-prefill-steps)."""
+    chunk, _, late = text.partition(",")
+    if late not in ("", "late"):
+        raise argparse.ArgumentTypeError(f"expected CHUNK or CHUNK,late, not {text!r}")
+    return PrefillSteps(int(chunk), tokens_one_step_late=late == "late")
 
 
 def cpu_times() -> list[int] | None:
@@ -705,7 +754,19 @@ def main() -> int:
     parser.add_argument("--out")
     parser.add_argument("--summarize", nargs="+", metavar="RESULT",
                         help="Write runs' results side by side to --out instead of a run.")
+    parser.add_argument("--resimulate", metavar="RESULT",
+                        help="Simulate a recorded run again with today's simulator (its "
+                        "recorded model, factors, spread and requests) and write the "
+                        "comparison to --out instead of a run.")
+    parser.add_argument("--assume-prefill-steps", type=assumed_steps, metavar="CHUNK[,late]",
+                        help="With --resimulate, for a run that did not record them: the "
+                        "prefill instance's chunk budget, and 'late' where its tokens came "
+                        "back one step late (overlap scheduling on a CPU).")
     args = parser.parse_args()
+    if args.resimulate:
+        write_json({**result_header({"resimulate": args.resimulate}),
+                    **resimulate(args.resimulate, args, args.assume_prefill_steps)}, args.out)
+        return 0
     if args.summarize:
         write_json({**result_header({"summarize": args.summarize}),
                     **summarize_runs(args.summarize)}, args.out)

@@ -50,6 +50,9 @@ class ChunkedPrefillScheduler(Scheduler):
 
     name = "chunked"
 
+    def describe(self) -> dict:
+        return {"chunk_size": self.config.chunk_size}
+
     def plan_step(self) -> Plan:
         plan = Plan()
         budget = self._schedule_running(plan, self.config.chunk_size)

@@ -64,6 +64,15 @@ class LatencyModel:
         return (self.prefill_base_s + self.prefill_per_token_s * tokens
                 + self.prefill_per_token_sq_s * tokens ** 2)
 
+    def prefill_piece_s(self, start: int, end: int) -> float:
+        """Tokens ``start`` to ``end`` of one prompt, in a step of their own: ``prefill_s``'s
+        terms for those tokens (the square term's share ``end**2 - start**2``: each attends
+        to those before it; the base with the first piece), so a prompt's pieces add up to
+        its ``prefill_s``."""
+        return ((self.prefill_base_s if start == 0 else 0.0)
+                + self.prefill_per_token_s * (end - start)
+                + self.prefill_per_token_sq_s * (end * end - start * start))
+
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         return (self.decode_base_s + self.decode_per_request_s * batch
                 + self.decode_per_kv_token_s * context_tokens)
@@ -315,6 +324,32 @@ class Multiplexing:
         tokens = run["prompt_tokens"]
         prefill = tokens / run["prefill_tokens_per_s"] / model.prefill_s(tokens)
         return cls(decode, prefill)
+
+
+@dataclass(frozen=True)
+class PrefillSteps:
+    """How a prefill instance's engine steps through its prompts, where it matters: steps
+    of at most ``chunk_tokens`` prompt tokens (the chunked policy: the oldest prompt's next
+    piece first, later prompts' first pieces in what is left of the budget, first come
+    first served), each piece costing ``LatencyModel.prefill_piece_s``, so a prompt alone
+    takes ``prefill_s`` as before. With ``tokens_one_step_late`` a step's first tokens are
+    handed back only once the next step has run, if there is work for one: overlap
+    scheduling on a CPU, where issuing a step runs it (``pdserve/engine/core.py``: a
+    synchronous policy collects an overlapped launch after issuing the next). A prompt
+    that ends while another waits thus hands back its first token after the other's first
+    piece. Each step is planned as it starts, as on a CPU; on a GPU the issue returns at
+    once, the tokens come with their own step and the next step is planned a step ahead,
+    which ``ChunkedInstanceSim(overlap=True)`` models and this does not. ``GroupSim``'s
+    default, None, runs whole prompts one after another, each handed back as it ends: the
+    fleet's figures."""
+
+    chunk_tokens: int
+    tokens_one_step_late: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise ValueError(f"PrefillSteps.chunk_tokens must be at least 1, not "
+                             f"{self.chunk_tokens}")
 
 
 @dataclass(frozen=True)
@@ -663,11 +698,18 @@ class PrefillSim:
         self.noise: ServiceNoise | None = None
         self.tokens = 0  # the prompt prefilling now, or last (multiplexing only)
         self.cores: _CoreSharing | None = None  # shares a host's cores with the group
+        self.steps: PrefillSteps | None = None  # None: whole prompts, one at a time
+        self._head_done = 0  # tokens of the oldest queued prompt already prefilled (steps)
+        self._head_factor = 1.0  # its drawn ratio of the spread (steps)
+        self._late: list[tuple[SimRequest, float]] = []  # ended, handed back after a step
 
     def idle(self) -> bool:
         return not (self.busy or self.queue)
 
     def _start_next(self) -> None:
+        if self.steps is not None:
+            self._start_step(self.steps.chunk_tokens)
+            return
         job = self.queue.popleft()
         self.busy = True
         m, tokens = self.model, job[0].input_len
@@ -702,6 +744,48 @@ class PrefillSim:
         if self.cores is not None and not self.busy:
             self.cores.prefill_idle(self.name)
         self.on_done(self, request)
+
+    def _start_step(self, budget: int) -> None:
+        """One engine step (``PrefillSteps``): pieces of the queued prompts, oldest first,
+        up to ``budget`` tokens; the prompts it ends go to ``_step_done``."""
+        self.busy = True
+        queue, seconds, ended = self.queue, 0.0, []
+        while budget > 0 and queue:
+            tokens, start = queue[0][0].input_len, self._head_done
+            if start == 0:  # a prompt's first piece: its draw of the spread, for all pieces
+                self._head_factor = 1.0 if self.noise is None else self.noise.prefill_factor()
+            end = min(tokens, start + budget)
+            seconds += self._head_factor * self.model.prefill_piece_s(start, end)
+            budget -= end - start
+            self._head_done = end if end < tokens else 0
+            if end == tokens:
+                ended.append(queue.popleft())
+        if self.cores is not None:
+            seconds = self.cores.prefill_starts(self.name, seconds)
+        self.loop.at(self.loop.now + seconds, self._step_done, ended)
+
+    def _step_done(self, ended: list[tuple[SimRequest, float]]) -> None:
+        """Hands back the previous step's held prompts, and this step's unless they wait for
+        the next step (``tokens_one_step_late`` with work queued), then starts that step."""
+        steps = self.steps
+        assert steps is not None  # only stepped instances schedule steps
+        ready, self._late = self._late, []
+        if self.queue and steps.tokens_one_step_late:
+            self._late = ended
+        else:
+            ready += ended
+        now = self.loop.now
+        for request, arrived in ready:
+            self.admission.done(request.input_len, request.input_len, arrived)
+            request.prefill_done = request.first_token = now
+        if self.queue:
+            self._start_step(steps.chunk_tokens)
+        else:
+            self.busy = False
+            if self.cores is not None:
+                self.cores.prefill_idle(self.name)
+        for request, _ in ready:  # after the instance's state is settled, as ``_finish``
+            self.on_done(self, request)
 
 
 class DecodeSim:
@@ -967,6 +1051,7 @@ class GroupSim:
     verify_order: bool = False  # check each offer order against the gateway's own
     noise: ServiceNoise | None = None  # measured spread of service times; None: medians
     shared_cores: SharedCores | None = None  # the instances share a host's cores
+    prefill_steps: PrefillSteps | None = None  # None: whole prompts one after another
 
     def __post_init__(self) -> None:
         if self.dispatch not in DISPATCH:
@@ -979,8 +1064,12 @@ class GroupSim:
         self.decode = {n: DecodeSim(n, self.loop, self.model, self._finished) for n in names}
         self.roles = {n: "prefill" if i < self.num_prefill else "decode"
                       for i, n in enumerate(names)}
+        if self.prefill_steps is not None and self.multiplexing is not None:
+            raise ValueError("prefill_steps models a prefill instance's steps, not a "
+                             "multiplexing instance's")
         for prefill in self.prefill.values():
             prefill.noise = self.noise
+            prefill.steps = self.prefill_steps
         for decode in self.decode.values():
             decode.noise = self.noise
         if self.multiplexing is not None:

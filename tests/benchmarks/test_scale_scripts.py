@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -79,6 +80,9 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
         probe["prefill_beside_decode_over_alone"]["p50"])
     assert set(result["host_cpu"]) == {"calibration", "replay"}
     assert 0 <= result["decode_hold_probability"] < 1
+    # The prefill instance's steps as its engine reports them: chunked on a CPU, where a
+    # step's tokens come back after the next step ran.
+    assert result["prefill_steps"] == {"chunk_tokens": 512, "tokens_one_step_late": True}
     assert len(result["service_points"]["prefill"]) == 2
     assert result["service_spread"]["decode_step"]["samples"] >= 4
     assert [p["tokens"] for p in result["service_points"]["handoff"]] == [32, 64]
@@ -89,7 +93,7 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
         row = result["compare"][key]
         for side in ("measured", "simulated", "simulated_medians_only",
                      "simulated_without_handoff", "simulated_without_shared_cores",
-                     "simulated_without_held_stretches"):
+                     "simulated_without_held_stretches", "simulated_without_prefill_steps"):
             assert 0 < row[side]["p50"] <= row[side]["p99"]
         assert row["simulated_error"]["p50"] == pytest.approx(
             row["simulated"]["p50"] / row["measured"]["p50"] - 1)
@@ -390,6 +394,45 @@ def test_validation_runs_summarized_with_the_spread_of_each_error(tmp_path):
     assert list(summary["runs"]) == ["run0", "run1"]
     assert summary["error_spread"]["tpot_s"]["simulated"] == {"p50": [-0.05, 0.08],
                                                                "p99": [0.0, 0.0]}
+
+
+def _recorded_run(**extra) -> dict:
+    """A recorded run's fields ``--resimulate`` reads: 1 ms per prompt token, 10 ms decode
+    steps; a 50-token prompt, then a 200-token one 10 ms later."""
+    model = {"prefill_per_token_s": 1e-3, "prefill_per_token_sq_s": 0.0,
+             "decode_base_s": 0.01, "decode_per_request_s": 0.0, "decode_per_kv_token_s": 0.0,
+             "kv_bytes_per_token": 0, "decode_kv_tokens": 100_000}
+    measured = {"p50": 0.1, "p99": 0.2}
+    return {"git_revision": "abc", "latency_model": model,
+            "shared_cores": {"decode_slowdown": 1.0, "prefill_slowdown": 1.0},
+            "service_ratios": {"prefill": [1.0], "decode_step": [1.0]},
+            "decode_hold_probability": 0.0, "requests": [[0.0, 50, 3], [0.01, 200, 3]],
+            "compare": {"ttft_s": {"measured": measured}, "tpot_s": {"measured": measured}},
+            **extra}
+
+
+def test_resimulation_of_a_recorded_run_with_its_prefill_steps(tmp_path):
+    module = _script("validate_sim")
+    args = SimpleNamespace(draws=2, seed=0, ttft_slo_s=2.0, max_wait_s=30.0)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(_recorded_run()))
+    with pytest.raises(SystemExit, match="--assume-prefill-steps"):
+        module.resimulate(str(path), args, None)
+    result = module.resimulate(str(path), args, module.assumed_steps("100,late"))
+    assert result["prefill_steps"] == {"chunk_tokens": 100, "tokens_one_step_late": True}
+    ttft = result["compare"]["ttft_s"]
+    # The first prompt comes back after the second's first piece: 150 ms, not 50.
+    assert ttft["simulated_medians_only"]["p50"] == pytest.approx((0.15 + 0.24) / 2)
+    assert ttft["simulated_without_prefill_steps"]["p50"] == pytest.approx((0.05 + 0.24) / 2)
+    assert ttft["simulated_error"]["p99"] == pytest.approx(ttft["simulated"]["p99"] / 0.2 - 1)
+    # Steps a run recorded are the ones it ran: an assumption does not replace them.
+    path.write_text(json.dumps(_recorded_run(
+        prefill_steps={"chunk_tokens": 100, "tokens_one_step_late": False})))
+    result = module.resimulate(str(path), args, module.assumed_steps("100,late"))
+    assert result["compare"]["ttft_s"]["simulated_medians_only"]["p50"] == pytest.approx(
+        (0.05 + 0.24) / 2)
+    with pytest.raises(Exception, match="CHUNK or CHUNK,late"):
+        module.assumed_steps("512,early")
 
 
 def test_handoff_sample_takes_off_the_steps_its_chunk_carries():
