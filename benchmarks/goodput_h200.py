@@ -67,6 +67,7 @@ from pdserve.bench.evidence import (  # noqa: E402
     off_definition,
     searches,
 )
+from pdserve.bench.metrics import sample_attainment  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.bench.runner import RunContext, SloOptions, run_at_rate, warm_up  # noqa: E402
 from pdserve.bench.spec import WorkloadSpec, parse_spec  # noqa: E402
@@ -151,6 +152,16 @@ def itl_target(config: str) -> float | None:
 
 def probe_path(results: Path, workload: str, config: str, rate: float) -> Path:
     return results / f"{workload}__{config}__r{rate:g}.json"
+
+
+def repeat_path(folders: list[Path], written: Path, workload: str, config: str,
+                rate: float) -> Path:
+    """The first ``<probe>__rep<k>.json`` (k >= 2) that no folder holds yet, in ``written``."""
+    stem = probe_path(written, workload, config, rate).stem
+    k = 2
+    while any((folder / f"{stem}__rep{k}.json").exists() for folder in (*folders, written)):
+        k += 1
+    return written / f"{stem}__rep{k}.json"
 
 
 # --- which probes: explicit, or the next of each search ---------------------------------------
@@ -243,6 +254,8 @@ class RunOptions:
     Recorded probes and search states are read from both."""
     failed: list[str] = dataclasses.field(default_factory=list)
     """Configurations whose server did not come up (the call's exit status is then 1)."""
+    repeat: bool = False
+    """Explicit probes run again when recorded, each repeat in a file of its own."""
 
     def written(self) -> Path:
         return self.out or self.results
@@ -318,7 +331,7 @@ def next_probe(target: Target, run: ConfigRun) -> float | None:
     if target.rate is not None:
         paths = [probe_path(f, target.workload, target.config, target.rate) for f in folders]
         recorded = any(p.exists() and defined_probe(p) for p in paths)
-        return None if recorded else target.rate
+        return None if recorded and not run.opts.repeat else target.rate
     if run.done >= run.opts.max_probes:
         return None
     return next_search_rate(folders, target.workload, target.config)
@@ -379,13 +392,22 @@ async def _probe(run: ConfigRun, workload: ProbeWorkload, rate: float) -> bool:
     except TimeoutError:
         print(f"[goodput] {label} cut at the budget limit; nothing written", flush=True)
         return False
-    path = probe_path(run.opts.written(), workload.name, run.config, rate)
+    path = record_path(run.opts, workload.name, run.config, rate)
     write_json(probe_record(run, spec, requests, rate, result), path)
     if itl_target(run.config) is not None:
         write_timeline(result.get("engine_timeline") or [], path)
     run.done += 1
     print(f"[goodput] {label}: attainment {result['slo_attainment']:.3f} -> {path}", flush=True)
     return True
+
+
+def record_path(opts: RunOptions, workload: str, config: str, rate: float) -> Path:
+    """Where a new probe's record goes: its own name, or a repeat's when that is taken."""
+    path = probe_path(opts.written(), workload, config, rate)
+    taken = any(probe_path(f, workload, config, rate).exists() for f in opts.folders())
+    if opts.repeat and taken:
+        return repeat_path(opts.folders(), opts.written(), workload, config, rate)
+    return path
 
 
 async def _measure(run: ConfigRun, workload: ProbeWorkload, spec: WorkloadSpec,
@@ -530,8 +552,30 @@ def expected_requests(workload: str, rate: float) -> int:
     return WORKLOADS[workload].num_requests(rate)
 
 
+def repeated_probes(records: list[dict]) -> list[str]:
+    """Markdown lines: every run of each probe that ran more than once (oldest first), its
+    attainment at the workload's SLOs and its revision; the newest decides the search."""
+    runs: dict[tuple[str, str, float], list[dict]] = {}
+    for record in sorted(records, key=lambda r: r.get("created", "")):
+        probe = record["probe"]
+        runs.setdefault((probe["workload"], probe["config"], probe["rate"]), []).append(record)
+    lines = []
+    for (workload, config, rate), group in sorted(runs.items()):
+        if len(group) < 2 or workload not in WORKLOADS:
+            continue
+        ttft_ms = WORKLOADS[workload].ttft_slo_ms
+        cells = [f"{100 * (sample_attainment(r['samples'], ttft_ms, TPOT_SLO_MS) or 0.0):.0f}% "
+                 f"({(r.get('git_revision') or 'unknown')[:7]})" for r in group]
+        lines.append(f"| {workload} | {config} | {rate:g} | {', '.join(cells)} |")
+    if not lines:
+        return []
+    return ["", "## Repeated probes (every run, oldest first; the newest decides the search)",
+            "", "| workload | config | rate (req/s) | attainment (revision) |",
+            "|---|---|---|---|", *lines]
+
+
 def summary_markdown(found: list[Search], figure3_workloads: list[str], out_dir: Path,
-                     variants: list[str] = ()) -> str:
+                     variants: list[str] = (), repeats: list[str] = ()) -> str:
     rows = [*TABLE_CONFIGS, *variants]
     table = [s for s in found if s.tpot_slo_ms == TPOT_SLO_MS and s.config in rows]
     missing = missing_probes(found, expected_requests)
@@ -543,6 +587,7 @@ def summary_markdown(found: list[Search], figure3_workloads: list[str], out_dir:
                            expected_requests), "",
              "## Attainment of every search", "", ATTAINMENT_HEADER]
     parts += [attainment_table(s, expected_requests) for s in found]
+    parts += repeats
     parts += ["", *(figure3(found, w, out_dir) + "\n" for w in figure3_workloads)]
     parts += ["## Missing next (one per unfinished search)", ""]
     parts += [f"- {w}:{c}:{r:g}" for w, c, r in missing] or ["- nothing: every search ended"]
@@ -556,7 +601,8 @@ def summarise(results: Path, out_dir: Path, figure3_workloads: list[str]) -> dic
     variants = probed_variants(records)
     found = searches(records, wanted_searches(figure3_workloads, variants), search_spaces())
     out_dir.mkdir(parents=True, exist_ok=True)
-    markdown = summary_markdown(found, figure3_workloads, out_dir, variants)
+    markdown = summary_markdown(found, figure3_workloads, out_dir, variants,
+                                repeated_probes(records))
     (out_dir / "summary.md").write_text(markdown)
     data = {"searches": [_search_json(s) for s in found],
             "missing": [{"workload": w, "config": c, "rate": r}
@@ -720,6 +766,10 @@ def _run_parser(sub) -> None:
     p.add_argument("--out", type=Path,
                    help="Write new records and server logs here instead of --results (a "
                    "device call's output folder); records in both count.")
+    p.add_argument("--repeat", action="store_true",
+                   help="Run each --probe again even when recorded (an A/B's second run): "
+                   "the record goes to <probe>__rep<k>.json; the newest run decides the "
+                   "search, and summary.md lists every run of a repeated probe.")
 
 
 def _summarise_parser(sub) -> None:
@@ -748,7 +798,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     budget = Budget(time.monotonic() + args.budget_s)
     opts = RunOptions(args.results, args.trace_path, args.predictor, args.model,
                       args.server_args, args.port, args.startup_s, args.max_probes, budget,
-                      args.server_cmd, args.out)
+                      args.server_cmd, args.out, repeat=args.repeat)
+    if args.repeat and args.search:
+        raise SystemExit("--repeat repeats --probe targets; a --search goes on from its record")
     asyncio.run(run_targets(targets, opts))
     return 1 if opts.failed else 0
 

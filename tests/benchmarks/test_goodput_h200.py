@@ -324,3 +324,38 @@ def test_a_multiplex_probe_keeps_its_timeline_and_what_the_engine_learned(tool, 
     with gzip.open(tmp_path / "loogle__multiplex-itl60__r0.5_timeline.json.gz", "rt") as f:
         assert json.load(f) == entries
     assert load_records(tmp_path) == []  # a timeline is not a probe record
+
+
+def test_a_repeat_runs_a_recorded_probe_again_into_a_file_of_its_own(tool, tmp_path):
+    results, out = tmp_path / "results", tmp_path / "out"
+    results.mkdir()
+    _write(tool, results, _record(tool, "loogle", "chunk256", 0.5, 1.0, "a" * 40, "1"))
+    opts = SimpleNamespace(folders=lambda: [results, out], written=lambda: out, repeat=False)
+    run = SimpleNamespace(opts=opts, done=0)
+    target = tool.Target("loogle", "chunk256", 0.5)
+    assert tool.next_probe(target, run) is None  # recorded: skipped without --repeat
+    opts.repeat = True
+    assert tool.next_probe(target, run) == 0.5
+    first = tool.record_path(opts, "loogle", "chunk256", 0.5)
+    assert first == out / "loogle__chunk256__r0.5__rep2.json"
+    out.mkdir()
+    first.write_text("{}")
+    assert tool.record_path(opts, "loogle", "chunk256", 0.5).name == \
+        "loogle__chunk256__r0.5__rep3.json"
+    # A probe never recorded keeps its own name under --repeat.
+    assert tool.record_path(opts, "loogle", "chunk512", 0.2) == out / "loogle__chunk512__r0.2.json"
+    with pytest.raises(SystemExit, match="--repeat repeats --probe"):
+        tool.main(["run", "--search", "loogle:chunk256", "--repeat", "--budget-s", "10",
+                   "--results", str(results)])
+
+
+def test_every_run_of_a_repeated_probe_is_listed_and_the_newest_decides(tool, tmp_path):
+    _write(tool, tmp_path, _record(tool, "loogle", "multiplex-itl60", 0.5, 1.0, "a" * 40, "1"))
+    repeat = _record(tool, "loogle", "multiplex-itl60", 0.5, 0.5, "b" * 40, "2")
+    tool.write_json(repeat, tmp_path / "loogle__multiplex-itl60__r0.5__rep2.json")
+    data = tool.summarise(tmp_path, tmp_path, [])
+    mux = next(s for s in data["searches"]
+               if s["config"] == "multiplex-itl60" and s["tpot_slo_ms"] == 60.0)
+    assert mux["curve"] == [(0.5, 0.5)]  # the newer run
+    markdown = (tmp_path / "summary.md").read_text()
+    assert "| loogle | multiplex-itl60 | 0.5 | 100% (aaaaaaa), 50% (bbbbbbb) |" in markdown
