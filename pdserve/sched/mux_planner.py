@@ -113,6 +113,11 @@ class OnlineCalibration:
     16x its prediction and, counted at 2x, raised the correction 15%; with the planner no
     longer choosing mixed steps, no later step could bring it back. A real, lasting error
     is still learned, over a few steps.
+
+    Each sharing option's prefill correction (``observe_prefill``) learns from its pieces
+    by ``prefill_rule``: ``"converging"`` as above; ``"compounding"`` (the default until it
+    is measured against it on the GPU) moves by every piece's ratio to the *uncorrected*
+    prediction, so it drifts to a bound while pieces run a few percent off the profile.
     """
 
     def __init__(self, model: LatencyModel, weight: float = 0.2,
