@@ -46,7 +46,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mux_whatif import _timeline, decode_context, settings_of, walk_prompt  # noqa: E402
+from mux_whatif import (  # noqa: E402
+    comma_paths,
+    decode_context,
+    load_timeline,
+    settings_of,
+    walk_prompt,
+)
 
 from pdserve.sched.mux_planner import DecodeLoad, MuxMode  # noqa: E402
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
@@ -349,7 +355,7 @@ def _chunked_step_ms(spans, windows, t: float, predictor, chunk: int) -> float:
 # ----------------------------------------------------------------------------- main
 
 def audit_timeline(path: str, predictor) -> dict:
-    entries = _timeline(path)
+    entries = load_timeline(path)
     steps = mixed_steps(entries, predictor)
     row: dict = {"mixed_steps": len(steps)}
     if steps:
@@ -405,20 +411,16 @@ def main(argv: list[str] | None = None) -> int:
     result = {"kind": "analysis", "command": " ".join(["python", *sys.argv]),
               "git_revision": os.environ.get("PDSERVE_GIT_REVISION", "unknown"),
               "predictor": args.predictor,
-              "timelines": {p: audit_timeline(p, predictor) for p in _paths(args.timelines)},
+              "timelines": {p: audit_timeline(p, predictor) for p in comma_paths(args.timelines)},
               "records": {p: audit_records(p, predictor, floats(args.corrections),
                                            floats(args.prefill_corrections))
-                          for p in _paths(args.records)}}
+                          for p in comma_paths(args.records)}}
     if args.mixed_bench:
         result["mixed_bench"] = {"path": args.mixed_bench,
                                  "cases": mixed_bench(args.mixed_bench, predictor)}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1)[:20000])
     return 0
-
-
-def _paths(text: str) -> list[str]:
-    return [p for p in text.split(",") if p]
 
 
 if __name__ == "__main__":

@@ -437,8 +437,8 @@ def fit_share(args: argparse.Namespace) -> int:
     if args.calibration_from:
         learned = json.loads(Path(args.calibration_from).read_text())["engine_info"][
             "calibration"]
-    train, held = _paths(args.fit_share), _paths(args.hold_out)
-    runs = {path: (_timeline(path), settings_of(_run_of(path)["server_command"]).learned(
+    train, held = comma_paths(args.fit_share), comma_paths(args.hold_out)
+    runs = {path: (load_timeline(path), settings_of(_run_of(path)["server_command"]).learned(
         learned)) for path in train + held}
     result = {"kind": "analysis", "command": " ".join(["python", *sys.argv]),
               "git_revision": os.environ.get("PDSERVE_GIT_REVISION", "unknown"),
@@ -531,11 +531,11 @@ def graph_replay(args: argparse.Namespace) -> int:
     result = {"kind": "prediction", "command": " ".join(["python", *sys.argv]),
               "git_revision": os.environ.get("PDSERVE_GIT_REVISION", "unknown"),
               "predictor": args.predictor, "prompt_tokens_assumed": LOOGLE_PROMPT, "runs": {}}
-    for path in _paths(args.graph_replay):
+    for path in comma_paths(args.graph_replay):
         run = _run_of(path)
         settings = settings_of(run["server_command"]).learned(
             run.get("engine_info", {}).get("calibration"))
-        result["runs"][path] = [replay_graph_steps(predictor, _timeline(path), settings, f)
+        result["runs"][path] = [replay_graph_steps(predictor, load_timeline(path), settings, f)
                                 for f in _floats(args.graph_factors)]
         for row in result["runs"][path]:
             for option, summary in row["by_option"].items():
@@ -544,11 +544,13 @@ def graph_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _paths(text: str) -> list[str]:
+def comma_paths(text: str) -> list[str]:
+    """The paths of a comma-separated flag value."""
     return [p for p in text.split(",") if p]
 
 
-def _timeline(path: str) -> list[dict]:
+def load_timeline(path: str) -> list[dict]:
+    """An engine timeline's entries, from JSON or gzipped JSON."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         return json.load(f)
@@ -562,7 +564,7 @@ def _run_of(timeline: str) -> dict:
 
 def delivered(timeline: str, out: str) -> int:
     """Writes and prints what each option of a measured run delivered to prefill."""
-    entries = _timeline(timeline)
+    entries = load_timeline(timeline)
     result = {"kind": "measurement", "command": " ".join(["python", *sys.argv]),
               "timeline": timeline, "prefill_delivery": prefill_delivery(entries),
               "piece_times": piece_times(entries)}
