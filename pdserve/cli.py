@@ -281,16 +281,20 @@ def _check_device(device: str, dtype: str) -> None:
 def _check_graph_steps(config) -> None:
     """--mux-graph-step-tokens where no prefill-step graphs are captured stops before the
     model loads: its "graph" steps would run eagerly and learn an eager cost unasked."""
-    import torch
-
     if config.scheduler.mux_graph_step_tokens <= 0:
         return
-    on_cpu = config.device.device == "cpu" or not torch.cuda.is_available()
-    where = "on the CPU" if on_cpu else (
+    where = "on the CPU" if _runs_on_cpu(config) else (
         "under tensor parallelism" if config.device.tensor_parallel_size > 1 else None)
     if where is not None:
         raise UsageError(f"--mux-graph-step-tokens {config.scheduler.mux_graph_step_tokens}: "
                          f"no prefill-step graphs are captured {where}; leave it at 0")
+
+
+def _runs_on_cpu(config) -> bool:
+    """Whether the engine will run on the CPU (``--device cpu``, or auto without a GPU)."""
+    import torch
+
+    return config.device.device == "cpu" or not torch.cuda.is_available()
 
 
 def _check_serve(args: argparse.Namespace) -> None:
@@ -325,14 +329,11 @@ def _check_serve(args: argparse.Namespace) -> None:
 
 def _check_kv_transport(config) -> None:
     """An explicit --kv-transport that cannot work here stops before the model loads."""
-    import torch
-
     transfer = config.transfer
     if transfer.kv_transport != "auto" and transfer.kv_transfer_port is None:
         raise UsageError(f"--kv-transport {transfer.kv_transport} needs --kv-transfer-port "
                          "(0 picks a free port)")
-    on_cpu = config.device.device == "cpu" or not torch.cuda.is_available()
-    if transfer.kv_transport == "ipc" and on_cpu:
+    if transfer.kv_transport == "ipc" and _runs_on_cpu(config):
         raise UsageError("--kv-transport ipc needs KV on a CUDA device; this instance runs on "
                          "cpu (use tcp, or p2p for gloo between CPU instances)")
 

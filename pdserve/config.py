@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.sched.mux_planner import PREFILL_RULES
+# How multiplexing's per-option prefill corrections learn (``OnlineCalibration``).
+PREFILL_RULES = ("compounding", "converging")
 
 
 def doc(default: Any, help: str, **kwargs) -> Any:

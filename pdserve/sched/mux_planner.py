@@ -75,6 +75,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
+from pdserve.config import PREFILL_RULES
+
 
 class LatencyModel(Protocol):
     """What the planner needs from a predictor (``LatencyPredictor``, ``RooflinePredictor``)."""
@@ -88,10 +90,6 @@ class LatencyModel(Protocol):
     def predict_mixed(self, prefill_tokens: int, prefill_context: int, prefill_batch: int,
                       decode_batch: int, decode_context: int, sms: int | None = None
                       ) -> float: ...
-
-
-# How an option's prefill correction learns (``OnlineCalibration.observe_prefill``).
-PREFILL_RULES = ("compounding", "converging")
 
 
 class OnlineCalibration:
