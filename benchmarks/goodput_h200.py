@@ -65,6 +65,7 @@ from pdserve.bench.evidence import (  # noqa: E402
     load_records,
     missing_probes,
     off_definition,
+    runs_per_probe,
     searches,
 )
 from pdserve.bench.metrics import sample_attainment  # noqa: E402
@@ -555,12 +556,8 @@ def expected_requests(workload: str, rate: float) -> int:
 def repeated_probes(records: list[dict]) -> list[str]:
     """Markdown lines: every run of each probe that ran more than once (oldest first), its
     attainment at the workload's SLOs and its revision; the newest decides the search."""
-    runs: dict[tuple[str, str, float], list[dict]] = {}
-    for record in sorted(records, key=lambda r: r.get("created", "")):
-        probe = record["probe"]
-        runs.setdefault((probe["workload"], probe["config"], probe["rate"]), []).append(record)
     lines = []
-    for (workload, config, rate), group in sorted(runs.items()):
+    for (workload, config, rate), group in sorted(runs_per_probe(records).items()):
         if len(group) < 2 or workload not in WORKLOADS:
             continue
         ttft_ms = WORKLOADS[workload].ttft_slo_ms

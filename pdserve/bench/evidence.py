@@ -61,12 +61,20 @@ def load_records(folder: Path) -> list[dict]:
     return records
 
 
+def runs_per_probe(records: list[dict]) -> dict[tuple[str, str, float], list[dict]]:
+    """(workload, config, rate) -> every record of that probe, oldest first."""
+    runs: dict[tuple[str, str, float], list[dict]] = {}
+    for record in sorted(records, key=lambda r: r.get("created", "")):
+        probe = record["probe"]
+        runs.setdefault((probe["workload"], probe["config"], probe["rate"]), []).append(record)
+    return runs
+
+
 def newest_per_rate(records: list[dict]) -> dict[tuple[str, str], dict[float, dict]]:
     """(workload, config) -> rate -> the newest record of that probe."""
     table: dict[tuple[str, str], dict[float, dict]] = {}
-    for record in sorted(records, key=lambda r: r.get("created", "")):
-        probe = record["probe"]
-        table.setdefault((probe["workload"], probe["config"]), {})[probe["rate"]] = record
+    for (workload, config, rate), runs in runs_per_probe(records).items():
+        table.setdefault((workload, config), {})[rate] = runs[-1]
     return table
 
 
