@@ -143,6 +143,10 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def fuses_rope(self, meta: AttentionMetadata) -> bool:
+        """The model rotates and stores K/V itself for this backend (``rope_store_kv``)."""
+        return False
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attention over the cache, which already holds this step's K/V."""
