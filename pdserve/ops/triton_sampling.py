@@ -37,7 +37,7 @@ def _chunk_argmax_kernel(values_ptr, noise_ptr, best_key_ptr, best_index_ptr, st
 
 
 @triton.jit
-def _pick_chunk_kernel(best_key_ptr, best_index_ptr, out_ptr, num_chunks,
+def _pick_chunk_kernel(best_key_ptr, best_index_ptr, tokens_ptr, num_chunks,
                        CHUNKS: tl.constexpr):
     """One program = row: the index of its best chunk's key (the first chunk on ties, so
     the first column overall)."""
@@ -47,7 +47,7 @@ def _pick_chunk_kernel(best_key_ptr, best_index_ptr, out_ptr, num_chunks,
     keys = tl.load(best_key_ptr + row * num_chunks + offs, mask=in_row, other=float("-inf"))
     indices = tl.load(best_index_ptr + row * num_chunks + offs, mask=in_row, other=0)
     best = tl.argmax(keys, 0, tie_break_left=True)
-    tl.store(out_ptr + row, tl.sum(tl.where(offs == best, indices, 0), 0))
+    tl.store(tokens_ptr + row, tl.sum(tl.where(offs == best, indices, 0), 0))
 
 
 def default_block(device: torch.device) -> int:
