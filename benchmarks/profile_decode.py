@@ -32,7 +32,8 @@ from bench_engine import (  # noqa: E402, I001
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.core import EngineCore  # noqa: E402
 from pdserve.ops.launch_count import count_calls  # noqa: E402
-from pdserve.ops.triton_attention import FUSED_ROPE_DECODE_ENV  # noqa: E402
+from pdserve.ops.triton_attention import (  # noqa: E402
+    FUSED_ROPE_DECODE_ENV, ONE_LAUNCH_DECODE_ENV)
 
 
 def time_steps(engine: EngineCore, steps: int) -> float:
@@ -128,6 +129,7 @@ def main() -> None:
               "device": torch.cuda.get_device_name(), "model": args.model,
               "decode_layers": engine.runner.decode_layers,
               "fused_rope_decode": args.fused_rope_decode,
+              "one_launch_decode_env": os.environ.get(ONE_LAUNCH_DECODE_ENV, ""),
               "startup_log": collect.lines, "memory_fraction": args.memory_fraction,
               "total_gib": total / 2**30, "free_after_start_gib": free / 2**30,
               "weights_gib": weight_bytes(engine) / 2**30,
