@@ -10,7 +10,9 @@
 - Fused ops (Triton vs the torch reference): time and achieved bandwidth.
 - ``--decode-ab``: decode attention per layer inside a CUDA graph of several layers (KV
   larger than L2), one launch (splits merged by the last to arrive) vs two (split + reduce
-  kernel), and a sweep of split sizes and tiles at batch 1..8 and 256 (1K context).
+  kernel); two launches at 128 vs 64 tokens per split, and at one 128-token tile per split
+  (8B and 34B heads, batch 1..8, 1K and 4K context); and a sweep of split sizes and tiles
+  at batch 1..8 and 256 (1K context).
 
     python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h200.json
     python benchmarks/bench_kernels.py --quick              # a few points, for a smoke run
@@ -134,10 +136,12 @@ _AB_MAX_LAYERS = 48  # CodeLlama-34B's layer count
 
 
 def bench_decode_layers(shape: str, batch: int, context: int, config: DecodeConfig,
-                        splits: int | None = None, min_split_tokens: int = 128) -> dict:
+                        splits: int | None = None, min_split_tokens: int | None = None) -> dict:
     """Decode attention of one step over several layers, each with its own KV pages, as
     one CUDA graph (as the model's decode graph runs it): time per layer, launch gaps and
-    DRAM reads included. ``splits``: None picks the backend's count for the batch."""
+    DRAM reads included. ``splits`` and ``min_split_tokens``: None takes the backend's."""
+    if min_split_tokens is None:
+        min_split_tokens = TritonAttentionBackend().min_split_tokens
     q_heads, kv_heads, head_dim = HEAD_SHAPES[shape]
     kv_bytes = 2 * batch * context * kv_heads * head_dim * DTYPE.itemsize
     layers = max(1, min(_AB_MAX_LAYERS, math.ceil(_AB_MIN_GRAPH_BYTES / kv_bytes)))
@@ -179,6 +183,36 @@ def decode_ab(log: Callable[[dict], dict], copy_gbs: float) -> list[dict]:
     return rows
 
 
+# Small-batch points where tokens per split are A/B'd (both head shapes share 8 KV heads; the
+# merge kernel differs with their q heads).
+SPLIT_AB_POINTS = [(shape, b, c) for shape in ("8b", "34b") for b in (1, 2, 4, 8)
+                   for c in (1024, 4096)]
+# (tokens per split, K/V tile) of the two-launch path: the earlier default (two 64-token
+# tiles a split), the backend's (one), and one 128-token tile (the one-launch sweep's best
+# at batch 1-4).
+SPLIT_AB_VARIANTS = {"128/64": (128, 64), "64/64": (64, 64), "128/128": (128, 128)}
+
+
+def decode_split_ab(log: Callable[[dict], dict]) -> list[dict]:
+    """Two-launch decode (the default) per layer at each of ``SPLIT_AB_VARIANTS``; speedup:
+    the earlier default's time over the backend's."""
+    tiles = dataclasses.replace(default_decode_config(128, torch.device("cuda")),
+                                one_launch=False)
+    rows = []
+    for shape, batch, context in SPLIT_AB_POINTS:
+        timed = {name: _guarded(bench_decode_layers, shape, batch, context,
+                                dataclasses.replace(tiles, block_n=tile), None, tokens)
+                 for name, (tokens, tile) in SPLIT_AB_VARIANTS.items()}  # fmt: skip
+        row = {"kernel": "decode_split_ab", "shape": shape, "batch": batch, "context": context,
+               "splits": timed["64/64"].get("splits"),
+               "us_per_layer": {name: r.get("us_per_layer") for name, r in timed.items()},
+               "errors": [r["error"] for r in timed.values() if "error" in r]}  # fmt: skip
+        if not row["errors"]:
+            row["speedup"] = timed["128/64"]["us_per_layer"] / timed["64/64"]["us_per_layer"]
+        rows.append(log(row))
+    return rows
+
+
 # Latency candidates for small batches at 1K (tokens per split, tile): fewer and fatter
 # programs, or more and thinner; and tiles for the bandwidth-bound batch 256.
 SMALL_BATCH_SWEEP = [(m, DecodeConfig(n, 4, 2)) for m, n in
@@ -203,7 +237,7 @@ def decode_latency_sweep(log: Callable[[dict], dict]) -> list[dict]:
 def run_decode_ab(log: Callable[[dict], dict]) -> dict:
     ceilings = log({"ceilings": measure_ceilings()})["ceilings"]
     return {"ceilings": ceilings, "decode_ab": decode_ab(log, ceilings["copy_gbs"]),
-            "decode_sweep": decode_latency_sweep(log)}
+            "decode_split_ab": decode_split_ab(log), "decode_sweep": decode_latency_sweep(log)}
 
 
 def decode_fits(batch: int, context: int, shape: str, limit_gb: float) -> bool:

@@ -7,6 +7,9 @@ copies the penalty counts' indices to the device) to the sampled tokens being re
 device sync on CUDA). ``top_k_top_p_sort`` forces the full-vocabulary sort on the same
 setting as ``top_k_top_p`` to show what the top-k-first path saves.
 
+On CUDA both argmaxes (greedy, the draw) are the Triton ``row_argmax``; run again with
+``PDSERVE_REFERENCE_OPS=1`` for torch's argmax on the same cases (an A/B of that kernel).
+
 ``greedy_grammar_json``: greedy with every row under a JSON schema's grammar (llguidance):
 the step adds filling the rows' token bitmask on the host (here after the logits are made,
 as the engine does once the forward is queued), its copy and its application, and advancing
@@ -48,6 +51,7 @@ NUCLEUS = {"temperature": 0.8, "top_k": 50, "top_p": 0.95}
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
 CASES = {
     "greedy": {"temperature": 0.0},
+    "temperature": {"temperature": 1.0},  # a plain draw: what bench_engine.py's requests ask
     "top_k_top_p": NUCLEUS,
     "top_k_top_p_sort": NUCLEUS,
     "top_p": {"temperature": 0.8, "top_p": 0.95},

@@ -10,6 +10,7 @@ the Python side (``pdserve.ops.launch_count``, the count ``count_launches.py`` m
 
     python benchmarks/profile_decode.py --model llama3-8b --batch 1 --context 1024 --out p.json
     python benchmarks/profile_decode.py --model codellama-34b --decode-gemv on --out p.json
+    python benchmarks/profile_decode.py --model llama3-8b --fused-rope-decode on --out p.json
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from bench_engine import (  # noqa: E402, I001
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.core import EngineCore  # noqa: E402
 from pdserve.ops.launch_count import count_calls  # noqa: E402
+from pdserve.ops.triton_attention import (  # noqa: E402
+    FUSED_ROPE_DECODE_ENV, ONE_LAUNCH_DECODE_ENV)
 
 
 def time_steps(engine: EngineCore, steps: int) -> float:
@@ -111,7 +114,11 @@ def main() -> None:
     parser.add_argument("--out", default="profile_decode.json")
     parser.add_argument("--decode-gemv", choices=("off", "on"), default="off",
                         help="the engine's --decode-gemv (fused GEMVs for batches <= 8)")
+    parser.add_argument("--fused-rope-decode", choices=("off", "on"), default="off",
+                        help="rotary + K/V store inside the decode attention kernel "
+                             f"(sets {FUSED_ROPE_DECODE_ENV} for the engine)")
     args = parser.parse_args()
+    os.environ[FUSED_ROPE_DECODE_ENV] = "1" if args.fused_rope_decode == "on" else "0"
     config = EngineConfig.from_flat(model=args.model, load_format="dummy",
                                     schedule="prefill-first", decode_gemv=args.decode_gemv,
                                     gpu_memory_utilization=args.memory_fraction)
@@ -121,6 +128,8 @@ def main() -> None:
     report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
               "device": torch.cuda.get_device_name(), "model": args.model,
               "decode_layers": engine.runner.decode_layers,
+              "fused_rope_decode": args.fused_rope_decode,
+              "one_launch_decode_env": os.environ.get(ONE_LAUNCH_DECODE_ENV, ""),
               "startup_log": collect.lines, "memory_fraction": args.memory_fraction,
               "total_gib": total / 2**30, "free_after_start_gib": free / 2**30,
               "weights_gib": weight_bytes(engine) / 2**30,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.ops import dispatch as ops
 from pdserve.request import Request
 from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from pdserve.structured.grammars import Matcher, fill_bitmask
@@ -85,6 +86,7 @@ class SamplingBatch:
     penalties: Penalties | None = None
     logit_bias: LogitBias | None = None
     grammar: GrammarRows | None = None
+    any_greedy: bool = True  # False skips the greedy argmax of a batch that samples every row
 
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int, device) -> SamplingBatch:
@@ -109,6 +111,7 @@ class SamplingBatch:
             penalties=_penalties(requests, vocab_size, device),
             logit_bias=_logit_bias(params, vocab_size, device),
             grammar=_grammar_rows(requests, vocab_size, device),
+            any_greedy=any(p.greedy for p in params),
         )
 
 
@@ -217,6 +220,7 @@ def worst_case_sampling(rows: int, vocab_size: int, device) -> SamplingBatch:
         all_greedy=False, any_top_k=False, any_top_p=True,
         greedy_rows=torch.zeros(rows, dtype=torch.bool, device=device),
         generators=[None] * rows, want_logprobs=True, num_top_logprobs=MAX_TOP_LOGPROBS,
+        any_greedy=False,
         min_p=torch.full((rows,), 0.05, device=device),
         penalties=Penalties(
             presence=torch.full((rows,), 0.5, device=device),
@@ -240,12 +244,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch
     raw = logits.float()
     logits = _penalized(_biased(raw, batch.logit_bias), batch.penalties)
     logits = _constrained(logits, batch.grammar)
-    greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
-        tokens = greedy
+        tokens = ops.row_argmax(logits)
     else:
-        probs = _filtered_probs(logits / batch.temperature[:, None], batch)
-        tokens = torch.where(batch.greedy_rows, greedy, _draw(probs, batch.generators))
+        tokens = _draw(_filtered_logits(logits / batch.temperature[:, None], batch),
+                       batch.generators)
+        if batch.any_greedy:  # a batch without greedy rows skips this argmax
+            tokens = torch.where(batch.greedy_rows, ops.row_argmax(logits), tokens)
     logprobs = _logprobs(raw, tokens, batch.num_top_logprobs) if batch.want_logprobs else None
     return tokens, logprobs
 
@@ -298,16 +303,18 @@ def _penalized(logits: torch.Tensor, penalties: Penalties | None) -> torch.Tenso
     return logits - penalties.presence[:, None] * generated
 
 
-def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _filtered_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The temperature-scaled logits with every token that min-p, top-k or top-p drop at
+    -inf: their softmax is the distribution drawn from (the draw needs no softmax)."""
     if batch.min_p is not None:
         # p < min_p * p_max  <=>  logit < max_logit + log(min_p): no softmax needed.
         floor = logits.amax(-1, keepdim=True) + batch.min_p.log()[:, None]
         logits = logits.masked_fill(logits < floor, float("-inf"))
     if not (batch.any_top_k or batch.any_top_p):
-        return logits.softmax(-1)
+        return logits
     if batch.top_k_width is not None:
-        return _top_k_first(logits, batch, batch.top_k_width).softmax(-1)
-    return _sorted_filter(logits, batch).softmax(-1)
+        return _top_k_first(logits, batch, batch.top_k_width)
+    return _sorted_filter(logits, batch)
 
 
 def _top_k_first(logits: torch.Tensor, batch: SamplingBatch, width: int) -> torch.Tensor:
@@ -337,14 +344,16 @@ def _keep_in_sorted(sorted_logits: torch.Tensor, batch: SamplingBatch) -> torch.
     return sorted_logits.masked_fill(drop, float("-inf"))
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    # Exponential race (argmax p/E, E ~ Exp(1)) samples from p without a host sync; seeded
-    # rows draw their noise on the CPU from their own generator so results do not depend
-    # on the batch they happen to share.
-    noise = torch.empty_like(probs).exponential_()
+def _draw(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    # Exponential race (argmax p/E, E ~ Exp(1)) samples from p = softmax(logits) without a
+    # host sync. Taken as argmax(logits - log E), the same race in log space, it needs no
+    # softmax: at batch 1 torch's softmax over a 128K vocabulary was a 34 us single-block
+    # kernel on the H200. Seeded rows draw their noise on the CPU from their own generator
+    # so results do not depend on the batch they happen to share.
+    noise = torch.empty_like(logits).exponential_()
     for row, generator in enumerate(generators):
         if generator is not None:
-            cpu_noise = torch.empty(probs.shape[-1]).exponential_(generator=generator)
-            noise[row] = _to_device(cpu_noise.numpy(), probs.device)
-    return (probs / noise).argmax(dim=-1)
+            cpu_noise = torch.empty(logits.shape[-1]).exponential_(generator=generator)
+            noise[row] = _to_device(cpu_noise.numpy(), logits.device)
+    return ops.row_argmax(logits, noise)
 

@@ -154,6 +154,15 @@ class LlamaAttention(nn.Module):
         q, k, v = self.split_qkv(qkv)
         return self.backend.attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
 
+    def rope_store_attend(self, qkv: torch.Tensor, positions: torch.Tensor,
+                          meta: AttentionMetadata, kv_cache: KVCache,
+                          cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """Rotary, K/V store and attention of an unrotated projection in the backend's
+        decode kernel (a batch the backend ``fuses_rope``)."""
+        q, k, v = self.split_qkv(qkv)
+        return self.backend.rope_store_attend(q, k, v, positions, cos_sin_cache, kv_cache[0],
+                                              kv_cache[1], meta, self.scale)
+
     def project_out(self, attn_out: torch.Tensor) -> torch.Tensor:
         return row_parallel(self.o_proj, attn_out.reshape(-1, self.q_size), self.comm)
 
@@ -199,14 +208,22 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = self.self_attn
+        if attn.backend.fuses_rope(meta):  # decided by the batch's shape: graph-safe
+            qkv, residual = self.pre_attention(hidden, residual, positions, meta.slot_mapping,
+                                               kv_cache, cos_sin_cache, rotate_and_store=False)
+            attn_out = attn.rope_store_attend(qkv, positions, meta, kv_cache, cos_sin_cache)
+            return self.post_attention(attn_out, residual)
         qkv, residual = self.pre_attention(hidden, residual, positions, meta.slot_mapping,
                                            kv_cache, cos_sin_cache)
-        return self.post_attention(self.self_attn.attend(qkv, meta, kv_cache), residual)
+        return self.post_attention(attn.attend(qkv, meta, kv_cache), residual)
 
     def pre_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                       positions: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: KVCache,
-                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Norm and q/k/v (rotated, stored): returns (qkv, residual)."""
+                      cos_sin_cache: torch.Tensor, rotate_and_store: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm and q/k/v (rotated and stored unless ``rotate_and_store`` is False: the
+        attention does it): returns (qkv, residual)."""
         # The residual add is fused into the next norm; before layer 0 there is none yet.
         # ``residual is None`` depends on the layer index only, never on data.
         norm = self.input_layernorm
@@ -216,6 +233,8 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = dispatch.fused_add_rms_norm(hidden, residual, norm.weight,
                                                            norm.eps)
+        if not rotate_and_store:
+            return self.self_attn.qkv_proj(hidden), residual
         qkv = self.self_attn.project_qkv(hidden, positions, slot_mapping, kv_cache,
                                          cos_sin_cache)
         return qkv, residual

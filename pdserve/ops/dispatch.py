@@ -164,3 +164,17 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     """Rotates q and k in place, then writes k and v into their cache slots (-1: none)."""
     backend = _fused() if uses_triton(q) else reference
     backend.rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+
+
+@functools.cache
+def _sampling() -> ModuleType:
+    from pdserve.ops import triton_sampling
+
+    return triton_sampling
+
+
+def row_argmax(values: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Index of each row's largest value, or of ``values - log(noise)`` (the Gumbel-max
+    draw) when Exp(1) ``noise`` is given; see ``reference.row_argmax``."""
+    backend = _sampling() if uses_triton(values) else reference
+    return backend.row_argmax(values, noise)

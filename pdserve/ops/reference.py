@@ -143,6 +143,10 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def fuses_rope(self, meta: AttentionMetadata) -> bool:
+        """The model rotates and stores K/V itself for this backend (``rope_store_kv``)."""
+        return False
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attention over the cache, which already holds this step's K/V."""
@@ -160,3 +164,14 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return self.attend(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def row_argmax(values: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Index of each row's largest value (the first on ties): the greedy token. With
+    ``noise`` (Exp(1) draws, same shape) the index of the largest ``values - log(noise)``:
+    the Gumbel-max draw from ``softmax(values)``; a ``-inf`` value (a token filtered out)
+    stays ``-inf`` whatever its noise, so it is never drawn."""
+    if noise is None:
+        return values.argmax(dim=-1)
+    keys = torch.where(values == float("-inf"), values, values.float() - noise.log())
+    return keys.argmax(dim=-1)

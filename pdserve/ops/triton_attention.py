@@ -28,6 +28,10 @@ _DECODE_BLOCK_H = 16
 # context, 1.07x at batch 8, ~1.0x at 64-256 (benchmarks/results/decode_attention_ab_h200_*):
 # no gain where decode is latency-bound, so the proven two-launch path stays the default.
 ONE_LAUNCH_DECODE_ENV = "PDSERVE_ONE_LAUNCH_DECODE"
+# Set to 1 to fuse the rotary embedding and the new tokens' K/V store into the decode kernel
+# of decode-only batches (one launch fewer per layer). Opt-in until timed and its GPU test
+# run on a GPU (``bench_engine.py`` / ``profile_decode.py`` with and without it).
+FUSED_ROPE_DECODE_ENV = "PDSERVE_FUSED_ROPE_DECODE"
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,44 @@ def _split_range(seq_len, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr
 
 
 @triton.jit
+def _rope_factors(cos_sin_row, offs_d, HALF_ROT: tl.constexpr):
+    """Per channel d of a head, neox-style rotary (``reference.apply_rope``) as
+    ``x[d] * cos[d] + x[partner[d]] * sin[d]``: the first half of the rotated channels takes
+    -x2 * sin, the second half +x1 * sin, and channels past the rotary dims pass unchanged."""
+    first_half = offs_d < HALF_ROT
+    rotated = offs_d < 2 * HALF_ROT
+    freq = tl.where(first_half, offs_d, offs_d - HALF_ROT)
+    cos = tl.load(cos_sin_row + freq, mask=rotated, other=1.0)
+    sin = tl.load(cos_sin_row + HALF_ROT + freq, mask=rotated, other=0.0)
+    sin = tl.where(first_half, -sin, sin)
+    partner = tl.where(first_half, offs_d + HALF_ROT, tl.where(rotated, freq, offs_d))
+    return cos, sin, partner
+
+
+@triton.jit
+def _rotated(x, x_partner, cos, sin):
+    """Rotary of rows ``x`` in fp32, rounded once to their dtype, as the reference does."""
+    out = x.to(tl.float32) * cos[None, :] + x_partner.to(tl.float32) * sin[None, :]
+    return out.to(x.dtype)
+
+
+@triton.jit
+def _store_new_kv(k_row, v_row, k_head, v_head, slot, page_size, stride_kp, stride_kb,
+                  stride_vp, stride_vb, offs_d, partner, cos, sin):
+    """Rotates the new token's k (one kv head) and stores it and v into cache slot ``slot``
+    (-1, a padding row: nothing)."""
+    keep = (offs_d >= 0) & (slot >= 0)
+    page, in_page = slot // page_size, slot % page_size
+    k = tl.load(k_row + offs_d)
+    k_partner = tl.load(k_row + partner)
+    k = (k.to(tl.float32) * cos + k_partner.to(tl.float32) * sin).to(k.dtype)
+    tl.store(k_head + page * stride_kp + in_page * stride_kb + offs_d,
+             k.to(k_head.dtype.element_ty), mask=keep)  # fmt: skip
+    tl.store(v_head + page * stride_vp + in_page * stride_vb + offs_d,
+             tl.load(v_row + offs_d).to(v_head.dtype.element_ty), mask=keep)  # fmt: skip
+
+
+@triton.jit
 def _attend_range(q, k_head, v_head, table, start, end, stride_kp, stride_kb, stride_vp,
                   stride_vb, qk_scale, page_size, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_N: tl.constexpr):
@@ -161,8 +203,18 @@ def _decode_split_kernel(
     mid_lse_ptr,
     arrivals_ptr,
     out_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    slot_ptr,
     stride_qt,
     stride_qh,
+    stride_cs,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
     stride_kp,
     stride_kb,
     stride_kh,
@@ -188,6 +240,8 @@ def _decode_split_kernel(
     MIN_SPLIT_TOKENS: tl.constexpr,
     ONE_LAUNCH: tl.constexpr,
     MERGE_SPLITS: tl.constexpr,
+    FUSE_ROPE: tl.constexpr,
+    HALF_ROT: tl.constexpr,
 ):
     """One program = (decode seq, kv head x head block, split): all q heads of the group
     share each K/V tile, so K/V are read from memory once per group.
@@ -195,7 +249,12 @@ def _decode_split_kernel(
     ``ONE_LAUNCH``: splits without tokens exit at once; a sequence with one used split
     writes its output directly; otherwise each split stores its partial and the last to
     arrive merges them. Without it every split stores a partial (or -inf) and
-    ``_decode_reduce_kernel`` merges them in a second launch."""
+    ``_decode_reduce_kernel`` merges them in a second launch.
+
+    ``FUSE_ROPE``: q, and k of the new token, arrive unrotated; each program rotates its q
+    rows on load, and the split that holds the new token (the last used one) rotates k and
+    stores it with v into the token's cache slot before it reads its tiles, which saves
+    the step's ``rope_store_kv`` launch."""
     seq = tl.program_id(0)
     blocks_per_group = (GROUP + BLOCK_H - 1) // BLOCK_H
     kv_head = tl.program_id(1) // blocks_per_group
@@ -210,11 +269,22 @@ def _decode_split_kernel(
     head_mask = in_group < GROUP
     heads = kv_head * GROUP + in_group
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=head_mask[:, None],
-        other=0.0,
-    )
+    q_rows = q_ptr + seq * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_rows + offs_d[None, :], mask=head_mask[:, None], other=0.0)
+    if FUSE_ROPE:
+        pos = tl.load(positions_ptr + seq).to(tl.int64)
+        cos, sin, partner = _rope_factors(cos_sin_ptr + pos * stride_cs, offs_d, HALF_ROT)
+        q_partner = tl.load(q_rows + partner[None, :], mask=head_mask[:, None], other=0.0)
+        q = _rotated(q, q_partner, cos, sin)
+        if split == used_splits - 1:
+            _store_new_kv(k_new_ptr + seq * stride_knt + kv_head * stride_knh,
+                          v_new_ptr + seq * stride_vnt + kv_head * stride_vnh,
+                          k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
+                          tl.load(slot_ptr + seq).to(tl.int64), page_size, stride_kp,
+                          stride_kb, stride_vp, stride_vb, offs_d, partner, cos, sin)
+            # Every thread's slot stores come before any thread's tile loads: the barrier
+            # makes a block's global writes visible to the whole block.
+            tl.debug_barrier()
     acc, m_i, l_i = _attend_range(
         q, k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
         block_tables_ptr + seq * stride_bt, start, end, stride_kp, stride_kb, stride_vp,
@@ -366,6 +436,20 @@ def _decode_reduce_kernel(
     )
 
 
+@dataclass(frozen=True)
+class NewTokenRope:
+    """What the decode kernel needs to rotate q and store each sequence's new K/V itself
+    (row i of each tensor is sequence i's token): k and v [T, kv_heads, head_dim], unrotated,
+    a unit stride on head_dim; positions [T]; the [max_position, rotary_dim] cos/sin cache;
+    and the cache slots [T] (-1: a padding row, nothing stored)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -377,6 +461,7 @@ def decode_attention(
     num_splits: int,
     min_split_tokens: int = 128,
     config: DecodeConfig | None = None,
+    rope: NewTokenRope | None = None,
 ) -> None:
     """Attention of the first ``len(seq_lens)`` tokens of ``q`` (one per sequence) over
     their paged context; writes ``out[:len(seq_lens)]``.
@@ -385,6 +470,8 @@ def decode_attention(
     graph and replay with new ``seq_lens``/``block_tables`` contents. The one-launch path
     (``config.one_launch``) keeps arrival counters per device and stream, cleared when
     allocated: run a batch size eagerly before capturing it (a capture cannot clear memory).
+    With ``rope``, q is unrotated and the cache does not hold the new tokens yet: the
+    kernel rotates q and k and stores k and v (``rope_store_kv`` fused in); q is left as is.
     """
     batch = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -402,9 +489,10 @@ def decode_attention(
     one_launch = config.one_launch and num_splits > 1
     arrivals = _arrival_counters(batch * grid[1], q.device) if one_launch else mid_lse
     rows = triton.next_power_of_2(min(group, _DECODE_BLOCK_H))  # q heads a merge covers
+    rope_args, half_rot = _rope_args(rope, q, k_cache, batch, seq_lens)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, arrivals, out,
-        q.stride(0), q.stride(1),
+        *rope_args[:5], q.stride(0), q.stride(1), *rope_args[5:],
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
@@ -422,6 +510,8 @@ def decode_attention(
         MIN_SPLIT_TOKENS=max(min_split_tokens, config.block_n),
         ONE_LAUNCH=one_launch,
         MERGE_SPLITS=_merge_splits(num_splits, rows, head_dim),
+        FUSE_ROPE=rope is not None,
+        HALF_ROT=half_rot,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
@@ -436,6 +526,26 @@ def decode_attention(
         HEAD_DIM=head_dim,
         num_warps=4 if head_dim >= 128 else 2,
     )  # fmt: skip
+
+
+def _rope_args(rope: NewTokenRope | None, q: torch.Tensor, k_cache: torch.Tensor, batch: int,
+               seq_lens: torch.Tensor) -> tuple[tuple, int]:
+    """The split kernel's rotary arguments: five pointers (positions, cos/sin, k, v, slots),
+    then five strides; and half the rotary dims. Without ``rope`` they are placeholders
+    the kernel never reads."""
+    if rope is None:
+        return (seq_lens, q, q, q, seq_lens, 0, 0, 0, 0, 0), 0
+    k, v, cos_sin = rope.k, rope.v, rope.cos_sin_cache
+    if k.shape[0] < batch or k.shape[1:] != k_cache.shape[2:] or v.shape != k.shape:
+        raise ValueError(f"rope k {tuple(k.shape)} and v {tuple(v.shape)} must be [>= {batch}, "
+                         f"kv_heads, head_dim] as the cache's {tuple(k_cache.shape[2:])}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or cos_sin.stride(-1) != 1:
+        raise ValueError("rope k, v and the cos/sin cache need a unit stride on their last axis")
+    if cos_sin.shape[1] > k.shape[2] or cos_sin.shape[1] % 2:
+        raise ValueError(f"rotary dims {cos_sin.shape[1]} must be even and at most head_dim")
+    pointers = (rope.positions.contiguous(), cos_sin, k, v, rope.slot_mapping)
+    strides = (cos_sin.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    return pointers + strides, cos_sin.shape[1] // 2
 
 
 def _merge_splits(num_splits: int, rows: int, head_dim: int) -> int:
@@ -870,6 +980,13 @@ class TritonAttentionBackend:
     ``max_kv_splits`` bounds the decode split count; the count actually launched depends
     only on the decode batch size (a host int), so each CUDA-graph batch bucket has a fixed
     grid. Contexts shorter than ``num_splits * min_split_tokens`` leave splits empty.
+
+    ``min_split_tokens`` 64 is one K/V tile (``default_decode_config``, head_dim <= 128): at
+    small batches a split is a chain of dependent loads (length, page ids, K/V) per tile, so
+    one tile per split is the shortest. On the H200 (8 KV heads of 128, one-launch merge, 1K
+    context) 64 tokens per split took 9.74 / 11.86 / 12.65 / 16.59 us per layer at batch
+    1 / 2 / 4 / 8 against 10.33 / 11.92 / 13.36 / 16.69 with 128
+    (``benchmarks/results/decode_attention_ab_h200_2c05d54.json``, ``decode_sweep``).
     """
 
     name = "triton"
@@ -877,14 +994,41 @@ class TritonAttentionBackend:
     def __init__(
         self,
         max_kv_splits: int = 32,
-        min_split_tokens: int = 128,
+        min_split_tokens: int = 64,
         num_sms: int | None = None,
+        fuse_rope: bool | None = None,
     ) -> None:
         if max_kv_splits < 1 or max_kv_splits & (max_kv_splits - 1):
             raise ValueError(f"max_kv_splits must be a power of two, got {max_kv_splits}")
         self.max_kv_splits = max_kv_splits
         self.min_split_tokens = min_split_tokens
         self.num_sms = num_sms
+        if fuse_rope is None:
+            fuse_rope = os.environ.get(FUSED_ROPE_DECODE_ENV, "0") not in ("", "0")
+        self.fuse_rope = fuse_rope
+
+    def fuses_rope(self, meta: AttentionMetadata) -> bool:
+        """Whether ``rope_store_attend`` serves this batch: a decode-only one, when enabled.
+        Host ints only, so a captured decode graph keeps the path it recorded."""
+        return self.fuse_rope and meta.num_seqs == meta.num_decode_seqs > 0
+
+    def rope_store_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                          scale: float) -> torch.Tensor:
+        """``rope_store_kv`` then ``attend`` as one decode kernel, for a batch that
+        ``fuses_rope``; q, k and v arrive unrotated and stay so."""
+        if not self.fuses_rope(meta):
+            raise ValueError("rope_store_attend serves decode-only batches with fuse_rope on")
+        out = torch.empty_like(q)
+        num_seqs = meta.num_seqs
+        decode_attention(
+            q, k_cache, v_cache, meta.block_tables[:num_seqs], meta.seq_lens[:num_seqs], out,
+            scale, self.num_kv_splits(num_seqs, k_cache.shape[2], q.device),
+            self.min_split_tokens, rope=NewTokenRope(k, v, positions, cos_sin_cache,
+                                                     meta.slot_mapping),
+        )  # fmt: skip
+        return out
 
     def num_kv_splits(self, num_decode_seqs: int, num_kv_heads: int, device: torch.device) -> int:
         """Splits for a decode batch: enough programs for about two per SM, no more."""

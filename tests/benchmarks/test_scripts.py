@@ -293,3 +293,20 @@ def test_extend_sweep_times_every_layout_on_every_chunk_shape():
     assert auto[True, 15360, 256] == auto[False, 12288, 256] == 4  # 128 programs: 4 splits
     assert auto[False, 8192, 512] == 2  # 256 programs
     assert auto[True, 0, 8192] == auto[False, 16384, 2048] == 1  # the grid fills the GPU
+
+
+@pytest.mark.skipif(not triton_available(), reason="bench_kernels.py imports triton")
+def test_decode_split_ab_times_every_split_size_at_every_point(monkeypatch):
+    bench = _load("bench_kernels")
+    asked = []
+
+    def fake_layers(shape, batch, context, config, splits, tokens):
+        asked.append((config.one_launch, tokens, config.block_n))
+        return {"splits": 32, "us_per_layer": tokens / 8}  # 128 tokens: 16 us, 64: 8 us
+
+    monkeypatch.setattr(bench, "bench_decode_layers", fake_layers)
+    rows = bench.decode_split_ab(lambda row: row)
+    assert len(rows) == len(bench.SPLIT_AB_POINTS) and len(asked) == 3 * len(rows)
+    assert set(asked) == {(False, 128, 64), (False, 64, 64), (False, 128, 128)}
+    assert rows[0]["us_per_layer"] == {"128/64": 16.0, "64/64": 8.0, "128/128": 16.0}
+    assert rows[0]["speedup"] == 2.0

@@ -18,6 +18,7 @@ from triton.compiler import ASTSource
 from pdserve.ops import triton_attention as ta
 from pdserve.ops import triton_fused as tf
 from pdserve.ops import triton_gemv as tg
+from pdserve.ops import triton_sampling as ts
 
 HOPPER = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024
@@ -50,9 +51,10 @@ def compile_kernel(kernel, dtype: str, constexprs: dict, num_warps: int, num_sta
 def _pointer_type(name: str, dtype: str) -> str:
     if name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "arrivals_ptr"):
         return "*i32"
-    if name in ("slot_ptr", "positions_ptr"):
+    if name in ("slot_ptr", "positions_ptr", "best_index_ptr", "tokens_ptr"):
         return "*i64"
-    if name in ("mid_o_ptr", "mid_lse_ptr", "cos_sin_ptr"):
+    if name in ("mid_o_ptr", "mid_lse_ptr", "cos_sin_ptr", "values_ptr", "noise_ptr",
+                "best_key_ptr"):
         return "*fp32"
     return "*" + dtype
 
@@ -70,12 +72,16 @@ def attention_cases(dtype: str):
         yield ta._extend_merge_kernel, dtype, dict(
             HEAD_DIM=head_dim, BLOCK_T=ta._MERGE_TOKENS, KV_SPLITS=16), 4, 1
         dec = ta.default_decode_config(head_dim, cuda)
-        # One split writes the output itself; several merge in the same launch or in a second.
-        for splits, one_launch in ((32, True), (32, False), (1, False)):
+        # One split writes the output itself; several merge in the same launch or in a second;
+        # with the rotary + K/V store fused in or not.
+        for splits, one_launch, fuse_rope in ((32, True, False), (32, False, False),
+                                              (1, False, False), (32, True, True),
+                                              (32, False, True)):
             yield ta._decode_split_kernel, dtype, dict(
                 GROUP=8, BLOCK_H=16, ROWS=8, HEAD_DIM=head_dim, BLOCK_N=dec.block_n,
-                NUM_SPLITS=splits, MIN_SPLIT_TOKENS=128, ONE_LAUNCH=one_launch,
-                MERGE_SPLITS=ta._merge_splits(splits, 8, head_dim),
+                NUM_SPLITS=splits, MIN_SPLIT_TOKENS=64, ONE_LAUNCH=one_launch,
+                MERGE_SPLITS=ta._merge_splits(splits, 8, head_dim), FUSE_ROPE=fuse_rope,
+                HALF_ROT=head_dim // 2 if fuse_rope else 0,
             ), dec.num_warps, dec.num_stages  # fmt: skip
         yield ta._decode_reduce_kernel, dtype, dict(NUM_SPLITS=32, HEAD_DIM=head_dim), 4, 2
 
@@ -90,6 +96,13 @@ def fused_cases(dtype: str):
             HALF_ROT=half_rot, HEAD_DIM=128, BLOCK_HQ=16, BLOCK_HKV=8, BLOCK_HALF=half_rot,
             BLOCK_PASS=block_pass, BLOCK_D=128,
         ), 4, 1  # fmt: skip
+
+
+def sampling_cases(dtype: str):
+    """The sampler's row argmax (fp32 logits whatever the model's dtype)."""
+    for has_noise in (False, True):
+        yield ts._chunk_argmax_kernel, dtype, dict(HAS_NOISE=has_noise, BLOCK=2048), 4, 1
+    yield ts._pick_chunk_kernel, dtype, dict(CHUNKS=64), 1, 1
 
 
 def gemv_cases(dtype: str):
@@ -110,7 +123,8 @@ def gemv_cases(dtype: str):
 
 def main(dtypes: list[str]) -> None:
     for dtype in dtypes:
-        cases = [*attention_cases(dtype), *fused_cases(dtype), *gemv_cases(dtype)]
+        cases = [*attention_cases(dtype), *fused_cases(dtype), *sampling_cases(dtype),
+                 *gemv_cases(dtype)]
         for kernel, dt, constexprs, warps, stages in cases:
             compiled = compile_kernel(kernel, dt, constexprs, warps, stages)
             shared = compiled.metadata.shared

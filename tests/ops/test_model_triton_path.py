@@ -65,6 +65,19 @@ def test_decode_gemv_path_matches_reference_path():
     _assert_logits_match(got, expected)
 
 
+@interpreted
+def test_fused_rope_decode_path_matches_reference_path():
+    """Decode steps with the rotary + K/V store inside the decode kernel: the reference's
+    logits, and no ``rope_store_kv`` launch in those steps (the prefill keeps it)."""
+    model, expected = _model_and_reference_logits("tiny-qwen2")
+    model.attn_backend.fuse_rope = True
+    with dispatch.interpreted_triton_ops(), count_launches() as count:
+        got = _logits_over_steps(model, steps=DECODE_STEPS)
+    _assert_logits_match(got, expected)
+    prefills = len(got) - DECODE_STEPS
+    assert count.by_name["triton::_rope_store_kv_kernel"] == prefills * model.num_layers
+
+
 def _assert_logits_match(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
     for step, (g, e) in enumerate(zip(got, expected, strict=True)):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4,

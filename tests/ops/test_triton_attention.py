@@ -330,3 +330,73 @@ def test_arrival_counters_one_row_per_stream(monkeypatch):
         now.append(ta._arrival_counters(100, cpu).data_ptr())
     assert len(set(now[1:])) == 20 and now[0] == now[4]
     assert any(r.data_ptr() == rows[0].data_ptr() for r in ta._retired_arrivals)
+
+
+def _rope_inputs(batch: PagedBatch, rotary_dim: int, seed: int):
+    """q, k, v as views of one fused [T, q + 2 kv] projection (as the model has them), the
+    new tokens' positions and a cos/sin cache of ``rotary_dim`` channels."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = batch.q, batch.k, batch.v
+    qkv = torch.cat([t.flatten(1) for t in (q, k, v)], dim=1)
+    q_view, k_view, v_view = (t.view(q.shape[0], -1, q.shape[2]) for t in
+                              qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1))
+    positions = (batch.meta.seq_lens.long() - 1).clamp(min=0)
+    cos_sin = torch.randn(int(positions.max()) + 1, rotary_dim, generator=gen)
+    return q_view, k_view, v_view, positions.to(q.device), cos_sin.to(q.device)
+
+
+def _check_fused_rope(batch: PagedBatch, rotary_dim: int, num_splits: int, one_launch: bool,
+                      tol: dict) -> None:
+    """The decode kernel with the rotary + K/V store fused in, against ``rope_store_kv``
+    then attention (the reference path): same output rows, same cache afterwards."""
+    from pdserve.ops import reference
+    from pdserve.ops.triton_attention import NewTokenRope, decode_attention, default_decode_config
+
+    q, k, v, positions, cos_sin = _rope_inputs(batch, rotary_dim, seed=num_splits)
+    meta, scale = batch.meta, q.shape[-1] ** -0.5
+    caches = [batch.k_cache.clone(), batch.v_cache.clone()]
+    q_ref, k_ref = q.clone(), k.clone()
+    reference.rope_store_kv(q_ref, k_ref, v, positions, cos_sin, *caches, meta.slot_mapping)
+    want = reference.paged_attention(q_ref, *caches, meta, scale)
+    config = dataclasses.replace(default_decode_config(q.shape[-1], q.device),
+                                 one_launch=one_launch)
+    out = torch.full_like(q, float("nan"))
+    q_before = q.clone()
+    decode_attention(q, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens, out,
+                     scale, num_splits, 16, config,
+                     NewTokenRope(k, v, positions, cos_sin, meta.slot_mapping))  # fmt: skip
+    rows = batch.num_real_tokens
+    torch.testing.assert_close(out[:rows].float(), want[:rows].float(), **tol)
+    torch.testing.assert_close(q, q_before, atol=0, rtol=0)  # q is read, never written
+    torch.testing.assert_close(batch.k_cache, caches[0], **tol)
+    torch.testing.assert_close(batch.v_cache, caches[1], atol=0, rtol=0)
+
+
+@interpreted
+@pytest.mark.parametrize("one_launch", [True, False])
+@pytest.mark.parametrize(
+    "decode_lens, q_heads, kv_heads, rotary_dim, num_splits, pad",
+    [
+        ([1, 15, 16, 17, 100], 4, 1, 16, 4, 2),  # page edges, several splits, padding rows
+        ([33, 70], 2, 2, 8, 8, 0),  # partial rotary: channels past 8 pass unrotated
+        ([50], 24, 1, 16, 2, 0),  # a group of 24: two head blocks store the same K/V
+        ([3, 90], 4, 2, 16, 1, 1),  # one split: written directly
+    ],
+)
+def test_decode_with_fused_rope_interpreted(decode_lens, q_heads, kv_heads, rotary_dim,
+                                            num_splits, pad, one_launch):
+    batch = make_paged_batch(decode_lens, [], q_heads, kv_heads, 16, 16, pad_decode=pad,
+                             seed=len(decode_lens) + pad)  # fmt: skip
+    _check_fused_rope(batch, rotary_dim, num_splits, one_launch, INTERP_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_launch", [True, False])
+@pytest.mark.parametrize("num_splits, rotary_dim", [(32, 128), (8, 64), (1, 128)])
+def test_decode_with_fused_rope_gpu(num_splits, rotary_dim, one_launch):
+    """Llama-3-8B's heads. The interpreter runs programs one after another, so only here can
+    a split read the new token's slot before the split that stores it has written it."""
+    lens = [1, 15, 16, 17, 255, 1000, 4097]
+    batch = make_paged_batch(lens, [], 32, 8, 128, 16, torch.bfloat16, "cuda", pad_decode=2,
+                             seed=num_splits)  # fmt: skip
+    _check_fused_rope(batch, rotary_dim, num_splits, one_launch, GPU_TOL[torch.bfloat16])
