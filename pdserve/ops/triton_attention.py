@@ -981,12 +981,13 @@ class TritonAttentionBackend:
     only on the decode batch size (a host int), so each CUDA-graph batch bucket has a fixed
     grid. Contexts shorter than ``num_splits * min_split_tokens`` leave splits empty.
 
-    ``min_split_tokens`` 64 is one K/V tile (``default_decode_config``, head_dim <= 128): at
-    small batches a split is a chain of dependent loads (length, page ids, K/V) per tile, so
-    one tile per split is the shortest. On the H200 (8 KV heads of 128, one-launch merge, 1K
-    context) 64 tokens per split took 9.74 / 11.86 / 12.65 / 16.59 us per layer at batch
-    1 / 2 / 4 / 8 against 10.33 / 11.92 / 13.36 / 16.69 with 128
-    (``benchmarks/results/decode_attention_ab_h200_2c05d54.json``, ``decode_sweep``).
+    ``min_split_tokens`` stays 128 (two K/V tiles) until the default two-launch path is
+    timed at 64 (one tile: at small batches a split is a chain of dependent loads per tile,
+    so one tile per split may be the shortest). On the H200 (8 KV heads of 128, 1K context)
+    only the opt-in one-launch merge was timed at both: 64 tokens per split took 9.74 /
+    11.86 / 12.65 / 16.59 us per layer at batch 1 / 2 / 4 / 8 against 10.33 / 11.92 / 13.36
+    / 16.69 with 128 (``benchmarks/results/decode_attention_ab_h200_2c05d54.json``,
+    ``decode_sweep``); ``bench_kernels.py --decode-ab`` times the default path at both.
     """
 
     name = "triton"
@@ -994,7 +995,7 @@ class TritonAttentionBackend:
     def __init__(
         self,
         max_kv_splits: int = 32,
-        min_split_tokens: int = 64,
+        min_split_tokens: int = 128,
         num_sms: int | None = None,
         fuse_rope: bool | None = None,
     ) -> None:

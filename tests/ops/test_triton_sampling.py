@@ -96,9 +96,10 @@ GREEDY = SamplingParams(temperature=0)
 
 @interpreted
 @pytest.mark.parametrize("rows", [[GREEDY, GREEDY], [SAMPLED, FILTERED], [GREEDY, SAMPLED]])
-def test_sampler_on_the_triton_argmax_draws_the_reference_tokens(rows):
+def test_sampler_on_the_triton_argmax_draws_the_reference_tokens(rows, monkeypatch):
     logits = _logits(len(rows), 500, 7, "cpu")
     want = sample(logits, _sampling_batch(rows, 500))[0]
+    monkeypatch.setenv(dispatch.TRITON_ARGMAX_ENV, "1")
     with dispatch.interpreted_triton_ops(), count_launches() as count:
         got = sample(logits, _sampling_batch(rows, 500))[0]
     assert got.tolist() == want.tolist()
@@ -109,3 +110,13 @@ def test_sampler_on_the_triton_argmax_draws_the_reference_tokens(rows):
     assert count.by_name["aten::argmax"] == 0
     # Only top-p needs probabilities (the mass of the sorted tokens); the draw needs none.
     assert count.by_name["aten::_softmax"] == (1 if FILTERED in rows else 0)
+
+
+@interpreted
+def test_the_triton_argmax_is_opt_in(monkeypatch):
+    monkeypatch.delenv(dispatch.TRITON_ARGMAX_ENV, raising=False)
+    logits = _logits(2, 500, 7, "cpu")
+    with dispatch.interpreted_triton_ops(), count_launches() as count:
+        sample(logits, _sampling_batch([GREEDY, SAMPLED], 500))
+    assert count.by_name["triton::_chunk_argmax_kernel"] == 0
+    assert count.by_name["aten::argmax"] == 2
