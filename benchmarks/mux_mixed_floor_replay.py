@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
                          **walk(predictor, factors, prompts, decode, args.itl_ms, variant)})
             print(_line(runs[-1]))
     write_json({
-        "kind": "offline replay", "command": shlex.join(["benchmarks/mux_small_chunk_replay.py",
+        "kind": "offline replay", "command": shlex.join(["benchmarks/mux_mixed_floor_replay.py",
                                                          *(argv or sys.argv[1:])]),
         "measured_factors": [{"graph": g, "chunk_bucket": b, "device_over_profile": round(f, 3),
                               "steps": n} for (g, b), (f, n) in sorted(factors.items())],
