@@ -109,3 +109,37 @@ def test_the_floor_flag_reaches_the_planner_and_bad_values_are_refused():
     assert llm.engine.scheduler.planner.config.mixed_floor_tokens == 256
     with pytest.raises(ValueError, match="--mux-mixed-floor-tokens -1"):
         SchedulerConfig(schedule="multiplex", mux_mixed_floor_tokens=-1)
+
+
+class SteepMixedModel:
+    """A GPU whose mixed steps cost 10 ms plus 0.5 ms a prompt token (the 54 ms budget fits
+    64-token chunks, 1.25x the 60 ms target 128), for the tiny model on the CPU."""
+
+    total_sms, num_layers = 132, 4
+
+    def predict(self, phase, num_tokens, context_tokens, batch_size, sms, co_running=False,
+                num_layers=None):
+        share = (num_layers or self.num_layers) / self.num_layers
+        return 5.0 if phase == "decode" else share * (1 + 0.1 * num_tokens)
+
+    def predict_mixed(self, prefill_tokens, *args, **kwargs):
+        return 10.0 + 0.5 * prefill_tokens
+
+
+@pytest.mark.parametrize("floor, first_chunk", [(0, 64), (128, 128)])
+def test_a_served_run_takes_the_floor_chunk_beside_decode(floor, first_chunk):
+    """The engine runs the planner's floor chunk as it is: the first mixed step beside the
+    first decode carries it (later steps follow the CPU's measured times)."""
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.setup import EngineSetup
+    from pdserve.sampling_params import SamplingParams
+
+    llm = LLM("tiny", device="cpu", schedule="multiplex", max_num_batched_tokens=256,
+              mux_sharing="temporal", mux_mixed_floor_tokens=floor,
+              setup=EngineSetup(predictor=SteepMixedModel()))
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (200, 300, 300)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0,
+                                                   ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+    mixed = [e for e in llm.engine.timeline() if e["mode"] == "temporal"]
+    assert mixed and mixed[0]["prefill_tokens"] == first_chunk
