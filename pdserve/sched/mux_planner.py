@@ -326,11 +326,12 @@ class MuxPlannerConfig:
     graph_step_tokens: int = 0
     # Smallest chunk a mixed step takes (while that many prompt tokens wait) even where the
     # largest chunk fitting the budget is smaller, as long as the step stays within
-    # ``mixed_floor_cap`` of the ITL SLO; kept on the prefill-step graphs when they are
-    # weighed. 0: off, a chunk shrinks to whatever fits. The budget is per step, the SLO a
-    # mean over a request's tokens: on the H200 (Mooncake trace) chunks cut to 64-128 tokens
-    # over 14-22K-token prefixes prefilled 1.2-2.5K tokens/s and took a third of the mixed
-    # steps' time, where chunked prefill kept 256-token steps and met TPOT 60 ms.
+    # ``mixed_floor_cap`` of the ITL SLO (else the largest chunk under it that does); kept on
+    # the prefill-step graphs when they are weighed. 0: off, a chunk shrinks to whatever fits.
+    # The budget is per step, the SLO a mean over a request's tokens: on the H200 (Mooncake
+    # trace) chunks cut to 64-128 tokens over 14-22K-token prefixes prefilled 1.2-2.5K
+    # tokens/s and took a third of the mixed steps' time, where chunked prefill kept 256-token
+    # steps and met TPOT 60 ms.
     mixed_floor_tokens: int = 0
     mixed_floor_cap: float = 1.25
 
@@ -628,13 +629,18 @@ class MuxPlanner:
 
     def _floored(self, chunk: int | None, decode: DecodeLoad, step: Callable[[int], float],
                  hi: int) -> int | None:
-        """``chunk`` raised to the floor (``mixed_floor_tokens``) where that step stays within
-        the floor's cap; unchanged where the floor is off, reached, or over the cap."""
+        """``chunk`` raised towards the floor (``mixed_floor_tokens``): the floor where its
+        step stays within the floor's cap, else the largest chunk under it that does;
+        unchanged where the floor is off or reached, or not even ``chunk`` fits the cap."""
+        cfg = self.config
         floor = self._floor_chunk(decode, hi)
         if floor == 0 or (chunk is not None and chunk >= floor):
             return chunk
-        cap_ms = self.config.itl_slo_ms * self.config.mixed_floor_cap
-        return floor if step(floor) <= cap_ms else chunk
+        cap_ms = cfg.itl_slo_ms * cfg.mixed_floor_cap
+        start = chunk if chunk is not None else min(floor, cfg.min_chunk_tokens)
+        if step(start) > cap_ms:
+            return chunk
+        return _largest_fitting(step, start, floor, cfg.token_align, cap_ms)
 
     def _floor_chunk(self, decode: DecodeLoad, hi: int) -> int:
         """The floor's chunk: ``mixed_floor_tokens`` (at most ``hi``), cut to stay on the

@@ -68,6 +68,17 @@ def test_a_floor_step_over_the_cap_is_not_taken(profile):
     assert plan == mixed_plan(profile, 20000, floor=0)
 
 
+def test_where_the_floor_is_over_the_cap_the_largest_chunk_within_it_is_taken(profile):
+    """At a correction of 1.3 over a 22K prefix, 256 tokens are over 75 ms, 192 within it,
+    and the budget fits 128: the step takes 192 rather than falling back to the budget's
+    chunk (a floor of 320 fell back to small chunks in the replay, 2.5K tokens/s)."""
+    budget = mixed_plan(profile, 22000, floor=0, correction=1.3)
+    floored = mixed_plan(profile, 22000, floor=256, correction=1.3)
+    assert budget.prefill.num_tokens == 128
+    assert floored.prefill.num_tokens == 192
+    assert budget.cycle_ms <= 54.0 < floored.cycle_ms <= 75.0
+
+
 def test_where_a_larger_chunk_fits_the_floor_changes_nothing(profile):
     for prefix in (0, 2000, 6000):
         assert mixed_plan(profile, prefix, 256) == mixed_plan(profile, prefix, 0)
