@@ -139,6 +139,16 @@ CONFIGS["multiplex-graph-itl60"] = f"{MUX_ARGS} --itl-slo-ms 60 --mux-graph-step
 # predicted time instead of compounding it (the Mooncake A/B against multiplex-graph-itl60).
 CONFIGS["multiplex-graph-converging-itl60"] = (CONFIGS["multiplex-graph-itl60"]
                                                + " --mux-prefill-correction converging")
+# Mixed steps that keep a 256-token chunk (on the graphs) where the per-step budget would cut
+# it smaller, over long prefixes (docs/results.md, "Where the Mooncake probe's prefill
+# went"): with every option, with the prefill corrections converging too, and with mixed
+# steps only (chunked prefill's steps with the ITL budget kept where the chunk allows).
+FLOOR_ARGS = " --mux-mixed-floor-tokens 256"
+CONFIGS["multiplex-graph-floor-itl60"] = CONFIGS["multiplex-graph-itl60"] + FLOOR_ARGS
+CONFIGS["multiplex-graph-floor-converging-itl60"] = (
+    CONFIGS["multiplex-graph-converging-itl60"] + FLOOR_ARGS)
+CONFIGS["multiplex-temporal-graph-floor-itl60"] = (
+    CONFIGS["multiplex-graph-itl60"] + " --mux-sharing temporal" + FLOOR_ARGS)
 TABLE_CONFIGS = ("multiplex-itl60", "chunk256", "chunk512", "chunk1024", "chunk2048",
                  "prefill-first", "disagg")
 SERVER_ARGS = "--load-format dummy --max-model-len 24576"

@@ -267,12 +267,13 @@ def decode_states(spans: list[Span]) -> list[dict]:
 
 
 def walk_states(states: list[dict], predictor, settings, graph_tokens: int,
-                mixed: float, prefill: float) -> dict:
+                mixed: float, prefill: float, mixed_floor: int = 0) -> dict:
     """Every state beside decode walked at one mixed and one split prefill correction:
     decisions by mode, the prefill rate the planner expects (its corrections taken as
     true) and the rate its choices get where steps and pieces take what the profile
     predicts (``at_profile_ms``): the measured medians of both sides are within a few
-    percent of the profile (``timelines`` of this analysis)."""
+    percent of the profile (``timelines`` of this analysis). ``mixed_floor``: the planner's
+    ``mixed_floor_tokens`` (``--mux-mixed-floor-tokens``)."""
     planner_settings = replace(settings, mixed_correction=mixed, prefill_corrections={
         **{f"spatial:{d}": prefill for d in (16, 24, 32, 48, 64)}, "time_slice": prefill})
     modes: dict[str, int] = {}
@@ -280,7 +281,8 @@ def walk_states(states: list[dict], predictor, settings, graph_tokens: int,
     for state in states:
         planner = planner_settings.planner(predictor)
         planner.predictor.graph_mixed_correction = mixed
-        planner.config = replace(planner.config, graph_step_tokens=graph_tokens)
+        planner.config = replace(planner.config, graph_step_tokens=graph_tokens,
+                                 mixed_floor_tokens=mixed_floor)
         expected = walk_prompt(planner, state["prompt"], state["load"])
         at_profile = walk_prompt(planner, state["prompt"], state["load"],
                                  plan_ms=lambda plan: at_profile_ms(plan, mixed))
@@ -290,7 +292,7 @@ def walk_states(states: list[dict], predictor, settings, graph_tokens: int,
         expected_s += state["prompt"] / expected["prefill_tokens_per_s"]
         profile_s += state["prompt"] / at_profile["prefill_tokens_per_s"]
     return {"mixed_correction": mixed, "split_prefill_correction": prefill,
-            "decisions_by_mode": modes,
+            "mixed_floor_tokens": mixed_floor, "decisions_by_mode": modes,
             "expected_tokens_per_s": round(tokens / expected_s) if expected_s else None,
             "at_profile_tokens_per_s": round(tokens / profile_s) if profile_s else None}
 
@@ -366,7 +368,8 @@ def audit_timeline(path: str, predictor) -> dict:
     return row
 
 
-def audit_records(path: str, predictor, mixed: list[float], prefill: list[float]) -> dict:
+def audit_records(path: str, predictor, mixed: list[float], prefill: list[float],
+                  floors: tuple[int, ...] = (0,)) -> dict:
     record = json.loads(Path(path).read_text())
     spans = spans_of(record)
     args = record["config"]["server_args"]
@@ -390,8 +393,8 @@ def audit_records(path: str, predictor, mixed: list[float], prefill: list[float]
         if "--mux-graph-step-tokens" in args else 0
     if "--schedule multiplex" not in args:  # walk as the multiplex-graph probe plans
         settings, graph = replace(settings, itl_ms=60.0, max_prefill_tokens=24576), 256
-    row["walks"] = [walk_states(beside, predictor, settings, graph, m, p)
-                    for m in mixed for p in prefill]
+    row["walks"] = [walk_states(beside, predictor, settings, graph, m, p, floor)
+                    for floor in floors for m in mixed for p in prefill]
     return row
 
 
@@ -404,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corrections", default="1.0,1.1,1.2,1.3")
     parser.add_argument("--prefill-corrections", default="1.0,0.75,0.5",
                         help="the split options' learned prefill correction in the walks")
+    parser.add_argument("--mixed-floors", default="0", help="the planner's mixed-step floors "
+                        "(--mux-mixed-floor-tokens) to walk, comma-separated")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     predictor = LatencyPredictor.load(args.predictor)
@@ -413,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
               "predictor": args.predictor,
               "timelines": {p: audit_timeline(p, predictor) for p in comma_paths(args.timelines)},
               "records": {p: audit_records(p, predictor, floats(args.corrections),
-                                           floats(args.prefill_corrections))
+                                           floats(args.prefill_corrections),
+                                           tuple(int(x) for x in floats(args.mixed_floors)))
                           for p in comma_paths(args.records)}}
     if args.mixed_bench:
         result["mixed_bench"] = {"path": args.mixed_bench,

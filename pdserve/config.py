@@ -95,6 +95,15 @@ class SchedulerConfig:
                                      "their own, at a cost learned from such steps; 0: off. "
                                      "Needs the graphs: refused on the CPU, under tensor "
                                      "parallelism and with --enforce-eager.")
+    mux_mixed_floor_tokens: int = doc(0, "multiplex: the smallest chunk a mixed step takes "
+                                      "while that many prompt tokens wait, even where a "
+                                      "smaller one would fit the ITL budget, as long as the "
+                                      "step stays within 1.25x the ITL target (else the "
+                                      "largest chunk under it that does; kept on the "
+                                      "prefill-step graphs when --mux-graph-step-tokens is "
+                                      "set): the SLO is a mean over a request's tokens, and "
+                                      "chunks cut small over long prefixes prefill slowly. "
+                                      "0: off (opt-in until measured).")
     mux_prefill_correction: str = doc("compounding", "multiplex: how each sharing option's "
                                       "prefill correction learns from its pieces: "
                                       "'compounding' moves it by every piece's measured over "
@@ -129,6 +138,9 @@ class SchedulerConfig:
         if self.mux_graph_step_tokens < 0:
             raise ValueError(f"--mux-graph-step-tokens {self.mux_graph_step_tokens}: must be "
                              ">= 0")
+        if self.mux_mixed_floor_tokens < 0:
+            raise ValueError(f"--mux-mixed-floor-tokens {self.mux_mixed_floor_tokens}: must "
+                             "be >= 0")
 
 
 MUX_SHARING = ("temporal", "time_slice", "spatial")

@@ -101,6 +101,16 @@ def test_every_multiplex_config_serves_to_the_itl_its_name_gives():
         + " --mux-prefill-correction converging"
     assert module.itl_target("chunk256") is None and module.itl_target("multiplex-itl") is None
 
+
+def test_the_floor_configs_add_only_the_floor_to_what_they_are_compared_with():
+    configs = _load("goodput_h200").CONFIGS
+    floor = " --mux-mixed-floor-tokens 256"
+    assert configs["multiplex-graph-floor-itl60"] == configs["multiplex-graph-itl60"] + floor
+    assert configs["multiplex-graph-floor-converging-itl60"] == \
+        configs["multiplex-graph-converging-itl60"] + floor
+    assert configs["multiplex-temporal-graph-floor-itl60"] == \
+        configs["multiplex-graph-itl60"] + " --mux-sharing temporal" + floor
+
 def test_definitions_cover_the_issue():
     module = _load("goodput_h200")
     assert set(module.TABLE_CONFIGS) <= set(module.CONFIGS)
