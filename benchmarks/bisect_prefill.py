@@ -157,11 +157,15 @@ def write_json(path: str, report: dict) -> None:
 
 class NvmlSampler:
     """Reads the GPU's SM clock, temperature, power and throttle reasons every
-    ``interval_s`` on a thread, between ``start()`` and ``stop()``."""
+    ``interval_s`` on a thread, between ``start()`` and ``stop()``. A quantity this GPU or
+    runtime does not report reads None and is left out of the summary."""
 
     def __init__(self, nvml, handle, interval_s: float = 0.01):
         self.nvml, self.handle, self.interval_s = nvml, handle, interval_s
-        self.samples: list[tuple[int, int, float, int]] = []
+        # Older nvidia-ml-py names the throttle-reason query after throttling.
+        self._reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        self.samples: list[tuple] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -176,12 +180,13 @@ class NvmlSampler:
             if self._stop.wait(self.interval_s):
                 return
 
-    def read(self) -> tuple[int, int, float, int]:
+    def read(self) -> tuple:
+        """(SM clock MHz, temperature C, power W, clocks-event reasons bitmask)."""
         nvml, handle = self.nvml, self.handle
-        return (nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM),
-                nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU),
-                nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
-                nvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
+        watts = _query(nvml.nvmlDeviceGetPowerUsage, handle)
+        return (_query(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM),
+                _query(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU),
+                None if watts is None else watts / 1000.0, _query(self._reasons, handle))
 
     def stop(self) -> dict:
         self._stop.set()
@@ -189,36 +194,61 @@ class NvmlSampler:
         return summarise_samples(self.samples)
 
 
-def summarise_samples(samples: list[tuple[int, int, float, int]]) -> dict:
+def _query(fn, *args):
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001  (NVMLError_NotSupported and kin: not reported here)
+        return None
+
+
+def summarise_samples(samples: list[tuple]) -> dict:
     """Clock, temperature and power over a run; the throttle reasons any sample showed
     (NVML's clocks-event bitmask, or-ed)."""
     if not samples:
         return {"unavailable": "no NVML sample taken"}
-    clocks, temps, watts, reasons = zip(*samples, strict=True)
-    seen = 0
-    for mask in reasons:
-        seen |= mask
-    return {"samples": len(samples), "sm_clock_mhz_mean": statistics.fmean(clocks),
-            "sm_clock_mhz_min": min(clocks), "temperature_c_max": max(temps),
-            "power_w_mean": statistics.fmean(watts), "clocks_event_reasons_seen": seen}
+    clocks, temps, watts, reasons = ([v for v in column if v is not None]
+                                     for column in zip(*samples, strict=True))
+    summary = {"samples": len(samples)}
+    if clocks:
+        summary.update(sm_clock_mhz_mean=statistics.fmean(clocks), sm_clock_mhz_min=min(clocks))
+    if temps:
+        summary["temperature_c_max"] = max(temps)
+    if watts:
+        summary["power_w_mean"] = statistics.fmean(watts)
+    if reasons:
+        seen = 0
+        for mask in reasons:
+            seen |= mask
+        summary["clocks_event_reasons_seen"] = seen
+    unread = [name for name, values in zip(("sm_clock", "temperature", "power", "reasons"),
+                                           (clocks, temps, watts, reasons), strict=True)
+              if not values]
+    if unread:
+        summary["not_reported"] = unread
+    return summary
 
 
 def open_sampler(torch, device: str) -> tuple[NvmlSampler | None, dict]:
     """NVML on the GPU torch uses, and what it says of that GPU; None and the reason where
-    there is none (a CPU run, no nvidia-ml-py)."""
+    there is none (a CPU run, no nvidia-ml-py, NVML refused): the timing goes on without."""
     if device != "cuda":
         return None, {"unavailable": f"device {device}"}
     try:
         import pynvml as nvml
     except ImportError:
         return None, {"unavailable": "pynvml (nvidia-ml-py) is not installed"}
-    nvml.nvmlInit()
     uuid = str(torch.cuda.get_device_properties(0).uuid)
-    handle = nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-    info = {"uuid": uuid, "driver": nvml.nvmlSystemGetDriverVersion(),
-            "power_limit_w": nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0,
-            "temperature_c_idle": nvml.nvmlDeviceGetTemperature(
-                handle, nvml.NVML_TEMPERATURE_GPU)}  # fmt: skip
+    try:
+        nvml.nvmlInit()
+        handle = nvml.nvmlDeviceGetHandleByUUID(
+            uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    except Exception as error:  # noqa: BLE001  (NVMLError: no driver access in this runtime)
+        return None, {"unavailable": f"NVML: {error!r}"}
+    limit = _query(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+    info = {"uuid": uuid, "driver": _query(nvml.nvmlSystemGetDriverVersion),
+            "power_limit_w": None if limit is None else limit / 1000.0,
+            "temperature_c_idle": _query(nvml.nvmlDeviceGetTemperature, handle,
+                                         nvml.NVML_TEMPERATURE_GPU)}  # fmt: skip
     return NvmlSampler(nvml, handle), info
 
 

@@ -84,23 +84,25 @@ def test_prompt_longer_than_the_engine_allows_is_a_usage_error():
 
 
 class _FakeNvml:
+    """Answers each query with its own column of ``readings`` (clock, temperature, milliwatts,
+    reasons), one row per read, whatever order the sampler asks in."""
+
     NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 0, 0
 
     def __init__(self, readings):
-        self.readings = iter(readings)
+        self.columns = [iter(column) for column in zip(*readings, strict=True)]
 
     def nvmlDeviceGetClockInfo(self, handle, kind):
-        self.current = next(self.readings)
-        return self.current[0]
+        return next(self.columns[0])
 
     def nvmlDeviceGetTemperature(self, handle, kind):
-        return self.current[1]
+        return next(self.columns[1])
 
     def nvmlDeviceGetPowerUsage(self, handle):
-        return self.current[2]
+        return next(self.columns[2])
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
-        return self.current[3]
+        return next(self.columns[3])
 
 
 def test_clock_samples_summarise_to_means_extremes_and_every_throttle_reason():
@@ -112,11 +114,23 @@ def test_clock_samples_summarise_to_means_extremes_and_every_throttle_reason():
     assert summary["sm_clock_mhz_min"] == 1700 and summary["temperature_c_max"] == 61
     assert summary["power_w_mean"] == pytest.approx(680.0)
     assert summary["clocks_event_reasons_seen"] == 4 | 8
+    assert "not_reported" not in summary
     assert bisect.summarise_samples([]) == {"unavailable": "no NVML sample taken"}
 
 
+def test_a_quantity_the_gpu_does_not_report_is_named_not_guessed():
+    class NoPower(_FakeNvml):
+        def nvmlDeviceGetPowerUsage(self, handle):
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    sampler = bisect.NvmlSampler(NoPower([(1900, 45, 0, 1), (1950, 47, 0, 0)]), handle=None)
+    summary = bisect.summarise_samples([sampler.read(), sampler.read()])
+    assert summary["not_reported"] == ["power"] and "power_w_mean" not in summary
+    assert summary["sm_clock_mhz_mean"] == 1925 and summary["clocks_event_reasons_seen"] == 1
+
+
 def test_the_sampler_reads_on_its_thread_until_stopped():
-    sampler = bisect.NvmlSampler(_FakeNvml(itertools.repeat((1500, 40, 300_000, 0))),
+    sampler = bisect.NvmlSampler(_FakeNvml(itertools.repeat((1500, 40, 300_000, 0), 10_000)),
                                  handle=None, interval_s=0.001)
     sampler.start()
     summary = sampler.stop()
