@@ -75,7 +75,10 @@ def run_child(tree: Path, args: argparse.Namespace) -> dict:
         out = Path(scratch) / "result.json"
         command = [sys.executable, str(Path(__file__).resolve()), "--child", str(tree),
                    "--child-out", str(out), *child_flags(args)]
-        env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+        # The folder first; what the path held stays behind it (wheels carried to the GPU
+        # machine, say). A pdserve found before the folder's stops the child.
+        path = [str(tree.resolve()), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
         started = time.perf_counter()
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True,

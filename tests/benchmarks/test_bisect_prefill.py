@@ -38,8 +38,9 @@ CPU_FLAGS = ["--device", "cpu", "--model", "tiny", "--tokens", "24", "--runs", "
              "--max-model-len", "129"]
 
 
-def test_each_revision_runs_in_its_own_process_from_its_own_folder(tmp_path):
+def test_each_revision_runs_in_its_own_process_from_its_own_folder(tmp_path, monkeypatch):
     tree = _revision_folder(tmp_path / "rev", "0123abc")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # this checkout's copy on the path too
     out = tmp_path / "bisect.json"
     assert bisect.main([str(tree), *CPU_FLAGS, "--out", str(out)]) == 0
     report = json.loads(out.read_text())
