@@ -6,13 +6,13 @@ another GPU). Timing every revision in one call, on one GPU, with its clocks rea
 each run, tells a code regression from a change of conditions.
 
 Each revision is a folder holding that revision's ``pdserve`` package, made with git. The
-folders are not part of the repository; make them where the GPU run can see them:
+folders are not part of the repository (under ``out/``, which git ignores):
 
     for rev in d698fcb e0559f6; do
-        mkdir -p revs/$rev && git archive $rev pdserve | tar -x -C revs/$rev
-        git rev-parse $rev > revs/$rev/REVISION
+        mkdir -p out/revs/$rev && git archive $rev pdserve | tar -x -C out/revs/$rev
+        git rev-parse $rev > out/revs/$rev/REVISION
     done
-    python benchmarks/bisect_prefill.py revs/d698fcb revs/e0559f6 revs/d698fcb \
+    python benchmarks/bisect_prefill.py out/revs/d698fcb out/revs/e0559f6 out/revs/d698fcb \
         --model codellama-34b --tokens 8192 --out bisect_prefill.json
 
 A folder may be named twice (first and last): the spread of its two readings is the drift
