@@ -148,3 +148,45 @@ def test_prefill_flops_count_as_bench_engine_counts_them():
     model = engine.runner.model
     for length in (1, 300):
         assert bisect.prefill_flops(model, length) == bench_engine.prefill_flops(engine, length)
+
+
+class _OneStepEngine:
+    """Each added prompt takes one step; ``max_model_len`` as bench_engine asks for it."""
+
+    max_model_len = 32769
+
+    def __init__(self):
+        self.pending, self.prompts = 0, []
+
+    def add_request(self, request_id, prompt, params):
+        self.pending += 1
+        self.prompts.append(prompt)
+
+    def has_work(self):
+        return self.pending > 0
+
+    def step(self):
+        self.pending -= 1
+
+
+class _RecordingSampler:
+    def __init__(self):
+        self.calls = []
+
+    def start(self):
+        self.calls.append("start")
+
+    def stop(self):
+        self.calls.append("stop")
+        return {"sm_clock_mhz_mean": 1755.0}
+
+
+def test_bench_engine_reads_the_clocks_over_the_timed_prefill_only(monkeypatch):
+    bench_engine = _load("bench_engine")
+    monkeypatch.setattr(bench_engine.torch.cuda, "synchronize", lambda: None)
+    engine, sampler = _OneStepEngine(), _RecordingSampler()
+    row = bench_engine.time_prefill(engine, 16, sampler)
+    assert sampler.calls == ["start", "stop"]  # the warm-up run is not sampled
+    assert row["gpu"] == {"sm_clock_mhz_mean": 1755.0} and row["tokens_per_s"] > 0
+    assert engine.prompts[1] == [t + 1 for t in engine.prompts[0]]  # no prefix-cache hit
+    assert "gpu" not in bench_engine.time_prefill(_OneStepEngine(), 16)
