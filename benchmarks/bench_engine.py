@@ -4,7 +4,9 @@ Decode: requests with a given context are placed straight into the running set (
 pages hold whatever the pool holds; the kernels read every byte all the same), then the real
 engine loop (schedule -> CUDA-graph step -> sample -> update) is timed. Roofline: weight bytes
 plus KV bytes read, over the measured copy bandwidth. Prefill: one prompt through the real
-loop; roofline: FLOPs over the measured bf16 GEMM rate. Also reports the host-side share of a
+loop; roofline: FLOPs over the measured bf16 GEMM rate; with NVML (nvidia-ml-py), the SM
+clock, temperature and power during the timed run (``gpu``), which a 20-product ceiling
+cannot show for a second-long run. Also reports the host-side share of a
 decode step and the KV pool size at the configured memory fraction.
 
 Each decode point runs with overlap scheduling (the next step planned and issued while the
@@ -152,22 +154,31 @@ class _HostTimer:
         self._module.build_host_batch = self._build
 
 
-def time_prefill(engine: EngineCore, length: int) -> dict | None:
+def time_prefill(engine: EngineCore, length: int, sampler=None) -> dict | None:
+    """The second of two runs of a lone prompt of ``length`` tokens; with an NVML
+    ``sampler`` (bisect_prefill.NvmlSampler), the GPU's clock, temperature and power during
+    it: a compute-bound run slows with the clock, which the burst ceiling does not see."""
     if length + 1 > engine.max_model_len:
         return None
     prompt = [(i * 7919) % 30000 + 3 for i in range(length)]
-    timings = []
+    timings, gpu = [], None
     for attempt in range(2):  # the first run warms up kernels for these shapes
+        timed = attempt == 1
         engine.add_request(f"p{length}-{attempt}", prompt, SamplingParams(max_tokens=1))
         torch.cuda.synchronize()
+        if sampler and timed:
+            sampler.start()
         started = time.perf_counter()
         while engine.has_work():
             engine.step()
         torch.cuda.synchronize()
         timings.append(time.perf_counter() - started)
+        if sampler and timed:
+            gpu = sampler.stop()
         prompt = [t + 1 for t in prompt]  # no prefix-cache hit on the second run
     seconds = timings[-1]
-    return {"seconds": seconds, "tokens_per_s": length / seconds}
+    return {"seconds": seconds, "tokens_per_s": length / seconds,
+            **({"gpu": gpu} if gpu is not None else {})}
 
 
 def prefill_flops(engine: EngineCore, length: int) -> float:
@@ -272,7 +283,8 @@ def decode_rows(engine: EngineCore, batch: int, context: int, overlap_modes: tup
 
 def bench_model(model: str, memory_fraction: float, ceilings: dict,
                 overlap_modes: tuple = (False, True), tensor_parallel_size: int = 1,
-                decode_gemv: str = "off", points: Points | None = None) -> dict:
+                decode_gemv: str = "off", points: Points | None = None,
+                sampler=None) -> dict:
     points = points or Points()
     config = EngineConfig.from_flat(model=model, load_format="dummy", schedule="prefill-first",
                                     overlap_schedule=True,
@@ -300,7 +312,7 @@ def bench_model(model: str, memory_fraction: float, ceilings: dict,
                 result["decode"].append(row)
                 print(json.dumps(row), flush=True)
     for length in points.prefill_lengths:
-        timing = time_prefill(engine, length)
+        timing = time_prefill(engine, length, sampler)
         row = {"tokens": length}
         if timing is None:
             row["skipped"] = "longer than max_model_len"
@@ -335,14 +347,18 @@ def main() -> None:
     points = Points(args.decode_batches, args.decode_contexts, args.prefill_lengths)
     ceilings = measure_ceilings()
     print(json.dumps(ceilings), flush=True)
+    from bisect_prefill import open_sampler  # beside this script, which Python puts on the path
+
+    sampler, gpu = open_sampler(torch, "cuda")
     report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(), "gpu": gpu, "torch": torch.__version__,
               "python": platform.python_version(), "ceilings": ceilings, "models": []}
     for model in args.models:
         for decode_gemv in args.decode_gemv:
             report["models"].append(bench_model(model, args.memory_fraction, ceilings,
                                                 OVERLAP_MODES[args.overlap],
-                                                args.tensor_parallel_size, decode_gemv, points))
+                                                args.tensor_parallel_size, decode_gemv, points,
+                                                sampler))
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
     report["decode_gemv_speedups"] = decode_gemv_speedups(report["models"])
