@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -55,6 +56,7 @@ from pdserve.sim.cluster import (  # noqa: E402
     ServiceNoise,
     SharedCores,
     SimRequest,
+    fit_nonnegative,
 )
 from pdserve.testing import ServeProcess, free_port, start_serve  # noqa: E402
 
@@ -190,9 +192,35 @@ async def measure_decode_streams(session, url: str, args, rng,
             if batch == 1:
                 floor_s = median
             points.append({"batch": batch, "context": context + tokens_at_middle(runs),
-                           "step_ms": median * 1e3})
+                           "step_ms": median * 1e3, "streams": len(streams)})
             ratio_streams += [w / median for w in streams]
     return points, ratio_streams
+
+
+async def measure_decode_rounds(session, url: str, args, rng,
+                                prefill_s: Callable[[int], float]) -> tuple[list[dict],
+                                                                            list[np.ndarray]]:
+    """``measure_decode_streams`` ``--decode-rounds`` times in a row: each point's step the
+    median of its rounds' (its context their mean), each stream's ratios over that median.
+    One round times each point in one stretch of the host, and the host's slow stretches
+    last seconds to a minute: a point met in one moved the fitted step by 10-20% from
+    run to run (a batch of 1 at 1,089 tokens stepped in 5.65 ms in one calibration,
+    4.0-5.1 in others)."""
+    rounds = [await measure_decode_streams(session, url, args, rng, prefill_s)
+              for _ in range(args.decode_rounds)]
+    points, streams = [], []
+    for i, point in enumerate(rounds[0][0]):
+        steps = [r[0][i]["step_ms"] for r in rounds]
+        median = float(np.median(steps))
+        points.append({**point, "context": round(float(np.mean([r[0][i]["context"]
+                                                                 for r in rounds]))),
+                       "step_ms": median, "round_step_ms": steps,
+                       "streams": sum(r[0][i]["streams"] for r in rounds)})
+        for (round_points, round_streams), step in zip(rounds, steps, strict=True):
+            first = sum(p["streams"] for p in round_points[:i])
+            streams += [w * step / median for w in
+                        round_streams[first:first + round_points[i]["streams"]]]
+    return points, streams
 
 
 def tokens_at_middle(runs: list[list[float]]) -> int:
@@ -460,36 +488,50 @@ async def measure_idle_wake(session, url: str, args, rng) -> dict:
     through the gateway (the replay's path, two-token answers, timed to their first
     token), ``--repeats`` rounds per length, each round a prompt back to back after the
     one before, then one after each pause of ``--idle-pauses-s`` (each pause followed by a
-    prompt back to back again). Per pause, the median over all lengths of each prompt
-    after it less its length's median back to back (the calibration's prompts run back to
-    back, the replay's after idle cores). Only prompts whose first token came alone in
-    its chunk count."""
-    after: dict[float, list[tuple[int, float]]] = {p: [] for p in args.idle_pauses_s}
-    back_to_back: list[tuple[int, float]] = []
+    prompt back to back again). Per pause and length, the median of the prompts after the
+    pause less the median back to back; per pause a line in the prompt's tokens through
+    those (least squares, nothing negative): the calibration's prompts run back to back,
+    the replay's after idle cores. Only prompts whose first token came alone in its chunk
+    count. Every sample is kept (``samples``: tokens, pause or 0 back to back, seconds)."""
+    samples: list[tuple[int, float, float]] = []
     for tokens in args.prompt_lens:
         for _ in range(args.repeats):
             for pause in args.idle_pauses_s:
-                back_to_back += await path_prompt_timed(session, url, args, rng, tokens)
+                samples += [(tokens, 0.0, t) for t in await path_prompt_timed(
+                    session, url, args, rng, tokens)]
                 await asyncio.sleep(pause)
-                after[pause] += await path_prompt_timed(session, url, args, rng, tokens)
-    medians = {n: float(np.median([t for m, t in back_to_back if m == n]))
-               for n in {n for n, _ in back_to_back}}
-    extra = {p: [t - medians[n] for n, t in timed if n in medians]
-             for p, timed in after.items()}
-    if not all(extra.values()):
-        raise RuntimeError("idle probe: a pause with no prompt timed after it")
-    return {"back_to_back_ms": {str(n): m * 1e3 for n, m in sorted(medians.items())},
-            "extra_ms_after_pause": {str(p): ms_percentiles(x) for p, x in extra.items()},
-            "points": [[p, max(0.0, float(np.median(x)))] for p, x in extra.items()]}
+                samples += [(tokens, pause, t) for t in await path_prompt_timed(
+                    session, url, args, rng, tokens)]
+    return {"samples": samples, "points": idle_wake_points(samples, args.idle_pauses_s)}
+
+
+def idle_wake_points(samples: list[tuple[int, float, float]],
+                     pauses: list[float]) -> list[list[float]]:
+    """``IdleWake``'s points from the idle probe's samples (``measure_idle_wake``)."""
+    def median(tokens: int, pause: float) -> float | None:
+        times = [t for n, p, t in samples if n == tokens and p == pause]
+        return float(np.median(times)) if times else None
+
+    points = []
+    for pause in pauses:
+        extra = [(n, after - before) for n in sorted({n for n, _, _ in samples})
+                 if (after := median(n, pause)) is not None
+                 and (before := median(n, 0.0)) is not None]
+        if not extra:
+            raise RuntimeError(f"idle probe: no prompt length timed both back to back and "
+                               f"after {pause} s")
+        a = np.array([[1.0, n] for n, _ in extra])
+        points.append([pause, *fit_nonnegative(a, [x for _, x in extra])])
+    return points
 
 
 async def path_prompt_timed(session, url: str, args, rng,
-                            tokens: int) -> list[tuple[int, float]]:
-    """One prompt through the gateway: [(tokens, TTFT)], or [] where its first token came
-    in one chunk with the next."""
+                            tokens: int) -> list[float]:
+    """One prompt through the gateway: [TTFT], or [] where its first token came in one
+    chunk with the next."""
     sent = time.monotonic()
     times = await token_clock(session, url, path_prompt_body(args, rng, tokens))
-    return [(tokens, times[0] - sent)] if first_token_alone(times) else []
+    return [times[0] - sent] if first_token_alone(times) else []
 
 
 def sharing_steps(times: list[float], inside: tuple[float, float] | None) -> np.ndarray:
@@ -675,8 +717,7 @@ def direct_prompt_slowdown(probe: dict) -> float | None:
     return probe["prefill_beside_decode_over_alone"]["p50"]
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupParts:
+class GroupParts(NamedTuple):  # not a dataclass: the tests load this script unregistered
     """What the calibration fitted beside the latency model and its spread: the shared
     cores' factors, how long slow stretches hold, the prefill instance's steps, the extra
     of a prompt after idleness, and the factor of prompts sent straight to the prefill
@@ -696,7 +737,7 @@ def simulations(model: LatencyModel, parts: GroupParts, ratios: dict[str, list[f
     the spread, the requests' results of ``--draws`` draws pooled: one draw's P99 of 100
     requests moved by up to 20% from seed to seed."""
     def drawn(model: LatencyModel = model, **changes) -> list[dict]:
-        p = dataclasses.replace(parts, **changes)
+        p = parts._replace(**changes)
         return [row for draw in range(args.draws) for row in simulate(
             model, requests, args, noise(ratios, args, p.hold, args.seed + draw), p.cores,
             p.steps, p.wake)]
@@ -745,7 +786,7 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
     wake = run.get("idle_wake")  # recorded since the idle probe
     parts = GroupParts(SharedCores(**run["shared_cores"]), run["decode_hold_probability"],
                        steps, None if wake is None else idle_wake_of(wake),
-                       direct_prompt_slowdown(run["shared_cores_probe"]))
+                       direct_prompt_slowdown(run.get("shared_cores_probe", {})))
     simulated = simulations(LatencyModel(**run["latency_model"]), parts,
                             run["service_ratios"], requests, args)
     measured = {key: run["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
@@ -755,8 +796,10 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
 
 
 def idle_wake_of(recorded: dict) -> IdleWake:
-    """An ``IdleWake`` from its JSON record (its pairs written as lists)."""
-    return IdleWake(tuple((float(p), float(x)) for p, x in recorded["points"]))
+    """An ``IdleWake`` from its JSON record (its points written as lists; at 0f6f674 an
+    extra per pause whatever the prompt's length: ``(idle_s, extra_s)``)."""
+    return IdleWake(tuple((float(p[0]), float(p[1]), float(p[2]) if len(p) > 2 else 0.0)
+                          for p in recorded["points"]))
 
 
 def rising_seconds(text: str) -> list[float]:
@@ -824,7 +867,7 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
                                              rng)
     lengths = [p["tokens"] for p in direct_points]
     seconds = [p["seconds"] for p in direct_points]
-    decode_points, decode_ratios = await measure_decode_streams(
+    decode_points, decode_ratios = await measure_decode_rounds(
         session, url, args, rng, lambda tokens: float(np.interp(tokens, lengths, seconds)))
     # Prompts of its own: the replay's request list stays the one earlier runs drew.
     handoff = await measure_handoff(session, url, args, np.random.default_rng(args.seed + 1))
@@ -849,7 +892,8 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
                 for lag in (1, 2, 4)},
             "model": model.fit_handoff(handoff_points),
             "shared_cores": SharedCores.from_probe(sharing),
-            "idle_wake": IdleWake(tuple((p, x) for p, x in wake["points"])),
+            "idle_wake": IdleWake(tuple((p, base, per_token)
+                                        for p, base, per_token in wake["points"])),
             "decode_hold_probability": held_stretches(sharing),
             "ratios": {"prefill": handoff["ttft_ratios"],
                        "decode_step": np.concatenate(decode_ratios).tolist()}}
@@ -934,6 +978,9 @@ def main() -> int:
                         "overstated the small ones.")
     parser.add_argument("--decode-contexts", type=ints, default=[64, 1024])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode-rounds", type=int, default=3,
+                        help="Times each decode point is timed, in rounds over all points "
+                        "(its step: the median of its rounds').")
     parser.add_argument("--step-floor-ms", type=float, default=1.0,
                         help="No decode step is faster (bounds how long a batch's prompts, "
                         "prefilled one after another, keep it from decoding together).")

@@ -386,29 +386,31 @@ class IdleWake:
     """What a prompt costs beyond its fitted time when its prefill instance has been idle
     a while (the CPU validation: the calibration sends prompts back to back, the replay's
     come after idle cores; a process that slept runs its first work slower). ``points``:
-    measured ``(idle_s, extra_s)`` pairs, idle seconds rising; the extra of an idle time
-    is interpolated between them (from none after no idle time) and held at the last
-    point's beyond it. Added to a prompt (under ``PrefillSteps``, its first step) that
-    starts on an idle instance, after any shared-cores factor. Fitted from a probe that
-    sends prompts through the gateway back to back and after pauses
+    measured ``(idle_s, extra_base_s, extra_per_token_s)``, idle seconds rising: after
+    ``idle_s`` a prompt of ``n`` tokens takes ``extra_base_s + extra_per_token_s * n``
+    more. Between points both terms are interpolated (from none after no idle time),
+    beyond the last held. Added to a prompt (under ``PrefillSteps``, to its first step)
+    that starts on an idle instance, after any shared-cores factor. Fitted from a probe
+    that sends prompts through the gateway back to back and after pauses
     (``benchmarks/validate_sim.py``), never from a replay. ``GroupSim``'s default, None,
     adds nothing: the fleet's figures."""
 
-    points: tuple[tuple[float, float], ...]
+    points: tuple[tuple[float, float, float], ...]
 
     def __post_init__(self) -> None:
         idle = [p[0] for p in self.points]
         if not self.points or idle[0] <= 0 or sorted(set(idle)) != idle:
             raise ValueError(f"IdleWake.points needs idle seconds above 0, rising: "
                              f"{self.points}")
-        if any(p[1] < 0 for p in self.points):
+        if any(p[1] < 0 or p[2] < 0 for p in self.points):
             raise ValueError(f"IdleWake.points: an extra below 0 in {self.points}")
 
-    def extra_s(self, idle_s: float) -> float:
-        """The extra seconds of a prompt starting after ``idle_s`` of idleness."""
+    def extra_s(self, idle_s: float, tokens: int) -> float:
+        """The extra seconds of a prompt of ``tokens`` starting after ``idle_s`` idle."""
         idle = [0.0] + [p[0] for p in self.points]
-        extra = [0.0] + [p[1] for p in self.points]
-        return float(np.interp(idle_s, idle, extra))
+        base = float(np.interp(idle_s, idle, [0.0] + [p[1] for p in self.points]))
+        per_token = float(np.interp(idle_s, idle, [0.0] + [p[2] for p in self.points]))
+        return base + per_token * tokens
 
 
 class _CoreSharing:
@@ -767,15 +769,16 @@ class PrefillSim:
             partner.resync()
         if self.cores is not None:
             service = self.cores.prefill_starts(self.name, service)
-        service += self._woken_s()
+        service += self._woken_s(tokens)
         self.loop.at(self.loop.now + service, self._finish, job)
 
-    def _woken_s(self) -> float:
-        """Work starts now: the extra seconds of starting after idleness (``IdleWake``)."""
+    def _woken_s(self, tokens: int) -> float:
+        """A prompt of ``tokens`` starts now: its extra seconds after idleness
+        (``IdleWake``; none where the instance was busy)."""
         idle_since, self._idle_since = self._idle_since, None
         if self.wake is None or idle_since is None:
             return 0.0
-        return self.wake.extra_s(self.loop.now - idle_since)
+        return self.wake.extra_s(self.loop.now - idle_since, tokens)
 
     def _finish(self, job: tuple[SimRequest, float]) -> None:
         request, arrived = job
@@ -799,6 +802,7 @@ class PrefillSim:
         up to ``budget`` tokens; the prompts it ends go to ``_step_done``."""
         self.busy = True
         queue, seconds, ended = self.queue, 0.0, []
+        oldest_tokens = queue[0][0].input_len
         while budget > 0 and queue:
             tokens, start = queue[0][0].input_len, self._head_done
             if start == 0:  # a prompt's first piece: its draw of the spread, for all pieces
@@ -811,7 +815,7 @@ class PrefillSim:
                 ended.append(queue.popleft())
         if self.cores is not None:
             seconds = self.cores.prefill_starts(self.name, seconds)
-        seconds += self._woken_s()
+        seconds += self._woken_s(oldest_tokens)
         self.loop.at(self.loop.now + seconds, self._step_done, ended)
 
     def _step_done(self, ended: list[tuple[SimRequest, float]]) -> None:
