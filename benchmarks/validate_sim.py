@@ -787,12 +787,36 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
     parts = GroupParts(SharedCores(**run["shared_cores"]), run["decode_hold_probability"],
                        steps, None if wake is None else idle_wake_of(wake),
                        direct_prompt_slowdown(run.get("shared_cores_probe", {})))
-    simulated = simulations(LatencyModel(**run["latency_model"]), parts,
-                            run["service_ratios"], requests, args)
+    model = LatencyModel(**run["latency_model"])
+    simulated = simulations(model, parts, run["service_ratios"], requests, args)
     measured = {key: run["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
-    return {"resimulated": path, "recorded_revision": run.get("git_revision"),
-            "prefill_steps": dataclasses.asdict(steps),
-            "compare": compare_percentiles(measured, simulated)}
+    result = {"resimulated": path, "recorded_revision": run.get("git_revision"),
+              "prefill_steps": dataclasses.asdict(steps),
+              "compare": compare_percentiles(measured, simulated)}
+    if "measured_token_times_s" in run:
+        unwoken = simulate(model, requests, args, cores=parts.cores, steps=steps)
+        result["first_token_over_simulated"] = first_token_ratios(
+            run, simulated["simulated_medians_only"])
+        result["first_token_over_simulated_without_idle_wake"] = first_token_ratios(
+            run, unwoken)
+    return result
+
+
+def first_token_ratios(run: dict, rows: list[dict]) -> dict:
+    """Each replayed request's measured first token over its simulated one (``rows``, in
+    the request list's order), median and range per prompt length, apart for requests
+    that arrived while another decoded (between its first and last token) and the rest."""
+    times = run["measured_token_times_s"]
+    kinds: dict[str, dict[int, list[float]]] = {"nothing_decoding": {}, "beside_decode": {}}
+    for i, ((arrival, tokens, _), row) in enumerate(zip(run["requests"], rows, strict=True)):
+        beside = any(t[0] < arrival < t[-1] for j, t in enumerate(times) if j != i)
+        ratio = (times[i][0] - arrival) / row["ttft_s"]
+        kinds["beside_decode" if beside else "nothing_decoding"].setdefault(
+            int(tokens), []).append(ratio)
+    return {kind: {str(n): {"requests": len(r), "median": float(np.median(r)),
+                            "min": min(r), "max": max(r)}
+                   for n, r in sorted(by_length.items())}
+            for kind, by_length in kinds.items()}
 
 
 def idle_wake_of(recorded: dict) -> IdleWake:

@@ -479,6 +479,23 @@ def test_idle_extra_a_line_in_the_prompts_tokens_per_pause():
         module.idle_wake_points(samples, [2.0])
 
 
+def test_first_tokens_over_simulated_apart_beside_a_decode(tmp_path):
+    """The second request arrives while the first decodes (0.06-0.08 s): its measured
+    first token (125 ms) over the simulated (200 ms: 1 ms a token) counts beside a decode,
+    the first's (60 ms over 50) with nothing decoding."""
+    module = _script("validate_sim")
+    args = SimpleNamespace(draws=1, seed=0, ttft_slo_s=2.0, max_wait_s=30.0)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(_recorded_run(
+        prefill_steps={"chunk_tokens": 512, "tokens_one_step_late": False},
+        requests=[[0.0, 50, 3], [0.075, 200, 3]],
+        measured_token_times_s=[[0.06, 0.07, 0.08], [0.2, 0.21, 0.22]])))
+    ratios = module.resimulate(str(path), args, None)["first_token_over_simulated"]
+    assert ratios["nothing_decoding"]["50"]["median"] == pytest.approx(1.2)
+    assert ratios["beside_decode"]["200"] == pytest.approx(
+        {"requests": 1, "median": 0.625, "min": 0.625, "max": 0.625})
+
+
 def test_idle_pauses_above_zero_and_rising():
     module = _script("validate_sim")
     assert module.rising_seconds("0.5,2") == [0.5, 2.0]
