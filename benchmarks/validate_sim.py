@@ -9,9 +9,13 @@ against the simulator fitted to those instances.
    joins the decode batch (its second token's gap less one decode step of its own); and how the
    two instances slow each other where they share the host's cores (``measure_sharing``:
    decode steps with and without prompts running on the prefill instance, prompts with
-   and without a decode running).
-2. Fit ``LatencyModel.fit`` to those points, ``fit_handoff`` to the handoff's and
-   ``SharedCores.from_probe`` to the probe's (on GPUs of their own: factors near 1).
+   and without a decode running; ``measure_prefill_on_path``: prompts through the
+   gateway beside a decode, as the replay's), and how much longer a prompt takes after
+   the group idled (``measure_idle_wake``). Each instance runs on a core of its own
+   (``--pin-cores``).
+2. Fit ``LatencyModel.fit`` to those points, ``fit_handoff`` to the handoff's,
+   ``SharedCores.from_probe`` to the probe's (on GPUs of their own: factors near 1) and
+   ``IdleWake`` to the idle probe's.
 3. Replay one request list (Poisson arrivals, random prompt and answer lengths, answers
    of exactly their length) through the gateway, streamed, and through ``GroupSim`` with
    the fitted model; report measured and simulated TTFT and TPOT percentiles side by side,
