@@ -9,9 +9,13 @@ against the simulator fitted to those instances.
    joins the decode batch (its second token's gap less one decode step of its own); and how the
    two instances slow each other where they share the host's cores (``measure_sharing``:
    decode steps with and without prompts running on the prefill instance, prompts with
-   and without a decode running).
-2. Fit ``LatencyModel.fit`` to those points, ``fit_handoff`` to the handoff's and
-   ``SharedCores.from_probe`` to the probe's (on GPUs of their own: factors near 1).
+   and without a decode running; ``measure_prefill_on_path``: prompts through the
+   gateway beside a decode, as the replay's), and how much longer a prompt takes after
+   the group idled (``measure_idle_wake``). Each instance runs on a core of its own
+   (``--pin-cores``).
+2. Fit ``LatencyModel.fit`` to those points, ``fit_handoff`` to the handoff's,
+   ``SharedCores.from_probe`` to the probe's (on GPUs of their own: factors near 1) and
+   ``IdleWake`` to the idle probe's.
 3. Replay one request list (Poisson arrivals, random prompt and answer lengths, answers
    of exactly their length) through the gateway, streamed, and through ``GroupSim`` with
    the fitted model; report measured and simulated TTFT and TPOT percentiles side by side,
@@ -40,6 +44,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -49,11 +54,13 @@ from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.sim.cluster import (  # noqa: E402
     GroupSim,
+    IdleWake,
     LatencyModel,
     PrefillSteps,
     ServiceNoise,
     SharedCores,
     SimRequest,
+    fit_nonnegative,
 )
 from pdserve.testing import ServeProcess, free_port, start_serve  # noqa: E402
 
@@ -61,8 +68,29 @@ VOCAB = 250  # token ids below the tiny model's special tokens
 STEP_WINDOW = 8
 
 
-def start_instance(args) -> ServeProcess:
-    return start_serve(args.model, "--kv-transfer-port", "0", *shlex.split(args.serve_args))
+def start_instance(args, cores: set[int] | None) -> ServeProcess:
+    """One instance; with ``cores``, its processes run on those cores only (a child
+    inherits the affinity of the thread that started it; this thread's is put back)."""
+    if cores is None:
+        return start_serve(args.model, "--kv-transfer-port", "0", *shlex.split(args.serve_args))
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        return start_instance(args, None)
+    finally:
+        os.sched_setaffinity(0, previous)
+
+
+def instance_cores(args) -> list[set[int] | None]:
+    """The prefill's and the decode instance's cores: one each, the host's first two
+    (``--pin-cores``; the gateway and the client keep every core), or none pinned."""
+    if not args.pin_cores:
+        return [None, None]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit(f"--pin-cores needs two cores, this process may use {cores}; "
+                         "run with --no-pin-cores")
+    return [{cores[0]}, {cores[1]}]
 
 
 def start_instances(args) -> tuple[ServeProcess, ServeProcess]:
@@ -70,7 +98,7 @@ def start_instances(args) -> tuple[ServeProcess, ServeProcess]:
     process loading torch and the model, which two cores do at once. Stops the one that
     came up when the other fails."""
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start_instance, args) for _ in range(2)]
+        futures = [pool.submit(start_instance, args, cores) for cores in instance_cores(args)]
     failed = [f.exception() for f in futures if f.exception() is not None]
     if failed:
         for future in futures:
@@ -168,9 +196,35 @@ async def measure_decode_streams(session, url: str, args, rng,
             if batch == 1:
                 floor_s = median
             points.append({"batch": batch, "context": context + tokens_at_middle(runs),
-                           "step_ms": median * 1e3})
+                           "step_ms": median * 1e3, "streams": len(streams)})
             ratio_streams += [w / median for w in streams]
     return points, ratio_streams
+
+
+async def measure_decode_rounds(session, url: str, args, rng,
+                                prefill_s: Callable[[int], float]) -> tuple[list[dict],
+                                                                            list[np.ndarray]]:
+    """``measure_decode_streams`` ``--decode-rounds`` times in a row: each point's step the
+    median of its rounds' (its context their mean), each stream's ratios over that median.
+    One round times each point in one stretch of the host, and the host's slow stretches
+    last seconds to a minute: a point met in one moved the fitted step by 10-20% from
+    run to run (a batch of 1 at 1,089 tokens stepped in 5.65 ms in one calibration,
+    4.0-5.1 in others)."""
+    rounds = [await measure_decode_streams(session, url, args, rng, prefill_s)
+              for _ in range(args.decode_rounds)]
+    points, streams = [], []
+    for i, point in enumerate(rounds[0][0]):
+        steps = [r[0][i]["step_ms"] for r in rounds]
+        median = float(np.median(steps))
+        points.append({**point, "context": round(float(np.mean([r[0][i]["context"]
+                                                                 for r in rounds]))),
+                       "step_ms": median, "round_step_ms": steps,
+                       "streams": sum(r[0][i]["streams"] for r in rounds)})
+        for (round_points, round_streams), step in zip(rounds, steps, strict=True):
+            first = sum(p["streams"] for p in round_points[:i])
+            streams += [w * step / median for w in
+                        round_streams[first:first + round_points[i]["streams"]]]
+    return points, streams
 
 
 def tokens_at_middle(runs: list[list[float]]) -> int:
@@ -350,6 +404,140 @@ async def answer_beside_prompts(session, url: str, answer: dict, prefill_url: st
     return times, spans
 
 
+async def measure_prefill_on_path(session, url: str, args, rng) -> dict:
+    """Prompts on the replay's path beside a decode: the shared-cores probe's rounds
+    (alone, beside, beside, alone, ``--sharing-cycles`` times), every prompt sent through
+    the gateway as a two-token answer and timed to its first token. In a round alone two
+    prompts of each length go one at a time; in a round beside, one answer of the
+    replay's mean prompt length streams and, from its first token until its end, prompts
+    of the replay's lengths follow each other, each sent as the one before hands back its
+    first token (as the replay's arrive: beside a decode and beside the answer before
+    them joining it). Each prompt that ran wholly beside the answer over the median of its
+    length alone; only prompts whose first token came alone in its chunk count (the
+    calibration's fit counts only those)."""
+    context = int(np.mean(args.prompt_lens))
+    body = {"model": args.model, "ignore_eos": True, "max_tokens": 2 * args.decode_steps}
+    timed: dict[str, list[tuple[int, float]]] = {"alone": [], "beside": []}
+    for _ in range(args.sharing_cycles):
+        for side in ("alone", "beside", "beside", "alone"):
+            if side == "alone":
+                timed[side] += await path_prompts_alone(session, url, args, rng)
+                continue
+            answer = {**body, "prompt": prompt(rng, context)}
+            timed[side] += await path_prompts_beside(session, url, answer, args, rng)
+    medians = {n: float(np.median([t for m, t in timed["alone"] if m == n]))
+               for n in sorted({n for n, _ in timed["alone"]})}
+    beside = [t / medians[n] for n, t in timed["beside"] if n in medians]
+    if not beside:
+        raise RuntimeError("prompts on the replay's path: none timed beside a decode; raise "
+                           "--decode-steps")
+    return {"prefill_on_path_ms_alone": {str(n): m * 1e3 for n, m in medians.items()},
+            "prefill_on_path_beside_decode_over_alone": {
+                "samples": len(beside), **{f"p{q}": float(np.percentile(beside, q))
+                                           for q in (10, 50, 90)}}}
+
+
+def path_prompt_body(args, rng, tokens: int) -> dict:
+    return {"model": args.model, "prompt": prompt(rng, tokens), "max_tokens": 2,
+            "ignore_eos": True}
+
+
+def first_token_alone(times: list[float]) -> bool:
+    return len(times) > 1 and times[1] > times[0]
+
+
+async def path_prompts_alone(session, url: str, args, rng) -> list[tuple[int, float]]:
+    """Two prompts of each length through the gateway, one at a time: (tokens, TTFT)."""
+    timed = []
+    for tokens in args.prompt_lens * 2:
+        sent = time.monotonic()
+        times = await token_clock(session, url, path_prompt_body(args, rng, tokens))
+        if first_token_alone(times):
+            timed.append((tokens, times[0] - sent))
+    return timed
+
+
+async def path_prompts_beside(session, url: str, answer: dict, args,
+                              rng) -> list[tuple[int, float]]:
+    """(tokens, TTFT) of the prompts sent through the gateway beside the answer, each as
+    the one before hands back its first token, that started after the answer's first
+    token and handed back theirs before its last."""
+    first_token, ended = asyncio.Event(), asyncio.Event()
+    sent: list[tuple[int, float, asyncio.Task]] = []
+
+    async def prompts_until_the_end() -> None:
+        await first_token.wait()
+        while not ended.is_set():
+            tokens, got_first = int(rng.choice(args.prompt_lens)), asyncio.Event()
+            task = asyncio.create_task(token_clock(
+                session, url, path_prompt_body(args, rng, tokens), on_first=got_first.set))
+            sent.append((tokens, time.monotonic(), task))
+            waiting = asyncio.create_task(got_first.wait())
+            await asyncio.wait((task, waiting), return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+
+    async def answer_stream() -> list[float]:
+        times = await token_clock(session, url, answer, on_first=first_token.set)
+        ended.set()
+        return times
+
+    times, _ = await asyncio.gather(answer_stream(), prompts_until_the_end())
+    answers = await asyncio.gather(*(task for _, _, task in sent))
+    return [(tokens, mine[0] - at) for (tokens, at, _), mine in zip(sent, answers, strict=True)
+            if first_token_alone(mine) and times[1] <= at and mine[0] <= times[-1]]
+
+
+async def measure_idle_wake(session, url: str, args, rng) -> dict:
+    """How much longer a prompt takes after the group idled: prompts of each length
+    through the gateway (the replay's path, two-token answers, timed to their first
+    token), ``--repeats`` rounds per length, each round a prompt back to back after the
+    one before, then one after each pause of ``--idle-pauses-s`` (each pause followed by a
+    prompt back to back again). Per pause and length, the median of the prompts after the
+    pause less the median back to back; per pause a line in the prompt's tokens through
+    those (least squares, nothing negative): the calibration's prompts run back to back,
+    the replay's after idle cores. Only prompts whose first token came alone in its chunk
+    count. Every sample is kept (``samples``: tokens, pause or 0 back to back, seconds)."""
+    samples: list[tuple[int, float, float]] = []
+    for tokens in args.prompt_lens:
+        for _ in range(args.repeats):
+            for pause in args.idle_pauses_s:
+                samples += [(tokens, 0.0, t) for t in await path_prompt_timed(
+                    session, url, args, rng, tokens)]
+                await asyncio.sleep(pause)
+                samples += [(tokens, pause, t) for t in await path_prompt_timed(
+                    session, url, args, rng, tokens)]
+    return {"samples": samples, "points": idle_wake_points(samples, args.idle_pauses_s)}
+
+
+def idle_wake_points(samples: list[tuple[int, float, float]],
+                     pauses: list[float]) -> list[list[float]]:
+    """``IdleWake``'s points from the idle probe's samples (``measure_idle_wake``)."""
+    def median(tokens: int, pause: float) -> float | None:
+        times = [t for n, p, t in samples if n == tokens and p == pause]
+        return float(np.median(times)) if times else None
+
+    points = []
+    for pause in pauses:
+        extra = [(n, after - before) for n in sorted({n for n, _, _ in samples})
+                 if (after := median(n, pause)) is not None
+                 and (before := median(n, 0.0)) is not None]
+        if not extra:
+            raise RuntimeError(f"idle probe: no prompt length timed both back to back and "
+                               f"after {pause} s")
+        a = np.array([[1.0, n] for n, _ in extra])
+        points.append([pause, *fit_nonnegative(a, [x for _, x in extra])])
+    return points
+
+
+async def path_prompt_timed(session, url: str, args, rng,
+                            tokens: int) -> list[float]:
+    """One prompt through the gateway: [TTFT], or [] where its first token came in one
+    chunk with the next."""
+    sent = time.monotonic()
+    times = await token_clock(session, url, path_prompt_body(args, rng, tokens))
+    return [times[0] - sent] if first_token_alone(times) else []
+
+
 def sharing_steps(times: list[float], inside: tuple[float, float] | None) -> np.ndarray:
     """An answer's ``STEP_WINDOW``-step means (seconds) after its first gap, those wholly
     within ``inside`` (start, end) where given."""
@@ -457,13 +645,19 @@ def percentiles(rows: list[dict], key: str) -> dict:
 
 def simulate(model: LatencyModel, requests: list[SimRequest], args,
              noise: ServiceNoise | None = None, cores: SharedCores | None = None,
-             steps: PrefillSteps | None = None) -> list[dict]:
+             steps: PrefillSteps | None = None, wake: IdleWake | None = None) -> list[dict]:
     sim = GroupSim(model, 1, 1, ttft_slo_s=args.ttft_slo_s, max_wait_s=args.max_wait_s,
-                   noise=noise, shared_cores=cores, prefill_steps=steps)
+                   noise=noise, shared_cores=cores, prefill_steps=steps, idle_wake=wake)
     fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
     return [{"ttft_s": r.first_token - r.arrival,
              "tpot_s": (r.finished - r.first_token) / (r.output_len - 1)}
             for r in sim.run(fresh)]
+
+
+def affinity(server: ServeProcess) -> list[int]:
+    """The cores an instance's server process may run on (its engine process inherits
+    them)."""
+    return sorted(os.sched_getaffinity(server.process.pid))
 
 
 async def run(args) -> dict:
@@ -474,6 +668,8 @@ async def run(args) -> dict:
     load_average = {"start": os.getloadavg()[0]}
     cpu_marks = [cpu_times()]
     prefill, decode = start_instances(args)
+    pinned = {"prefill": affinity(prefill), "decode": affinity(decode),
+              "gateway_and_client": sorted(os.sched_getaffinity(0))}
     rng = np.random.default_rng(args.seed)
     try:
         async with ClientSession(timeout=ClientTimeout(total=None)) as session:
@@ -496,45 +692,75 @@ async def run(args) -> dict:
     host_cpu = {"calibration": cpu_shares(cpu_marks[1], cpu_marks[2]),
                 "replay": cpu_shares(cpu_marks[2], cpu_marks[3])}
     model, ratios = calibrated.pop("model"), calibrated.pop("ratios")
-    cores = calibrated.pop("shared_cores")
-    hold = calibrated["decode_hold_probability"]
+    cores, wake = calibrated.pop("shared_cores"), calibrated.pop("idle_wake")
+    parts = GroupParts(cores, calibrated["decode_hold_probability"], steps, wake,
+                       direct_prompt_slowdown(calibrated["shared_cores_probe"]))
     prefill_busy = sum(model.prefill_s(r.input_len) for r in requests) / requests[-1].arrival
     return {**calibrated, "service_spread": {k: spread(v) for k, v in ratios.items()},
             "prefill_steps": dataclasses.asdict(steps),  # how the prefill instance steps
             "service_ratios": ratios,  # what the simulations drew from: re-simulable
             "latency_model": dataclasses.asdict(model),
             "shared_cores": dataclasses.asdict(cores), "prefill_utilisation": prefill_busy,
+            "idle_wake": dataclasses.asdict(wake),
             "host_load_average_1min": load_average,  # other work on the cores skews both
             "host_cpu": host_cpu,
+            "cores": pinned,  # each process's allowed cores (one torch thread each)
             "measured_decode_timing": decode_timing(measured),
             # every request's token arrivals (s from the replay's start): re-analysable
             "measured_token_times_s": [[round(t, 5) for t in r["times"]] for r in measured],
             # the request list (arrival s, prompt and answer tokens): re-simulable
             "requests": [[r.arrival, r.input_len, r.output_len] for r in requests],
-            "compare": compare(measured, simulations(model, cores, ratios, hold, steps,
-                                                     requests, args))}
+            "compare": compare(measured, simulations(model, parts, ratios, requests, args))}
 
 
-def simulations(model: LatencyModel, cores: SharedCores, ratios: dict[str, list[float]],
-                hold: float, steps: PrefillSteps, requests: list[SimRequest],
-                args) -> dict[str, list[dict]]:
+def direct_prompt_slowdown(probe: dict) -> float | None:
+    """The shared-cores probe's factor of prompts sent straight to the prefill instance,
+    where it also timed prompts on the replay's path (which ``SharedCores`` then takes)."""
+    if "prefill_on_path_beside_decode_over_alone" not in probe:
+        return None
+    return probe["prefill_beside_decode_over_alone"]["p50"]
+
+
+class GroupParts(NamedTuple):  # not a dataclass: the tests load this script unregistered
+    """What the calibration fitted beside the latency model and its spread: the shared
+    cores' factors, how long slow stretches hold, the prefill instance's steps, the extra
+    of a prompt after idleness, and the factor of prompts sent straight to the prefill
+    instance beside a decode (the probe's before prompts were timed on the replay's
+    path; None where the run did not time both)."""
+
+    cores: SharedCores | None
+    hold: float
+    steps: PrefillSteps | None
+    wake: IdleWake | None = None
+    direct_prompt_slowdown: float | None = None
+
+
+def simulations(model: LatencyModel, parts: GroupParts, ratios: dict[str, list[float]],
+                requests: list[SimRequest], args) -> dict[str, list[dict]]:
     """The fitted group with the measured spread, and each without one of its parts. With
     the spread, the requests' results of ``--draws`` draws pooled: one draw's P99 of 100
     requests moved by up to 20% from seed to seed."""
-    without = dataclasses.replace(model, handoff_base_s=0.0, handoff_per_token_s=0.0)
-
-    def drawn(model: LatencyModel, hold: float, cores: SharedCores | None,
-              steps: PrefillSteps | None = steps) -> list[dict]:
+    def drawn(model: LatencyModel = model, **changes) -> list[dict]:
+        p = parts._replace(**changes)
         return [row for draw in range(args.draws) for row in simulate(
-            model, requests, args, noise(ratios, args, hold, args.seed + draw), cores, steps)]
+            model, requests, args, noise(ratios, args, p.hold, args.seed + draw), p.cores,
+            p.steps, p.wake)]
 
-    return {"simulated": drawn(model, hold, cores),
-            "simulated_medians_only": simulate(model, requests, args, cores=cores,
-                                               steps=steps),
-            "simulated_without_handoff": drawn(without, hold, cores),
-            "simulated_without_shared_cores": drawn(model, hold, None),
-            "simulated_without_held_stretches": drawn(model, 0.0, cores),
-            "simulated_without_prefill_steps": drawn(model, hold, cores, None)}
+    without = dataclasses.replace(model, handoff_base_s=0.0, handoff_per_token_s=0.0)
+    result = {"simulated": drawn(),
+              "simulated_medians_only": simulate(model, requests, args, cores=parts.cores,
+                                                 steps=parts.steps, wake=parts.wake),
+              "simulated_without_handoff": drawn(without),
+              "simulated_without_shared_cores": drawn(cores=None),
+              "simulated_without_held_stretches": drawn(hold=0.0),
+              "simulated_without_prefill_steps": drawn(steps=None)}
+    if parts.wake is not None:
+        result["simulated_without_idle_wake"] = drawn(wake=None)
+    if parts.cores is not None and parts.direct_prompt_slowdown is not None:
+        direct = dataclasses.replace(parts.cores,
+                                     prefill_slowdown=parts.direct_prompt_slowdown)
+        result["simulated_with_direct_prompt_factor"] = drawn(cores=direct)
+    return result
 
 
 async def prefill_steps_of(session, prefill: ServeProcess) -> PrefillSteps:
@@ -561,13 +787,55 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
         raise SystemExit(f"{path} records no prefill_steps: name what its prefill instance "
                          "ran with --assume-prefill-steps CHUNK[,late]")
     requests = [SimRequest(float(a), int(n), int(o)) for a, n, o in run["requests"]]
-    simulated = simulations(LatencyModel(**run["latency_model"]),
-                            SharedCores(**run["shared_cores"]), run["service_ratios"],
-                            run["decode_hold_probability"], steps, requests, args)
+    wake = run.get("idle_wake")  # recorded since the idle probe
+    parts = GroupParts(SharedCores(**run["shared_cores"]), run["decode_hold_probability"],
+                       steps, None if wake is None else idle_wake_of(wake),
+                       direct_prompt_slowdown(run.get("shared_cores_probe", {})))
+    model = LatencyModel(**run["latency_model"])
+    simulated = simulations(model, parts, run["service_ratios"], requests, args)
     measured = {key: run["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
-    return {"resimulated": path, "recorded_revision": run.get("git_revision"),
-            "prefill_steps": dataclasses.asdict(steps),
-            "compare": compare_percentiles(measured, simulated)}
+    result = {"resimulated": path, "recorded_revision": run.get("git_revision"),
+              "prefill_steps": dataclasses.asdict(steps),
+              "compare": compare_percentiles(measured, simulated)}
+    if "measured_token_times_s" in run:
+        unwoken = simulate(model, requests, args, cores=parts.cores, steps=steps)
+        result["first_token_over_simulated"] = first_token_ratios(
+            run, simulated["simulated_medians_only"])
+        result["first_token_over_simulated_without_idle_wake"] = first_token_ratios(
+            run, unwoken)
+    return result
+
+
+def first_token_ratios(run: dict, rows: list[dict]) -> dict:
+    """Each replayed request's measured first token over its simulated one (``rows``, in
+    the request list's order), median and range per prompt length, apart for requests
+    that arrived while another decoded (between its first and last token) and the rest."""
+    times = run["measured_token_times_s"]
+    kinds: dict[str, dict[int, list[float]]] = {"nothing_decoding": {}, "beside_decode": {}}
+    for i, ((arrival, tokens, _), row) in enumerate(zip(run["requests"], rows, strict=True)):
+        beside = any(t[0] < arrival < t[-1] for j, t in enumerate(times) if j != i)
+        ratio = (times[i][0] - arrival) / row["ttft_s"]
+        kinds["beside_decode" if beside else "nothing_decoding"].setdefault(
+            int(tokens), []).append(ratio)
+    return {kind: {str(n): {"requests": len(r), "median": float(np.median(r)),
+                            "min": min(r), "max": max(r)}
+                   for n, r in sorted(by_length.items())}
+            for kind, by_length in kinds.items()}
+
+
+def idle_wake_of(recorded: dict) -> IdleWake:
+    """An ``IdleWake`` from its JSON record (its points written as lists; at 0f6f674 an
+    extra per pause whatever the prompt's length: ``(idle_s, extra_s)``)."""
+    return IdleWake(tuple((float(p[0]), float(p[1]), float(p[2]) if len(p) > 2 else 0.0)
+                          for p in recorded["points"]))
+
+
+def rising_seconds(text: str) -> list[float]:
+    """Comma-separated seconds above 0, rising (--idle-pauses-s)."""
+    values = [float(x) for x in text.split(",")]
+    if values[0] <= 0 or sorted(set(values)) != values:
+        raise argparse.ArgumentTypeError(f"expected seconds above 0, rising, not {text!r}")
+    return values
 
 
 def assumed_steps(text: str) -> PrefillSteps:
@@ -627,7 +895,7 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
                                              rng)
     lengths = [p["tokens"] for p in direct_points]
     seconds = [p["seconds"] for p in direct_points]
-    decode_points, decode_ratios = await measure_decode_streams(
+    decode_points, decode_ratios = await measure_decode_rounds(
         session, url, args, rng, lambda tokens: float(np.interp(tokens, lengths, seconds)))
     # Prompts of its own: the replay's request list stays the one earlier runs drew.
     handoff = await measure_handoff(session, url, args, np.random.default_rng(args.seed + 1))
@@ -637,17 +905,23 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
                              decode_kv_tokens=args.decode_kv_tokens)
     sharing = await measure_sharing(session, prefill.url + "/v1/completions", url, args,
                                     np.random.default_rng(args.seed + 2))
+    sharing.update(await measure_prefill_on_path(session, url, args,
+                                                 np.random.default_rng(args.seed + 3)))
+    wake = await measure_idle_wake(session, url, args, np.random.default_rng(args.seed + 4))
     # The fitted step at the probe's context, against the probe's alone steps.
     sharing["fitted_step_ms"] = model.decode_step_s(1, sharing["context"]) * 1e3
     return {"service_points": {"prefill": prefill_points, "decode": decode_points,
                                "handoff": handoff_points, "prefill_direct": direct_points},
             "handoff_samples_ms": ms_percentiles(handoff["samples"]),
             "shared_cores_probe": sharing,
+            "idle_probe": wake,
             "decode_step_lag_correlation": {
                 f"{lag * STEP_WINDOW}_steps": lag_correlation(decode_ratios, lag)
                 for lag in (1, 2, 4)},
             "model": model.fit_handoff(handoff_points),
             "shared_cores": SharedCores.from_probe(sharing),
+            "idle_wake": IdleWake(tuple((p, base, per_token)
+                                        for p, base, per_token in wake["points"])),
             "decode_hold_probability": held_stretches(sharing),
             "ratios": {"prefill": handoff["ttft_ratios"],
                        "decode_step": np.concatenate(decode_ratios).tolist()}}
@@ -732,6 +1006,9 @@ def main() -> int:
                         "overstated the small ones.")
     parser.add_argument("--decode-contexts", type=ints, default=[64, 1024])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode-rounds", type=int, default=3,
+                        help="Times each decode point is timed, in rounds over all points "
+                        "(its step: the median of its rounds').")
     parser.add_argument("--step-floor-ms", type=float, default=1.0,
                         help="No decode step is faster (bounds how long a batch's prompts, "
                         "prefilled one after another, keep it from decoding together).")
@@ -739,6 +1016,14 @@ def main() -> int:
                         help="Tokens per calibration stream (the first and last 8 untimed).")
     parser.add_argument("--sharing-cycles", type=int, default=3,
                         help="Rounds alone, beside, beside, alone of the shared-cores probe.")
+    parser.add_argument("--idle-pauses-s", type=rising_seconds, default=[0.5, 2.0],
+                        help="Pauses of the idle probe: how much longer a prompt takes "
+                        "after the group idled that long (the replay's requests come "
+                        "after idle cores, the calibration's back to back).")
+    parser.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=True,
+                        help="The prefill instance on the first core, the decode instance "
+                        "on the second (the gateway and the client on any): the two never "
+                        "take each other's core.")
     parser.add_argument("--draws", type=int, default=10,
                         help="Draws of the measured spread per simulation, pooled.")
     parser.add_argument("--requests", type=int, default=100)

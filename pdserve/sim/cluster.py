@@ -368,10 +368,49 @@ class SharedCores:
     @classmethod
     def from_probe(cls, probe: dict) -> SharedCores:
         """From a probe's medians (``validate_sim.measure_sharing``'s result): decode steps
-        beside prompts over alone, and prompts beside a decode batch over alone."""
+        beside prompts over alone, and prompts beside a decode batch over alone - those
+        sent on the replay's path (through the gateway, each joining the decode batch as
+        the next starts) where the probe timed them
+        (``prefill_on_path_beside_decode_over_alone``): prompts sent straight to the
+        prefill instance missed most of the slowdown the replay's prompts met (1.03-1.20
+        against 1.33-2.34 in the CPU runs before it was timed)."""
         beside, alone = probe["decode_step_ms_beside_prefill"], probe["decode_step_ms_alone"]
+        prompts = probe.get("prefill_on_path_beside_decode_over_alone",
+                            probe["prefill_beside_decode_over_alone"])
         return cls(decode_slowdown=beside["p50"] / alone["p50"],
-                   prefill_slowdown=probe["prefill_beside_decode_over_alone"]["p50"])
+                   prefill_slowdown=prompts["p50"])
+
+
+@dataclass(frozen=True)
+class IdleWake:
+    """What a prompt costs beyond its fitted time when its prefill instance has been idle
+    a while (the CPU validation: the calibration sends prompts back to back, the replay's
+    come after idle cores; a process that slept runs its first work slower). ``points``:
+    measured ``(idle_s, extra_base_s, extra_per_token_s)``, idle seconds rising: after
+    ``idle_s`` a prompt of ``n`` tokens takes ``extra_base_s + extra_per_token_s * n``
+    more. Between points both terms are interpolated (from none after no idle time),
+    beyond the last held. Added to a prompt (under ``PrefillSteps``, to its first step)
+    that starts on an idle instance, after any shared-cores factor. Fitted from a probe
+    that sends prompts through the gateway back to back and after pauses
+    (``benchmarks/validate_sim.py``), never from a replay. ``GroupSim``'s default, None,
+    adds nothing: the fleet's figures."""
+
+    points: tuple[tuple[float, float, float], ...]
+
+    def __post_init__(self) -> None:
+        idle = [p[0] for p in self.points]
+        if not self.points or idle[0] <= 0 or sorted(set(idle)) != idle:
+            raise ValueError(f"IdleWake.points needs idle seconds above 0, rising: "
+                             f"{self.points}")
+        if any(p[1] < 0 or p[2] < 0 for p in self.points):
+            raise ValueError(f"IdleWake.points: an extra below 0 in {self.points}")
+
+    def extra_s(self, idle_s: float, tokens: int) -> float:
+        """The extra seconds of a prompt of ``tokens`` starting after ``idle_s`` idle."""
+        idle = [0.0] + [p[0] for p in self.points]
+        base = float(np.interp(idle_s, idle, [0.0] + [p[1] for p in self.points]))
+        per_token = float(np.interp(idle_s, idle, [0.0] + [p[2] for p in self.points]))
+        return base + per_token * tokens
 
 
 class _CoreSharing:
@@ -702,6 +741,8 @@ class PrefillSim:
         self._head_done = 0  # tokens of the oldest queued prompt already prefilled (steps)
         self._head_factor = 1.0  # its drawn ratio of the spread (steps)
         self._late: list[tuple[SimRequest, float]] = []  # ended, handed back after a step
+        self.wake: IdleWake | None = None  # None: a prompt after idleness costs no more
+        self._idle_since: float | None = 0.0  # None while busy
 
     def idle(self) -> bool:
         return not (self.busy or self.queue)
@@ -728,7 +769,16 @@ class PrefillSim:
             partner.resync()
         if self.cores is not None:
             service = self.cores.prefill_starts(self.name, service)
+        service += self._woken_s(tokens)
         self.loop.at(self.loop.now + service, self._finish, job)
+
+    def _woken_s(self, tokens: int) -> float:
+        """A prompt of ``tokens`` starts now: its extra seconds after idleness
+        (``IdleWake``; none where the instance was busy)."""
+        idle_since, self._idle_since = self._idle_since, None
+        if self.wake is None or idle_since is None:
+            return 0.0
+        return self.wake.extra_s(self.loop.now - idle_since, tokens)
 
     def _finish(self, job: tuple[SimRequest, float]) -> None:
         request, arrived = job
@@ -739,8 +789,10 @@ class PrefillSim:
         self.busy = False
         if self.queue:
             self._start_next()
-        elif self.partner is not None:
-            self.partner.resync()
+        else:
+            self._idle_since = self.loop.now
+            if self.partner is not None:
+                self.partner.resync()
         if self.cores is not None and not self.busy:
             self.cores.prefill_idle(self.name)
         self.on_done(self, request)
@@ -750,6 +802,7 @@ class PrefillSim:
         up to ``budget`` tokens; the prompts it ends go to ``_step_done``."""
         self.busy = True
         queue, seconds, ended = self.queue, 0.0, []
+        oldest_tokens = queue[0][0].input_len
         while budget > 0 and queue:
             tokens, start = queue[0][0].input_len, self._head_done
             if start == 0:  # a prompt's first piece: its draw of the spread, for all pieces
@@ -762,6 +815,7 @@ class PrefillSim:
                 ended.append(queue.popleft())
         if self.cores is not None:
             seconds = self.cores.prefill_starts(self.name, seconds)
+        seconds += self._woken_s(oldest_tokens)
         self.loop.at(self.loop.now + seconds, self._step_done, ended)
 
     def _step_done(self, ended: list[tuple[SimRequest, float]]) -> None:
@@ -782,6 +836,7 @@ class PrefillSim:
             self._start_step(steps.chunk_tokens)
         else:
             self.busy = False
+            self._idle_since = now
             if self.cores is not None:
                 self.cores.prefill_idle(self.name)
         for request, _ in ready:  # after the instance's state is settled, as ``_finish``
@@ -1052,6 +1107,7 @@ class GroupSim:
     noise: ServiceNoise | None = None  # measured spread of service times; None: medians
     shared_cores: SharedCores | None = None  # the instances share a host's cores
     prefill_steps: PrefillSteps | None = None  # None: whole prompts one after another
+    idle_wake: IdleWake | None = None  # None: a prompt after idleness costs no more
 
     def __post_init__(self) -> None:
         if self.dispatch not in DISPATCH:
@@ -1067,9 +1123,13 @@ class GroupSim:
         if self.prefill_steps is not None and self.multiplexing is not None:
             raise ValueError("prefill_steps models a prefill instance's steps, not a "
                              "multiplexing instance's")
+        if self.idle_wake is not None and self.multiplexing is not None:
+            raise ValueError("idle_wake models a prefill instance's idleness, not a "
+                             "multiplexing instance's")
         for prefill in self.prefill.values():
             prefill.noise = self.noise
             prefill.steps = self.prefill_steps
+            prefill.wake = self.idle_wake
         for decode in self.decode.values():
             decode.noise = self.noise
         if self.multiplexing is not None:

@@ -69,15 +69,25 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
                   "--prompt-lens", "32,64", "--decode-batches", "1,2",
                   "--decode-contexts", "32", "--min-output", "12", "--max-output", "20",
                   "--sharing-cycles", "1", "--decode-steps", "64",
-                  out=tmp_path / "validation.json")
+                  "--idle-pauses-s", "0.1,0.3", out=tmp_path / "validation.json")
     assert result["kind"] == "validation"
     # The shared-cores factors are the probe's medians, as the simulations used them.
     probe = result["shared_cores_probe"]
     assert probe["decode_step_ms_alone"]["samples"] > 0
     assert result["shared_cores"]["decode_slowdown"] == pytest.approx(
         probe["decode_step_ms_beside_prefill"]["p50"] / probe["decode_step_ms_alone"]["p50"])
+    # prompts beside a decode: the factor of those sent on the replay's path
+    assert probe["prefill_beside_decode_over_alone"]["samples"] > 0
     assert result["shared_cores"]["prefill_slowdown"] == pytest.approx(
-        probe["prefill_beside_decode_over_alone"]["p50"])
+        probe["prefill_on_path_beside_decode_over_alone"]["p50"])
+    # the idle probe's line per pause, from its samples, as the simulations used it
+    samples = result["idle_probe"]["samples"]
+    assert {pause for _, pause, _ in samples} == {0.0, 0.1, 0.3}
+    fitted = _script("validate_sim").idle_wake_points(samples, [0.1, 0.3])
+    assert np.concatenate(result["idle_wake"]["points"]) == pytest.approx(
+        np.concatenate(fitted))
+    assert len(result["service_points"]["decode"][0]["round_step_ms"]) == 3
+    assert result["cores"]["prefill"] == [min(result["cores"]["gateway_and_client"])]
     assert set(result["host_cpu"]) == {"calibration", "replay"}
     assert 0 <= result["decode_hold_probability"] < 1
     # The prefill instance's steps as its engine reports them: chunked on a CPU, where a
@@ -93,7 +103,8 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
         row = result["compare"][key]
         for side in ("measured", "simulated", "simulated_medians_only",
                      "simulated_without_handoff", "simulated_without_shared_cores",
-                     "simulated_without_held_stretches", "simulated_without_prefill_steps"):
+                     "simulated_without_held_stretches", "simulated_without_prefill_steps",
+                     "simulated_without_idle_wake", "simulated_with_direct_prompt_factor"):
             assert 0 < row[side]["p50"] <= row[side]["p99"]
         assert row["simulated_error"]["p50"] == pytest.approx(
             row["simulated"]["p50"] / row["measured"]["p50"] - 1)
@@ -433,6 +444,64 @@ def test_resimulation_of_a_recorded_run_with_its_prefill_steps(tmp_path):
         (0.05 + 0.24) / 2)
     with pytest.raises(Exception, match="CHUNK or CHUNK,late"):
         module.assumed_steps("512,early")
+
+
+def test_resimulation_takes_the_recorded_idle_extra(tmp_path):
+    """A run that recorded the idle probe's extra is simulated with it: the first prompt
+    (10 ms into the replay, idle since its start) pays 10 ms * 1/2 = 5 ms more; a run
+    without it is simulated as before."""
+    module = _script("validate_sim")
+    args = SimpleNamespace(draws=1, seed=0, ttft_slo_s=2.0, max_wait_s=30.0)
+    steps = {"chunk_tokens": 512, "tokens_one_step_late": False}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(_recorded_run(prefill_steps=steps, requests=[[0.01, 50, 3]])))
+    plain = module.resimulate(str(path), args, None)["compare"]["ttft_s"]
+    path.write_text(json.dumps(_recorded_run(prefill_steps=steps, requests=[[0.01, 50, 3]],
+                                             idle_wake={"points": [[0.02, 0.01]]})))
+    woken = module.resimulate(str(path), args, None)["compare"]["ttft_s"]
+    assert plain["simulated_medians_only"]["p50"] == pytest.approx(0.05)
+    assert woken["simulated_medians_only"]["p50"] == pytest.approx(0.055)
+    assert woken["simulated_without_idle_wake"]["p50"] == pytest.approx(0.05)
+
+
+def test_idle_extra_a_line_in_the_prompts_tokens_per_pause():
+    """Per pause and length the median after the pause less the median back to back (64
+    tokens: 5 ms more, 1,024: 13 ms more): through them 4.5 ms plus 8.3 us a token; a
+    length never timed back to back gives nothing to compare."""
+    module = _script("validate_sim")
+    samples = [(64, 0.0, 0.020), (64, 0.0, 0.022), (64, 1.0, 0.026),
+               (1024, 0.0, 0.150), (1024, 1.0, 0.163), (256, 1.0, 0.5)]
+    ((pause, base, per_token),) = module.idle_wake_points(samples, [1.0])
+    assert pause == 1.0
+    assert per_token == pytest.approx(0.008 / 960)
+    assert base == pytest.approx(0.005 - 64 * 0.008 / 960)
+    with pytest.raises(RuntimeError, match="idle probe"):
+        module.idle_wake_points(samples, [2.0])
+
+
+def test_first_tokens_over_simulated_apart_beside_a_decode(tmp_path):
+    """The second request arrives while the first decodes (0.06-0.08 s): its measured
+    first token (125 ms) over the simulated (200 ms: 1 ms a token) counts beside a decode,
+    the first's (60 ms over 50) with nothing decoding."""
+    module = _script("validate_sim")
+    args = SimpleNamespace(draws=1, seed=0, ttft_slo_s=2.0, max_wait_s=30.0)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(_recorded_run(
+        prefill_steps={"chunk_tokens": 512, "tokens_one_step_late": False},
+        requests=[[0.0, 50, 3], [0.075, 200, 3]],
+        measured_token_times_s=[[0.06, 0.07, 0.08], [0.2, 0.21, 0.22]])))
+    ratios = module.resimulate(str(path), args, None)["first_token_over_simulated"]
+    assert ratios["nothing_decoding"]["50"]["median"] == pytest.approx(1.2)
+    assert ratios["beside_decode"]["200"] == pytest.approx(
+        {"requests": 1, "median": 0.625, "min": 0.625, "max": 0.625})
+
+
+def test_idle_pauses_above_zero_and_rising():
+    module = _script("validate_sim")
+    assert module.rising_seconds("0.5,2") == [0.5, 2.0]
+    for bad in ("0,1", "2,1", "1,1"):
+        with pytest.raises(Exception, match="rising"):
+            module.rising_seconds(bad)
 
 
 def test_handoff_sample_takes_off_the_steps_its_chunk_carries():

@@ -95,6 +95,17 @@ def test_factors_read_from_the_calibration_probe():
                                                         prefill_slowdown=1.05)
 
 
+def test_the_prompts_factor_taken_from_the_replays_path_where_the_probe_timed_it():
+    """Prompts sent through the gateway beside a decode, each joining it, met more of the
+    slowdown than prompts sent straight to the prefill instance: the group's prompts take
+    the former."""
+    probe = {"decode_step_ms_alone": {"samples": 40, "p50": 3.0},
+             "decode_step_ms_beside_prefill": {"samples": 40, "p50": 3.6},
+             "prefill_beside_decode_over_alone": {"samples": 12, "p50": 1.05},
+             "prefill_on_path_beside_decode_over_alone": {"samples": 20, "p50": 1.6}}
+    assert SharedCores.from_probe(probe).prefill_slowdown == 1.6
+
+
 def test_not_inside_a_multiplexing_instance():
     from pdserve.sim.cluster import Multiplexing
 
