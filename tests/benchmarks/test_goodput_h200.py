@@ -75,6 +75,20 @@ def test_probes_run_record_skip_and_respect_the_budget(tool, tmp_path, capsys, m
     assert "attainment" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_a_slo_order_probe_serves_with_its_workload_s_ttft_slo(tool, tmp_path, monkeypatch):
+    monkeypatch.setattr(tool, "TPOT_SLO_MS", 1e9)
+    monkeypatch.setitem(tool.CONFIGS, "chunk16-slo", tool.CONFIGS["chunk16"]
+                        + tool.SLO_ORDER_ARGS)
+    assert _run(tool, tmp_path, "tiny:chunk16-slo:4") == 0
+    (record,) = load_records(tmp_path)
+    assert record["config"]["server_args"] == ("--schedule chunked --chunk-size 16 "
+                                               "--ttft-slo-ms 60000 --prefill-order slo")
+    assert record["config"]["engine"]["prefill_order"] == "slo"
+    assert record["prefill_order"]["prefill_order"] == "slo"
+    assert record["summary"]["completed"] == record["probe"]["requests"]
+
+
 def test_bad_probes_are_refused_by_name(tool, tmp_path):
     with pytest.raises(SystemExit, match="unknown config 'chunk7'"):
         tool.parse_probe("loogle:chunk7:0.3")
