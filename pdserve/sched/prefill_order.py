@@ -32,6 +32,7 @@ from pdserve.config import check_prefill_order
 if TYPE_CHECKING:
     from pdserve.request import Request
 
+
 class PrefillRate:
     """Prompt tokens per second of launch time, an exponential moving average.
 
