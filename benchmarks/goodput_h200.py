@@ -149,6 +149,16 @@ CONFIGS["multiplex-graph-floor-converging-itl60"] = (
     CONFIGS["multiplex-graph-converging-itl60"] + FLOOR_ARGS)
 CONFIGS["multiplex-temporal-graph-floor-itl60"] = (
     CONFIGS["multiplex-graph-itl60"] + " --mux-sharing temporal" + FLOOR_ARGS)
+# SLO-aware admission order (--prefill-order slo) against the same config in arrival order.
+# The deadline is the workload's own TTFT SLO (``{ttft_slo_ms}``: one server per workload).
+# On multiplex --ttft-slo-ms also caps a new batch by the oldest prompt's slack, so the
+# -ttft config (that cap, arrival order) separates the order's effect from the cap's.
+SLO_ORDER_ARGS = " --ttft-slo-ms {ttft_slo_ms} --prefill-order slo"
+CONFIGS["chunk256-slo"] = CONFIGS["chunk256"] + SLO_ORDER_ARGS
+CONFIGS["multiplex-graph-floor-ttft-itl60"] = (CONFIGS["multiplex-graph-floor-itl60"]
+                                               + " --ttft-slo-ms {ttft_slo_ms}")
+CONFIGS["multiplex-graph-floor-slo-itl60"] = (CONFIGS["multiplex-graph-floor-itl60"]
+                                              + SLO_ORDER_ARGS)
 TABLE_CONFIGS = ("multiplex-itl60", "chunk256", "chunk512", "chunk1024", "chunk2048",
                  "prefill-first", "disagg")
 SERVER_ARGS = "--load-format dummy --max-model-len 24576"
@@ -282,11 +292,27 @@ def probe_seconds(workload: ProbeWorkload, rate: float, trace: Path) -> float:
     return (offsets[-1] if offsets else 0.0) + workload.drain_s
 
 
-def by_config(targets: list[Target]) -> dict[str, list[Target]]:
-    """Targets grouped per configuration, in first-mention order (one server start each)."""
-    groups: dict[str, list[Target]] = {}
+def per_workload(config: str) -> bool:
+    """Whether ``config``'s server takes the workload's TTFT SLO (one server per workload)."""
+    return "{ttft_slo_ms}" in CONFIGS[config]
+
+
+def config_args(config: str, predictor: Path, workload: str | None) -> str:
+    """``config``'s server flags for ``workload`` (needed where ``per_workload``)."""
+    slo = WORKLOADS[workload].ttft_slo_ms if workload is not None else None
+    if per_workload(config) and slo is None:
+        raise ValueError(f"{config} takes a workload's TTFT SLO; none given")
+    return CONFIGS[config].format(predictor=shlex.quote(str(predictor)), ttft_slo_ms=f"{slo:g}"
+                                  if slo is not None else "")
+
+
+def by_config(targets: list[Target]) -> dict[tuple[str, str | None], list[Target]]:
+    """Targets grouped per configuration (and per workload where the server takes the
+    workload's TTFT SLO), in first-mention order (one server start each)."""
+    groups: dict[tuple[str, str | None], list[Target]] = {}
     for target in targets:
-        groups.setdefault(target.config, []).append(target)
+        workload = target.workload if per_workload(target.config) else None
+        groups.setdefault((target.config, workload), []).append(target)
     return groups
 
 
@@ -294,16 +320,17 @@ class ConfigRun:
     """One configuration's server for this call: started when the first probe that fits the
     budget needs it, stopped at the end."""
 
-    def __init__(self, config: str, opts: RunOptions) -> None:
+    def __init__(self, config: str, opts: RunOptions, workload: str | None = None) -> None:
         self.config = config
         self.opts = opts
+        self.args = config_args(config, opts.predictor, workload)
         self.server: ManagedServer | None = None
         self.backend: HttpBackend | None = None
         self.warmed: set[str] = set()
         self.done = 0
 
     def command(self) -> list[str]:
-        args = CONFIGS[self.config].format(predictor=shlex.quote(str(self.opts.predictor)))
+        args = self.args
         template = self.opts.server_cmd.format(model=shlex.quote(self.opts.model),
                                                port=self.opts.port)
         return shlex.split(template) + shlex.split(self.opts.server_args) + shlex.split(args)
@@ -352,9 +379,11 @@ class ServerFailed(RuntimeError):
     """A configuration's server did not come up: its probes are skipped, the call goes on."""
 
 
-async def run_config(config: str, targets: list[Target], opts: RunOptions) -> bool:
-    """Every target of one configuration; False once the budget stopped the call."""
-    run = ConfigRun(config, opts)
+async def run_config(config: str, targets: list[Target], opts: RunOptions,
+                     workload: str | None = None) -> bool:
+    """Every target of one configuration (of one workload where its server takes the
+    workload's SLO); False once the budget stopped the call."""
+    run = ConfigRun(config, opts, workload)
     try:
         for target in targets:
             if not await _run_target(target, run):
@@ -463,7 +492,7 @@ def probe_record(run: ConfigRun, spec: WorkloadSpec, requests: list, rate: float
                if k not in ("samples", "timeline", "engine_timeline", "engine_after")}
     after = result.get("engine_after") or {}
     record = result_header({"name": run.config, "server_command": run.server.command,
-                            "server_args": CONFIGS[run.config], "engine": engine})
+                            "server_args": run.args, "engine": engine})
     return {**record, "probe": {"workload": spec.label, "config": run.config, "rate": rate,
                                 "requests": len(requests)},
             "workload": {**spec.describe(), **workload_stats(requests),
@@ -472,12 +501,15 @@ def probe_record(run: ConfigRun, spec: WorkloadSpec, requests: list, rate: float
             if itl_target(run.config) is not None else None,
             "partitions": engine.get("partitions"), "engine_modes": dict(modes),
             "calibration_after": after.get("calibration"),
+            # As the engine reports it (None: an engine older than the flag, arrival order).
+            "prefill_order": {k: after.get(k, engine.get(k)) for k in (
+                "prefill_order", "prefill_order_rate_tokens_per_s", "prefill_order_reorders")},
             "summary": summary, "samples": compact_samples(result["samples"])}
 
 
 async def run_targets(targets: list[Target], opts: RunOptions) -> None:
-    for config, group in by_config(targets).items():
-        if not await run_config(config, group, opts):
+    for (config, workload), group in by_config(targets).items():
+        if not await run_config(config, group, opts, workload):
             break
 
 

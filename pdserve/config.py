@@ -13,6 +13,8 @@ from typing import Any
 
 # How multiplexing's per-option prefill corrections learn (``OnlineCalibration``).
 PREFILL_RULES = ("compounding", "converging")
+# The order waiting prompts are admitted in (pdserve/sched/prefill_order.py).
+PREFILL_ORDERS = ("fcfs", "slo")
 
 
 def doc(default: Any, help: str, **kwargs) -> Any:
@@ -72,7 +74,14 @@ class SchedulerConfig:
                                  "or a grammar, and multiplex's time-slice steps run "
                                  "synchronously (counted in /v1/engine/info).")
     itl_slo_ms: float = doc(60.0, "multiplex: inter-token latency target.")
-    ttft_slo_ms: float | None = doc(None, "multiplex: time-to-first-token target, if any.")
+    ttft_slo_ms: float | None = doc(None, "Time-to-first-token target, if any: the deadline "
+                                    "of --prefill-order slo; multiplex also caps a new "
+                                    "prefill batch's tokens by the oldest prompt's slack.")
+    prefill_order: str = doc("fcfs", "Order waiting prompts are admitted in, every policy: "
+                             "fcfs (arrival), or slo (needs --ttft-slo-ms): most prompts "
+                             "within their TTFT deadline first (Moore-Hodgson over a prefill "
+                             "rate learned from the engine's launches), the ones that cannot "
+                             "make it after them, never dropped.", choices=PREFILL_ORDERS)
     mux_decode_sms: str = doc("16,24,32,48,64", "multiplex: decode SM counts to build "
                               "partitions and capture decode graphs for (comma-separated; "
                               "the whole GPU is always offered).")
@@ -128,6 +137,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         mux_sharing_options(self.mux_sharing)  # a typo stops here, before anything loads
+        check_prefill_order(self.prefill_order, self.ttft_slo_ms)
         if not 0.0 < self.mux_itl_margin <= 1.0:
             raise ValueError(f"--mux-itl-margin {self.mux_itl_margin}: must be in (0, 1]")
         if self.mux_switch_margin < 0.0:
@@ -141,6 +151,15 @@ class SchedulerConfig:
         if self.mux_mixed_floor_tokens < 0:
             raise ValueError(f"--mux-mixed-floor-tokens {self.mux_mixed_floor_tokens}: must "
                              "be >= 0")
+
+
+def check_prefill_order(order: str, ttft_slo_ms: float | None) -> None:
+    """A ValueError naming what is wrong with ``--prefill-order``."""
+    if order not in PREFILL_ORDERS:
+        raise ValueError(f"--prefill-order {order!r}: expected one of {', '.join(PREFILL_ORDERS)}")
+    if order == "slo" and (ttft_slo_ms is None or ttft_slo_ms <= 0):
+        raise ValueError("--prefill-order slo orders prompts by their TTFT deadline: set "
+                         "--ttft-slo-ms to a positive target")
 
 
 MUX_SHARING = ("temporal", "time_slice", "spatial")

@@ -101,6 +101,13 @@ def test_mux_sharing_that_names_no_known_option():
                           "--mux-sharing 'temporal,spacial'", "unknown: spacial")
 
 
+@pytest.mark.parametrize("schedule", ["chunked", "multiplex"])
+def test_slo_order_without_a_ttft_slo(schedule):
+    assert_one_line_error(pdserve("serve", "tiny", "--schedule", schedule, "--prefill-order",
+                                  "slo"),
+                          "--prefill-order slo", "set --ttft-slo-ms")
+
+
 def test_graph_steps_where_no_graphs_are_captured():
     """The CPU captures no prefill-step graphs: the flag stops before the model loads."""
     assert_one_line_error(pdserve("serve", "tiny", "--device", "cpu", "--schedule", "multiplex",

@@ -324,6 +324,7 @@ class EngineCore:
         # tokens are dropped by the policy and never emitted.
         ended_before = [s.request.is_finished for s in work.plan.sampling]
         ended = self.scheduler.update_work(work, output)
+        self.scheduler.observe_launch(work, output)
         self._counters["steps"] += 1
         sampled, output = _kept(work, output, ended_before)
         self._counters["generation"] += len(output.token_ids)
@@ -478,7 +479,8 @@ class EngineCore:
                 "cuda_graphs": any(pool.graphs for pool in self.runner.pools.values()),
                 "tensor_parallel_size": self.runner.comm.size,
                 "overlap_schedule": self._describe_overlap(), "eager_warmup": self.warmup,
-                **self.scheduler.describe(), **self.kv.describe()}
+                **self.scheduler.prefill_order.describe(), **self.scheduler.describe(),
+                **self.kv.describe()}
 
     def _describe_overlap(self) -> dict:
         overlap = self.scheduler.overlap.describe()

@@ -20,6 +20,7 @@ from pdserve.cache.block_manager import BlockManager
 from pdserve.config import SchedulerConfig
 from pdserve.gpu.partitions import Partition
 from pdserve.request import Request, RequestStatus
+from pdserve.sched.prefill_order import PrefillOrder
 
 MAIN_LANE = "main"  # the synchronous policies' only lane: the whole GPU
 MAIN_POOL = "main"  # the engine's KV pool (disagg cuts it in two)
@@ -178,12 +179,14 @@ class Scheduler:
         # their pages until those tokens arrive but are never planned again.
         self.retiring: list[Request] = []
         self.overlap = OverlapCounters(config.overlap_schedule)
+        self.prefill_order = PrefillOrder(config.prefill_order, config.ttft_slo_ms)
 
     # ---- the policy interface ----
 
     def schedule(self, idle_lanes: tuple[str, ...] = (MAIN_LANE,)) -> dict[str, Work]:
         if MAIN_LANE not in idle_lanes:
             return {}
+        self.order_waiting()
         plan = self.plan_step()
         if plan.is_empty():
             return {}
@@ -224,6 +227,17 @@ class Scheduler:
                 failed.append(request)
         return failed
 
+    def order_waiting(self) -> None:
+        """Puts ``waiting`` in the configured admission order (a no-op under fcfs). Called
+        before a step is planned, never between listing candidates and admitting them."""
+        self.prefill_order.arrange(self.waiting, self.running)
+
+    def observe_launch(self, work: Work, output: StepOutput) -> None:
+        """A completed launch: its prompt tokens and time teach the admission order's rate."""
+        prompt_tokens = sum(s.num_new_tokens for s in work.plan.prefills)
+        self.prefill_order.observe(prompt_tokens, output.elapsed_ms, work.layers is not None,
+                                  work.final)
+
     def take_moves(self) -> list[KVMove]:
         """KV copies between this policy's pools to issue before its next launches."""
         return []
@@ -263,6 +277,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self.prefill_order.dirty = True
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.retiring)
@@ -374,6 +389,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        self.prefill_order.dirty = True
         plan.preempted.append(request)
 
     def _admit_waiting(self, plan: Plan, budget: int) -> int:

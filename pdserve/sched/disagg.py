@@ -98,6 +98,7 @@ class DisaggScheduler(Scheduler):
         self.decode = InFlightScheduler(config, BlockManager(num_decode, size, False),
                                         max_model_len)
         self.prefill.overlap = self.decode.overlap = self.overlap  # one count for describe()
+        self.prefill_order = self.prefill.prefill_order  # prompts wait on the prefill side
         self.ready: deque[Request] = deque()
         self.decodes = LaneLaunches()  # the decode lane's
         self.prefill_work: Work | None = None
@@ -147,6 +148,7 @@ class DisaggScheduler(Scheduler):
         if DECODE_LANE in idle_lanes:  # nothing in flight there, or one overlapped step
             self._schedule_decode(works)
         if self.prefill_work is None:
+            self.prefill.order_waiting()
             plan = self.plan_prefill()
             if not plan.is_empty():
                 self.prefill.launched(plan)
@@ -321,6 +323,7 @@ class DisaggScheduler(Scheduler):
             victims = list(self.decode.waiting)
             self.decode.waiting.clear()
             self.prefill.waiting.extendleft(reversed(victims))
+            self.prefill_order.dirty = True
         return plan
 
 

@@ -225,6 +225,7 @@ class MultiplexScheduler(InFlightScheduler):
 
     def schedule(self, idle_lanes=(DECODE_LANE, PREFILL_LANE)) -> dict[str, Work]:
         works: dict[str, Work] = {}
+        self.order_waiting()
         if self.decode_work is None and self.piece_work is None:
             self._schedule_drained(works)
         elif self.decode_work is None:

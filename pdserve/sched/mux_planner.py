@@ -779,7 +779,8 @@ class MuxPlanner:
 
     @staticmethod
     def _gather(waiting: Sequence[PrefillRequest], tokens: int) -> list[tuple[int, int]]:
-        """First come, first served: (index, tokens) until ``tokens`` are taken."""
+        """In the candidates' order (the admission order, ``--prefill-order``): (index,
+        tokens) until ``tokens`` are taken."""
         chunks, left = [], tokens
         for i, request in enumerate(waiting):
             if left <= 0:

@@ -24,12 +24,19 @@ twice); kept so that that run's simulated figures can be reproduced offline.
 ``prefill_base_s`` (a fixed cost per request measured around the engine: HTTP,
 tokenizing) delays the answer's tokens without holding the engine. With
 ``noise`` each step takes a drawn measured ratio times its modelled time.
+
+``prefill_order="slo"`` (with ``ttft_slo_s``) keeps the prompts not yet started in the
+engine's ``--prefill-order slo`` order (``moore_hodgson``), behind the ones already part
+prefilled; the service time of a prompt is its prefill alone in this model (the engine
+learns a rate instead).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from pdserve.config import check_prefill_order
+from pdserve.sched.prefill_order import moore_hodgson
 from pdserve.sim.cluster import EventLoop, LatencyModel, ServiceNoise, SimRequest
 
 MIXED_STEP_MODELS = ("roofline", "sum")
@@ -52,9 +59,12 @@ class ChunkedInstanceSim:
     def __init__(self, model: LatencyModel, chunk_size: int = 512,
                  noise: ServiceNoise | None = None, max_batch: int = 256,
                  mixed_step: str = "roofline", mixed_step_extra_s: float = 0.0,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, prefill_order: str = "fcfs",
+                 ttft_slo_s: float | None = None) -> None:
         if mixed_step not in MIXED_STEP_MODELS:
             raise ValueError(f"mixed_step must be one of {', '.join(MIXED_STEP_MODELS)}")
+        check_prefill_order(prefill_order, None if ttft_slo_s is None else ttft_slo_s * 1e3)
+        self.prefill_order, self.ttft_slo_s = prefill_order, ttft_slo_s
         self.model, self.chunk_size, self.max_batch = model, chunk_size, max_batch
         self.noise, self.mixed_step = noise, mixed_step
         self.mixed_step_extra_s, self.overlap = mixed_step_extra_s, overlap
@@ -81,6 +91,8 @@ class ChunkedInstanceSim:
         if not (self.running or self.waiting):
             self._stepping = False
             return
+        if self.prefill_order == "slo":
+            self._order_waiting()
         pieces = self._pieces(self.chunk_size - len(self.running))
         self._planned_at = self.loop.now
         seconds = self._step_s(pieces)
@@ -102,6 +114,18 @@ class ChunkedInstanceSim:
             pieces.append((entry, entry[1], take))
             budget -= take
         return pieces
+
+    def _order_waiting(self) -> None:
+        """Part-prefilled prompts first, in their order; the rest as Moore-Hodgson puts them,
+        from when the started ones will be done."""
+        assert self.ttft_slo_s is not None
+        started = [e for e in self.waiting if e[1] > 0]
+        fresh = [e for e in self.waiting if e[1] == 0]
+        start = self.loop.now + sum(self._piece_s(e[1], e[0].input_len - e[1]) for e in started)
+        items = [(e[0].arrival + self.ttft_slo_s, self._piece_s(0, e[0].input_len))
+                 for e in fresh]
+        on_time, late = moore_hodgson(items, start)
+        self.waiting = deque(started + [fresh[i] for i in on_time + late])
 
     def _step_s(self, pieces: list[tuple[list, int, int]]) -> float:
         if self.mixed_step == "sum":
@@ -137,7 +161,7 @@ class ChunkedInstanceSim:
         self._step()
 
     def _prefilled(self, request: SimRequest, now: float) -> None:
-        self.waiting.popleft()  # pieces go first come first served: it is the head
+        self.waiting.popleft()  # pieces go in the waiting order: it is the head
         request.prefill_done = now
         request.first_token = now + self.model.prefill_base_s
         if request.output_len > 1:

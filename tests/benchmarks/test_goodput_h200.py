@@ -75,6 +75,20 @@ def test_probes_run_record_skip_and_respect_the_budget(tool, tmp_path, capsys, m
     assert "attainment" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_a_slo_order_probe_serves_with_its_workload_s_ttft_slo(tool, tmp_path, monkeypatch):
+    monkeypatch.setattr(tool, "TPOT_SLO_MS", 1e9)
+    monkeypatch.setitem(tool.CONFIGS, "chunk16-slo", tool.CONFIGS["chunk16"]
+                        + tool.SLO_ORDER_ARGS)
+    assert _run(tool, tmp_path, "tiny:chunk16-slo:4") == 0
+    (record,) = load_records(tmp_path)
+    assert record["config"]["server_args"] == ("--schedule chunked --chunk-size 16 "
+                                               "--ttft-slo-ms 60000 --prefill-order slo")
+    assert record["config"]["engine"]["prefill_order"] == "slo"
+    assert record["prefill_order"]["prefill_order"] == "slo"
+    assert record["summary"]["completed"] == record["probe"]["requests"]
+
+
 def test_bad_probes_are_refused_by_name(tool, tmp_path):
     with pytest.raises(SystemExit, match="unknown config 'chunk7'"):
         tool.parse_probe("loogle:chunk7:0.3")
@@ -320,13 +334,18 @@ def test_a_multiplex_probe_keeps_its_timeline_and_what_the_engine_learned(tool, 
 
     entries = [{"mode": "temporal", "decode_batch": 2}, {"mode": "spatial", "decode_batch": 3}]
     result = {"samples": [], "engine_timeline": entries,
-              "engine_after": {"calibration": {"mixed_steps": 1.2}}, "slo_attainment": 1.0}
-    run = SimpleNamespace(backend=SimpleNamespace(engine_info={"partitions": None}),
+              "engine_after": {"calibration": {"mixed_steps": 1.2}, "prefill_order_reorders": 9},
+              "slo_attainment": 1.0}
+    run = SimpleNamespace(backend=SimpleNamespace(engine_info={"partitions": None,
+                                                               "prefill_order": "slo"}),
                           server=SimpleNamespace(command="pdserve serve"), config="chunk16",
+                          args="--schedule chunked --chunk-size 16",
                           opts=SimpleNamespace(predictor=tmp_path / "none.json"))
     spec = tool.WORKLOADS["tiny"].build_spec(4.0, tmp_path)
     record = tool.probe_record(run, spec, [], 4.0, result)
     assert record["calibration_after"] == {"mixed_steps": 1.2}
+    assert record["prefill_order"] == {"prefill_order": "slo", "prefill_order_reorders": 9,
+                                       "prefill_order_rate_tokens_per_s": None}
     assert record["engine_modes"] == {"temporal": 1, "spatial": 1}
     assert "engine_after" not in record["summary"]
     path = tmp_path / "loogle__multiplex-itl60__r0.5.json"
@@ -369,3 +388,22 @@ def test_every_run_of_a_repeated_probe_is_listed_and_the_newest_decides(tool, tm
     assert mux["curve"] == [(0.5, 0.5)]  # the newer run
     markdown = (tmp_path / "summary.md").read_text()
     assert "| loogle | multiplex-itl60 | 0.5 | 100% (aaaaaaa), 50% (bbbbbbb) |" in markdown
+
+
+def test_the_slo_order_configs_take_each_workload_s_ttft_slo():
+    module = _load("goodput_h200")
+    predictor = module.ROOT / "none.json"
+    for name, base in (("chunk256-slo", "chunk256"),
+                       ("multiplex-graph-floor-slo-itl60", "multiplex-graph-floor-itl60")):
+        args = module.config_args(name, predictor, "mooncake")
+        assert args == module.config_args(base, predictor, None) \
+            + " --ttft-slo-ms 5000 --prefill-order slo"
+        assert "--ttft-slo-ms 15000" in module.config_args(name, predictor, "loogle")
+        with pytest.raises(ValueError, match="TTFT SLO"):
+            module.config_args(name, predictor, None)
+    targets = [module.Target(w, "chunk256-slo") for w in ("mooncake", "loogle", "mooncake")] \
+        + [module.Target(w, "chunk256") for w in ("mooncake", "loogle")]
+    groups = module.by_config(targets)
+    assert list(groups) == [("chunk256-slo", "mooncake"), ("chunk256-slo", "loogle"),
+                            ("chunk256", None)]
+    assert len(groups[("chunk256-slo", "mooncake")]) == 2

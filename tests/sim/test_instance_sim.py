@@ -159,3 +159,18 @@ def test_a_run_without_the_lone_probe_gets_no_extra_cost_and_says_so():
     assert extra_s == 0.0 and source.startswith("none: ")
     assert module.solve_increasing(lambda x: 1.0 + x, 0.5) == 0.0  # already as slow
     assert module.solve_increasing(lambda x: x * x, 4.0) == pytest.approx(2.0, abs=1e-5)
+
+
+def test_the_slo_order_puts_a_long_prompt_behind_two_it_would_make_late():
+    # A 1 s prompt runs; a 4 s one and two 1 s ones queue behind it; the TTFT SLO is 5.5 s.
+    def arrivals():
+        return [SimRequest(0.0, 1000, 1), SimRequest(0.05, 4000, 1), SimRequest(0.1, 1000, 1),
+                SimRequest(0.2, 1000, 1)]
+
+    def met(order: str) -> int:
+        sim = ChunkedInstanceSim(MODEL, chunk_size=1000, prefill_order=order, ttft_slo_s=5.5)
+        return sum(r.first_token - r.arrival <= 5.5 for r in sim.run(arrivals()))
+
+    assert (met("fcfs"), met("slo")) == (2, 3)
+    with pytest.raises(ValueError, match="--ttft-slo-ms"):
+        ChunkedInstanceSim(MODEL, prefill_order="slo")
