@@ -756,15 +756,18 @@ class MuxPlanner:
 
     def _token_budget(self, waiting: Sequence[PrefillRequest], sms: int, co_running: bool
                       ) -> int:
-        """Tokens for a new batch: the configured maximum, capped by the TTFT SLO."""
+        """Tokens for a new batch: the configured maximum, capped by the TTFT SLO of the
+        request the batch serves first. Under first come, first served that is the oldest;
+        under ``--prefill-order slo`` a prompt that can no longer meet its deadline waits at
+        the back, and its negative slack must not shrink the batches served before it."""
         cfg = self.config
         budget = cfg.max_prefill_tokens
         live = [r for r in waiting if r.tokens_remaining > 0]
         if cfg.ttft_slo_ms is None or not live:
             return budget
-        oldest = max(live, key=lambda r: r.waited_ms)
-        floor = min(budget, oldest.tokens_remaining)
-        slack = cfg.ttft_slo_ms - oldest.waited_ms
+        first = live[0]
+        floor = min(budget, first.tokens_remaining)
+        slack = cfg.ttft_slo_ms - first.waited_ms
 
         def whole_batch_ms(tokens: int) -> float:
             chunks = self._gather(waiting, tokens)

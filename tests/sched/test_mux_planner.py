@@ -136,6 +136,14 @@ def test_ttft_slo_caps_the_batch_behind_an_old_request():
     assert relaxed.prefill.num_tokens == 8000
 
 
+def test_ttft_slo_cap_follows_the_request_served_first():
+    # Under the SLO order a prompt past its deadline waits behind one that can still meet
+    # it: the batch is capped by the front prompt's slack, not shrunk to the late one's size.
+    waiting = [PrefillRequest(2000, waited_ms=100), PrefillRequest(6000, waited_ms=1500)]
+    plan = planner(ttft_slo_ms=1200).plan(None, waiting)
+    assert plan.prefill.num_tokens == 8000
+
+
 def test_prefill_waits_for_decode_only_up_to_its_stall_limit():
     huge = DecodeLoad(batch_size=64, context_tokens=64 * 30000)
     fresh = [PrefillRequest(6000, waited_ms=100)]
