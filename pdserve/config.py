@@ -76,7 +76,8 @@ class SchedulerConfig:
     itl_slo_ms: float = doc(60.0, "multiplex: inter-token latency target.")
     ttft_slo_ms: float | None = doc(None, "Time-to-first-token target, if any: the deadline "
                                     "of --prefill-order slo; multiplex also caps a new "
-                                    "prefill batch's tokens by the oldest prompt's slack.")
+                                    "prefill batch's tokens by the slack of the prompt it "
+                                    "serves first.")
     prefill_order: str = doc("fcfs", "Order waiting prompts are admitted in, every policy: "
                              "fcfs (arrival), or slo (needs --ttft-slo-ms): most prompts "
                              "within their TTFT deadline first (Moore-Hodgson over a prefill "
