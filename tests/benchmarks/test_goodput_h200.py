@@ -407,3 +407,13 @@ def test_the_slo_order_configs_take_each_workload_s_ttft_slo():
     assert list(groups) == [("chunk256-slo", "mooncake"), ("chunk256-slo", "loogle"),
                             ("chunk256", None)]
     assert len(groups[("chunk256-slo", "mooncake")]) == 2
+
+
+def test_a_probe_with_its_own_itl_target_reports_attainment_at_that_target_too(tool):
+    # 70 ms per token: misses the workloads' TPOT 60 ms, meets multiplex-itl80's own target.
+    samples = [{"success": True, "ttft_ms": 1000.0, "tpot_ms": 70.0}] * 3
+    result = {"slo_attainment": 0.0, "samples": samples}
+    line = tool.attainment_line(result, 15_000.0, "multiplex-itl80")
+    assert line == "attainment 0.000 (TPOT 60 ms), 1.000 at TPOT 80 ms"
+    assert tool.attainment_line(result, 15_000.0, "multiplex-itl60") == "attainment 0.000"
+    assert tool.attainment_line(result, 15_000.0, "chunk256") == "attainment 0.000"
