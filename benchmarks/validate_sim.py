@@ -754,6 +754,8 @@ def simulations(model: LatencyModel, parts: GroupParts, ratios: dict[str, list[f
               "simulated_without_shared_cores": drawn(cores=None),
               "simulated_without_held_stretches": drawn(hold=0.0),
               "simulated_without_prefill_steps": drawn(steps=None)}
+    if model.gateway_hop_s > 0.0:  # the hop charged to the prefill instance, as before
+        result["simulated_without_gateway_hop"] = drawn(model.without_gateway_hop())
     if parts.wake is not None:
         result["simulated_without_idle_wake"] = drawn(wake=None)
     if parts.cores is not None and parts.direct_prompt_slowdown is not None:
@@ -791,11 +793,12 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
     parts = GroupParts(SharedCores(**run["shared_cores"]), run["decode_hold_probability"],
                        steps, None if wake is None else idle_wake_of(wake),
                        direct_prompt_slowdown(run.get("shared_cores_probe", {})))
-    model = LatencyModel(**run["latency_model"])
+    model = recorded_model(run)
     simulated = simulations(model, parts, run["service_ratios"], requests, args)
     measured = {key: run["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
     result = {"resimulated": path, "recorded_revision": run.get("git_revision"),
               "prefill_steps": dataclasses.asdict(steps),
+              "latency_model": dataclasses.asdict(model),
               "compare": compare_percentiles(measured, simulated)}
     if "measured_token_times_s" in run:
         unwoken = simulate(model, requests, args, cores=parts.cores, steps=steps)
@@ -804,6 +807,17 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
         result["first_token_over_simulated_without_idle_wake"] = first_token_ratios(
             run, unwoken)
     return result
+
+
+def recorded_model(run: dict) -> LatencyModel:
+    """A run's fitted model; for a run from before the gateway hop was fitted, with it
+    fitted now from the run's recorded prompt points (through the gateway and straight
+    at the prefill instance)."""
+    model = LatencyModel(**run["latency_model"])
+    points = run.get("service_points", {})
+    if "gateway_hop_s" not in run["latency_model"] and "prefill_direct" in points:
+        model = model.fit_gateway_hop(points["prefill"], points["prefill_direct"])
+    return model
 
 
 def first_token_ratios(run: dict, rows: list[dict]) -> dict:
@@ -918,7 +932,8 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
             "decode_step_lag_correlation": {
                 f"{lag * STEP_WINDOW}_steps": lag_correlation(decode_ratios, lag)
                 for lag in (1, 2, 4)},
-            "model": model.fit_handoff(handoff_points),
+            "model": model.fit_handoff(handoff_points).fit_gateway_hop(prefill_points,
+                                                                       direct_points),
             "shared_cores": SharedCores.from_probe(sharing),
             "idle_wake": IdleWake(tuple((p, base, per_token)
                                         for p, base, per_token in wake["points"])),

@@ -59,6 +59,11 @@ class LatencyModel:
     # (``fit_handoff``). Zero: the KV joins as it lands, the fleet figures' model.
     handoff_base_s: float = 0.0
     handoff_per_token_s: float = 0.0
+    # Seconds on each request's way to its prefill instance that do not occupy the instance:
+    # the gateway's hops (``fit_gateway_hop``). ``GroupSim`` adds them before the prompt
+    # joins the instance's queue, so two prompts' hops overlap where their prefills queue.
+    # Zero: the prefill instance's time is the whole, the fleet figures' model.
+    gateway_hop_s: float = 0.0
 
     def prefill_s(self, tokens: int) -> float:
         return (self.prefill_base_s + self.prefill_per_token_s * tokens
@@ -92,6 +97,30 @@ class LatencyModel:
         base, per_token = fit_nonnegative(
             a, [p["seconds"] - self.transfer_s(p["tokens"]) for p in points])
         return replace(self, handoff_base_s=base, handoff_per_token_s=per_token)
+
+    def fit_gateway_hop(self, path: list[dict], direct: list[dict]) -> LatencyModel:
+        """This model, its prefill fitted to ``path`` (each prompt length's first token
+        through the gateway, ``{"tokens", "seconds"}``), with the gateway's share moved
+        out of the prefill base into ``gateway_hop_s``: the median over the lengths of how
+        much longer a prompt took through the gateway than straight at the prefill
+        instance (``direct``, the same lengths), at least 0 and at most the whole base.
+        The median, not a line in the tokens: the hops are HTTP calls of a few kilobytes
+        whatever the length, and where the difference grew with the prompt (the 1,024-token
+        point in some CPU runs) nothing says that part is off the instance."""
+        lengths = sorted(p["tokens"] for p in path)
+        if not path or lengths != sorted(p["tokens"] for p in direct):
+            raise ValueError(f"fit_gateway_hop needs the same prompt lengths both ways, not "
+                             f"{lengths} and {sorted(p['tokens'] for p in direct)}")
+        straight = {p["tokens"]: p["seconds"] for p in direct}
+        hop = float(np.median([p["seconds"] - straight[p["tokens"]] for p in path]))
+        hop = min(max(hop, 0.0), self.prefill_base_s)
+        return replace(self, prefill_base_s=self.prefill_base_s - hop,
+                       gateway_hop_s=self.gateway_hop_s + hop)
+
+    def without_gateway_hop(self) -> LatencyModel:
+        """The hop charged to the prefill instance again, as before ``gateway_hop_s``."""
+        return replace(self, prefill_base_s=self.prefill_base_s + self.gateway_hop_s,
+                       gateway_hop_s=0.0)
 
     @classmethod
     def from_engine_results(cls, path: str, kv_bytes_per_token: int,
@@ -747,6 +776,13 @@ class PrefillSim:
     def idle(self) -> bool:
         return not (self.busy or self.queue)
 
+    def reach(self, job: tuple[SimRequest, float]) -> None:
+        """A prompt admitted at ``job[1]`` reaches the instance: it queues, and starts if
+        the instance is free."""
+        self.queue.append(job)
+        if not self.busy:
+            self._start_next()
+
     def _start_next(self) -> None:
         if self.steps is not None:
             self._start_step(self.steps.chunk_tokens)
@@ -1114,6 +1150,10 @@ class GroupSim:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCH)}")
         if self.multiplexing is not None and self.ratio is not None:
             raise ValueError("multiplexing instances have no P/D ratio to move")
+        if self.model.gateway_hop_s > 0.0 and self.ratio is not None:
+            raise ValueError("a gateway hop (LatencyModel.gateway_hop_s) with a moving P/D "
+                             "ratio is not modelled: an instance could change roles while "
+                             "a prompt is on its way to it")
         names = [f"{self.name}-n{i}" if self.name != "sim" else f"n{i}"
                  for i in range(self.num_prefill + self.num_decode)]
         self.prefill = {n: PrefillSim(n, self.loop, self.model, self._prefilled) for n in names}
@@ -1256,9 +1296,13 @@ class GroupSim:
             request.offers += 1
             # The real rule (a real instance answers its refusal with a 429).
             if prefill.admission.try_admit(request.input_len, budget) is None:
-                prefill.queue.append((request, self.loop.now))
-                if not prefill.busy:
-                    prefill._start_next()
+                hop = self.model.gateway_hop_s
+                if hop > 0.0:  # on its way: the instance serves others meanwhile
+                    self.loop.at(self.loop.now + hop, prefill.reach, (request, self.loop.now))
+                else:  # ``reach``, in place (a Python call per request at fleet scale)
+                    prefill.queue.append((request, self.loop.now))
+                    if not prefill.busy:
+                        prefill._start_next()
                 order.shift(prefill.name, 1)  # ends the order's iteration
                 return
         if first_round:
