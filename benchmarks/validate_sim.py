@@ -14,6 +14,8 @@ against the simulator fitted to those instances.
    the group idled (``measure_idle_wake``). Each instance runs on a core of its own
    (``--pin-cores``).
 2. Fit ``LatencyModel.fit`` to those points, ``fit_handoff`` to the handoff's,
+   ``fit_gateway_hop`` to prompts through the gateway against straight at the instance
+   (the gateway's hops, a delay that occupies no instance),
    ``SharedCores.from_probe`` to the probe's (on GPUs of their own: factors near 1) and
    ``IdleWake`` to the idle probe's.
 3. Replay one request list (Poisson arrivals, random prompt and answer lengths, answers
