@@ -233,7 +233,10 @@ class Scheduler:
         self.prefill_order.arrange(self.waiting, self.running)
 
     def observe_launch(self, work: Work, output: StepOutput) -> None:
-        """A completed launch: its prompt tokens and time teach the admission order's rate."""
+        """A completed launch: its prompt tokens and time teach the admission order's rate
+        (nothing to learn, so no work on the step loop, under fcfs)."""
+        if not self.prefill_order.enabled:
+            return
         prompt_tokens = sum(s.num_new_tokens for s in work.plan.prefills)
         self.prefill_order.observe(prompt_tokens, output.elapsed_ms, work.layers is not None,
                                   work.final)

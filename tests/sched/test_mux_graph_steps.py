@@ -8,8 +8,6 @@ prefix."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from pdserve.sched.mux_planner import (
@@ -20,21 +18,13 @@ from pdserve.sched.mux_planner import (
     OnlineCalibration,
     PrefillRequest,
 )
-from pdserve.sched.predictor import LatencyPredictor
 
-PROFILE = Path(__file__).resolve().parents[2] / \
-    "benchmarks/results/loogle_h200/d698fcb_predictor.json"
 SPLITS = [(16, 116), (24, 108), (32, 100), (48, 84), (64, 68)]
 DECODE = DecodeLoad(1, 16000)
 
 
-@pytest.fixture(scope="module")
-def profile() -> LatencyPredictor:
-    return LatencyPredictor.load(PROFILE)
-
-
-def plan_at(profile, prefix: int, graph_factor: float, graph_tokens: int = 256, **options):
-    model = OnlineCalibration(profile)
+def plan_at(profile_d698fcb, prefix: int, graph_factor: float, graph_tokens: int = 256, **options):
+    model = OnlineCalibration(profile_d698fcb)
     model.graph_mixed_correction = graph_factor
     config = MuxPlannerConfig(itl_slo_ms=60.0, graph_step_tokens=graph_tokens, **options)
     planner = MuxPlanner(model, SPLITS, config)
@@ -42,9 +32,9 @@ def plan_at(profile, prefix: int, graph_factor: float, graph_tokens: int = 256, 
 
 
 @pytest.mark.parametrize("prefix", [8000, 12000])
-def test_graph_steps_measured_cheaper_are_chosen_over_a_larger_eager_step(profile, prefix):
-    eager = plan_at(profile, prefix, 0.85, graph_tokens=0, spatial=False, time_slice=False)
-    graph = plan_at(profile, prefix, 0.85, spatial=False, time_slice=False)
+def test_graph_steps_measured_cheaper_are_chosen_over_a_larger_eager_step(profile_d698fcb, prefix):
+    eager = plan_at(profile_d698fcb, prefix, 0.85, graph_tokens=0, spatial=False, time_slice=False)
+    graph = plan_at(profile_d698fcb, prefix, 0.85, spatial=False, time_slice=False)
     assert eager.prefill.num_tokens + DECODE.batch_size > 256  # one over the graphs
     assert graph.mode == MuxMode.TEMPORAL
     assert graph.prefill.num_tokens == 256 - DECODE.batch_size
@@ -52,32 +42,33 @@ def test_graph_steps_measured_cheaper_are_chosen_over_a_larger_eager_step(profil
     assert graph.prefill_tokens_per_s > eager.prefill_tokens_per_s
 
 
-def test_graph_steps_at_the_eager_cost_change_nothing(profile):
+def test_graph_steps_at_the_eager_cost_change_nothing(profile_d698fcb):
     """Until graph steps are measured cheaper, the option is weighed at the eager steps'
     cost, and the larger eager chunk keeps its higher rate."""
     for prefix in (0, 4000, 8000, 12000):
-        assert plan_at(profile, prefix, 1.0) == plan_at(profile, prefix, 1.0, graph_tokens=0)
+        eager = plan_at(profile_d698fcb, prefix, 1.0, graph_tokens=0)
+        assert plan_at(profile_d698fcb, prefix, 1.0) == eager
 
 
-def test_the_committed_rate_counts_graph_steps_through_the_whole_run(profile):
+def test_the_committed_rate_counts_graph_steps_through_the_whole_run(profile_d698fcb):
     """Rule 2 weighs mixed steps through a batch's worth of prompt tokens (all three options
     offered): with graph steps measured cheaper, the steps of that run take them and its
     rate rises."""
-    off = plan_at(profile, 8000, 0.85, graph_tokens=0, time_slice=True)
-    on = plan_at(profile, 8000, 0.85, time_slice=True)
+    off = plan_at(profile_d698fcb, 8000, 0.85, graph_tokens=0, time_slice=True)
+    on = plan_at(profile_d698fcb, 8000, 0.85, time_slice=True)
     assert on.mode == MuxMode.TEMPORAL and on.prefill.num_tokens == 255
     assert on.committed_tokens_per_s > off.committed_tokens_per_s
 
 
-def test_graph_and_eager_steps_learn_their_own_correction(profile):
-    model = OnlineCalibration(profile)
+def test_graph_and_eager_steps_learn_their_own_correction(profile_d698fcb):
+    model = OnlineCalibration(profile_d698fcb)
     for _ in range(30):
         model.observe_mixed(40.0 * model.graph_mixed_correction, 34.0, graph=True)
     assert model.graph_mixed_correction == pytest.approx(0.85, rel=0.02)
     assert model.mixed_correction == 1.0
     args = (255, 8000, 1, 1, 16000)
     assert model.predict_graph_mixed(*args) == pytest.approx(
-        model.graph_mixed_correction * profile.predict_mixed(*args))
+        model.graph_mixed_correction * profile_d698fcb.predict_mixed(*args))
 
 
 def test_the_graph_step_flag_reaches_the_planner_and_bad_values_are_refused():

@@ -9,8 +9,6 @@ which the e0559f6 timelines measured at 1.2-3.8K prompt tokens/s."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from pdserve.config import SchedulerConfig
@@ -22,23 +20,15 @@ from pdserve.sched.mux_planner import (
     OnlineCalibration,
     PrefillRequest,
 )
-from pdserve.sched.predictor import LatencyPredictor
 
-PROFILE = Path(__file__).resolve().parents[2] / \
-    "benchmarks/results/loogle_h200/d698fcb_predictor.json"
 SPLITS = [(16, 116), (24, 108), (32, 100), (48, 84), (64, 68)]
 DECODE = DecodeLoad(5, 5 * 11000)
 PROMPT = 24000
 
 
-@pytest.fixture(scope="module")
-def profile() -> LatencyPredictor:
-    return LatencyPredictor.load(PROFILE)
-
-
-def mixed_plan(profile, prefix: int, floor: int, graph_tokens: int = 0, cap: float = 1.25,
+def mixed_plan(profile_d698fcb, prefix: int, floor: int, graph_tokens: int = 0, cap: float = 1.25,
                correction: float = 1.0, **options):
-    model = OnlineCalibration(profile)
+    model = OnlineCalibration(profile_d698fcb)
     model.mixed_correction = model.graph_mixed_correction = correction
     config = MuxPlannerConfig(itl_slo_ms=60.0, graph_step_tokens=graph_tokens,
                               mixed_floor_tokens=floor, mixed_floor_cap=cap,
@@ -47,66 +37,66 @@ def mixed_plan(profile, prefix: int, floor: int, graph_tokens: int = 0, cap: flo
     return planner.plan(DECODE, [PrefillRequest(PROMPT - prefix, prefix)])
 
 
-def test_over_a_long_prefix_the_budget_cuts_the_chunk_small(profile):
-    plan = mixed_plan(profile, 20000, floor=0)
+def test_over_a_long_prefix_the_budget_cuts_the_chunk_small(profile_d698fcb):
+    plan = mixed_plan(profile_d698fcb, 20000, floor=0)
     assert plan.mode == MuxMode.TEMPORAL
     assert plan.prefill.num_tokens < 256
     assert plan.cycle_ms <= 54.0
 
 
-def test_the_floor_keeps_the_chunk_within_its_cap(profile):
-    plan = mixed_plan(profile, 20000, floor=256)
+def test_the_floor_keeps_the_chunk_within_its_cap(profile_d698fcb):
+    plan = mixed_plan(profile_d698fcb, 20000, floor=256)
     assert plan.mode == MuxMode.TEMPORAL and plan.meets_slo
     assert plan.prefill.num_tokens == 256
     assert 54.0 < plan.cycle_ms <= 60.0 * 1.25
     assert "the floor, over the budget" in plan.reason
-    assert plan.prefill_tokens_per_s > mixed_plan(profile, 20000, 0).prefill_tokens_per_s
+    assert plan.prefill_tokens_per_s > mixed_plan(profile_d698fcb, 20000, 0).prefill_tokens_per_s
 
 
-def test_a_floor_step_over_the_cap_is_not_taken(profile):
-    plan = mixed_plan(profile, 20000, floor=256, cap=0.95)
-    assert plan == mixed_plan(profile, 20000, floor=0)
+def test_a_floor_step_over_the_cap_is_not_taken(profile_d698fcb):
+    plan = mixed_plan(profile_d698fcb, 20000, floor=256, cap=0.95)
+    assert plan == mixed_plan(profile_d698fcb, 20000, floor=0)
 
 
-def test_where_the_floor_is_over_the_cap_the_largest_chunk_within_it_is_taken(profile):
+def test_where_the_floor_is_over_the_cap_the_largest_chunk_within_it_is_taken(profile_d698fcb):
     """At a correction of 1.3 over a 22K prefix, 256 tokens are over 75 ms, 192 within it,
     and the budget fits 128: the step takes 192 rather than falling back to the budget's
     chunk (a floor of 320 fell back to small chunks in the replay, 2.5K tokens/s)."""
-    budget = mixed_plan(profile, 22000, floor=0, correction=1.3)
-    floored = mixed_plan(profile, 22000, floor=256, correction=1.3)
+    budget = mixed_plan(profile_d698fcb, 22000, floor=0, correction=1.3)
+    floored = mixed_plan(profile_d698fcb, 22000, floor=256, correction=1.3)
     assert budget.prefill.num_tokens == 128
     assert floored.prefill.num_tokens == 192
     assert budget.cycle_ms <= 54.0 < floored.cycle_ms <= 75.0
 
 
-def test_where_a_larger_chunk_fits_the_floor_changes_nothing(profile):
+def test_where_a_larger_chunk_fits_the_floor_changes_nothing(profile_d698fcb):
     for prefix in (0, 2000, 6000):
-        assert mixed_plan(profile, prefix, 256) == mixed_plan(profile, prefix, 0)
+        assert mixed_plan(profile_d698fcb, prefix, 256) == mixed_plan(profile_d698fcb, prefix, 0)
 
 
-def test_with_graph_steps_the_floor_stays_on_the_graphs(profile):
-    plan = mixed_plan(profile, 20000, floor=256, graph_tokens=256)
+def test_with_graph_steps_the_floor_stays_on_the_graphs(profile_d698fcb):
+    plan = mixed_plan(profile_d698fcb, 20000, floor=256, graph_tokens=256)
     assert plan.prefill.num_tokens == 256 - DECODE.batch_size
     assert "prefill-step graphs" in plan.reason
 
 
-def test_the_floor_lifts_mixed_steps_out_of_a_raised_correction(profile):
+def test_the_floor_lifts_mixed_steps_out_of_a_raised_correction(profile_d698fcb):
     """Small steps' high measured cost raised the one mixed correction (to 1.55-1.79 in the
     e0559f6 Mooncake runs); at 1.7 the budget fits only small chunks even over a short
     prefix, which keeps the correction up. The floor's step is weighed by the same inflated
     prediction and still taken within the cap."""
-    raised = mixed_plan(profile, 4000, floor=0, correction=1.7)
-    floored = mixed_plan(profile, 4000, floor=256, correction=1.7)
+    raised = mixed_plan(profile_d698fcb, 4000, floor=0, correction=1.7)
+    floored = mixed_plan(profile_d698fcb, 4000, floor=256, correction=1.7)
     assert raised.prefill.num_tokens <= 128
     assert floored.prefill.num_tokens == 256
 
 
-def test_the_committed_rate_of_mixed_steps_counts_the_floor(profile):
+def test_the_committed_rate_of_mixed_steps_counts_the_floor(profile_d698fcb):
     """Rule 2 weighs mixed steps through the prompt tokens another option's batch would
     take (time slicing offered here): with the floor, the steps over the long prefix keep
     their chunk, and the rate mixed steps are weighed by rises."""
-    off = mixed_plan(profile, 14000, floor=0, time_slice=True)
-    on = mixed_plan(profile, 14000, floor=256, time_slice=True)
+    off = mixed_plan(profile_d698fcb, 14000, floor=0, time_slice=True)
+    on = mixed_plan(profile_d698fcb, 14000, floor=256, time_slice=True)
     assert off.mode == on.mode == MuxMode.TEMPORAL
     assert off.prefill.num_tokens < 256 == on.prefill.num_tokens
     assert on.committed_tokens_per_s > off.committed_tokens_per_s
