@@ -22,6 +22,7 @@ import pytest
 from pdserve.testing import free_port
 
 START_TIMEOUT_S = 120
+BIND_ATTEMPTS = 3  # starts on fresh ports when another process took the drawn one
 
 
 @dataclass
@@ -117,8 +118,23 @@ def engine_pid(server: Server, missing_ok: bool = False) -> int | None:
 def start_server(*flags: str, api_key: str | None = None, env: dict[str, str] | None = None,
                  client_key: str | None = None, port: int | None = None) -> Server:
     """``api_key`` goes on the command line; ``env`` adds environment variables;
-    ``client_key`` is the key the test clients send (``api_key`` by default)."""
-    port = port or free_port()
+    ``client_key`` is the key the test clients send (``api_key`` by default). A port drawn
+    here can be taken by another process before the server binds it (an outgoing
+    connection's ephemeral port, another server's ``--kv-transfer-port 0``): the server
+    then exits naming the port, and is started again on a fresh one."""
+    if port is not None:
+        return _start_server_on(port, flags, api_key, env, client_key)
+    for _ in range(BIND_ATTEMPTS - 1):
+        try:
+            return _start_server_on(free_port(), flags, api_key, env, client_key)
+        except RuntimeError as exc:
+            if "Address already in use" not in str(exc):
+                raise
+    return _start_server_on(free_port(), flags, api_key, env, client_key)
+
+
+def _start_server_on(port: int, flags: tuple[str, ...], api_key: str | None,
+                     env: dict[str, str] | None, client_key: str | None) -> Server:
     cmd = [sys.executable, "-m", "pdserve", "serve", "tiny", "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--device", "cpu", *flags]
     if api_key:
