@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.bench.report import git_revision
+from pdserve.bench.report import git_revision, pdserve_environment
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.request import Request, RequestStatus
@@ -351,6 +351,7 @@ def main() -> None:
 
     sampler, gpu = open_sampler(torch, "cuda")
     report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
+              "environment_variables": pdserve_environment(),
               "device": torch.cuda.get_device_name(), "gpu": gpu, "torch": torch.__version__,
               "python": platform.python_version(), "ceilings": ceilings, "models": []}
     for model in args.models:

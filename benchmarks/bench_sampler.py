@@ -7,9 +7,6 @@ copies the penalty counts' indices to the device) to the sampled tokens being re
 device sync on CUDA). ``top_k_top_p_sort`` forces the full-vocabulary sort on the same
 setting as ``top_k_top_p`` to show what the top-k-first path saves.
 
-On CUDA both argmaxes (greedy, the draw) are torch's argmax, or with
-``PDSERVE_TRITON_ARGMAX=1`` the Triton ``row_argmax``: run both for an A/B of that kernel.
-
 ``greedy_grammar_json``: greedy with every row under a JSON schema's grammar (llguidance):
 the step adds filling the rows' token bitmask on the host (here after the logits are made,
 as the engine does once the forward is queued), its copy and its application, and advancing

@@ -129,26 +129,32 @@ CONFIGS = {f"chunk{c}": f"--schedule chunked --chunk-size {c}" for c in (256, 51
 CONFIGS["prefill-first"] = "--schedule prefill-first --max-num-batched-tokens 24576"
 # Decode on 56 of the 132 SMs, as the engine's disagg baseline has run on the H200.
 CONFIGS["disagg"] = "--schedule disagg --disagg-decode-sms 56 --max-num-batched-tokens 24576"
-CONFIGS.update({f"multiplex-itl{itl:g}": f"{MUX_ARGS} --itl-slo-ms {itl:g}"
+# Multiplex configurations name their graph-step and floor flags: both became the engine's
+# defaults after the H200 probes at 38d366f (graph steps where the prefill-step graphs are
+# captured, a 256-token floor), so "multiplex-itl60" keeps meaning what its records ran.
+NO_GRAPH_STEPS, GRAPH_STEPS = " --mux-graph-step-tokens 0", " --mux-graph-step-tokens 256"
+NO_FLOOR, FLOOR_ARGS = " --mux-mixed-floor-tokens 0", " --mux-mixed-floor-tokens 256"
+CONFIGS.update({f"multiplex-itl{itl:g}":
+                f"{MUX_ARGS} --itl-slo-ms {itl:g}{NO_GRAPH_STEPS}{NO_FLOOR}"
                 for itl in FIGURE3_ITL_MS})
 # Mixed steps only, and mixed steps that fit the 256-token prefill-step graphs weighed as
 # an option of their own: A/B against multiplex-itl60 and chunk256.
-CONFIGS["multiplex-temporal-itl60"] = f"{MUX_ARGS} --itl-slo-ms 60 --mux-sharing temporal"
-CONFIGS["multiplex-graph-itl60"] = f"{MUX_ARGS} --itl-slo-ms 60 --mux-graph-step-tokens 256"
+CONFIGS["multiplex-temporal-itl60"] = CONFIGS["multiplex-itl60"] + " --mux-sharing temporal"
+CONFIGS["multiplex-graph-itl60"] = f"{MUX_ARGS} --itl-slo-ms 60{GRAPH_STEPS}{NO_FLOOR}"
 # The same with each option's prefill correction converging on its pieces' measured over
 # predicted time instead of compounding it (the Mooncake A/B against multiplex-graph-itl60).
-CONFIGS["multiplex-graph-converging-itl60"] = (CONFIGS["multiplex-graph-itl60"]
-                                               + " --mux-prefill-correction converging")
+CONVERGING = " --mux-prefill-correction converging"
+CONFIGS["multiplex-graph-converging-itl60"] = CONFIGS["multiplex-graph-itl60"] + CONVERGING
 # Mixed steps that keep a 256-token chunk (on the graphs) where the per-step budget would cut
 # it smaller, over long prefixes (docs/results.md, "Where the Mooncake probe's prefill
-# went"): with every option, with the prefill corrections converging too, and with mixed
-# steps only (chunked prefill's steps with the ITL budget kept where the chunk allows).
-FLOOR_ARGS = " --mux-mixed-floor-tokens 256"
-CONFIGS["multiplex-graph-floor-itl60"] = CONFIGS["multiplex-graph-itl60"] + FLOOR_ARGS
+# went"): with every option (the engine's default multiplex now), with the prefill
+# corrections converging too, and with mixed steps only (chunked prefill's steps with the
+# ITL budget kept where the chunk allows).
+CONFIGS["multiplex-graph-floor-itl60"] = f"{MUX_ARGS} --itl-slo-ms 60{GRAPH_STEPS}{FLOOR_ARGS}"
 CONFIGS["multiplex-graph-floor-converging-itl60"] = (
-    CONFIGS["multiplex-graph-converging-itl60"] + FLOOR_ARGS)
+    CONFIGS["multiplex-graph-floor-itl60"] + CONVERGING)
 CONFIGS["multiplex-temporal-graph-floor-itl60"] = (
-    CONFIGS["multiplex-graph-itl60"] + " --mux-sharing temporal" + FLOOR_ARGS)
+    CONFIGS["multiplex-graph-floor-itl60"] + " --mux-sharing temporal")
 # SLO-aware admission order (--prefill-order slo) against the same config in arrival order.
 # The deadline is the workload's own TTFT SLO (``{ttft_slo_ms}``: one server per workload).
 # On multiplex --ttft-slo-ms also caps a new batch by the oldest prompt's slack, so the
@@ -159,8 +165,9 @@ CONFIGS["multiplex-graph-floor-ttft-itl60"] = (CONFIGS["multiplex-graph-floor-it
                                                + " --ttft-slo-ms {ttft_slo_ms}")
 CONFIGS["multiplex-graph-floor-slo-itl60"] = (CONFIGS["multiplex-graph-floor-itl60"]
                                               + SLO_ORDER_ARGS)
-TABLE_CONFIGS = ("multiplex-itl60", "chunk256", "chunk512", "chunk1024", "chunk2048",
-                 "prefill-first", "disagg")
+# The engine's default multiplex first, then the one its earlier records ran.
+TABLE_CONFIGS = ("multiplex-graph-floor-itl60", "multiplex-itl60", "chunk256", "chunk512",
+                 "chunk1024", "chunk2048", "prefill-first", "disagg")
 SERVER_ARGS = "--load-format dummy --max-model-len 24576"
 
 

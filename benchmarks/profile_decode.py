@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import (  # noqa: E402, I001
-    StartupLog, git_revision, kv_bytes_per_token, place_decoding_requests, weight_bytes)
+    StartupLog, git_revision, kv_bytes_per_token, pdserve_environment, place_decoding_requests,
+    weight_bytes)
 
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.core import EngineCore  # noqa: E402
@@ -126,6 +127,7 @@ def main() -> None:
         engine = EngineCore(config)
     free, total = torch.cuda.mem_get_info()
     report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
+              "environment_variables": pdserve_environment(),
               "device": torch.cuda.get_device_name(), "model": args.model,
               "decode_layers": engine.runner.decode_layers,
               "fused_rope_decode": args.fused_rope_decode,

@@ -281,7 +281,7 @@ def _check_device(device: str, dtype: str) -> None:
 def _check_graph_steps(config) -> None:
     """--mux-graph-step-tokens where no prefill-step graphs are captured stops before the
     model loads: its "graph" steps would run eagerly and learn an eager cost unasked."""
-    if config.scheduler.mux_graph_step_tokens <= 0:
+    if not config.scheduler.mux_graph_step_tokens:  # off, or the engine's default
         return
     where = "on the CPU" if _runs_on_cpu(config) else (
         "under tensor parallelism" if config.device.tensor_parallel_size > 1 else None)

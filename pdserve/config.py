@@ -99,21 +99,22 @@ class SchedulerConfig:
     mux_switch_margin: float = doc(0.03, "multiplex: how much more prefill (as a fraction) "
                                    "another sharing option must be predicted to deliver, after "
                                    "paying for the switch, before the running one is left.")
-    mux_graph_step_tokens: int = doc(0, "multiplex: weigh mixed steps that fit the prefill-step "
-                                     "graphs (prompt and decode tokens up to this many; match "
-                                     "--piecewise-graph-max-tokens at most) as an option of "
-                                     "their own, at a cost learned from such steps; 0: off. "
-                                     "Needs the graphs: refused on the CPU, under tensor "
-                                     "parallelism and with --enforce-eager.")
-    mux_mixed_floor_tokens: int = doc(0, "multiplex: the smallest chunk a mixed step takes "
+    mux_graph_step_tokens: int | None = doc(None, "multiplex: weigh mixed steps that fit the "
+                                            "prefill-step graphs (prompt and decode tokens up "
+                                            "to this many; match --piecewise-graph-max-tokens "
+                                            "at most) as an option of their own, at a cost "
+                                            "learned from such steps; 0: off. Default: the "
+                                            "graphs' size where they are captured (a GPU "
+                                            "without tensor parallelism or --enforce-eager), "
+                                            "else off.")
+    mux_mixed_floor_tokens: int = doc(256, "multiplex: the smallest chunk a mixed step takes "
                                       "while that many prompt tokens wait, even where a "
                                       "smaller one would fit the ITL budget, as long as the "
                                       "step stays within 1.25x the ITL target (else the "
                                       "largest chunk under it that does; kept on the "
-                                      "prefill-step graphs when --mux-graph-step-tokens is "
-                                      "set): the SLO is a mean over a request's tokens, and "
-                                      "chunks cut small over long prefixes prefill slowly. "
-                                      "0: off (opt-in until measured).")
+                                      "prefill-step graphs when graph steps are on): the SLO "
+                                      "is a mean over a request's tokens, and chunks cut "
+                                      "small over long prefixes prefill slowly. 0: off.")
     mux_prefill_correction: str = doc("compounding", "multiplex: how each sharing option's "
                                       "prefill correction learns from its pieces: "
                                       "'compounding' moves it by every piece's measured over "
@@ -146,7 +147,7 @@ class SchedulerConfig:
         if self.mux_prefill_correction not in PREFILL_RULES:
             raise ValueError(f"--mux-prefill-correction {self.mux_prefill_correction}: "
                              f"expected one of {', '.join(PREFILL_RULES)}")
-        if self.mux_graph_step_tokens < 0:
+        if self.mux_graph_step_tokens is not None and self.mux_graph_step_tokens < 0:
             raise ValueError(f"--mux-graph-step-tokens {self.mux_graph_step_tokens}: must be "
                              ">= 0")
         if self.mux_mixed_floor_tokens < 0:
@@ -228,7 +229,7 @@ class EngineConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
     def __post_init__(self) -> None:
-        graph_steps = self.scheduler.mux_graph_step_tokens
+        graph_steps = self.scheduler.mux_graph_step_tokens or 0
         most = 0 if self.device.enforce_eager else self.device.piecewise_graph_max_tokens
         if graph_steps > most:
             raise ValueError(f"--mux-graph-step-tokens {graph_steps}: the prefill-step graphs "

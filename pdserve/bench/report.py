@@ -36,6 +36,13 @@ def git_revision() -> str:
     return rev + ("+dirty" if dirty else "")
 
 
+def pdserve_environment() -> dict[str, str]:
+    """The ``PDSERVE_*`` variables a run was started with: several kernels are opt-in by
+    environment variable, so a result must say which ran."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith("PDSERVE_") and k != "PDSERVE_GIT_REVISION"}
+
+
 def device_info() -> dict:
     """The GPUs of this host (servers started by ``compare`` run here), without importing torch."""
     gpus = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
@@ -52,6 +59,7 @@ def result_header(config: dict) -> dict:
         "command": sys.argv,
         "git_revision": git_revision(),
         "device": device_info(),
+        "environment_variables": pdserve_environment(),
         "config": config,
     }
 

@@ -27,6 +27,7 @@ the offline ``LLM``), which aborts the request when one hits.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -70,6 +71,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         self.runner = ModelRunner(config, self.arch, self.max_model_len, setup.ops)
         self._check_graph_steps()
+        self.config = config = self._with_graph_steps_resolved(config)
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching)
         self.scheduler = make_scheduler(config.scheduler, self.blocks, self.max_model_len,
@@ -107,12 +109,22 @@ class EngineCore:
         if why is not None:
             raise ValueError(why)
 
+    def _with_graph_steps_resolved(self, config: EngineConfig) -> EngineConfig:
+        """Multiplexing's graph steps default to the prefill-step graphs this runner
+        captured (none on the CPU, under tensor parallelism or with --enforce-eager): on
+        the H200 they raised Mooncake goodput probes at every rate (docs/results.md)."""
+        if config.scheduler.mux_graph_step_tokens is not None:
+            return config
+        captured = self.runner.piecewise_tokens() if self.runner.device.type == "cuda" else 0
+        scheduler = dataclasses.replace(config.scheduler, mux_graph_step_tokens=captured)
+        return dataclasses.replace(config, scheduler=scheduler)
+
     def _check_graph_steps(self) -> None:
         """Multiplexing's graph steps need the prefill-step graphs this runner captures (none
         under tensor parallelism or with --enforce-eager). The CPU captures none either; there
         the steps within the bound are planned as graph steps and run like every CPU step (the
         decision logic's reference, which tests use; the CLI refuses the flag on the CPU)."""
-        wanted = self.config.scheduler.mux_graph_step_tokens
+        wanted = self.config.scheduler.mux_graph_step_tokens or 0
         captured = self.runner.piecewise_tokens()
         if wanted > captured and self.runner.device.type == "cuda":
             raise ValueError(f"--mux-graph-step-tokens {wanted}: this runner captures "

@@ -21,7 +21,6 @@ import torch
 from pdserve.ops import reference
 
 REFERENCE_OPS_ENV = "PDSERVE_REFERENCE_OPS"
-TRITON_ARGMAX_ENV = "PDSERVE_TRITON_ARGMAX"
 # The fused GEMVs (``rms_norm_gemv`` and the rest) take at most this many rows: decode
 # batches up to 8. Larger batches keep cuBLAS: their GEMMs are no longer pure streaming.
 GEMV_MAX_ROWS = 8
@@ -167,22 +166,9 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     backend.rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
-@functools.cache
-def _sampling() -> ModuleType:
-    from pdserve.ops import triton_sampling
-
-    return triton_sampling
-
-
-def triton_argmax_enabled() -> bool:
-    """The Triton row argmax is opt-in (``PDSERVE_TRITON_ARGMAX=1``) until its GPU tests
-    pass and ``bench_sampler.py`` times it against torch's argmax on the GPU."""
-    return os.environ.get(TRITON_ARGMAX_ENV, "0") not in ("", "0")
-
-
 def row_argmax(values: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
     """Index of each row's largest value, or of ``values - log(noise)`` (the Gumbel-max
-    draw) when Exp(1) ``noise`` is given; see ``reference.row_argmax``."""
-    use_triton = uses_triton(values) and triton_argmax_enabled()
-    backend = _sampling() if use_triton else reference
-    return backend.row_argmax(values, noise)
+    draw) when Exp(1) ``noise`` is given; see ``reference.row_argmax``. Torch's argmax on
+    every device: a two-launch Triton argmax measured 0.05-0.1 ms slower per sampling call
+    on the H200 (``benchmarks/results/sampler_h200_llama3_8b_*_argmax_38d366f.json``)."""
+    return reference.row_argmax(values, noise)

@@ -459,7 +459,7 @@ def decode_attention(
     out: torch.Tensor,
     scale: float,
     num_splits: int,
-    min_split_tokens: int = 128,
+    min_split_tokens: int = 64,
     config: DecodeConfig | None = None,
     rope: NewTokenRope | None = None,
 ) -> None:
@@ -981,13 +981,15 @@ class TritonAttentionBackend:
     only on the decode batch size (a host int), so each CUDA-graph batch bucket has a fixed
     grid. Contexts shorter than ``num_splits * min_split_tokens`` leave splits empty.
 
-    ``min_split_tokens`` stays 128 (two K/V tiles) until the default two-launch path is
-    timed at 64 (one tile: at small batches a split is a chain of dependent loads per tile,
-    so one tile per split may be the shortest). On the H200 (8 KV heads of 128, 1K context)
-    only the opt-in one-launch merge was timed at both: 64 tokens per split took 9.74 /
-    11.86 / 12.65 / 16.59 us per layer at batch 1 / 2 / 4 / 8 against 10.33 / 11.92 / 13.36
-    / 16.69 with 128 (``benchmarks/results/decode_attention_ab_h200_2c05d54.json``,
-    ``decode_sweep``); ``bench_kernels.py --decode-ab`` times the default path at both.
+    ``min_split_tokens`` is 64 (one K/V tile of 64): at small batches a split is a chain of
+    dependent loads per tile, so one tile per split is the shortest. On the H200 at 38d366f
+    (two launches, ``bench_kernels.py --decode-ab``,
+    ``benchmarks/results/kernels_decode_ab_h200_38d366f.json``) 64 against 128 took 8.1 /
+    10.1 / 11.8 / 16.2 us per layer at batch 1 / 2 / 4 / 8 and 1K context against 9.9 /
+    10.9 / 13.1 / 16.4 (llama3-8b heads; codellama-34b's alike), and the same at 4K.
+
+    ``fuse_rope`` (default on; ``PDSERVE_FUSED_ROPE_DECODE=0`` turns it off) folds the
+    rotary embedding and K/V store into the decode kernel of decode-only batches.
     """
 
     name = "triton"
@@ -995,7 +997,7 @@ class TritonAttentionBackend:
     def __init__(
         self,
         max_kv_splits: int = 32,
-        min_split_tokens: int = 128,
+        min_split_tokens: int = 64,
         num_sms: int | None = None,
         fuse_rope: bool | None = None,
     ) -> None:
@@ -1005,7 +1007,7 @@ class TritonAttentionBackend:
         self.min_split_tokens = min_split_tokens
         self.num_sms = num_sms
         if fuse_rope is None:
-            fuse_rope = os.environ.get(FUSED_ROPE_DECODE_ENV, "0") not in ("", "0")
+            fuse_rope = os.environ.get(FUSED_ROPE_DECODE_ENV, "1") not in ("", "0")
         self.fuse_rope = fuse_rope
 
     def fuses_rope(self, meta: AttentionMetadata) -> bool:

@@ -177,7 +177,7 @@ class MultiplexScheduler(InFlightScheduler):
                       max_prefill_tokens=sched.max_num_batched_tokens,
                       safety_margin=sched.mux_itl_margin,
                       switch_margin=sched.mux_switch_margin,
-                      graph_step_tokens=sched.mux_graph_step_tokens,
+                      graph_step_tokens=sched.mux_graph_step_tokens or 0,
                       mixed_floor_tokens=sched.mux_mixed_floor_tokens,
                       **{name: name in sharing for name in MUX_SHARING})
         return MuxPlannerConfig(**{**fields, **self._overrides, **overrides})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 from bench_standin import StandIn, ThreadedServer, free_port
 
 from pdserve.bench.cli import main
+from pdserve.bench.report import result_header
 
 STANDIN = Path(__file__).parent / "bench_standin.py"
 TOP_KEYS = {"ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "request_throughput",
@@ -87,3 +89,15 @@ def test_compare_reports_a_server_that_never_starts(tmp_path, capsys):
     assert "broken / random: not run: server exited with 3" in capsys.readouterr().err
     run = json.loads(out.read_text())["runs"][0]
     assert run["name"] == "broken" and "exited with 3" in run["error"]
+
+
+def test_result_header_names_the_opt_in_variables_a_run_had(monkeypatch):
+    """Kernels switched on by PDSERVE_* variables must show in every result that used them;
+    the revision variable is the header's own field, not an option."""
+    for name in [k for k in os.environ if k.startswith("PDSERVE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PDSERVE_FUSED_ROPE_DECODE", "1")
+    monkeypatch.setenv("PDSERVE_GIT_REVISION", "abc")
+    header = result_header({})
+    assert header["environment_variables"] == {"PDSERVE_FUSED_ROPE_DECODE": "1"}
+    assert header["git_revision"] == "abc"

@@ -116,14 +116,34 @@ def test_every_multiplex_config_serves_to_the_itl_its_name_gives():
     assert module.itl_target("chunk256") is None and module.itl_target("multiplex-itl") is None
 
 
-def test_the_floor_configs_add_only_the_floor_to_what_they_are_compared_with():
+def _flags(args: str) -> dict[str, str]:
+    """``--flag value`` pairs (every flag of these configs takes one value)."""
+    words = args.split()
+    return dict(zip(words[::2], words[1::2], strict=True))
+
+
+def test_the_floor_configs_differ_only_by_the_floor_from_what_they_are_compared_with():
     configs = _load("goodput_h200").CONFIGS
-    floor = " --mux-mixed-floor-tokens 256"
-    assert configs["multiplex-graph-floor-itl60"] == configs["multiplex-graph-itl60"] + floor
-    assert configs["multiplex-graph-floor-converging-itl60"] == \
-        configs["multiplex-graph-converging-itl60"] + floor
-    assert configs["multiplex-temporal-graph-floor-itl60"] == \
-        configs["multiplex-graph-itl60"] + " --mux-sharing temporal" + floor
+    pairs = [("multiplex-graph-floor-itl60", "multiplex-graph-itl60"),
+             ("multiplex-graph-floor-converging-itl60", "multiplex-graph-converging-itl60")]
+    for floor, without in pairs:
+        with_floor, without_floor = _flags(configs[floor]), _flags(configs[without])
+        assert with_floor.pop("--mux-mixed-floor-tokens") == "256"
+        assert without_floor.pop("--mux-mixed-floor-tokens") == "0"
+        assert with_floor == without_floor
+    temporal = _flags(configs["multiplex-temporal-graph-floor-itl60"])
+    assert temporal.pop("--mux-sharing") == "temporal"
+    assert temporal == _flags(configs["multiplex-graph-floor-itl60"])
+
+
+def test_every_multiplex_config_names_its_graph_steps_and_floor():
+    """The engine's defaults for both changed; a config's records must keep one meaning."""
+    configs = _load("goodput_h200").CONFIGS
+    for name, args in configs.items():
+        if "--schedule multiplex" in args:
+            flags = _flags(args.replace("{predictor}", "p").replace("{ttft_slo_ms}", "1"))
+            assert "--mux-graph-step-tokens" in flags and "--mux-mixed-floor-tokens" in flags, name
+
 
 def test_definitions_cover_the_issue():
     module = _load("goodput_h200")
@@ -191,7 +211,8 @@ def test_summary_brackets_missing_probes_revisions_and_figure3(tool, tmp_path):
     assert next(line for line in markdown.splitlines()
                 if line.startswith("| chunk512 |")).split("|")[2].strip() == "0.1"
     assert "† (bbbbbbb)" in markdown  # chunk1024 comes from another revision
-    assert "run --search loogle:multiplex-itl60,chunk256 --max-probes 2" in markdown
+    assert "run --search loogle:multiplex-graph-floor-itl60,multiplex-itl60 --max-probes 2" \
+        in markdown
     assert (tmp_path / "figure3_loogle.png").stat().st_size > 0
     assert "| chunk512 | 0.1 | 0.1 | 0.1 | 0.1 |" in markdown  # one run, every ITL SLO
 

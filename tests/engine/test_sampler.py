@@ -7,6 +7,7 @@ import torch
 
 from pdserve.engine.sampler import SamplingBatch, sample
 from pdserve.model.tokenizer import ByteTokenizer, load_tokenizer
+from pdserve.ops.launch_count import count_launches
 from pdserve.request import Request
 from pdserve.sampling_params import GrammarSpec, InvalidRequestError, SamplingParams
 from pdserve.structured.grammars import GrammarCompiler
@@ -322,3 +323,19 @@ def test_a_hugging_face_tokenizers_grammar_rows_decode_to_matching_text(tmp_path
         assert re.fullmatch("(yes|no) [0-9]{1,3}", tokenizer.decode(text)), text
         multi += any(len(tokenizer.decode([t])) > 1 for t in text)
     assert multi  # the BPE's multi-character tokens were used, not bytes only
+
+
+@pytest.mark.parametrize("rows", [[SamplingParams(temperature=0)] * 2,
+                                  [SamplingParams(temperature=0.7),
+                                   SamplingParams(temperature=0.9, top_k=20, top_p=0.8)],
+                                  [SamplingParams(temperature=0), SamplingParams(temperature=0.7)]])
+def test_a_step_takes_the_greedy_argmax_only_for_greedy_rows_and_no_softmax_to_draw(rows):
+    """The draw is an argmax over logits / T - log E: no probabilities unless top-p needs
+    the sorted mass, and the greedy argmax only in a batch that has a greedy row."""
+    logits = torch.randn(len(rows), 500, generator=torch.Generator().manual_seed(7)) * 3
+    with count_launches() as count:
+        sample(logits, _batch(rows, 500))
+    greedy = any(p.temperature == 0 for p in rows)
+    drawn = any(p.temperature > 0 for p in rows)
+    assert count.by_name["aten::argmax"] == int(greedy) + int(drawn)
+    assert count.by_name["aten::_softmax"] == int(any(p.top_p < 1 for p in rows))

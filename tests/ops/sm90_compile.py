@@ -18,7 +18,6 @@ from triton.compiler import ASTSource
 from pdserve.ops import triton_attention as ta
 from pdserve.ops import triton_fused as tf
 from pdserve.ops import triton_gemv as tg
-from pdserve.ops import triton_sampling as ts
 
 HOPPER = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024
@@ -98,13 +97,6 @@ def fused_cases(dtype: str):
         ), 4, 1  # fmt: skip
 
 
-def sampling_cases(dtype: str):
-    """The sampler's row argmax (fp32 logits whatever the model's dtype)."""
-    for has_noise in (False, True):
-        yield ts._chunk_argmax_kernel, dtype, dict(HAS_NOISE=has_noise, BLOCK=2048), 4, 1
-    yield ts._pick_chunk_kernel, dtype, dict(CHUNKS=64), 1, 1
-
-
 def gemv_cases(dtype: str):
     """The decode GEMV's default configs (one per row bucket) and the tuned table's, with
     each prologue; bias and residual on, as the heaviest variants."""
@@ -123,7 +115,7 @@ def gemv_cases(dtype: str):
 
 def main(dtypes: list[str]) -> None:
     for dtype in dtypes:
-        cases = [*attention_cases(dtype), *fused_cases(dtype), *sampling_cases(dtype),
+        cases = [*attention_cases(dtype), *fused_cases(dtype),
                  *gemv_cases(dtype)]
         for kernel, dt, constexprs, warps, stages in cases:
             compiled = compile_kernel(kernel, dt, constexprs, warps, stages)

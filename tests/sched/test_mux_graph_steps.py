@@ -83,6 +83,19 @@ def test_the_graph_step_flag_reaches_the_planner_and_bad_values_are_refused():
         SchedulerConfig(schedule="multiplex", mux_graph_step_tokens=-1)
 
 
+def test_graph_steps_and_the_floor_are_on_by_default_where_graphs_are_captured():
+    """Left unset, graph steps take the size of the prefill-step graphs the runner captured:
+    none on the CPU, so there the planner weighs no graph steps; the floor is 256 anywhere."""
+    from pdserve.config import SchedulerConfig
+    from pdserve.engine.llm import LLM
+
+    assert SchedulerConfig().mux_graph_step_tokens is None
+    llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline")
+    assert llm.engine.config.scheduler.mux_graph_step_tokens == 0
+    planner = llm.engine.scheduler.planner.config
+    assert (planner.graph_step_tokens, planner.mixed_floor_tokens) == (0, 256)
+
+
 @pytest.mark.parametrize("flags", [{"mux_graph_step_tokens": 512},
                                    {"mux_graph_step_tokens": 256, "enforce_eager": True},
                                    {"mux_graph_step_tokens": 256,
