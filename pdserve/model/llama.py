@@ -257,8 +257,13 @@ class LlamaDecoderLayer(nn.Module):
         norm = self.input_layernorm
         qkv = dispatch.rms_norm_gemv(stream, norm.weight, norm.eps, attn.qkv_proj.weight,
                                      attn.qkv_proj.bias)
-        qkv = attn.rotate_and_store(qkv, positions, meta.slot_mapping, kv_cache, cos_sin_cache)
-        attn_out = attn.attend(qkv, meta, kv_cache).reshape(-1, attn.q_size)
+        if attn.backend.fuses_rope(meta):  # decided by the batch's shape: graph-safe
+            attn_out = attn.rope_store_attend(qkv, positions, meta, kv_cache, cos_sin_cache)
+        else:
+            qkv = attn.rotate_and_store(qkv, positions, meta.slot_mapping, kv_cache,
+                                        cos_sin_cache)
+            attn_out = attn.attend(qkv, meta, kv_cache)
+        attn_out = attn_out.reshape(-1, attn.q_size)
         stream = dispatch.gemv_add(attn_out, attn.o_proj.weight, attn.o_proj.bias, stream)
         norm = self.post_attention_layernorm
         gate_up = dispatch.rms_norm_gemv(stream, norm.weight, norm.eps, mlp.gate_up_proj.weight,

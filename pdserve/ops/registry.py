@@ -21,7 +21,7 @@ class AttentionBackend(Protocol):
 
     def fuses_rope(self, meta: AttentionMetadata) -> bool:
         """Whether the model hands this batch's rotary + K/V store to ``rope_store_attend``
-        (Triton, opt-in) instead of running ``rope_store_kv`` before ``attend``."""
+        (Triton, on by default) instead of running ``rope_store_kv`` before ``attend``."""
         ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

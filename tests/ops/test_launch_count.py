@@ -52,15 +52,16 @@ def test_interpreted_triton_launches_are_counted():
     assert dict(count.by_name) == {"triton::_rms_norm_kernel": 1}
 
 
-# Both paths: one rotary+KV-store kernel and split-KV decode attention (split + reduce).
-_ATTENTION = {"triton::_rope_store_kv_kernel": 1, "triton::_decode_split_kernel": 1,
-              "triton::_decode_reduce_kernel": 1}
+# Split-KV decode attention: split + reduce.
+_ATTENTION = {"triton::_decode_split_kernel": 1, "triton::_decode_reduce_kernel": 1}
+_ROPE_STORE = {"triton::_rope_store_kv_kernel": 1}
 LAYER_LAUNCHES = {
-    # Two norms (residual add fused in), QKV, o_proj, gate/up and down GEMMs, silu-and-mul.
+    # Two norms (residual add fused in), QKV, o_proj, gate/up and down GEMMs, silu-and-mul;
+    # rotary and the K/V store run inside the decode split kernel (the default).
     "triton": {"triton::_rms_norm_kernel": 2, "aten::linear": 4,
                "triton::_silu_and_mul_kernel": 1, **_ATTENTION},
     # --decode-gemv on: four fused GEMVs (norms, SiLU and residual adds inside them); no
-    # norm, SiLU or cuBLAS launch.
+    # norm, SiLU or cuBLAS launch; rotary and the K/V store in the decode split kernel.
     "gemv": {"triton::_gemv_kernel": 4, **_ATTENTION},
 }
 
@@ -75,6 +76,17 @@ def test_decode_layer_launches(model, path):
 
 
 @interpreted
+def test_unfused_rope_launches_its_own_kernel(monkeypatch):
+    """PDSERVE_FUSED_ROPE_DECODE=0 stores K/V and rotates in a kernel of its own."""
+    from pdserve.ops.triton_attention import FUSED_ROPE_DECODE_ENV
+
+    monkeypatch.setenv(FUSED_ROPE_DECODE_ENV, "0")
+    script = _count_script()
+    count = script.count_decode_layer(PRESETS["tiny"], 3, 40, "cpu", torch.float32, "triton")
+    assert dict(count.by_name) == {**LAYER_LAUNCHES["triton"], **_ROPE_STORE}
+
+
+@interpreted
 def test_one_launch_decode_drops_the_reduce_kernel(monkeypatch):
     """The opt-in path merges the splits in the split kernel's own launch."""
     from pdserve.ops.triton_attention import ONE_LAUNCH_DECODE_ENV
@@ -84,7 +96,7 @@ def test_one_launch_decode_drops_the_reduce_kernel(monkeypatch):
     count = script.count_decode_layer(PRESETS["tiny"], 3, 40, "cpu", torch.float32, "triton")
     assert count.by_name["triton::_decode_split_kernel"] == 1
     assert "triton::_decode_reduce_kernel" not in count.by_name
-    assert count.total == 9
+    assert count.total == 8
 
 
 @interpreted
@@ -95,4 +107,4 @@ def test_decode_layer_with_one_kv_split_skips_the_reduce():
     count = script.count_decode_layer(PRESETS["tiny"], 140, 20, "cpu", torch.float32, "triton")
     assert count.by_name["triton::_decode_split_kernel"] == 1
     assert "triton::_decode_reduce_kernel" not in count.by_name
-    assert count.total == 9
+    assert count.total == 8

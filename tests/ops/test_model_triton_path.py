@@ -54,7 +54,8 @@ def test_model_triton_path_matches_reference_path():
 @interpreted
 def test_decode_gemv_path_matches_reference_path():
     """Decode steps (2 rows) on the fused GEMV path, the prefill (10 rows) on the usual one:
-    logits as the reference path's, and the GEMV kernel did run (4 launches per layer).
+    logits as the reference path's, and the GEMV kernel did run (4 launches per layer), with
+    the rotary + K/V store inside the decode kernel (the default; the prefill keeps its own).
     tiny-qwen2 only: the Llama layout plus the qkv bias the GEMV adds (one preset keeps the
     interpreter's time down; the GPU tests run the kernels on the real shapes)."""
     model, expected = _model_and_reference_logits("tiny-qwen2")
@@ -62,6 +63,8 @@ def test_decode_gemv_path_matches_reference_path():
     with dispatch.interpreted_triton_ops(), count_launches() as count:
         got = _logits_over_steps(model, steps=DECODE_STEPS)
     assert count.by_name["triton::_gemv_kernel"] == DECODE_STEPS * 4 * model.num_layers
+    prefills = len(got) - DECODE_STEPS
+    assert count.by_name["triton::_rope_store_kv_kernel"] == prefills * model.num_layers
     _assert_logits_match(got, expected)
 
 
