@@ -23,6 +23,12 @@ against the simulator fitted to those instances.
    the fitted model; report measured and simulated TTFT and TPOT percentiles side by side,
    and where the measured TPOTs go (``decode_timing``).
 
+After the replay the prompts (both ways) and ``--decode-rounds-after`` rounds of decode
+steps are timed again (``recalibrate``), and the model of step 2 is fitted to both sides'
+points pooled (``bracketed``): the host drifts over minutes, and a model fitted before the
+replay alone missed by the drift. The result keeps the points after, their drift and the
+model fitted before (simulated beside: ``simulated_calibrated_before_replay_only``).
+
 On CPU (the default: the tiny model) the instances, the gateway and the client share the
 host's cores; keep ``--rate`` low enough that requests rarely overlap (the report records
 how busy the prefill side was). On GPUs, e.g.::
@@ -153,7 +159,7 @@ async def measure_prefill(session, url: str, args, rng) -> tuple[list[dict], lis
                 await resp.read()
             seconds.append(time.monotonic() - start)
         median = float(np.median(seconds))
-        points.append({"tokens": tokens, "seconds": median})
+        points.append({"tokens": tokens, "seconds": median, "samples_s": seconds})
         ratios += [x / median for x in seconds]
     return points, ratios
 
@@ -204,16 +210,17 @@ async def measure_decode_streams(session, url: str, args, rng,
 
 
 async def measure_decode_rounds(session, url: str, args, rng,
-                                prefill_s: Callable[[int], float]) -> tuple[list[dict],
-                                                                            list[np.ndarray]]:
-    """``measure_decode_streams`` ``--decode-rounds`` times in a row: each point's step the
-    median of its rounds' (its context their mean), each stream's ratios over that median.
+                                prefill_s: Callable[[int], float], rounds: int | None = None,
+                                ) -> tuple[list[dict], list[np.ndarray]]:
+    """``measure_decode_streams`` ``rounds`` (``--decode-rounds``) times in a row: each
+    point's step the median of its rounds' (its context their mean), each stream's ratios
+    over that median.
     One round times each point in one stretch of the host, and the host's slow stretches
     last seconds to a minute: a point met in one moved the fitted step by 10-20% from
     run to run (a batch of 1 at 1,089 tokens stepped in 5.65 ms in one calibration,
     4.0-5.1 in others)."""
     rounds = [await measure_decode_streams(session, url, args, rng, prefill_s)
-              for _ in range(args.decode_rounds)]
+              for _ in range(args.decode_rounds if rounds is None else rounds)]
     points, streams = [], []
     for i, point in enumerate(rounds[0][0]):
         steps = [r[0][i]["step_ms"] for r in rounds]
@@ -309,7 +316,7 @@ async def measure_handoff(session, url: str, args, rng) -> dict:
         handoff["points"].append({"tokens": tokens, "seconds": float(np.median(seconds))})
         handoff["samples"] += seconds
         median = float(np.median(ttfts))
-        handoff["ttft_points"].append({"tokens": tokens, "seconds": median})
+        handoff["ttft_points"].append({"tokens": tokens, "seconds": median, "samples_s": ttfts})
         handoff["ttft_ratios"] += [x / median for x in ttfts]
     return handoff
 
@@ -685,6 +692,10 @@ async def run(args) -> dict:
                 cpu_marks.append(cpu_times())
                 measured = await replay(session, url, requests, args, rng)
                 cpu_marks.append(cpu_times())
+                after = None
+                if args.decode_rounds_after > 0:
+                    after = await recalibrate(session, prefill, url, args)
+                    cpu_marks.append(cpu_times())
             finally:
                 await stop_gateway(*gateway)
     finally:
@@ -694,6 +705,13 @@ async def run(args) -> dict:
     host_cpu = {"calibration": cpu_shares(cpu_marks[1], cpu_marks[2]),
                 "replay": cpu_shares(cpu_marks[2], cpu_marks[3])}
     model, ratios = calibrated.pop("model"), calibrated.pop("ratios")
+    recalibration = None
+    if after is not None:
+        host_cpu["recalibration"] = cpu_shares(cpu_marks[3], cpu_marks[4])
+        before = calibrated["service_points"]
+        recalibration = {"service_points": after, "drift": drift(before, after),
+                         "latency_model_before_replay": dataclasses.asdict(model)}
+        model = fitted_model(bracketed(before, after), args)
     cores, wake = calibrated.pop("shared_cores"), calibrated.pop("idle_wake")
     parts = GroupParts(cores, calibrated["decode_hold_probability"], steps, wake,
                        direct_prompt_slowdown(calibrated["shared_cores_probe"]))
@@ -707,12 +725,16 @@ async def run(args) -> dict:
             "host_load_average_1min": load_average,  # other work on the cores skews both
             "host_cpu": host_cpu,
             "cores": pinned,  # each process's allowed cores (one torch thread each)
+            # the points timed after the replay, how far they moved, the model before
+            # (the model above is fitted to both sides' points pooled)
+            "recalibration": recalibration,
             "measured_decode_timing": decode_timing(measured),
             # every request's token arrivals (s from the replay's start): re-analysable
             "measured_token_times_s": [[round(t, 5) for t in r["times"]] for r in measured],
             # the request list (arrival s, prompt and answer tokens): re-simulable
             "requests": [[r.arrival, r.input_len, r.output_len] for r in requests],
-            "compare": compare(measured, simulations(model, parts, ratios, requests, args))}
+            "compare": compare(measured, simulations(model, parts, ratios, requests, args,
+                                                     before_replay=recalibration))}
 
 
 def direct_prompt_slowdown(probe: dict) -> float | None:
@@ -738,10 +760,12 @@ class GroupParts(NamedTuple):  # not a dataclass: the tests load this script unr
 
 
 def simulations(model: LatencyModel, parts: GroupParts, ratios: dict[str, list[float]],
-                requests: list[SimRequest], args) -> dict[str, list[dict]]:
-    """The fitted group with the measured spread, and each without one of its parts. With
-    the spread, the requests' results of ``--draws`` draws pooled: one draw's P99 of 100
-    requests moved by up to 20% from seed to seed."""
+                requests: list[SimRequest], args, before_replay: dict | None = None
+                ) -> dict[str, list[dict]]:
+    """The fitted group with the measured spread, and each without one of its parts (and,
+    with ``before_replay``, the model fitted before the replay alone). With the spread,
+    the requests' results of ``--draws`` draws pooled: one draw's P99 of 100 requests
+    moved by up to 20% from seed to seed."""
     def drawn(model: LatencyModel = model, **changes) -> list[dict]:
         p = parts._replace(**changes)
         return [row for draw in range(args.draws) for row in simulate(
@@ -760,6 +784,9 @@ def simulations(model: LatencyModel, parts: GroupParts, ratios: dict[str, list[f
         result["simulated_without_gateway_hop"] = drawn(model.without_gateway_hop())
     if parts.wake is not None:
         result["simulated_without_idle_wake"] = drawn(wake=None)
+    if before_replay is not None:
+        result["simulated_calibrated_before_replay_only"] = drawn(
+            LatencyModel(**before_replay["latency_model_before_replay"]))
     if parts.cores is not None and parts.direct_prompt_slowdown is not None:
         direct = dataclasses.replace(parts.cores,
                                      prefill_slowdown=parts.direct_prompt_slowdown)
@@ -796,7 +823,8 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
                        steps, None if wake is None else idle_wake_of(wake),
                        direct_prompt_slowdown(run.get("shared_cores_probe", {})))
     model = recorded_model(run)
-    simulated = simulations(model, parts, run["service_ratios"], requests, args)
+    simulated = simulations(model, parts, run["service_ratios"], requests, args,
+                            before_replay=run.get("recalibration"))
     measured = {key: run["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
     result = {"resimulated": path, "recorded_revision": run.get("git_revision"),
               "prefill_steps": dataclasses.asdict(steps),
@@ -909,16 +937,13 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
     them); prompts timed straight at the prefill instance are kept beside."""
     direct_points, _ = await measure_prefill(session, prefill.url + "/v1/completions", args,
                                              rng)
-    lengths = [p["tokens"] for p in direct_points]
-    seconds = [p["seconds"] for p in direct_points]
     decode_points, decode_ratios = await measure_decode_rounds(
-        session, url, args, rng, lambda tokens: float(np.interp(tokens, lengths, seconds)))
+        session, url, args, rng, interpolated_seconds(direct_points))
     # Prompts of its own: the replay's request list stays the one earlier runs drew.
     handoff = await measure_handoff(session, url, args, np.random.default_rng(args.seed + 1))
-    prefill_points, handoff_points = handoff["ttft_points"], handoff["points"]
-    model = LatencyModel.fit(prefill_points, decode_points, kv_bytes_per_token(args.model),
-                             link_gb_per_s=args.link_gb_per_s,
-                             decode_kv_tokens=args.decode_kv_tokens)
+    points = {"prefill": handoff["ttft_points"], "decode": decode_points,
+              "handoff": handoff["points"], "prefill_direct": direct_points}
+    model = fitted_model(points, args)
     sharing = await measure_sharing(session, prefill.url + "/v1/completions", url, args,
                                     np.random.default_rng(args.seed + 2))
     sharing.update(await measure_prefill_on_path(session, url, args,
@@ -926,22 +951,81 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
     wake = await measure_idle_wake(session, url, args, np.random.default_rng(args.seed + 4))
     # The fitted step at the probe's context, against the probe's alone steps.
     sharing["fitted_step_ms"] = model.decode_step_s(1, sharing["context"]) * 1e3
-    return {"service_points": {"prefill": prefill_points, "decode": decode_points,
-                               "handoff": handoff_points, "prefill_direct": direct_points},
+    return {"service_points": points,
             "handoff_samples_ms": ms_percentiles(handoff["samples"]),
             "shared_cores_probe": sharing,
             "idle_probe": wake,
             "decode_step_lag_correlation": {
                 f"{lag * STEP_WINDOW}_steps": lag_correlation(decode_ratios, lag)
                 for lag in (1, 2, 4)},
-            "model": model.fit_handoff(handoff_points).fit_gateway_hop(prefill_points,
-                                                                       direct_points),
+            "model": model,
             "shared_cores": SharedCores.from_probe(sharing),
             "idle_wake": IdleWake(tuple((p, base, per_token)
                                         for p, base, per_token in wake["points"])),
             "decode_hold_probability": held_stretches(sharing),
             "ratios": {"prefill": handoff["ttft_ratios"],
                        "decode_step": np.concatenate(decode_ratios).tolist()}}
+
+
+def interpolated_seconds(points: list[dict]) -> Callable[[int], float]:
+    """A prompt's time by its length, between measured ``{"tokens", "seconds"}``."""
+    lengths = [p["tokens"] for p in points]
+    seconds = [p["seconds"] for p in points]
+    return lambda tokens: float(np.interp(tokens, lengths, seconds))
+
+
+def fitted_model(points: dict[str, list[dict]], args) -> LatencyModel:
+    """The latency model fitted to service points: prefill to the first tokens through the
+    gateway, decode to the steps, the handoff, and the gateway's hop against the prompts
+    sent straight at the prefill instance."""
+    model = LatencyModel.fit(points["prefill"], points["decode"], kv_bytes_per_token(args.model),
+                             link_gb_per_s=args.link_gb_per_s,
+                             decode_kv_tokens=args.decode_kv_tokens)
+    return model.fit_handoff(points["handoff"]).fit_gateway_hop(points["prefill"],
+                                                                points["prefill_direct"])
+
+
+async def recalibrate(session, prefill: ServeProcess, url: str, args) -> dict[str, list[dict]]:
+    """After the replay, the prompts (straight at the prefill instance and through the
+    gateway) and ``--decode-rounds-after`` rounds of decode steps timed again, as before
+    it. On a shared host the replay ran 1.19-1.38x slower than the calibration before it
+    at every prompt length in one run (74e9555) and its decode steps 15% faster or 22%
+    slower than the fitted ones in others (0f6f674): the host drifts over minutes, and
+    timing both sides of the replay fits the model to the stretch the replay ran in."""
+    rng = np.random.default_rng(args.seed + 5)
+    direct, _ = await measure_prefill(session, prefill.url + "/v1/completions", args, rng)
+    decode, _ = await measure_decode_rounds(session, url, args, rng,
+                                            interpolated_seconds(direct),
+                                            args.decode_rounds_after)
+    handoff = await measure_handoff(session, url, args, rng)
+    return {"prefill": handoff["ttft_points"], "prefill_direct": direct, "decode": decode}
+
+
+def bracketed(before: dict[str, list[dict]], after: dict[str, list[dict]]
+              ) -> dict[str, list[dict]]:
+    """Service points from both sides of the replay: each prompt length's samples pooled
+    (their median its time), each decode point's rounds pooled (their median its step, its
+    context the mean); the handoff as timed before."""
+    pooled = dict(before)
+    for kind in ("prefill", "prefill_direct"):
+        pooled[kind] = [{"tokens": b["tokens"], "seconds": float(np.median(samples)),
+                         "samples_s": samples}
+                        for b, a in zip(before[kind], after[kind], strict=True)
+                        if (samples := b["samples_s"] + a["samples_s"])]
+    pooled["decode"] = [{**b, "step_ms": float(np.median(steps)), "round_step_ms": steps,
+                         "context": round((b["context"] + a["context"]) / 2),
+                         "streams": b["streams"] + a["streams"]}
+                        for b, a in zip(before["decode"], after["decode"], strict=True)
+                        if (steps := b["round_step_ms"] + a["round_step_ms"])]
+    return pooled
+
+
+def drift(before: dict[str, list[dict]], after: dict[str, list[dict]]) -> dict[str, float]:
+    """Per kind, the median over its points of after-the-replay over before."""
+    keys = {"prefill": "seconds", "prefill_direct": "seconds", "decode": "step_ms"}
+    return {kind: float(np.median([a[key] / b[key] for b, a in
+                                   zip(before[kind], after[kind], strict=True)]))
+            for kind, key in keys.items()}
 
 
 def noise(ratios: dict[str, list[float]], args, hold: float = 0.0,
@@ -999,12 +1083,16 @@ def summarize_runs(paths: list[str]) -> dict:
         runs[Path(path).stem] = {key: run[key] for key in (
             "git_revision", "created", "host_load_average_1min", "host_cpu", "shared_cores",
             "compare") if key in run}
+        if run.get("recalibration"):
+            runs[Path(path).stem]["drift_after_replay"] = run["recalibration"]["drift"]
     spread: dict[str, dict] = {}
     for key in ("ttft_s", "tpot_s"):
-        sides = [k[:-len("_error")] for k in next(iter(runs.values()))["compare"][key]
-                 if k.endswith("_error")]
+        # a simulation some runs lack (added since) spans the runs that have it
+        sides = dict.fromkeys(k[:-len("_error")] for r in runs.values()
+                              for k in r["compare"][key] if k.endswith("_error"))
         spread[key] = {side: {q: [min(e), max(e)] for q in ("p50", "p99") if (e := [
-            r["compare"][key][side + "_error"][q] for r in runs.values()])} for side in sides}
+            r["compare"][key][side + "_error"][q] for r in runs.values()
+            if side + "_error" in r["compare"][key]])} for side in sides}
     return {"kind": "validation", "runs": runs, "error_spread": spread}
 
 
@@ -1026,6 +1114,10 @@ def main() -> int:
     parser.add_argument("--decode-rounds", type=int, default=3,
                         help="Times each decode point is timed, in rounds over all points "
                         "(its step: the median of its rounds').")
+    parser.add_argument("--decode-rounds-after", type=int, default=1,
+                        help="Rounds of decode steps timed again after the replay, with "
+                        "the prompts both ways; the model is fitted to both sides' points "
+                        "pooled (0: fitted before the replay alone).")
     parser.add_argument("--step-floor-ms", type=float, default=1.0,
                         help="No decode step is faster (bounds how long a batch's prompts, "
                         "prefilled one after another, keep it from decoding together).")

@@ -3,6 +3,7 @@ ZooKeeper (the scale script starts one, as the cluster tests do)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -87,8 +88,17 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     assert np.concatenate(result["idle_wake"]["points"]) == pytest.approx(
         np.concatenate(fitted))
     assert len(result["service_points"]["decode"][0]["round_step_ms"]) == 3
+    # Timed again after the replay (one decode round); the model fitted to both sides.
+    again = result["recalibration"]["service_points"]
+    assert len(again["decode"][0]["round_step_ms"]) == 1
+    assert set(result["recalibration"]["drift"]) == {"prefill", "prefill_direct", "decode"}
+    module = _script("validate_sim")
+    pooled = module.bracketed(result["service_points"], again)
+    refit = module.fitted_model(pooled, SimpleNamespace(model="tiny", link_gb_per_s=1.5,
+                                                        decode_kv_tokens=100_000))
+    assert result["latency_model"] == pytest.approx(dataclasses.asdict(refit))
+    assert set(result["host_cpu"]) == {"calibration", "replay", "recalibration"}
     assert result["cores"]["prefill"] == [min(result["cores"]["gateway_and_client"])]
-    assert set(result["host_cpu"]) == {"calibration", "replay"}
     assert 0 <= result["decode_hold_probability"] < 1
     # The prefill instance's steps as its engine reports them: chunked on a CPU, where a
     # step's tokens come back after the next step ran.
@@ -104,7 +114,8 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
         for side in ("measured", "simulated", "simulated_medians_only",
                      "simulated_without_handoff", "simulated_without_shared_cores",
                      "simulated_without_held_stretches", "simulated_without_prefill_steps",
-                     "simulated_without_idle_wake", "simulated_with_direct_prompt_factor"):
+                     "simulated_without_idle_wake", "simulated_with_direct_prompt_factor",
+                     "simulated_calibrated_before_replay_only"):
             assert 0 < row[side]["p50"] <= row[side]["p99"]
         assert row["simulated_error"]["p50"] == pytest.approx(
             row["simulated"]["p50"] / row["measured"]["p50"] - 1)
@@ -401,10 +412,45 @@ def test_validation_runs_summarized_with_the_spread_of_each_error(tmp_path):
         path.write_text(json.dumps({"git_revision": "abc", "host_load_average_1min": {},
                                     "compare": {"ttft_s": row, "tpot_s": row}}))
         paths.append(str(path))
+    # A later run with a simulation the earlier ones lack, and the drift it recorded.
+    row = {**row, "simulated_calibrated_before_replay_only": {"p50": 1.2, "p99": 2.0},
+           "simulated_calibrated_before_replay_only_error": {"p50": 0.2, "p99": 0.0}}
+    path = tmp_path / "run2.json"
+    path.write_text(json.dumps({"git_revision": "def", "compare": {"ttft_s": row, "tpot_s": row},
+                                "recalibration": {"drift": {"decode": 1.1}}}))
+    paths.append(str(path))
     summary = module.summarize_runs(paths)
-    assert list(summary["runs"]) == ["run0", "run1"]
+    assert list(summary["runs"]) == ["run0", "run1", "run2"]
+    assert summary["runs"]["run2"]["drift_after_replay"] == {"decode": 1.1}
     assert summary["error_spread"]["tpot_s"]["simulated"] == {"p50": [-0.05, 0.08],
                                                                "p99": [0.0, 0.0]}
+    assert summary["error_spread"]["tpot_s"]["simulated_calibrated_before_replay_only"] == {
+        "p50": [0.2, 0.2], "p99": [0.0, 0.0]}
+
+
+def test_points_from_both_sides_of_the_replay_are_pooled():
+    """Prompt samples pooled per length, decode rounds pooled per point (the handoff as
+    before); the drift is each kind's median of after over before."""
+    module = _script("validate_sim")
+
+    def prompts(*seconds):
+        return [{"tokens": 64, "seconds": float(np.median(seconds)), "samples_s": list(seconds)}]
+
+    before = {"prefill": prompts(0.10, 0.11, 0.12), "prefill_direct": prompts(0.08, 0.09),
+              "decode": [{"batch": 1, "context": 100, "step_ms": 5.0,
+                          "round_step_ms": [4.0, 5.0, 6.0], "streams": 3}],
+              "handoff": [{"tokens": 64, "seconds": 0.01}]}
+    after = {"prefill": prompts(0.13, 0.14, 0.15), "prefill_direct": prompts(0.10, 0.11),
+             "decode": [{"batch": 1, "context": 110, "step_ms": 7.0,
+                         "round_step_ms": [7.0], "streams": 1}]}
+    pooled = module.bracketed(before, after)
+    assert pooled["prefill"][0]["seconds"] == pytest.approx(0.125)
+    assert pooled["prefill_direct"][0]["seconds"] == pytest.approx(0.095)
+    assert pooled["decode"] == [{"batch": 1, "context": 105, "step_ms": 5.5,
+                                 "round_step_ms": [4.0, 5.0, 6.0, 7.0], "streams": 4}]
+    assert pooled["handoff"] == before["handoff"]
+    assert module.drift(before, after) == pytest.approx(
+        {"prefill": 0.14 / 0.11, "prefill_direct": 0.105 / 0.085, "decode": 7.0 / 5.0})
 
 
 def _recorded_run(**extra) -> dict:
