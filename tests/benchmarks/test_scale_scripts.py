@@ -428,6 +428,23 @@ def test_validation_runs_summarized_with_the_spread_of_each_error(tmp_path):
         "p50": [0.2, 0.2], "p99": [0.0, 0.0]}
 
 
+def test_percentiles_of_several_draws_are_each_draw_s_then_their_median():
+    """As the measured percentiles are over one replay's requests: per draw, then the
+    median over draws; the pooled rows' beside."""
+    module = _script("validate_sim")
+    rows = [{"ttft_s": 5.0 if i == 0 else 1.0 + draw * 0.1 + i * 1e-3, "draw": draw}
+            for draw in range(3) for i in range(100)]
+    got = module.percentiles(rows, "ttft_s")
+    each = [np.percentile([r["ttft_s"] for r in rows if r["draw"] == d], 99) for d in range(3)]
+    assert got["p99"] == pytest.approx(np.median(each))
+    assert got["pooled"]["p99"] == pytest.approx(np.percentile([r["ttft_s"] for r in rows], 99))
+    # The slow request's three rows are the pooled top 1%: the P99 below them is the
+    # slowest draw's next request, above the draws' median.
+    assert got["pooled"]["p99"] > max(each[:2]) and got["p99"] == pytest.approx(each[1])
+    plain = module.percentiles([{"ttft_s": 1.0}, {"ttft_s": 3.0}], "ttft_s")
+    assert plain == {"p50": 2.0, "p99": pytest.approx(2.98)}
+
+
 def test_points_from_both_sides_of_the_replay_are_pooled():
     """Prompt samples pooled per length, decode rounds pooled per point (the handoff as
     before); the drift is each kind's median of after over before."""

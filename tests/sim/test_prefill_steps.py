@@ -87,15 +87,17 @@ def test_a_prompts_draw_of_the_spread_holds_for_all_its_pieces():
     assert first == pytest.approx(0.3)
 
 
-def test_shared_cores_slow_each_step_that_starts_beside_a_decode_batch():
-    """A decodes 0.1-0.24 s. B's first piece starts at 0.155 s beside it: 3 x 100 ms; its
-    second at 0.455 s, the batch gone: 50 ms. Whole, B took 3 x 150 ms."""
+def test_shared_cores_slow_the_steps_only_while_a_decode_batch_runs():
+    """A decodes 0.1-0.24 s. B's first piece (100 ms alone) starts at 0.155 s beside it
+    and runs 3x slower until 0.24 s, at full speed after; its second (50 ms) alone. In
+    steps or whole, B's 150 ms of work end at the same time."""
     cores = SharedCores(decode_slowdown=2.0, prefill_slowdown=3.0)
     requests = [SimRequest(0.0, 100, 11), SimRequest(0.155, 150, 2)]
     stepped = _first_tokens(requests, PrefillSteps(100), shared_cores=cores)
-    assert stepped[1] == pytest.approx(0.505)
+    beside = 0.24 - 0.155
+    assert stepped[1] == pytest.approx(0.24 + 0.15 - beside / 3)
     fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
-    assert _first_tokens(fresh, None, shared_cores=cores)[1] == pytest.approx(0.605)
+    assert _first_tokens(fresh, None, shared_cores=cores)[1] == pytest.approx(stepped[1])
 
 
 def test_bad_steps_refused():

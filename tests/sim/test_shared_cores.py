@@ -22,8 +22,24 @@ def test_decode_slowed_while_a_prefill_runs_and_the_prompt_while_a_batch_decodes
     # Decode from 0.1 s; the second prompt starts at 0.125 s: from the next boundary
     # (0.13 s, three steps done) the first request's last 7 steps take 20 ms each.
     assert first.finished == pytest.approx(0.13 + 7 * 0.02)
-    assert second.first_token == pytest.approx(0.125 + 3 * 0.1)  # a batch ran at its start
-    assert second.finished == pytest.approx(0.425 + 2 * 0.01)  # decoding alone again
+    # The prompt (0.1 s alone) runs 3x slower beside the batch, 0.125-0.27 s (a third of
+    # that is its own work), alone at full speed from there.
+    beside = 0.27 - 0.125
+    assert second.first_token == pytest.approx(0.27 + 0.1 - beside / 3)
+    assert second.finished == pytest.approx(second.first_token + 2 * 0.01)  # decoding alone
+
+
+def test_a_batch_ending_midway_slows_only_the_prompt_s_part_beside_it():
+    """The first request's 10-token prompt ends at 0.01 s and its answer decodes beside
+    the second's 100-token prompt, which starts then: the prompt runs 3x slower while the
+    batch decodes (to 0.11 s), at full speed after it ended."""
+    first, second = GroupSim(MODEL, 1, 1, shared_cores=CORES).run(
+        [SimRequest(0.0, 10, 6), SimRequest(0.005, 100, 2)])
+    assert first.first_token == pytest.approx(0.01)
+    # The batch decodes from 0.01 s beside the prompt: five steps of 20 ms, to 0.11 s.
+    assert first.finished == pytest.approx(0.11)
+    # 0.01-0.11 s at a third of the speed (0.0333 s of its 0.1 s), the rest alone.
+    assert second.first_token == pytest.approx(0.11 + 0.1 - 0.1 / 3)
 
 
 def test_decode_speeds_up_again_at_the_boundary_after_the_prefill_ends():
@@ -50,6 +66,18 @@ def test_a_prefill_starting_before_a_newcomer_joins_slows_the_steps_from_the_joi
     assert b.finished == pytest.approx(0.36 + 0.01)
     assert a.finished == pytest.approx(0.36 + 8 * 0.01)
     assert c.finished == pytest.approx(0.37 + 2 * 0.01)  # joins as B leaves
+
+
+def test_a_batch_starting_midway_slows_only_the_rest_of_the_prompt():
+    """Two prefill instances: the second prompt (100 tokens) starts alone at 0 s; the
+    first's (10 tokens, on the other instance) ends at 0.01 s and its answer decodes to
+    0.11 s (five 20 ms steps beside a prefill): the second prompt's work runs 3x slower
+    only then."""
+    first, second = GroupSim(MODEL, 2, 1, shared_cores=CORES).run(
+        [SimRequest(0.0, 10, 6), SimRequest(0.0, 100, 2)])
+    assert first.finished == pytest.approx(0.11)
+    done_by_then = 0.01 + 0.1 / 3
+    assert second.first_token == pytest.approx(0.11 + 0.1 - done_by_then)
 
 
 def _workload(seed: int) -> list[SimRequest]:
