@@ -100,11 +100,15 @@ def test_one_launch_decode_drops_the_reduce_kernel(monkeypatch):
 
 
 @interpreted
-def test_decode_layer_with_one_kv_split_skips_the_reduce():
-    """A decode batch large enough for one KV split per sequence (here 140 sequences x 2 KV
-    heads against 2 programs per SM on 132 SMs) launches no reduce kernel."""
+def test_decode_layer_with_one_kv_split_skips_the_reduce(monkeypatch):
+    """A decode batch large enough for one KV split per sequence (here 8 sequences x 2 KV
+    heads against 2 programs per SM on 8 SMs; 140 sequences on the H200's 132) launches no
+    reduce kernel."""
+    from pdserve.ops import triton_attention
+
+    monkeypatch.setattr(triton_attention, "_sm_count", lambda device: 8)
     script = _count_script()
-    count = script.count_decode_layer(PRESETS["tiny"], 140, 20, "cpu", torch.float32, "triton")
+    count = script.count_decode_layer(PRESETS["tiny"], 8, 20, "cpu", torch.float32, "triton")
     assert count.by_name["triton::_decode_split_kernel"] == 1
     assert "triton::_decode_reduce_kernel" not in count.by_name
     assert count.total == 8
