@@ -88,7 +88,7 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     assert np.concatenate(result["idle_wake"]["points"]) == pytest.approx(
         np.concatenate(fitted))
     assert len(result["service_points"]["decode"][0]["round_step_ms"]) == 3
-    # Timed again after the replay (one decode round); the model fitted to both sides.
+    # Timed again after the replay (one decode round); a model fitted to both sides beside.
     again = result["recalibration"]["service_points"]
     assert len(again["decode"][0]["round_step_ms"]) == 1
     assert set(result["recalibration"]["drift"]) == {"prefill", "prefill_direct", "decode"}
@@ -96,7 +96,11 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     pooled = module.bracketed(result["service_points"], again)
     refit = module.fitted_model(pooled, SimpleNamespace(model="tiny", link_gb_per_s=1.5,
                                                         decode_kv_tokens=100_000))
-    assert result["latency_model"] == pytest.approx(dataclasses.asdict(refit))
+    assert result["recalibration"]["latency_model_both_sides"] == pytest.approx(
+        dataclasses.asdict(refit))
+    before = module.fitted_model(result["service_points"], SimpleNamespace(
+        model="tiny", link_gb_per_s=1.5, decode_kv_tokens=100_000))
+    assert result["latency_model"] == pytest.approx(dataclasses.asdict(before))
     assert set(result["host_cpu"]) == {"calibration", "replay", "recalibration"}
     assert result["cores"]["prefill"] == [min(result["cores"]["gateway_and_client"])]
     assert 0 <= result["decode_hold_probability"] < 1
@@ -115,7 +119,7 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
                      "simulated_without_handoff", "simulated_without_shared_cores",
                      "simulated_without_held_stretches", "simulated_without_prefill_steps",
                      "simulated_without_idle_wake", "simulated_with_direct_prompt_factor",
-                     "simulated_calibrated_before_replay_only"):
+                     "simulated_calibrated_both_sides"):
             assert 0 < row[side]["p50"] <= row[side]["p99"]
         assert row["simulated_error"]["p50"] == pytest.approx(
             row["simulated"]["p50"] / row["measured"]["p50"] - 1)
@@ -413,8 +417,8 @@ def test_validation_runs_summarized_with_the_spread_of_each_error(tmp_path):
                                     "compare": {"ttft_s": row, "tpot_s": row}}))
         paths.append(str(path))
     # A later run with a simulation the earlier ones lack, and the drift it recorded.
-    row = {**row, "simulated_calibrated_before_replay_only": {"p50": 1.2, "p99": 2.0},
-           "simulated_calibrated_before_replay_only_error": {"p50": 0.2, "p99": 0.0}}
+    row = {**row, "simulated_calibrated_both_sides": {"p50": 1.2, "p99": 2.0},
+           "simulated_calibrated_both_sides_error": {"p50": 0.2, "p99": 0.0}}
     path = tmp_path / "run2.json"
     path.write_text(json.dumps({"git_revision": "def", "compare": {"ttft_s": row, "tpot_s": row},
                                 "recalibration": {"drift": {"decode": 1.1}}}))
@@ -424,7 +428,7 @@ def test_validation_runs_summarized_with_the_spread_of_each_error(tmp_path):
     assert summary["runs"]["run2"]["drift_after_replay"] == {"decode": 1.1}
     assert summary["error_spread"]["tpot_s"]["simulated"] == {"p50": [-0.05, 0.08],
                                                                "p99": [0.0, 0.0]}
-    assert summary["error_spread"]["tpot_s"]["simulated_calibrated_before_replay_only"] == {
+    assert summary["error_spread"]["tpot_s"]["simulated_calibrated_both_sides"] == {
         "p50": [0.2, 0.2], "p99": [0.0, 0.0]}
 
 
@@ -507,6 +511,26 @@ def test_resimulation_of_a_recorded_run_with_its_prefill_steps(tmp_path):
         (0.05 + 0.24) / 2)
     with pytest.raises(Exception, match="CHUNK or CHUNK,late"):
         module.assumed_steps("512,early")
+
+
+def test_resimulation_of_a_run_that_recorded_its_both_sides_model_as_the_model(tmp_path):
+    """156c086-bcc1c68 recorded the model fitted to both sides of the replay as
+    ``latency_model`` and the one fitted before as ``latency_model_before_replay``: re-
+    simulated, the one before is the figures' and the both-sides one is simulated beside
+    (here 2 ms per prompt token against 1: the 50-token prompt's first token 0.1 s)."""
+    module = _script("validate_sim")
+    args = SimpleNamespace(draws=2, seed=0, ttft_slo_s=2.0, max_wait_s=30.0)
+    run = _recorded_run(prefill_steps={"chunk_tokens": 512, "tokens_one_step_late": False},
+                        requests=[[0.0, 50, 3]])
+    before = {**run["latency_model"], "prefill_per_token_s": 2e-3}
+    run["recalibration"] = {"drift": {}, "latency_model_before_replay": before}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    result = module.resimulate(str(path), args, None)
+    assert result["latency_model"]["prefill_per_token_s"] == 2e-3
+    ttft = result["compare"]["ttft_s"]
+    assert ttft["simulated_medians_only"]["p50"] == pytest.approx(0.1)
+    assert ttft["simulated_calibrated_both_sides"]["p50"] == pytest.approx(0.05)
 
 
 def test_resimulation_takes_the_recorded_idle_extra(tmp_path):
