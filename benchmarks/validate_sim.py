@@ -212,9 +212,9 @@ async def measure_decode_streams(session, url: str, args, rng,
 
 
 async def measure_decode_rounds(session, url: str, args, rng,
-                                prefill_s: Callable[[int], float], rounds: int | None = None,
+                                prefill_s: Callable[[int], float], rounds: int,
                                 ) -> tuple[list[dict], list[np.ndarray]]:
-    """``measure_decode_streams`` ``rounds`` (``--decode-rounds``) times in a row: each
+    """``measure_decode_streams`` ``rounds`` times in a row: each
     point's step the median of its rounds' (its context their mean), each stream's ratios
     over that median.
     One round times each point in one stretch of the host, and the host's slow stretches
@@ -222,7 +222,7 @@ async def measure_decode_rounds(session, url: str, args, rng,
     run to run (a batch of 1 at 1,089 tokens stepped in 5.65 ms in one calibration,
     4.0-5.1 in others)."""
     rounds = [await measure_decode_streams(session, url, args, rng, prefill_s)
-              for _ in range(args.decode_rounds if rounds is None else rounds)]
+              for _ in range(rounds)]
     points, streams = [], []
     for i, point in enumerate(rounds[0][0]):
         steps = [r[0][i]["step_ms"] for r in rounds]
@@ -962,7 +962,7 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
     direct_points, _ = await measure_prefill(session, prefill.url + "/v1/completions", args,
                                              rng)
     decode_points, decode_ratios = await measure_decode_rounds(
-        session, url, args, rng, interpolated_seconds(direct_points))
+        session, url, args, rng, interpolated_seconds(direct_points), args.decode_rounds)
     # Prompts of its own: the replay's request list stays the one earlier runs drew.
     handoff = await measure_handoff(session, url, args, np.random.default_rng(args.seed + 1))
     points = {"prefill": handoff["ttft_points"], "decode": decode_points,
