@@ -142,14 +142,20 @@ def _advance(plan, done: int, in_flight: InFlightPrefill | None, num_layers: int
 
 def planner_for(predictor, sharing: tuple[str, ...], itl_ms: float, correction: float,
                 prefill: dict[str, float] | None = None, max_prefill_tokens: int = 24576,
-                decode_correction: float = 1.0) -> MuxPlanner:
+                decode_correction: float = 1.0, graph_step_tokens: int = 0,
+                mixed_floor_tokens: int = 0, graph_correction: float = 1.0) -> MuxPlanner:
     """``prefill``: each option's prefill correction, as serving would have learned it;
-    ``decode_correction``: co-running decode steps' (``OnlineCalibration``)."""
+    ``decode_correction``: co-running decode steps' and ``graph_correction`` the graph
+    mixed steps' (``OnlineCalibration``); ``graph_step_tokens`` and
+    ``mixed_floor_tokens``: ``MuxPlannerConfig``'s (0: off)."""
     model = OnlineCalibration(predictor)
     model.mixed_correction = correction
+    model.graph_mixed_correction = graph_correction
     model.decode_correction = decode_correction
     model.prefill_corrections.update(prefill or {})
     config = MuxPlannerConfig(itl_slo_ms=itl_ms, max_prefill_tokens=max_prefill_tokens,
+                              graph_step_tokens=graph_step_tokens,
+                              mixed_floor_tokens=mixed_floor_tokens,
                               **{name: name in sharing for name in MUX_SHARING})
     return MuxPlanner(model, SPLITS, config)
 
@@ -175,11 +181,15 @@ class PlannerSettings:
     # Each option's prefill pieces' measured over predicted time, which the walk advances
     # by (``_plan_ms``); None: by ``prefill_corrections``, the engine's own expectation.
     piece_timing: dict[str, float] | None = None
+    graph_step_tokens: int = 0
+    mixed_floor_tokens: int = 0
+    graph_mixed_correction: float = 1.0
 
     def planner(self, predictor) -> MuxPlanner:
         return planner_for(predictor, self.sharing, self.itl_ms, self.mixed_correction,
                            self.prefill_corrections, self.max_prefill_tokens,
-                           self.decode_correction)
+                           self.decode_correction, self.graph_step_tokens,
+                           self.mixed_floor_tokens, self.graph_mixed_correction)
 
     def learned(self, calibration: dict | None) -> PlannerSettings:
         """These settings with the corrections an engine reported (none: unchanged)."""
@@ -187,20 +197,33 @@ class PlannerSettings:
             return self
         pieces = calibration.get("prefill_pieces", {})
         return replace(self, mixed_correction=calibration["mixed_steps"],
+                       graph_mixed_correction=calibration.get("graph_mixed_steps", 1.0),
                        decode_correction=calibration["co_running_decode"],
                        prefill_corrections={k: v["correction"] for k, v in pieces.items()})
 
 
-def settings_of(command: str) -> PlannerSettings:
-    """The planner flags of a ``pdserve serve`` command line (the rest ignored)."""
+def settings_of(command: str, resolved: dict | None = None) -> PlannerSettings:
+    """The planner flags of a ``pdserve serve`` command line (the rest ignored). Graph
+    steps and the mixed-step floor: the flags where the command names them, else
+    ``resolved`` (what the engine planned with: ``/v1/engine/info``'s
+    ``graph_step_tokens`` and ``mixed_floor_tokens``), else off, as every run before
+    those defaults did."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--itl-slo-ms", type=float, default=SchedulerConfig.itl_slo_ms)
     parser.add_argument("--mux-sharing", default=SchedulerConfig.mux_sharing)
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=SchedulerConfig.max_num_batched_tokens)
+    parser.add_argument("--mux-graph-step-tokens", type=int)
+    parser.add_argument("--mux-mixed-floor-tokens", type=int)
     flags, _ = parser.parse_known_args(shlex.split(command))
     sharing = tuple(n for n in MUX_SHARING if n in mux_sharing_options(flags.mux_sharing))
-    return PlannerSettings(flags.itl_slo_ms, sharing, flags.max_num_batched_tokens)
+    resolved = resolved or {}
+    graph = flags.mux_graph_step_tokens
+    floor = flags.mux_mixed_floor_tokens
+    return PlannerSettings(
+        flags.itl_slo_ms, sharing, flags.max_num_batched_tokens,
+        graph_step_tokens=resolved.get("graph_step_tokens", 0) if graph is None else graph,
+        mixed_floor_tokens=resolved.get("mixed_floor_tokens", 0) if floor is None else floor)
 
 
 class PlannedShare:

@@ -2,7 +2,7 @@
 a real ``pdserve serve`` instance per schedule, replaying a window of the Mooncake
 conversation trace. Chunked prefill: ``ChunkedInstanceSim``, the scheduler's steps (a
 token budget of 512 shared by the decode batch and prompt pieces, a mixed step reading the
-weights once: ``mixed_step_s``, plus a fixed cost per mixed step fitted on the lone probe:
+weights once: ``mixed_step_s``, plus a fixed cost per mixed step fitted on the queue probe:
 ``fit_mixed_step_extra``; each step planned as the previous one starts, as the engine's
 overlap scheduling does). PD-multiplexing: a ``GroupSim`` of one multiplexing
 instance (prompts first come first served, a decode batch beside them; beside a prompt a
@@ -19,10 +19,11 @@ For each schedule (``--schedules``: chunked prefill with 512-token steps, PD-mul
    the queue probe, ``--mix-queue`` such prompts at once beside decodes at the longer
    context). Chunked prefill: beside each probe what ``mixed_step_s`` predicts for it
    (``predicted_step_ms_during``, ``predicted_prompt_s``), the mixed step's extra cost
-   fitted on the lone probe and the queue probe simulated with it
-   (``mixed_step_extra_s``, ``queue_simulated_prompt_s``). Multiplexing: the queue probe's
-   median step is the cycle, and the engine's timeline over the probes and the replay is
-   kept (modes, cycles, prefill delivered per option);
+   fitted on the queue probe and the lone probe simulated with it as the check
+   (``mixed_step_extra_s``, ``simulated_prompt_s``, ``lone_probe_over_simulated``).
+   Multiplexing: the queue probe's median step is the cycle, the engine's timeline over
+   the probes and the replay is kept (modes, cycles, prefill delivered per option), and
+   the graph-step and floor sizes its planner runs with (``engine_planner``);
 3. replay the window: trace rows with timestamps in ``[--window-start-s, + --window-s)``,
    lengths times ``--input-scale`` / ``--output-scale`` (clipped), every k-th row kept and
    arrivals compressed so that the replay lasts ``--replay-s`` with the fitted prefill
@@ -223,23 +224,32 @@ def simulated_probe_s(model: LatencyModel, args, probe: dict, mixed_extra_s: flo
 def fit_mixed_step_extra(model: LatencyModel, args, interference: dict) -> tuple[float, dict]:
     """What a step carrying prompt pieces beside decodes costs on the instance beyond
     ``mixed_step_s`` (fitted on steps apart: prefill alone and decode alone): the fixed
-    cost per mixed step that makes the lone probe's simulated prompt time its measured
-    one (zero where the model is already as slow). The queue probe is the check: its
-    simulated prompt time with that cost (``queue_simulated_prompt_s``) against its
-    measured one. A run without the lone probe (eb12b7d's chunked schedule): zero."""
+    cost per mixed step that makes the queue probe's simulated prompt time its measured
+    one (zero where the model is already as slow). The queue probe, not the lone one: it
+    runs after the lone probe, as the replay does, so a fresh server's first large mixed
+    steps (kernels built on first use) are behind it, and its ~600 steps pin the cost
+    where one prompt's 17 do not. The lone probe is the check (``simulated_prompt_s``
+    against its measured ``prompt_s``; ``lone_probe_over_simulated``). A run with the lone
+    probe only: fitted on that one; without either (eb12b7d's chunked schedule): zero."""
     if "prompt_s" not in interference:
         return 0.0, {}
+    queue = interference.get("queue")
+    queue_steps = args.mix_steps * (1 + args.mix_queue // 2)
 
     def lone_s(extra_s: float) -> float:
         return simulated_probe_s(model, args, interference, extra_s, args.mix_steps)
 
-    extra_s = solve_increasing(lone_s, interference["prompt_s"])
-    checks = {"simulated_prompt_s": lone_s(extra_s)}
-    if "queue" in interference:
-        checks["queue_simulated_prompt_s"] = simulated_probe_s(
-            model, args, interference["queue"], extra_s,
-            args.mix_steps * (1 + args.mix_queue // 2))
-    return extra_s, checks
+    def queue_s(extra_s: float) -> float:
+        return simulated_probe_s(model, args, queue, extra_s, queue_steps)
+
+    if queue is None:
+        extra_s = solve_increasing(lone_s, interference["prompt_s"])
+        return extra_s, {"fitted_on": "lone probe", "simulated_prompt_s": lone_s(extra_s)}
+    extra_s = solve_increasing(queue_s, queue["prompt_s"])
+    lone = lone_s(extra_s)
+    return extra_s, {"fitted_on": "queue probe", "queue_simulated_prompt_s": queue_s(extra_s),
+                     "simulated_prompt_s": lone,
+                     "lone_probe_over_simulated": interference["prompt_s"] / lone}
 
 
 def solve_increasing(f: Callable[[float], float], target: float,
@@ -358,7 +368,9 @@ def simulate(name: str, model: LatencyModel, factors: Multiplexing | None,
 def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
                   args, as_of: str = "current", only: str | None = None) -> PlannerShare | None:
     """The planner model (``PlannerShare``) of a multiplexing schedule: the predictor it
-    serves with (``--mux-predictor``) walked with its flags and what its engine learned
+    serves with (``--mux-predictor``) walked with its flags, the graph-step and floor sizes
+    its engine planned with (``engine_planner``; a run that did not record them: off, as
+    before those defaults) and what its engine learned
     over the probes (``engine_calibration``; a run that did not record it: the corrections
     the LooGLE fit's walks used), which choose each option; each option's pieces timed as
     the probes measured them (``probe_piece_timing``), and how much of the plan the
@@ -375,8 +387,8 @@ def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
     if path is None or path == "roofline":
         return None
     fit = json.loads(SHARE_FIT.read_text())
-    settings = settings_of(schedule_args).learned(interference.get("engine_calibration")
-                                                  or fit["corrections"])
+    settings = settings_of(schedule_args, interference.get("engine_planner")).learned(
+        interference.get("engine_calibration") or fit["corrections"])
     predictor = LatencyPredictor.load(ROOT / path)
     if as_of == "7dad880":
         share = PlannerShare(**share_table(predictor, settings), per_batch_s=fit["per_batch_s"])
@@ -589,8 +601,12 @@ async def _probes(name: str, session, url: str, args, rng,
         mix.update(checks)
     else:
         mix["timeline_probes"] = await engine_timeline(session, url, since)
-        # What the planner learned over the probes: the planner model walks with it.
-        mix["engine_calibration"] = (await engine_info(session, url)).get("calibration")
+        # What the planner learned over the probes and the sizes it plans with (graph
+        # steps resolved from ``auto``): the planner model walks with both.
+        info = await engine_info(session, url)
+        mix["engine_calibration"] = info.get("calibration")
+        mix["engine_planner"] = {key: info.get(key)
+                                 for key in ("graph_step_tokens", "mixed_floor_tokens")}
     return factors, mix
 
 
@@ -659,15 +675,16 @@ def resimulate(path: str, as_of: str = "current", extra_from: str | None = None,
 
 def recorded_mixed_step_extra(path: str) -> tuple[float, str]:
     """The chunked mixed step's extra cost (``fit_mixed_step_extra``) fitted on a recorded
-    run's lone probe, and where from."""
+    run's probes (``fit_mixed_step_extra``: the queue probe where it has one), and where
+    from."""
     recorded = json.load(open(path))
     args = argparse.Namespace(**recorded["config"])
     run = recorded["schedules"]["chunk512"]
-    extra_s = fit_mixed_step_extra(LatencyModel(**run["latency_model"]), args,
-                                   run["interference"])[0]
+    extra_s, checks = fit_mixed_step_extra(LatencyModel(**run["latency_model"]), args,
+                                           run["interference"])
     source = os.path.relpath(path, ROOT)
-    return extra_s, (f"{source}'s lone probe" if "prompt_s" in run["interference"]
-                     else f"none: {source} has no lone probe")
+    return extra_s, (f"{source}'s {checks['fitted_on']}" if checks
+                     else f"none: {source} has no probe of mixed steps")
 
 
 def cycle_covers(model: LatencyModel, factors: Multiplexing, requests: list[SimRequest]) -> bool:
@@ -725,7 +742,7 @@ def parse_args() -> argparse.Namespace:
                         "was there.")
     parser.add_argument("--mixed-step-extra-from", metavar="FILE.json",
                         help="With --resimulate: the chunked mixed step's extra cost fitted "
-                        "on this recorded run's lone probe (for a run that has none).")
+                        "on this recorded run's probes (for a run that has none).")
     parser.add_argument("--planner-only", choices=ONE_OPTION,
                         help="With --resimulate (a what-if): the planner model walked with this "
                         "one option, delivering what it delivered in the run's probes.")

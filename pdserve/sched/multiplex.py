@@ -184,9 +184,13 @@ class MultiplexScheduler(InFlightScheduler):
 
     def describe(self) -> dict:
         sharing = sorted(mux_sharing_options(self.config.mux_sharing))
+        planned = self.planner.config
         return {"partitions": self.partitions.describe(), "predictor": self.predictor_source,
                 "sharing": sharing, "itl_slo_ms": self.config.itl_slo_ms,
                 "itl_margin": self.config.mux_itl_margin,
+                # As resolved (``auto`` graph steps: the runner's captured size, or 0).
+                "graph_step_tokens": planned.graph_step_tokens,
+                "mixed_floor_tokens": planned.mixed_floor_tokens,
                 "calibration": self.describe_calibration()}
 
     def describe_calibration(self) -> dict:

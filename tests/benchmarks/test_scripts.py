@@ -159,6 +159,24 @@ def test_planner_flags_and_learned_corrections_of_a_server_command():
         whatif.settings_of("--mux-sharing spatal")
 
 
+def test_graph_steps_and_floor_from_the_flags_else_the_engine_else_off():
+    """The walk plans graph steps and the mixed-step floor as the server did: a flag it was
+    given, else what its engine resolved (``auto``), else off (every run before those
+    defaults); and with the graph steps' learned correction."""
+    whatif = _load("mux_whatif")
+    engine = {"graph_step_tokens": 256, "mixed_floor_tokens": 256}
+    assert (whatif.settings_of("--schedule multiplex").graph_step_tokens,
+            whatif.settings_of("--schedule multiplex").mixed_floor_tokens) == (0, 0)
+    resolved = whatif.settings_of("--schedule multiplex", engine)
+    assert (resolved.graph_step_tokens, resolved.mixed_floor_tokens) == (256, 256)
+    named = whatif.settings_of("--mux-graph-step-tokens 0 --mux-mixed-floor-tokens 128", engine)
+    assert (named.graph_step_tokens, named.mixed_floor_tokens) == (0, 128)
+    planner = resolved.learned({"mixed_steps": 1.0, "graph_mixed_steps": 0.9,
+                                "co_running_decode": 1.0}).planner(_h200_predictor())
+    assert planner.config.graph_step_tokens == 256 and planner.config.mixed_floor_tokens == 256
+    assert planner.predictor.graph_mixed_correction == 0.9
+
+
 def _h200_predictor():
     from pdserve.sched.predictor import LatencyPredictor
 

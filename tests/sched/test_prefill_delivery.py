@@ -268,6 +268,18 @@ def test_the_planning_margins_are_flags_the_planner_uses():
     assert planner.config.switch_margin == 0.1
     info = llm.engine.describe()
     assert info["itl_margin"] == 0.95 and info["calibration"]["switch_margin"] == 0.1
+    # As resolved: graph steps ``auto`` are off on the CPU (no captured step graphs).
+    assert (info["graph_step_tokens"], info["mixed_floor_tokens"]) == (0, 256)
+
+
+def test_engine_info_reports_the_graph_step_and_floor_sizes_it_plans_with():
+    from pdserve.engine.llm import LLM
+
+    llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline",
+              mux_mixed_floor_tokens=128)
+    info = llm.engine.describe()
+    assert info["mixed_floor_tokens"] == llm.engine.scheduler.planner.config.mixed_floor_tokens
+    assert info["mixed_floor_tokens"] == 128
 
 
 @pytest.mark.parametrize("flags, message", [({"mux_itl_margin": 1.2}, "--mux-itl-margin 1.2"),

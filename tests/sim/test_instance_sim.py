@@ -120,36 +120,42 @@ def _validation_script():
     return module
 
 
-def test_efbfdd5_chunked_replay_resimulated_within_3_percent_with_the_lone_probes_extra():
-    """The H200 run at efbfdd5: the mixed step's extra cost fitted on its lone probe (one
-    8,192-token prompt beside 8 decodes) brings the probe's prompt back as measured, and
-    predicts the queue probe (held out) within 2%; the replay re-simulated with it comes
-    within 3% on TTFT and TPOT, P50 and P99 (without it: TPOT 11-12% low)."""
+@pytest.mark.parametrize("revision, lone_over_simulated", [("efbfdd5", (0.99, 1.03)),
+                                                          ("8ccd9ac", (1.2, 1.35))])
+def test_chunked_replay_resimulated_within_10_percent_with_the_queue_probes_extra(
+        revision, lone_over_simulated):
+    """Two H200 runs: the mixed step's extra cost fitted on the queue probe (four
+    8,192-token prompts beside 8 decodes, after the lone probe: kernels warm) is 1-2 ms,
+    and the replay re-simulated with it comes within 10% on TTFT and TPOT, P50 and P99
+    (without it, efbfdd5's TPOT is 10-13% low). The lone probe is the check: at efbfdd5 as
+    simulated, at 8ccd9ac 0.3 s slower, a fresh server's first large mixed steps, which a
+    fit on it turned into 18 ms a step and a replay simulated 30-70% slow."""
     module = _validation_script()
     recorded = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results" /
-                           "sim_validate_instance_h200_efbfdd5.json").read_text())
+                           f"sim_validate_instance_h200_{revision}.json").read_text())
     args = module.argparse.Namespace(**recorded["config"])
     args.trace = str(module.ROOT / args.trace)
     run = recorded["schedules"]["chunk512"]
     model = LatencyModel(**run["latency_model"])
     extra_s, checks = module.fit_mixed_step_extra(model, args, run["interference"])
-    assert 0.001 < extra_s < 0.003
-    assert checks["simulated_prompt_s"] == pytest.approx(run["interference"]["prompt_s"],
-                                                         rel=1e-3)
+    assert checks["fitted_on"] == "queue probe" and 0.001 < extra_s < 0.002
     assert checks["queue_simulated_prompt_s"] == pytest.approx(
-        run["interference"]["queue"]["prompt_s"], rel=0.02)
+        run["interference"]["queue"]["prompt_s"], rel=1e-3)
+    low, high = lone_over_simulated
+    assert low < checks["lone_probe_over_simulated"] < high
     requests = module.window_requests(args, model)[0]
     measured = {key: row["measured"] for key, row in run["compare"].items()}
-    for extra, tpot_within in ((0.0, (-0.13, -0.10)), (extra_s, (-0.03, 0.03))):
-        simulated = module.simulate_both("chunk512", model, None, requests, None, None,
-                                         mixed_extra_s=extra)
-        errors = module.compare_percentiles(measured, simulated)
-        for quantile in ("p50", "p99"):
-            tpot = errors["tpot_s"]["simulated_medians_only_error"][quantile]
-            assert tpot_within[0] < tpot < tpot_within[1]
+    if revision == "efbfdd5":
+        simulated = module.simulate_both("chunk512", model, None, requests, None, None)
+        tpot = module.compare_percentiles(measured, simulated)["tpot_s"]
+        assert all(-0.13 < tpot["simulated_medians_only_error"][q] < -0.10
+                   for q in ("p50", "p99"))
+    simulated = module.simulate_both("chunk512", model, None, requests, None, None,
+                                     mixed_extra_s=extra_s)
+    errors = module.compare_percentiles(measured, simulated)
     for key in ("ttft_s", "tpot_s"):
         for quantile in ("p50", "p99"):
-            assert abs(errors[key]["simulated_medians_only_error"][quantile]) < 0.03
+            assert abs(errors[key]["simulated_medians_only_error"][quantile]) < 0.10
 
 
 def test_a_run_without_the_lone_probe_gets_no_extra_cost_and_says_so():
