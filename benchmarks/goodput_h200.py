@@ -165,6 +165,12 @@ CONFIGS["multiplex-graph-floor-ttft-itl60"] = (CONFIGS["multiplex-graph-floor-it
                                                + " --ttft-slo-ms {ttft_slo_ms}")
 CONFIGS["multiplex-graph-floor-slo-itl60"] = (CONFIGS["multiplex-graph-floor-itl60"]
                                               + SLO_ORDER_ARGS)
+# Mixed steps and time slices past the per-step budget by the TPOT slack the decode batch
+# banked, up to 2x / 3x the ITL target (chunked 1024's mixed steps on the Mooncake trace ran
+# ~150 ms, 2.5x, at TPOT p50 29 ms): against multiplex-graph-floor-itl60 and chunk1024.
+for cap in (2, 3):
+    CONFIGS[f"multiplex-graph-floor-bank{cap}-itl60"] = (
+        CONFIGS["multiplex-graph-floor-itl60"] + f" --mux-tpot-bank-cap {cap}")
 # The engine's default multiplex first, then the one its earlier records ran.
 TABLE_CONFIGS = ("multiplex-graph-floor-itl60", "multiplex-itl60", "chunk256", "chunk512",
                  "chunk1024", "chunk2048", "prefill-first", "disagg")

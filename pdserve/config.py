@@ -115,6 +115,13 @@ class SchedulerConfig:
                                       "prefill-step graphs when graph steps are on): the SLO "
                                       "is a mean over a request's tokens, and chunks cut "
                                       "small over long prefixes prefill slowly. 0: off.")
+    mux_tpot_bank_cap: float = doc(0.0, "multiplex: let a mixed step or a time slice run past "
+                                   "the ITL budget by what every running request has banked "
+                                   "against it (the budget times its output tokens, less the "
+                                   "time since its first token), up to this multiple of "
+                                   "--itl-slo-ms (>= 1; 0: off, every step within the "
+                                   "budget). For a TPOT SLO, a mean per request: decode-only "
+                                   "steps bank what larger prefill chunks then spend.")
     mux_prefill_correction: str = doc("compounding", "multiplex: how each sharing option's "
                                       "prefill correction learns from its pieces: "
                                       "'compounding' moves it by every piece's measured over "
@@ -153,6 +160,9 @@ class SchedulerConfig:
         if self.mux_mixed_floor_tokens < 0:
             raise ValueError(f"--mux-mixed-floor-tokens {self.mux_mixed_floor_tokens}: must "
                              "be >= 0")
+        if self.mux_tpot_bank_cap != 0.0 and not self.mux_tpot_bank_cap >= 1.0:
+            raise ValueError(f"--mux-tpot-bank-cap {self.mux_tpot_bank_cap}: must be 0 (off) "
+                             "or >= 1 (a multiple of --itl-slo-ms)")
 
 
 def check_prefill_order(order: str, ttft_slo_ms: float | None) -> None:

@@ -56,6 +56,7 @@ from pdserve.sched.mux_planner import (
     MuxPlanner,
     MuxPlannerConfig,
     OnlineCalibration,
+    banked_slack_ms,
     piece_predicted_ms,
 )
 
@@ -179,6 +180,7 @@ class MultiplexScheduler(InFlightScheduler):
                       switch_margin=sched.mux_switch_margin,
                       graph_step_tokens=sched.mux_graph_step_tokens or 0,
                       mixed_floor_tokens=sched.mux_mixed_floor_tokens,
+                      tpot_bank_cap=sched.mux_tpot_bank_cap,
                       **{name: name in sharing for name in MUX_SHARING})
         return MuxPlannerConfig(**{**fields, **self._overrides, **overrides})
 
@@ -191,6 +193,7 @@ class MultiplexScheduler(InFlightScheduler):
                 # As resolved (``auto`` graph steps: the runner's captured size, or 0).
                 "graph_step_tokens": planned.graph_step_tokens,
                 "mixed_floor_tokens": planned.mixed_floor_tokens,
+                "tpot_bank_cap": planned.tpot_bank_cap,
                 "calibration": self.describe_calibration()}
 
     def describe_calibration(self) -> dict:
@@ -350,7 +353,7 @@ class MultiplexScheduler(InFlightScheduler):
         candidates = self.prefill_candidates()
         if self.batch is None and not candidates:
             return
-        plan = self._plan(self.planner, candidates, decode_load_of(self.decode_work.plan))
+        plan = self._plan(self.planner, candidates, self.decode_work.plan)
         if plan.mode != MuxMode.TIME_SLICE:
             self.time_slicing = False  # the next boundary with both lanes idle re-plans
             return
@@ -368,7 +371,7 @@ class MultiplexScheduler(InFlightScheduler):
         if self.batch is None and not candidates:
             return
         plan = self._plan(self._pinned_planner(self.current), candidates,
-                          decode_load_of(self.decode_work.plan))
+                          self.decode_work.plan)
         if plan.mode == MuxMode.SPATIAL and self._ensure_batch(plan, candidates):
             self._add_piece(works, plan)
             self._note(plan)
@@ -380,8 +383,15 @@ class MultiplexScheduler(InFlightScheduler):
                 self._planner_config(temporal=False), self.partitions.total_sms)
         return self._pinned[part.decode_sms]
 
-    def _plan(self, planner: MuxPlanner, candidates, load: DecodeLoad | None = None) -> MuxPlan:
-        load = load or self.decode_load()
+    def _plan(self, planner: MuxPlanner, candidates, decoding: Plan | None = None) -> MuxPlan:
+        """``planner``'s plan beside the decode batch ``decoding`` holds (in flight), else
+        beside the requests ready to decode."""
+        requests = [s.request for s in decoding.decodes] if decoding is not None \
+            else self.decode_ready()
+        load = decode_load_over(requests) if requests else None
+        if load is not None and planner.config.tpot_bank_cap > 0:
+            load = replace(load, slack_ms=banked_slack_ms(requests, planner.config.budget_ms,
+                                                          time.monotonic()))
         in_flight = None
         if self.batch is not None:
             in_flight = self.in_flight_view(self.batch.plan, self.batch.layers_done)
@@ -529,5 +539,5 @@ class MultiplexScheduler(InFlightScheduler):
             stats.last_batch_prefill_tokens = last.prefill_tokens
 
 
-def decode_load_of(plan: Plan) -> DecodeLoad:
-    return DecodeLoad(len(plan.decodes), sum(s.request.num_tokens for s in plan.decodes))
+def decode_load_over(requests: list) -> DecodeLoad:
+    return DecodeLoad(len(requests), sum(r.num_tokens for r in requests))
