@@ -215,7 +215,12 @@ def settings_of(command: str, resolved: dict | None = None) -> PlannerSettings:
                         default=SchedulerConfig.max_num_batched_tokens)
     parser.add_argument("--mux-graph-step-tokens", type=int)
     parser.add_argument("--mux-mixed-floor-tokens", type=int)
+    parser.add_argument("--mux-tpot-bank-cap", type=float, default=0.0)
     flags, _ = parser.parse_known_args(shlex.split(command))
+    if flags.mux_tpot_bank_cap:
+        # The walk plans beside a decode load with no requests behind it: nothing banked.
+        raise ValueError(f"--mux-tpot-bank-cap {flags.mux_tpot_bank_cap:g}: the walk does not "
+                         "model TPOT slack banked per request")
     sharing = tuple(n for n in MUX_SHARING if n in mux_sharing_options(flags.mux_sharing))
     resolved = resolved or {}
     graph = flags.mux_graph_step_tokens

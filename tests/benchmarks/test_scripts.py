@@ -175,6 +175,8 @@ def test_graph_steps_and_floor_from_the_flags_else_the_engine_else_off():
                                 "co_running_decode": 1.0}).planner(_h200_predictor())
     assert planner.config.graph_step_tokens == 256 and planner.config.mixed_floor_tokens == 256
     assert planner.predictor.graph_mixed_correction == 0.9
+    with pytest.raises(ValueError, match="--mux-tpot-bank-cap 3: the walk does not model"):
+        whatif.settings_of("--mux-tpot-bank-cap 3")
 
 
 def _h200_predictor():
