@@ -1,0 +1,149 @@
+"""The chunked instance model (``ChunkedInstanceSim``) against the H200 goodput probes of
+chunked prefill on the Mooncake trace: each probe's requests (send time, prompt and output
+lengths from its per-request records) simulated with the latency model, measured spread and
+mixed-step extra cost that a validation run fitted (``sim_validate_instance.py``), the
+measured and simulated P50 / P99 of TTFT and TPOT side by side, and the SLO attainment.
+
+A held-out check of the model that validation fitted: there the replay's prompts are at
+most 8,192 tokens at about 60% prefill load, while the probes run the trace's prompts up to
+24,576 tokens at their own rates. A probe of another revision than the validation is
+compared too, and says so (``same_revision``). No GPU, no server::
+
+    python benchmarks/sim_goodput_probes.py \\
+        --validation benchmarks/results/sim_validate_instance_h200_8ccd9ac.json \\
+        --out sim_goodput_probes_h200_8ccd9ac.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.sim_validate_instance import fit_mixed_step_extra  # noqa: E402
+from benchmarks.validate_sim import compare_percentiles, percentiles  # noqa: E402
+from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.sim.cluster import LatencyModel, ServiceNoise, SimRequest  # noqa: E402
+from pdserve.sim.instance import ChunkedInstanceSim  # noqa: E402
+
+GOODPUT = ROOT / "benchmarks" / "results" / "goodput_h200"
+VALIDATION = ROOT / "benchmarks" / "results" / "sim_validate_instance_h200_8ccd9ac.json"
+
+
+def chunk_size_of(record: dict) -> int | None:
+    """The chunk size of a chunked probe's server (None: another schedule)."""
+    match = re.search(r"--schedule chunked --chunk-size (\d+)", record["config"]["server_args"])
+    return int(match.group(1)) if match else None
+
+
+def requests_of(record: dict) -> list[SimRequest]:
+    return [SimRequest(s["send_s"], s["prompt_len"], s["output_tokens"])
+            for s in record["samples"]]
+
+
+def measured_rows(record: dict) -> list[dict]:
+    return [{"ttft_s": s["ttft_ms"] / 1e3, "tpot_s": s["tpot_ms"] / 1e3}
+            for s in record["samples"]]
+
+
+def simulated_rows(model: LatencyModel, chunk: int, requests: list[SimRequest],
+                   extra_s: float, noise: ServiceNoise | None) -> list[dict]:
+    fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
+    ChunkedInstanceSim(model, chunk_size=chunk, noise=noise, mixed_step_extra_s=extra_s,
+                       overlap=True).run(fresh)
+    return [{"ttft_s": r.first_token - r.arrival,
+             "tpot_s": (r.finished - r.first_token) / max(1, r.output_len - 1)}
+            for r in fresh]
+
+
+def attainment(rows: list[dict], ttft_slo_s: float, tpot_slo_s: float) -> float:
+    return sum(r["ttft_s"] <= ttft_slo_s and r["tpot_s"] <= tpot_slo_s
+               for r in rows) / len(rows)
+
+
+def compare_probe(record: dict, model: LatencyModel, extra_s: float,
+                  noise: ServiceNoise) -> dict:
+    chunk, requests = chunk_size_of(record), requests_of(record)
+    measured = measured_rows(record)
+    simulated = {"simulated_medians_only": simulated_rows(model, chunk, requests, extra_s,
+                                                          None),
+                 "simulated": simulated_rows(model, chunk, requests, extra_s, noise)}
+    slo = record["summary"]["slo"]
+    ttft_slo, tpot_slo = slo["ttft_ms"] / 1e3, slo["itl_ms"] / 1e3
+    figures = {key: percentiles(measured, key) for key in ("ttft_s", "tpot_s")}
+    return {"chunk_size": chunk, "rate": record["probe"]["rate"],
+            "requests": len(requests), "git_revision": record["git_revision"],
+            "prompt_len_max": max(r.input_len for r in requests),
+            "compare": compare_percentiles(figures, simulated),
+            "attainment": {"measured": attainment(measured, ttft_slo, tpot_slo),
+                           **{name: attainment(rows, ttft_slo, tpot_slo)
+                              for name, rows in simulated.items()}}}
+
+
+def run(validation_path: Path, probe_paths: list[Path]) -> dict:
+    validation = json.loads(validation_path.read_text())
+    args = argparse.Namespace(**validation["config"])
+    fitted = validation["schedules"]["chunk512"]
+    model = LatencyModel(**fitted["latency_model"])
+    extra_s, checks = fit_mixed_step_extra(model, args, fitted["interference"])
+    ratios = fitted["service_ratios"]
+    noise = ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed)
+    revision = validation["git_revision"]
+    probes = {}
+    for path in probe_paths:
+        record = json.loads(path.read_text())
+        if "summary" not in record or chunk_size_of(record) is None:
+            raise SystemExit(f"{path}: not a chunked probe recorded by goodput_h200.py run "
+                             "(the chunked model only; imported runs carry no SLO summary)")
+        probes[path.stem] = {**compare_probe(record, model, extra_s, noise),
+                             "same_revision": record["git_revision"] == revision}
+    return {"kind": "validation", "num_instances": 1,
+            "model_from": str(validation_path.relative_to(ROOT)),
+            "model_revision": revision, "mixed_step_extra_s": extra_s,
+            "mixed_step_extra_fitted_on": checks.get("fitted_on"), "probes": probes}
+
+
+def default_probes(validation_path: Path) -> list[Path]:
+    """The chunked Mooncake probes committed at the validation's revision."""
+    revision = json.loads(validation_path.read_text())["git_revision"]
+    found = []
+    for path in sorted(GOODPUT.glob("mooncake__chunk*__r*.json")):
+        record = json.loads(path.read_text())
+        if record["git_revision"] == revision and chunk_size_of(record) is not None:
+            found.append(path)
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--validation", type=Path, default=VALIDATION,
+                        help="a sim_validate_instance.py result whose chunk512 fit to use")
+    parser.add_argument("--probes", type=Path, nargs="*",
+                        help="goodput probe records of chunked configs (default: the "
+                        "Mooncake ones at the validation's revision)")
+    parser.add_argument("--out", type=Path, help="write the result here (JSON)")
+    args = parser.parse_args()
+    validation = args.validation.resolve()
+    probes = [p.resolve() for p in args.probes] if args.probes else default_probes(validation)
+    if not probes:
+        raise SystemExit("no chunked goodput probe to compare")
+    result = {**result_header({"validation": str(validation.relative_to(ROOT)),
+                               "probes": [str(p.relative_to(ROOT)) for p in probes]}),
+              **run(validation, probes)}
+    for name, probe in result["probes"].items():
+        errors = {key: {q: round(100 * e, 1) for q, e in
+                        probe["compare"][key]["simulated_error"].items()}
+                  for key in ("ttft_s", "tpot_s")}
+        print(name, "attainment", probe["attainment"], "errors %", errors)
+    if args.out:
+        write_json(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

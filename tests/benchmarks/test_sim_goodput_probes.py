@@ -1,0 +1,61 @@
+"""``benchmarks/sim_goodput_probes.py``: the chunked instance model against committed H200
+goodput probes, with the fit of a committed validation run (offline, no GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _script():
+    path = ROOT / "benchmarks" / "sim_goodput_probes.py"
+    spec = importlib.util.spec_from_file_location("sim_goodput_probes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_probes_at_the_validations_revision_are_simulated_beside_their_records():
+    module = _script()
+    validation = RESULTS / "sim_validate_instance_h200_8ccd9ac.json"
+    probes = module.default_probes(validation)
+    assert {p.stem for p in probes} == {"mooncake__chunk512__r0.3", "mooncake__chunk1024__r0.3"}
+    result = module.run(validation, probes)
+    assert result["kind"] == "validation" and result["num_instances"] == 1
+    assert result["mixed_step_extra_fitted_on"] == "queue probe"
+    for path in probes:
+        probe, record = result["probes"][path.stem], json.loads(path.read_text())
+        assert probe["same_revision"] and probe["requests"] == len(record["samples"])
+        assert probe["chunk_size"] == int(path.stem.split("__")[1].removeprefix("chunk"))
+        # The attainment counted from the records is the one the probe reported.
+        assert probe["attainment"]["measured"] == pytest.approx(
+            record["summary"]["slo_attainment"])
+        measured = probe["compare"]["ttft_s"]["measured"]
+        assert measured["p50"] == pytest.approx(record["summary"]["ttft_ms"]["p50"] / 1e3,
+                                                rel=1e-6)
+
+
+def test_a_larger_chunk_prefills_faster_in_the_model_as_measured():
+    """The same requests, chunk 512 against chunk 1024: both measured and simulated
+    TTFT P50 fall with the larger chunk."""
+    module = _script()
+    validation = RESULTS / "sim_validate_instance_h200_8ccd9ac.json"
+    result = module.run(validation, module.default_probes(validation))
+    small, large = (result["probes"][f"mooncake__chunk{c}__r0.3"]["compare"]["ttft_s"]
+                    for c in (512, 1024))
+    for figures in ("measured", "simulated_medians_only"):
+        assert large[figures]["p50"] < small[figures]["p50"]
+
+
+def test_a_probe_of_another_schedule_is_refused():
+    module = _script()
+    validation = RESULTS / "sim_validate_instance_h200_8ccd9ac.json"
+    other = RESULTS / "goodput_h200" / "mooncake__prefill-first__r0.3.json"
+    with pytest.raises(SystemExit, match="not a chunked probe"):
+        module.run(validation, [other])
