@@ -94,15 +94,17 @@ def run(validation_path: Path, probe_paths: list[Path]) -> dict:
     ratios = fitted["service_ratios"]
     noise = ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed)
     revision = validation["git_revision"]
-    probes = {}
+    probes, skipped = {}, {}
     for path in probe_paths:
         record = json.loads(path.read_text())
-        if "summary" not in record or chunk_size_of(record) is None:
-            raise SystemExit(f"{path}: not a chunked probe recorded by goodput_h200.py run "
-                             "(the chunked model only; imported runs carry no SLO summary)")
+        if chunk_size_of(record) is None:
+            raise SystemExit(f"{path}: not a chunked probe (the chunked model only)")
+        if "summary" not in record:  # imported from a run before goodput_h200.py
+            skipped[path.stem] = "no SLO summary: imported from an earlier runner"
+            continue
         probes[path.stem] = {**compare_probe(record, model, extra_s, noise),
                              "same_revision": record["git_revision"] == revision}
-    return {"kind": "validation", "num_instances": 1,
+    return {"kind": "validation", "num_instances": 1, "skipped": skipped,
             "model_from": str(validation_path.relative_to(ROOT)),
             "model_revision": revision, "mixed_step_extra_s": extra_s,
             "mixed_step_extra_fitted_on": checks.get("fitted_on"), "probes": probes}
@@ -140,6 +142,8 @@ def main() -> int:
                         probe["compare"][key]["simulated_error"].items()}
                   for key in ("ttft_s", "tpot_s")}
         print(name, "attainment", probe["attainment"], "errors %", errors)
+    for name, reason in result["skipped"].items():
+        print(name, "skipped:", reason)
     if args.out:
         write_json(result, args.out)
     return 0

@@ -53,9 +53,12 @@ def test_a_larger_chunk_prefills_faster_in_the_model_as_measured():
         assert large[figures]["p50"] < small[figures]["p50"]
 
 
-def test_a_probe_of_another_schedule_is_refused():
+def test_a_probe_of_another_schedule_is_refused_and_an_imported_one_skipped():
     module = _script()
     validation = RESULTS / "sim_validate_instance_h200_8ccd9ac.json"
     other = RESULTS / "goodput_h200" / "mooncake__prefill-first__r0.3.json"
     with pytest.raises(SystemExit, match="not a chunked probe"):
         module.run(validation, [other])
+    imported = RESULTS / "goodput_h200" / "loogle__chunk512__r0.5.json"
+    result = module.run(validation, [imported])
+    assert result["probes"] == {} and "no SLO summary" in result["skipped"][imported.stem]
