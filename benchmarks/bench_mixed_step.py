@@ -11,6 +11,7 @@ line of the step to its sampled tokens on the host, as the median of repeats:
   reaches once launching costs nothing.
 
     python benchmarks/bench_mixed_step.py --model codellama-34b --out mixed_step.json
+    python benchmarks/bench_mixed_step.py --grid --repeats 5 --out mixed_step_grid.json
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ from pdserve.sched.base import MAIN_POOL, Plan
 # (prefill tokens, prefix tokens, decodes, decode context)
 CASES = ((512, 0, 64, 1024), (448, 0, 1, 16384), (256, 8192, 2, 16384), (1024, 0, 0, 0),
          (64, 0, 16, 4096), (128, 4096, 4, 8192), (2048, 0, 0, 0))
+# ``--grid``: chunk x prefix x decode batch (4K context each), for the chunked instance
+# model's mixed step, which is too fast where the weight read and the compute are close
+# and over long prefixes (docs/cluster.md, "The chunked model held out").
+GRID_CHUNKS, GRID_PREFIXES, GRID_DECODES = (64, 128, 256, 384, 512, 1024), (0, 4096, 16384), \
+    (1, 8, 32)
+GRID_CONTEXT = 4096
+
+
+def cases(grid: bool) -> tuple[tuple[int, int, int, int], ...]:
+    if not grid:
+        return CASES
+    return tuple((chunk, prefix, decodes, GRID_CONTEXT) for chunk in GRID_CHUNKS
+                 for prefix in GRID_PREFIXES for decodes in GRID_DECODES)
 
 
 def place_prefill(engine: EngineCore, tokens: int, prefix: int) -> Request:
@@ -113,6 +127,9 @@ def main() -> None:
     parser.add_argument("--model", default="codellama-34b")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", default="mixed_step.json")
+    parser.add_argument("--grid", action="store_true",
+                        help=f"time {len(cases(True))} steps over chunk x prefix x decode "
+                        "batch instead of the seven named cases")
     args = parser.parse_args()
     config = EngineConfig.from_flat(model=args.model, load_format="dummy", schedule="chunked",
                                     chunk_size=2048, max_model_len=24576, max_num_seqs=256,
@@ -123,7 +140,7 @@ def main() -> None:
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "model": args.model,
               "piecewise_buckets": segments.buckets if segments else None, "cases": []}
-    for case in CASES:
+    for case in cases(args.grid):
         row = measure(engine, case, args.repeats)
         print(json.dumps(row), flush=True)
         report["cases"].append(row)

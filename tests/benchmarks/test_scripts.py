@@ -330,3 +330,16 @@ def test_decode_split_ab_times_every_split_size_at_every_point(monkeypatch):
     assert set(asked) == {(False, 128, 64), (False, 64, 64), (False, 128, 128)}
     assert rows[0]["us_per_layer"] == {"128/64": 16.0, "64/64": 8.0, "128/128": 16.0}
     assert rows[0]["speedup"] == 2.0
+
+
+def test_the_mixed_step_grid_covers_the_steps_the_chunked_model_misses(monkeypatch):
+    """``bench_mixed_step.py --grid``: small chunks, long prefixes and several decode
+    batches, each step within the engine's 24,576-token limit; without it the seven named
+    cases its committed results hold."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = _load("bench_mixed_step")
+    grid = bench.cases(True)
+    assert len(set(grid)) == len(grid) == 54
+    assert {c[0] for c in grid} >= {64, 128, 256, 512} and {c[1] for c in grid} >= {0, 16384}
+    assert all(prefix + chunk <= 24576 for chunk, prefix, _, _ in grid)
+    assert bench.cases(False) == bench.CASES and len(bench.CASES) == 7
