@@ -33,6 +33,8 @@ def plot(path: Path, out_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     result = json.loads(path.read_text())
+    if result.get("kind") == "validation" and "probes" in result:
+        return plot_probes(plt, result, path, out_dir)
     if result.get("kind") == "validation":
         return plot_validation(plt, result, path, out_dir)
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -75,6 +77,49 @@ def plot_validation(plt, result: dict, path: Path, out_dir: Path) -> Path:
             ax.set_ylabel(f"{key[:-2].upper()} (ms)")
             ax.set_title(f"{name}: measured against simulated", fontsize=9)
     axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    out = out_dir / f"{path.stem}.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_probes(plt, result: dict, path: Path, out_dir: Path) -> Path:
+    """A held-out check (``sim_goodput_probes.py``): simulated (measured spread) against
+    measured P50 / P99 of TTFT and TPOT, one point per probe and percentile, coloured by
+    chunk size, beside the diagonal and its 10% band."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    chunks = sorted({probe["chunk_size"] for probe in result["probes"].values()})
+    colours = dict(zip(chunks, plt.rcParams["axes.prop_cycle"].by_key()["color"],
+                       strict=False))
+    for ax, key in zip(axes, ("ttft_s", "tpot_s"), strict=True):
+        values = []
+        for probe in result["probes"].values():
+            table = probe["compare"][key]
+            for quantile, marker in (("p50", "o"), ("p99", "^")):
+                measured, simulated = table["measured"][quantile], table["simulated"][quantile]
+                values += [measured, simulated]
+                ax.scatter(measured, simulated, marker=marker, s=22,
+                           color=colours[probe["chunk_size"]])
+        low, high = min(values) * 0.8, max(values) * 1.2
+        ax.plot([low, high], [low, high], color="black", linewidth=0.8)
+        for factor in (0.9, 1.1):
+            ax.plot([low, high], [low * factor, high * factor], color="grey", linewidth=0.6,
+                    linestyle="--")
+        if key == "ttft_s":  # TTFT spans three decades, TPOT less than one
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            for axis in (ax.xaxis, ax.yaxis):  # plain numbers
+                axis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set_xlabel(f"measured {key[:-2].upper()} (s)")
+        ax.set_ylabel(f"simulated {key[:-2].upper()} (s)")
+    for chunk in chunks:
+        axes[0].scatter([], [], color=colours[chunk], label=f"chunk {chunk}")
+    axes[0].scatter([], [], marker="o", color="black", label="P50")
+    axes[0].scatter([], [], marker="^", color="black", label="P99")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Simulated against measured, {len(result['probes'])} H200 goodput probes "
+                 f"(fit: {result['model_from']}; dashed: 10%)", fontsize=8)
     fig.tight_layout()
     out = out_dir / f"{path.stem}.png"
     fig.savefig(out, dpi=110)

@@ -107,6 +107,16 @@ def test_validation_plot_draws_measured_beside_each_simulation(tmp_path):
         assert out.name == f"{name}.png" and out.stat().st_size > 1000
 
 
+def test_a_held_out_check_is_drawn_as_simulated_against_measured(tmp_path):
+    pytest.importorskip("matplotlib")
+    plots = _load("plot_sim_fleet")
+    committed = BENCHMARKS / "results" / "sim_goodput_probes_h200_8ccd9ac.json"
+    path = tmp_path / committed.name
+    path.write_text(committed.read_text())
+    out = plots.plot(path, tmp_path)
+    assert out.name == "sim_goodput_probes_h200_8ccd9ac.png" and out.stat().st_size > 1000
+
+
 def test_mux_whatif_walks_a_prompt_with_every_sharing_set(tmp_path):
     """The planner over the H200 profile (rows committed from the 6f90be1 run): each sharing
     set prefills the prompt; a dearer mixed step (the online correction) never makes
