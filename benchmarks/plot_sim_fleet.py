@@ -57,7 +57,8 @@ def plot(path: Path, out_dir: Path) -> Path:
 
 SIDES = {"measured": "measured", "simulated": "simulated, measured spread",
          "simulated_medians_only": "simulated, medians only",
-         "simulated_without_shared_cores": "simulated, spread, cores not shared"}
+         "simulated_without_shared_cores": "simulated, spread, cores not shared",
+         "simulated_planner": "simulated, planner model, spread"}
 
 
 def plot_validation(plt, result: dict, path: Path, out_dir: Path) -> Path:
@@ -66,7 +67,7 @@ def plot_validation(plt, result: dict, path: Path, out_dir: Path) -> Path:
     fig, axes = plt.subplots(len(runs), 2, figsize=(8, 2.8 * len(runs)), squeeze=False)
     for row, (name, run) in zip(axes, runs.items(), strict=True):
         for ax, key in zip(row, ("ttft_s", "tpot_s"), strict=True):
-            table = run["compare"][key]
+            table = run.get("compare", run)[key]  # a re-simulation keeps the table bare
             sides = [side for side in SIDES if side in table]  # older results have fewer
             width = 0.8 / len(sides)
             for i, side in enumerate(sides):
@@ -76,7 +77,7 @@ def plot_validation(plt, result: dict, path: Path, out_dir: Path) -> Path:
             ax.set_xticks([0, 1], ["P50", "P99"])
             ax.set_ylabel(f"{key[:-2].upper()} (ms)")
             ax.set_title(f"{name}: measured against simulated", fontsize=9)
-    axes[0][0].legend(fontsize=7)
+        row[0].legend(fontsize=7)  # runs may differ in the simulations they hold
     fig.tight_layout()
     out = out_dir / f"{path.stem}.png"
     fig.savefig(out, dpi=110)
