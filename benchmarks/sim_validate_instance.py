@@ -797,7 +797,7 @@ def main() -> int:
         result = resimulate(args.resimulate, args.models_as_of, args.mixed_step_extra_from,
                             args.planner_only)
         if args.out:
-            config = {k: v for k, v in vars(args).items() if k != "out"}
+            config = {k: _relative(v) for k, v in vars(args).items() if k != "out"}
             write_json({**result_header(config), "kind": "validation", **result}, args.out)
         return print_resimulation(result)
     table = SMOKE_SCHEDULES if args.smoke else SCHEDULES
@@ -814,6 +814,14 @@ def main() -> int:
         for key, row in report["schedules"][name]["compare"].items():
             print(name, key, json.dumps(row), flush=True)
     return 0
+
+
+def _relative(value):
+    """A path under the repository as the repository names it (results carry no host's
+    checkout path); any other value unchanged."""
+    if isinstance(value, str) and value.startswith(str(ROOT) + os.sep):
+        return os.path.relpath(value, ROOT)
+    return value
 
 
 def print_resimulation(result: dict) -> int:
