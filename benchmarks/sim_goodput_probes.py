@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.sim_validate_instance import fit_mixed_step_extra  # noqa: E402
+from benchmarks.sim_validate_instance import fit_mixed_step_extra, latency_rows  # noqa: E402
 from benchmarks.validate_sim import compare_percentiles, percentiles  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.sim.cluster import LatencyModel, ServiceNoise, SimRequest  # noqa: E402
@@ -56,9 +56,7 @@ def simulated_rows(model: LatencyModel, chunk: int, requests: list[SimRequest],
     fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
     ChunkedInstanceSim(model, chunk_size=chunk, noise=noise, mixed_step_extra_s=extra_s,
                        overlap=True).run(fresh)
-    return [{"ttft_s": r.first_token - r.arrival,
-             "tpot_s": (r.finished - r.first_token) / max(1, r.output_len - 1)}
-            for r in fresh]
+    return latency_rows(fresh)
 
 
 def attainment(rows: list[dict], ttft_slo_s: float, tpot_slo_s: float) -> float:

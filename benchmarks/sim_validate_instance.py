@@ -360,9 +360,15 @@ def simulate(name: str, model: LatencyModel, factors: Multiplexing | None,
             else dataclasses.replace(factors, share=share)
         GroupSim(model, 1, 0, dispatch="least-connections", max_wait_s=1e9,
                  multiplexing=factors, noise=noise).run(fresh)
+    return latency_rows(fresh)
+
+
+def latency_rows(requests: list[SimRequest]) -> list[dict]:
+    """Each simulated request's TTFT and TPOT (per request, (last - first token) over the
+    tokens after the first), as the measured ones are."""
     return [{"ttft_s": r.first_token - r.arrival,
              "tpot_s": (r.finished - r.first_token) / max(1, r.output_len - 1)}
-            for r in fresh]
+            for r in requests]
 
 
 def planner_share(schedule_args: str, interference: dict, model: LatencyModel,

@@ -60,10 +60,7 @@ class InFlightScheduler(Scheduler):
                 if r.num_uncomputed == 1 and r.request_id not in self.in_flight]
 
     def decode_load(self) -> DecodeLoad | None:
-        ready = self.decode_ready()
-        if not ready:
-            return None
-        return DecodeLoad(len(ready), sum(r.num_tokens for r in ready))
+        return decode_load_over(self.decode_ready())
 
     def prefill_candidates(self, same_stream: bool = False) -> list[Request]:
         """Part-prefilled running requests first (they hold blocks), then the waiting queue.
@@ -259,3 +256,10 @@ def fcfs_chunks(candidates, budget: int) -> list[tuple[int, int]]:
         chunks.append((index, take))
         budget -= take
     return chunks
+
+
+def decode_load_over(requests: list[Request]) -> DecodeLoad | None:
+    """The decode load of these requests (None: no request)."""
+    if not requests:
+        return None
+    return DecodeLoad(len(requests), sum(r.num_tokens for r in requests))

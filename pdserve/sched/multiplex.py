@@ -48,9 +48,8 @@ from dataclasses import asdict, dataclass, replace
 from pdserve.config import MUX_SHARING, mux_sharing_options
 from pdserve.gpu.partitions import Partition, PartitionSet
 from pdserve.sched.base import BatchCarry, LaneLaunches, Plan, StepOutput, Work
-from pdserve.sched.in_flight import InFlightScheduler
+from pdserve.sched.in_flight import InFlightScheduler, decode_load_over
 from pdserve.sched.mux_planner import (
-    DecodeLoad,
     MuxMode,
     MuxPlan,
     MuxPlanner,
@@ -388,7 +387,7 @@ class MultiplexScheduler(InFlightScheduler):
         beside the requests ready to decode."""
         requests = [s.request for s in decoding.decodes] if decoding is not None \
             else self.decode_ready()
-        load = decode_load_over(requests) if requests else None
+        load = decode_load_over(requests)
         if load is not None and planner.config.tpot_bank_cap > 0:
             load = replace(load, slack_ms=banked_slack_ms(requests, planner.config.budget_ms,
                                                           time.monotonic()))
@@ -538,6 +537,3 @@ class MultiplexScheduler(InFlightScheduler):
             stats.last_batch_decode = last.decode_batch
             stats.last_batch_prefill_tokens = last.prefill_tokens
 
-
-def decode_load_over(requests: list) -> DecodeLoad:
-    return DecodeLoad(len(requests), sum(r.num_tokens for r in requests))

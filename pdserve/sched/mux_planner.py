@@ -609,7 +609,8 @@ class MuxPlanner:
         step = lambda tokens: self._mixed_ms(decode, waiting, tokens)
         smallest = min(available, cfg.min_chunk_tokens)
         largest = min(available, cfg.max_prefill_tokens)
-        if step(smallest) <= cfg.step_budget_ms(decode):
+        budget = cfg.step_budget_ms(decode)
+        if step(smallest) <= budget:
             chunk = self._mixed_chunk(decode, waiting, smallest, largest)
         else:
             chunk = self._floored(None, decode, step, largest)
@@ -622,10 +623,8 @@ class MuxPlanner:
         piece = PrefillPiece(tuple(chunks), chunk, _prefix_sum(waiting, chunks), len(chunks), 0,
                              self.num_layers, ms)
         graphs = " on the prefill-step graphs" if self.on_graphs(chunk, decode.batch_size) else ""
-        floor = " (the floor, over the budget)" if ms > cfg.step_budget_ms(decode) and fits \
-            else ""
-        banked = " (banked TPOT slack)" if fits and cfg.budget_ms < ms <= cfg.step_budget_ms(
-            decode) else ""
+        floor = " (the floor, over the budget)" if ms > budget and fits else ""
+        banked = " (banked TPOT slack)" if fits and cfg.budget_ms < ms <= budget else ""
         reason = (f"mixed step with a {chunk}-token chunk{graphs}{floor}{banked}" if fits else
                   f"prefill waited {cfg.max_prefill_stall_ms:.0f} ms: smallest mixed step")
         rate = 1e3 * chunk / ms
