@@ -216,11 +216,16 @@ def settings_of(command: str, resolved: dict | None = None) -> PlannerSettings:
     parser.add_argument("--mux-graph-step-tokens", type=int)
     parser.add_argument("--mux-mixed-floor-tokens", type=int)
     parser.add_argument("--mux-tpot-bank-cap", type=float, default=0.0)
+    parser.add_argument("--mux-ttft-pressed-margin", type=float, default=0.0)
     flags, _ = parser.parse_known_args(shlex.split(command))
     if flags.mux_tpot_bank_cap:
         # The walk plans beside a decode load with no requests behind it: nothing banked.
         raise ValueError(f"--mux-tpot-bank-cap {flags.mux_tpot_bank_cap:g}: the walk does not "
                          "model TPOT slack banked per request")
+    if flags.mux_ttft_pressed_margin:
+        # One prompt walked at a time, no queue behind it: no TTFT ever pressed.
+        raise ValueError(f"--mux-ttft-pressed-margin {flags.mux_ttft_pressed_margin:g}: the "
+                         "walk does not model a queue of prompts waiting for their TTFT")
     sharing = tuple(n for n in MUX_SHARING if n in mux_sharing_options(flags.mux_sharing))
     resolved = resolved or {}
     graph = flags.mux_graph_step_tokens

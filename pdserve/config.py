@@ -122,6 +122,12 @@ class SchedulerConfig:
                                    "--itl-slo-ms (>= 1; 0: off, every step within the "
                                    "budget). For a TPOT SLO, a mean per request: decode-only "
                                    "steps bank what larger prefill chunks then spend.")
+    mux_ttft_pressed_margin: float = doc(0.0, "multiplex: while a waiting prompt is "
+                                         "predicted to miss --ttft-slo-ms at the prefill "
+                                         "rate of mixed steps planned to --mux-itl-margin, "
+                                         "plan mixed steps and time slices to this share of "
+                                         "--itl-slo-ms instead (in [--mux-itl-margin, 1]; 0: "
+                                         "off). Needs --ttft-slo-ms.")
     mux_prefill_correction: str = doc("compounding", "multiplex: how each sharing option's "
                                       "prefill correction learns from its pieces: "
                                       "'compounding' moves it by every piece's measured over "
@@ -163,6 +169,18 @@ class SchedulerConfig:
         if self.mux_tpot_bank_cap != 0.0 and not self.mux_tpot_bank_cap >= 1.0:
             raise ValueError(f"--mux-tpot-bank-cap {self.mux_tpot_bank_cap}: must be 0 (off) "
                              "or >= 1 (a multiple of --itl-slo-ms)")
+        self._check_ttft_pressed_margin()
+
+    def _check_ttft_pressed_margin(self) -> None:
+        margin = self.mux_ttft_pressed_margin
+        if margin == 0.0:
+            return
+        if not self.mux_itl_margin <= margin <= 1.0:
+            raise ValueError(f"--mux-ttft-pressed-margin {margin}: must be 0 (off) or in "
+                             f"[--mux-itl-margin ({self.mux_itl_margin}), 1]")
+        if self.ttft_slo_ms is None or self.ttft_slo_ms <= 0:
+            raise ValueError("--mux-ttft-pressed-margin plans by the TTFT SLO: set "
+                             "--ttft-slo-ms to a positive target")
 
 
 def check_prefill_order(order: str, ttft_slo_ms: float | None) -> None:

@@ -180,6 +180,7 @@ class MultiplexScheduler(InFlightScheduler):
                       graph_step_tokens=sched.mux_graph_step_tokens or 0,
                       mixed_floor_tokens=sched.mux_mixed_floor_tokens,
                       tpot_bank_cap=sched.mux_tpot_bank_cap,
+                      ttft_pressed_margin=sched.mux_ttft_pressed_margin,
                       **{name: name in sharing for name in MUX_SHARING})
         return MuxPlannerConfig(**{**fields, **self._overrides, **overrides})
 
@@ -193,6 +194,7 @@ class MultiplexScheduler(InFlightScheduler):
                 "graph_step_tokens": planned.graph_step_tokens,
                 "mixed_floor_tokens": planned.mixed_floor_tokens,
                 "tpot_bank_cap": planned.tpot_bank_cap,
+                "ttft_pressed_margin": planned.ttft_pressed_margin,
                 "calibration": self.describe_calibration()}
 
     def describe_calibration(self) -> dict:

@@ -438,3 +438,24 @@ def test_a_probe_with_its_own_itl_target_reports_attainment_at_that_target_too(t
     assert line == "attainment 0.000 (TPOT 60 ms), 1.000 at TPOT 80 ms"
     assert tool.attainment_line(result, 15_000.0, "multiplex-itl60") == "attainment 0.000"
     assert tool.attainment_line(result, 15_000.0, "chunk256") == "attainment 0.000"
+
+
+def test_the_pressed_configs_are_valid_server_flags_with_each_workload_s_ttft_slo():
+    """Each pressed config adds the pressure and its workload's TTFT SLO to its base, and
+    the engine's own config accepts the result."""
+    from pdserve.config import SchedulerConfig
+
+    module = _load("goodput_h200")
+    predictor = module.ROOT / "none.json"
+    for name, base in (("multiplex-graph-floor-pressed-itl60", "multiplex-graph-floor-itl60"),
+                       ("multiplex-graph-floor-bank3-pressed-itl60",
+                        "multiplex-graph-floor-bank3-itl60")):
+        args = module.config_args(name, predictor, "sharegpt")
+        assert args == module.config_args(base, predictor, None) \
+            + " --ttft-slo-ms 2000 --mux-ttft-pressed-margin 1"
+        flags = _flags(args)
+        config = SchedulerConfig(itl_slo_ms=float(flags["--itl-slo-ms"]),
+                                 ttft_slo_ms=float(flags["--ttft-slo-ms"]),
+                                 mux_ttft_pressed_margin=float(
+                                     flags["--mux-ttft-pressed-margin"]))
+        assert config.mux_ttft_pressed_margin == 1.0
