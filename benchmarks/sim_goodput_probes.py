@@ -12,15 +12,23 @@ compared too, and says so (``same_revision``). No GPU, no server::
     python benchmarks/sim_goodput_probes.py \\
         --validation benchmarks/results/sim_validate_instance_h200_8ccd9ac.json \\
         --out sim_goodput_probes_h200_8ccd9ac.json
+
+``--mixed-step-grid GRID.json`` (a ``bench_mixed_step.py --grid`` result) fits the mixed
+step's grid terms on top of the validation's model (``fit_mixed_step_grid``: the prefix
+attention's floor, the graph and eager steps' costs), refits the extra cost per mixed step
+on the validation's queue probe with them, and records the grid and its revision.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -29,7 +37,12 @@ from benchmarks.sim_validate_instance import fit_mixed_step_extra, latency_rows 
 from benchmarks.validate_sim import compare_percentiles, percentiles  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.sim.cluster import LatencyModel, ServiceNoise, SimRequest  # noqa: E402
-from pdserve.sim.instance import ChunkedInstanceSim  # noqa: E402
+from pdserve.sim.instance import (  # noqa: E402
+    ChunkedInstanceSim,
+    fit_mixed_step_grid,
+    grid_case_s,
+    on_graphs,
+)
 
 GOODPUT = ROOT / "benchmarks" / "results" / "goodput_h200"
 VALIDATION = ROOT / "benchmarks" / "results" / "sim_validate_instance_h200_8ccd9ac.json"
@@ -83,11 +96,11 @@ def compare_probe(record: dict, model: LatencyModel, extra_s: float,
                               for name, rows in simulated.items()}}}
 
 
-def run(validation_path: Path, probe_paths: list[Path]) -> dict:
+def run(validation_path: Path, probe_paths: list[Path], grid_path: Path | None = None) -> dict:
     validation = json.loads(validation_path.read_text())
     args = argparse.Namespace(**validation["config"])
     fitted = validation["schedules"]["chunk512"]
-    model = LatencyModel(**fitted["latency_model"])
+    model, grid_fit = with_grid(LatencyModel(**fitted["latency_model"]), grid_path)
     extra_s, checks = fit_mixed_step_extra(model, args, fitted["interference"])
     ratios = fitted["service_ratios"]
     noise = ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed)
@@ -105,7 +118,42 @@ def run(validation_path: Path, probe_paths: list[Path]) -> dict:
     return {"kind": "validation", "num_instances": 1, "skipped": skipped,
             "model_from": str(validation_path.relative_to(ROOT)),
             "model_revision": revision, "mixed_step_extra_s": extra_s,
-            "mixed_step_extra_fitted_on": checks.get("fitted_on"), "probes": probes}
+            "mixed_step_extra_fitted_on": checks.get("fitted_on"), **grid_fit,
+            "probes": probes}
+
+
+def with_grid(model: LatencyModel, grid_path: Path | None) -> tuple[LatencyModel, dict]:
+    """The model with the mixed step's grid terms fitted on ``grid_path`` (none: as it is),
+    and what the result records of that fit: the grid, the revision it was measured at, the
+    fitted terms."""
+    if grid_path is None:
+        return model, {"mixed_step_form": "roofline"}
+    grid = json.loads(grid_path.read_text())
+    model = fit_mixed_step_grid(model, grid)
+    terms = {k: v for k, v in dataclasses.asdict(model).items() if k.startswith("mixed_")}
+    return model, {"mixed_step_form": "grid", "mixed_step_grid": str(grid_path.relative_to(ROOT)),
+                   "mixed_step_grid_revision": grid["git_revision"],
+                   "mixed_step_grid_terms": terms, "mixed_step_grid_fit": grid_fit(model, grid)}
+
+
+def grid_fit(model: LatencyModel, grid: dict) -> dict:
+    """Each grid step modelled against measured: its kernels' time (what the terms are
+    fitted to) and its time from the host on the path serving runs it (synchronous: overlap
+    scheduling hides part of the host's share in serving); median and worst error of each."""
+    rows = [{"prefill_tokens": c["prefill_tokens"], "prefix": c["prefix"],
+             "decodes": c["decodes"], "path": "graphs" if on_graphs(model, c) else "eager",
+             "modelled_ms": grid_case_s(model, c) * 1e3, "kernel_sum_ms": c["kernel_sum_ms"],
+             "host_timed_ms": c["piecewise_ms"] if on_graphs(model, c) else c["eager_ms"]}
+            for c in grid["cases"]]
+    summary = {}
+    for measured in ("kernel_sum_ms", "host_timed_ms"):
+        errors = [r["modelled_ms"] / r[measured] - 1 for r in rows]
+        for row, error in zip(rows, errors, strict=True):
+            row[f"error_against_{measured}"] = error
+        worst = max(errors, key=abs)
+        summary[measured] = {"median_abs_error": float(np.median(np.abs(errors))),
+                             "worst_error": worst, "worst_case": rows[errors.index(worst)]}
+    return {"summary": summary, "cases": rows}
 
 
 def default_probes(validation_path: Path) -> list[Path]:
@@ -126,15 +174,20 @@ def main() -> int:
     parser.add_argument("--probes", type=Path, nargs="*",
                         help="goodput probe records of chunked configs (default: the "
                         "Mooncake ones at the validation's revision)")
+    parser.add_argument("--mixed-step-grid", type=Path,
+                        help="a bench_mixed_step.py --grid result to fit the mixed step's "
+                        "grid terms on (default: the roofline form the validation fitted)")
     parser.add_argument("--out", type=Path, help="write the result here (JSON)")
     args = parser.parse_args()
     validation = args.validation.resolve()
     probes = [p.resolve() for p in args.probes] if args.probes else default_probes(validation)
     if not probes:
         raise SystemExit("no chunked goodput probe to compare")
+    grid = args.mixed_step_grid.resolve() if args.mixed_step_grid else None
     result = {**result_header({"validation": str(validation.relative_to(ROOT)),
-                               "probes": [str(p.relative_to(ROOT)) for p in probes]}),
-              **run(validation, probes)}
+                               "probes": [str(p.relative_to(ROOT)) for p in probes],
+                               "mixed_step_grid": grid and str(grid.relative_to(ROOT))}),
+              **run(validation, probes, grid)}
     for name, probe in result["probes"].items():
         errors = {key: {q: round(100 * e, 1) for q, e in
                         probe["compare"][key]["simulated_error"].items()}

@@ -99,7 +99,11 @@ from pdserve.sim.cluster import (  # noqa: E402
     ServiceNoise,
     SimRequest,
 )
-from pdserve.sim.instance import ChunkedInstanceSim, mixed_step_s  # noqa: E402
+from pdserve.sim.instance import (  # noqa: E402
+    ChunkedInstanceSim,
+    fit_mixed_step_grid,
+    mixed_step_s,
+)
 from pdserve.testing import ServeProcess, start_serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -638,14 +642,16 @@ async def engine_info(session, url: str) -> dict:
 
 
 def resimulate(path: str, as_of: str = "current", extra_from: str | None = None,
-               only: str | None = None) -> dict:
+               only: str | None = None, grid: str | None = None) -> dict:
     """Re-runs the simulations of a recorded validation with the models of now (or as of
     ``as_of``), from its own calibration: the same requests (``window_requests`` with the
     run's arguments and fitted model), its interference probe, and its measured spread
     where the file recorded the ratios (``service_ratios``); the medians-only simulation
     needs none. ``extra_from``: the chunked mixed step's extra cost fitted on that recorded
     run's lone probe instead (a run without its own probe). ``only``: the planner model
-    walked with that one option (``planner_share``). No GPU, no server."""
+    walked with that one option (``planner_share``). ``grid``: the chunked mixed step's
+    grid terms fitted on that measured grid (``fit_mixed_step_grid``) on top of the run's
+    model, its extra cost refitted with them. No GPU, no server."""
     recorded = json.load(open(path))
     args = argparse.Namespace(**recorded["config"])
     args.trace = str(ROOT / args.trace)
@@ -669,8 +675,9 @@ def resimulate(path: str, as_of: str = "current", extra_from: str | None = None,
             if ratios else None
         extra_s = 0.0
         if name == "chunk512":
-            extra_s, extra["from"] = recorded_mixed_step_extra(extra_from or path)
-            extra["mixed_step_extra_s"] = extra_s
+            model = with_grid_terms(model, grid)
+            extra_s, extra["from"] = recorded_mixed_step_extra(extra_from or path, grid)
+            extra.update(mixed_step_extra_s=extra_s, mixed_step_grid=grid and _relative(grid))
         simulated = simulate_both(name, model, factors, requests, noise, share, as_of, extra_s)
         measured = {key: row["measured"] for key, row in run["compare"].items()}
         table[name] = compare_percentiles(measured, simulated)
@@ -679,15 +686,20 @@ def resimulate(path: str, as_of: str = "current", extra_from: str | None = None,
             "schedules": table, "cycle_covers_every_batch": covered, "chunked": extra}
 
 
-def recorded_mixed_step_extra(path: str) -> tuple[float, str]:
+def with_grid_terms(model: LatencyModel, grid: str | None) -> LatencyModel:
+    """The model with the mixed step's grid terms fitted on ``grid`` (none: as it is)."""
+    return model if grid is None else fit_mixed_step_grid(model, json.load(open(grid)))
+
+
+def recorded_mixed_step_extra(path: str, grid: str | None = None) -> tuple[float, str]:
     """The chunked mixed step's extra cost (``fit_mixed_step_extra``) fitted on a recorded
     run's probes (``fit_mixed_step_extra``: the queue probe where it has one), and where
-    from."""
+    from; with ``grid``, on top of the grid terms fitted there."""
     recorded = json.load(open(path))
     args = argparse.Namespace(**recorded["config"])
     run = recorded["schedules"]["chunk512"]
-    extra_s, checks = fit_mixed_step_extra(LatencyModel(**run["latency_model"]), args,
-                                           run["interference"])
+    model = with_grid_terms(LatencyModel(**run["latency_model"]), grid)
+    extra_s, checks = fit_mixed_step_extra(model, args, run["interference"])
     source = os.path.relpath(path, ROOT)
     return extra_s, (f"{source}'s {checks['fitted_on']}" if checks
                      else f"none: {source} has no probe of mixed steps")
@@ -749,6 +761,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mixed-step-extra-from", metavar="FILE.json",
                         help="With --resimulate: the chunked mixed step's extra cost fitted "
                         "on this recorded run's probes (for a run that has none).")
+    parser.add_argument("--mixed-step-grid", metavar="GRID.json",
+                        help="With --resimulate: the chunked mixed step's grid terms fitted "
+                        "on this bench_mixed_step.py --grid result (default: the roofline "
+                        "form the run was fitted with).")
     parser.add_argument("--planner-only", choices=ONE_OPTION,
                         help="With --resimulate (a what-if): the planner model walked with this "
                         "one option, delivering what it delivered in the run's probes.")
@@ -801,7 +817,7 @@ def main() -> int:
     args = parse_args()
     if args.resimulate:
         result = resimulate(args.resimulate, args.models_as_of, args.mixed_step_extra_from,
-                            args.planner_only)
+                            args.planner_only, args.mixed_step_grid)
         if args.out:
             config = {k: _relative(v) for k, v in vars(args).items() if k != "out"}
             write_json({**result_header(config), "kind": "validation", **result}, args.out)

@@ -64,6 +64,23 @@ class LatencyModel:
     # joins the instance's queue, so two prompts' hops overlap where their prefills queue.
     # Zero: the prefill instance's time is the whole, the fleet figures' model.
     gateway_hop_s: float = 0.0
+    # A chunked instance's mixed step beyond the roofline (``pdserve.sim.instance``: what a
+    # measured grid of mixed steps says, ``fit_mixed_step_grid``). All zero: the roofline
+    # form the validations at 8ccd9ac and efbfdd5 were fitted with.
+    # Attention over a prefix is latency-bound for a small piece: at least this per prefix
+    # token whatever the piece's size (H200, codellama-34b: ~1.3 us).
+    mixed_prefix_floor_per_token_s: float = 0.0
+    # Past the floor it grows with (piece tokens x prefix tokens); 0: the prefill fit's
+    # square instead (2 * ``prefill_per_token_sq_s``, the roofline form, floor unused).
+    mixed_prefix_per_pair_s: float = 0.0
+    # Steps of at most this many tokens replay the piecewise CUDA graphs (the engine's
+    # ``--piecewise-graph-max-tokens``), each at its kernels plus ``mixed_graph_extra_s``;
+    # larger ones run eagerly: their kernels plus ``mixed_eager_extra_s``, and never less
+    # than ``mixed_eager_floor_s`` (the host launching every kernel of the step).
+    mixed_graph_max_tokens: int = 0
+    mixed_graph_extra_s: float = 0.0
+    mixed_eager_extra_s: float = 0.0
+    mixed_eager_floor_s: float = 0.0
 
     def prefill_s(self, tokens: int) -> float:
         return (self.prefill_base_s + self.prefill_per_token_s * tokens

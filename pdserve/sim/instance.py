@@ -18,6 +18,13 @@ interference probe: about 2 ms a step at efbfdd5), and ``overlap``: the engine p
 k + 1 as it issues step k (overlap scheduling, on by default), so a prompt that arrives
 while a step runs starts in the step after the next one.
 
+With the grid terms of ``LatencyModel`` fitted (``fit_mixed_step_grid``, on a measured grid
+of mixed steps: ``bench_mixed_step.py --grid``) a piece's attention over its prefix costs at
+least a floor per prefix token (the kernel is latency-bound for small pieces), and a step
+costs its kernels plus what the model misses of them on its path: the piecewise CUDA
+graphs up to their largest step, else eager, never under the host's launch floor. Those
+terms at zero are the roofline form above, computed as it was.
+
 ``mixed_step="sum"`` is the model as it was until the H200 validation at eb12b7d (a mixed
 step took the decode step plus each piece's whole prefill increment: the weights read
 twice); kept so that that run's simulated figures can be reproduced offline.
@@ -33,7 +40,11 @@ learns a rate instead).
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from dataclasses import replace
+
+import numpy as np
 
 from pdserve.config import check_prefill_order
 from pdserve.sched.prefill_order import moore_hodgson
@@ -45,14 +56,136 @@ MIXED_STEP_MODELS = ("roofline", "sum")
 def mixed_step_s(model: LatencyModel, batch: int, context: int,
                  pieces: list[tuple[int, int]]) -> float:
     """One step of ``batch`` decode tokens over ``context`` KV tokens and prompt ``pieces``
-    (tokens done before, tokens now): the weights are read once, so the linear layers cost
-    the larger of the weight-bound decode step and the compute of all the step's tokens."""
+    (tokens done before, tokens now), on the path the engine runs it (``step_on_path_s``)."""
+    tokens = batch + sum(n for _, n in pieces)
+    return step_on_path_s(model, tokens, mixed_step_kernels_s(model, batch, context, pieces))
+
+
+def mixed_step_kernels_s(model: LatencyModel, batch: int, context: int,
+                         pieces: list[tuple[int, int]]) -> float:
+    """The step's GPU work: the weights are read once, so the linear layers cost the larger
+    of the weight-bound decode step and the compute of all the step's tokens; then each
+    piece's attention (``pieces_attention_s``) and the decode batch's KV read."""
     tokens = batch + sum(n for _, n in pieces)
     weights_s = model.decode_base_s + model.decode_per_request_s * batch
     linear_s = max(weights_s, model.prefill_per_token_s * tokens)
-    prefix_attention_s = model.prefill_per_token_sq_s * sum(
-        (done + n) ** 2 - done ** 2 for done, n in pieces)
-    return linear_s + prefix_attention_s + model.decode_per_kv_token_s * context
+    attention_s = pieces_attention_s(model, pieces)
+    return linear_s + attention_s + model.decode_per_kv_token_s * context
+
+
+def pieces_attention_s(model: LatencyModel, pieces: list[tuple[int, int]]) -> float:
+    """The pieces' attention. Without a fitted pair cost, the roofline form: what each
+    piece's prefill grows by in the quadratic part, summed as it always was (the committed
+    re-simulations reproduce to the last digit)."""
+    if not model.mixed_prefix_per_pair_s:
+        return model.prefill_per_token_sq_s * sum(
+            (done + n) ** 2 - done ** 2 for done, n in pieces)
+    return sum(prefix_attention_s(model, done, n) for done, n in pieces)
+
+
+def prefix_attention_s(model: LatencyModel, done: int, tokens: int) -> float:
+    """A piece of ``tokens`` after ``done`` of its prompt, in the grid form: the square
+    among its own tokens, and over the prefix the larger of the latency-bound floor (a cost
+    per prefix token whatever the piece's size: measured the same for 64 to 256 tokens)
+    and the work of every (token, prefix token) pair."""
+    over_prefix_s = max(model.mixed_prefix_floor_per_token_s * done,
+                        model.mixed_prefix_per_pair_s * tokens * done)
+    return model.prefill_per_token_sq_s * tokens ** 2 + over_prefix_s
+
+
+def step_on_path_s(model: LatencyModel, tokens: int, kernels_s: float) -> float:
+    """A step of ``tokens`` whose kernels take ``kernels_s``: replayed as the piecewise CUDA
+    graphs where it fits them, else launched eagerly, which the host bounds from below.
+    With the fields at zero: the kernels' time (the roofline form)."""
+    if tokens <= model.mixed_graph_max_tokens:
+        return kernels_s + model.mixed_graph_extra_s
+    return max(model.mixed_eager_floor_s, kernels_s + model.mixed_eager_extra_s)
+
+
+def grid_case_kernels_s(model: LatencyModel, case: dict) -> float:
+    """``mixed_step_kernels_s`` of one measured grid step (``bench_mixed_step.py --grid``:
+    a piece after a prefix beside decodes, each decode over ``decode_context`` tokens)."""
+    decodes = case["decodes"]
+    return mixed_step_kernels_s(model, decodes, decodes * case["decode_context"],
+                                [(case["prefix"], case["prefill_tokens"])])
+
+
+def grid_case_s(model: LatencyModel, case: dict) -> float:
+    """``mixed_step_s`` of one measured grid step."""
+    tokens = case["prefill_tokens"] + case["decodes"]
+    return step_on_path_s(model, tokens, grid_case_kernels_s(model, case))
+
+
+def fit_mixed_step_grid(model: LatencyModel, grid: dict) -> LatencyModel:
+    """This model with the mixed step's grid terms fitted to a measured grid of mixed steps
+    (``bench_mixed_step.py --grid``; its other terms kept): the prefix attention's floor and
+    pair cost (``fit_prefix_attention``), the graphs' largest step from the grid's buckets,
+    what the modelled kernels miss of the measured kernel time on each path (the median
+    over its steps), and the eager step's launch floor (``fit_eager_floor``).
+
+    Kernel time, not the step as timed from the host: the engine's overlap scheduling
+    issues step k + 1 while step k runs, so the host's share stays hidden where the GPU's
+    outlasts it (fitted to the synchronous host timing instead, the validation's queue
+    probe simulates slower than measured). An eager step cannot be shorter than the
+    host's launches, overlap or not: its floor."""
+    cases = grid["cases"]
+    floor_s, pair_s = fit_prefix_attention(cases)
+    fitted = replace(model, mixed_prefix_floor_per_token_s=floor_s,
+                     mixed_prefix_per_pair_s=pair_s,
+                     mixed_graph_max_tokens=max(grid["piecewise_buckets"]))
+    graph = [on_graphs(fitted, c) for c in cases]
+    missed = [c["kernel_sum_ms"] / 1e3 - grid_case_kernels_s(fitted, c) for c in cases]
+    return replace(fitted, mixed_graph_extra_s=float(np.median(np.array(missed)[graph])),
+                   mixed_eager_extra_s=float(np.median(np.array(missed)[np.invert(graph)])),
+                   mixed_eager_floor_s=fit_eager_floor(cases))
+
+
+def on_graphs(model: LatencyModel, case: dict) -> bool:
+    """Whether serving replays a grid step as the piecewise graphs (else: eagerly)."""
+    return case["prefill_tokens"] + case["decodes"] <= model.mixed_graph_max_tokens
+
+
+def prefix_costs(cases: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(piece tokens, seconds per prefix token) of each grid step over a prefix: its
+    kernels' time less the same step's at prefix 0, over the prefix. Kernel time, not the
+    wall: the host's share does not grow with the prefix."""
+    at_zero = {(c["prefill_tokens"], c["decodes"], c["decode_context"]): c["kernel_sum_ms"]
+               for c in cases if c["prefix"] == 0}
+    over = [c for c in cases if c["prefix"] > 0]
+    tokens = np.array([c["prefill_tokens"] for c in over], dtype=float)
+    per_prefix_token = np.array([
+        (c["kernel_sum_ms"] - at_zero[c["prefill_tokens"], c["decodes"], c["decode_context"]])
+        / 1e3 / c["prefix"] for c in over])
+    return tokens, per_prefix_token
+
+
+def fit_prefix_attention(cases: list[dict]) -> tuple[float, float]:
+    """(floor per prefix token, cost per pair) of ``max(floor, pair * tokens)`` per prefix
+    token: for each split between the pieces' sizes, the floor is the median below it and
+    the pair cost the least-squares slope through 0 above it, in relative error; the split
+    with the smallest relative error wins."""
+    tokens, cost = prefix_costs(cases)
+    best = (math.inf, 0.0, 0.0)
+    for split in sorted(set(tokens))[:-1]:
+        small, large = tokens <= split, tokens > split
+        floor = float(np.median(cost[small]))
+        pair = float(np.sum(tokens[large] / cost[large])
+                     / np.sum((tokens[large] / cost[large]) ** 2))
+        error = float(np.sum((np.maximum(floor, pair * tokens) / cost - 1) ** 2))
+        best = min(best, (error, floor, pair))
+    return best[1], best[2]
+
+
+def fit_eager_floor(cases: list[dict]) -> float:
+    """The eager step's floor in ``max(floor, kernels)`` against every grid step's eager
+    time: the measured value (or none) with the least mean absolute relative error, an L1
+    fit that a warm-up outlier or two does not pull."""
+    measured = np.array([c["eager_ms"] / 1e3 for c in cases])
+    kernels = np.array([c["kernel_sum_ms"] / 1e3 for c in cases])
+    floors = np.append(measured, 0.0)
+    error = np.mean(np.abs(np.maximum(floors[:, None], kernels[None, :]) / measured - 1),
+                    axis=1)
+    return float(floors[np.argmin(error)])
 
 
 class ChunkedInstanceSim:

@@ -62,3 +62,21 @@ def test_a_probe_of_another_schedule_is_refused_and_an_imported_one_skipped():
     imported = RESULTS / "goodput_h200" / "loogle__chunk512__r0.5.json"
     result = module.run(validation, [imported])
     assert result["probes"] == {} and "no SLO summary" in result["skipped"][imported.stem]
+
+
+def test_with_the_grid_terms_the_small_chunks_come_close_and_the_grid_is_recorded():
+    """Chunk 256 over the Mooncake trace: the roofline form's TTFT P50 about 22% short; with
+    the mixed step fitted on the measured grid within 10%."""
+    module = _script()
+    validation = RESULTS / "sim_validate_instance_h200_8ccd9ac.json"
+    grid = RESULTS / "mixed_step_grid_h200_d92d053.json"
+    probes = [RESULTS / "goodput_h200" / "mooncake__chunk256__r0.3.json"]
+    before, after = module.run(validation, probes), module.run(validation, probes, grid)
+    assert before["mixed_step_form"] == "roofline" and after["mixed_step_form"] == "grid"
+    assert after["mixed_step_grid"] == "benchmarks/results/mixed_step_grid_h200_d92d053.json"
+    assert after["mixed_step_grid_revision"].startswith("d92d053")
+    assert after["mixed_step_grid_terms"]["mixed_graph_max_tokens"] == 256
+    (name,) = after["probes"]
+    errors = [r["probes"][name]["compare"]["ttft_s"]["simulated_error"]["p50"]
+              for r in (before, after)]
+    assert errors[0] < -0.15 and abs(errors[1]) < 0.10

@@ -158,6 +158,30 @@ def test_chunked_replay_resimulated_within_10_percent_with_the_queue_probes_extr
             assert abs(errors[key]["simulated_medians_only_error"][quantile]) < 0.10
 
 
+@pytest.mark.parametrize("revision", ["8ccd9ac", "efbfdd5"])
+def test_the_replays_resimulate_within_10_percent_with_the_mixed_step_grid_terms(revision):
+    """The mixed step fitted on the d92d053 grid (``fit_mixed_step_grid``) on top of each
+    run's model, its extra cost refitted on the queue probe: still within 10%."""
+    module = _validation_script()
+    results = module.ROOT / "benchmarks" / "results"
+    grid = str(results / "mixed_step_grid_h200_d92d053.json")
+    path = results / f"sim_validate_instance_h200_{revision}.json"
+    recorded = json.loads(path.read_text())
+    args = module.argparse.Namespace(**recorded["config"])
+    args.trace = str(module.ROOT / args.trace)
+    run = recorded["schedules"]["chunk512"]
+    model = module.with_grid_terms(LatencyModel(**run["latency_model"]), grid)
+    extra_s, _ = module.recorded_mixed_step_extra(str(path), grid)
+    requests = module.window_requests(args, model)[0]
+    simulated = module.simulate_both("chunk512", model, None, requests, None, None,
+                                     mixed_extra_s=extra_s)
+    measured = {key: row["measured"] for key, row in run["compare"].items()}
+    errors = module.compare_percentiles(measured, simulated)
+    for key in ("ttft_s", "tpot_s"):
+        for quantile in ("p50", "p99"):
+            assert abs(errors[key]["simulated_medians_only_error"][quantile]) < 0.10
+
+
 def test_a_run_without_the_lone_probe_gets_no_extra_cost_and_says_so():
     module = _validation_script()
     path = module.ROOT / "benchmarks" / "results" / "sim_validate_instance_h200_eb12b7d.json"

@@ -1,0 +1,245 @@
+"""Multiplexing's whole-GPU steps replayed on a recorded probe's requests, step by step, with
+the real ``MuxPlanner`` choosing every step and the fitted profile timing it (no GPU).
+
+Where the planner walk (``mux_whatif.py``) follows one prompt beside a constant decode
+batch, this replay keeps the queue: requests arrive at a goodput probe's send times with
+its prompt and output lengths, wait first come first served (``waited_ms`` as the engine
+reports it), and decode from the step after their last prompt piece. Each step is the
+planner's plan over the whole GPU: a mixed step (TEMPORAL), decode alone, or a prefill
+alone; the step takes the profile's predicted time. It models the options that keep the
+GPU whole (``--mux-sharing temporal``), so it fits a workload whose busy stretch ran mixed
+steps (the ShareGPT-like probes at 12-16 req/s); spatial splits and time slices are not
+replayed. What it is for: the planner settings' effect at one load, compared with the
+settings a measured probe ran (the replay of those settings is the check). Every figure
+is a prediction (``"kind": "prediction"``).
+
+    cd benchmarks/results/goodput_h200 && python ../../mux_step_replay.py \\
+        --record sharegpt__multiplex-graph-floor-bank3-itl60__r16.json --rates 16,18 \\
+        --variant "--mux-ttft-pressed-margin 1 --ttft-slo-ms 2000" --out replay.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.validate_sim import percentiles  # noqa: E402
+from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.sched.mux_planner import (  # noqa: E402
+    DecodeLoad,
+    MuxMode,
+    MuxPlanner,
+    MuxPlannerConfig,
+    OnlineCalibration,
+    PrefillRequest,
+    banked_slack_ms,
+)
+from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
+
+
+@dataclass
+class Replayed:
+    """One request as the replay serves it (times in seconds from the first send)."""
+
+    arrival: float
+    prompt_len: int
+    output_len: int
+    prefilled: int = 0
+    decoded: int = 0
+    first_token: float | None = None
+    done: float | None = None
+
+    # What ``banked_slack_ms`` reads of a request: its first token counts as an output.
+    @property
+    def first_token_time(self) -> float | None:
+        return self.first_token
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.decoded + 1
+
+    num_placeholders = 0  # the replay samples each token within its step
+
+
+def planner_config(server_args: str, variant: str = "") -> MuxPlannerConfig:
+    """The whole-GPU planner a ``pdserve serve`` command line asks for, ``variant``'s flags
+    over it (SM splits and time slices off: not replayed)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--itl-slo-ms", type=float, default=60.0)
+    parser.add_argument("--ttft-slo-ms", type=float)
+    parser.add_argument("--mux-itl-margin", type=float, default=0.9)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--mux-graph-step-tokens", type=int, default=0)
+    parser.add_argument("--mux-mixed-floor-tokens", type=int, default=0)
+    parser.add_argument("--mux-ttft-pressed-margin", type=float, default=0.0)
+    parser.add_argument("--mux-tpot-bank-cap", type=float, default=0.0)
+    flags, _ = parser.parse_known_args(shlex.split(server_args) + shlex.split(variant))
+    return MuxPlannerConfig(
+        itl_slo_ms=flags.itl_slo_ms, ttft_slo_ms=flags.ttft_slo_ms,
+        safety_margin=flags.mux_itl_margin, max_prefill_tokens=flags.max_num_batched_tokens,
+        spatial=False, temporal=True, time_slice=False,
+        graph_step_tokens=flags.mux_graph_step_tokens,
+        mixed_floor_tokens=flags.mux_mixed_floor_tokens,
+        tpot_bank_cap=flags.mux_tpot_bank_cap,
+        ttft_pressed_margin=flags.mux_ttft_pressed_margin)
+
+
+class StepReplay:
+    def __init__(self, planner: MuxPlanner, requests: list[Replayed]) -> None:
+        self.planner, self.pending = planner, sorted(requests, key=lambda r: r.arrival)
+        self.now, self.waiting, self.running = 0.0, [], []
+        self.modes: dict[str, int] = {}
+        self.busy_s = 0.0
+
+    def run(self) -> None:
+        while self.pending or self.waiting or self.running:
+            self._admit()
+            if not (self.waiting or self.running):
+                self.now = self.pending[0].arrival
+                continue
+            self._step()
+
+    def _admit(self) -> None:
+        while self.pending and self.pending[0].arrival <= self.now:
+            self.waiting.append(self.pending.pop(0))
+
+    def _step(self) -> None:
+        plan = self.planner.plan(self._decode_load(), self._waiting_view())
+        if plan.mode not in (MuxMode.TEMPORAL, MuxMode.DECODE_ONLY, MuxMode.PREFILL_ONLY):
+            raise ValueError(f"the replay runs whole-GPU steps only, the planner chose "
+                             f"{plan.mode}")
+        self.modes[plan.mode] = self.modes.get(plan.mode, 0) + 1
+        step_s = plan.cycle_ms / 1e3 if plan.mode != MuxMode.PREFILL_ONLY \
+            else plan.prefill.predicted_ms / 1e3
+        self.now += step_s
+        self.busy_s += step_s
+        decoding = list(self.running) if plan.mode != MuxMode.PREFILL_ONLY else []
+        self._decode(decoding)
+        if plan.prefill is not None:
+            self._prefill(plan.prefill.chunks)
+
+    def _decode_load(self) -> DecodeLoad | None:
+        if not self.running:
+            return None
+        load = DecodeLoad(len(self.running), sum(r.prompt_len + r.decoded for r in self.running))
+        config = self.planner.config
+        if config.tpot_bank_cap > 0:
+            load = replace(load, slack_ms=banked_slack_ms(self.running, config.budget_ms,
+                                                          self.now))
+        return load
+
+    def _waiting_view(self) -> list[PrefillRequest]:
+        return [PrefillRequest(r.prompt_len - r.prefilled, r.prefilled,
+                               1e3 * (self.now - r.arrival)) for r in self.waiting]
+
+    def _decode(self, decoding: list[Replayed]) -> None:
+        for request in decoding:
+            request.decoded += 1
+            if request.decoded + 1 >= request.output_len:
+                request.done = self.now
+                self.running.remove(request)
+
+    def _prefill(self, chunks) -> None:
+        finished = []
+        for index, tokens in chunks:
+            request = self.waiting[index]
+            request.prefilled += tokens
+            if request.prefilled >= request.prompt_len:
+                finished.append(request)
+        for request in finished:
+            self.waiting.remove(request)
+            request.first_token = self.now
+            if request.output_len > 1:
+                self.running.append(request)
+            else:
+                request.done = self.now
+
+
+def latency_rows(requests: list[Replayed]) -> list[dict]:
+    rows = []
+    for r in requests:
+        tpot = (r.done - r.first_token) / (r.output_len - 1) if r.output_len > 1 else 0.0
+        rows.append({"ttft_s": r.first_token - r.arrival, "tpot_s": tpot})
+    return rows
+
+
+def attainment(rows: list[dict], ttft_slo_s: float, tpot_slo_s: float) -> float:
+    return sum(r["ttft_s"] <= ttft_slo_s and r["tpot_s"] <= tpot_slo_s
+               for r in rows) / len(rows)
+
+
+def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
+           rate: float | None = None) -> dict:
+    """The record's requests replayed with ``variant``'s planner flags; at ``rate`` (req/s)
+    their send times are rescaled from the probe's rate to it."""
+    config = planner_config(record["config"]["server_args"], variant)
+    planner = MuxPlanner(OnlineCalibration(predictor), [], config)
+    probed = record["probe"]["rate"]
+    scale = probed / rate if rate else 1.0
+    requests = [Replayed(s["send_s"] * scale, s["prompt_len"], s["output_tokens"])
+                for s in record["samples"]]
+    run = StepReplay(planner, requests)
+    run.run()
+    rows = latency_rows(requests)
+    slo = record["summary"]["slo"]
+    return {"rate": rate or probed, "variant": variant, "steps": run.modes,
+            "busy_s": run.busy_s,
+            "attainment": attainment(rows, slo["ttft_ms"] / 1e3, slo["itl_ms"] / 1e3),
+            "ttft_s": percentiles(rows, "ttft_s"), "tpot_s": percentiles(rows, "tpot_s")}
+
+
+def measured(record: dict) -> dict:
+    rows = [{"ttft_s": s["ttft_ms"] / 1e3, "tpot_s": s["tpot_ms"] / 1e3}
+            for s in record["samples"]]
+    return {"attainment": record["summary"]["slo_attainment"],
+            "ttft_s": percentiles(rows, "ttft_s"), "tpot_s": percentiles(rows, "tpot_s")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--record", type=Path, required=True,
+                        help="A goodput probe of multiplexing (goodput_h200.py's JSON).")
+    parser.add_argument("--predictor", type=Path, default=None,
+                        help="Fitted profile (default: the one the record names).")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="Planner flags over the record's server flags; repeatable. "
+                             "The record's own settings are always replayed first.")
+    parser.add_argument("--rates", default="",
+                        help="Comma-separated req/s to replay the record's arrivals at, "
+                             "rescaled (default: the probe's own rate).")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    record = json.loads(args.record.read_text())
+    predictor_path = args.predictor or ROOT / record["predictor"]["path"]
+    predictor = LatencyPredictor.load(predictor_path)
+    rates = [float(r) for r in args.rates.split(",") if r] or [None]
+    result = {**result_header({"record": _relative(args.record),
+                               "predictor": _relative(predictor_path),
+                               "variants": args.variant, "rates": args.rates}),
+              "kind": "prediction", "record_revision": record["git_revision"],
+              "measured": measured(record),
+              "replayed": [replay(record, predictor, v, rate) for rate in rates
+                           for v in ["", *args.variant]]}
+    write_json(result, args.out)
+    for row in result["replayed"]:
+        print(f"{row['rate']:g} req/s, {row['variant'] or '(as run)'}: "
+              f"attainment {row['attainment']:.2f}, "
+              f"TTFT p50/p99 {row['ttft_s']['p50']:.2f}/{row['ttft_s']['p99']:.2f} s, "
+              f"TPOT p50/p99 {1e3 * row['tpot_s']['p50']:.0f}/"
+              f"{1e3 * row['tpot_s']['p99']:.0f} ms")
+
+
+def _relative(path: Path) -> str:
+    resolved = path.resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(path)
+
+
+if __name__ == "__main__":
+    main()

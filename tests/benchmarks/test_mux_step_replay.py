@@ -1,0 +1,83 @@
+"""The multiplex step replay (``benchmarks/mux_step_replay.py``): a recorded probe's requests
+through the real planner, step by step, with the committed d698fcb H200 profile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_scripts import _load
+
+ROOT = Path(__file__).resolve().parents[2]
+PREDICTOR = ROOT / "benchmarks" / "results" / "loogle_h200" / "d698fcb_predictor.json"
+SERVER_ARGS = ("--schedule multiplex --max-num-batched-tokens 24576 --mux-predictor p "
+               "--itl-slo-ms 60 --mux-graph-step-tokens 256 --mux-mixed-floor-tokens 256")
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return _load("mux_step_replay")
+
+
+@pytest.fixture(scope="module")
+def predictor(tool):
+    return tool.LatencyPredictor.load(PREDICTOR)
+
+
+def record(count: int, gap_s: float, rate: float, prompt_len: int = 330,
+           output_len: int = 40) -> dict:
+    """A probe of ``count`` prompts, ``gap_s`` apart."""
+    samples = [{"send_s": i * gap_s, "prompt_len": prompt_len, "output_tokens": output_len,
+                "ttft_ms": 100.0, "tpot_ms": 30.0} for i in range(count)]
+    return {"config": {"server_args": SERVER_ARGS}, "probe": {"rate": rate},
+            "git_revision": "0" * 40, "samples": samples,
+            "summary": {"slo": {"ttft_ms": 2000.0, "itl_ms": 60.0}, "slo_attainment": 1.0}}
+
+
+def test_every_request_is_served_once_in_order_of_its_steps(tool, predictor):
+    result = tool.replay(record(20, 0.5, 2.0), predictor)
+    assert result["attainment"] == 1.0
+    assert result["steps"]["prefill_only"] >= 1 and result["steps"]["decode_only"] > 0
+    assert 0 < result["ttft_s"]["p50"] < 0.2  # one prompt alone: ~70 ms
+    assert 0.015 < result["tpot_s"]["p50"] < 0.03  # a decode batch of 1-2
+
+
+def test_a_higher_rate_rescales_the_arrivals(tool, predictor):
+    base = record(60, 0.05, 20.0)
+    calm = tool.replay(base, predictor, rate=5.0)
+    busy = tool.replay(base, predictor, rate=40.0)
+    assert (calm["rate"], busy["rate"]) == (5.0, 40.0)
+    assert busy["ttft_s"]["p99"] > calm["ttft_s"]["p99"]
+    assert busy["busy_s"] < calm["busy_s"] * 1.5  # the same work, packed closer
+
+
+def test_ttft_pressure_drains_an_overloaded_queue_faster(tool, predictor):
+    # 10K prompt tokens/s beside ~100 decodes: more than mixed steps within 54 ms take.
+    overloaded = record(100, 0.1, 10.0, prompt_len=1000, output_len=100)
+    unpressed = tool.replay(overloaded, predictor, "--ttft-slo-ms 2000")
+    pressed = tool.replay(overloaded, predictor,
+                          "--ttft-slo-ms 2000 --mux-ttft-pressed-margin 1")
+    assert pressed["ttft_s"]["p99"] < unpressed["ttft_s"]["p99"]
+    assert pressed["tpot_s"]["p99"] > unpressed["tpot_s"]["p99"]  # paid in TPOT
+    assert pressed["tpot_s"]["p99"] <= 0.0605  # within the target it plans to
+
+
+def test_the_planner_follows_the_command_line_and_the_variant(tool):
+    config = tool.planner_config(SERVER_ARGS, "--mux-tpot-bank-cap 3 --itl-slo-ms 80")
+    assert (config.itl_slo_ms, config.tpot_bank_cap) == (80.0, 3.0)
+    assert (config.graph_step_tokens, config.mixed_floor_tokens) == (256, 256)
+    assert not config.spatial and not config.time_slice and config.temporal
+
+
+def test_the_script_writes_a_prediction_beside_the_measured_figures(tool, tmp_path):
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(record(10, 0.5, 2.0)))
+    out = tmp_path / "replay.json"
+    tool.main(["--record", str(path), "--predictor", str(PREDICTOR), "--rates", "2,4",
+               "--variant", "--mux-tpot-bank-cap 2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["kind"] == "prediction"
+    assert result["measured"]["attainment"] == 1.0
+    assert [(r["rate"], r["variant"]) for r in result["replayed"]] == [
+        (2.0, ""), (2.0, "--mux-tpot-bank-cap 2"), (4.0, ""), (4.0, "--mux-tpot-bank-cap 2")]
