@@ -13,9 +13,21 @@ replayed. What it is for: the planner settings' effect at one load, compared wit
 settings a measured probe ran (the replay of those settings is the check). Every figure
 is a prediction (``"kind": "prediction"``).
 
+With ``--validation`` it replays instead the multiplex run of an H200 simulator validation
+(``sim_validate_instance.py``: the Mooncake window it sent, whose busy stretch ran whole-GPU
+steps from 8ccd9ac on), the planner starting from the mixed-step corrections the engine had
+learned on the probes before that replay (``engine_calibration``), and sets the replayed
+P50 / P99 of TTFT and TPOT beside the measured ones, as ``"kind": "validation"``. The
+corrections stay as they start: the replay's steps take what the corrected profile says,
+so nothing moves them (the engine's moved on through its replay, recorded as
+``engine_calibration_after_replay``; that run's end state is also replayed, for the
+spread, never as the model).
+
     cd benchmarks/results/goodput_h200 && python ../../mux_step_replay.py \\
         --record sharegpt__multiplex-graph-floor-bank3-itl60__r16.json --rates 16,18 \\
         --variant "--mux-ttft-pressed-margin 1 --ttft-slo-ms 2000" --out replay.json
+    python benchmarks/mux_step_replay.py \\
+        --validation benchmarks/results/sim_validate_instance_h200_8ccd9ac.json --out v.json
 """
 
 from __future__ import annotations
@@ -195,6 +207,37 @@ def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
             "ttft_s": percentiles(rows, "ttft_s"), "tpot_s": percentiles(rows, "tpot_s")}
 
 
+def replay_validation(run: dict, predictor: LatencyPredictor) -> dict:
+    """A validation run's multiplex replay through whole-GPU steps, from each of the
+    engine's recorded calibrations, against its measured requests."""
+    from benchmarks.sim_validate_instance import window_requests
+    from benchmarks.validate_sim import compare_percentiles
+    from pdserve.sim.cluster import LatencyModel
+
+    schedule = run["schedules"]["multiplex"]
+    interference = schedule["interference"]
+    planner = interference.get("engine_planner", {})
+    server_args = (schedule["schedule_args"]
+                   + f" --mux-graph-step-tokens {planner.get('graph_step_tokens', 0)}"
+                   + f" --mux-mixed-floor-tokens {planner.get('mixed_floor_tokens', 0)}")
+    window, _ = window_requests(argparse.Namespace(**run["config"]),
+                                LatencyModel(**schedule["latency_model"]))
+    replayed, steps = {}, {}
+    for name in ("engine_calibration", "engine_calibration_after_replay"):
+        requests = [Replayed(r.arrival, r.input_len, r.output_len) for r in window]
+        model = OnlineCalibration(predictor)
+        model.mixed_correction = interference[name]["mixed_steps"]
+        model.graph_mixed_correction = interference[name].get("graph_mixed_steps", 1.0)
+        replay_run = StepReplay(MuxPlanner(model, [], planner_config(server_args)), requests)
+        replay_run.run()
+        replayed[name], steps[name] = latency_rows(requests), replay_run.modes
+    measured_rows = schedule["measured_per_request"]
+    figures = {key: percentiles(measured_rows, key) for key in ("ttft_s", "tpot_s")}
+    return {"kind": "validation", "num_instances": 1, "server_args": server_args,
+            "requests": len(window), "steps": steps,
+            "compare": compare_percentiles(figures, replayed)}
+
+
 def measured(record: dict) -> dict:
     rows = [{"ttft_s": s["ttft_ms"] / 1e3, "tpot_s": s["tpot_ms"] / 1e3}
             for s in record["samples"]]
@@ -204,8 +247,12 @@ def measured(record: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--record", type=Path, required=True,
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--record", type=Path,
                         help="A goodput probe of multiplexing (goodput_h200.py's JSON).")
+    source.add_argument("--validation", type=Path,
+                        help="A simulator validation (sim_validate_instance.py's JSON) "
+                             "whose multiplex replay to replay.")
     parser.add_argument("--predictor", type=Path, default=None,
                         help="Fitted profile (default: the one the record names).")
     parser.add_argument("--variant", action="append", default=[],
@@ -216,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
                              "rescaled (default: the probe's own rate).")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.validation:
+        return validate(args)
     record = json.loads(args.record.read_text())
     predictor_path = args.predictor or ROOT / record["predictor"]["path"]
     predictor = LatencyPredictor.load(predictor_path)
@@ -234,6 +283,25 @@ def main(argv: list[str] | None = None) -> None:
               f"TTFT p50/p99 {row['ttft_s']['p50']:.2f}/{row['ttft_s']['p99']:.2f} s, "
               f"TPOT p50/p99 {1e3 * row['tpot_s']['p50']:.0f}/"
               f"{1e3 * row['tpot_s']['p99']:.0f} ms")
+
+
+def validate(args) -> None:
+    run = json.loads(args.validation.read_text())
+    predictor_path = args.predictor or ROOT / _predictor_of(run["schedules"]["multiplex"])
+    result = {**result_header({"validation": _relative(args.validation),
+                               "predictor": _relative(predictor_path)}),
+              "validation_revision": run["git_revision"],
+              **replay_validation(run, LatencyPredictor.load(predictor_path))}
+    write_json(result, args.out)
+    for key, row in result["compare"].items():
+        errors = ", ".join(f"{name[:-6]} {100 * e['p50']:+.1f}% / {100 * e['p99']:+.1f}%"
+                           for name, e in row.items() if name.endswith("_error"))
+        print(f"{key} P50 / P99: {errors}")
+
+
+def _predictor_of(schedule: dict) -> str:
+    return shlex.split(schedule["schedule_args"])[
+        shlex.split(schedule["schedule_args"]).index("--mux-predictor") + 1]
 
 
 def _relative(path: Path) -> str:
