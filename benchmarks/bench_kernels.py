@@ -385,9 +385,12 @@ EXTEND_SWEEP = [ExtendConfig(m, n, w, s) for m, n, w, s in [
 # cached prefix (long-context serving spends most of its attention there).
 EXTEND_SWEEP_SHAPES = ((0, 8192), (16384, 2048), (8192, 512))
 # The layouts (GQA packing x prefix splits, 0 = auto) are timed at the H200's default tiles
-# on these, adding the 256-token chunks multiplexing's mixed steps take at 12-15K context.
+# on these, adding the 256-token chunks multiplexing's mixed steps take at 12-15K context
+# and the 64-128-token ones graph steps leave beside a large decode batch (a grid under
+# half a wave of programs, where the auto split count splits).
 # The plain layout there repeats three tile-sweep points: a check of the run's noise.
-EXTEND_VARIANT_SHAPES = EXTEND_SWEEP_SHAPES + ((12288, 256), (15360, 256))
+EXTEND_VARIANT_SHAPES = EXTEND_SWEEP_SHAPES + ((12288, 256), (15360, 256), (16384, 64),
+                                               (16384, 128), (4096, 128))
 EXTEND_VARIANTS = [(pack, splits) for pack in (False, True) for splits in (1, 2, 4, 0)]
 DECODE_SWEEP = [DecodeConfig(n, w, s) for n, w, s in [
     (64, 4, 2), (32, 4, 3), (64, 4, 3), (128, 4, 2), (32, 2, 4), (64, 8, 2),

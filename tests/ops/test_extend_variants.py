@@ -111,7 +111,8 @@ def test_auto_split_count_follows_the_grid_and_the_context():
     from pdserve.ops.triton_attention import extend_kv_splits
 
     cpu = torch.device("cpu")  # counted as 132 SMs
-    assert extend_kv_splits(0, 128, 15616, cpu) == 4  # 256 new over 15K: 2 x 64 programs
+    assert extend_kv_splits(0, 128, 15616, cpu) == 1  # 256 new over 15K: about a wave
+    assert extend_kv_splits(0, 64, 16448, cpu) == 4  # 64 new over 16K: half a wave, x 4
     assert extend_kv_splits(0, 1024, 18432, cpu) == 1  # 2K new over 16K fills the GPU
     assert extend_kv_splits(0, 8, 1100, cpu) == 2  # capped by the context: 2 x 512 tokens
     assert extend_kv_splits(0, 1, 100_000, cpu) == 16  # capped at 16
