@@ -311,18 +311,22 @@ def test_extend_sweep_times_every_layout_on_every_chunk_shape():
 
     asked = []
     rows = bench.sweep_extend(lambda row: row, lambda *point: asked.append(point) or {})
-    assert len(rows) == len(asked) == 12 * 3 + 8 * 5
+    assert len(rows) == len(asked) == 12 * 3 + 8 * 8
     layouts = {(cfg.pack_gqa, cfg.kv_splits, prefix, new) for _, prefix, new, cfg in asked}
-    assert len(layouts) == 2 * 4 * 5  # the tile sweep's own layout is the plain one
+    assert len(layouts) == 2 * 4 * 8  # the tile sweep's own layout is the plain one
     auto = {}
     for _, prefix, new, config in asked:
         if config.kv_splits == 0:
             meta = bench.extend_meta(prefix, new, torch.zeros(1, 1, dtype=torch.int32))
             grid, splits = extend_grid(config, meta, 64, 8, 0, torch.device("cpu"))
             auto[config.pack_gqa, prefix, new] = splits
-    assert auto[True, 15360, 256] == auto[False, 12288, 256] == 4  # 128 programs: 4 splits
-    assert auto[False, 8192, 512] == 2  # 256 programs
+    # Half a wave of programs or more is not split: 128 programs (256 tokens), 256, more.
+    assert auto[True, 15360, 256] == auto[False, 12288, 256] == 1
+    assert auto[False, 8192, 512] == 1
     assert auto[True, 0, 8192] == auto[False, 16384, 2048] == 1  # the grid fills the GPU
+    # Short chunks over a prefix: 64 programs (32 packed) split up to a wave.
+    assert auto[False, 16384, 64] == auto[False, 16384, 128] == auto[False, 4096, 128] == 4
+    assert auto[True, 16384, 64] == 8
 
 
 @pytest.mark.skipif(not triton_available(), reason="bench_kernels.py imports triton")
