@@ -33,17 +33,24 @@ spread, never as the model).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
-from dataclasses import dataclass, replace
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.sim_goodput_probes import attainment, measured_rows  # noqa: E402
+from benchmarks.sim_validate_instance import latency_rows  # noqa: E402
 from benchmarks.validate_sim import percentiles  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.config import SchedulerConfig, add_cli_args  # noqa: E402
+from pdserve.sched.in_flight import decode_load_banked  # noqa: E402
+from pdserve.sched.multiplex import mux_planner_config  # noqa: E402
 from pdserve.sched.mux_planner import (  # noqa: E402
     DecodeLoad,
     MuxMode,
@@ -51,7 +58,6 @@ from pdserve.sched.mux_planner import (  # noqa: E402
     MuxPlannerConfig,
     OnlineCalibration,
     PrefillRequest,
-    banked_slack_ms,
 )
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
 
@@ -66,7 +72,12 @@ class Replayed:
     prefilled: int = 0
     decoded: int = 0
     first_token: float | None = None
-    done: float | None = None
+    finished: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """The context its next decode reads (``decode_load_over``)."""
+        return self.prompt_len + self.decoded
 
     # What ``banked_slack_ms`` reads of a request: its first token counts as an output.
     @property
@@ -82,30 +93,21 @@ class Replayed:
 
 def planner_config(server_args: str, variant: str = "") -> MuxPlannerConfig:
     """The whole-GPU planner a ``pdserve serve`` command line asks for, ``variant``'s flags
-    over it (SM splits and time slices off: not replayed)."""
+    over it, read as the server reads them (``SchedulerConfig``; graph steps left at
+    ``auto`` count as off: the records name them). SM splits and time slices off: not
+    replayed."""
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--itl-slo-ms", type=float, default=60.0)
-    parser.add_argument("--ttft-slo-ms", type=float)
-    parser.add_argument("--mux-itl-margin", type=float, default=0.9)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--mux-graph-step-tokens", type=int, default=0)
-    parser.add_argument("--mux-mixed-floor-tokens", type=int, default=0)
-    parser.add_argument("--mux-ttft-pressed-margin", type=float, default=0.0)
-    parser.add_argument("--mux-tpot-bank-cap", type=float, default=0.0)
+    add_cli_args(parser, SchedulerConfig)
     flags, _ = parser.parse_known_args(shlex.split(server_args) + shlex.split(variant))
-    return MuxPlannerConfig(
-        itl_slo_ms=flags.itl_slo_ms, ttft_slo_ms=flags.ttft_slo_ms,
-        safety_margin=flags.mux_itl_margin, max_prefill_tokens=flags.max_num_batched_tokens,
-        spatial=False, temporal=True, time_slice=False,
-        graph_step_tokens=flags.mux_graph_step_tokens,
-        mixed_floor_tokens=flags.mux_mixed_floor_tokens,
-        tpot_bank_cap=flags.mux_tpot_bank_cap,
-        ttft_pressed_margin=flags.mux_ttft_pressed_margin)
+    sched = SchedulerConfig(**{f.name: getattr(flags, f.name)
+                               for f in dataclasses.fields(SchedulerConfig)})
+    return mux_planner_config(sched, spatial=False, temporal=True, time_slice=False)
 
 
 class StepReplay:
     def __init__(self, planner: MuxPlanner, requests: list[Replayed]) -> None:
-        self.planner, self.pending = planner, sorted(requests, key=lambda r: r.arrival)
+        self.planner = planner
+        self.pending = deque(sorted(requests, key=lambda r: r.arrival))
         self.now, self.waiting, self.running = 0.0, [], []
         self.modes: dict[str, int] = {}
         self.busy_s = 0.0
@@ -120,7 +122,7 @@ class StepReplay:
 
     def _admit(self) -> None:
         while self.pending and self.pending[0].arrival <= self.now:
-            self.waiting.append(self.pending.pop(0))
+            self.waiting.append(self.pending.popleft())
 
     def _step(self) -> None:
         plan = self.planner.plan(self._decode_load(), self._waiting_view())
@@ -138,14 +140,7 @@ class StepReplay:
             self._prefill(plan.prefill.chunks)
 
     def _decode_load(self) -> DecodeLoad | None:
-        if not self.running:
-            return None
-        load = DecodeLoad(len(self.running), sum(r.prompt_len + r.decoded for r in self.running))
-        config = self.planner.config
-        if config.tpot_bank_cap > 0:
-            load = replace(load, slack_ms=banked_slack_ms(self.running, config.budget_ms,
-                                                          self.now))
-        return load
+        return decode_load_banked(self.running, self.planner.config, self.now)
 
     def _waiting_view(self) -> list[PrefillRequest]:
         return [PrefillRequest(r.prompt_len - r.prefilled, r.prefilled,
@@ -155,7 +150,7 @@ class StepReplay:
         for request in decoding:
             request.decoded += 1
             if request.decoded + 1 >= request.output_len:
-                request.done = self.now
+                request.finished = self.now
                 self.running.remove(request)
 
     def _prefill(self, chunks) -> None:
@@ -171,20 +166,7 @@ class StepReplay:
             if request.output_len > 1:
                 self.running.append(request)
             else:
-                request.done = self.now
-
-
-def latency_rows(requests: list[Replayed]) -> list[dict]:
-    rows = []
-    for r in requests:
-        tpot = (r.done - r.first_token) / (r.output_len - 1) if r.output_len > 1 else 0.0
-        rows.append({"ttft_s": r.first_token - r.arrival, "tpot_s": tpot})
-    return rows
-
-
-def attainment(rows: list[dict], ttft_slo_s: float, tpot_slo_s: float) -> float:
-    return sum(r["ttft_s"] <= ttft_slo_s and r["tpot_s"] <= tpot_slo_s
-               for r in rows) / len(rows)
+                request.finished = self.now
 
 
 def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
@@ -239,8 +221,7 @@ def replay_validation(run: dict, predictor: LatencyPredictor) -> dict:
 
 
 def measured(record: dict) -> dict:
-    rows = [{"ttft_s": s["ttft_ms"] / 1e3, "tpot_s": s["tpot_ms"] / 1e3}
-            for s in record["samples"]]
+    rows = measured_rows(record)
     return {"attainment": record["summary"]["slo_attainment"],
             "ttft_s": percentiles(rows, "ttft_s"), "tpot_s": percentiles(rows, "tpot_s")}
 

@@ -28,10 +28,17 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 from pdserve.request import Request, RequestStatus
 from pdserve.sched.base import Plan, ScheduledRequest, Scheduler, StepOutput
-from pdserve.sched.mux_planner import DecodeLoad, InFlightPrefill, PrefillRequest
+from pdserve.sched.mux_planner import (
+    DecodeLoad,
+    InFlightPrefill,
+    MuxPlannerConfig,
+    PrefillRequest,
+    banked_slack_ms,
+)
 
 MAX_PLANNED_WAITING = 64  # waiting requests shown to the planner per step: bounds host work
 
@@ -263,3 +270,13 @@ def decode_load_over(requests: list[Request]) -> DecodeLoad | None:
     if not requests:
         return None
     return DecodeLoad(len(requests), sum(r.num_tokens for r in requests))
+
+
+def decode_load_banked(requests: list, config: MuxPlannerConfig, now: float
+                       ) -> DecodeLoad | None:
+    """``decode_load_over`` with what the requests banked against their TPOT
+    (``banked_slack_ms``) where ``config`` spends it."""
+    load = decode_load_over(requests)
+    if load is None or config.tpot_bank_cap <= 0:
+        return load
+    return replace(load, slack_ms=banked_slack_ms(requests, config.budget_ms, now))

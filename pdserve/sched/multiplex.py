@@ -45,17 +45,16 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 
-from pdserve.config import MUX_SHARING, mux_sharing_options
+from pdserve.config import MUX_SHARING, SchedulerConfig, mux_sharing_options
 from pdserve.gpu.partitions import Partition, PartitionSet
 from pdserve.sched.base import BatchCarry, LaneLaunches, Plan, StepOutput, Work
-from pdserve.sched.in_flight import InFlightScheduler, decode_load_over
+from pdserve.sched.in_flight import InFlightScheduler, decode_load_banked
 from pdserve.sched.mux_planner import (
     MuxMode,
     MuxPlan,
     MuxPlanner,
     MuxPlannerConfig,
     OnlineCalibration,
-    banked_slack_ms,
     piece_predicted_ms,
 )
 
@@ -171,18 +170,7 @@ class MultiplexScheduler(InFlightScheduler):
         self._pinned: dict[int, MuxPlanner] = {}
 
     def _planner_config(self, **overrides) -> MuxPlannerConfig:
-        sched = self.config
-        sharing = mux_sharing_options(sched.mux_sharing)
-        fields = dict(itl_slo_ms=sched.itl_slo_ms, ttft_slo_ms=sched.ttft_slo_ms,
-                      max_prefill_tokens=sched.max_num_batched_tokens,
-                      safety_margin=sched.mux_itl_margin,
-                      switch_margin=sched.mux_switch_margin,
-                      graph_step_tokens=sched.mux_graph_step_tokens or 0,
-                      mixed_floor_tokens=sched.mux_mixed_floor_tokens,
-                      tpot_bank_cap=sched.mux_tpot_bank_cap,
-                      ttft_pressed_margin=sched.mux_ttft_pressed_margin,
-                      **{name: name in sharing for name in MUX_SHARING})
-        return MuxPlannerConfig(**{**fields, **self._overrides, **overrides})
+        return mux_planner_config(self.config, **{**self._overrides, **overrides})
 
     def describe(self) -> dict:
         sharing = sorted(mux_sharing_options(self.config.mux_sharing))
@@ -389,10 +377,7 @@ class MultiplexScheduler(InFlightScheduler):
         beside the requests ready to decode."""
         requests = [s.request for s in decoding.decodes] if decoding is not None \
             else self.decode_ready()
-        load = decode_load_over(requests)
-        if load is not None and planner.config.tpot_bank_cap > 0:
-            load = replace(load, slack_ms=banked_slack_ms(requests, planner.config.budget_ms,
-                                                          time.monotonic()))
+        load = decode_load_banked(requests, planner.config, time.monotonic())
         in_flight = None
         if self.batch is not None:
             in_flight = self.in_flight_view(self.batch.plan, self.batch.layers_done)
@@ -539,3 +524,18 @@ class MultiplexScheduler(InFlightScheduler):
             stats.last_batch_decode = last.decode_batch
             stats.last_batch_prefill_tokens = last.prefill_tokens
 
+
+def mux_planner_config(sched: SchedulerConfig, **overrides) -> MuxPlannerConfig:
+    """The planner settings a ``SchedulerConfig`` asks for (graph steps as resolved: ``auto``
+    unresolved counts as off), ``overrides`` over them."""
+    sharing = mux_sharing_options(sched.mux_sharing)
+    fields = dict(itl_slo_ms=sched.itl_slo_ms, ttft_slo_ms=sched.ttft_slo_ms,
+                  max_prefill_tokens=sched.max_num_batched_tokens,
+                  safety_margin=sched.mux_itl_margin,
+                  switch_margin=sched.mux_switch_margin,
+                  graph_step_tokens=sched.mux_graph_step_tokens or 0,
+                  mixed_floor_tokens=sched.mux_mixed_floor_tokens,
+                  tpot_bank_cap=sched.mux_tpot_bank_cap,
+                  ttft_pressed_margin=sched.mux_ttft_pressed_margin,
+                  **{name: name in sharing for name in MUX_SHARING})
+    return MuxPlannerConfig(**{**fields, **overrides})

@@ -468,13 +468,18 @@ class MuxPlanner:
                               ) -> float:
         """Prompt tokens per ms of mixed steps of the largest chunk within the step budget
         (the smallest chunk where none fits)."""
-        cfg, available = self.config, sum(r.tokens_remaining for r in waiting)
         step = lambda tokens: self._mixed_ms(decode, waiting, tokens)
-        smallest = min(available, cfg.min_chunk_tokens)
-        largest = min(available, cfg.max_prefill_tokens)
-        chunk = self._largest_step(step, smallest, largest, None, cfg.step_budget_ms(decode))
+        smallest, largest = self._chunk_range(waiting)
+        chunk = self._largest_step(step, smallest, largest, None,
+                                   self.config.step_budget_ms(decode))
         chunk = chunk or smallest
         return chunk / step(chunk)
+
+    def _chunk_range(self, waiting: Sequence[PrefillRequest]) -> tuple[int, int]:
+        """The smallest and largest chunk a mixed step may take of the waiting prompts."""
+        available = sum(r.tokens_remaining for r in waiting)
+        return (min(available, self.config.min_chunk_tokens),
+                min(available, self.config.max_prefill_tokens))
 
     def _sharing(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
                  in_flight: InFlightPrefill | None, incumbent: str | None = None
@@ -657,10 +662,9 @@ class MuxPlanner:
         """The largest chunk that fits the budget; ``forced``: the smallest one, over it."""
         if not self.config.temporal or in_flight is not None:
             return None
-        cfg, available = self.config, sum(r.tokens_remaining for r in waiting)
+        cfg = self.config
         step = lambda tokens: self._mixed_ms(decode, waiting, tokens)
-        smallest = min(available, cfg.min_chunk_tokens)
-        largest = min(available, cfg.max_prefill_tokens)
+        smallest, largest = self._chunk_range(waiting)
         budget = cfg.step_budget_ms(decode)
         if step(smallest) <= budget:
             chunk = self._mixed_chunk(decode, waiting, smallest, largest)
