@@ -8,7 +8,8 @@ accumulates probe by probe across calls and sessions:
 - ``run``: the probes asked for (``--probe W:C:R``) or, with ``--search W:C1,C2``, the next
   rates of each configuration's goodput search, read from the probes already recorded (a
   doubling-then-bisecting search on the workload's rate ladder). A probe whose JSON exists is
-  skipped; one server start per configuration per call; no probe starts that cannot finish
+  skipped; one server start per configuration per call (per probe for multiplex, which
+  learns online: ``learns_online``); no probe starts that cannot finish
   within ``--budget-s`` (arrivals + the workload's drain allowance), and one that overruns
   anyway is cut at the limit and writes nothing.
 - ``summarise``: attainment at every probed rate under every SLO, goodput (or its bracket),
@@ -46,6 +47,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 # Runnable from a plain checkout: the package sits one folder up.
@@ -318,6 +320,15 @@ def probe_seconds(workload: ProbeWorkload, rate: float, trace: Path) -> float:
     return (offsets[-1] if offsets else 0.0) + workload.drain_s
 
 
+def learns_online(config: str) -> bool:
+    """Whether ``config``'s server learns while it serves (multiplexing corrects its
+    predictions online), so a probe run after another on the same server starts from what
+    the earlier one taught it. On the H200 a multiplex probe that followed another on its
+    server inherited prefill corrections walked to their bounds (ShareGPT-like at 18 req/s
+    after 20: a split weighed at twice its rate); every such probe gets a fresh server."""
+    return "--schedule multiplex" in CONFIGS[config]
+
+
 def per_workload(config: str) -> bool:
     """Whether ``config``'s server takes the workload's TTFT SLO (one server per workload)."""
     return "{ttft_slo_ms}" in CONFIGS[config]
@@ -354,6 +365,7 @@ class ConfigRun:
         self.backend: HttpBackend | None = None
         self.warmed: set[str] = set()
         self.done = 0
+        self.served = 0  # probes this server ran before the current one
 
     def command(self) -> list[str]:
         args = self.args
@@ -375,6 +387,15 @@ class ConfigRun:
             await self.backend.close()
         if self.server is not None:
             self.server.stop()
+        self.server, self.backend, self.served = None, None, 0
+        self.warmed.clear()
+
+    async def probe_done(self) -> None:
+        """After a probe: a server that learns online is stopped, so the next probe starts
+        from the profile alone (``learns_online``); others serve on."""
+        self.served += 1
+        if learns_online(self.config):
+            await self.stop()
 
     def needs(self, workload: ProbeWorkload, rate: float) -> float:
         start = 0.0 if self.server is not None else self.opts.startup_s
@@ -477,6 +498,7 @@ async def _probe(run: ConfigRun, workload: ProbeWorkload, rate: float) -> bool:
     if itl_target(run.config) is not None:
         write_timeline(result.get("engine_timeline") or [], path)
     run.done += 1
+    await run.probe_done()
     print(f"[goodput] {label}: {attainment_line(result, workload.ttft_slo_ms, run.config)} "
           f"-> {path}", flush=True)
     return True
@@ -540,6 +562,8 @@ def probe_record(run: ConfigRun, spec: WorkloadSpec, requests: list, rate: float
                          "definition": dataclasses.asdict(WORKLOADS[spec.label])},
             "predictor": predictor_info(run.opts.predictor)
             if itl_target(run.config) is not None else None,
+            "server": {"probes_before": run.served,
+                       "fresh_per_probe": learns_online(run.config)},
             "partitions": engine.get("partitions"), "engine_modes": dict(modes),
             "calibration_after": after.get("calibration"),
             # As the engine reports it (None: an engine older than the flag, arrival order).
@@ -591,14 +615,32 @@ def figure3(found: list[Search], workload: str, out_dir: Path) -> str:
     lines = [f"### Figure 3, {workload}: goodput (req/s) against the ITL SLO", "",
              "| configuration | " + " | ".join(f"ITL {itl:g} ms" for itl in FIGURE3_ITL_MS)
              + " |", "|---" * (len(FIGURE3_ITL_MS) + 1) + "|"]
-    cells = {(figure3_family(s.config), s.tpot_slo_ms): s for s in mine}
+    cells = figure3_cells(mine)
     for family in ["multiplex"] + [f"chunk{c}" for c in (256, 512, 1024, 2048)]:
-        row = [goodput_cell(cells[(family, itl)], ladder) if (family, itl) in cells else "-"
+        row = [_figure3_cell(cells[(family, itl)], ladder) if (family, itl) in cells else "-"
                for itl in FIGURE3_ITL_MS]
         lines.append(f"| {family} | " + " | ".join(row) + " |")
     if plotted:
         lines += ["", f"Plot: `{plotted.name}`."]
     return "\n".join(lines)
+
+
+def figure3_cells(searches_: list[Search]) -> dict[tuple[str | None, float], Search]:
+    """(family, ITL SLO) -> the search that cell shows: of several multiplex configurations
+    at one target, the probed one with the highest goodput (an unprobed variant must not
+    hide a measured one)."""
+    cells: dict[tuple[str | None, float], Search] = {}
+    rank = lambda s: (bool(s.curve), s.bracket.low)
+    for search in searches_:
+        key = (figure3_family(search.config), search.tpot_slo_ms)
+        if key not in cells or rank(search) > rank(cells[key]):
+            cells[key] = search
+    return cells
+
+
+def _figure3_cell(search: Search, ladder: tuple[float, ...]) -> str:
+    cell = goodput_cell(search, ladder)
+    return f"{cell} ({search.config})" if search.curve and itl_target(search.config) else cell
 
 
 def _plot_figure3(series: dict, found: list[Search], path: Path, workload: str) -> Path | None:
@@ -654,6 +696,74 @@ def repeated_probes(records: list[dict]) -> list[str]:
             "|---|---|---|---|", *lines]
 
 
+CALL_GAP_S = 20 * 60  # records of one command further apart than this came from two calls
+
+
+def _server_key(record: dict) -> tuple:
+    """Records with one key ran on one server if they came from one call: the same run
+    command and revision, the same configuration (and workload where it takes its SLO)."""
+    probe = record["probe"]
+    workload = probe["workload"] if per_workload(probe["config"]) else None
+    return (tuple(record.get("command") or ()), record.get("git_revision"), probe["config"],
+            workload)
+
+
+def probes_before_on_server(records: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """Each probe of a configuration that learns online with the probes its server ran
+    before it: as recorded (``server``), or, for records from before that field, the
+    earlier records of the same call on the same server (``_server_key``; a gap over
+    ``CALL_GAP_S`` starts another call)."""
+    runs: dict[tuple, list[dict]] = {}
+    out = []
+    for record in sorted(records, key=lambda r: r.get("created", "")):
+        config = record["probe"]["config"]
+        if config not in CONFIGS or not learns_online(config):
+            continue
+        if "goodput_h200.py" not in " ".join(record.get("command") or ()):
+            continue  # imported from another tool: how its server ran is not recorded
+        earlier = runs.setdefault(_server_key(record), [])
+        if earlier and _seconds_between(earlier[-1], record) > CALL_GAP_S:
+            earlier.clear()
+        served = (record.get("server") or {}).get("probes_before")
+        if served is None:
+            served = len(earlier)
+        out.append((record, earlier[len(earlier) - served:] if served else []))
+        earlier.append(record)
+    return out
+
+
+def _seconds_between(first: dict, second: dict) -> float:
+    """Seconds from one record's creation to another's (0 where either has no timestamp)."""
+    try:
+        parse = lambda r: datetime.fromisoformat(r["created"])
+        return (parse(second) - parse(first)).total_seconds()
+    except (KeyError, ValueError):
+        return 0.0
+
+
+def warm_server_probes(records: list[dict]) -> list[str]:
+    """Markdown lines: the probes that ran on a server which had served earlier probes
+    (and had learned from them), with what ran before."""
+    lines = []
+    for record, before in probes_before_on_server(records):
+        if not before:
+            continue
+        probe = record["probe"]
+        ttft_ms = WORKLOADS[probe["workload"]].ttft_slo_ms
+        share = sample_attainment(record["samples"], ttft_ms, TPOT_SLO_MS) or 0.0
+        after = ", ".join(f"{r['probe']['workload']} {r['probe']['rate']:g}" for r in before)
+        lines.append(f"| {probe['workload']} | {probe['config']} | {probe['rate']:g} | "
+                     f"{100 * share:.0f}% | {(record.get('git_revision') or '')[:7]} | {after} |")
+    if not lines:
+        return []
+    return ["", "## Probes on a server that had served earlier probes", "",
+            "Multiplexing corrects its predictions while it serves; these probes started from "
+            "what the earlier ones on their server taught it, not from the profile alone. "
+            "Probes recorded with a `server` field ran on a server of their own.", "",
+            "| workload | config | rate (req/s) | attainment | revision | after, on its server |",
+            "|---|---|---|---|---|---|", *lines]
+
+
 def summary_markdown(found: list[Search], figure3_workloads: list[str], out_dir: Path,
                      variants: list[str] = (), repeats: list[str] = ()) -> str:
     rows = [*TABLE_CONFIGS, *variants]
@@ -682,7 +792,7 @@ def summarise(results: Path, out_dir: Path, figure3_workloads: list[str]) -> dic
     found = searches(records, wanted_searches(figure3_workloads, variants), search_spaces())
     out_dir.mkdir(parents=True, exist_ok=True)
     markdown = summary_markdown(found, figure3_workloads, out_dir, variants,
-                                repeated_probes(records))
+                                repeated_probes(records) + warm_server_probes(records))
     (out_dir / "summary.md").write_text(markdown)
     data = {"searches": [_search_json(s) for s in found],
             "missing": [{"workload": w, "config": c, "rate": r}

@@ -360,11 +360,13 @@ def test_a_multiplex_probe_keeps_its_timeline_and_what_the_engine_learned(tool, 
     run = SimpleNamespace(backend=SimpleNamespace(engine_info={"partitions": None,
                                                                "prefill_order": "slo"}),
                           server=SimpleNamespace(command="pdserve serve"), config="chunk16",
+                          served=2,
                           args="--schedule chunked --chunk-size 16",
                           opts=SimpleNamespace(predictor=tmp_path / "none.json"))
     spec = tool.WORKLOADS["tiny"].build_spec(4.0, tmp_path)
     record = tool.probe_record(run, spec, [], 4.0, result)
     assert record["calibration_after"] == {"mixed_steps": 1.2}
+    assert record["server"] == {"probes_before": 2, "fresh_per_probe": False}
     assert record["prefill_order"] == {"prefill_order": "slo", "prefill_order_reorders": 9,
                                        "prefill_order_rate_tokens_per_s": None}
     assert record["engine_modes"] == {"temporal": 1, "spatial": 1}
@@ -459,3 +461,58 @@ def test_the_pressed_configs_are_valid_server_flags_with_each_workload_s_ttft_sl
                                  mux_ttft_pressed_margin=float(
                                      flags["--mux-ttft-pressed-margin"]))
         assert config.mux_ttft_pressed_margin == 1.0
+
+
+def _call_record(tool, config: str, rate: float, created: str, **extra) -> dict:
+    record = _record(tool, "sharegpt", config, rate, 1.0, "a" * 40, created)
+    return {**record, "command": ["benchmarks/goodput_h200.py", "run", "--probe", "x"], **extra}
+
+
+def test_probes_that_inherited_a_multiplex_server_s_learning_are_named(tool, tmp_path):
+    mux = "multiplex-graph-floor-itl60"
+    first = _call_record(tool, mux, 20.0, "2026-12-03T12:00:00+00:00")
+    inherited = _call_record(tool, mux, 18.0, "2026-12-03T12:01:30+00:00")
+    next_call = _call_record(tool, mux, 16.0, "2026-12-03T13:00:00+00:00")  # another call
+    fresh = _call_record(tool, mux, 24.0, "2026-12-03T13:02:00+00:00",
+                         server={"probes_before": 0, "fresh_per_probe": True})
+    chunked = [_call_record(tool, "chunk512", r, f"2026-12-03T12:0{i}:00+00:00")
+               for i, r in enumerate((12.0, 14.0))]  # no learned state: not listed
+    records = [first, inherited, next_call, fresh, *chunked]
+    before = {r["probe"]["rate"]: [b["probe"]["rate"] for b in earlier]
+              for r, earlier in tool.probes_before_on_server(records)}
+    assert before == {20.0: [], 18.0: [20.0], 16.0: [], 24.0: []}
+    for record in records:
+        _write(tool, tmp_path, record)
+    tool.summarise(tmp_path, tmp_path, [])
+    markdown = (tmp_path / "summary.md").read_text()
+    assert "| sharegpt | multiplex-graph-floor-itl60 | 18 | 100% | aaaaaaa | sharegpt 20 |" \
+        in markdown
+    assert markdown.count("| sharegpt | multiplex-graph-floor-itl60 |") == 2  # + its search
+
+
+def test_a_multiplex_server_is_stopped_after_each_probe_and_a_chunked_one_serves_on(tool):
+    import asyncio
+
+    stopped = []
+    opts = SimpleNamespace(predictor=Path("none.json"))
+    for config in ("multiplex-graph-floor-itl60", "chunk512"):
+        run = tool.ConfigRun(config, opts)
+        run.server = SimpleNamespace(stop=lambda c=config: stopped.append(c))
+        asyncio.run(run.probe_done())
+        assert (run.server is None) == tool.learns_online(config)
+        assert run.served == (0 if tool.learns_online(config) else 1)
+    assert stopped == ["multiplex-graph-floor-itl60"]
+    assert tool.learns_online("multiplex-itl60") and not tool.learns_online("disagg")
+
+
+def test_figure3_shows_the_best_probed_multiplex_configuration_of_each_target(tool, tmp_path):
+    _write(tool, tmp_path, _record(tool, "loogle", "multiplex-graph-itl60", 0.6, 1.0, "a" * 40,
+                                   "1"))
+    _write(tool, tmp_path, _record(tool, "loogle", "multiplex-itl60", 0.3, 0.5, "a" * 40, "2"))
+    # A variant probed only on another workload gets an empty loogle search: not shown.
+    _write(tool, tmp_path, _record(tool, "sharegpt", "multiplex-graph-floor-pressed-itl60", 16.0,
+                                   1.0, "a" * 40, "3"))
+    tool.summarise(tmp_path, tmp_path, ["loogle"])
+    markdown = (tmp_path / "summary.md").read_text()
+    row = next(line for line in markdown.splitlines() if line.startswith("| multiplex | "))
+    assert row.split("|")[3].strip() == ">= 0.6 (multiplex-graph-itl60)"
