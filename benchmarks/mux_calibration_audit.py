@@ -42,6 +42,7 @@ import statistics
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,7 +55,8 @@ from mux_whatif import (  # noqa: E402
     walk_prompt,
 )
 
-from pdserve.sched.mux_planner import DecodeLoad, MuxMode  # noqa: E402
+from pdserve.config import PREFILL_RULES  # noqa: E402
+from pdserve.sched.mux_planner import DecodeLoad, MuxMode, OnlineCalibration  # noqa: E402
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
 
 BATCH_EDGES = (1, 4, 8, 16, 32)
@@ -186,7 +188,31 @@ def _option_audit(entries: list[dict], weight: float) -> dict:
             "min": round(min(values), 3), "max": round(max(values), 3),
             "last": round(values[-1], 3),
             "piece_measured_over_predicted": quantiles(ratios) if ratios else None,
-            "update_rule": _update_rule(entries, weight)}
+            "update_rule": _update_rule(entries, weight),
+            "rules_replayed": replay_rules([(e["predicted_piece_ms"], e["measured_piece_ms"])
+                                            for e in pieces], values[0])}
+
+
+def replay_rules(pieces: list[tuple[float, float]], start: float) -> dict:
+    """The engine's own correction (``OnlineCalibration.observe_prefill``) under each update
+    rule, run over an option's pieces as they came (``pieces``: the profile's predicted and
+    the measured ms), from the factor the run started with: each piece's measured time over
+    the corrected prediction it was weighed by (> 1: the planner expected more prefill than
+    the piece gave) and where the factor ended. The pieces are the ones the recorded rule's
+    choices launched."""
+    out = {}
+    for rule in PREFILL_RULES:
+        calibration = OnlineCalibration(SimpleNamespace(num_layers=1, total_sms=1),
+                                        prefill_rule=rule)
+        calibration.prefill_corrections["option"] = start
+        met = []
+        for predicted, measured in pieces:
+            met.append(measured / (predicted * calibration.prefill_correction("option")))
+            calibration.observe_prefill("option", predicted, measured)
+        out[rule] = {"measured_over_corrected": quantiles(met) if met else None,
+                     "pieces_10pct_off": sum(abs(math.log(m)) > math.log(1.1) for m in met),
+                     "last": round(calibration.prefill_correction("option"), 3)}
+    return out
 
 
 def _update_rule(entries: list[dict], weight: float, step_limit: float = 1.25) -> dict:

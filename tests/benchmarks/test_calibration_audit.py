@@ -73,3 +73,18 @@ def test_a_mixed_step_is_set_against_its_uncorrected_prediction(audit):
     predictor = SimpleNamespace(predict_mixed=lambda *args, **kw: 50.0, total_sms=132)
     [step] = audit.mixed_steps([entry], predictor)
     assert step["ratio"] == pytest.approx(52.0 / 50.0)  # the device's clock, as learned
+
+
+def test_the_rules_replayed_over_steady_pieces_walk_or_settle(audit):
+    # Pieces steadily at 0.9 of the profile: the compounding factor walks to its 0.5 bound
+    # and weighs the late pieces at ~1.8x what they deliver; the converging one settles.
+    replayed = audit.replay_rules([(100.0, 90.0)] * 60, start=1.0)
+    compounding, converging = replayed["compounding"], replayed["converging"]
+    assert compounding["last"] == 0.5
+    assert converging["last"] == pytest.approx(0.9, rel=1e-3)
+    assert compounding["measured_over_corrected"]["p90"] > 1.7
+    assert converging["measured_over_corrected"]["p50"] == pytest.approx(1.0, abs=0.01)
+    assert converging["pieces_10pct_off"] <= 1 < 40 < compounding["pieces_10pct_off"]
+    # From an inherited factor the replay starts where the run did.
+    assert audit.replay_rules([(100.0, 100.0)], start=2.0)["converging"][
+        "measured_over_corrected"]["p50"] == 0.5
