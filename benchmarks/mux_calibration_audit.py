@@ -424,6 +424,19 @@ def audit_records(path: str, predictor, mixed: list[float], prefill: list[float]
     return row
 
 
+def rules_overall(timelines: dict) -> dict:
+    """Per update rule, over every option of every timeline: pieces replayed, and those
+    weighed more than 10% off what they delivered."""
+    totals = {rule: {"pieces": 0, "pieces_10pct_off": 0} for rule in PREFILL_RULES}
+    for row in timelines.values():
+        for option in row["prefill_corrections"].values():
+            for rule, replayed in option["rules_replayed"].items():
+                measured = replayed["measured_over_corrected"]
+                totals[rule]["pieces"] += measured["n"] if measured else 0
+                totals[rule]["pieces_10pct_off"] += replayed["pieces_10pct_off"]
+    return totals
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--predictor", required=True)
@@ -447,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                                            floats(args.prefill_corrections),
                                            tuple(int(x) for x in floats(args.mixed_floors)))
                           for p in comma_paths(args.records)}}
+    result["prefill_rules_overall"] = rules_overall(result["timelines"])
     if args.mixed_bench:
         result["mixed_bench"] = {"path": args.mixed_bench,
                                  "cases": mixed_bench(args.mixed_bench, predictor)}

@@ -88,3 +88,15 @@ def test_the_rules_replayed_over_steady_pieces_walk_or_settle(audit):
     # From an inherited factor the replay starts where the run did.
     assert audit.replay_rules([(100.0, 100.0)], start=2.0)["converging"][
         "measured_over_corrected"]["p50"] == 0.5
+
+
+def test_the_rules_are_totalled_over_every_option_of_every_timeline(audit):
+    steady = audit.replay_rules([(100.0, 90.0)] * 60, start=1.0)
+    single = audit.replay_rules([(100.0, 100.0)], start=1.0)
+    timelines = {"a": {"prefill_corrections": {"time_slice": {"rules_replayed": steady}}},
+                 "b": {"prefill_corrections": {"spatial:16": {"rules_replayed": single},
+                                               "spatial:24": {"rules_replayed": steady}}}}
+    totals = audit.rules_overall(timelines)
+    assert totals["converging"]["pieces"] == totals["compounding"]["pieces"] == 121
+    assert totals["compounding"]["pieces_10pct_off"] == \
+        2 * steady["compounding"]["pieces_10pct_off"]
