@@ -15,30 +15,42 @@ is a prediction (``"kind": "prediction"``).
 
 With ``--validation`` it replays instead the multiplex run of an H200 simulator validation
 (``sim_validate_instance.py``: the Mooncake window it sent, whose busy stretch ran whole-GPU
-steps from 8ccd9ac on), the planner starting from the mixed-step corrections the engine had
-learned on the probes before that replay (``engine_calibration``), and sets the replayed
-P50 / P99 of TTFT and TPOT beside the measured ones, as ``"kind": "validation"``. The
-corrections stay as they start: the replay's steps take what the corrected profile says,
-so nothing moves them (the engine's moved on through its replay, recorded as
-``engine_calibration_after_replay``; that run's end state is also replayed, for the
-spread, never as the model).
+steps from 8ccd9ac on) and sets each replay's P50 / P99 of TTFT and TPOT beside the
+measured ones, as ``"kind": "validation"``:
+
+- ``compare``: the planner starting from the mixed-step corrections the engine had
+  learned on the probes before that replay (``engine_calibration``), each step at its
+  corrected prediction, the corrections fixed; the engine's end state
+  (``engine_calibration_after_replay``) beside it, for the spread, never as the model.
+- ``engine_timed``: the step model of ``pdserve/sim/mux_steps.py`` with engine timing:
+  each mixed-step path (graph, eager) at the correction the engine learned for it on the
+  probes, a measured over predicted ratio drawn per step from another run's replay
+  timeline (``--spread-from``, ``--seeds`` draws), the corrections learning from every
+  step as the engine's do, the first token a step late. Nothing in it is fitted on the
+  replay it is checked against.
+- ``diagnosis`` (where the run committed a replay timeline of whole-GPU steps only): not a
+  prediction. The same steps planned with the corrections the engine held at each moment
+  of that replay, then also with its stalls (steps over 3x their prediction) added: what
+  is left beside the measured is the step model's error; the rest is the corrections'
+  course. The timeline's steps per kind beside the model's (``measured_steps_by_kind``).
 
     cd benchmarks/results/goodput_h200 && python ../../mux_step_replay.py \\
         --record sharegpt__multiplex-graph-floor-bank3-itl60__r16.json --rates 16,18 \\
         --variant "--mux-ttft-pressed-margin 1 --ttft-slo-ms 2000" --out replay.json
-    python benchmarks/mux_step_replay.py \\
-        --validation benchmarks/results/sim_validate_instance_h200_8ccd9ac.json --out v.json
+    R=benchmarks/results/sim_validate_instance_h200
+    python benchmarks/mux_step_replay.py --validation ${R}_8ccd9ac.json --out v.json \\
+        --spread-from ${R}_7dad880_multiplex_timeline_replay.json.gz --seeds 20
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
+import gzip
 import json
 import shlex
 import sys
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,46 +61,26 @@ from benchmarks.sim_validate_instance import latency_rows  # noqa: E402
 from benchmarks.validate_sim import percentiles  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.config import SchedulerConfig, add_cli_args  # noqa: E402
-from pdserve.sched.in_flight import decode_load_banked  # noqa: E402
 from pdserve.sched.multiplex import mux_planner_config  # noqa: E402
 from pdserve.sched.mux_planner import (  # noqa: E402
-    DecodeLoad,
-    MuxMode,
     MuxPlanner,
     MuxPlannerConfig,
     OnlineCalibration,
-    PrefillRequest,
 )
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
-
-
-@dataclass
-class Replayed:
-    """One request as the replay serves it (times in seconds from the first send)."""
-
-    arrival: float
-    prompt_len: int
-    output_len: int
-    prefilled: int = 0
-    decoded: int = 0
-    first_token: float | None = None
-    finished: float | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        """The context its next decode reads (``decode_load_over``)."""
-        return self.prompt_len + self.decoded
-
-    # What ``banked_slack_ms`` reads of a request: its first token counts as an output.
-    @property
-    def first_token_time(self) -> float | None:
-        return self.first_token
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.decoded + 1
-
-    num_placeholders = 0  # the replay samples each token within its step
+from pdserve.sim.mux_steps import (  # noqa: E402
+    WHOLE_GPU_MODES,
+    StepSpread,
+    StepTiming,
+    correction_trajectory,
+    median_log,
+    step_spread,
+    timeline_stalls,
+    timeline_steps_by_kind,
+    whole_gpu_only,
+)
+from pdserve.sim.mux_steps import MuxStepSim as StepReplay  # noqa: E402
+from pdserve.sim.mux_steps import StepRequest as Replayed  # noqa: E402
 
 
 def planner_config(server_args: str, variant: str = "") -> MuxPlannerConfig:
@@ -102,71 +94,6 @@ def planner_config(server_args: str, variant: str = "") -> MuxPlannerConfig:
     sched = SchedulerConfig(**{f.name: getattr(flags, f.name)
                                for f in dataclasses.fields(SchedulerConfig)})
     return mux_planner_config(sched, spatial=False, temporal=True, time_slice=False)
-
-
-class StepReplay:
-    def __init__(self, planner: MuxPlanner, requests: list[Replayed]) -> None:
-        self.planner = planner
-        self.pending = deque(sorted(requests, key=lambda r: r.arrival))
-        self.now, self.waiting, self.running = 0.0, [], []
-        self.modes: dict[str, int] = {}
-        self.busy_s = 0.0
-
-    def run(self) -> None:
-        while self.pending or self.waiting or self.running:
-            self._admit()
-            if not (self.waiting or self.running):
-                self.now = self.pending[0].arrival
-                continue
-            self._step()
-
-    def _admit(self) -> None:
-        while self.pending and self.pending[0].arrival <= self.now:
-            self.waiting.append(self.pending.popleft())
-
-    def _step(self) -> None:
-        plan = self.planner.plan(self._decode_load(), self._waiting_view())
-        if plan.mode not in (MuxMode.TEMPORAL, MuxMode.DECODE_ONLY, MuxMode.PREFILL_ONLY):
-            raise ValueError(f"the replay runs whole-GPU steps only, the planner chose "
-                             f"{plan.mode}")
-        self.modes[plan.mode] = self.modes.get(plan.mode, 0) + 1
-        step_s = plan.cycle_ms / 1e3 if plan.mode != MuxMode.PREFILL_ONLY \
-            else plan.prefill.predicted_ms / 1e3
-        self.now += step_s
-        self.busy_s += step_s
-        decoding = list(self.running) if plan.mode != MuxMode.PREFILL_ONLY else []
-        self._decode(decoding)
-        if plan.prefill is not None:
-            self._prefill(plan.prefill.chunks)
-
-    def _decode_load(self) -> DecodeLoad | None:
-        return decode_load_banked(self.running, self.planner.config, self.now)
-
-    def _waiting_view(self) -> list[PrefillRequest]:
-        return [PrefillRequest(r.prompt_len - r.prefilled, r.prefilled,
-                               1e3 * (self.now - r.arrival)) for r in self.waiting]
-
-    def _decode(self, decoding: list[Replayed]) -> None:
-        for request in decoding:
-            request.decoded += 1
-            if request.decoded + 1 >= request.output_len:
-                request.finished = self.now
-                self.running.remove(request)
-
-    def _prefill(self, chunks) -> None:
-        finished = []
-        for index, tokens in chunks:
-            request = self.waiting[index]
-            request.prefilled += tokens
-            if request.prefilled >= request.prompt_len:
-                finished.append(request)
-        for request in finished:
-            self.waiting.remove(request)
-            request.first_token = self.now
-            if request.output_len > 1:
-                self.running.append(request)
-            else:
-                request.finished = self.now
 
 
 def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
@@ -189,35 +116,191 @@ def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
             "ttft_s": percentiles(rows, "ttft_s"), "tpot_s": percentiles(rows, "tpot_s")}
 
 
-def replay_validation(run: dict, predictor: LatencyPredictor) -> dict:
-    """A validation run's multiplex replay through whole-GPU steps, from each of the
-    engine's recorded calibrations, against its measured requests."""
-    from benchmarks.sim_validate_instance import window_requests
+def replay_validation(run: dict, predictor: LatencyPredictor,
+                      spread: StepSpread | None = None, seeds: int = 1,
+                      timeline: list[dict] | None = None) -> dict:
+    """A validation run's multiplex replay through whole-GPU steps against its measured
+    requests: as planned from each of the engine's recorded calibrations (the corrections
+    fixed), then as the engine times and learns (``engine_timed``) and, where the run kept
+    its replay's ``timeline`` of whole-GPU steps only, what that timeline says
+    (``diagnosis``)."""
     from benchmarks.validate_sim import compare_percentiles
+
+    schedule = run["schedules"]["multiplex"]
+    server_args, window = _validation_setup(run)
+    calibrations = {name: schedule["interference"][name] for name in CALIBRATIONS
+                    if schedule["interference"].get(name)}
+    replayed, steps = {}, {}
+    for name, corrections in calibrations.items():
+        sim = _replayed(server_args, window, _calibration(predictor, corrections))
+        replayed[name], steps[name] = latency_rows(sim.requests), sim.modes
+    result = {"kind": "validation", "num_instances": 1, "server_args": server_args,
+              "requests": len(window), "steps": steps}
+    if "measured_per_request" in schedule:
+        measured_rows = schedule["measured_per_request"]
+        figures = {key: percentiles(measured_rows, key) for key in ("ttft_s", "tpot_s")}
+        result["compare"] = compare_percentiles(figures, replayed)
+    result["engine_timed"] = engine_timed(run, predictor, spread, seeds)
+    if timeline is not None and whole_gpu_only(timeline):
+        result["diagnosis"] = diagnosis(run, predictor, timeline)
+    return result
+
+
+CALIBRATIONS = ("engine_calibration", "engine_calibration_after_replay")
+
+
+def _validation_setup(run: dict) -> tuple[str, list]:
+    """The planner flags the run's multiplex engine served with (graph steps and floor as
+    its engine resolved them; none recorded: off, as before those defaults) and the
+    window of requests it was sent."""
+    from benchmarks.sim_validate_instance import window_requests
     from pdserve.sim.cluster import LatencyModel
 
     schedule = run["schedules"]["multiplex"]
-    interference = schedule["interference"]
-    planner = interference.get("engine_planner", {})
+    planner = schedule["interference"].get("engine_planner") or {}
     server_args = (schedule["schedule_args"]
                    + f" --mux-graph-step-tokens {planner.get('graph_step_tokens', 0)}"
                    + f" --mux-mixed-floor-tokens {planner.get('mixed_floor_tokens', 0)}")
     window, _ = window_requests(argparse.Namespace(**run["config"]),
                                 LatencyModel(**schedule["latency_model"]))
-    replayed, steps = {}, {}
-    for name in ("engine_calibration", "engine_calibration_after_replay"):
-        requests = [Replayed(r.arrival, r.input_len, r.output_len) for r in window]
-        model = OnlineCalibration(predictor)
-        model.mixed_correction = interference[name]["mixed_steps"]
-        model.graph_mixed_correction = interference[name].get("graph_mixed_steps", 1.0)
-        replay_run = StepReplay(MuxPlanner(model, [], planner_config(server_args)), requests)
-        replay_run.run()
-        replayed[name], steps[name] = latency_rows(requests), replay_run.modes
-    measured_rows = schedule["measured_per_request"]
-    figures = {key: percentiles(measured_rows, key) for key in ("ttft_s", "tpot_s")}
-    return {"kind": "validation", "num_instances": 1, "server_args": server_args,
-            "requests": len(window), "steps": steps,
-            "compare": compare_percentiles(figures, replayed)}
+    return server_args, window
+
+
+def _calibration(predictor: LatencyPredictor, corrections: dict | None) -> OnlineCalibration:
+    """The predictor with the mixed-step corrections an engine recorded (none: 1.0)."""
+    model = OnlineCalibration(predictor)
+    model.mixed_correction = (corrections or {}).get("mixed_steps", 1.0)
+    model.graph_mixed_correction = (corrections or {}).get("graph_mixed_steps", 1.0)
+    return model
+
+
+def _replayed(server_args: str, window: list, calibration: OnlineCalibration,
+              timing: StepTiming | None = None, lag: bool = False,
+              sim_class: type[StepReplay] = StepReplay) -> StepReplay:
+    requests = [Replayed(r.arrival, r.input_len, r.output_len) for r in window]
+    planner = MuxPlanner(calibration, [], planner_config(server_args))
+    sim = sim_class(planner, requests, timing, first_token_lag=lag)
+    sim.run()
+    return sim
+
+
+def engine_timed(run: dict, predictor: LatencyPredictor, spread: StepSpread | None,
+                 seeds: int) -> dict:
+    """The replay with steps timed as the engine's ran (``StepTiming``: each mixed-step
+    path at the correction the engine learned for it on the probes, a ratio of ``spread``
+    drawn per step, the corrections learning as the engine's do) and the first token one
+    step late; ``seeds`` draws, their percentiles' median beside the smallest and largest
+    (``percentiles``' draws)."""
+    from benchmarks.validate_sim import compare_percentiles
+
+    schedule = run["schedules"]["multiplex"]
+    corrections = schedule["interference"].get("engine_calibration")
+    server_args, window = _validation_setup(run)
+    spread = spread or StepSpread()
+    rows, logs = [], []
+    for seed in range(seeds):
+        timing = StepTiming(*_path_factors(corrections), spread.mixed, spread.decode, seed)
+        sim = _replayed(server_args, window, _calibration(predictor, corrections), timing,
+                        lag=True)
+        rows += [{**row, "draw": seed} for row in latency_rows(sim.requests)]
+        logs.append(sim.log)
+    measured = {key: schedule["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
+    compare = compare_percentiles(measured, {"simulated": rows})
+    graph, eager = _path_factors(corrections)
+    return {"path_factors": {"graph": graph, "eager": eager},
+            "spread_from": spread.source, "seeds": seeds,
+            "compare": compare, "draw_range": _draw_range(rows),
+            "within_10_percent": _within(compare, "simulated_error"),
+            "steps_by_kind": median_log(logs),
+            "engine_options": _engine_options(schedule)}
+
+
+def _path_factors(corrections: dict | None) -> tuple[float, float]:
+    """Measured over profile time of graph and eager mixed steps: what the engine learned
+    on its probes, before the replay (none recorded: the profile's own)."""
+    corrections = corrections or {}
+    return corrections.get("graph_mixed_steps", 1.0), corrections.get("mixed_steps", 1.0)
+
+
+def _draw_range(rows: list[dict]) -> dict:
+    """Per metric and percentile, the smallest and largest over the draws."""
+    draws = sorted({row["draw"] for row in rows})
+    each = [percentiles([r for r in rows if r["draw"] == d], key) | {"key": key}
+            for d in draws for key in ("ttft_s", "tpot_s")]
+    return {key: {q: [min(e[q] for e in each if e["key"] == key),
+                      max(e[q] for e in each if e["key"] == key)] for q in ("p50", "p99")}
+            for key in ("ttft_s", "tpot_s")}
+
+
+def _within(compare: dict, name: str, tolerance: float = 0.10) -> dict:
+    return {key: {q: abs(row[name][q]) <= tolerance for q in ("p50", "p99")}
+            for key, row in compare.items()}
+
+
+def _engine_options(schedule: dict) -> dict:
+    """Seconds per mode the engine ran in the replay (its ``timeline_replay``), and whether
+    the step model runs them all: it has no spatial splits nor time slices."""
+    seconds = schedule["interference"].get("timeline_replay", {}).get("seconds_by_mode")
+    if seconds is None:
+        return {"seconds_by_mode": None, "modelled": None}
+    modelled = all(mode in WHOLE_GPU_MODES for mode, s in seconds.items() if s > 0)
+    return {"seconds_by_mode": seconds, "modelled": modelled}
+
+
+def diagnosis(run: dict, predictor: LatencyPredictor, timeline: list[dict]) -> dict:
+    """Not a prediction: the replay planned with the corrections the engine held at each
+    moment of its own replay (``correction_trajectory``), each step at its corrected
+    prediction, the first token a step late; then also with the steps that ran over
+    ``STALL_OVER`` times their prediction taking that long (``stalls``). What is left
+    beside the measured is the step model's; the rest is the corrections' course."""
+    from benchmarks.validate_sim import compare_percentiles
+
+    schedule = run["schedules"]["multiplex"]
+    server_args, window = _validation_setup(run)
+    start = schedule["interference"].get("engine_calibration")
+    planner = schedule["interference"].get("engine_planner") or {}
+    graph, eager = _path_factors(start)
+    trajectory = correction_trajectory(timeline, (eager, graph),
+                                       planner.get("graph_step_tokens", 0))
+    stalls = timeline_stalls(timeline, STALL_OVER)
+    replayed = {}
+    for name, extra in (("trajectory", []), ("trajectory_and_stalls", stalls)):
+        sim_class = _trajectory_sim(trajectory, extra)
+        sim = _replayed(server_args, window, _calibration(predictor, start), lag=True,
+                        sim_class=sim_class)
+        replayed[name] = latency_rows(sim.requests)
+    measured = {key: schedule["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
+    return {"stalls": [{"at_s": at, "extra_s": extra} for at, extra in stalls],
+            "measured_steps_by_kind": timeline_steps_by_kind(
+                timeline, planner.get("graph_step_tokens", 0)),
+            "compare": compare_percentiles(measured, replayed)}
+
+
+STALL_OVER = 3.0  # a step over 3x its prediction: a stall, not the step's shape
+
+
+def _trajectory_sim(trajectory: list[tuple[float, float, float]],
+                    stalls: list[tuple[float, float]]) -> type[StepReplay]:
+    times = [t for t, _, _ in trajectory]
+
+    class TrajectoryReplay(StepReplay):
+        """Plans each step with the engine's corrections of that moment; a stall's extra
+        time is added to the first step at or after it."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.pending_stalls = list(stalls)
+
+        def _step(self) -> None:
+            index = max(0, bisect.bisect_right(times, self.now) - 1)
+            _, mixed, graph = trajectory[index]
+            self.planner.calibration.mixed_correction = mixed
+            self.planner.calibration.graph_mixed_correction = graph
+            while self.pending_stalls and self.pending_stalls[0][0] <= self.now:
+                self.now += self.pending_stalls.pop(0)[1]
+            super()._step()
+
+    return TrajectoryReplay
 
 
 def measured(record: dict) -> dict:
@@ -242,6 +325,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rates", default="",
                         help="Comma-separated req/s to replay the record's arrivals at, "
                              "rescaled (default: the probe's own rate).")
+    parser.add_argument("--spread-from", type=Path, default=None,
+                        help="With --validation: a multiplex replay timeline "
+                             "(*_multiplex_timeline_replay.json.gz) of another run whose "
+                             "steps' measured over predicted times the engine-timed replay "
+                             "draws (default: none, each step as its path's factor says).")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="With --validation: draws of that spread (default 1).")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.validation:
@@ -269,15 +359,40 @@ def main(argv: list[str] | None = None) -> None:
 def validate(args) -> None:
     run = json.loads(args.validation.read_text())
     predictor_path = args.predictor or ROOT / _predictor_of(run["schedules"]["multiplex"])
+    spread = (step_spread(load_timeline(args.spread_from), _relative(args.spread_from))
+              if args.spread_from else None)
+    timeline_path = _timeline_of(args.validation)
+    timeline = load_timeline(timeline_path) if timeline_path.exists() else None
     result = {**result_header({"validation": _relative(args.validation),
-                               "predictor": _relative(predictor_path)}),
+                               "predictor": _relative(predictor_path),
+                               "spread_from": args.spread_from and _relative(args.spread_from),
+                               "seeds": args.seeds}),
               "validation_revision": run["git_revision"],
-              **replay_validation(run, LatencyPredictor.load(predictor_path))}
+              "timeline": _relative(timeline_path) if timeline else None,
+              **replay_validation(run, LatencyPredictor.load(predictor_path), spread,
+                                  args.seeds, timeline)}
     write_json(result, args.out)
-    for key, row in result["compare"].items():
-        errors = ", ".join(f"{name[:-6]} {100 * e['p50']:+.1f}% / {100 * e['p99']:+.1f}%"
-                           for name, e in row.items() if name.endswith("_error"))
-        print(f"{key} P50 / P99: {errors}")
+    for key, row in result.get("compare", {}).items():
+        print(f"{key} P50 / P99: {_errors(row)}")
+    for key, row in result["engine_timed"]["compare"].items():
+        print(f"engine-timed {key} P50 / P99: {_errors(row)}")
+    for key, row in result.get("diagnosis", {}).get("compare", {}).items():
+        print(f"diagnosis {key} P50 / P99: {_errors(row)}")
+
+
+def _errors(row: dict) -> str:
+    return ", ".join(f"{name[:-6]} {100 * e['p50']:+.1f}% / {100 * e['p99']:+.1f}%"
+                     for name, e in row.items() if name.endswith("_error"))
+
+
+def _timeline_of(validation: Path) -> Path:
+    """Where ``sim_validate_instance.py`` commits a run's replay timeline, beside it."""
+    return validation.with_name(validation.stem + "_multiplex_timeline_replay.json.gz")
+
+
+def load_timeline(path: Path) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
 
 
 def _predictor_of(schedule: dict) -> str:

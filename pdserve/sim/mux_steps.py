@@ -1,0 +1,299 @@
+"""One multiplexing instance as whole-GPU steps of the real planner, the queue kept.
+
+Every step is what ``MuxPlanner`` plans for the waiting prompts (first come first served)
+and the decode batch: a mixed step (TEMPORAL), decode alone or prefill alone. Spatial
+splits and time slices are not modelled: the planner must be configured without them.
+
+How long a step runs (``StepTiming``):
+
+- ``None``: the plan's own prediction, the planner's corrections fixed (the step replay
+  as it was: ``benchmarks/mux_step_replay.py`` before engine timing).
+- engine timing: a mixed step takes the profile's time for its shape times the factor
+  measured for its path (``graph_factor`` on the prefill-step graphs, ``eager_factor``
+  otherwise: the corrections the engine learned on its probes), times a ratio drawn
+  from a measured spread; decode alone takes its prediction times a drawn ratio. The
+  planner's ``OnlineCalibration`` then learns from each mixed step as the engine's does.
+  Why that matters (H200, 8ccd9ac): the planner weighs graph steps of ~250 prompt tokens
+  (39 ms) against eager ones to the 54 ms budget (384 tokens, 52 ms), and whether the
+  384 fit turns on a few percent of the eager correction; two slow eager steps lifted
+  it 10% and the engine ran graph steps from then on. The path no longer chosen never
+  runs again to bring its correction back.
+
+``first_token_lag``: the engine learns a step's output one step later (overlap
+scheduling): measured first tokens of 8ccd9ac's replay came 0.92 of a step (median)
+after the end of the step that ran the prompt's last piece wherever another step
+followed, and with none after it at its end. A prompt then decodes from the step after.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdserve.sched.in_flight import decode_load_banked
+from pdserve.sched.mux_planner import (
+    DecodeLoad,
+    MuxMode,
+    MuxPlan,
+    MuxPlanner,
+    OnlineCalibration,
+    PrefillRequest,
+)
+
+WHOLE_GPU_MODES = (MuxMode.TEMPORAL, MuxMode.DECODE_ONLY, MuxMode.PREFILL_ONLY)
+
+
+@dataclass
+class StepRequest:
+    """One request as the model serves it (times in seconds from the first send)."""
+
+    arrival: float
+    prompt_len: int
+    output_len: int
+    prefilled: int = 0
+    decoded: int = 0
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """The context its next decode reads (``decode_load_over``)."""
+        return self.prompt_len + self.decoded
+
+    # What ``banked_slack_ms`` reads of a request: its first token counts as an output.
+    @property
+    def first_token_time(self) -> float | None:
+        return self.first_token
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.decoded + 1
+
+    num_placeholders = 0  # the model samples each token within its step
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Engine timing of steps: measured over profile time per mixed-step path, and the
+    spread of measured over predicted step time (``mixed_spread`` for mixed steps,
+    ``decode_spread`` for decode alone), one ratio drawn per step with ``seed``."""
+
+    graph_factor: float
+    eager_factor: float
+    mixed_spread: tuple[float, ...] = (1.0,)
+    decode_spread: tuple[float, ...] = (1.0,)
+    seed: int = 0
+
+
+@dataclass
+class StepLog:
+    """Steps run and seconds spent per kind (``graph``, ``eager``, decode or prefill
+    alone): what a measured timeline is compared by."""
+
+    steps: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.steps[kind] = self.steps.get(kind, 0) + 1
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+
+
+class MuxStepSim:
+    """Runs ``requests`` (``StepRequest``) to completion; their times are filled in."""
+
+    def __init__(self, planner: MuxPlanner, requests: Sequence[StepRequest],
+                 timing: StepTiming | None = None, first_token_lag: bool = False) -> None:
+        self.planner, self.timing, self.lag = planner, timing, first_token_lag
+        self.requests = list(requests)
+        self.pending = deque(sorted(requests, key=lambda r: r.arrival))
+        self.now, self.waiting, self.running = 0.0, [], []
+        self.joining: list[StepRequest] = []  # prefilled, first token not yet seen
+        self.modes: dict[str, int] = {}
+        self.log = StepLog()
+        self.busy_s = 0.0
+        self.rng = random.Random(timing.seed if timing else 0)
+
+    def run(self) -> None:
+        while self.pending or self.waiting or self.running or self.joining:
+            self._admit()
+            if not (self.waiting or self.running):
+                self._join()  # no step follows: what finished last shows now
+                if not self.running and self.pending:
+                    self.now = self.pending[0].arrival
+                continue
+            self._step()
+
+    def _admit(self) -> None:
+        while self.pending and self.pending[0].arrival <= self.now:
+            self.waiting.append(self.pending.popleft())
+
+    def _step(self) -> None:
+        plan = self.planner.plan(self._decode_load(), self._waiting_view())
+        if plan.mode not in WHOLE_GPU_MODES:
+            raise ValueError(f"whole-GPU steps only, the planner chose {plan.mode}")
+        self.modes[plan.mode] = self.modes.get(plan.mode, 0) + 1
+        kind = self._kind(plan)
+        step_s = self._step_s(plan, kind)
+        self.log.add(kind, step_s)
+        self.now += step_s
+        self.busy_s += step_s
+        self._decode(list(self.running) if plan.mode != MuxMode.PREFILL_ONLY else [])
+        self._join()
+        if plan.prefill is not None:
+            self._prefill(plan.prefill.chunks)
+
+    def _kind(self, plan: MuxPlan) -> str:
+        if plan.mode != MuxMode.TEMPORAL:
+            return str(plan.mode)
+        graph = self.planner.on_graphs(plan.prefill.num_tokens, len(self.running))
+        return "graph" if graph else "eager"
+
+    def _step_s(self, plan: MuxPlan, kind: str) -> float:
+        if plan.mode == MuxMode.PREFILL_ONLY:
+            return plan.prefill.predicted_ms / 1e3
+        if self.timing is None:
+            return plan.cycle_ms / 1e3
+        if plan.mode == MuxMode.DECODE_ONLY:
+            return plan.cycle_ms * self.rng.choice(self.timing.decode_spread) / 1e3
+        return self._mixed_ms(plan, kind == "graph") / 1e3
+
+    def _mixed_ms(self, plan: MuxPlan, graph: bool) -> float:
+        """The step's engine time; the planner's corrections learn from it, as the
+        engine's do from the device's clock."""
+        calibration, timing = self.planner.calibration, self.timing
+        in_force = (calibration.graph_mixed_correction if graph
+                    else calibration.mixed_correction)
+        factor = timing.graph_factor if graph else timing.eager_factor
+        measured = plan.cycle_ms / in_force * factor * self.rng.choice(timing.mixed_spread)
+        calibration.observe_mixed(plan.cycle_ms, measured, graph)
+        return measured
+
+    def _decode_load(self) -> DecodeLoad | None:
+        return decode_load_banked(self.running, self.planner.config, self.now)
+
+    def _waiting_view(self) -> list[PrefillRequest]:
+        return [PrefillRequest(r.prompt_len - r.prefilled, r.prefilled,
+                               1e3 * (self.now - r.arrival)) for r in self.waiting]
+
+    def _decode(self, decoding: list[StepRequest]) -> None:
+        for request in decoding:
+            request.decoded += 1
+            if request.decoded + 1 >= request.output_len:
+                request.finished = self.now
+                self.running.remove(request)
+
+    def _prefill(self, chunks) -> None:
+        finished = []
+        for index, tokens in chunks:
+            request = self.waiting[index]
+            request.prefilled += tokens
+            if request.prefilled >= request.prompt_len:
+                finished.append(request)
+        for request in finished:
+            self.waiting.remove(request)
+        self.joining.extend(finished)
+        if not self.lag:
+            self._join()
+
+    def _join(self) -> None:
+        """Prefilled requests get their first token now and decode from the next step."""
+        for request in self.joining:
+            request.first_token = self.now
+            if request.output_len > 1:
+                self.running.append(request)
+            else:
+                request.finished = self.now
+        self.joining = []
+
+
+@dataclass(frozen=True)
+class StepSpread:
+    """Measured over predicted time of an engine's steps (``step_spread``): mixed steps and
+    decode alone; ``source`` names the timeline they came from."""
+
+    mixed: tuple[float, ...] = (1.0,)
+    decode: tuple[float, ...] = (1.0,)
+    source: str | None = None
+
+
+def step_spread(timeline: list[dict], source: str | None = None) -> StepSpread:
+    """Each whole-GPU step's device time over the prediction it ran with, from a
+    multiplexing engine's timeline (``MuxScheduler.timeline``): draw it from another run's
+    timeline than the one a model is checked on."""
+    def ratios(mode: str) -> tuple[float, ...]:
+        return tuple(e["measured_device_ms"] / e["predicted_cycle_ms"] for e in timeline
+                     if e["mode"] == mode and e["measured_device_ms"] > 0
+                     and e["predicted_cycle_ms"] > 0)
+
+    return StepSpread(ratios(MuxMode.TEMPORAL), ratios(MuxMode.DECODE_ONLY), source)
+
+
+def whole_gpu_only(timeline: list[dict]) -> bool:
+    return all(e["mode"] in WHOLE_GPU_MODES for e in timeline)
+
+
+def timeline_kind(entry: dict, graph_step_tokens: int) -> str:
+    """``MuxStepSim``'s kind of a recorded decision (graph or eager for a mixed step)."""
+    if entry["mode"] != MuxMode.TEMPORAL:
+        return entry["mode"]
+    tokens = entry["prefill_tokens"] + entry["decode_batch"]
+    return "graph" if 0 < tokens <= graph_step_tokens else "eager"
+
+
+def timeline_steps_by_kind(timeline: list[dict], graph_step_tokens: int) -> dict:
+    """A timeline's steps and device seconds per kind, as ``StepLog`` counts them (a
+    prefill alone is not timed on the device: its gap to the next decision)."""
+    log = StepLog()
+    for entry, after in zip(timeline, timeline[1:] + [None], strict=True):
+        seconds = entry["measured_device_ms"] / 1e3
+        if entry["mode"] == MuxMode.PREFILL_ONLY and after is not None:
+            seconds = after["time"] - entry["time"]
+        log.add(timeline_kind(entry, graph_step_tokens), seconds)
+    return {"steps": log.steps, "seconds": log.seconds}
+
+
+def median_log(logs: Sequence[StepLog]) -> dict:
+    """Steps and seconds per kind, the median over several runs (0 where a run had none)."""
+    kinds = sorted({kind for log in logs for kind in log.steps})
+    median = lambda values: float(sorted(values)[len(values) // 2])
+    return {"steps": {k: median([log.steps.get(k, 0) for log in logs]) for k in kinds},
+            "seconds": {k: median([log.seconds.get(k, 0.0) for log in logs]) for k in kinds}}
+
+
+def correction_trajectory(timeline: list[dict], start: tuple[float, float],
+                          graph_step_tokens: int) -> list[tuple[float, float, float]]:
+    """(seconds from the first decision, mixed-step correction, graph-step correction) in
+    force at each decision of a timeline, from ``start`` (the engine's two after its
+    probes). A mixed step records the mixed one in force (``calibration``; other
+    decisions record 1.0, so it is carried over them); the graph one is not recorded and
+    is rebuilt by ``OnlineCalibration``'s rule over the graph steps' device times (on
+    8ccd9ac it lands on the value the engine reported after the replay)."""
+    rebuilt = OnlineCalibration(_NoModel())
+    rebuilt.mixed_correction, rebuilt.graph_mixed_correction = start
+    origin, trajectory = timeline[0]["time"], []
+    for entry in timeline:
+        if entry["mode"] == MuxMode.TEMPORAL:
+            rebuilt.mixed_correction = entry["calibration"]
+        trajectory.append((entry["time"] - origin, rebuilt.mixed_correction,
+                           rebuilt.graph_mixed_correction))
+        if timeline_kind(entry, graph_step_tokens) == "graph":
+            rebuilt.observe_mixed(entry["predicted_cycle_ms"], entry["measured_device_ms"],
+                                  graph=True)
+    return trajectory
+
+
+def timeline_stalls(timeline: list[dict], over: float) -> list[tuple[float, float]]:
+    """(seconds from the first decision, device time beyond the prediction) of the steps
+    that ran over ``over`` times their prediction."""
+    start = timeline[0]["time"]
+    return [(e["time"] - start, (e["measured_device_ms"] - e["predicted_cycle_ms"]) / 1e3)
+            for e in timeline if e["predicted_cycle_ms"] > 0
+            and e["measured_device_ms"] > over * e["predicted_cycle_ms"]]
+
+
+class _NoModel:
+    """What ``OnlineCalibration`` needs of a model to learn without predicting."""
+
+    num_layers, total_sms = 0, 0

@@ -1,0 +1,159 @@
+"""Multiplexing as whole-GPU planner steps (``pdserve/sim/mux_steps.py``): engine timing,
+the corrections learning from it, the first token a step late, and what the committed
+8ccd9ac H200 replay timeline says of the model."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.sched.mux_planner import MuxPlanner, OnlineCalibration
+from pdserve.sched.predictor import LatencyPredictor
+from pdserve.sim.mux_steps import (
+    MuxStepSim,
+    StepRequest,
+    StepTiming,
+    correction_trajectory,
+    step_spread,
+    timeline_stalls,
+    timeline_steps_by_kind,
+    whole_gpu_only,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+PREDICTOR = RESULTS / "loogle_h200" / "d698fcb_predictor.json"
+VALIDATION = RESULTS / "sim_validate_instance_h200_8ccd9ac.json"
+TIMELINE = RESULTS / "sim_validate_instance_h200_8ccd9ac_multiplex_timeline_replay.json.gz"
+HELD_OUT_TIMELINE = RESULTS / "sim_validate_instance_h200_7dad880_multiplex_timeline_replay.json.gz"
+SERVER_ARGS = ("--schedule multiplex --itl-slo-ms 60 --mux-predictor p "
+               "--mux-graph-step-tokens 256 --mux-mixed-floor-tokens 256")
+
+
+@pytest.fixture(scope="module")
+def replay_tool():
+    spec = importlib.util.spec_from_file_location(
+        "mux_step_replay", ROOT / "benchmarks" / "mux_step_replay.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mux_step_replay"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def predictor():
+    return LatencyPredictor.load(PREDICTOR)
+
+
+@pytest.fixture(scope="module")
+def timeline():
+    with gzip.open(TIMELINE, "rt") as f:
+        return json.load(f)
+
+
+def _requests(count: int = 24, gap_s: float = 0.25) -> list[StepRequest]:
+    """Prompts of 2-6K tokens arriving faster than mixed steps beside them drain."""
+    return [StepRequest(i * gap_s, 2048 + 1024 * (i % 5), 60) for i in range(count)]
+
+
+def _sim(replay_tool, predictor, timing=None, lag=False, mixed=1.0, graph=1.0):
+    calibration = OnlineCalibration(predictor)
+    calibration.mixed_correction, calibration.graph_mixed_correction = mixed, graph
+    planner = MuxPlanner(calibration, [], replay_tool.planner_config(SERVER_ARGS))
+    requests = _requests()
+    sim = MuxStepSim(planner, requests, timing, first_token_lag=lag)
+    sim.run()
+    return sim, requests
+
+
+def _times(requests):
+    return [(r.first_token, r.finished) for r in requests]
+
+
+def test_engine_timing_at_the_corrections_in_force_is_the_planned_replay(replay_tool,
+                                                                          predictor):
+    # Each step then takes its prediction and teaches a ratio of 1: nothing moves.
+    planned, planned_requests = _sim(replay_tool, predictor, mixed=1.05, graph=0.95)
+    timed, timed_requests = _sim(replay_tool, predictor, StepTiming(0.95, 1.05),
+                                 mixed=1.05, graph=0.95)
+    assert _times(timed_requests) == pytest.approx(_times(planned_requests))
+    assert timed.planner.calibration.mixed_correction == pytest.approx(1.05)
+    assert timed.log.steps == planned.log.steps
+    assert sum(timed.log.seconds.values()) == pytest.approx(timed.busy_s)
+
+
+def test_slow_eager_steps_teach_the_correction_and_the_planner_turns_to_graph_steps(
+        replay_tool, predictor):
+    even, _ = _sim(replay_tool, predictor, StepTiming(1.0, 1.0))
+    slow, _ = _sim(replay_tool, predictor, StepTiming(1.0, 1.2))
+    assert even.log.steps.get("eager", 0) > even.log.steps.get("graph", 0)
+    assert slow.planner.calibration.mixed_correction > 1.1  # learned, as the engine does
+    assert slow.log.steps.get("graph", 0) > slow.log.steps.get("eager", 0)
+
+
+def test_the_first_token_shows_a_step_late_and_decoding_starts_after_it(replay_tool,
+                                                                        predictor):
+    prompt, lagged = _sim(replay_tool, predictor), _sim(replay_tool, predictor, lag=True)
+    first = [r.first_token - r.arrival for r in prompt[1]]
+    late = [r.first_token - r.arrival for r in lagged[1]]
+    assert late[0] == pytest.approx(first[0])  # nothing ran after it: at once
+    assert all(b >= a for a, b in zip(first, late, strict=True))
+    assert sum(late) > sum(first)
+
+
+def test_the_rebuilt_graph_correction_ends_where_the_engine_reported_it(timeline):
+    calibration = json.loads(VALIDATION.read_text())["schedules"]["multiplex"]["interference"]
+    before = calibration["engine_calibration"]
+    start = (before["mixed_steps"], before["graph_mixed_steps"])
+    trajectory = correction_trajectory(timeline, start, 256)
+    assert trajectory[0] == (0.0, *start)  # the first decision, a prefill alone
+    after = calibration["engine_calibration_after_replay"]
+    assert trajectory[-1][1:] == pytest.approx(
+        (after["mixed_steps"], after["graph_mixed_steps"]), abs=2e-4)
+
+
+def test_the_timeline_s_steps_by_kind_add_up_to_its_own_summary(timeline):
+    summary = json.loads(VALIDATION.read_text())["schedules"]["multiplex"][
+        "interference"]["timeline_replay"]["decode_cycle"]
+    by_kind = timeline_steps_by_kind(timeline, 256)["steps"]
+    assert by_kind["graph"] + by_kind["eager"] == summary["temporal"]["n"]
+    assert by_kind["decode_only"] == summary["decode_only"]["n"]
+    assert whole_gpu_only(timeline)
+
+
+def test_stalls_and_spread_come_from_the_recorded_device_times(timeline):
+    stalls = timeline_stalls(timeline, 3.0)
+    slow = [e for e in timeline if e["predicted_cycle_ms"] > 0
+            and e["measured_device_ms"] > 3.0 * e["predicted_cycle_ms"]]
+    assert len(stalls) == len(slow) >= 1
+    with gzip.open(HELD_OUT_TIMELINE, "rt") as f:
+        held_out = json.load(f)
+    spread = step_spread(held_out, "7dad880")
+    assert not whole_gpu_only(held_out)  # that engine ran time slices too
+    assert len(spread.mixed) == sum(1 for e in held_out if e["mode"] == "temporal"
+                                    and e["measured_device_ms"] > 0)
+    assert 0.95 < sorted(spread.mixed)[len(spread.mixed) // 2] < 1.05
+
+
+def test_the_8ccd9ac_replay_against_the_step_model(replay_tool, tmp_path):
+    """Given the corrections the engine held over its replay and its one stall, the step
+    model lands within 10% on all four figures; from the corrections after the probes
+    (engine timing) the planner keeps eager steps the engine left after 24.5 s."""
+    out = tmp_path / "v.json"
+    replay_tool.main(["--validation", str(VALIDATION), "--spread-from",
+                      str(HELD_OUT_TIMELINE), "--seeds", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    diagnosis = result["diagnosis"]["compare"]
+    for key in ("ttft_s", "tpot_s"):
+        for q in ("p50", "p99"):
+            assert abs(diagnosis[key]["trajectory_and_stalls_error"][q]) < 0.10
+    timed = result["engine_timed"]
+    assert timed["within_10_percent"]["ttft_s"] == {"p50": True, "p99": True}
+    simulated = timed["steps_by_kind"]["steps"]
+    measured = result["diagnosis"]["measured_steps_by_kind"]["steps"]
+    assert simulated["eager"] > simulated["graph"] and measured["graph"] > measured["eager"]
