@@ -19,10 +19,12 @@ How long a step runs (``StepTiming``):
   it 10% and the engine ran graph steps from then on. The path no longer chosen never
   runs again to bring its correction back.
 
-``first_token_lag``: the engine learns a step's output one step later (overlap
-scheduling): measured first tokens of 8ccd9ac's replay came 0.92 of a step (median)
-after the end of the step that ran the prompt's last piece wherever another step
-followed, and with none after it at its end. A prompt then decodes from the step after.
+``first_token_lag``: the client sees a step's tokens at the end of the step after it
+(overlap scheduling: the engine issues step k + 1 before it reads step k's output):
+measured first tokens of 8ccd9ac's replay came 0.92 of a step (median) after the end of
+the step that ran the prompt's last piece wherever another step followed, and with none
+after it at its end. The engine itself has the token when its step ends: the request
+decodes from the next step and the planner counts its tokens from then.
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ class StepRequest:
     output_len: int
     prefilled: int = 0
     decoded: int = 0
-    first_token: float | None = None
+    first_token: float | None = None  # as the client sees them
     finished: float | None = None
+    sampled: float | None = None  # when the engine had the first token
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +68,7 @@ class StepRequest:
     # What ``banked_slack_ms`` reads of a request: its first token counts as an output.
     @property
     def first_token_time(self) -> float | None:
-        return self.first_token
+        return self.sampled
 
     @property
     def num_output_tokens(self) -> int:
@@ -109,21 +112,21 @@ class MuxStepSim:
         self.requests = list(requests)
         self.pending = deque(sorted(requests, key=lambda r: r.arrival))
         self.now, self.waiting, self.running = 0.0, [], []
-        self.joining: list[StepRequest] = []  # prefilled, first token not yet seen
+        self.unseen: list[tuple[StepRequest, str]] = []  # outputs the client sees next
         self.modes: dict[str, int] = {}
         self.log = StepLog()
         self.busy_s = 0.0
         self.rng = random.Random(timing.seed if timing else 0)
 
     def run(self) -> None:
-        while self.pending or self.waiting or self.running or self.joining:
+        while self.pending or self.waiting or self.running:
             self._admit()
             if not (self.waiting or self.running):
-                self._join()  # no step follows: what finished last shows now
-                if not self.running and self.pending:
-                    self.now = self.pending[0].arrival
+                self._show()  # no step follows: the last one's output shows at its end
+                self.now = self.pending[0].arrival
                 continue
             self._step()
+        self._show()
 
     def _admit(self) -> None:
         while self.pending and self.pending[0].arrival <= self.now:
@@ -139,8 +142,8 @@ class MuxStepSim:
         self.log.add(kind, step_s)
         self.now += step_s
         self.busy_s += step_s
+        self._show()
         self._decode(list(self.running) if plan.mode != MuxMode.PREFILL_ONLY else [])
-        self._join()
         if plan.prefill is not None:
             self._prefill(plan.prefill.chunks)
 
@@ -181,7 +184,7 @@ class MuxStepSim:
         for request in decoding:
             request.decoded += 1
             if request.decoded + 1 >= request.output_len:
-                request.finished = self.now
+                self._output(request, "finished")
                 self.running.remove(request)
 
     def _prefill(self, chunks) -> None:
@@ -193,19 +196,25 @@ class MuxStepSim:
                 finished.append(request)
         for request in finished:
             self.waiting.remove(request)
-        self.joining.extend(finished)
-        if not self.lag:
-            self._join()
-
-    def _join(self) -> None:
-        """Prefilled requests get their first token now and decode from the next step."""
-        for request in self.joining:
-            request.first_token = self.now
+            request.sampled = self.now
+            self._output(request, "first_token")
             if request.output_len > 1:
                 self.running.append(request)
             else:
-                request.finished = self.now
-        self.joining = []
+                self._output(request, "finished")
+
+    def _output(self, request: StepRequest, event: str) -> None:
+        """``event`` (``first_token`` or ``finished``) happened in the step that just
+        ended: seen now, or with ``first_token_lag`` at the next step's end."""
+        if self.lag:
+            self.unseen.append((request, event))
+        else:
+            setattr(request, event, self.now)
+
+    def _show(self) -> None:
+        for request, event in self.unseen:
+            setattr(request, event, self.now)
+        self.unseen = []
 
 
 @dataclass(frozen=True)
