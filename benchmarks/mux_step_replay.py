@@ -75,6 +75,7 @@ from pdserve.sim.mux_steps import (  # noqa: E402
     correction_trajectory,
     median_log,
     step_spread,
+    timeline_accuracy,
     timeline_stalls,
     timeline_steps_by_kind,
     whole_gpu_only,
@@ -273,6 +274,8 @@ def diagnosis(run: dict, predictor: LatencyPredictor, timeline: list[dict]) -> d
     return {"stalls": [{"at_s": at, "extra_s": extra} for at, extra in stalls],
             "measured_steps_by_kind": timeline_steps_by_kind(
                 timeline, planner.get("graph_step_tokens", 0)),
+            "measured_over_predicted_by_kind": timeline_accuracy(
+                timeline, trajectory, planner.get("graph_step_tokens", 0)),
             "compare": compare_percentiles(measured, replayed)}
 
 

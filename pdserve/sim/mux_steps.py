@@ -293,6 +293,32 @@ def correction_trajectory(timeline: list[dict], start: tuple[float, float],
     return trajectory
 
 
+def timeline_accuracy(timeline: list[dict], trajectory: list[tuple[float, float, float]],
+                      graph_step_tokens: int) -> dict:
+    """Per kind of step, device time over the engine's corrected prediction and over the
+    profile's own (the prediction over the correction in force: ``trajectory``), each as
+    the median ratio and as total over total."""
+    ratios: dict[str, list[tuple[float, float, float]]] = {}
+    for entry, (_, mixed, graph) in zip(timeline, trajectory, strict=True):
+        kind = timeline_kind(entry, graph_step_tokens)
+        if entry["measured_device_ms"] <= 0 or entry["predicted_cycle_ms"] <= 0:
+            continue
+        correction = {"graph": graph, "eager": mixed}.get(kind, 1.0)
+        ratios.setdefault(kind, []).append((entry["measured_device_ms"],
+                                            entry["predicted_cycle_ms"],
+                                            entry["predicted_cycle_ms"] / correction))
+    return {kind: _accuracy(rows) for kind, rows in ratios.items()}
+
+
+def _accuracy(rows: list[tuple[float, float, float]]) -> dict:
+    median = lambda values: float(sorted(values)[len(values) // 2])
+    device = sum(m for m, _, _ in rows)
+    return {"steps": len(rows),
+            "over_corrected_p50": median([m / c for m, c, _ in rows]),
+            "over_profile_p50": median([m / p for m, _, p in rows]),
+            "over_profile_total": device / sum(p for _, _, p in rows)}
+
+
 def timeline_stalls(timeline: list[dict], over: float) -> list[tuple[float, float]]:
     """(seconds from the first decision, device time beyond the prediction) of the steps
     that ran over ``over`` times their prediction."""

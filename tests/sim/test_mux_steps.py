@@ -20,6 +20,7 @@ from pdserve.sim.mux_steps import (
     StepTiming,
     correction_trajectory,
     step_spread,
+    timeline_accuracy,
     timeline_stalls,
     timeline_steps_by_kind,
     whole_gpu_only,
@@ -126,6 +127,22 @@ def test_the_timeline_s_steps_by_kind_add_up_to_its_own_summary(timeline):
     assert by_kind["graph"] + by_kind["eager"] == summary["temporal"]["n"]
     assert by_kind["decode_only"] == summary["decode_only"]["n"]
     assert whole_gpu_only(timeline)
+
+
+def test_the_engine_s_corrected_steps_were_right_and_the_profile_erred_per_path(timeline):
+    """The finding the step model rests on: every kind of step took its corrected
+    prediction (median within 2%), while the profile alone had graph steps dear and eager
+    ones cheap: the corrections per path carry that difference."""
+    before = json.loads(VALIDATION.read_text())["schedules"]["multiplex"][
+        "interference"]["engine_calibration"]
+    trajectory = correction_trajectory(
+        timeline, (before["mixed_steps"], before["graph_mixed_steps"]), 256)
+    accuracy = timeline_accuracy(timeline, trajectory, 256)
+    assert set(accuracy) == {"graph", "eager", "decode_only"}
+    for kind in accuracy.values():
+        assert kind["over_corrected_p50"] == pytest.approx(1.0, abs=0.02)
+    assert accuracy["graph"]["over_profile_total"] < 0.95
+    assert accuracy["eager"]["over_profile_total"] > 1.0
 
 
 def test_stalls_and_spread_come_from_the_recorded_device_times(timeline):
