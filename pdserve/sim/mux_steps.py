@@ -15,9 +15,9 @@ How long a step runs (``StepTiming``):
   planner's ``OnlineCalibration`` then learns from each mixed step as the engine's does.
   Why that matters (H200, 8ccd9ac): the planner weighs graph steps of ~250 prompt tokens
   (39 ms) against eager ones to the 54 ms budget (384 tokens, 52 ms), and whether the
-  384 fit turns on a few percent of the eager correction; two slow eager steps lifted
-  it 10% and the engine ran graph steps from then on. The path no longer chosen never
-  runs again to bring its correction back.
+  384 fit turns on a few percent of the eager correction; three slow eager steps in a
+  row (1.07-1.41x) lifted it 11% and the engine ran graph steps from then on. The path
+  no longer chosen never runs again to bring its correction back.
 
 ``first_token_lag``: the client sees a step's tokens at the end of the step after it
 (overlap scheduling: the engine issues step k + 1 before it reads step k's output):
