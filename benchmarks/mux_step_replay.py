@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import dataclasses
 import gzip
 import json
 import shlex
@@ -60,20 +59,17 @@ from benchmarks.sim_goodput_probes import attainment, measured_rows  # noqa: E40
 from benchmarks.sim_validate_instance import latency_rows  # noqa: E402
 from benchmarks.validate_sim import percentiles  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
-from pdserve.config import SchedulerConfig, add_cli_args  # noqa: E402
-from pdserve.sched.multiplex import mux_planner_config  # noqa: E402
-from pdserve.sched.mux_planner import (  # noqa: E402
-    MuxPlanner,
-    MuxPlannerConfig,
-    OnlineCalibration,
-)
+from pdserve.sched.mux_planner import MuxPlanner, OnlineCalibration  # noqa: E402
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
 from pdserve.sim.mux_steps import (  # noqa: E402
     WHOLE_GPU_MODES,
     StepSpread,
     StepTiming,
+    calibrated,
     correction_trajectory,
     median_log,
+    path_factors,
+    planner_config,
     step_spread,
     timeline_accuracy,
     timeline_stalls,
@@ -82,19 +78,7 @@ from pdserve.sim.mux_steps import (  # noqa: E402
 )
 from pdserve.sim.mux_steps import MuxStepSim as StepReplay  # noqa: E402
 from pdserve.sim.mux_steps import StepRequest as Replayed  # noqa: E402
-
-
-def planner_config(server_args: str, variant: str = "") -> MuxPlannerConfig:
-    """The whole-GPU planner a ``pdserve serve`` command line asks for, ``variant``'s flags
-    over it, read as the server reads them (``SchedulerConfig``; graph steps left at
-    ``auto`` count as off: the records name them). SM splits and time slices off: not
-    replayed."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_cli_args(parser, SchedulerConfig)
-    flags, _ = parser.parse_known_args(shlex.split(server_args) + shlex.split(variant))
-    sched = SchedulerConfig(**{f.name: getattr(flags, f.name)
-                               for f in dataclasses.fields(SchedulerConfig)})
-    return mux_planner_config(sched, spatial=False, temporal=True, time_slice=False)
+from pdserve.sim.mux_steps import engine_timed as engine_timed_sim  # noqa: E402
 
 
 def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
@@ -133,7 +117,7 @@ def replay_validation(run: dict, predictor: LatencyPredictor,
                     if schedule["interference"].get(name)}
     replayed, steps = {}, {}
     for name, corrections in calibrations.items():
-        sim = _replayed(server_args, window, _calibration(predictor, corrections))
+        sim = _replayed(server_args, window, calibrated(predictor, corrections))
         replayed[name], steps[name] = latency_rows(sim.requests), sim.modes
     result = {"kind": "validation", "num_instances": 1, "server_args": server_args,
               "requests": len(window), "steps": steps}
@@ -151,28 +135,16 @@ CALIBRATIONS = ("engine_calibration", "engine_calibration_after_replay")
 
 
 def _validation_setup(run: dict) -> tuple[str, list]:
-    """The planner flags the run's multiplex engine served with (graph steps and floor as
-    its engine resolved them; none recorded: off, as before those defaults) and the
-    window of requests it was sent."""
-    from benchmarks.sim_validate_instance import window_requests
+    """The planner flags the run's multiplex engine served with (``engine_planner_args``)
+    and the window of requests it was sent."""
+    from benchmarks.sim_validate_instance import engine_planner_args, window_requests
     from pdserve.sim.cluster import LatencyModel
 
     schedule = run["schedules"]["multiplex"]
-    planner = schedule["interference"].get("engine_planner") or {}
-    server_args = (schedule["schedule_args"]
-                   + f" --mux-graph-step-tokens {planner.get('graph_step_tokens', 0)}"
-                   + f" --mux-mixed-floor-tokens {planner.get('mixed_floor_tokens', 0)}")
+    server_args = engine_planner_args(schedule["schedule_args"], schedule["interference"])
     window, _ = window_requests(argparse.Namespace(**run["config"]),
                                 LatencyModel(**schedule["latency_model"]))
     return server_args, window
-
-
-def _calibration(predictor: LatencyPredictor, corrections: dict | None) -> OnlineCalibration:
-    """The predictor with the mixed-step corrections an engine recorded (none: 1.0)."""
-    model = OnlineCalibration(predictor)
-    model.mixed_correction = (corrections or {}).get("mixed_steps", 1.0)
-    model.graph_mixed_correction = (corrections or {}).get("graph_mixed_steps", 1.0)
-    return model
 
 
 def _replayed(server_args: str, window: list, calibration: OnlineCalibration,
@@ -187,40 +159,31 @@ def _replayed(server_args: str, window: list, calibration: OnlineCalibration,
 
 def engine_timed(run: dict, predictor: LatencyPredictor, spread: StepSpread | None,
                  seeds: int) -> dict:
-    """The replay with steps timed as the engine's ran (``StepTiming``: each mixed-step
-    path at the correction the engine learned for it on the probes, a ratio of ``spread``
-    drawn per step, the corrections learning as the engine's do) and the first token one
-    step late; ``seeds`` draws, their percentiles' median beside the smallest and largest
-    (``percentiles``' draws)."""
+    """The replay on the step model as the engine times it (``mux_steps.engine_timed``:
+    each mixed-step path at the correction the engine learned for it on the probes, a
+    ratio of ``spread`` drawn per step, the corrections learning as the engine's do, the
+    first token a step late); ``seeds`` draws, their percentiles' median beside the
+    smallest and largest (``percentiles``' draws)."""
     from benchmarks.validate_sim import compare_percentiles
 
     schedule = run["schedules"]["multiplex"]
     corrections = schedule["interference"].get("engine_calibration")
     server_args, window = _validation_setup(run)
-    spread = spread or StepSpread()
     rows, logs = [], []
     for seed in range(seeds):
-        timing = StepTiming(*_path_factors(corrections), spread.mixed, spread.decode, seed)
-        sim = _replayed(server_args, window, _calibration(predictor, corrections), timing,
-                        lag=True)
-        rows += [{**row, "draw": seed} for row in latency_rows(sim.requests)]
+        requests = [Replayed(r.arrival, r.input_len, r.output_len) for r in window]
+        sim = engine_timed_sim(predictor, server_args, corrections, requests, spread, seed)
+        rows += [{**row, "draw": seed} for row in latency_rows(requests)]
         logs.append(sim.log)
     measured = {key: schedule["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
     compare = compare_percentiles(measured, {"simulated": rows})
-    graph, eager = _path_factors(corrections)
+    graph, eager = path_factors(corrections)
     return {"path_factors": {"graph": graph, "eager": eager},
-            "spread_from": spread.source, "seeds": seeds,
+            "spread_from": spread.source if spread else None, "seeds": seeds,
             "compare": compare, "draw_range": _draw_range(rows),
             "within_10_percent": _within(compare, "simulated_error"),
             "steps_by_kind": median_log(logs),
             "engine_options": _engine_options(schedule)}
-
-
-def _path_factors(corrections: dict | None) -> tuple[float, float]:
-    """Measured over profile time of graph and eager mixed steps: what the engine learned
-    on its probes, before the replay (none recorded: the profile's own)."""
-    corrections = corrections or {}
-    return corrections.get("graph_mixed_steps", 1.0), corrections.get("mixed_steps", 1.0)
 
 
 def _draw_range(rows: list[dict]) -> dict:
@@ -260,14 +223,14 @@ def diagnosis(run: dict, predictor: LatencyPredictor, timeline: list[dict]) -> d
     server_args, window = _validation_setup(run)
     start = schedule["interference"].get("engine_calibration")
     planner = schedule["interference"].get("engine_planner") or {}
-    graph, eager = _path_factors(start)
+    graph, eager = path_factors(start)
     trajectory = correction_trajectory(timeline, (eager, graph),
                                        planner.get("graph_step_tokens", 0))
     stalls = timeline_stalls(timeline, STALL_OVER)
     replayed = {}
     for name, extra in (("trajectory", []), ("trajectory_and_stalls", stalls)):
         sim_class = _trajectory_sim(trajectory, extra)
-        sim = _replayed(server_args, window, _calibration(predictor, start), lag=True,
+        sim = _replayed(server_args, window, calibrated(predictor, start), lag=True,
                         sim_class=sim_class)
         replayed[name] = latency_rows(sim.requests)
     measured = {key: schedule["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}

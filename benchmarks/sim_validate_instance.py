@@ -34,7 +34,12 @@ For each schedule (``--schedules``: chunked prefill with 512-token steps, PD-mul
    its options walked over the predictor it serves with and the corrections its engine
    learned over the probes, each option's pieces timed as the probes measured them, and
    what the instance delivered of the plan, fitted by replaying the queue probe on the
-   instance model);
+   instance model), and by the step model (``simulated_steps``: ``pdserve/sim/mux_steps.py``,
+   the planner's whole-GPU steps over the queue, each mixed-step path at the correction
+   the engine learned for it on the probes, the corrections learning as the engine's do,
+   the first token a step late; it has no spatial splits nor time slices, and the
+   interference record's ``step_model`` (a re-simulation's
+   ``cycle_covers_every_batch.multiplex_steps``) says whether the engine ran any);
 5. write ``OUT/sim_validate_instance.json`` (after each schedule, so a cut-short run keeps
    what it finished) and each instance's log.
 
@@ -104,6 +109,7 @@ from pdserve.sim.instance import (  # noqa: E402
     fit_mixed_step_grid,
     mixed_step_s,
 )
+from pdserve.sim.mux_steps import StepRequest, engine_timed  # noqa: E402
 from pdserve.testing import ServeProcess, start_serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -391,10 +397,8 @@ def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
     (a what-if): the planner walked with that one option (``ONE_OPTION``) and delivering
     what it delivered in the probes (``option_delivered``). None where the schedule plans
     with the roofline model: no fitted predictor to walk."""
-    flags = argparse.ArgumentParser(add_help=False)
-    flags.add_argument("--mux-predictor")
-    path = flags.parse_known_args(shlex.split(schedule_args))[0].mux_predictor
-    if path is None or path == "roofline":
+    path = mux_predictor(schedule_args)
+    if path is None:
         return None
     fit = json.loads(SHARE_FIT.read_text())
     settings = settings_of(schedule_args, interference.get("engine_planner")).learned(
@@ -415,6 +419,53 @@ def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
     share = PlannerShare(**share_table(predictor, settings))
     return dataclasses.replace(share, delivered=fit_probe_delivered(share, interference,
                                                                     model, args))
+
+
+def mux_predictor(schedule_args: str) -> str | None:
+    """The fitted profile a multiplexing schedule plans with (None: the roofline model,
+    no fitted predictor)."""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--mux-predictor")
+    path = flags.parse_known_args(shlex.split(schedule_args))[0].mux_predictor
+    return None if path in (None, "roofline") else path
+
+
+def engine_planner_args(schedule_args: str, interference: dict) -> str:
+    """The schedule's flags with the graph-step and floor sizes its engine planned with
+    (``engine_planner``; a run that did not record them: off, as before those defaults)."""
+    planner = interference.get("engine_planner") or {}
+    return (schedule_args + f" --mux-graph-step-tokens {planner.get('graph_step_tokens', 0)}"
+            + f" --mux-mixed-floor-tokens {planner.get('mixed_floor_tokens', 0)}")
+
+
+def simulated_steps(schedule_args: str, interference: dict,
+                    requests: list[SimRequest]) -> list[dict] | None:
+    """The step model's rows (``mux_steps.engine_timed``, no spread drawn), None where the
+    schedule plans with the roofline model."""
+    path = mux_predictor(schedule_args)
+    if path is None:
+        return None
+    fresh = [StepRequest(r.arrival, r.input_len, r.output_len) for r in requests]
+    engine_timed(LatencyPredictor.load(ROOT / path), engine_planner_args(schedule_args,
+                 interference), interference.get("engine_calibration"), fresh)
+    return latency_rows(fresh)
+
+
+def with_step_model(simulated: dict, schedule_args: str, interference: dict,
+                    requests: list[SimRequest]) -> dict:
+    """``simulated`` with the step model's rows where it runs (``simulated_steps``)."""
+    rows = simulated_steps(schedule_args, interference, requests)
+    return simulated if rows is None else {**simulated, "simulated_steps": rows}
+
+
+def steps_cover(interference: dict) -> dict:
+    """Whether the engine ran only what the step model has (whole-GPU steps) in the
+    replay, by its timeline's seconds per mode (None: not recorded)."""
+    seconds = (interference.get("timeline_replay") or {}).get("seconds_by_mode")
+    whole_gpu = None if seconds is None else all(
+        mode in ("temporal", "decode_only", "prefill_only") for mode, s in seconds.items()
+        if s > 0)
+    return {"engine_ran_whole_gpu_steps_only": whole_gpu}
 
 
 ONE_OPTION = ("temporal", "time_slice")
@@ -583,6 +634,9 @@ async def _measure_and_replay(name: str, schedule_args: str, session, url: str, 
     noise = ServiceNoise(prefill_ratios, decode_ratios, seed=args.seed)
     simulated = simulate_both(name, model, factors, requests, noise, share,
                               mixed_extra_s=mix.get("mixed_step_extra_s", 0.0))
+    if name == "multiplex":
+        simulated = with_step_model(simulated, schedule_args, mix, requests)
+        mix["step_model"] = steps_cover(mix)
     return {"service_points": {"prefill": prefill_points, "decode": decode_points},
             "service_spread": {"prefill": spread(prefill_ratios),
                                "decode_step": spread(decode_ratios)},
@@ -679,6 +733,10 @@ def resimulate(path: str, as_of: str = "current", extra_from: str | None = None,
             extra_s, extra["from"] = recorded_mixed_step_extra(extra_from or path, grid)
             extra.update(mixed_step_extra_s=extra_s, mixed_step_grid=grid and _relative(grid))
         simulated = simulate_both(name, model, factors, requests, noise, share, as_of, extra_s)
+        if name == "multiplex" and as_of == "current" and only is None:
+            simulated = with_step_model(simulated, run["schedule_args"], run["interference"],
+                                        requests)
+            covered["multiplex_steps"] = steps_cover(run["interference"])
         measured = {key: row["measured"] for key, row in run["compare"].items()}
         table[name] = compare_percentiles(measured, simulated)
     return {"resimulated_from": os.path.relpath(path, ROOT), "models_as_of": as_of,

@@ -29,17 +29,23 @@ decodes from the next step and the planner counts its tokens from then.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import random
+import shlex
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdserve.config import SchedulerConfig, add_cli_args
 from pdserve.sched.in_flight import decode_load_banked
+from pdserve.sched.multiplex import mux_planner_config
 from pdserve.sched.mux_planner import (
     DecodeLoad,
     MuxMode,
     MuxPlan,
     MuxPlanner,
+    MuxPlannerConfig,
     OnlineCalibration,
     PrefillRequest,
 )
@@ -215,6 +221,49 @@ class MuxStepSim:
         for request, event in self.unseen:
             setattr(request, event, self.now)
         self.unseen = []
+
+
+def planner_config(server_args: str, variant: str = "") -> MuxPlannerConfig:
+    """The whole-GPU planner a ``pdserve serve`` command line asks for, ``variant``'s flags
+    over it, read as the server reads them (``SchedulerConfig``; graph steps left at
+    ``auto`` count as off: the records name them). SM splits and time slices off: not
+    modelled."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_cli_args(parser, SchedulerConfig)
+    flags, _ = parser.parse_known_args(shlex.split(server_args) + shlex.split(variant))
+    sched = SchedulerConfig(**{f.name: getattr(flags, f.name)
+                               for f in dataclasses.fields(SchedulerConfig)})
+    return mux_planner_config(sched, spatial=False, temporal=True, time_slice=False)
+
+
+def calibrated(predictor, corrections: dict | None) -> OnlineCalibration:
+    """The predictor with the mixed-step corrections an engine reported
+    (``engine_calibration``'s ``mixed_steps`` and ``graph_mixed_steps``; none: 1.0)."""
+    model = OnlineCalibration(predictor)
+    model.mixed_correction = (corrections or {}).get("mixed_steps", 1.0)
+    model.graph_mixed_correction = (corrections or {}).get("graph_mixed_steps", 1.0)
+    return model
+
+
+def path_factors(corrections: dict | None) -> tuple[float, float]:
+    """Measured over profile time of graph and eager mixed steps: what the engine learned
+    on its probes, before the replay (none reported: the profile's own)."""
+    corrections = corrections or {}
+    return corrections.get("graph_mixed_steps", 1.0), corrections.get("mixed_steps", 1.0)
+
+
+def engine_timed(predictor, server_args: str, corrections: dict | None,
+                 requests: Sequence[StepRequest], spread: StepSpread | None = None,
+                 seed: int = 0) -> MuxStepSim:
+    """``requests`` run on the step model as the engine of ``server_args`` with the
+    ``corrections`` it learned on its probes times its steps (``StepTiming``), the client
+    seeing tokens a step late."""
+    spread = spread or StepSpread()
+    timing = StepTiming(*path_factors(corrections), spread.mixed, spread.decode, seed)
+    planner = MuxPlanner(calibrated(predictor, corrections), [], planner_config(server_args))
+    sim = MuxStepSim(planner, requests, timing, first_token_lag=True)
+    sim.run()
+    return sim
 
 
 @dataclass(frozen=True)

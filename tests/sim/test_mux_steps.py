@@ -36,14 +36,18 @@ SERVER_ARGS = ("--schedule multiplex --itl-slo-ms 60 --mux-predictor p "
                "--mux-graph-step-tokens 256 --mux-mixed-floor-tokens 256")
 
 
-@pytest.fixture(scope="module")
-def replay_tool():
-    spec = importlib.util.spec_from_file_location(
-        "mux_step_replay", ROOT / "benchmarks" / "mux_step_replay.py")
+def _script(name: str):
+    """A script of benchmarks/ as a module (its GPU paths are not for CI)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["mux_step_replay"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def replay_tool():
+    return _script("mux_step_replay")
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +180,25 @@ def test_the_8ccd9ac_replay_against_the_step_model(replay_tool, tmp_path):
     simulated = timed["steps_by_kind"]["steps"]
     measured = result["diagnosis"]["measured_steps_by_kind"]["steps"]
     assert simulated["eager"] > simulated["graph"] and measured["graph"] > measured["eager"]
+
+
+def test_the_validation_script_simulates_the_step_model_beside_the_walk():
+    """``sim_validate_instance.py`` runs the step model where the schedule has a fitted
+    predictor, and says whether the engine ran only what the model has."""
+    module = _script("sim_validate_instance")
+    recorded = json.loads(VALIDATION.read_text())
+    run = recorded["schedules"]["multiplex"]
+    args = module.argparse.Namespace(**recorded["config"])
+    requests, _ = module.window_requests(args, module.LatencyModel(**run["latency_model"]))
+    rows = module.simulated_steps(run["schedule_args"], run["interference"], requests)
+    assert len(rows) == len(requests) == len(run["measured_per_request"])
+    measured = run["compare"]["ttft_s"]["measured"]["p50"]
+    simulated = sorted(row["ttft_s"] for row in rows)[len(rows) // 2]
+    assert simulated == pytest.approx(measured, rel=0.10)
+    assert module.simulated_steps("--schedule multiplex --mux-predictor roofline",
+                                  run["interference"], requests) is None
+    assert module.steps_cover(run["interference"]) == {"engine_ran_whole_gpu_steps_only": True}
+    held_out = json.loads((RESULTS / "sim_validate_instance_h200_7dad880.json").read_text())
+    interference = held_out["schedules"]["multiplex"]["interference"]
+    assert module.steps_cover(interference)["engine_ran_whole_gpu_steps_only"] is False
+    assert module.steps_cover({}) == {"engine_ran_whole_gpu_steps_only": None}
