@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -227,8 +228,10 @@ def test_generate_by_hub_id_equals_by_folder(hub):
     snapshot = next((hub / "models--acme--tiny-llama" / "snapshots").iterdir())
     flags = ["--prompt", "hello", "--max-tokens", "8", "--temperature", "0", "--ignore-eos",
              "--load-format", "dummy", "--device", "cpu", "--generation-config", "vllm"]
-    by_id = pdserve("generate", REPO, *flags, env=offline(hub))
-    by_folder = pdserve("generate", str(snapshot), *flags, env=offline(hub))
+    with ThreadPoolExecutor(2) as pool:  # two processes side by side: each mostly loads torch
+        by_id, by_folder = pool.map(lambda model: pdserve("generate", model, *flags,
+                                                          env=offline(hub)),
+                                    [REPO, str(snapshot)])
     assert by_id.returncode == 0, by_id.stderr
     assert by_id.stdout == by_folder.stdout and "(length)" in by_id.stdout
 
@@ -309,7 +312,11 @@ def test_weight_loading_bar_only_for_a_person(tmp_path):
                                          if k != "model_type"})
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     args = ["generate", str(tmp_path), "--prompt", "x", "--max-tokens", "2", "--device", "cpu"]
-    assert "loading weights" in _on_a_terminal(*args)
-    assert "loading weights" not in _on_a_terminal(*args, "--quiet")
-    piped = pdserve(*args)
+    with ThreadPoolExecutor(3) as pool:  # three processes side by side: each mostly loads torch
+        shown, quiet = pool.submit(_on_a_terminal, *args), pool.submit(_on_a_terminal, *args,
+                                                                       "--quiet")
+        piped = pool.submit(pdserve, *args)
+        shown, quiet, piped = shown.result(), quiet.result(), piped.result()
+    assert "loading weights" in shown
+    assert "loading weights" not in quiet
     assert piped.returncode == 0 and "loading weights" not in piped.stderr
