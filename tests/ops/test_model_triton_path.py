@@ -7,6 +7,7 @@ in summation order); greedy tokens identical.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from kernel_env import interpreted
 
@@ -42,12 +43,22 @@ def _model_and_reference_logits(preset: str) -> tuple[LlamaForCausalLM, list[tor
     return model, expected
 
 
-@interpreted
-def test_model_triton_path_matches_reference_path():
+@pytest.fixture(scope="module")
+def fused_rope_run():
+    """The default Triton path (the rotary + K/V store inside the decode kernel), its
+    interpreted steps run once for the two tests below that check it (each step costs
+    seconds in the interpreter): (model, its logits, the reference's, the launches)."""
     # tiny-qwen2: qkv bias and tied embeddings on top of the Llama layout
     model, expected = _model_and_reference_logits("tiny-qwen2")
-    with dispatch.interpreted_triton_ops():
+    model.attn_backend.fuse_rope = True  # the default, whatever the environment says
+    with dispatch.interpreted_triton_ops(), count_launches() as count:
         got = _logits_over_steps(model, steps=DECODE_STEPS)
+    return model, got, expected, count
+
+
+@interpreted
+def test_model_triton_path_matches_reference_path(fused_rope_run):
+    _, got, expected, _ = fused_rope_run
     _assert_logits_match(got, expected)
 
 
@@ -69,13 +80,10 @@ def test_decode_gemv_path_matches_reference_path():
 
 
 @interpreted
-def test_fused_rope_decode_path_matches_reference_path():
+def test_fused_rope_decode_path_matches_reference_path(fused_rope_run):
     """Decode steps with the rotary + K/V store inside the decode kernel: the reference's
     logits, and no ``rope_store_kv`` launch in those steps (the prefill keeps it)."""
-    model, expected = _model_and_reference_logits("tiny-qwen2")
-    model.attn_backend.fuse_rope = True
-    with dispatch.interpreted_triton_ops(), count_launches() as count:
-        got = _logits_over_steps(model, steps=DECODE_STEPS)
+    model, got, expected, count = fused_rope_run
     _assert_logits_match(got, expected)
     prefills = len(got) - DECODE_STEPS
     assert count.by_name["triton::_rope_store_kv_kernel"] == prefills * model.num_layers
