@@ -157,6 +157,11 @@ CONFIGS["multiplex-graph-floor-converging-itl60"] = (
     CONFIGS["multiplex-graph-floor-itl60"] + CONVERGING)
 CONFIGS["multiplex-temporal-graph-floor-itl60"] = (
     CONFIGS["multiplex-graph-floor-itl60"] + " --mux-sharing temporal")
+# Every correction the median of its last 32 ratios: a short run of slow steps moves none
+# (on 8ccd9ac three slow eager steps raised the eager correction 1.03 -> 1.11 and locked
+# eager mixed steps out for the rest of the run; docs/cluster.md).
+CONFIGS["multiplex-graph-floor-window32-itl60"] = (
+    CONFIGS["multiplex-graph-floor-itl60"] + " --mux-correction-window 32")
 # SLO-aware admission order (--prefill-order slo) against the same config in arrival order.
 # The deadline is the workload's own TTFT SLO (``{ttft_slo_ms}``: one server per workload).
 # On multiplex --ttft-slo-ms also caps a new batch by the oldest prompt's slack, so the

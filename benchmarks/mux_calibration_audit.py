@@ -58,6 +58,7 @@ from mux_whatif import (  # noqa: E402
 from pdserve.config import PREFILL_RULES  # noqa: E402
 from pdserve.sched.mux_planner import DecodeLoad, MuxMode, OnlineCalibration  # noqa: E402
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
+from pdserve.sim.mux_steps import timeline_kind  # noqa: E402
 
 BATCH_EDGES = (1, 4, 8, 16, 32)
 CHUNK_EDGES = (128, 256, 512, 1024)
@@ -424,6 +425,31 @@ def audit_records(path: str, predictor, mixed: list[float], prefill: list[float]
     return row
 
 
+def eager_window_replay(entries: list[dict], start: float, windows: list[int],
+                        graph_step_tokens: int) -> dict:
+    """The eager mixed-step correction over a run's recorded eager steps (device time over
+    the profile's prediction, the correction in force divided out), as the engine's
+    moving rule (window 0) and each median window (``--mux-correction-window``) would have
+    learned it from ``start`` (the engine's after its probes): its largest and last value.
+    The steps are the ones the recorded run chose."""
+    eager = [e for e in entries if timeline_kind(e, graph_step_tokens) == "eager"
+             and e["measured_device_ms"] > 0 and e["predicted_cycle_ms"] > 0]
+    out = {"eager_steps": len(eager),
+           "recorded_last": round(eager[-1]["calibration"], 3) if eager else None}
+    for window in windows:
+        calibration = OnlineCalibration(SimpleNamespace(num_layers=1, total_sms=1),
+                                        window=window)
+        calibration.mixed_correction, values = start, []
+        for entry in eager:
+            raw = entry["predicted_cycle_ms"] / entry["calibration"]
+            calibration.observe_mixed(raw * calibration.mixed_correction,
+                                      entry["measured_device_ms"])
+            values.append(calibration.mixed_correction)
+        out[f"window_{window}"] = {"max": round(max(values, default=start), 3),
+                                   "last": round(values[-1] if values else start, 3)}
+    return out
+
+
 def rules_overall(timelines: dict) -> dict:
     """Per update rule, over every option of every timeline: pieces replayed, and those
     weighed more than 10% off what they delivered."""
@@ -448,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the split options' learned prefill correction in the walks")
     parser.add_argument("--mixed-floors", default="0", help="the planner's mixed-step floors "
                         "(--mux-mixed-floor-tokens) to walk, comma-separated")
+    parser.add_argument("--eager-windows", default="", help="with --eager-start: replay "
+                        "each timeline's eager mixed steps through these correction windows "
+                        "(0: the moving rule), comma-separated")
+    parser.add_argument("--eager-start", type=float, default=1.0,
+                        help="the eager correction the engine started the timeline with")
+    parser.add_argument("--graph-step-tokens", type=int, default=256)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     predictor = LatencyPredictor.load(args.predictor)
@@ -461,6 +493,12 @@ def main(argv: list[str] | None = None) -> int:
                                            tuple(int(x) for x in floats(args.mixed_floors)))
                           for p in comma_paths(args.records)}}
     result["prefill_rules_overall"] = rules_overall(result["timelines"])
+    if args.eager_windows:
+        windows = [int(x) for x in args.eager_windows.split(",")]
+        result["eager_window_replay"] = {
+            p: eager_window_replay(load_timeline(p), args.eager_start, windows,
+                                   args.graph_step_tokens)
+            for p in comma_paths(args.timelines)}
     if args.mixed_bench:
         result["mixed_bench"] = {"path": args.mixed_bench,
                                  "cases": mixed_bench(args.mixed_bench, predictor)}

@@ -135,6 +135,11 @@ class SchedulerConfig:
                                       "a few percent off the profile); 'converging' moves it "
                                       "towards that ratio, as the mixed-step correction does.",
                                       choices=PREFILL_RULES)
+    mux_correction_window: int = doc(0, "multiplex: each online correction (mixed steps, "
+                                     "co-running decode, each option's prefill) is the median "
+                                     "of its last N measured over profiled times, so a short "
+                                     "run of slow steps moves none of them (overrides "
+                                     "--mux-prefill-correction; 0: off, the moving rules).")
     mux_allow_unprofiled: bool = doc(False, "multiplex: answer the SM splits a fitted profile "
                                       "never timed with the roofline model, instead of "
                                       "stopping at start-up with the groups it lacks.")
@@ -160,6 +165,9 @@ class SchedulerConfig:
         if self.mux_prefill_correction not in PREFILL_RULES:
             raise ValueError(f"--mux-prefill-correction {self.mux_prefill_correction}: "
                              f"expected one of {', '.join(PREFILL_RULES)}")
+        if self.mux_correction_window < 0:
+            raise ValueError(f"--mux-correction-window {self.mux_correction_window}: must be "
+                             ">= 0 (0: off)")
         if self.mux_graph_step_tokens is not None and self.mux_graph_step_tokens < 0:
             raise ValueError(f"--mux-graph-step-tokens {self.mux_graph_step_tokens}: must be "
                              ">= 0")

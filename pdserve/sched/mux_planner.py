@@ -70,6 +70,8 @@ tokens): batching more prompts behind it would only delay its first token.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -116,16 +118,28 @@ class OnlineCalibration:
     by ``prefill_rule``: ``"converging"`` as above; ``"compounding"`` (the default until it
     is measured against it on the GPU) moves by every piece's ratio to the *uncorrected*
     prediction, so it drifts to a bound while pieces run a few percent off the profile.
+
+    With a ``window`` (``--mux-correction-window``) every factor is instead the median of
+    its last ``window`` measured over *uncorrected* ratios (the moving rule above until
+    ``MIN_WINDOW`` are in). A short run of slow steps then moves nothing: on the H200
+    (8ccd9ac) three eager mixed steps at 1.07-1.41x their prediction, after ~300 as
+    predicted, raised the eager correction from 1.00 to 1.11; the planner stopped choosing
+    eager steps, so no later step could bring it back.
     """
+
+    MIN_WINDOW = 3  # ratios a window needs before its median is trusted
 
     def __init__(self, model: LatencyModel, weight: float = 0.2,
                  bounds: tuple[float, float] = (0.5, 2.0), step_limit: float = 1.25,
-                 prefill_rule: str = "compounding"):
+                 prefill_rule: str = "compounding", window: int = 0):
         if prefill_rule not in PREFILL_RULES:
             raise ValueError(f"prefill correction rule {prefill_rule!r}: expected one of "
                              f"{', '.join(PREFILL_RULES)}")
+        if window < 0:
+            raise ValueError(f"correction window {window}: must be >= 0 (0: off)")
         self.model, self.weight, self.bounds = model, weight, bounds
-        self.step_limit, self.prefill_rule = step_limit, prefill_rule
+        self.step_limit, self.prefill_rule, self.window = step_limit, prefill_rule, window
+        self._ratios: dict[str, deque[float]] = {}  # by factor, with a window
         self.num_layers, self.total_sms = model.num_layers, model.total_sms
         self.mixed_correction = 1.0
         # Mixed steps small enough for the prefill-step graphs learn their own factor: the
@@ -156,15 +170,16 @@ class OnlineCalibration:
         """``predicted_ms``: what ``predict_mixed`` (``graph``: ``predict_graph_mixed``) said
         for the step that ran."""
         if graph:
-            self.graph_mixed_correction = self._moved(self.graph_mixed_correction,
-                                                      predicted_ms, measured_ms)
+            self.graph_mixed_correction = self._learned(
+                "graph_mixed", self.graph_mixed_correction, predicted_ms, measured_ms)
         else:
-            self.mixed_correction = self._moved(self.mixed_correction, predicted_ms,
-                                                measured_ms)
+            self.mixed_correction = self._learned("mixed", self.mixed_correction,
+                                                  predicted_ms, measured_ms)
 
     def observe_decode(self, predicted_ms: float, measured_ms: float) -> None:
         """A co-running decode step; ``predicted_ms``: what ``predict`` said for it."""
-        self.decode_correction = self._moved(self.decode_correction, predicted_ms, measured_ms)
+        self.decode_correction = self._learned("decode", self.decode_correction, predicted_ms,
+                                               measured_ms)
 
     def prefill_correction(self, option: str | None) -> float:
         """Measured over predicted time of ``option``'s prefill pieces (1.0: none seen)."""
@@ -192,15 +207,33 @@ class OnlineCalibration:
         prediction, as mixed steps and decode steps do, so the factor settles on the
         pieces' measured over predicted time."""
         factor = self.prefill_correction(option)
-        if self.prefill_rule == "converging":
-            predicted_ms *= factor
-        self.prefill_corrections[option] = self._moved(factor, predicted_ms, measured_ms)
+        if self.window:
+            learned = self._learned(f"prefill:{option}", factor, predicted_ms * factor,
+                                    measured_ms)
+        else:
+            if self.prefill_rule == "converging":
+                predicted_ms *= factor
+            learned = self._moved(factor, predicted_ms, measured_ms)
+        self.prefill_corrections[option] = learned
         self.prefill_pieces[option] = self.prefill_pieces.get(option, 0) + 1
 
     def describe_prefill(self) -> dict[str, dict[str, float]]:
         """Each option's prefill correction and the pieces it learned from."""
         return {option: {"correction": round(factor, 4), "pieces": self.prefill_pieces[option]}
                 for option, factor in sorted(self.prefill_corrections.items())}
+
+    def _learned(self, key: str, factor: float, corrected_ms: float, measured_ms: float
+                 ) -> float:
+        """``factor`` after a step predicted ``corrected_ms`` (``factor`` included) took
+        ``measured_ms``: the window's median where there is a window, else moved."""
+        if not self.window or corrected_ms <= 0 or measured_ms <= 0:
+            return self._moved(factor, corrected_ms, measured_ms)
+        ratios = self._ratios.setdefault(key, deque(maxlen=self.window))
+        ratios.append(measured_ms * factor / corrected_ms)
+        if len(ratios) < self.MIN_WINDOW:
+            return self._moved(factor, corrected_ms, measured_ms)
+        low, high = self.bounds
+        return min(max(statistics.median(ratios), low), high)
 
     def _moved(self, factor: float, predicted_ms: float, measured_ms: float) -> float:
         if predicted_ms <= 0 or measured_ms <= 0:

@@ -100,3 +100,18 @@ def test_the_rules_are_totalled_over_every_option_of_every_timeline(audit):
     assert totals["converging"]["pieces"] == totals["compounding"]["pieces"] == 121
     assert totals["compounding"]["pieces_10pct_off"] == \
         2 * steady["compounding"]["pieces_10pct_off"]
+
+
+def test_the_eager_window_replay_holds_where_the_moving_rule_rose(audit):
+    # Recorded eager steps (384 tokens > the graph steps' 256), each with the correction
+    # it was planned with: 30 near the profile, then three slow ones.
+    ratios = [1.03] * 30 + [1.07, 1.32, 1.41]
+    entries, correction = [], 1.03
+    for ratio in ratios:
+        entries.append({"mode": "temporal", "prefill_tokens": 384, "decode_batch": 8,
+                        "predicted_cycle_ms": 50.0 * correction, "calibration": correction,
+                        "measured_device_ms": 50.0 * ratio})
+    replay = audit.eager_window_replay(entries, 1.03, [0, 16], graph_step_tokens=256)
+    assert replay["eager_steps"] == 33
+    assert replay["window_0"]["last"] > 1.09
+    assert replay["window_16"] == {"max": 1.03, "last": 1.03}

@@ -131,6 +131,9 @@ def test_the_floor_configs_differ_only_by_the_floor_from_what_they_are_compared_
         assert with_floor.pop("--mux-mixed-floor-tokens") == "256"
         assert without_floor.pop("--mux-mixed-floor-tokens") == "0"
         assert with_floor == without_floor
+    window = _flags(configs["multiplex-graph-floor-window32-itl60"])
+    assert window.pop("--mux-correction-window") == "32"
+    assert window == _flags(configs["multiplex-graph-floor-itl60"])
     temporal = _flags(configs["multiplex-temporal-graph-floor-itl60"])
     assert temporal.pop("--mux-sharing") == "temporal"
     assert temporal == _flags(configs["multiplex-graph-floor-itl60"])

@@ -350,3 +350,60 @@ def test_the_prefill_rule_is_a_flag_the_engine_uses():
               mux_prefill_correction="converging")
     assert llm.engine.scheduler.model.prefill_rule == "converging"
     assert llm.engine.describe()["calibration"]["prefill_rule"] == "converging"
+
+
+# --- a median window over every correction (--mux-correction-window) ----------------------
+
+def _windowed(window: int) -> OnlineCalibration:
+    return OnlineCalibration(SimpleNamespace(num_layers=LAYERS, total_sms=132), window=window)
+
+
+def _eager_steps(model: OnlineCalibration, ratios: list[float]) -> None:
+    """Eager mixed steps that took ``ratios`` of the profile, each planned with the
+    correction in force (as the engine reports them)."""
+    for ratio in ratios:
+        model.observe_mixed(40.0 * model.mixed_correction, 40.0 * ratio)
+
+
+def test_a_windowed_correction_ignores_a_short_run_of_slow_steps():
+    """8ccd9ac's course: ~300 eager steps near 1.03 of the profile, then three at
+    1.07-1.41x. The moving rule rises to ~1.1 and stays there once the planner stops
+    choosing eager steps; the window's median does not move."""
+    moving, windowed = _windowed(0), _windowed(32)
+    for model in (moving, windowed):
+        _eager_steps(model, [1.02, 1.04] * 150 + [1.07, 1.32, 1.41])
+    assert moving.mixed_correction > 1.09
+    assert windowed.mixed_correction == pytest.approx(1.04, abs=1e-9)
+
+
+def test_a_windowed_correction_follows_a_lasting_change_within_half_a_window():
+    model = _windowed(16)
+    _eager_steps(model, [1.0] * 16 + [1.3] * 7)
+    assert model.mixed_correction == 1.0
+    _eager_steps(model, [1.3] * 2)
+    assert model.mixed_correction == pytest.approx(1.3)
+
+
+def test_a_window_applies_to_decode_and_prefill_corrections_and_is_bounded():
+    model = _windowed(8)
+    for _ in range(8):
+        model.observe_decode(20.0 * model.decode_correction, 20.0 * 0.9)
+        model.observe_prefill("spatial:16", 50.0, 50.0 * 3.0)  # profile ms, as planned
+    assert model.decode_correction == pytest.approx(0.9)
+    assert model.prefill_correction("spatial:16") == 2.0  # the upper bound
+    # Until MIN_WINDOW ratios are in, the moving rule answers.
+    fresh = _windowed(8)
+    fresh.observe_decode(20.0, 18.0)
+    assert fresh.decode_correction == _windowed(0)._moved(1.0, 20.0, 18.0)
+
+
+def test_the_correction_window_is_a_flag_the_engine_uses():
+    from pdserve.config import SchedulerConfig
+    from pdserve.engine.llm import LLM
+
+    with pytest.raises(ValueError, match="--mux-correction-window -1"):
+        SchedulerConfig(schedule="multiplex", mux_correction_window=-1)
+    llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline",
+              mux_correction_window=32)
+    assert llm.engine.scheduler.model.window == 32
+    assert llm.engine.describe()["calibration"]["correction_window"] == 32
