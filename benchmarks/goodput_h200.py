@@ -769,6 +769,49 @@ def warm_server_probes(records: list[dict]) -> list[str]:
             "|---|---|---|---|---|---|", *lines]
 
 
+SHARING_MODES = ("temporal", "spatial", "time_slice")  # a step that also prefills
+
+
+def budget_use(timeline: list[dict], itl_ms: float) -> dict | None:
+    """How much of the ITL target a multiplex probe's steps used while they prefilled:
+    each sharing step's measured cycle over the target (quantiles), and how many steps
+    decoded alone (nothing to prefill, or nothing that fitted)."""
+    shares = sorted(e["measured_cycle_ms"] / itl_ms for e in timeline
+                    if e["mode"] in SHARING_MODES and e["measured_cycle_ms"] > 0)
+    if not shares:
+        return None
+    at = lambda q: round(shares[min(len(shares) - 1, int(q * len(shares)))], 2)
+    return {"sharing_steps": len(shares), "p10": at(0.1), "p50": at(0.5), "p90": at(0.9),
+            "decode_only_steps": sum(e["mode"] == "decode_only" for e in timeline)}
+
+
+def budget_use_lines(results: Path) -> list[str]:
+    """Markdown lines: ``budget_use`` of every multiplex probe whose timeline is kept."""
+    lines = []
+    for path in sorted(results.glob("*__r*.json")):
+        record, timeline = json.loads(path.read_text()), timeline_path(path)
+        config = (record.get("probe") or {}).get("config", "")
+        itl = itl_target(config) if config in CONFIGS else None
+        if itl is None or not timeline.exists():
+            continue
+        with gzip.open(timeline, "rt") as f:
+            use = budget_use(json.load(f), itl)
+        if use is not None:
+            probe, repeat = record["probe"], path.stem.partition("__rep")[2]
+            rate = f"{probe['rate']:g}" + (f" (run {repeat})" if repeat else "")
+            lines.append(f"| {probe['workload']} | {config} | {rate} | "
+                         f"{use['sharing_steps']} | {use['p10']} / {use['p50']} / "
+                         f"{use['p90']} | {use['decode_only_steps']} |")
+    if not lines:
+        return []
+    return ["", "## The ITL budget used (multiplex probes)", "",
+            "Each step that also prefilled: its measured cycle (between two decode tokens) "
+            "over the configuration's ITL target, from the probe's timeline (the engine keeps "
+            "its most recent decisions).", "",
+            "| workload | config | rate (req/s) | sharing steps | cycle / target p10 / p50 / p90 "
+            "| decode-only steps |", "|---|---|---|---|---|---|", *lines]
+
+
 def summary_markdown(found: list[Search], figure3_workloads: list[str], out_dir: Path,
                      variants: list[str] = (), repeats: list[str] = ()) -> str:
     rows = [*TABLE_CONFIGS, *variants]
@@ -797,7 +840,8 @@ def summarise(results: Path, out_dir: Path, figure3_workloads: list[str]) -> dic
     found = searches(records, wanted_searches(figure3_workloads, variants), search_spaces())
     out_dir.mkdir(parents=True, exist_ok=True)
     markdown = summary_markdown(found, figure3_workloads, out_dir, variants,
-                                repeated_probes(records) + warm_server_probes(records))
+                                repeated_probes(records) + warm_server_probes(records)
+                                + budget_use_lines(results))
     (out_dir / "summary.md").write_text(markdown)
     data = {"searches": [_search_json(s) for s in found],
             "missing": [{"workload": w, "config": c, "rate": r}
