@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import gzip
 import json
 import shlex
@@ -62,7 +63,7 @@ from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.sched.mux_planner import MuxPlanner, OnlineCalibration  # noqa: E402
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
 from pdserve.sim.mux_steps import (  # noqa: E402
-    WHOLE_GPU_MODES,
+    MODELLED_MODES,
     StepSpread,
     StepTiming,
     calibrated,
@@ -70,6 +71,8 @@ from pdserve.sim.mux_steps import (  # noqa: E402
     median_log,
     path_factors,
     planner_config,
+    scheduler_config,
+    slice_spread,
     step_spread,
     timeline_accuracy,
     timeline_stalls,
@@ -117,7 +120,8 @@ def replay_validation(run: dict, predictor: LatencyPredictor,
                     if schedule["interference"].get(name)}
     replayed, steps = {}, {}
     for name, corrections in calibrations.items():
-        sim = _replayed(server_args, window, calibrated(predictor, corrections))
+        sim = _replayed(server_args, window, calibrated(predictor, corrections, server_args),
+                        time_slice=True)
         replayed[name], steps[name] = latency_rows(sim.requests), sim.modes
     result = {"kind": "validation", "num_instances": 1, "server_args": server_args,
               "requests": len(window), "steps": steps}
@@ -149,9 +153,10 @@ def _validation_setup(run: dict) -> tuple[str, list]:
 
 def _replayed(server_args: str, window: list, calibration: OnlineCalibration,
               timing: StepTiming | None = None, lag: bool = False,
-              sim_class: type[StepReplay] = StepReplay) -> StepReplay:
+              sim_class: type[StepReplay] = StepReplay, time_slice: bool = False
+              ) -> StepReplay:
     requests = [Replayed(r.arrival, r.input_len, r.output_len) for r in window]
-    planner = MuxPlanner(calibration, [], planner_config(server_args))
+    planner = MuxPlanner(calibration, [], planner_config(server_args, time_slice=time_slice))
     sim = sim_class(planner, requests, timing, first_token_lag=lag)
     sim.run()
     return sim
@@ -169,17 +174,28 @@ def engine_timed(run: dict, predictor: LatencyPredictor, spread: StepSpread | No
     schedule = run["schedules"]["multiplex"]
     corrections = schedule["interference"].get("engine_calibration")
     server_args, window = _validation_setup(run)
-    rows, logs = [], []
+    rows, logs, slice_corrections = [], [], []
     for seed in range(seeds):
         requests = [Replayed(r.arrival, r.input_len, r.output_len) for r in window]
-        sim = engine_timed_sim(predictor, server_args, corrections, requests, spread, seed)
+        sim = engine_timed_sim(predictor, server_args, corrections, requests, spread, seed,
+                               time_slice=True)
         rows += [{**row, "draw": seed} for row in latency_rows(requests)]
         logs.append(sim.log)
+        slice_corrections.append(sim.planner.calibration.prefill_correction("time_slice"))
     measured = {key: schedule["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
     compare = compare_percentiles(measured, {"simulated": rows})
     graph, eager = path_factors(corrections)
+    start = ((corrections or {}).get("prefill_pieces") or {}).get("time_slice", {})
     return {"path_factors": {"graph": graph, "eager": eager},
-            "spread_from": spread.source if spread else None, "seeds": seeds,
+            "spread_from": spread.source if spread else None,
+            "slice_spread_from": spread.slice_source if spread else None,
+            "slice_spread_pieces": len(spread.slices) if spread else 0,
+            "prefill_rule": scheduler_config(server_args).mux_prefill_correction,
+            "time_slice_correction": {
+                "start": start.get("correction", 1.0),
+                "end_median": sorted(slice_corrections)[len(slice_corrections) // 2],
+                "end_range": [min(slice_corrections), max(slice_corrections)]},
+            "seeds": seeds,
             "compare": compare, "draw_range": _draw_range(rows),
             "within_10_percent": _within(compare, "simulated_error"),
             "steps_by_kind": median_log(logs),
@@ -203,11 +219,11 @@ def _within(compare: dict, name: str, tolerance: float = 0.10) -> dict:
 
 def _engine_options(schedule: dict) -> dict:
     """Seconds per mode the engine ran in the replay (its ``timeline_replay``), and whether
-    the step model runs them all: it has no spatial splits nor time slices."""
+    the step model runs them all: it has no spatial splits."""
     seconds = schedule["interference"].get("timeline_replay", {}).get("seconds_by_mode")
     if seconds is None:
         return {"seconds_by_mode": None, "modelled": None}
-    modelled = all(mode in WHOLE_GPU_MODES for mode, s in seconds.items() if s > 0)
+    modelled = all(mode in MODELLED_MODES for mode, s in seconds.items() if s > 0)
     return {"seconds_by_mode": seconds, "modelled": modelled}
 
 
@@ -296,6 +312,11 @@ def main(argv: list[str] | None = None) -> None:
                              "(*_multiplex_timeline_replay.json.gz) of another run whose "
                              "steps' measured over predicted times the engine-timed replay "
                              "draws (default: none, each step as its path's factor says).")
+    parser.add_argument("--slice-spread-from", type=Path, default=None,
+                        help="With --validation: a multiplex timeline of another run whose "
+                             "time-slice pieces' measured over predicted cycles the "
+                             "engine-timed replay draws (default: none, each cycle as "
+                             "profiled).")
     parser.add_argument("--seeds", type=int, default=1,
                         help="With --validation: draws of that spread (default 1).")
     parser.add_argument("--out", type=Path, required=True)
@@ -326,12 +347,18 @@ def validate(args) -> None:
     run = json.loads(args.validation.read_text())
     predictor_path = args.predictor or ROOT / _predictor_of(run["schedules"]["multiplex"])
     spread = (step_spread(load_timeline(args.spread_from), _relative(args.spread_from))
-              if args.spread_from else None)
+              if args.spread_from else StepSpread())
+    if args.slice_spread_from:
+        spread = dataclasses.replace(
+            spread, slices=slice_spread(load_timeline(args.slice_spread_from)),
+            slice_source=_relative(args.slice_spread_from))
     timeline_path = _timeline_of(args.validation)
     timeline = load_timeline(timeline_path) if timeline_path.exists() else None
     result = {**result_header({"validation": _relative(args.validation),
                                "predictor": _relative(predictor_path),
                                "spread_from": args.spread_from and _relative(args.spread_from),
+                               "slice_spread_from": args.slice_spread_from
+                               and _relative(args.slice_spread_from),
                                "seeds": args.seeds}),
               "validation_revision": run["git_revision"],
               "timeline": _relative(timeline_path) if timeline else None,

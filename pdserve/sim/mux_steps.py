@@ -1,8 +1,20 @@
 """One multiplexing instance as whole-GPU steps of the real planner, the queue kept.
 
 Every step is what ``MuxPlanner`` plans for the waiting prompts (first come first served)
-and the decode batch: a mixed step (TEMPORAL), decode alone or prefill alone. Spatial
-splits and time slices are not modelled: the planner must be configured without them.
+and the decode batch: a mixed step (TEMPORAL), decode alone, prefill alone, or (with
+``time_slice`` in the planner's config) a time-slice cycle. Spatial splits are not
+modelled: the planner must be configured without them.
+
+A time-slice cycle runs as ``pdserve/sched/multiplex.py`` runs it: on the whole GPU's one
+stream, the decode step of the batch, then a piece (a layer range) of the prefill batch in
+flight; a new batch takes the plan's chunks (whole prompts, the last perhaps cut), and
+while it is in flight its requests are no candidates and the planner plans with it
+(``InFlightPrefill``: no mixed step until its last layer). A prompt's first token comes
+when the piece with its last layer ends (pieces are not overlapped: seen at once), and it
+decodes from the cycle after the next (that cycle's decode step was issued before the
+piece ended). At each cycle the planner may go on slicing; when it does not, the decode
+step already issued runs alone and the next decision is made with both lanes drained. The
+incumbent option is passed as the engine passes it, so a switch pays rule 4's margin.
 
 How long a step runs (``StepTiming``):
 
@@ -13,6 +25,14 @@ How long a step runs (``StepTiming``):
   otherwise: the corrections the engine learned on its probes), times a ratio drawn
   from a measured spread; decode alone takes its prediction times a drawn ratio. The
   planner's ``OnlineCalibration`` then learns from each mixed step as the engine's does.
+  A time-slice cycle takes the profile's cycle (decode step alone plus the piece; the
+  planner puts no correction in either) times a pair drawn from another run's
+  time-slice pieces (``slice_spread``): the time from one piece's end to the next's over
+  the predicted cycle (the cycle's wall time), and the piece's own issue to completion
+  over it, which ``observe_prefill`` learns from, by the server's rule, as the engine's
+  does. The option's correction only chooses: under the default ``compounding`` rule it
+  has no fixed point (7dad880 began its replay at 0.52 while pieces ran at 0.98 of the
+  profile), so timing pieces by it would halve them.
   Why that matters (H200, 8ccd9ac): the planner weighs graph steps of ~250 prompt tokens
   (39 ms) against eager ones to the 54 ms budget (384 tokens, 52 ms), and whether the
   384 fit turns on a few percent of the eager correction; three slow eager steps in a
@@ -37,20 +57,23 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.config import SchedulerConfig, add_cli_args
+from pdserve.config import SchedulerConfig, add_cli_args, mux_sharing_options
 from pdserve.sched.in_flight import decode_load_banked
 from pdserve.sched.multiplex import mux_planner_config
 from pdserve.sched.mux_planner import (
     DecodeLoad,
+    InFlightPrefill,
     MuxMode,
     MuxPlan,
     MuxPlanner,
     MuxPlannerConfig,
     OnlineCalibration,
     PrefillRequest,
+    piece_predicted_ms,
 )
 
 WHOLE_GPU_MODES = (MuxMode.TEMPORAL, MuxMode.DECODE_ONLY, MuxMode.PREFILL_ONLY)
+MODELLED_MODES = (*WHOLE_GPU_MODES, MuxMode.TIME_SLICE)
 
 
 @dataclass
@@ -87,13 +110,29 @@ class StepRequest:
 class StepTiming:
     """Engine timing of steps: measured over profile time per mixed-step path, and the
     spread of measured over predicted step time (``mixed_spread`` for mixed steps,
-    ``decode_spread`` for decode alone), one ratio drawn per step with ``seed``."""
+    ``decode_spread`` for decode alone, ``slice_spread``: (cycle, piece) pairs for
+    time-slice cycles, ``slice_spread``'s), one drawn per step with ``seed``."""
 
     graph_factor: float
     eager_factor: float
     mixed_spread: tuple[float, ...] = (1.0,)
     decode_spread: tuple[float, ...] = (1.0,)
     seed: int = 0
+    slice_spread: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
+
+
+@dataclass
+class SliceBatch:
+    """A prefill batch part-way through the layers in time-slice pieces: (request, tokens
+    it prefills) in the order taken, its prefix before the batch, and layers launched."""
+
+    chunks: list[tuple[StepRequest, int]]
+    context_tokens: int
+    layers_done: int = 0
+
+    def view(self) -> InFlightPrefill:
+        return InFlightPrefill(sum(t for _, t in self.chunks), self.context_tokens,
+                               len(self.chunks), self.layers_done)
 
 
 @dataclass
@@ -123,9 +162,14 @@ class MuxStepSim:
         self.log = StepLog()
         self.busy_s = 0.0
         self.rng = random.Random(timing.seed if timing else 0)
+        self.batch: SliceBatch | None = None  # in flight in time-slice pieces
+        self.slicing = False  # the lanes alternate on the whole GPU (TIME_SLICE)
+        self.joining: list[StepRequest] = []  # prefilled by the last piece: not in the
+        # decode step already issued behind it
+        self.option: str | None = None  # the sharing option running (the incumbent)
 
     def run(self) -> None:
-        while self.pending or self.waiting or self.running:
+        while self.pending or self.waiting or self.running or self.batch:
             self._admit()
             if not (self.waiting or self.running):
                 self._show()  # no step follows: the last one's output shows at its end
@@ -139,10 +183,20 @@ class MuxStepSim:
             self.waiting.append(self.pending.popleft())
 
     def _step(self) -> None:
-        plan = self.planner.plan(self._decode_load(), self._waiting_view())
-        if plan.mode not in WHOLE_GPU_MODES:
-            raise ValueError(f"whole-GPU steps only, the planner chose {plan.mode}")
+        in_flight = self.batch.view() if self.batch is not None else None
+        plan = self.planner.plan(self._decode_load(), self._waiting_view(), in_flight,
+                                 self.option)
+        if self.slicing and plan.mode != MuxMode.TIME_SLICE:
+            return self._end_slicing()
+        if plan.mode not in MODELLED_MODES:
+            raise ValueError(f"whole-GPU steps and time slices only, the planner chose "
+                             f"{plan.mode}")
         self.modes[plan.mode] = self.modes.get(plan.mode, 0) + 1
+        self.option = plan.option if plan.mode != MuxMode.PREFILL_ONLY else None
+        if plan.mode == MuxMode.TIME_SLICE:
+            return self._slice(plan)
+        if self.batch is not None:  # prefill alone: every layer left in one piece
+            return self._finish_alone(plan)
         kind = self._kind(plan)
         step_s = self._step_s(plan, kind)
         self.log.add(kind, step_s)
@@ -152,6 +206,84 @@ class MuxStepSim:
         self._decode(list(self.running) if plan.mode != MuxMode.PREFILL_ONLY else [])
         if plan.prefill is not None:
             self._prefill(plan.prefill.chunks)
+
+    def _slice(self, plan: MuxPlan) -> None:
+        """One time-slice cycle: the decode step, then the batch's next piece."""
+        self.slicing = True
+        self._show()  # the lanes drained before slicing: the last step's output is out
+        if self.batch is None:
+            taken = [(self.waiting[i], tokens) for i, tokens in plan.prefill.chunks]
+            self.batch = SliceBatch(taken, sum(r.prefilled for r, _ in taken))
+            for request, _ in taken:
+                self.waiting.remove(request)
+        decoding, self.joining = self._decoding(), []
+        cycle, piece = self._slice_ratios()
+        if self.timing is not None:  # learned from each piece, as the engine learns
+            predicted = piece_predicted_ms(plan)
+            self.planner.calibration.observe_prefill(plan.option, predicted, predicted * piece)
+        start, cycle_s = self.now, plan.cycle_ms * cycle / 1e3
+        self.log.add(str(MuxMode.TIME_SLICE), cycle_s)
+        self.now += cycle_s
+        self.busy_s += cycle_s
+        self._decode(decoding, at=start + plan.decode_ms * cycle / 1e3)
+        batch = self.batch
+        batch.layers_done = min(self.planner.num_layers,
+                                batch.layers_done + max(1, plan.prefill.num_layers))
+        if batch.layers_done >= self.planner.num_layers:
+            self.joining = self._batch_done()
+
+    def _slice_ratios(self) -> tuple[float, float]:
+        if self.timing is None:
+            return 1.0, 1.0
+        return self.rng.choice(self.timing.slice_spread)
+
+    def _end_slicing(self) -> None:
+        """The planner stops slicing: the decode step already issued runs alone, then the
+        lanes are drained (the next decision chooses freely)."""
+        self.slicing, decoding, self.joining = False, self._decoding(), []
+        self.option = None
+        if not decoding:
+            return
+        load = decode_load_banked(decoding, self.planner.config, self.now)
+        sms = self.planner.total_sms
+        ms = self.planner.predictor.predict("decode", load.batch_size, load.context_tokens,
+                                            load.batch_size, sms)
+        if self.timing is not None:
+            ms *= self.rng.choice(self.timing.decode_spread)
+        self.log.add(str(MuxMode.DECODE_ONLY), ms / 1e3)
+        self.now += ms / 1e3
+        self.busy_s += ms / 1e3
+        self._decode(decoding, at=self.now)
+
+    def _finish_alone(self, plan: MuxPlan) -> None:
+        """Prefill alone (no decode) runs the batch in flight through its layers left."""
+        step_s = plan.prefill.predicted_ms / 1e3
+        self.log.add(str(plan.mode), step_s)
+        self.now += step_s
+        self.busy_s += step_s
+        self._show()
+        self._batch_done()
+
+    def _batch_done(self) -> list[StepRequest]:
+        """The batch's last piece ended: prompts it completed have their first token (seen
+        at once: no piece is overlapped); a prompt cut by it waits again, first."""
+        completed, cut = [], []
+        for request, tokens in self.batch.chunks:
+            request.prefilled += tokens
+            (completed if request.prefilled >= request.prompt_len else cut).append(request)
+        self.batch = None
+        self.waiting[:0] = cut
+        for request in completed:
+            request.sampled = request.first_token = self.now
+            if request.output_len > 1:
+                self.running.append(request)
+            else:
+                request.finished = self.now
+        return [r for r in completed if r.output_len > 1]
+
+    def _decoding(self) -> list[StepRequest]:
+        """The decode batch: the running requests but those the last piece prefilled."""
+        return [r for r in self.running if r not in self.joining]
 
     def _kind(self, plan: MuxPlan) -> str:
         if plan.mode != MuxMode.TEMPORAL:
@@ -180,17 +312,22 @@ class MuxStepSim:
         return measured
 
     def _decode_load(self) -> DecodeLoad | None:
-        return decode_load_banked(self.running, self.planner.config, self.now)
+        return decode_load_banked(self._decoding(), self.planner.config, self.now)
 
     def _waiting_view(self) -> list[PrefillRequest]:
         return [PrefillRequest(r.prompt_len - r.prefilled, r.prefilled,
                                1e3 * (self.now - r.arrival)) for r in self.waiting]
 
-    def _decode(self, decoding: list[StepRequest]) -> None:
+    def _decode(self, decoding: list[StepRequest], at: float | None = None) -> None:
+        """One token for each of ``decoding``; ``at``: seen then (a decode step that is not
+        overlapped), else as ``_output`` says."""
         for request in decoding:
             request.decoded += 1
             if request.decoded + 1 >= request.output_len:
-                self._output(request, "finished")
+                if at is None:
+                    self._output(request, "finished")
+                else:
+                    request.finished = at
                 self.running.remove(request)
 
     def _prefill(self, chunks) -> None:
@@ -223,25 +360,39 @@ class MuxStepSim:
         self.unseen = []
 
 
-def planner_config(server_args: str, variant: str = "") -> MuxPlannerConfig:
+def planner_config(server_args: str, variant: str = "", time_slice: bool = False
+                   ) -> MuxPlannerConfig:
     """The whole-GPU planner a ``pdserve serve`` command line asks for, ``variant``'s flags
     over it, read as the server reads them (``SchedulerConfig``; graph steps left at
-    ``auto`` count as off: the records name them). SM splits and time slices off: not
-    modelled."""
+    ``auto`` count as off: the records name them). SM splits off: not modelled. Time
+    slices off unless ``time_slice``, then as the command line's ``--mux-sharing`` says."""
+    sched = scheduler_config(server_args, variant)
+    slicing = time_slice and "time_slice" in mux_sharing_options(sched.mux_sharing)
+    return mux_planner_config(sched, spatial=False, temporal=True, time_slice=slicing)
+
+
+def scheduler_config(server_args: str, variant: str = "") -> SchedulerConfig:
     parser = argparse.ArgumentParser(add_help=False)
     add_cli_args(parser, SchedulerConfig)
     flags, _ = parser.parse_known_args(shlex.split(server_args) + shlex.split(variant))
-    sched = SchedulerConfig(**{f.name: getattr(flags, f.name)
-                               for f in dataclasses.fields(SchedulerConfig)})
-    return mux_planner_config(sched, spatial=False, temporal=True, time_slice=False)
+    return SchedulerConfig(**{f.name: getattr(flags, f.name)
+                              for f in dataclasses.fields(SchedulerConfig)})
 
 
-def calibrated(predictor, corrections: dict | None) -> OnlineCalibration:
-    """The predictor with the mixed-step corrections an engine reported
-    (``engine_calibration``'s ``mixed_steps`` and ``graph_mixed_steps``; none: 1.0)."""
-    model = OnlineCalibration(predictor)
-    model.mixed_correction = (corrections or {}).get("mixed_steps", 1.0)
-    model.graph_mixed_correction = (corrections or {}).get("graph_mixed_steps", 1.0)
+def calibrated(predictor, corrections: dict | None, server_args: str = "") -> OnlineCalibration:
+    """The predictor with the corrections an engine reported (``engine_calibration``'s
+    ``mixed_steps``, ``graph_mixed_steps`` and each option's ``prefill_pieces``; none:
+    1.0), learning by the rules ``server_args`` name (``--mux-prefill-correction``,
+    ``--mux-correction-window``)."""
+    sched = scheduler_config(server_args)
+    model = OnlineCalibration(predictor, prefill_rule=sched.mux_prefill_correction,
+                              window=sched.mux_correction_window)
+    corrections = corrections or {}
+    model.mixed_correction = corrections.get("mixed_steps", 1.0)
+    model.graph_mixed_correction = corrections.get("graph_mixed_steps", 1.0)
+    for option, learned in (corrections.get("prefill_pieces") or {}).items():
+        model.prefill_corrections[option] = learned["correction"]
+        model.prefill_pieces[option] = learned["pieces"]
     return model
 
 
@@ -254,13 +405,15 @@ def path_factors(corrections: dict | None) -> tuple[float, float]:
 
 def engine_timed(predictor, server_args: str, corrections: dict | None,
                  requests: Sequence[StepRequest], spread: StepSpread | None = None,
-                 seed: int = 0) -> MuxStepSim:
+                 seed: int = 0, time_slice: bool = False) -> MuxStepSim:
     """``requests`` run on the step model as the engine of ``server_args`` with the
     ``corrections`` it learned on its probes times its steps (``StepTiming``), the client
-    seeing tokens a step late."""
+    seeing tokens a step late; ``time_slice``: time slices as the server's flags allow."""
     spread = spread or StepSpread()
-    timing = StepTiming(*path_factors(corrections), spread.mixed, spread.decode, seed)
-    planner = MuxPlanner(calibrated(predictor, corrections), [], planner_config(server_args))
+    timing = StepTiming(*path_factors(corrections), spread.mixed, spread.decode, seed,
+                        spread.slices)
+    planner = MuxPlanner(calibrated(predictor, corrections, server_args), [],
+                         planner_config(server_args, time_slice=time_slice))
     sim = MuxStepSim(planner, requests, timing, first_token_lag=True)
     sim.run()
     return sim
@@ -269,11 +422,14 @@ def engine_timed(predictor, server_args: str, corrections: dict | None,
 @dataclass(frozen=True)
 class StepSpread:
     """Measured over predicted time of an engine's steps (``step_spread``): mixed steps and
-    decode alone; ``source`` names the timeline they came from."""
+    decode alone; ``source`` names the timeline they came from. ``slices``: time-slice
+    (cycle, piece) pairs (``slice_spread``), from ``slice_source``."""
 
     mixed: tuple[float, ...] = (1.0,)
     decode: tuple[float, ...] = (1.0,)
     source: str | None = None
+    slices: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
+    slice_source: str | None = None
 
 
 def step_spread(timeline: list[dict], source: str | None = None) -> StepSpread:
@@ -286,6 +442,28 @@ def step_spread(timeline: list[dict], source: str | None = None) -> StepSpread:
                      and e["predicted_cycle_ms"] > 0)
 
     return StepSpread(ratios(MuxMode.TEMPORAL), ratios(MuxMode.DECODE_ONLY), source)
+
+
+def slice_spread(timeline: list[dict]) -> tuple[tuple[float, float], ...]:
+    """Each time-slice piece of a timeline over its predicted cycle (``predicted_piece_ms``:
+    decode step plus piece, the profile's): (wall time from the previous piece's end to
+    its own, where slicing ran on between them, else its issue to completion; its own
+    issue to completion, what the engine's ``observe_prefill`` saw). The first is what
+    the next cycle waits for: a piece is issued when the host sees the one before it end,
+    behind the decode step already queued, so its own time misses that host lag."""
+    pairs, previous_end = [], None
+    for entry in timeline:
+        if entry["mode"] != MuxMode.TIME_SLICE:
+            previous_end = None
+            continue
+        predicted, measured = entry["predicted_piece_ms"], entry["measured_piece_ms"]
+        if not entry["piece_launched"] or predicted <= 0 or measured <= 0:
+            continue
+        end = entry["time"] + measured / 1e3
+        cycle = measured if previous_end is None else 1e3 * (end - previous_end)
+        pairs.append((cycle / predicted, measured / predicted))
+        previous_end = end
+    return tuple(pairs)
 
 
 def whole_gpu_only(timeline: list[dict]) -> bool:
@@ -302,10 +480,15 @@ def timeline_kind(entry: dict, graph_step_tokens: int) -> str:
 
 def timeline_steps_by_kind(timeline: list[dict], graph_step_tokens: int) -> dict:
     """A timeline's steps and device seconds per kind, as ``StepLog`` counts them (a
-    prefill alone is not timed on the device: its gap to the next decision)."""
+    prefill alone is not timed on the device: its gap to the next decision; a time-slice
+    cycle counts once, by its piece)."""
     log = StepLog()
     for entry, after in zip(timeline, timeline[1:] + [None], strict=True):
         seconds = entry["measured_device_ms"] / 1e3
+        if entry["mode"] == MuxMode.TIME_SLICE:  # a cycle per piece, its issue to its end
+            if entry.get("piece_launched"):
+                log.add(entry["mode"], entry["measured_piece_ms"] / 1e3)
+            continue
         if entry["mode"] == MuxMode.PREFILL_ONLY and after is not None:
             seconds = after["time"] - entry["time"]
         log.add(timeline_kind(entry, graph_step_tokens), seconds)

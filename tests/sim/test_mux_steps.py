@@ -19,6 +19,7 @@ from pdserve.sim.mux_steps import (
     StepRequest,
     StepTiming,
     correction_trajectory,
+    slice_spread,
     step_spread,
     timeline_accuracy,
     timeline_stalls,
@@ -202,3 +203,85 @@ def test_the_validation_script_simulates_the_step_model_beside_the_walk():
     interference = held_out["schedules"]["multiplex"]["interference"]
     assert module.steps_cover(interference)["engine_ran_whole_gpu_steps_only"] is False
     assert module.steps_cover({}) == {"engine_ran_whole_gpu_steps_only": None}
+
+
+# --------------------------------------------------------------- time slices
+
+SLICING_ARGS = "--schedule multiplex --itl-slo-ms 60 --mux-predictor p"
+
+
+def _slicing_sim(replay_tool, predictor, pieces: tuple[float, float], start: float,
+                 rule: str = "", timing: bool = True):
+    """Prompts of 4-8K tokens beside a few decodes, time slices allowed, the time-slice
+    correction starting at ``start``; every cycle at ``pieces`` (cycle, piece) of its
+    profiled time."""
+    server_args = f"{SLICING_ARGS} {rule}"
+    calibration = replay_tool.calibrated(
+        predictor, {"prefill_pieces": {"time_slice": {"correction": start, "pieces": 1}}},
+        server_args)
+    planner = MuxPlanner(calibration, [], replay_tool.planner_config(server_args,
+                                                                     time_slice=True))
+    requests = [StepRequest(i * 0.6, 4096 + 1024 * (i % 5), 80) for i in range(30)]
+    steps = StepTiming(1.0, 1.0, slice_spread=(pieces,)) if timing else None
+    sim = MuxStepSim(planner, requests, steps, first_token_lag=True)
+    sim.run()
+    return sim, requests
+
+
+def test_the_planner_config_takes_time_slices_only_when_asked_and_the_server_allows(
+        replay_tool):
+    assert not replay_tool.planner_config(SLICING_ARGS).time_slice
+    assert replay_tool.planner_config(SLICING_ARGS, time_slice=True).time_slice
+    temporal = f"{SLICING_ARGS} --mux-sharing temporal,spatial"
+    assert not replay_tool.planner_config(temporal, time_slice=True).time_slice
+    assert not replay_tool.planner_config(SLICING_ARGS, time_slice=True).spatial
+
+
+def test_time_slice_cycles_serve_every_prompt_through_its_last_piece(replay_tool, predictor):
+    sim, requests = _slicing_sim(replay_tool, predictor, (1.0, 1.0), 0.5, timing=False)
+    assert sim.log.steps["time_slice"] > 100
+    assert sum(sim.log.seconds.values()) == pytest.approx(sim.busy_s)
+    for r in requests:
+        assert r.prefilled == r.prompt_len and r.decoded + 1 == r.output_len
+        assert r.arrival < r.sampled <= r.first_token < r.finished
+    # The last piece's output is not overlapped: seen when it ends (but the first
+    # prompt's, prefilled alone before any decode ran).
+    assert sum(r.first_token == r.sampled for r in requests) == len(requests) - 1
+    # A prompt prefilled in pieces beside decodes takes longer than alone on the GPU.
+    alone = predictor.predict("prefill", 4096, 0, 1, predictor.total_sms)
+    assert min(r.first_token - r.arrival for r in requests) > alone / 1e3
+
+
+def test_compounding_pieces_under_the_profile_keep_slicing_over_it_they_stop(
+        replay_tool, predictor):
+    """The default rule moves the correction by each piece over its uncorrected cycle:
+    pieces at 0.98 hold it at its 0.5 bound and the planner slices throughout (7dad880's
+    first 32 s); at 1.04 it climbs, the rate the option is weighed by halves, and the
+    planner turns to mixed steps (that run's last 36 s)."""
+    under, _ = _slicing_sim(replay_tool, predictor, (0.99, 0.98), 0.5)
+    over, _ = _slicing_sim(replay_tool, predictor, (1.05, 1.04), 0.5)
+    assert under.planner.calibration.prefill_correction("time_slice") == pytest.approx(0.5)
+    assert under.log.seconds.get("eager", 0.0) < 0.05 * under.log.seconds["time_slice"]
+    assert over.planner.calibration.prefill_correction("time_slice") > 0.9
+    assert over.log.seconds["eager"] > over.log.seconds["time_slice"] > 0
+
+
+def test_the_converging_rule_of_the_server_flags_settles_on_the_pieces(replay_tool,
+                                                                        predictor):
+    sim, _ = _slicing_sim(replay_tool, predictor, (1.0, 0.9), 0.5,
+                          rule="--mux-prefill-correction converging")
+    assert sim.planner.calibration.prefill_rule == "converging"
+    assert sim.planner.calibration.prefill_correction("time_slice") == pytest.approx(0.9,
+                                                                                    abs=0.02)
+
+
+def test_the_slice_spread_is_each_piece_over_its_cycle_and_the_cycles_between_them():
+    with gzip.open(HELD_OUT_TIMELINE, "rt") as f:
+        held_out = json.load(f)
+    pairs = slice_spread(held_out)
+    pieces = [e for e in held_out if e["mode"] == "time_slice" and e["piece_launched"]]
+    assert len(pairs) == len(pieces) == 791
+    median = lambda values: sorted(values)[len(values) // 2]
+    cycles, own = [c for c, _ in pairs], [p for _, p in pairs]
+    assert 0.95 < median(own) < median(cycles) < 1.02  # the host's lag between pieces
+    assert sum(c >= p - 1e-9 for c, p in pairs) > 0.95 * len(pairs)
