@@ -26,8 +26,11 @@ measured ones, as ``"kind": "validation"``:
   each mixed-step path (graph, eager) at the correction the engine learned for it on the
   probes, a measured over predicted ratio drawn per step from another run's replay
   timeline (``--spread-from``, ``--seeds`` draws), the corrections learning from every
-  step as the engine's do, the first token a step late. Nothing in it is fitted on the
-  replay it is checked against.
+  step as the engine's do, the first token a step late; time slices where the run's
+  server flags allow them, each cycle at a (cycle, piece) pair drawn from another run's
+  time-slice pieces (``--slice-spread-from``), the time-slice correction learning from
+  each piece by the server's rule. Nothing in it is fitted on the replay it is checked
+  against.
 - ``diagnosis`` (where the run committed a replay timeline of whole-GPU steps only): not a
   prediction. The same steps planned with the corrections the engine held at each moment
   of that replay, then also with its stalls (steps over 3x their prediction) added: what
