@@ -788,11 +788,13 @@ def budget_use(timeline: list[dict], itl_ms: float) -> dict | None:
 def budget_use_lines(results: Path) -> list[str]:
     """Markdown lines: ``budget_use`` of every multiplex probe whose timeline is kept."""
     lines = []
-    for path in sorted(results.glob("*__r*.json")):
-        record, timeline = json.loads(path.read_text()), timeline_path(path)
+    record_of = lambda t: t.with_name(t.name.removesuffix("_timeline.json.gz") + ".json")
+    for timeline in sorted(results.glob("*__r*_timeline.json.gz"), key=record_of):
+        path = record_of(timeline)
+        record = json.loads(path.read_text()) if path.exists() else {}
         config = (record.get("probe") or {}).get("config", "")
         itl = itl_target(config) if config in CONFIGS else None
-        if itl is None or not timeline.exists():
+        if itl is None:
             continue
         with gzip.open(timeline, "rt") as f:
             use = budget_use(json.load(f), itl)

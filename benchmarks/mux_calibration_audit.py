@@ -42,7 +42,6 @@ import statistics
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -203,8 +202,7 @@ def replay_rules(pieces: list[tuple[float, float]], start: float) -> dict:
     choices launched."""
     out = {}
     for rule in PREFILL_RULES:
-        calibration = OnlineCalibration(SimpleNamespace(num_layers=1, total_sms=1),
-                                        prefill_rule=rule)
+        calibration = OnlineCalibration.learning_only(prefill_rule=rule)
         calibration.prefill_corrections["option"] = start
         met = []
         for predicted, measured in pieces:
@@ -437,8 +435,7 @@ def eager_window_replay(entries: list[dict], start: float, windows: list[int],
     out = {"eager_steps": len(eager),
            "recorded_last": round(eager[-1]["calibration"], 3) if eager else None}
     for window in windows:
-        calibration = OnlineCalibration(SimpleNamespace(num_layers=1, total_sms=1),
-                                        window=window)
+        calibration = OnlineCalibration.learning_only(window=window)
         calibration.mixed_correction, values = start, []
         for entry in eager:
             raw = entry["predicted_cycle_ms"] / entry["calibration"]

@@ -67,7 +67,7 @@ def measured_factors(timelines: list[list[dict]], graph_steps: list[bool]) -> di
     run weighed graph steps (its --mux-graph-step-tokens)."""
     ratios: dict[tuple[bool, int], list[float]] = defaultdict(list)
     for entries, weighed in zip(timelines, graph_steps, strict=True):
-        replay = OnlineCalibration(_NoModel())
+        replay = OnlineCalibration.learning_only()
         for e in entries:
             if e["mode"] != "temporal" or e["measured_device_ms"] <= 0:
                 continue
@@ -78,12 +78,6 @@ def measured_factors(timelines: list[list[dict]], graph_steps: list[bool]) -> di
             if graph:
                 replay.observe_mixed(e["predicted_cycle_ms"], e["measured_device_ms"], True)
     return {key: (statistics.median(v), len(v)) for key, v in ratios.items()}
-
-
-class _NoModel:
-    """Stands in for a profile where only the corrections' arithmetic is replayed."""
-
-    num_layers, total_sms = 1, 1
 
 
 def weighed_graph_steps(timeline: str) -> bool:

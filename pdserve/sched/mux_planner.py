@@ -94,6 +94,17 @@ class LatencyModel(Protocol):
                       ) -> float: ...
 
 
+@dataclass(frozen=True)
+class _NoModel:
+    """What ``OnlineCalibration`` reads of a model, where it only learns."""
+
+    num_layers: int = 0
+    total_sms: int = 0
+
+
+_NO_MODEL = _NoModel()
+
+
 class OnlineCalibration:
     """A latency model whose mixed-step and co-running decode predictions follow what the
     engine measures.
@@ -149,6 +160,12 @@ class OnlineCalibration:
         self.decode_correction = 1.0  # co-running decode steps
         self.prefill_corrections: dict[str, float] = {}  # by ``option_key``
         self.prefill_pieces: dict[str, int] = {}
+
+    @classmethod
+    def learning_only(cls, **kwargs) -> OnlineCalibration:
+        """A calibration that learns from (predicted, measured) pairs with no profile to
+        predict from: the offline replays of a run's corrections."""
+        return cls(_NO_MODEL, **kwargs)
 
     def predict(self, phase: str, num_tokens: int, context_tokens: int, batch_size: int,
                 sms: int, co_running: bool = False, num_layers: int | None = None) -> float:

@@ -511,7 +511,7 @@ def correction_trajectory(timeline: list[dict], start: tuple[float, float],
     decisions record 1.0, so it is carried over them); the graph one is not recorded and
     is rebuilt by ``OnlineCalibration``'s rule over the graph steps' device times (on
     8ccd9ac it lands on the value the engine reported after the replay)."""
-    rebuilt = OnlineCalibration(_NoModel())
+    rebuilt = OnlineCalibration.learning_only()
     rebuilt.mixed_correction, rebuilt.graph_mixed_correction = start
     origin, trajectory = timeline[0]["time"], []
     for entry in timeline:
@@ -558,9 +558,3 @@ def timeline_stalls(timeline: list[dict], over: float) -> list[tuple[float, floa
     return [(e["time"] - start, (e["measured_device_ms"] - e["predicted_cycle_ms"]) / 1e3)
             for e in timeline if e["predicted_cycle_ms"] > 0
             and e["measured_device_ms"] > over * e["predicted_cycle_ms"]]
-
-
-class _NoModel:
-    """What ``OnlineCalibration`` needs of a model to learn without predicting."""
-
-    num_layers, total_sms = 0, 0
