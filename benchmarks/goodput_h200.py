@@ -74,6 +74,7 @@ from pdserve.bench.metrics import sample_attainment  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.bench.runner import RunContext, SloOptions, run_at_rate, warm_up  # noqa: E402
 from pdserve.bench.spec import WorkloadSpec, parse_spec  # noqa: E402
+from pdserve.bench.timeline import load_engine_timeline  # noqa: E402
 from pdserve.bench.workloads import BenchError, salted, workload_stats  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "goodput_h200"
@@ -796,8 +797,7 @@ def budget_use_lines(results: Path) -> list[str]:
         itl = itl_target(config) if config in CONFIGS else None
         if itl is None:
             continue
-        with gzip.open(timeline, "rt") as f:
-            use = budget_use(json.load(f), itl)
+        use = budget_use(load_engine_timeline(timeline), itl)
         if use is not None:
             probe, repeat = record["probe"], path.stem.partition("__rep")[2]
             rate = f"{probe['rate']:g}" + (f" (run {repeat})" if repeat else "")

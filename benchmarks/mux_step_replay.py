@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import dataclasses
-import gzip
 import json
 import shlex
 import sys
@@ -63,6 +62,7 @@ from benchmarks.sim_goodput_probes import attainment, measured_rows  # noqa: E40
 from benchmarks.sim_validate_instance import latency_rows  # noqa: E402
 from benchmarks.validate_sim import percentiles  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.bench.timeline import load_engine_timeline as load_timeline  # noqa: E402
 from pdserve.sched.mux_planner import MuxPlanner, OnlineCalibration  # noqa: E402
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
 from pdserve.sim.mux_steps import (  # noqa: E402
@@ -384,11 +384,6 @@ def _errors(row: dict) -> str:
 def _timeline_of(validation: Path) -> Path:
     """Where ``sim_validate_instance.py`` commits a run's replay timeline, beside it."""
     return validation.with_name(validation.stem + "_multiplex_timeline_replay.json.gz")
-
-
-def load_timeline(path: Path) -> list[dict]:
-    with gzip.open(path, "rt") as f:
-        return json.load(f)
 
 
 def _predictor_of(schedule: dict) -> str:

@@ -27,7 +27,6 @@ pieces, each piece's measured time over its predicted one (``"kind": "measuremen
 from __future__ import annotations
 
 import argparse
-import gzip
 import itertools
 import json
 import os
@@ -42,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
 
+from pdserve.bench.timeline import load_engine_timeline as load_timeline  # noqa: E402
 from pdserve.bench.timeline import (  # noqa: E402
     mixed_runs,
     piece_times,
@@ -580,13 +580,6 @@ def graph_replay(args: argparse.Namespace) -> int:
 def comma_paths(text: str) -> list[str]:
     """The paths of a comma-separated flag value."""
     return [p for p in text.split(",") if p]
-
-
-def load_timeline(path: str) -> list[dict]:
-    """An engine timeline's entries, from JSON or gzipped JSON."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
 
 
 def _run_of(timeline: str) -> dict:

@@ -8,9 +8,12 @@ reports it); ``JsonTimeline`` reads a flat JSON object of numbers from any endpo
 from __future__ import annotations
 
 import asyncio
+import gzip
+import json
 import math
 import re
 import time
+from pathlib import Path
 from typing import Protocol
 
 import aiohttp
@@ -228,3 +231,11 @@ def _quantiles(values: list[float]) -> dict:
     rank = lambda q: ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
     return {"n": len(ordered), "measured_over_predicted_p50": round(rank(0.5), 3),
             "measured_over_predicted_p90": round(rank(0.9), 3)}
+
+
+def load_engine_timeline(path: str | Path) -> list[dict]:
+    """An engine timeline's entries (``EngineCore.timeline()``, as the benchmarks keep it),
+    from JSON or gzipped JSON."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
