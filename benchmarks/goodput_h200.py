@@ -163,6 +163,15 @@ CONFIGS["multiplex-temporal-graph-floor-itl60"] = (
 # eager mixed steps out for the rest of the run; docs/cluster.md).
 CONFIGS["multiplex-graph-floor-window32-itl60"] = (
     CONFIGS["multiplex-graph-floor-itl60"] + " --mux-correction-window 32")
+# The guards against a correction locking a path out: a step or piece over 3x its prediction
+# teaches nothing (a stall), a correction not observed halves its deviation from the
+# profile over 100 observations of the others (at 6f2d50e, ShareGPT-like 18 req/s, slow
+# first steps priced eager mixed steps out for the whole run on three fresh servers); alone,
+# and with the converging prefill rule, whose 18 req/s probe the lock-out confounded.
+GUARDS = " --mux-stall-ratio 3 --mux-correction-half-life 100"
+CONFIGS["multiplex-graph-floor-guarded-itl60"] = CONFIGS["multiplex-graph-floor-itl60"] + GUARDS
+CONFIGS["multiplex-graph-floor-guarded-converging-itl60"] = (
+    CONFIGS["multiplex-graph-floor-converging-itl60"] + GUARDS)
 # SLO-aware admission order (--prefill-order slo) against the same config in arrival order.
 # The deadline is the workload's own TTFT SLO (``{ttft_slo_ms}``: one server per workload).
 # On multiplex --ttft-slo-ms also caps a new batch by the oldest prompt's slack, so the

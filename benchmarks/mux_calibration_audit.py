@@ -423,27 +423,65 @@ def audit_records(path: str, predictor, mixed: list[float], prefill: list[float]
     return row
 
 
+def stall_census(entries: list[dict], ratio: float) -> dict:
+    """How a run's mixed steps (device time) and co-running prefill pieces (host time, the
+    option's correction in force included) compare with what the plan predicted for them:
+    how many took over ``ratio`` times it (``--mux-stall-ratio``'s stalls, each listed with
+    its time into the run) and how many 1.5x to ``ratio``x (rates a guard must still learn)."""
+    start = entries[0]["time"] if entries else 0.0
+    out = {kind: {"observed": 0, "between_1.5x_and_ratio": 0, "stalls": []}
+           for kind in ("mixed", "piece")}
+    for entry in entries:
+        observed = _observed_ratio(entry)
+        if observed is None:
+            continue
+        kind, measured_over_predicted = observed
+        row = out[kind]
+        row["observed"] += 1
+        if measured_over_predicted > ratio:
+            row["stalls"].append({"t_s": round(entry["time"] - start, 2),
+                                  "ratio": round(measured_over_predicted, 1)})
+        elif measured_over_predicted > 1.5:
+            row["between_1.5x_and_ratio"] += 1
+    return out
+
+
+def _observed_ratio(entry: dict) -> tuple[str, float] | None:
+    """(what the engine's calibration learns it as, measured over predicted) of a timeline
+    entry; None where it teaches no correction."""
+    if entry["mode"] == "temporal" and entry["predicted_cycle_ms"] > 0 \
+            and entry.get("measured_device_ms", 0) > 0:
+        return "mixed", entry["measured_device_ms"] / entry["predicted_cycle_ms"]
+    predicted = entry.get("predicted_piece_ms", 0) * entry.get("prefill_calibration", 1.0)
+    if entry["mode"] != "prefill_only" and predicted > 0 and entry.get("measured_piece_ms", 0) > 0:
+        return "piece", entry["measured_piece_ms"] / predicted
+    return None
+
+
 def eager_window_replay(entries: list[dict], start: float, windows: list[int],
-                        graph_step_tokens: int) -> dict:
+                        graph_step_tokens: int, stall_ratio: float = 0.0) -> dict:
     """The eager mixed-step correction over a run's recorded eager steps (device time over
     the profile's prediction, the correction in force divided out), as the engine's
     moving rule (window 0) and each median window (``--mux-correction-window``) would have
-    learned it from ``start`` (the engine's after its probes): its largest and last value.
-    The steps are the ones the recorded run chose."""
+    learned it from ``start`` (the engine's after its probes): its largest and last value;
+    with a ``stall_ratio`` each also as ``--mux-stall-ratio`` would have guarded it. The
+    steps are the ones the recorded run chose."""
     eager = [e for e in entries if timeline_kind(e, graph_step_tokens) == "eager"
              and e["measured_device_ms"] > 0 and e["predicted_cycle_ms"] > 0]
     out = {"eager_steps": len(eager),
            "recorded_last": round(eager[-1]["calibration"], 3) if eager else None}
     for window in windows:
-        calibration = OnlineCalibration.learning_only(window=window)
-        calibration.mixed_correction, values = start, []
-        for entry in eager:
-            raw = entry["predicted_cycle_ms"] / entry["calibration"]
-            calibration.observe_mixed(raw * calibration.mixed_correction,
-                                      entry["measured_device_ms"])
-            values.append(calibration.mixed_correction)
-        out[f"window_{window}"] = {"max": round(max(values, default=start), 3),
-                                   "last": round(values[-1] if values else start, 3)}
+        for guard in sorted({0.0, stall_ratio}):
+            calibration = OnlineCalibration.learning_only(window=window, stall_ratio=guard)
+            calibration.mixed_correction, values = start, []
+            for entry in eager:
+                raw = entry["predicted_cycle_ms"] / entry["calibration"]
+                calibration.observe_mixed(raw * calibration.mixed_correction,
+                                          entry["measured_device_ms"])
+                values.append(calibration.mixed_correction)
+            label = f"window_{window}" + (f"_stall_{guard:g}" if guard else "")
+            out[label] = {"max": round(max(values, default=start), 3),
+                          "last": round(values[-1] if values else start, 3)}
     return out
 
 
@@ -476,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(0: the moving rule), comma-separated")
     parser.add_argument("--eager-start", type=float, default=1.0,
                         help="the eager correction the engine started the timeline with")
+    parser.add_argument("--stall-ratio", type=float, default=0.0,
+                        help="count each timeline's observations over this many times their "
+                        "prediction (--mux-stall-ratio), and replay the eager windows guarded")
     parser.add_argument("--graph-step-tokens", type=int, default=256)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -494,8 +535,11 @@ def main(argv: list[str] | None = None) -> int:
         windows = [int(x) for x in args.eager_windows.split(",")]
         result["eager_window_replay"] = {
             p: eager_window_replay(load_timeline(p), args.eager_start, windows,
-                                   args.graph_step_tokens)
+                                   args.graph_step_tokens, args.stall_ratio)
             for p in comma_paths(args.timelines)}
+    if args.stall_ratio:
+        result["stall_census"] = {p: stall_census(load_timeline(p), args.stall_ratio)
+                                  for p in comma_paths(args.timelines)}
     if args.mixed_bench:
         result["mixed_bench"] = {"path": args.mixed_bench,
                                  "cases": mixed_bench(args.mixed_bench, predictor)}

@@ -140,6 +140,14 @@ class SchedulerConfig:
                                      "of its last N measured over profiled times, so a short "
                                      "run of slow steps moves none of them (overrides "
                                      "--mux-prefill-correction; 0: off, the moving rules).")
+    mux_correction_half_life: int = doc(0, "multiplex: an online correction not observed "
+                                        "relaxes towards the profile, its deviation halving "
+                                        "over N observations of the others, so an option a "
+                                        "few slow steps priced out is tried again (0: off).")
+    mux_stall_ratio: float = doc(0.0, "multiplex: a step or piece that took more than this "
+                                 "many times its prediction is a stall (kernels compiled on "
+                                 "first use, a host pause), not its option's rate: no "
+                                 "correction learns from it (> 1; 0: off).")
     mux_allow_unprofiled: bool = doc(False, "multiplex: answer the SM splits a fitted profile "
                                       "never timed with the roofline model, instead of "
                                       "stopping at start-up with the groups it lacks.")
@@ -168,6 +176,11 @@ class SchedulerConfig:
         if self.mux_correction_window < 0:
             raise ValueError(f"--mux-correction-window {self.mux_correction_window}: must be "
                              ">= 0 (0: off)")
+        if self.mux_correction_half_life < 0:
+            raise ValueError(f"--mux-correction-half-life {self.mux_correction_half_life}: "
+                             "must be >= 0 (0: off)")
+        if self.mux_stall_ratio != 0.0 and self.mux_stall_ratio <= 1.0:
+            raise ValueError(f"--mux-stall-ratio {self.mux_stall_ratio}: must be > 1 (0: off)")
         if self.mux_graph_step_tokens is not None and self.mux_graph_step_tokens < 0:
             raise ValueError(f"--mux-graph-step-tokens {self.mux_graph_step_tokens}: must be "
                              ">= 0")

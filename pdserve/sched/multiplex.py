@@ -162,9 +162,7 @@ class MultiplexScheduler(InFlightScheduler):
 
         The planners see it through an ``OnlineCalibration`` that mixed steps correct."""
         self.predictor = predictor
-        self.model = OnlineCalibration(predictor,
-                                       prefill_rule=self.config.mux_prefill_correction,
-                                       window=self.config.mux_correction_window)
+        self.model = OnlineCalibration.from_config(predictor, self.config)
         self._overrides = planner_overrides
         self.planner = MuxPlanner(self.model, self.partitions.decode_sm_choices(),
                                   self._planner_config(), self.partitions.total_sms)
@@ -195,6 +193,7 @@ class MultiplexScheduler(InFlightScheduler):
                 "prefill_pieces": self.model.describe_prefill(),
                 "prefill_rule": self.model.prefill_rule,
                 "correction_window": self.model.window,
+                "guards": self.model.describe_guards(),
                 "switch_margin": self.planner.config.switch_margin,
                 "decisions_held_by_switch_margin": self.held_decisions}
 

@@ -136,20 +136,37 @@ class OnlineCalibration:
     (8ccd9ac) three eager mixed steps at 1.07-1.41x their prediction, after ~300 as
     predicted, raised the eager correction from 1.00 to 1.11; the planner stopped choosing
     eager steps, so no later step could bring it back.
+
+    Two guards against that lock-out (``--mux-stall-ratio``, ``--mux-correction-half-life``).
+    A step or piece over ``stall_ratio`` times its corrected prediction is a stall, not a
+    rate, and teaches nothing: at 6f2d50e a fresh server's first eager mixed steps took
+    796 and 645 ms where 51-54 ms were predicted, and even at 1.25x a step they lifted the
+    eager correction 1.05 -> 1.20 for the rest of the run. With a ``half_life`` every
+    factor not observed relaxes towards the profile (in log space, its deviation halving
+    over ``half_life`` observations of the others), so a path priced out is tried again
+    and relearned if it really is slower: at 6f2d50e (ShareGPT-like, 18 req/s) four eager
+    steps at 1.4-1.5x kept 256-token eager steps over the budget for 48 s; the planner ran
+    graph steps of 115 prompt tokens, launch-bound at ~35 ms (3.3K tokens/s against 5.5K).
     """
 
     MIN_WINDOW = 3  # ratios a window needs before its median is trusted
 
     def __init__(self, model: LatencyModel, weight: float = 0.2,
                  bounds: tuple[float, float] = (0.5, 2.0), step_limit: float = 1.25,
-                 prefill_rule: str = "compounding", window: int = 0):
+                 prefill_rule: str = "compounding", window: int = 0, half_life: int = 0,
+                 stall_ratio: float = 0.0):
         if prefill_rule not in PREFILL_RULES:
             raise ValueError(f"prefill correction rule {prefill_rule!r}: expected one of "
                              f"{', '.join(PREFILL_RULES)}")
-        if window < 0:
-            raise ValueError(f"correction window {window}: must be >= 0 (0: off)")
+        if window < 0 or half_life < 0:
+            raise ValueError(f"correction window {window}, half-life {half_life}: must be "
+                             ">= 0 (0: off)")
+        if stall_ratio and stall_ratio <= 1.0:
+            raise ValueError(f"stall ratio {stall_ratio}: must be > 1 (0: off)")
         self.model, self.weight, self.bounds = model, weight, bounds
         self.step_limit, self.prefill_rule, self.window = step_limit, prefill_rule, window
+        self.half_life, self.stall_ratio = half_life, stall_ratio
+        self.stalls_ignored: dict[str, int] = {}  # by factor
         self._ratios: dict[str, deque[float]] = {}  # by factor, with a window
         self.num_layers, self.total_sms = model.num_layers, model.total_sms
         self.mixed_correction = 1.0
@@ -160,6 +177,14 @@ class OnlineCalibration:
         self.decode_correction = 1.0  # co-running decode steps
         self.prefill_corrections: dict[str, float] = {}  # by ``option_key``
         self.prefill_pieces: dict[str, int] = {}
+
+    @classmethod
+    def from_config(cls, model: LatencyModel, config) -> OnlineCalibration:
+        """The calibration a ``SchedulerConfig``'s correction flags ask for."""
+        return cls(model, prefill_rule=config.mux_prefill_correction,
+                   window=config.mux_correction_window,
+                   half_life=config.mux_correction_half_life,
+                   stall_ratio=config.mux_stall_ratio)
 
     @classmethod
     def learning_only(cls, **kwargs) -> OnlineCalibration:
@@ -186,17 +211,21 @@ class OnlineCalibration:
                       ) -> None:
         """``predicted_ms``: what ``predict_mixed`` (``graph``: ``predict_graph_mixed``) said
         for the step that ran."""
+        key = "graph_mixed" if graph else "mixed"
+        if not self._teaches(key, predicted_ms, measured_ms):
+            return
         if graph:
             self.graph_mixed_correction = self._learned(
-                "graph_mixed", self.graph_mixed_correction, predicted_ms, measured_ms)
+                key, self.graph_mixed_correction, predicted_ms, measured_ms)
         else:
-            self.mixed_correction = self._learned("mixed", self.mixed_correction,
-                                                  predicted_ms, measured_ms)
+            self.mixed_correction = self._learned(key, self.mixed_correction, predicted_ms,
+                                                  measured_ms)
 
     def observe_decode(self, predicted_ms: float, measured_ms: float) -> None:
         """A co-running decode step; ``predicted_ms``: what ``predict`` said for it."""
-        self.decode_correction = self._learned("decode", self.decode_correction, predicted_ms,
-                                               measured_ms)
+        if self._teaches("decode", predicted_ms, measured_ms):
+            self.decode_correction = self._learned("decode", self.decode_correction,
+                                                   predicted_ms, measured_ms)
 
     def prefill_correction(self, option: str | None) -> float:
         """Measured over predicted time of ``option``'s prefill pieces (1.0: none seen)."""
@@ -224,6 +253,8 @@ class OnlineCalibration:
         prediction, as mixed steps and decode steps do, so the factor settles on the
         pieces' measured over predicted time."""
         factor = self.prefill_correction(option)
+        if not self._teaches(f"prefill:{option}", predicted_ms * factor, measured_ms):
+            return
         if self.window:
             learned = self._learned(f"prefill:{option}", factor, predicted_ms * factor,
                                     measured_ms)
@@ -238,6 +269,33 @@ class OnlineCalibration:
         """Each option's prefill correction and the pieces it learned from."""
         return {option: {"correction": round(factor, 4), "pieces": self.prefill_pieces[option]}
                 for option, factor in sorted(self.prefill_corrections.items())}
+
+    def describe_guards(self) -> dict:
+        """The lock-out guards in force and the stalls they kept out, by factor."""
+        return {"half_life": self.half_life, "stall_ratio": self.stall_ratio,
+                "stalls_ignored": dict(sorted(self.stalls_ignored.items()))}
+
+    def _teaches(self, key: str, corrected_ms: float, measured_ms: float) -> bool:
+        """Whether factor ``key`` learns from this observation (not a stall); every other
+        factor relaxes one observation's worth towards the profile."""
+        if self.stall_ratio and corrected_ms > 0 and measured_ms > self.stall_ratio * corrected_ms:
+            self.stalls_ignored[key] = self.stalls_ignored.get(key, 0) + 1
+            return False
+        if self.half_life:
+            self._relax_all_but(key, 0.5 ** (1.0 / self.half_life))
+        return True
+
+    def _relax_all_but(self, key: str, keep: float) -> None:
+        """Every factor but ``key`` with its log deviation from 1 times ``keep``."""
+        if key != "mixed":
+            self.mixed_correction **= keep
+        if key != "graph_mixed":
+            self.graph_mixed_correction **= keep
+        if key != "decode":
+            self.decode_correction **= keep
+        for option, factor in self.prefill_corrections.items():
+            if key != f"prefill:{option}":
+                self.prefill_corrections[option] = factor ** keep
 
     def _learned(self, key: str, factor: float, corrected_ms: float, measured_ms: float
                  ) -> float:

@@ -385,8 +385,7 @@ def calibrated(predictor, corrections: dict | None, server_args: str = "") -> On
     1.0), learning by the rules ``server_args`` name (``--mux-prefill-correction``,
     ``--mux-correction-window``)."""
     sched = scheduler_config(server_args)
-    model = OnlineCalibration(predictor, prefill_rule=sched.mux_prefill_correction,
-                              window=sched.mux_correction_window)
+    model = OnlineCalibration.from_config(predictor, sched)
     corrections = corrections or {}
     model.mixed_correction = corrections.get("mixed_steps", 1.0)
     model.graph_mixed_correction = corrections.get("graph_mixed_steps", 1.0)

@@ -134,6 +134,13 @@ def test_the_floor_configs_differ_only_by_the_floor_from_what_they_are_compared_
     window = _flags(configs["multiplex-graph-floor-window32-itl60"])
     assert window.pop("--mux-correction-window") == "32"
     assert window == _flags(configs["multiplex-graph-floor-itl60"])
+    for guarded, plain in [("multiplex-graph-floor-guarded-itl60", "multiplex-graph-floor-itl60"),
+                           ("multiplex-graph-floor-guarded-converging-itl60",
+                            "multiplex-graph-floor-converging-itl60")]:
+        flags = _flags(configs[guarded])
+        assert (flags.pop("--mux-stall-ratio"), flags.pop("--mux-correction-half-life")) == (
+            "3", "100")
+        assert flags == _flags(configs[plain])
     temporal = _flags(configs["multiplex-temporal-graph-floor-itl60"])
     assert temporal.pop("--mux-sharing") == "temporal"
     assert temporal == _flags(configs["multiplex-graph-floor-itl60"])

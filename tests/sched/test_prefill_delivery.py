@@ -407,3 +407,77 @@ def test_the_correction_window_is_a_flag_the_engine_uses():
               mux_correction_window=32)
     assert llm.engine.scheduler.model.window == 32
     assert llm.engine.describe()["calibration"]["correction_window"] == 32
+
+
+# --- guards against a correction locking a path out (--mux-stall-ratio, -half-life) -------
+
+def _guarded(half_life: int = 0, stall_ratio: float = 0.0) -> OnlineCalibration:
+    return OnlineCalibration(SimpleNamespace(num_layers=LAYERS, total_sms=132),
+                             half_life=half_life, stall_ratio=stall_ratio)
+
+
+def test_a_stall_teaches_no_correction():
+    """6f2d50e, a fresh server (ShareGPT-like, 18 req/s): eager mixed steps of 87.9, 796.5
+    and 645.5 ms where ~52 ms were predicted (kernels compiled on first use) lifted the eager
+    correction 1.05 -> 1.19, at the step limit each; over 3x the prediction is a stall."""
+    plain, guarded = _guarded(), _guarded(stall_ratio=3.0)
+    for model in (plain, guarded):
+        _eager_steps(model, [87.9 / 53.6, 796.5 / 50.8, 645.5 / 53.6])
+    assert plain.mixed_correction > 1.14
+    assert guarded.mixed_correction == pytest.approx(_guarded()._moved(1.0, 53.6, 87.9))
+    assert guarded.describe_guards()["stalls_ignored"] == {"mixed": 2}
+    guarded.observe_prefill("time_slice", 40.0, 40.0 * 3.5)  # pieces are guarded too
+    assert guarded.prefill_correction("time_slice") == 1.0
+
+
+def test_a_correction_not_observed_relaxes_towards_the_profile():
+    model = _guarded(half_life=100)
+    model.mixed_correction, model.decode_correction = 1.2, 0.8
+    model.prefill_corrections["spatial:64"] = 0.5
+    for _ in range(100):  # graph steps as predicted: their own factor stays learned
+        model.observe_mixed(30.0 * model.graph_mixed_correction, 30.0 * 0.94, graph=True)
+    assert model.mixed_correction == pytest.approx(1.2 ** 0.5)
+    assert model.decode_correction == pytest.approx(0.8 ** 0.5)
+    assert model.prefill_correction("spatial:64") == pytest.approx(0.5 ** 0.5)
+    assert model.graph_mixed_correction == pytest.approx(0.94, rel=0.01)
+    off = _guarded()
+    off.mixed_correction = 1.2
+    off.observe_mixed(30.0, 30.0, graph=True)
+    assert off.mixed_correction == 1.2
+
+
+def test_relaxing_brings_back_the_eager_steps_a_few_slow_ones_priced_out(profile_d698fcb):
+    """The 6f2d50e course at 18 req/s: four eager steps at 1.4-1.5x lifted the eager
+    correction to 1.2; beside ~140 decodes the planner then ran graph steps of 116 prompt
+    tokens (launch-bound, ~35 ms) for the rest of the run. With a half-life the eager
+    factor relaxes while the graph steps run, and 256-token eager steps fit again."""
+    config = MuxPlannerConfig(itl_slo_ms=ITL, max_prefill_tokens=24576, temporal=True,
+                              time_slice=False, spatial=False, graph_step_tokens=256,
+                              mixed_floor_tokens=256)
+    decode, waiting = DecodeLoad(140, 140 * 600), [PrefillRequest(340)] * 10
+    chunks = {}
+    for half_life in (0, 100):
+        model = OnlineCalibration(profile_d698fcb, half_life=half_life)
+        model.mixed_correction = 1.2
+        plan_with = MuxPlanner(model, [], config)
+        for _ in range(200):
+            plan = plan_with.plan(decode, waiting)
+            model.observe_mixed(plan.decode_ms, plan.decode_ms,
+                                graph=plan_with.on_graphs(plan.prefill.num_tokens, 140))
+        chunks[half_life] = plan.prefill.num_tokens
+    assert chunks[0] == 116
+    assert chunks[100] >= 192
+
+
+def test_the_lock_out_guards_are_flags_the_engine_uses():
+    from pdserve.config import SchedulerConfig
+    from pdserve.engine.llm import LLM
+
+    with pytest.raises(ValueError, match="--mux-stall-ratio 0.5"):
+        SchedulerConfig(schedule="multiplex", mux_stall_ratio=0.5)
+    with pytest.raises(ValueError, match="--mux-correction-half-life -1"):
+        SchedulerConfig(schedule="multiplex", mux_correction_half_life=-1)
+    llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline",
+              mux_correction_half_life=100, mux_stall_ratio=3.0)
+    guards = llm.engine.describe()["calibration"]["guards"]
+    assert guards == {"half_life": 100, "stall_ratio": 3.0, "stalls_ignored": {}}
