@@ -146,7 +146,7 @@ class OnlineCalibration:
     over ``half_life`` observations of the others), so a path priced out is tried again
     and relearned if it really is slower: at 6f2d50e (ShareGPT-like, 18 req/s) four eager
     steps at 1.4-1.5x kept 256-token eager steps over the budget for 48 s; the planner ran
-    graph steps of 115 prompt tokens, launch-bound at ~35 ms (3.3K tokens/s against 5.5K).
+    graph steps of 115 prompt tokens at ~35 ms each (3.3K tokens/s against 5.5K).
     """
 
     MIN_WINDOW = 3  # ratios a window needs before its median is trusted

@@ -449,7 +449,7 @@ def test_a_correction_not_observed_relaxes_towards_the_profile():
 def test_relaxing_brings_back_the_eager_steps_a_few_slow_ones_priced_out(profile_d698fcb):
     """The 6f2d50e course at 18 req/s: four eager steps at 1.4-1.5x lifted the eager
     correction to 1.2; beside ~140 decodes the planner then ran graph steps of 116 prompt
-    tokens (launch-bound, ~35 ms) for the rest of the run. With a half-life the eager
+    tokens (~35 ms each) for the rest of the run. With a half-life the eager
     factor relaxes while the graph steps run, and 256-token eager steps fit again."""
     config = MuxPlannerConfig(itl_slo_ms=ITL, max_prefill_tokens=24576, temporal=True,
                               time_slice=False, spatial=False, graph_step_tokens=256,
