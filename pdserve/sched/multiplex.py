@@ -92,6 +92,9 @@ class TimelineEntry:
     prefill_calibration: float = 1.0
     weighed_tokens_per_s: float = 0.0
     held_over: str = ""  # the option the switch margin kept this decision from ("": none)
+    # The best option not chosen and the rate it was weighed by ("", 0: none feasible).
+    runner_up: str = ""
+    runner_up_tokens_per_s: float = 0.0
     # This decision launched a prefill piece: its predicted time from issue to completion
     # (a time-slice piece queues behind its decode step: the whole cycle) and the host's
     # measured one, filled in when the piece completes.
@@ -497,7 +500,8 @@ class MultiplexScheduler(InFlightScheduler):
             prefill_context_tokens=plan.prefill.context_tokens if plan.prefill else 0,
             committed_tokens_per_s=plan.committed_tokens_per_s,
             prefill_calibration=plan.prefill_calibration,
-            weighed_tokens_per_s=plan.weighed_tokens_per_s, held_over=plan.held_over or "")
+            weighed_tokens_per_s=plan.weighed_tokens_per_s, held_over=plan.held_over or "",
+            runner_up=plan.runner_up or "", runner_up_tokens_per_s=plan.runner_up_tokens_per_s)
         self._timeline.append(entry)
         self.held_decisions += bool(plan.held_over)
         note = self.decode_work.note if self.decode_work is not None else None

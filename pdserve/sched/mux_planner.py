@@ -410,6 +410,10 @@ class MuxPlan:
     weighed_tokens_per_s: float = field(default=0.0, compare=False)
     # The option rule 4 kept this plan over (the one the rates alone would pick), if any.
     held_over: str | None = field(default=None, compare=False)
+    # The best feasible option not chosen and the rate it was weighed by (None, 0: none):
+    # why an option won is read from the timeline against what it beat.
+    runner_up: str | None = field(default=None, compare=False)
+    runner_up_tokens_per_s: float = field(default=0.0, compare=False)
 
     @property
     def option(self) -> str | None:
@@ -511,7 +515,8 @@ class MuxPlanner:
             chosen = max(feasible, key=lambda p: p.weighed_tokens_per_s)
             free = max(feasible, key=_delivered)
             held = chosen.option == incumbent != free.option and chosen.held_over is None
-            return replace(chosen, held_over=free.option) if held else chosen
+            return _with_runner_up(replace(chosen, held_over=free.option) if held else chosen,
+                                   feasible)
         return min(self._fallbacks(decode, waiting, in_flight), key=lambda p: p.cycle_ms)
 
     def options(self, decode: DecodeLoad | None, waiting: Sequence[PrefillRequest] = (),
@@ -1038,6 +1043,16 @@ def piece_predicted_ms(plan: MuxPlan) -> float:
     if plan.mode == MuxMode.TIME_SLICE:
         return plan.cycle_ms
     return plan.prefill.predicted_ms if plan.prefill is not None else 0.0
+
+
+def _with_runner_up(chosen: MuxPlan, weighed: Sequence[MuxPlan]) -> MuxPlan:
+    """``chosen`` with the best other option of ``weighed`` named as its runner-up."""
+    others = [p for p in weighed if p.option != chosen.option]
+    if not others:
+        return chosen
+    best = max(others, key=lambda p: p.weighed_tokens_per_s)
+    return replace(chosen, runner_up=best.option,
+                   runner_up_tokens_per_s=best.weighed_tokens_per_s)
 
 
 def _delivered(plan: MuxPlan) -> float:

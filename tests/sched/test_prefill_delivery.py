@@ -23,6 +23,7 @@ from pdserve.sched.mux_planner import (
     MuxPlannerConfig,
     OnlineCalibration,
     PrefillRequest,
+    option_key,
     piece_predicted_ms,
 )
 from pdserve.sched.predictor import LatencyPredictor
@@ -65,6 +66,18 @@ def test_spatial_pieces_slower_than_predicted_hand_the_prompt_to_time_slicing(fi
     assert chosen[-10:] == ["time_slice"] * 10
     assert model.prefill_correction("spatial:24") > 1.2
     assert model.prefill_correction("time_slice") == pytest.approx(1.0)
+
+
+def test_a_plan_names_the_option_it_beat_and_that_option_s_rate(fitted):
+    model = OnlineCalibration(fitted)
+    plan = planner(model).plan(DECODE, PROMPT)
+    rivals = {p.option: p.weighed_tokens_per_s
+              for p in planner(model).options(DECODE, PROMPT) if p.meets_slo}
+    assert plan.option == "spatial:24" and plan.runner_up in rivals
+    assert plan.runner_up != plan.option
+    assert plan.runner_up_tokens_per_s == max(rate for option, rate in rivals.items()
+                                              if option != plan.option)
+    assert plan.runner_up_tokens_per_s <= plan.weighed_tokens_per_s
 
 
 def test_spatial_pieces_that_run_as_predicted_keep_spatial(fitted):
@@ -253,6 +266,13 @@ def test_a_served_run_reports_every_piece_in_its_timeline_and_engine_info():
                for e in sharing)
     learned = llm.engine.describe()["calibration"]["prefill_pieces"]
     assert sum(row["pieces"] for row in learned.values()) == len(sharing)
+    # Every sharing decision names what it beat, weighed no higher than itself (or held
+    # over it by the switch margin).
+    beaten = [e for e in sharing if e["runner_up"]]
+    assert beaten and all(e["runner_up"] != option_key(MuxMode(e["mode"]), e["decode_sms"])
+                          for e in beaten)
+    assert all(e["runner_up_tokens_per_s"] <= e["weighed_tokens_per_s"] or e["held_over"]
+               for e in beaten)
     assert all(0.5 <= row["correction"] <= 2.0 for row in learned.values())
 
 
