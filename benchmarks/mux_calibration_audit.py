@@ -54,6 +54,7 @@ from mux_whatif import (  # noqa: E402
     walk_prompt,
 )
 
+from pdserve.bench.timeline import piece_times, prefill_delivery  # noqa: E402
 from pdserve.config import PREFILL_RULES  # noqa: E402
 from pdserve.sched.mux_planner import DecodeLoad, MuxMode, OnlineCalibration  # noqa: E402
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
@@ -446,6 +447,16 @@ def stall_census(entries: list[dict], ratio: float) -> dict:
     return out
 
 
+def delivery_census(entries: list[dict]) -> dict:
+    """Per option of a run: its pieces' measured over predicted time and the prompt tokens
+    its batches delivered per second against the rate they were committed by (uncorrected):
+    where an option's pieces run as predicted but its batches deliver less, the gap lies
+    between the pieces, which no piece correction sees."""
+    pieces = piece_times(entries)
+    return {option: {"delivery": delivery, "pieces": pieces.get(option)}
+            for option, delivery in prefill_delivery(entries).items()}
+
+
 def _observed_ratio(entry: dict) -> tuple[str, float] | None:
     """(what the engine's calibration learns it as, measured over predicted) of a timeline
     entry; None where it teaches no correction."""
@@ -517,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-ratio", type=float, default=0.0,
                         help="count each timeline's observations over this many times their "
                         "prediction (--mux-stall-ratio), and replay the eager windows guarded")
+    parser.add_argument("--delivery", action="store_true",
+                        help="each timeline's delivery census: pieces against batches")
     parser.add_argument("--graph-step-tokens", type=int, default=256)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -537,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
             p: eager_window_replay(load_timeline(p), args.eager_start, windows,
                                    args.graph_step_tokens, args.stall_ratio)
             for p in comma_paths(args.timelines)}
+    if args.delivery:
+        result["delivery_census"] = {p: delivery_census(load_timeline(p))
+                                     for p in comma_paths(args.timelines)}
     if args.stall_ratio:
         result["stall_census"] = {p: stall_census(load_timeline(p), args.stall_ratio)
                                   for p in comma_paths(args.timelines)}

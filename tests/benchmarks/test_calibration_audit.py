@@ -115,3 +115,30 @@ def test_the_eager_window_replay_holds_where_the_moving_rule_rose(audit):
     assert replay["eager_steps"] == 33
     assert replay["window_0"]["last"] > 1.09
     assert replay["window_16"] == {"max": 1.03, "last": 1.03}
+
+
+def _mixed_entry(t: float, predicted: float, measured: float) -> dict:
+    return {"time": t, "mode": "temporal", "prefill_tokens": 384, "decode_batch": 8,
+            "predicted_cycle_ms": predicted, "calibration": 1.0,
+            "measured_device_ms": measured, "measured_cycle_ms": measured}
+
+
+def test_the_stall_census_lists_stalls_and_counts_slow_rates(audit):
+    entries = [_mixed_entry(100.0 + i * 0.05, 50.0, 50.0) for i in range(20)]
+    entries[3]["measured_device_ms"] = 800.0  # 16x: kernels compiled on first use
+    entries[9]["measured_device_ms"] = 90.0  # 1.8x: slow, but a rate
+    entries.append({"time": 102.0, "mode": "time_slice", "decode_sms": 132,
+                    "piece_launched": True, "prefill_calibration": 2.0,
+                    "predicted_piece_ms": 40.0, "measured_piece_ms": 200.0})  # 2.5x corrected
+    census = audit.stall_census(entries, 3.0)
+    assert census["mixed"] == {"observed": 20, "between_1.5x_and_ratio": 1,
+                               "stalls": [{"t_s": 0.15, "ratio": 16.0}]}
+    assert census["piece"] == {"observed": 1, "between_1.5x_and_ratio": 1, "stalls": []}
+
+
+def test_the_guarded_eager_replay_skips_the_stalls(audit):
+    entries = [_mixed_entry(float(i), 50.0, m) for i, m in enumerate([52.0, 800.0, 650.0, 51.0])]
+    replay = audit.eager_window_replay(entries, 1.0, [0], graph_step_tokens=256,
+                                       stall_ratio=3.0)
+    assert replay["window_0"]["last"] > replay["window_0_stall_3"]["last"] > 1.0
+    assert replay["window_0_stall_3"]["last"] < 1.02
