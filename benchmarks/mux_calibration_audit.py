@@ -55,7 +55,7 @@ from mux_whatif import (  # noqa: E402
 )
 
 from pdserve.bench.timeline import piece_times, prefill_delivery  # noqa: E402
-from pdserve.config import PREFILL_RULES  # noqa: E402
+from pdserve.config import PIECE_RULES  # noqa: E402
 from pdserve.sched.mux_planner import DecodeLoad, MuxMode, OnlineCalibration  # noqa: E402
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
 from pdserve.sim.mux_steps import timeline_kind  # noqa: E402
@@ -202,7 +202,7 @@ def replay_rules(pieces: list[tuple[float, float]], start: float) -> dict:
     the piece gave) and where the factor ended. The pieces are the ones the recorded rule's
     choices launched."""
     out = {}
-    for rule in PREFILL_RULES:
+    for rule in PIECE_RULES:
         calibration = OnlineCalibration.learning_only(prefill_rule=rule)
         calibration.prefill_corrections["option"] = start
         met = []
@@ -499,7 +499,7 @@ def eager_window_replay(entries: list[dict], start: float, windows: list[int],
 def rules_overall(timelines: dict) -> dict:
     """Per update rule, over every option of every timeline: pieces replayed, and those
     weighed more than 10% off what they delivered."""
-    totals = {rule: {"pieces": 0, "pieces_10pct_off": 0} for rule in PREFILL_RULES}
+    totals = {rule: {"pieces": 0, "pieces_10pct_off": 0} for rule in PIECE_RULES}
     for row in timelines.values():
         for option in row["prefill_corrections"].values():
             for rule, replayed in option["rules_replayed"].items():

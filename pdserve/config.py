@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # How multiplexing's per-option prefill corrections learn (``OnlineCalibration``).
-PREFILL_RULES = ("compounding", "converging")
+PIECE_RULES = ("compounding", "converging")  # the prefill correction rules learning from pieces
+PREFILL_RULES = (*PIECE_RULES, "delivery")
 # The order waiting prompts are admitted in (pdserve/sched/prefill_order.py).
 PREFILL_ORDERS = ("fcfs", "slo")
 
@@ -133,7 +134,11 @@ class SchedulerConfig:
                                       "'compounding' moves it by every piece's measured over "
                                       "predicted time (it drifts to a bound while pieces run "
                                       "a few percent off the profile); 'converging' moves it "
-                                      "towards that ratio, as the mixed-step correction does.",
+                                      "towards that ratio, as the mixed-step correction does; "
+                                      "'delivery' learns instead from each batch's prompt "
+                                      "tokens over its wall time, first piece to last, against "
+                                      "the rate it was chosen by (what happens between pieces "
+                                      "included).",
                                       choices=PREFILL_RULES)
     mux_correction_window: int = doc(0, "multiplex: each online correction (mixed steps, "
                                      "co-running decode, each option's prefill) is the median "

@@ -111,6 +111,11 @@ class PrefillProgress:
     num_tokens: int
     layers_done: int = 0  # layers launched (the last piece may still be running)
     carry: BatchCarry | None = None
+    # The sharing option that started it and the rate it was chosen by, from when: what
+    # the ``delivery`` correction rule compares the batch's wall time with.
+    option: str | None = None
+    committed_tokens_per_s: float = 0.0
+    started: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -414,7 +419,10 @@ class MultiplexScheduler(InFlightScheduler):
             return False
         self.launched(batch_plan)
         tokens = sum(s.num_new_tokens for s in batch_plan.prefills)
-        self.batch = PrefillProgress(batch_plan, tokens, carry=BatchCarry())
+        self.batch = PrefillProgress(batch_plan, tokens, carry=BatchCarry(),
+                                     option=plan.option,
+                                     committed_tokens_per_s=plan.committed_tokens_per_s,
+                                     started=time.monotonic())
         return True
 
     def _add_piece(self, works, plan: MuxPlan) -> None:
@@ -436,6 +444,7 @@ class MultiplexScheduler(InFlightScheduler):
         self.piece_work = None
         self._observe_piece(work.note, output)
         if work.final:
+            self._observe_delivery(self.batch)
             self.batch = None
             return self.complete(work.plan, output)
         return self._drop_aborted_batch()
@@ -468,6 +477,15 @@ class MultiplexScheduler(InFlightScheduler):
             note.entry.measured_piece_ms = output.elapsed_ms
         if note.option is not None:
             self.model.observe_prefill(note.option, note.predicted_ms, output.elapsed_ms)
+
+    def _observe_delivery(self, batch: PrefillProgress | None) -> None:
+        """A batch's last piece completed: its option learns what the batch delivered."""
+        if batch is None or batch.option is None:
+            return
+        seconds = time.monotonic() - batch.started
+        if seconds > 0:
+            self.model.observe_delivery(batch.option, batch.committed_tokens_per_s,
+                                        batch.num_tokens / seconds)
 
     def _drop_aborted_batch(self) -> list:
         aborted = self.drop_if_aborted(self.batch.plan)

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.sched.mux_planner import PREFILL_RULES, OnlineCalibration
+from pdserve.config import PIECE_RULES
+from pdserve.sched.mux_planner import OnlineCalibration
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -39,10 +40,10 @@ def _recorded(rule: str) -> list[dict]:
     return entries
 
 
-@pytest.mark.parametrize("rule", PREFILL_RULES)
+@pytest.mark.parametrize("rule", PIECE_RULES)
 def test_the_update_rule_is_read_off_the_recorded_corrections(audit, rule):
     found = audit.prefill_corrections(_recorded(rule))["time_slice"]["update_rule"]
-    other = next(r for r in PREFILL_RULES if r != rule)
+    other = next(r for r in PIECE_RULES if r != rule)
     assert found["steps_checked"] > 10
     assert found[f"match_{rule}"] == found["steps_checked"]
     assert found[f"match_{other}"] < found["steps_checked"] / 4

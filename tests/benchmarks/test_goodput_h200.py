@@ -141,6 +141,9 @@ def test_the_floor_configs_differ_only_by_the_floor_from_what_they_are_compared_
         assert (flags.pop("--mux-stall-ratio"), flags.pop("--mux-correction-half-life")) == (
             "3", "100")
         assert flags == _flags(configs[plain])
+    delivery = _flags(configs["multiplex-graph-floor-guarded-delivery-itl60"])
+    assert delivery.pop("--mux-prefill-correction") == "delivery"
+    assert delivery == _flags(configs["multiplex-graph-floor-guarded-itl60"])
     temporal = _flags(configs["multiplex-temporal-graph-floor-itl60"])
     assert temporal.pop("--mux-sharing") == "temporal"
     assert temporal == _flags(configs["multiplex-graph-floor-itl60"])

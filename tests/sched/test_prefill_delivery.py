@@ -501,3 +501,44 @@ def test_the_lock_out_guards_are_flags_the_engine_uses():
               mux_correction_half_life=100, mux_stall_ratio=3.0)
     guards = llm.engine.describe()["calibration"]["guards"]
     assert guards == {"half_life": 100, "stall_ratio": 3.0, "stalls_ignored": {}}
+
+
+# --- the delivery rule: batches, not pieces (--mux-prefill-correction delivery) ------------
+
+def test_the_delivery_rule_converges_on_committed_over_delivered_and_ignores_pieces():
+    model = OnlineCalibration(SimpleNamespace(num_layers=LAYERS, total_sms=132),
+                              prefill_rule="delivery")
+    for _ in range(40):
+        model.observe_prefill("time_slice", 40.0, 40.0 * 1.02)  # pieces near the profile
+        model.observe_delivery("time_slice", 6000.0, 6000.0 * 0.85)  # batches at 0.85
+    assert model.prefill_correction("time_slice") == pytest.approx(1 / 0.85, rel=0.01)
+    assert model.describe_prefill() == {
+        "time_slice": {"correction": round(model.prefill_correction("time_slice"), 4),
+                       "pieces": 0, "batches": 40}}
+    piecewise = OnlineCalibration(SimpleNamespace(num_layers=LAYERS, total_sms=132),
+                                  prefill_rule="converging")
+    piecewise.observe_delivery("time_slice", 6000.0, 3000.0)  # only the delivery rule learns
+    assert piecewise.prefill_correction("time_slice") == 1.0
+
+
+def test_a_served_batch_teaches_the_delivery_rule_once():
+    """The tiny model on the CPU: every prefill batch a sharing option started teaches its
+    option once, when its last piece completes."""
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.setup import EngineSetup
+    from pdserve.sampling_params import SamplingParams
+
+    llm = LLM("tiny", device="cpu", schedule="multiplex", max_num_batched_tokens=64,
+              mux_sharing="spatial,time_slice", mux_prefill_correction="delivery",
+              setup=EngineSetup(predictor=SharingModel(4)))
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (40, 150, 90, 200, 60)]
+    llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    first_decision: dict[tuple[int, int], str] = {}  # by batch: what its first piece ran as
+    for e in llm.engine.timeline():
+        if e["piece_launched"]:
+            first_decision.setdefault((e["prefill_tokens"], e["prefill_context_tokens"]),
+                                      e["mode"])
+    by_sharing = [mode for mode in first_decision.values() if mode in ("spatial", "time_slice")]
+    learned = llm.engine.describe()["calibration"]["prefill_pieces"]
+    assert by_sharing and all(row["pieces"] == 0 for row in learned.values())
+    assert sum(row["batches"] for row in learned.values()) == len(by_sharing)
