@@ -109,7 +109,9 @@ def prefill_batches(entries: list[dict]) -> list[dict]:
     on the whole GPU), with the prompt tokens it prefilled over the wall time it took and
     the rate the planner chose its first piece by.
 
-    A batch is a run of decisions with the same prefill tokens and cached context; it
+    A batch is a run of decisions with the same ``prefill_batch`` number (timelines that
+    predate it: the same prefill tokens; the planner's view of a batch's cached context can
+    move between its pieces, on the Mooncake trace from 0 to 512 after the first); it
     starts at its first decision and ends when its last piece was seen complete
     (``measured_piece_ms``, where the timeline has it) or else at the next decision that is
     not one of its own: then it counts up to one decode step after its last layer."""
@@ -135,11 +137,11 @@ def _batch_runs(entries: list[dict]):
         yield len(entries), run
 
 
-def _batch_key(entry: dict) -> tuple[int, int] | None:
+def _batch_key(entry: dict) -> int | None:
     if entry["mode"] not in (*SHARING_MODES, "prefill_only") or \
             entry.get("prefill_tokens", 0) <= 0:
         return None
-    return entry["prefill_tokens"], entry["prefill_context_tokens"]
+    return entry.get("prefill_batch") or entry["prefill_tokens"]
 
 
 def _batch_summary(group: list[dict], following: float | None) -> dict:

@@ -95,6 +95,9 @@ class TimelineEntry:
     # The best option not chosen and the rate it was weighed by ("", 0: none feasible).
     runner_up: str = ""
     runner_up_tokens_per_s: float = 0.0
+    # The prefill batch this decision ran a piece of (numbered from 1 per scheduler; 0:
+    # none): pieces of one batch share it, however the planner's view of its context moves.
+    prefill_batch: int = 0
     # This decision launched a prefill piece: its predicted time from issue to completion
     # (a time-slice piece queues behind its decode step: the whole cycle) and the host's
     # measured one, filled in when the piece completes.
@@ -116,6 +119,7 @@ class PrefillProgress:
     option: str | None = None
     committed_tokens_per_s: float = 0.0
     started: float = 0.0
+    serial: int = 0  # ``TimelineEntry.prefill_batch``
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,7 @@ class MultiplexScheduler(InFlightScheduler):
         self.switch_pending = False
         self.option: str | None = None  # the sharing option running (``MuxPlan.option``)
         self.held_decisions = 0  # launching decisions the switch margin kept on ``option``
+        self.batches_started = 0  # prefill batches numbered so far (``prefill_batch``)
         self.time_slicing = False  # lanes alternate on the whole GPU's stream (TIME_SLICE)
         self._timeline: deque[TimelineEntry] = deque(maxlen=TIMELINE_LENGTH)
         log.info("multiplex: %r, predictor %s", partitions, type(predictor).__name__)
@@ -422,7 +427,7 @@ class MultiplexScheduler(InFlightScheduler):
         self.batch = PrefillProgress(batch_plan, tokens, carry=BatchCarry(),
                                      option=plan.option,
                                      committed_tokens_per_s=plan.committed_tokens_per_s,
-                                     started=time.monotonic())
+                                     started=time.monotonic(), serial=self._next_batch())
         return True
 
     def _add_piece(self, works, plan: MuxPlan) -> None:
@@ -478,6 +483,10 @@ class MultiplexScheduler(InFlightScheduler):
         if note.option is not None:
             self.model.observe_prefill(note.option, note.predicted_ms, output.elapsed_ms)
 
+    def _next_batch(self) -> int:
+        self.batches_started += 1
+        return self.batches_started
+
     def _observe_delivery(self, batch: PrefillProgress | None) -> None:
         """A batch's last piece completed: its option learns what the batch delivered."""
         if batch is None or batch.option is None:
@@ -511,6 +520,9 @@ class MultiplexScheduler(InFlightScheduler):
             running = self.piece_work is not None and self.batch is not None
             prefill_tokens = self.batch.num_tokens if running else 0
             layers = plan.prefill.num_layers if running and plan.prefill else 0
+            serial = self.batch.serial if running else 0
+        else:
+            serial = 0
         entry = TimelineEntry(
             time.monotonic(), str(plan.mode), plan.decode_sms, plan.prefill_sms, decode_batch,
             prefill_tokens, layers, plan.decode_ms, self.switch_pending, plan.cycle_ms,
@@ -519,7 +531,8 @@ class MultiplexScheduler(InFlightScheduler):
             committed_tokens_per_s=plan.committed_tokens_per_s,
             prefill_calibration=plan.prefill_calibration,
             weighed_tokens_per_s=plan.weighed_tokens_per_s, held_over=plan.held_over or "",
-            runner_up=plan.runner_up or "", runner_up_tokens_per_s=plan.runner_up_tokens_per_s)
+            runner_up=plan.runner_up or "", runner_up_tokens_per_s=plan.runner_up_tokens_per_s,
+            prefill_batch=serial)
         self._timeline.append(entry)
         self.held_decisions += bool(plan.held_over)
         note = self.decode_work.note if self.decode_work is not None else None

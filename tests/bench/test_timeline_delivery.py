@@ -90,3 +90,24 @@ def test_a_committed_run_accounts_every_prompt_token_once(run):
     assert sum(row["tokens"] for row in delivered.values()) == sent
     assert all(row["seconds"] > 0 and row["realized_tokens_per_s"] > 0
                for row in delivered.values())
+
+
+def test_a_batch_whose_context_view_moves_between_pieces_stays_one():
+    """The Mooncake trace at 6f2d50e: the planner saw a batch's cached context as 0 for its
+    first piece and 512 for the rest; counting those as two batches gave the first one
+    290K tokens/s."""
+    entries = [entry(0.0, "spatial", 18816, sms=16, committed=7316.0),
+               *[entry(0.07 * i, "spatial", 18816, sms=16, context=512, committed=3747.0)
+                 for i in range(1, 47)],
+               entry(3.2, "decode_only")]
+    [batch] = prefill_batches(entries)
+    assert batch["seconds"] == pytest.approx(3.2)
+    assert batch["committed_tokens_per_s"] == 7316.0  # its first piece's
+
+
+def test_numbered_batches_of_one_size_stay_apart():
+    first = [entry(0.1 * i, "time_slice", 3000, prefill_batch=1) for i in range(5)]
+    second = [entry(0.5 + 0.1 * i, "time_slice", 3000, prefill_batch=2) for i in range(5)]
+    batches = prefill_batches(first + second + [entry(1.0, "decode_only")])
+    assert [b["start"] for b in batches] == [0.0, 0.5]
+    assert all(b["seconds"] == pytest.approx(0.5) for b in batches)

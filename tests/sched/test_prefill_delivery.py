@@ -533,11 +533,11 @@ def test_a_served_batch_teaches_the_delivery_rule_once():
               setup=EngineSetup(predictor=SharingModel(4)))
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (40, 150, 90, 200, 60)]
     llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    first_decision: dict[tuple[int, int], str] = {}  # by batch: what its first piece ran as
+    first_decision: dict[int, str] = {}  # by batch: what its first piece ran as
     for e in llm.engine.timeline():
         if e["piece_launched"]:
-            first_decision.setdefault((e["prefill_tokens"], e["prefill_context_tokens"]),
-                                      e["mode"])
+            assert e["prefill_batch"] >= 1
+            first_decision.setdefault(e["prefill_batch"], e["mode"])
     by_sharing = [mode for mode in first_decision.values() if mode in ("spatial", "time_slice")]
     learned = llm.engine.describe()["calibration"]["prefill_pieces"]
     assert by_sharing and all(row["pieces"] == 0 for row in learned.values())
