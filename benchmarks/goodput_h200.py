@@ -174,8 +174,8 @@ CONFIGS["multiplex-graph-floor-guarded-converging-itl60"] = (
     CONFIGS["multiplex-graph-floor-converging-itl60"] + GUARDS)
 # With the guards, each co-running option's prefill correction learned from what its
 # batches delivered (first piece to last) instead of from its pieces: on the committed
-# ShareGPT-like and LooGLE-like timelines time-slice pieces ran at 1.02-1.04 of their
-# prediction while their batches delivered 0.85-0.91 of the committed rate.
+# timelines time-slice pieces ran at 0.99-1.04 of their prediction while their batches
+# delivered 0.82-0.95 of the committed rate.
 CONFIGS["multiplex-graph-floor-guarded-delivery-itl60"] = (
     CONFIGS["multiplex-graph-floor-guarded-itl60"] + " --mux-prefill-correction delivery")
 # SLO-aware admission order (--prefill-order slo) against the same config in arrival order.

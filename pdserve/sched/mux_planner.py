@@ -276,9 +276,9 @@ class OnlineCalibration:
         ``delivery`` rule learns only from these, converging on committed over delivered.
 
         On the H200 (``mux_calibration_audit.py --delivery`` over the committed timelines)
-        time-slice pieces ran at 1.02-1.04 of their prediction (median over runs) while
-        their batches delivered 0.85-0.91 of the committed rate (ShareGPT-like,
-        LooGLE-like), spatial batches 0.82-0.84, mixed steps 1.00: the loss lies between
+        time-slice pieces ran at 0.99-1.04 of their prediction (median over runs) while
+        their batches delivered 0.82-0.95 of the committed rate (ShareGPT-like, LooGLE-like,
+        Mooncake), spatial batches 0.80-0.84, mixed steps 1.00-1.01: the loss lies between
         the pieces (decode steps run alone, switches), where no piece correction looks."""
         if self.prefill_rule != "delivery" or committed_tokens_per_s <= 0 \
                 or delivered_tokens_per_s <= 0:
