@@ -30,7 +30,8 @@ How long a step runs (``StepTiming``):
   time-slice pieces (``slice_spread``): the time from one piece's end to the next's over
   the predicted cycle (the cycle's wall time), and the piece's own issue to completion
   over it, which ``observe_prefill`` learns from, by the server's rule, as the engine's
-  does. The option's correction only chooses: under the default ``compounding`` rule it
+  does (under ``--mux-prefill-correction delivery``, ``observe_delivery`` learns instead
+  from each batch's prompt tokens over the time from its first cycle to its last). The option's correction only chooses: under the default ``compounding`` rule it
   has no fixed point (7dad880 began its replay at 0.52 while pieces ran at 0.98 of the
   profile), so timing pieces by it would halve them.
   Why that matters (H200, 8ccd9ac): the planner weighs graph steps of ~250 prompt tokens
@@ -129,6 +130,11 @@ class SliceBatch:
     chunks: list[tuple[StepRequest, int]]
     context_tokens: int
     layers_done: int = 0
+    # The option and rate it was chosen by, and when: what ``observe_delivery`` compares
+    # its wall time with (``--mux-prefill-correction delivery``), as the engine does.
+    option: str | None = None
+    committed_tokens_per_s: float = 0.0
+    started: float = 0.0
 
     def view(self) -> InFlightPrefill:
         return InFlightPrefill(sum(t for _, t in self.chunks), self.context_tokens,
@@ -213,7 +219,8 @@ class MuxStepSim:
         self._show()  # the lanes drained before slicing: the last step's output is out
         if self.batch is None:
             taken = [(self.waiting[i], tokens) for i, tokens in plan.prefill.chunks]
-            self.batch = SliceBatch(taken, sum(r.prefilled for r, _ in taken))
+            self.batch = SliceBatch(taken, sum(r.prefilled for r, _ in taken), 0,
+                                    plan.option, plan.committed_tokens_per_s, self.now)
             for request, _ in taken:
                 self.waiting.remove(request)
         decoding, self.joining = self._decoding(), []
@@ -230,6 +237,11 @@ class MuxStepSim:
         batch.layers_done = min(self.planner.num_layers,
                                 batch.layers_done + max(1, plan.prefill.num_layers))
         if batch.layers_done >= self.planner.num_layers:
+            if self.timing is not None and self.now > batch.started:
+                tokens = sum(t for _, t in batch.chunks)
+                self.planner.calibration.observe_delivery(
+                    batch.option, batch.committed_tokens_per_s,
+                    tokens / (self.now - batch.started))
             self.joining = self._batch_done()
 
     def _slice_ratios(self) -> tuple[float, float]:

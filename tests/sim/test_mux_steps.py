@@ -275,6 +275,22 @@ def test_the_converging_rule_of_the_server_flags_settles_on_the_pieces(replay_to
                                                                                     abs=0.02)
 
 
+def test_the_delivery_rule_learns_from_whole_batches_not_pieces(replay_tool, predictor):
+    """Cycles 15% over their profile while each piece runs as predicted, from a correction
+    of 0.5: the converging piece rule can rise no further than the pieces' 1.0; the
+    delivery rule learns from each completed batch only, a step-limited move per batch."""
+    pieces, _ = _slicing_sim(replay_tool, predictor, (1.15, 1.0), 0.5,
+                             rule="--mux-prefill-correction converging")
+    batches, _ = _slicing_sim(replay_tool, predictor, (1.15, 1.0), 0.5,
+                              rule="--mux-prefill-correction delivery")
+    assert pieces.planner.calibration.prefill_correction("time_slice") <= 1.0
+    learned = batches.planner.calibration
+    taught = learned.delivered_batches["time_slice"]
+    assert taught > 5 and learned.prefill_pieces == {"time_slice": 1}  # the seeded one
+    moved = learned.prefill_correction("time_slice") / 0.5
+    assert 1.0 < moved <= (1.25 ** learned.weight) ** taught + 1e-9
+
+
 def test_the_slice_spread_is_each_piece_over_its_cycle_and_the_cycles_between_them():
     with gzip.open(HELD_OUT_TIMELINE, "rt") as f:
         held_out = json.load(f)
