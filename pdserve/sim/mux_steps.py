@@ -31,8 +31,9 @@ How long a step runs (``StepTiming``):
   the predicted cycle (the cycle's wall time), and the piece's own issue to completion
   over it, which ``observe_prefill`` learns from, by the server's rule, as the engine's
   does (under ``--mux-prefill-correction delivery``, ``observe_delivery`` learns instead
-  from each batch's prompt tokens over the time from its first cycle to its last). The option's correction only chooses: under the default ``compounding`` rule it
-  has no fixed point (7dad880 began its replay at 0.52 while pieces ran at 0.98 of the
+  from each batch's prompt tokens over the time from its first cycle to its last). The
+  option's correction only chooses: under the default ``compounding`` rule it has no fixed
+  point (7dad880 began its replay at 0.52 while pieces ran at 0.98 of the
   profile), so timing pieces by it would halve them.
   Why that matters (H200, 8ccd9ac): the planner weighs graph steps of ~250 prompt tokens
   (39 ms) against eager ones to the 54 ms budget (384 tokens, 52 ms), and whether the
