@@ -9,6 +9,14 @@ server's first mixed step took 830 ms where 52 ms were predicted, a stall its de
 requests felt and that the online calibration read as a slow mixed step. Running those
 shapes once before the server says it is ready moves the compiling to start-up.
 
+Attention compiles per split count too (a constexpr): decode rows split each sequence's
+context by a count that falls as the decode batch grows (codellama-34b on 132 SMs: 32
+splits for one decode, 16 for 3-4, 8 for 5-8, 4 for 9-16, 2 for 17-33, 1 beyond), and a
+chunk's prefix splits by one that grows with the prefix. At 6f2d50e, warmed with 1 and 3
+decodes only, fresh servers still stalled 7-34x on their first mixed steps beside 5, 9-10,
+17-19 and 33 decodes (ShareGPT-like), and beside prefixes of 6.6-7.7K tokens (the Mooncake
+trace): each split count gets a step of its own now.
+
 The steps use the engine's own pages through fixture requests (the profiler's), which give
 them back afterwards and never enter the prefix cache; the scheduler, its calibration and
 its timeline see none of them.
@@ -27,6 +35,9 @@ log = logging.getLogger(__name__)
 # (decode requests beside it, prompt tokens cached ahead of the chunk)
 SHAPES = ((0, 0), (1, 0), (3, 64))
 DECODE_CONTEXT = 64
+# Prefixes ahead of a warm-up chunk: powers of two from the extend kernel's smallest split
+# span to 16 of them, so every prefix split count the chunk can launch is compiled.
+PREFIXES = (512, 1024, 2048, 4096, 8192)
 
 
 def eager_tokens(graph_tokens: int) -> int:
@@ -46,17 +57,43 @@ def skip_reason(engine) -> str | None:
 
 
 def warm_up_eager_steps(engine) -> dict:
-    """Runs one eager step of each shape in ``SHAPES``; what ran, for ``describe()``."""
+    """Runs one eager step of each shape ``shapes`` lists; what ran, for ``describe()``."""
     why = skip_reason(engine)
     if why is not None:
         return {"skipped": why}
-    return run_shapes(engine, eager_tokens(engine.runner.piecewise_tokens()))
+    tokens = eager_tokens(engine.runner.piecewise_tokens())
+    return run_shapes(engine, tokens, shapes(engine, tokens))
 
 
-def run_shapes(engine, tokens: int) -> dict:
+def shapes(engine, tokens: int) -> list[tuple[int, int]]:
+    """``SHAPES``, then one decode batch per decode split count the attention backend
+    launches up to the engine's largest batch, then one decode beside a ``tokens`` chunk
+    behind each of ``PREFIXES`` that fits the context."""
+    batches = decode_split_batches(engine.runner.attn_backend, engine.arch.num_kv_heads,
+                                   engine.runner.device,
+                                   engine.config.scheduler.max_num_seqs)
+    warmed = {decodes for decodes, prefix in SHAPES if prefix == 0}
+    longest = engine.runner.max_model_len
+    return [*SHAPES, *((n, 0) for n in batches if n not in warmed),
+            *((1, prefix) for prefix in PREFIXES if prefix + tokens <= longest)]
+
+
+def decode_split_batches(backend, kv_heads: int, device, most: int) -> list[int]:
+    """The smallest decode batch of each split count ``backend.num_kv_splits`` gives up to
+    ``most`` decodes (none for a backend without split counts)."""
+    splits = getattr(backend, "num_kv_splits", None)
+    if splits is None:
+        return []
+    first: dict[int, int] = {}
+    for batch in range(1, most + 1):
+        first.setdefault(splits(batch, kv_heads, device), batch)
+    return sorted(first.values())
+
+
+def run_shapes(engine, tokens: int, shapes: list[tuple[int, int]] = SHAPES) -> dict:
     fixtures, started, steps = Fixtures(engine), time.perf_counter(), 0
     try:
-        for decodes, prefix in SHAPES:
+        for decodes, prefix in shapes:
             plan = fixtures.mixed_plan(tokens, prefix, decodes, DECODE_CONTEXT)
             if plan is None:  # the pool cannot hold it: nothing to warm at this size
                 continue

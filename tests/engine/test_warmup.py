@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve.engine.llm import LLM
-from pdserve.engine.warmup import SHAPES, run_shapes, skip_reason
+from pdserve.engine.warmup import SHAPES, decode_split_batches, run_shapes, shapes, skip_reason
+from pdserve.ops.triton_attention import TritonAttentionBackend
 from pdserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -25,8 +27,10 @@ def test_warm_up_runs_every_shape_and_gives_everything_back(schedule):
     llm = LLM("tiny", **options)
     engine = llm.engine
     free = engine.blocks.num_free_blocks
-    ran = run_shapes(engine, tokens=33)  # 33 + 1 or 3 decode rows: no multiple of 16
-    assert ran["steps"] == len(SHAPES) and ran["prompt_tokens"] == 33
+    planned = shapes(engine, 33)
+    assert planned[:len(SHAPES)] == list(SHAPES) and len(planned) > len(SHAPES)
+    ran = run_shapes(engine, 33, planned)  # 33 + 1 or 3 decode rows: no multiple of 16
+    assert ran["steps"] == len(planned) and ran["prompt_tokens"] == 33
     assert engine.blocks.num_free_blocks == free and not engine.requests
     assert not engine.runner.tables._rows  # no block-table row left behind
     if schedule == "multiplex":
@@ -39,3 +43,17 @@ def test_where_it_does_not_run_it_says_why():
     disagg = LLM("tiny", device="cpu", schedule="disagg", allow_emulated_partitions=True)
     disagg.engine.runner.device = type("D", (), {"type": "cuda"})()  # past the device check
     assert "no whole-GPU steps" in skip_reason(disagg.engine)
+
+
+def test_every_decode_split_count_gets_a_warm_up_batch():
+    """codellama-34b (8 kv heads) on 132 SMs: the smallest batch of each split count. The
+    first mixed steps that stalled on fresh 6f2d50e servers ran beside 3, 5, 6, 9, 10, 17,
+    18, 19, 33, 124 and 135 decodes: each shares its split count with a warmed batch."""
+    backend = TritonAttentionBackend(num_sms=132)
+    cpu = torch.device("cpu")
+    batches = decode_split_batches(backend, 8, cpu, 256)
+    assert batches == [1, 3, 5, 9, 17, 33]
+    warmed = {backend.num_kv_splits(n, 8, cpu) for n in batches}
+    stalled = (3, 5, 6, 9, 10, 17, 18, 19, 33, 124, 135)
+    assert {backend.num_kv_splits(n, 8, cpu) for n in stalled} <= warmed
+    assert decode_split_batches(object(), 8, cpu, 256) == []  # a backend without splits
