@@ -207,6 +207,10 @@ CONFIGS["multiplex-graph-floor-pressed95-itl60"] = (
     CONFIGS["multiplex-graph-floor-itl60"] + PRESSED_ARGS.replace("margin 1", "margin 0.95"))
 CONFIGS["multiplex-graph-floor-bank3-pressed-itl60"] = (
     CONFIGS["multiplex-graph-floor-bank3-itl60"] + PRESSED_ARGS)
+# The bank (the ShareGPT-like lever: a TPOT SLO is a mean, and chunked 512 leads there by
+# steps past the per-step budget) with the lock-out guards and the delivery rule.
+CONFIGS["multiplex-graph-floor-bank3-guarded-delivery-itl60"] = (
+    CONFIGS["multiplex-graph-floor-bank3-itl60"] + GUARDS + " --mux-prefill-correction delivery")
 # The engine's default multiplex first, then the one its earlier records ran.
 TABLE_CONFIGS = ("multiplex-graph-floor-itl60", "multiplex-itl60", "chunk256", "chunk512",
                  "chunk1024", "chunk2048", "prefill-first", "disagg")

@@ -144,6 +144,9 @@ def test_the_floor_configs_differ_only_by_the_floor_from_what_they_are_compared_
     delivery = _flags(configs["multiplex-graph-floor-guarded-delivery-itl60"])
     assert delivery.pop("--mux-prefill-correction") == "delivery"
     assert delivery == _flags(configs["multiplex-graph-floor-guarded-itl60"])
+    banked = _flags(configs["multiplex-graph-floor-bank3-guarded-delivery-itl60"])
+    assert banked.pop("--mux-tpot-bank-cap") == "3"
+    assert banked == _flags(configs["multiplex-graph-floor-guarded-delivery-itl60"])
     temporal = _flags(configs["multiplex-temporal-graph-floor-itl60"])
     assert temporal.pop("--mux-sharing") == "temporal"
     assert temporal == _flags(configs["multiplex-graph-floor-itl60"])
@@ -546,3 +549,20 @@ def test_the_itl_budget_a_multiplex_probe_used_is_summarised(tool, tmp_path):
     _write(tool, tmp_path, _record(tool, "sharegpt", "chunk512", 16.0, 1.0, "a" * 40, "1"))
     assert tool.budget_use_lines(tmp_path)[-1] == \
         "| sharegpt | multiplex-graph-floor-itl60 | 16 (run 2) | 10 | 0.55 / 0.75 / 0.95 | 3 |"
+
+
+def test_every_config_is_a_serve_command_line_the_cli_accepts():
+    """A typo in a config would only show on the GPU, as a server that never starts."""
+    import shlex
+    from pathlib import Path
+
+    from pdserve.cli import build_parser
+    from pdserve.sim.mux_steps import scheduler_config
+
+    tool = _load("goodput_h200")
+    parser = build_parser()
+    for config in tool.CONFIGS:
+        args = tool.config_args(config, Path("predictor.json"), "sharegpt")
+        parsed = parser.parse_args(["serve", "codellama-34b", *shlex.split(args)])
+        assert parsed.command == "serve", config
+        scheduler_config(args)  # and the values pass the scheduler's own checks
