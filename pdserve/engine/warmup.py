@@ -9,13 +9,14 @@ server's first mixed step took 830 ms where 52 ms were predicted, a stall its de
 requests felt and that the online calibration read as a slow mixed step. Running those
 shapes once before the server says it is ready moves the compiling to start-up.
 
-Attention compiles per split count too (a constexpr): decode rows split each sequence's
-context by a count that falls as the decode batch grows (codellama-34b on 132 SMs: 32
-splits for one decode, 16 for 3-4, 8 for 5-8, 4 for 9-16, 2 for 17-33, 1 beyond), and a
-chunk's prefix splits by one that grows with the prefix. At 6f2d50e, warmed with 1 and 3
-decodes only, fresh servers still stalled 7-34x on their first mixed steps beside 5, 9-10,
-17-19 and 33 decodes (ShareGPT-like), and beside prefixes of 6.6-7.7K tokens (the Mooncake
-trace): each split count gets a step of its own now.
+Decode attention compiles per split count too (a constexpr): decode rows split each
+sequence's context by a count that falls as the decode batch grows (codellama-34b on 132
+SMs: 32 splits for one decode, 16 for 3-4, 8 for 5-8, 4 for 9-16, 2 for 17-33, 1 beyond).
+At 6f2d50e, warmed with 1 and 3 decodes only, fresh servers still stalled 7-34x on their
+first mixed steps beside 5, 9-10, 17-19 and 33 decodes (ShareGPT-like): each split count
+gets a step of its own now. Stalls behind 6.6-7.7K-token prefixes (the Mooncake trace)
+have no cause pinned down (the prefix split count is 1 unless configured), so chunks
+behind 512-8,192-token prefixes are run too, and the next runs' stall census tells.
 
 The steps use the engine's own pages through fixture requests (the profiler's), which give
 them back afterwards and never enter the prefix cache; the scheduler, its calibration and
@@ -35,8 +36,8 @@ log = logging.getLogger(__name__)
 # (decode requests beside it, prompt tokens cached ahead of the chunk)
 SHAPES = ((0, 0), (1, 0), (3, 64))
 DECODE_CONTEXT = 64
-# Prefixes ahead of a warm-up chunk: powers of two from the extend kernel's smallest split
-# span to 16 of them, so every prefix split count the chunk can launch is compiled.
+# Prefixes ahead of a warm-up chunk (beside one decode), up to the 6.6-7.7K behind which
+# Mooncake-trace mixed steps stalled on fresh servers.
 PREFIXES = (512, 1024, 2048, 4096, 8192)
 
 
