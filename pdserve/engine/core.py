@@ -33,6 +33,7 @@ import time
 
 from pdserve.cache.block_manager import BlockManager
 from pdserve.config import EngineConfig
+from pdserve.engine.compile_watch import WATCH
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.launch import HostBuffers, Launch
 from pdserve.engine.model_runner import ModelRunner
@@ -90,7 +91,12 @@ class EngineCore:
         self._buffers = {lane: self._lane_buffers() for lane in self.scheduler.lanes}
         self._fences: dict[str, list[Event]] = {lane: [] for lane in self.scheduler.lanes}
         self._awaiting_kv: dict[str, Request] = {}  # decode side: by transfer id, FCFS
+        self.compiles = WATCH if self.runner.device.type == "cuda" else None
+        if self.compiles is not None:
+            self.compiles.install()
         self.warmup = warm_up_eager_steps(self)
+        if self.compiles is not None:
+            self.compiles.serving()
 
     def _lane_buffers(self) -> list[HostBuffers]:
         """Two pinned buffers (an overlapped launch fills one while the host reads the other)
@@ -484,6 +490,11 @@ class EngineCore:
         self.kv.close()
         self.runner.close()
 
+    def _describe_compiles(self) -> dict:
+        if self.compiles is None:
+            return {"watched": False, "why": "not on a CUDA device"}
+        return self.compiles.describe()
+
     def describe(self) -> dict:
         """What actually runs, for results to record: never a silent fallback."""
         return {"schedule": self.config.scheduler.schedule, "device": str(self.runner.device),
@@ -491,6 +502,7 @@ class EngineCore:
                 "cuda_graphs": any(pool.graphs for pool in self.runner.pools.values()),
                 "tensor_parallel_size": self.runner.comm.size,
                 "overlap_schedule": self._describe_overlap(), "eager_warmup": self.warmup,
+                "kernels_compiled_while_serving": self._describe_compiles(),
                 **self.scheduler.prefill_order.describe(), **self.scheduler.describe(),
                 **self.kv.describe()}
 
