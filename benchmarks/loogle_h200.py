@@ -97,7 +97,8 @@ def run_rate(args, name: str, rate: float, url: str, command: list[str], out: Pa
     subprocess.run(client, check=True, cwd=ROOT)
     result = json.loads(records.read_text())
     info = get_json(url + "/v1/engine/info")
-    row = {"config": name, "rate": rate, "git_revision": os.environ.get(
+    row = {"command": _portable(["python", str(HERE / "loogle_h200.py"), *sys.argv[1:]]),
+           "config": name, "rate": rate, "git_revision": os.environ.get(
                "PDSERVE_GIT_REVISION", "unknown"), "device": info.get("device"),
            "server_command": _portable(command), "client_command": _portable(client),
            "engine_info": info, "summary": result["summary"],

@@ -371,7 +371,9 @@ def test_a_multiplex_probe_keeps_its_timeline_and_what_the_engine_learned(tool, 
 
     entries = [{"mode": "temporal", "decode_batch": 2}, {"mode": "spatial", "decode_batch": 3}]
     result = {"samples": [], "engine_timeline": entries,
-              "engine_after": {"calibration": {"mixed_steps": 1.2}, "prefill_order_reorders": 9},
+              "engine_after": {"calibration": {"mixed_steps": 1.2}, "prefill_order_reorders": 9,
+                               "kernels_compiled_while_serving": {"watched": True,
+                                                                  "compiles": 0}},
               "slo_attainment": 1.0}
     run = SimpleNamespace(backend=SimpleNamespace(engine_info={"partitions": None,
                                                                "prefill_order": "slo"}),
@@ -382,6 +384,7 @@ def test_a_multiplex_probe_keeps_its_timeline_and_what_the_engine_learned(tool, 
     spec = tool.WORKLOADS["tiny"].build_spec(4.0, tmp_path)
     record = tool.probe_record(run, spec, [], 4.0, result)
     assert record["calibration_after"] == {"mixed_steps": 1.2}
+    assert record["compiled_while_serving"] == {"watched": True, "compiles": 0}
     assert record["server"] == {"probes_before": 2, "fresh_per_probe": False}
     assert record["prefill_order"] == {"prefill_order": "slo", "prefill_order_reorders": 9,
                                        "prefill_order_rate_tokens_per_s": None}
