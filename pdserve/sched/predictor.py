@@ -47,6 +47,10 @@ PHASES = ("decode", "prefill")
 KNEES = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
 _TOKENS = 1e-3  # features in thousands of tokens keep the normal equations well scaled
 _PAIRS = 1e-6
+# Predictions remembered per predictor (about 200 bytes each). The planner asks again and
+# again for the same shapes while it searches chunk sizes and layer counts (a replay asked
+# ~2.2 M times for ~52 K distinct shapes); past this many the memo starts over.
+MEMO_ENTRIES = 1 << 17
 
 ProfileGroup = tuple[str, int, bool]  # (phase, SMs, co-running): one fitted model each
 
@@ -162,6 +166,7 @@ class LatencyPredictor:
         self._contention = dict(contention or {})
         self.mixed_factor = mixed_factor
         self._known = self._index()
+        self._memo: dict[tuple, float] = {}  # predict's answers by its arguments
 
     # ------------------------------------------------------------------ fitting
 
@@ -203,6 +208,17 @@ class LatencyPredictor:
     def predict(self, phase: str, num_tokens: int, context_tokens: int, batch_size: int,
                 sms: int, co_running: bool = False, num_layers: int | None = None) -> float:
         """Milliseconds for one decode step or one prefill piece of ``num_layers`` layers."""
+        key = (phase, num_tokens, context_tokens, batch_size, sms, co_running, num_layers)
+        ms = self._memo.get(key)
+        if ms is None:  # the fits never change once built, so neither does the answer
+            ms = self._computed(*key)
+            if len(self._memo) >= MEMO_ENTRIES:
+                self._memo.clear()
+            self._memo[key] = ms
+        return ms
+
+    def _computed(self, phase: str, num_tokens: int, context_tokens: int, batch_size: int,
+                  sms: int, co_running: bool, num_layers: int | None) -> float:
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, not {phase!r}")
         co = bool(co_running and sms < self.total_sms)
