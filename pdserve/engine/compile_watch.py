@@ -39,8 +39,12 @@ class CompileWatch:
         if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
             self.why_not = "this Triton has no knobs.runtime.jit_post_compile_hook"
             return False
-        self._previous = runtime.jit_post_compile_hook
-        runtime.jit_post_compile_hook = self
+        try:
+            self._previous = runtime.jit_post_compile_hook
+            runtime.jit_post_compile_hook = self
+        except Exception as error:  # a Triton whose knobs refuse it: serve unwatched
+            self.why_not = f"Triton refused the post-compile hook: {error!r}"
+            return False
         self.installed, self.why_not = True, None
         return True
 
