@@ -515,14 +515,12 @@ class MultiplexScheduler(InFlightScheduler):
         """Records what runs now: the split, the decode batch and the prefill piece."""
         if decode_batch is None:
             decode_batch = len(self.decode_work.plan.decodes) if self.decode_work else 0
-        layers = 0
+        layers = serial = 0
         if prefill_tokens is None:
             running = self.piece_work is not None and self.batch is not None
             prefill_tokens = self.batch.num_tokens if running else 0
             layers = plan.prefill.num_layers if running and plan.prefill else 0
             serial = self.batch.serial if running else 0
-        else:
-            serial = 0
         entry = TimelineEntry(
             time.monotonic(), str(plan.mode), plan.decode_sms, plan.prefill_sms, decode_batch,
             prefill_tokens, layers, plan.decode_ms, self.switch_pending, plan.cycle_ms,
