@@ -59,6 +59,20 @@ def staged(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory() if device.type == "cuda" else tensor
 
 
+# A step's block tables are as wide as its longest sequence needs, rounded up to this many
+# pages. Triton specialises a kernel on each integer argument being 1, a multiple of 16 or
+# neither; the row stride the attention kernels take used to follow the batch, so each
+# kernel had up to three variants and the start-up warm-up could not meet them all: on the
+# H200 at 176e3dc fresh multiplex servers still compiled the decode kernel inside serving
+# steps (9+ decodes beside a prompt chunk), with the warm-up's split counts and constants.
+# The extra columns hold page 0 and are never read past a sequence's length.
+BLOCK_TABLE_ALIGN = 16
+
+
+def aligned_width(blocks: int) -> int:
+    return -(-max(blocks, 1) // BLOCK_TABLE_ALIGN) * BLOCK_TABLE_ALIGN
+
+
 class BlockTables:
     """Page ids of every live request, one row each of a table kept between steps.
 
@@ -68,8 +82,8 @@ class BlockTables:
     """
 
     def __init__(self, max_blocks_per_seq: int):
-        self.width = max_blocks_per_seq
-        self._table = np.zeros((16, max_blocks_per_seq), dtype=np.int32)
+        self.width = aligned_width(max_blocks_per_seq)
+        self._table = np.zeros((16, self.width), dtype=np.int32)
         self._free_rows = list(range(15, -1, -1))  # popped from the end: row 0 first
         # request id -> (row index, blocks written, request.num_preemptions when written)
         self._rows: dict[str, tuple[int, int, int]] = {}
@@ -140,7 +154,7 @@ def build_host_batch(plan: Plan, tables: BlockTables, block_size: int) -> HostBa
     slot_mapping = tables.table[row_of_token, positions // block_size].astype(np.int64)
     slot_mapping *= block_size
     slot_mapping += positions % block_size
-    max_blocks = int(-(-seq_lens.max() // block_size))
+    max_blocks = min(aligned_width(int(-(-seq_lens.max() // block_size))), tables.width)
     input_ids = _gather_input_ids(plan, len(positions))
     return HostBatch(
         input_ids=input_ids,

@@ -53,17 +53,18 @@ class CompileWatch:
 
     def __call__(self, *args, **kwargs):
         if self.watching:
-            self.record(kwargs.get("fn"), kwargs.get("compile") or {})
+            self.record(kwargs.get("fn"), kwargs.get("compile") or {}, kwargs.get("repr") or "")
         if self._previous is not None:
             return self._previous(*args, **kwargs)
         return None
 
-    def record(self, fn, compiled: dict) -> None:
+    def record(self, fn, compiled: dict, signature: str = "") -> None:
         name = getattr(fn, "name", None) or "unknown"
         self.counts[name] = self.counts.get(name, 0) + 1
         kept = self.examples.setdefault(name, [])
         if len(kept) < EXAMPLES:
-            kept.append(repr(compiled.get("constants", {}))[:300])
+            kept.append(f"{repr(compiled.get('constants', {}))[:300]} "
+                        f"{specialised_integers(signature)}".rstrip())
 
     def describe(self) -> dict:
         if not self.installed:
@@ -71,6 +72,15 @@ class CompileWatch:
         return {"watched": True, "compiles": sum(self.counts.values()),
                 "by_kernel": dict(sorted(self.counts.items())),
                 "constants": dict(sorted(self.examples.items()))}
+
+
+def specialised_integers(signature: str) -> str:
+    """The integer arguments of Triton's kernel repr (``name[options](arg: type, ...)``)
+    with their specialisation: ``i32`` plain, ``i32D`` a multiple of 16 (a value of 1 shows
+    among the constants). Two compiles of one kernel with the same constants differ here."""
+    args = signature.partition("](")[2].rstrip(")")
+    kept = [arg.strip() for arg in args.split(",") if ": i" in arg or ": u" in arg]
+    return ", ".join(kept)
 
 
 WATCH = CompileWatch()  # one per process: Triton has one hook

@@ -33,6 +33,7 @@ def reference_batch(plan: Plan) -> dict[str, np.ndarray]:
             logits.append(starts[-1] - 1)
         rows.append(request.block_ids + [0] * (WIDTH - len(request.block_ids)))
     max_blocks = -(-max(seq_lens) // BLOCK_SIZE)
+    max_blocks = -(-max_blocks // 16) * 16  # rounded up to 16 pages: one kernel specialisation
     return {"input_ids": np.array(input_ids, np.int64), "positions": np.array(positions, np.int64),
             "slot_mapping": np.array(slots, np.int64),
             "query_start_loc": np.array(starts, np.int32),
@@ -88,19 +89,19 @@ def test_reused_row_holds_no_pages_of_its_previous_owner():
     second = make_request(4)
     second.block_ids = [3]
     assert tables.row_indices([second])[0] == row_of_first
-    assert tables.row(second).tolist() == [3, 0, 0, 0, 0, 0, 0, 0]
+    assert tables.row(second).tolist() == [3] + [0] * 15  # 8 pages, padded to 16
 
 
 def test_row_rewritten_after_preemption_is_padded_with_page_zero():
     tables = BlockTables(max_blocks_per_seq=6)
     request = make_request(16)
     request.block_ids = [5, 6, 7, 8]
-    assert tables.row(request).tolist() == [5, 6, 7, 8, 0, 0]
+    assert tables.row(request).tolist() == [5, 6, 7, 8] + [0] * 12
     request.num_preemptions += 1  # re-admitted with fewer, other pages
     request.block_ids = [1, 2]
-    assert tables.row(request).tolist() == [1, 2, 0, 0, 0, 0]
+    assert tables.row(request).tolist() == [1, 2] + [0] * 14
     request.block_ids.append(9)  # grows again: only the new page is written
-    assert tables.row(request).tolist() == [1, 2, 9, 0, 0, 0]
+    assert tables.row(request).tolist() == [1, 2, 9] + [0] * 13
 
 
 def test_block_tables_are_copies_not_views_of_the_table():
@@ -114,4 +115,20 @@ def test_block_tables_are_copies_not_views_of_the_table():
     request.num_preemptions += 1
     request.block_ids = [3, 4]
     tables.row_indices([request])
-    assert batch.block_tables.tolist() == [[1, 2]]
+    assert batch.block_tables.tolist() == [[1, 2] + [0] * 14]
+
+
+@pytest.mark.parametrize("pages, width", [(1, 16), (15, 16), (16, 16), (17, 32), (40, 48)])
+def test_step_tables_are_a_multiple_of_16_pages_wide_whatever_the_longest_sequence(pages, width):
+    # Triton specialises the attention kernels on the row stride (1, a multiple of 16, or
+    # neither): a width that followed the batch compiled variants inside serving steps.
+    tables = BlockTables(max_blocks_per_seq=40)
+    assert tables.width == 48
+    request = make_request(pages * BLOCK_SIZE)
+    request.block_ids = list(range(1, pages + 1))
+    plan = Plan()
+    plan.add(request, pages * BLOCK_SIZE)
+    batch = build_host_batch(plan, tables, BLOCK_SIZE)
+    assert batch.block_tables.shape == (1, width)
+    assert batch.block_tables[0, :pages].tolist() == request.block_ids
+    assert not batch.block_tables[0, pages:].any()

@@ -53,3 +53,17 @@ def test_install_hooks_triton_s_post_compile_callback_where_it_has_one():
                                     "constants": {}}
     finally:
         knobs.runtime.jit_post_compile_hook = before
+
+
+def test_a_compile_names_its_integer_arguments_specialisation():
+    # Two compiles with the same constants differ in which integers are multiples of 16.
+    watch = CompileWatch()
+    watch.installed = True
+    watch.serving()
+    watch(key=("k",), repr="_decode_kernel[num_warps=4, num_ctas=1](q_ptr: *fp16, "
+          "stride_bt: i32D, page_size: i32, scale: fp32, NUM_SPLITS: constexpr)",
+          fn=SimpleNamespace(module="m", name="_decode_kernel"),
+          compile={"constants": {"NUM_SPLITS": 4}}, is_manual_warmup=False,
+          already_compiled=False)
+    example = watch.describe()["constants"]["_decode_kernel"][0]
+    assert example == "{'NUM_SPLITS': 4} stride_bt: i32D, page_size: i32"
