@@ -6,6 +6,7 @@ decode step stays well under a millisecond at batch 256.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,11 +67,13 @@ def staged(array: np.ndarray, device: torch.device) -> torch.Tensor:
 # H200 at 176e3dc fresh multiplex servers still compiled the decode kernel inside serving
 # steps (9+ decodes beside a prompt chunk), with the warm-up's split counts and constants.
 # The extra columns hold page 0 and are never read past a sequence's length.
-BLOCK_TABLE_ALIGN = 16
+# ``PDSERVE_BLOCK_TABLE_ALIGN=1`` restores the width that follows the batch (for A/B runs).
+BLOCK_TABLE_ALIGN = int(os.environ.get("PDSERVE_BLOCK_TABLE_ALIGN", "16"))
 
 
 def aligned_width(blocks: int) -> int:
-    return -(-max(blocks, 1) // BLOCK_TABLE_ALIGN) * BLOCK_TABLE_ALIGN
+    align = max(BLOCK_TABLE_ALIGN, 1)
+    return -(-max(blocks, 1) // align) * align
 
 
 class BlockTables:
