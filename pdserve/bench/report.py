@@ -36,11 +36,16 @@ def git_revision() -> str:
     return rev + ("+dirty" if dirty else "")
 
 
+# CUDA's own switches that change what a serving step costs (lazy kernel loading).
+CUDA_VARIABLES = ("CUDA_MODULE_LOADING",)
+
+
 def pdserve_environment() -> dict[str, str]:
-    """The ``PDSERVE_*`` variables a run was started with: several kernels are opt-in by
-    environment variable, so a result must say which ran."""
+    """The ``PDSERVE_*`` variables (and ``CUDA_VARIABLES``) a run was started with: several
+    kernels are opt-in by environment variable, so a result must say which ran."""
     return {k: v for k, v in sorted(os.environ.items())
-            if k.startswith("PDSERVE_") and k != "PDSERVE_GIT_REVISION"}
+            if (k.startswith("PDSERVE_") and k != "PDSERVE_GIT_REVISION")
+            or k in CUDA_VARIABLES}
 
 
 def device_info() -> dict:

@@ -94,10 +94,13 @@ def test_compare_reports_a_server_that_never_starts(tmp_path, capsys):
 def test_result_header_names_the_opt_in_variables_a_run_had(monkeypatch):
     """Kernels switched on by PDSERVE_* variables must show in every result that used them;
     the revision variable is the header's own field, not an option."""
-    for name in [k for k in os.environ if k.startswith("PDSERVE_")]:
+    for name in [k for k in os.environ if k.startswith("PDSERVE_") or k.startswith("CUDA_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("PDSERVE_FUSED_ROPE_DECODE", "1")
     monkeypatch.setenv("PDSERVE_GIT_REVISION", "abc")
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")  # CUDA's lazy kernel loading: off
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # where, not how: not an option
     header = result_header({})
-    assert header["environment_variables"] == {"PDSERVE_FUSED_ROPE_DECODE": "1"}
+    assert header["environment_variables"] == {"CUDA_MODULE_LOADING": "EAGER",
+                                               "PDSERVE_FUSED_ROPE_DECODE": "1"}
     assert header["git_revision"] == "abc"
