@@ -211,6 +211,17 @@ CONFIGS["multiplex-graph-floor-bank3-pressed-itl60"] = (
 # steps past the per-step budget) with the lock-out guards and the delivery rule.
 CONFIGS["multiplex-graph-floor-bank3-guarded-delivery-itl60"] = (
     CONFIGS["multiplex-graph-floor-bank3-itl60"] + GUARDS + " --mux-prefill-correction delivery")
+# Prefill-step graphs up to 512 tokens (prompt and decode), weighed by the planner up to
+# there too: ShareGPT-like steps (256-384 prompt tokens beside ~140 decodes) replay from
+# graphs instead of launching ~12 kernels a layer from Python. At c78302c / 2c58bf1 the
+# eager mixed steps of fresh servers ran 1.1-1.6x their prediction in bursts in their first
+# seconds (graph steps within 1-2%, no kernel compiled, with CUDA_MODULE_LOADING=EAGER as
+# well), lifting the eager correction to 1.14-1.28 for the rest of the run; chunked prefill
+# with the same graphs, so the baseline gets them too.
+GRAPH512 = " --piecewise-graph-max-tokens 512"
+CONFIGS["multiplex-graph512-floor-itl60"] = (
+    f"{MUX_ARGS} --itl-slo-ms 60{GRAPH512} --mux-graph-step-tokens 512{FLOOR_ARGS}")
+CONFIGS["chunk512-graph512"] = CONFIGS["chunk512"] + GRAPH512
 # The engine's default multiplex first, then the one its earlier records ran.
 TABLE_CONFIGS = ("multiplex-graph-floor-itl60", "multiplex-itl60", "chunk256", "chunk512",
                  "chunk1024", "chunk2048", "prefill-first", "disagg")
@@ -705,6 +716,13 @@ def expected_requests(workload: str, rate: float) -> int:
     return WORKLOADS[workload].num_requests(rate)
 
 
+def run_label(record: dict) -> str:
+    """A run's revision, and the environment variables it ran with (an A/B's arms)."""
+    env = record.get("environment_variables") or {}
+    return ", ".join([(record.get("git_revision") or "unknown")[:7],
+                      *(f"{k}={v}" for k, v in sorted(env.items()))])
+
+
 def repeated_probes(records: list[dict]) -> list[str]:
     """Markdown lines: every run of each probe that ran more than once (oldest first), its
     attainment at the workload's SLOs and its revision; the newest decides the search."""
@@ -714,7 +732,7 @@ def repeated_probes(records: list[dict]) -> list[str]:
             continue
         ttft_ms = WORKLOADS[workload].ttft_slo_ms
         cells = [f"{100 * (sample_attainment(r['samples'], ttft_ms, TPOT_SLO_MS) or 0.0):.0f}% "
-                 f"({(r.get('git_revision') or 'unknown')[:7]})" for r in group]
+                 f"({run_label(r)})" for r in group]
         lines.append(f"| {workload} | {config} | {rate:g} | {', '.join(cells)} |")
     if not lines:
         return []

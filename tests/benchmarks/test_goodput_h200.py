@@ -423,13 +423,15 @@ def test_a_repeat_runs_a_recorded_probe_again_into_a_file_of_its_own(tool, tmp_p
 def test_every_run_of_a_repeated_probe_is_listed_and_the_newest_decides(tool, tmp_path):
     _write(tool, tmp_path, _record(tool, "loogle", "multiplex-itl60", 0.5, 1.0, "a" * 40, "1"))
     repeat = _record(tool, "loogle", "multiplex-itl60", 0.5, 0.5, "b" * 40, "2")
+    repeat["environment_variables"] = {"CUDA_MODULE_LOADING": "EAGER"}  # an A/B's other arm
     tool.write_json(repeat, tmp_path / "loogle__multiplex-itl60__r0.5__rep2.json")
     data = tool.summarise(tmp_path, tmp_path, [])
     mux = next(s for s in data["searches"]
                if s["config"] == "multiplex-itl60" and s["tpot_slo_ms"] == 60.0)
     assert mux["curve"] == [(0.5, 0.5)]  # the newer run
     markdown = (tmp_path / "summary.md").read_text()
-    assert "| loogle | multiplex-itl60 | 0.5 | 100% (aaaaaaa), 50% (bbbbbbb) |" in markdown
+    assert ("| loogle | multiplex-itl60 | 0.5 | 100% (aaaaaaa), "
+            "50% (bbbbbbb, CUDA_MODULE_LOADING=EAGER) |") in markdown
 
 
 def test_the_slo_order_configs_take_each_workload_s_ttft_slo():
