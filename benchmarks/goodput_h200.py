@@ -604,6 +604,8 @@ def probe_record(run: ConfigRun, spec: WorkloadSpec, requests: list, rate: float
             "calibration_after": after.get("calibration"),
             # Kernels compiled while serving (each stalled a step; None: an older engine).
             "compiled_while_serving": after.get("kernels_compiled_while_serving"),
+            # cudaMalloc calls and allocation retries while serving (None: an older engine).
+            "allocator_while_serving": after.get("allocator_while_serving"),
             # As the engine reports it (None: an engine older than the flag, arrival order).
             "prefill_order": {k: after.get(k, engine.get(k)) for k in (
                 "prefill_order", "prefill_order_rate_tokens_per_s", "prefill_order_reorders")},
