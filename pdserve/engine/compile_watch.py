@@ -12,6 +12,8 @@ one per process, chaining any hook already there.
 
 from __future__ import annotations
 
+import re
+
 EXAMPLES = 3  # kernels' constants kept per kernel
 
 
@@ -74,13 +76,18 @@ class CompileWatch:
                 "constants": dict(sorted(self.examples.items()))}
 
 
+# ``name: i32D`` (a type with its specialisation) or ``name: ('i32', 'D')`` (Triton versions
+# keep the two apart); the letter is empty for a plain integer.
+_INTEGER_ARG = re.compile(r"(\w+): (?:\('([iu]\d+)', '(\w*)'\)|([iu]\d+)([A-Z]*)\b)")
+
+
 def specialised_integers(signature: str) -> str:
     """The integer arguments of Triton's kernel repr (``name[options](arg: type, ...)``)
     with their specialisation: ``i32`` plain, ``i32D`` a multiple of 16 (a value of 1 shows
     among the constants). Two compiles of one kernel with the same constants differ here."""
-    args = signature.partition("](")[2].rstrip(")")
-    kept = [arg.strip() for arg in args.split(",") if ": i" in arg or ": u" in arg]
-    return ", ".join(kept)
+    args = signature.partition("](")[2]
+    return ", ".join(f"{name}: {pair_kind or kind}{pair_spec or spec}"
+                     for name, pair_kind, pair_spec, kind, spec in _INTEGER_ARG.findall(args))
 
 
 WATCH = CompileWatch()  # one per process: Triton has one hook

@@ -67,3 +67,12 @@ def test_a_compile_names_its_integer_arguments_specialisation():
           already_compiled=False)
     example = watch.describe()["constants"]["_decode_kernel"][0]
     assert example == "{'NUM_SPLITS': 4} stride_bt: i32D, page_size: i32"
+
+
+def test_the_specialisation_reads_either_way_triton_writes_argument_types():
+    from pdserve.engine.compile_watch import specialised_integers
+    joined = "_k[num_warps=4](q: *bf16D, stride_bt: i32D, page: i32, scale: fp32, N: constexpr)"
+    paired = ("_k[num_warps=4](q: ('*bf16', 'D'), stride_bt: ('i32', 'D'), page: ('i32', ''), "
+              "scale: ('fp32', ''), N: ('constexpr', 4))")
+    assert specialised_integers(joined) == specialised_integers(paired) == \
+        "stride_bt: i32D, page: i32"
