@@ -211,6 +211,10 @@ CONFIGS["multiplex-graph-floor-bank3-pressed-itl60"] = (
 # steps past the per-step budget) with the lock-out guards and the delivery rule.
 CONFIGS["multiplex-graph-floor-bank3-guarded-delivery-itl60"] = (
     CONFIGS["multiplex-graph-floor-bank3-itl60"] + GUARDS + " --mux-prefill-correction delivery")
+# The floor taken whole as an eager step where cutting it to the graphs' room beside the
+# decode batch would prefill slower (docs/results.md, "Why 1.2 is a cliff").
+CONFIGS["multiplex-graph-floor-off-graphs-itl60"] = (
+    CONFIGS["multiplex-graph-floor-itl60"] + " --mux-floor-off-graphs")
 # Prefill-step graphs up to 512 tokens (prompt and decode), weighed by the planner up to
 # there too: ShareGPT-like steps (256-384 prompt tokens beside ~140 decodes) replay from
 # graphs instead of launching ~12 kernels a layer from Python. At c78302c / 2c58bf1 the

@@ -116,6 +116,13 @@ class SchedulerConfig:
                                       "prefill-step graphs when graph steps are on): the SLO "
                                       "is a mean over a request's tokens, and chunks cut "
                                       "small over long prefixes prefill slowly. 0: off.")
+    mux_floor_off_graphs: bool = doc(False, "multiplex: where the floor is cut to what the "
+                                     "prefill-step graphs hold beside the decode batch, take "
+                                     "the whole floor as an eager step instead when that is "
+                                     "predicted to prefill faster within 1.25x the ITL target "
+                                     "(a large decode batch otherwise leaves a graph step of "
+                                     "a few prompt tokens once eager steps are priced over "
+                                     "the budget).")
     mux_tpot_bank_cap: float = doc(0.0, "multiplex: let a mixed step or a time slice run past "
                                    "the ITL budget by what every running request has banked "
                                    "against it (the budget times its output tokens, less the "

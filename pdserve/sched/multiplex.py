@@ -569,6 +569,7 @@ def mux_planner_config(sched: SchedulerConfig, **overrides) -> MuxPlannerConfig:
                   switch_margin=sched.mux_switch_margin,
                   graph_step_tokens=sched.mux_graph_step_tokens or 0,
                   mixed_floor_tokens=sched.mux_mixed_floor_tokens,
+                  floor_off_graphs=sched.mux_floor_off_graphs,
                   tpot_bank_cap=sched.mux_tpot_bank_cap,
                   ttft_pressed_margin=sched.mux_ttft_pressed_margin,
                   **{name: name in sharing for name in MUX_SHARING})

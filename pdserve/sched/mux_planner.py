@@ -484,6 +484,11 @@ class MuxPlannerConfig:
     # steps and met TPOT 60 ms.
     mixed_floor_tokens: int = 0
     mixed_floor_cap: float = 1.25
+    # Where the floor is cut to the graphs' room beside the decode batch, take the whole
+    # floor eagerly instead when that step (within the cap) is predicted to prefill faster.
+    # On the H200 (ShareGPT-like, 16 req/s) an eager correction of 1.2 beside ~140 decodes
+    # left graph steps of 116 prompt tokens (~40 ms, half the prefill rate) for whole runs.
+    floor_off_graphs: bool = False
     # A mixed step or a time slice may run past the budget by what every request of the
     # decode batch has banked against its TPOT target (``DecodeLoad.slack_ms``), up to
     # this multiple of the ITL SLO; 0: off. The SLO is a mean per request: on the H200
@@ -856,12 +861,29 @@ class MuxPlanner:
         cfg = self.config
         floor = self._floor_chunk(decode, hi)
         if floor == 0 or (chunk is not None and chunk >= floor):
-            return chunk
+            return self._off_graphs(chunk, decode, step, hi)
         cap_ms = cfg.itl_slo_ms * cfg.mixed_floor_cap
         start = chunk if chunk is not None else min(floor, cfg.min_chunk_tokens)
         if step(start) > cap_ms:
+            return self._off_graphs(chunk, decode, step, hi)
+        return self._off_graphs(_largest_fitting(step, start, floor, cfg.token_align, cap_ms),
+                                decode, step, hi)
+
+    def _off_graphs(self, chunk: int | None, decode: DecodeLoad,
+                    step: Callable[[int], float], hi: int) -> int | None:
+        """``chunk``, or the whole floor as an eager step where ``floor_off_graphs`` is on,
+        the floor was cut to the graphs' room, and the eager step within the cap is predicted
+        to prefill faster than ``chunk``."""
+        cfg = self.config
+        whole = min(cfg.mixed_floor_tokens, hi)
+        if not cfg.floor_off_graphs or self._floor_chunk(decode, hi) >= whole \
+                or (chunk is not None and chunk >= whole):
             return chunk
-        return _largest_fitting(step, start, floor, cfg.token_align, cap_ms)
+        if step(whole) > cfg.itl_slo_ms * cfg.mixed_floor_cap:
+            return chunk
+        if chunk is not None and chunk / step(chunk) >= whole / step(whole):
+            return chunk
+        return whole
 
     def _floor_chunk(self, decode: DecodeLoad, hi: int) -> int:
         """The floor's chunk: ``mixed_floor_tokens`` (at most ``hi``), cut to stay on the

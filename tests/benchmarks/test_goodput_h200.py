@@ -117,9 +117,13 @@ def test_every_multiplex_config_serves_to_the_itl_its_name_gives():
 
 
 def _flags(args: str) -> dict[str, str]:
-    """``--flag value`` pairs (every flag of these configs takes one value)."""
-    words = args.split()
-    return dict(zip(words[::2], words[1::2], strict=True))
+    """``--flag value`` pairs; a switch (``--flag`` with no value) reads ``"on"``."""
+    words, flags = args.split(), {}
+    for i, word in enumerate(words):
+        if word.startswith("--"):
+            value = words[i + 1] if i + 1 < len(words) else "--"
+            flags[word] = "on" if value.startswith("--") else value
+    return flags
 
 
 def test_the_floor_configs_differ_only_by_the_floor_from_what_they_are_compared_with():
@@ -147,6 +151,9 @@ def test_the_floor_configs_differ_only_by_the_floor_from_what_they_are_compared_
     banked = _flags(configs["multiplex-graph-floor-bank3-guarded-delivery-itl60"])
     assert banked.pop("--mux-tpot-bank-cap") == "3"
     assert banked == _flags(configs["multiplex-graph-floor-guarded-delivery-itl60"])
+    off_graphs = _flags(configs["multiplex-graph-floor-off-graphs-itl60"])
+    assert off_graphs.pop("--mux-floor-off-graphs") == "on"
+    assert off_graphs == _flags(configs["multiplex-graph-floor-itl60"])
     temporal = _flags(configs["multiplex-temporal-graph-floor-itl60"])
     assert temporal.pop("--mux-sharing") == "temporal"
     assert temporal == _flags(configs["multiplex-graph-floor-itl60"])

@@ -144,3 +144,36 @@ def test_a_served_run_takes_the_floor_chunk_beside_decode(floor, first_chunk):
     assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
     mixed = [e for e in llm.engine.timeline() if e["mode"] == "temporal"]
     assert mixed and mixed[0]["prefill_tokens"] == first_chunk
+
+
+def _sharegpt_chunk(profile_d698fcb, correction: float, off_graphs: bool) -> tuple[int, float]:
+    """ShareGPT-like at 16 req/s: ~140 decodes, ~340-token prompts waiting, graph steps to
+    256 rows, the eager correction as a fresh H200 server learned it."""
+    model = OnlineCalibration(profile_d698fcb)
+    model.mixed_correction = correction
+    config = MuxPlannerConfig(itl_slo_ms=60.0, max_prefill_tokens=24576, spatial=False,
+                              time_slice=False, graph_step_tokens=256, mixed_floor_tokens=256,
+                              floor_off_graphs=off_graphs)
+    plan = MuxPlanner(model, [], config).plan(DecodeLoad(140, 140 * 600),
+                                              [PrefillRequest(340)] * 10)
+    return plan.prefill.num_tokens, plan.prefill_tokens_per_s
+
+
+def test_off_the_graphs_an_eager_correction_of_1_2_keeps_the_whole_floor(profile_d698fcb):
+    # The floor cut to the graphs' room (256 - 140 decodes) is a 116-token graph step: half
+    # the prefill rate once the eager correction prices 192-token steps over the budget.
+    assert _sharegpt_chunk(profile_d698fcb, 1.0, False)[0] == 256
+    cut, cut_rate = _sharegpt_chunk(profile_d698fcb, 1.2, False)
+    whole, whole_rate = _sharegpt_chunk(profile_d698fcb, 1.2, True)
+    assert cut == 116 and whole == 256
+    assert whole_rate > 1.3 * cut_rate
+    assert _sharegpt_chunk(profile_d698fcb, 1.5, True)[0] == 116  # over the cap: the graphs
+    assert _sharegpt_chunk(profile_d698fcb, 1.0, True)[0] == 256  # fitting: nothing changes
+
+
+def test_the_floor_off_the_graphs_is_a_flag_the_planner_gets():
+    from pdserve.sched.multiplex import mux_planner_config
+
+    sched = SchedulerConfig(schedule="multiplex", mux_floor_off_graphs=True)
+    assert mux_planner_config(sched).floor_off_graphs
+    assert not mux_planner_config(SchedulerConfig(schedule="multiplex")).floor_off_graphs
