@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.cluster.config import RatioConfig  # noqa: E402
-from pdserve.cluster.gateway import DISPATCH  # noqa: E402
+from pdserve.cluster.dispatch import DISPATCH  # noqa: E402
 from pdserve.sim import compiled  # noqa: E402
 from pdserve.sim.cluster import LatencyModel, Multiplexing  # noqa: E402
 from pdserve.sim.fleet import FleetSim, Lengths, plan_fleet  # noqa: E402

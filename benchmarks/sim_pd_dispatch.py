@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.cluster.config import RatioConfig  # noqa: E402
-from pdserve.cluster.gateway import DISPATCH  # noqa: E402
+from pdserve.cluster.dispatch import DISPATCH  # noqa: E402
 from pdserve.model.arch import PRESETS  # noqa: E402
 from pdserve.sim.cluster import GroupSim, LatencyModel, load_trace, summarize  # noqa: E402
 

@@ -32,7 +32,7 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.cluster.config import GatewayConfig
+from pdserve.cluster.dispatch import DISPATCH, order_prefill
 from pdserve.cluster.metrics import GatewayMetrics
 from pdserve.cluster.registry import Instance, Registry
 from pdserve.server import protocol as P
@@ -47,7 +48,6 @@ from pdserve.server.pd import resolve_secret, secret_headers
 
 log = logging.getLogger("pdserve.gateway")
 
-DISPATCH = ("on-demand", "least-connections", "round-robin")
 RELAYED_ERRORS = (400, 401, 404, 413)  # the request itself is wrong: no other instance helps
 INSTANCE_COOLDOWN_S = 5.0  # an instance that failed to answer is skipped this long
 # A role whose every instance vanished from the registry is served from the members last
@@ -449,16 +449,6 @@ class Gateway:
     def group_sizes(self) -> dict[tuple[str, str], int]:
         return {(s, role): len(self.registry.instances(s, role))
                 for s in self.registry.scenarios() for role in ("prefill", "decode")}
-
-
-def order_prefill(candidates: list[Instance], dispatch: str, load: Mapping[str, int],
-                  turn: int) -> list[Instance]:
-    """The order in which a request is offered to prefill instances: in turn for
-    round-robin, else fewest prefills in flight from this gateway first."""
-    if dispatch == "round-robin" and candidates:
-        start = turn % len(candidates)
-        return candidates[start:] + candidates[:start]
-    return sorted(candidates, key=lambda i: (load[i.instance_id], i.instance_id))
 
 
 class WaitLine:

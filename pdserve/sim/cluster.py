@@ -34,11 +34,11 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from pdserve.cluster.config import RatioConfig
-from pdserve.cluster.gateway import DISPATCH, order_prefill
+from pdserve.cluster.dispatch import DISPATCH, order_prefill
 from pdserve.cluster.metrics import ScenarioWindow
 from pdserve.cluster.ratio import decode_floor, judge
 from pdserve.cluster.registry import Instance
-from pdserve.server.pd import PrefillAdmission
+from pdserve.server.admission import PrefillAdmission
 
 T = TypeVar("T")
 

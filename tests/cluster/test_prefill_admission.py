@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.server import protocol as P
-from pdserve.server.pd import PrefillAdmission
+from pdserve.server.admission import PrefillAdmission
 
 
 def _busy(now: list[float]) -> PrefillAdmission:

@@ -12,7 +12,7 @@ from pdserve.cluster.config import RatioConfig
 from pdserve.cluster.metrics import GatewayMetrics, ScenarioWindow
 from pdserve.cluster.ratio import RatioController, decode_floor, judge
 from pdserve.cluster.registry import Instance, MemoryRegistry
-from pdserve.server.pd import PrefillAdmission
+from pdserve.server.admission import PrefillAdmission
 from pdserve.server.protocol import APIError
 
 CONFIG = RatioConfig(min_requests=10, cooldown_s=20, decode_window_s=60)
