@@ -88,23 +88,46 @@ from pdserve.sim.mux_steps import engine_timed as engine_timed_sim  # noqa: E402
 
 
 def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
-           rate: float | None = None) -> dict:
+           rate: float | None = None, eager: EagerSteps | None = None) -> dict:
     """The record's requests replayed with ``variant``'s planner flags; at ``rate`` (req/s)
-    their send times are rescaled from the probe's rate to it."""
-    config = planner_config(record["config"]["server_args"], variant)
-    planner = MuxPlanner(OnlineCalibration(predictor), [], config)
+    their send times are rescaled from the probe's rate to it. With ``eager``, eager mixed
+    steps take that factor of the profile's time and the planner starts from that
+    correction, learning from the steps as the engine does (else every step takes its
+    prediction and nothing is learned)."""
+    server_args = record["config"]["server_args"]
+    config = planner_config(server_args, variant)
+    timing = None
+    if eager is None:
+        calibration = OnlineCalibration(predictor)
+    else:
+        calibration = calibrated(predictor, {"mixed_steps": eager.start_correction},
+                                 f"{server_args} {variant}")
+        timing = StepTiming(1.0, eager.factor)
+    planner = MuxPlanner(calibration, [], config)
     probed = record["probe"]["rate"]
     scale = probed / rate if rate else 1.0
     requests = [Replayed(s["send_s"] * scale, s["prompt_len"], s["output_tokens"])
                 for s in record["samples"]]
-    run = StepReplay(planner, requests)
+    run = StepReplay(planner, requests, timing)
     run.run()
     rows = latency_rows(requests)
     slo = record["summary"]["slo"]
     return {"rate": rate or probed, "variant": variant, "steps": run.modes,
+            **({"eager": dataclasses.asdict(eager),
+                "eager_correction_after": round(calibration.mixed_correction, 4)}
+               if eager else {}),
             "busy_s": run.busy_s,
             "attainment": attainment(rows, slo["ttft_ms"] / 1e3, slo["itl_ms"] / 1e3),
             "ttft_s": percentiles(rows, "ttft_s"), "tpot_s": percentiles(rows, "tpot_s")}
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerSteps:
+    """Eager mixed steps taking ``factor`` times the profile's time, the planner starting
+    from ``start_correction`` (a correction a fresh server learned in its first seconds)."""
+
+    factor: float = 1.0
+    start_correction: float = 1.0
 
 
 def replay_validation(run: dict, predictor: LatencyPredictor,
@@ -320,6 +343,13 @@ def main(argv: list[str] | None = None) -> None:
                              "time-slice pieces' measured over predicted cycles the "
                              "engine-timed replay draws (default: none, each cycle as "
                              "profiled).")
+    parser.add_argument("--eager-factor", type=float, default=None,
+                        help="With --record: eager mixed steps take this factor of the "
+                        "profile's time, the corrections learning (default: every step as "
+                        "predicted, nothing learned).")
+    parser.add_argument("--start-eager-correction", type=float, default=1.0,
+                        help="With --eager-factor: the eager correction the planner starts "
+                        "from.")
     parser.add_argument("--seeds", type=int, default=1,
                         help="With --validation: draws of that spread (default 1).")
     parser.add_argument("--out", type=Path, required=True)
@@ -330,12 +360,16 @@ def main(argv: list[str] | None = None) -> None:
     predictor_path = args.predictor or ROOT / record["predictor"]["path"]
     predictor = LatencyPredictor.load(predictor_path)
     rates = [float(r) for r in args.rates.split(",") if r] or [None]
+    eager = None if args.eager_factor is None else EagerSteps(args.eager_factor,
+                                                               args.start_eager_correction)
     result = {**result_header({"record": _relative(args.record),
                                "predictor": _relative(predictor_path),
-                               "variants": args.variant, "rates": args.rates}),
+                               "variants": args.variant, "rates": args.rates,
+                               "eager_factor": args.eager_factor,
+                               "start_eager_correction": args.start_eager_correction}),
               "kind": "prediction", "record_revision": record["git_revision"],
               "measured": measured(record),
-              "replayed": [replay(record, predictor, v, rate) for rate in rates
+              "replayed": [replay(record, predictor, v, rate, eager) for rate in rates
                            for v in ["", *args.variant]]}
     write_json(result, args.out)
     for row in result["replayed"]:

@@ -98,3 +98,18 @@ def test_a_validation_run_s_multiplex_replay_is_set_beside_its_measured_requests
     assert abs(ttft["p50"]) < 0.11 and abs(ttft["p99"]) < 0.11
     assert 0.1 < tpot["p50"] < 0.3
     assert set(result["steps"]) == {"engine_calibration", "engine_calibration_after_replay"}
+
+
+def test_eager_steps_slower_than_profiled_cost_attainment_and_are_learned(tool, predictor):
+    # ~10K prompt tokens/s arriving beside a growing decode batch: near the knee, eager steps
+    # 15% over the profile leave prompts waiting, and the correction learns the 15%.
+    busy = record(120, 0.06, 16.0, prompt_len=330, output_len=120)
+    as_profiled = tool.replay(busy, predictor, eager=tool.EagerSteps(1.0, 1.0))
+    slower = tool.replay(busy, predictor, eager=tool.EagerSteps(1.15, 1.0))
+    assert slower["ttft_s"]["p99"] > as_profiled["ttft_s"]["p99"]
+    assert slower["eager_correction_after"] > 1.1
+    assert as_profiled["eager_correction_after"] == pytest.approx(1.0, abs=0.01)
+    # A stale correction from a slow start comes back down once eager steps run as profiled.
+    stale = tool.replay(busy, predictor, eager=tool.EagerSteps(1.0, 1.2))
+    assert stale["eager_correction_after"] < 1.05
+    assert stale["eager"] == {"factor": 1.0, "start_correction": 1.2}
