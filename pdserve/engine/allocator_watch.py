@@ -21,20 +21,24 @@ SEGMENTS, RETRIES, RESERVED = ("segment.all.allocated", "num_alloc_retries",
 
 
 class AllocatorWatch:
-    """The allocator's counters when ``serving()`` was called, against now."""
+    """The allocator's counters when ``serving()`` was called, against now (a CUDA device
+    only: elsewhere there is no caching allocator to watch, and ``describe`` says so)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self._start: dict[str, int] | None = None
 
     def serving(self) -> None:
-        self._start = self._counters()
+        if self.device.type == "cuda":
+            self._start = self._counters()
 
     def _counters(self) -> dict[str, int]:
         stats = torch.cuda.memory_stats(self.device)
         return {key: int(stats.get(key, 0)) for key in (SEGMENTS, RETRIES, RESERVED)}
 
     def describe(self) -> dict:
+        if self.device.type != "cuda":
+            return {"watched": False, "why": f"no caching CUDA allocator on {self.device.type}"}
         if self._start is None:
             return {"watched": False, "why": "not serving yet"}
         now = self._counters()
@@ -43,6 +47,3 @@ class AllocatorWatch:
                 "alloc_retries": now[RETRIES] - self._start[RETRIES],
                 "reserved_growth_mib": round((now[RESERVED] - self._start[RESERVED]) / 2**20, 1)}
 
-
-def describe_unwatched(device: torch.device) -> dict:
-    return {"watched": False, "why": f"no caching CUDA allocator on {device.type}"}

@@ -33,7 +33,7 @@ import time
 
 from pdserve.cache.block_manager import BlockManager
 from pdserve.config import EngineConfig
-from pdserve.engine.allocator_watch import AllocatorWatch, describe_unwatched
+from pdserve.engine.allocator_watch import AllocatorWatch
 from pdserve.engine.compile_watch import WATCH
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.launch import HostBuffers, Launch
@@ -98,10 +98,8 @@ class EngineCore:
         self.warmup = warm_up_eager_steps(self)
         if self.compiles is not None:
             self.compiles.serving()
-        self.allocations = AllocatorWatch(self.runner.device) \
-            if self.runner.device.type == "cuda" else None
-        if self.allocations is not None:
-            self.allocations.serving()
+        self.allocations = AllocatorWatch(self.runner.device)
+        self.allocations.serving()
 
     def _lane_buffers(self) -> list[HostBuffers]:
         """Two pinned buffers (an overlapped launch fills one while the host reads the other)
@@ -508,8 +506,7 @@ class EngineCore:
                 "tensor_parallel_size": self.runner.comm.size,
                 "overlap_schedule": self._describe_overlap(), "eager_warmup": self.warmup,
                 "kernels_compiled_while_serving": self._describe_compiles(),
-                "allocator_while_serving": self.allocations.describe()
-                if self.allocations is not None else describe_unwatched(self.runner.device),
+                "allocator_while_serving": self.allocations.describe(),
                 **self.scheduler.prefill_order.describe(), **self.scheduler.describe(),
                 **self.kv.describe()}
 
