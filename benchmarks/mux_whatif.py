@@ -490,7 +490,7 @@ def fit_share(args: argparse.Namespace) -> int:
     return 0
 
 
-GRAPH_STEP_TOKENS = 256  # --piecewise-graph-max-tokens' default
+GRAPH_STEP_TOKENS = 256  # --piecewise-graph-max-tokens at the replayed revisions
 LOOGLE_PROMPT = 16000  # the LooGLE-like prompts' middle (12,000-20,000 tokens)
 
 

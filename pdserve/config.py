@@ -256,8 +256,12 @@ class DeviceConfig:
         "nominal partitions on ordinary streams (no real SM split; for debugging only) "
         "instead of stopping at start-up.")
     cuda_graph_max_batch: int = doc(256, "Largest decode batch captured as a CUDA graph.")
+    # 512: multiplexing's ShareGPT-like mixed steps (256-384 prompt tokens beside ~140
+    # decodes) then replay from graphs instead of running eagerly, where a fresh server's
+    # first slow eager steps could lock them out (docs/results.md); costs 0.15 GiB of
+    # graphs and ~2 s of capture on the H200.
     piecewise_graph_max_tokens: int = doc(
-        256, "Largest whole-GPU step with prompt tokens (chunked prefill, mixed steps) run as "
+        512, "Largest whole-GPU step with prompt tokens (chunked prefill, mixed steps) run as "
         "CUDA graphs between its attentions (larger ones are GPU-bound eagerly); 0: none.")
     tensor_parallel_size: int = doc(1, "Split the model across this many GPUs (one worker "
                                     "process per extra rank; on the CPU, processes talking "

@@ -110,9 +110,9 @@ def test_every_multiplex_config_serves_to_the_itl_its_name_gives():
         assert "--itl-slo-ms 60" in module.CONFIGS[name]
     assert "--mux-sharing temporal" in module.CONFIGS["multiplex-temporal-itl60"]
     assert "--mux-graph-step-tokens 256" in module.CONFIGS["multiplex-graph-itl60"]
-    converging = module.CONFIGS["multiplex-graph-converging-itl60"]
-    assert converging == module.CONFIGS["multiplex-graph-itl60"] \
-        + " --mux-prefill-correction converging"
+    converging = _flags(module.CONFIGS["multiplex-graph-converging-itl60"])
+    assert converging.pop("--mux-prefill-correction") == "converging"
+    assert converging == _flags(module.CONFIGS["multiplex-graph-itl60"])
     assert module.itl_target("chunk256") is None and module.itl_target("multiplex-itl") is None
 
 
@@ -166,6 +166,26 @@ def test_every_multiplex_config_names_its_graph_steps_and_floor():
         if "--schedule multiplex" in args:
             flags = _flags(args.replace("{predictor}", "p").replace("{ttft_slo_ms}", "1"))
             assert "--mux-graph-step-tokens" in flags and "--mux-mixed-floor-tokens" in flags, name
+
+
+def test_every_config_names_its_prefill_step_graphs():
+    """The graphs' default size changed (256 -> 512 tokens); a config's records must keep
+    one meaning, and the graph512 pair must differ from its 256 forms only by the graphs."""
+    configs = _load("goodput_h200").CONFIGS
+    sizes = {name: _flags(args)["--piecewise-graph-max-tokens"] for name, args in configs.items()}
+    assert {name for name, size in sizes.items() if size == "512"} == {
+        "multiplex-graph512-floor-itl60", "chunk512-graph512",
+        "multiplex-graph512-floor-bank3-itl60"}
+    assert set(sizes.values()) == {"256", "512"}
+    for wide, narrow in [("multiplex-graph512-floor-itl60", "multiplex-graph-floor-itl60"),
+                         ("multiplex-graph512-floor-bank3-itl60",
+                          "multiplex-graph-floor-bank3-itl60"),
+                         ("chunk512-graph512", "chunk512")]:
+        wide_flags, narrow_flags = _flags(configs[wide]), _flags(configs[narrow])
+        for flags, size in ((wide_flags, "512"), (narrow_flags, "256")):
+            assert flags.pop("--piecewise-graph-max-tokens") == size
+            assert flags.pop("--mux-graph-step-tokens", size) == size
+        assert wide_flags == narrow_flags
 
 
 def test_definitions_cover_the_issue():
@@ -234,8 +254,8 @@ def test_summary_brackets_missing_probes_revisions_and_figure3(tool, tmp_path):
     assert next(line for line in markdown.splitlines()
                 if line.startswith("| chunk512 |")).split("|")[2].strip() == "0.1"
     assert "† (bbbbbbb)" in markdown  # chunk1024 comes from another revision
-    assert "run --search loogle:multiplex-graph-floor-itl60,multiplex-itl60 --max-probes 2" \
-        in markdown
+    assert "run --search loogle:multiplex-graph512-floor-itl60,multiplex-graph-floor-itl60 " \
+        "--max-probes 2" in markdown
     assert (tmp_path / "figure3_loogle.png").stat().st_size > 0
     assert "| chunk512 | 0.1 | 0.1 | 0.1 | 0.1 |" in markdown  # one run, every ITL SLO
 
@@ -447,8 +467,8 @@ def test_the_slo_order_configs_take_each_workload_s_ttft_slo():
     for name, base in (("chunk256-slo", "chunk256"),
                        ("multiplex-graph-floor-slo-itl60", "multiplex-graph-floor-itl60")):
         args = module.config_args(name, predictor, "mooncake")
-        assert args == module.config_args(base, predictor, None) \
-            + " --ttft-slo-ms 5000 --prefill-order slo"
+        assert _flags(args) == {**_flags(module.config_args(base, predictor, None)),
+                                "--ttft-slo-ms": "5000", "--prefill-order": "slo"}
         assert "--ttft-slo-ms 15000" in module.config_args(name, predictor, "loogle")
         with pytest.raises(ValueError, match="TTFT SLO"):
             module.config_args(name, predictor, None)
@@ -481,8 +501,8 @@ def test_the_pressed_configs_are_valid_server_flags_with_each_workload_s_ttft_sl
                        ("multiplex-graph-floor-bank3-pressed-itl60",
                         "multiplex-graph-floor-bank3-itl60")):
         args = module.config_args(name, predictor, "sharegpt")
-        assert args == module.config_args(base, predictor, None) \
-            + " --ttft-slo-ms 2000 --mux-ttft-pressed-margin 1"
+        assert _flags(args) == {**_flags(module.config_args(base, predictor, None)),
+                                "--ttft-slo-ms": "2000", "--mux-ttft-pressed-margin": "1"}
         flags = _flags(args)
         config = SchedulerConfig(itl_slo_ms=float(flags["--itl-slo-ms"]),
                                  ttft_slo_ms=float(flags["--ttft-slo-ms"]),

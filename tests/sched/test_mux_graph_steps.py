@@ -96,7 +96,7 @@ def test_graph_steps_and_the_floor_are_on_by_default_where_graphs_are_captured()
     assert (planner.graph_step_tokens, planner.mixed_floor_tokens) == (0, 256)
 
 
-@pytest.mark.parametrize("flags", [{"mux_graph_step_tokens": 512},
+@pytest.mark.parametrize("flags", [{"mux_graph_step_tokens": 1024},
                                    {"mux_graph_step_tokens": 256, "enforce_eager": True},
                                    {"mux_graph_step_tokens": 256,
                                     "piecewise_graph_max_tokens": 128}])
