@@ -903,7 +903,7 @@ def summarise(results: Path, out_dir: Path, figure3_workloads: list[str]) -> dic
     data = {"searches": [_search_json(s) for s in found],
             "missing": [{"workload": w, "config": c, "rate": r}
                         for w, c, r in missing_probes(found, expected_requests)]}
-    (out_dir / "summary.json").write_text(json.dumps(data, indent=1) + "\n")
+    write_json(data, out_dir / "summary.json")
     print(markdown)
     return data
 

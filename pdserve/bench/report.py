@@ -83,7 +83,22 @@ def _clean(value):
 def write_json(result: dict, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_clean(result), indent=1) + "\n")
+    path.write_text(_layout(_clean(result)) + "\n")
+
+
+def _layout(value, indent: str = "") -> str:
+    """JSON with objects indented a space per level but a list of objects one object per
+    line, and lists of numbers on one line: a run's per-request records stay readable line
+    by line at half the size of fully indented JSON."""
+    inner = indent + " "
+    if isinstance(value, dict) and value:
+        fields = [f"{inner}{json.dumps(key)}: {_layout(item, inner)}"
+                  for key, item in value.items()]
+        return "{\n" + ",\n".join(fields) + f"\n{indent}}}"
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        rows = [inner + json.dumps(item) for item in value]
+        return "[\n" + ",\n".join(rows) + f"\n{indent}]"
+    return json.dumps(value)
 
 
 def load_json(path: str | Path) -> dict:
