@@ -235,6 +235,16 @@ CONFIGS["chunk512-graph512"] = FLAGS_AS_GIVEN["chunk512"] + GRAPH512
 # under the SLO): the TPOT bank spends that slack on prefill.
 CONFIGS["multiplex-graph512-floor-bank3-itl60"] = (
     CONFIGS["multiplex-graph512-floor-itl60"] + " --mux-tpot-bank-cap 3")
+# The bank made 16 worse (65%: more time slices, whose compounding prefill correction walked
+# to 1.73 while their pieces ran at 1.03-1.05 of the profile). Next at 16: the TTFT pressure
+# (97% / 96% at 22537b9 on 256 graphs), the converging correction (compared before only where
+# runs locked out), and mixed steps only (chunked prefill's steps with the ITL budget kept).
+CONFIGS["multiplex-graph512-floor-pressed-itl60"] = (
+    CONFIGS["multiplex-graph512-floor-itl60"] + PRESSED_ARGS)
+CONFIGS["multiplex-graph512-floor-converging-itl60"] = (
+    CONFIGS["multiplex-graph512-floor-itl60"] + CONVERGING)
+CONFIGS["multiplex-temporal-graph512-floor-itl60"] = (
+    CONFIGS["multiplex-graph512-floor-itl60"] + " --mux-sharing temporal")
 # The engine's default multiplex first, then the one its earlier records ran.
 TABLE_CONFIGS = ("multiplex-graph512-floor-itl60", "multiplex-graph-floor-itl60",
                  "multiplex-itl60", "chunk256", "chunk512", "chunk512-graph512", "chunk1024",

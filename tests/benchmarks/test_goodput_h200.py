@@ -175,11 +175,18 @@ def test_every_config_names_its_prefill_step_graphs():
     sizes = {name: _flags(args)["--piecewise-graph-max-tokens"] for name, args in configs.items()}
     assert {name for name, size in sizes.items() if size == "512"} == {
         "multiplex-graph512-floor-itl60", "chunk512-graph512",
-        "multiplex-graph512-floor-bank3-itl60"}
+        "multiplex-graph512-floor-bank3-itl60", "multiplex-graph512-floor-pressed-itl60",
+        "multiplex-graph512-floor-converging-itl60", "multiplex-temporal-graph512-floor-itl60"}
     assert set(sizes.values()) == {"256", "512"}
     for wide, narrow in [("multiplex-graph512-floor-itl60", "multiplex-graph-floor-itl60"),
                          ("multiplex-graph512-floor-bank3-itl60",
                           "multiplex-graph-floor-bank3-itl60"),
+                         ("multiplex-graph512-floor-pressed-itl60",
+                          "multiplex-graph-floor-pressed-itl60"),
+                         ("multiplex-graph512-floor-converging-itl60",
+                          "multiplex-graph-floor-converging-itl60"),
+                         ("multiplex-temporal-graph512-floor-itl60",
+                          "multiplex-temporal-graph-floor-itl60"),
                          ("chunk512-graph512", "chunk512")]:
         wide_flags, narrow_flags = _flags(configs[wide]), _flags(configs[narrow])
         for flags, size in ((wide_flags, "512"), (narrow_flags, "256")):
