@@ -88,8 +88,9 @@ class SchedulerConfig:
                               "partitions and capture decode graphs for (comma-separated; "
                               "the whole GPU is always offered).")
     mux_graph_batches: str = doc("1,2,4,8,16,32,48,64,96,128,192,256", "multiplex: decode "
-                                 "batch sizes captured as graphs on every partition; larger "
-                                 "batches run eagerly.")
+                                 "batch sizes captured as graphs on every SM split (the "
+                                 "whole GPU captures every 16 up to --cuda-graph-max-batch, "
+                                 "as the other schedules do); larger batches run eagerly.")
     mux_sharing: str = doc("temporal,time_slice,spatial", "multiplex: the ways of sharing "
                            "the GPU the planner weighs at each decode step (comma-separated): "
                            "temporal (whole-GPU mixed steps), time_slice (decode alone, then a "
