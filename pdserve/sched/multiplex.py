@@ -60,6 +60,8 @@ from pdserve.sched.mux_planner import (
 
 log = logging.getLogger(__name__)
 TIMELINE_LENGTH = 20_000  # decisions kept for ``timeline()``; older ones are dropped
+# Modes whose decode step runs alone on the whole GPU (its correction: ``decode_alone``).
+WHOLE_GPU_DECODE = (MuxMode.DECODE_ONLY, MuxMode.TIME_SLICE)
 DECODE_LANE, PREFILL_LANE = "decode", "prefill"
 
 
@@ -203,6 +205,7 @@ class MultiplexScheduler(InFlightScheduler):
         return {"mixed_steps": round(self.model.mixed_correction, 4),
                 "graph_mixed_steps": round(self.model.graph_mixed_correction, 4),
                 "co_running_decode": round(self.model.decode_correction, 4),
+                "decode_alone": round(self.model.alone_decode_correction, 4),
                 "prefill_pieces": self.model.describe_prefill(),
                 "prefill_rule": self.model.prefill_rule,
                 "correction_window": self.model.window,
@@ -470,6 +473,8 @@ class MultiplexScheduler(InFlightScheduler):
         elif entry is not None and entry.mode == MuxMode.SPATIAL and not entry.switch_pending:
             # Its prediction was for this very partition (a pending switch planned another).
             self.model.observe_decode(entry.predicted_decode_ms, measured)
+        elif entry is not None and entry.mode in WHOLE_GPU_DECODE:
+            self.model.observe_decode(entry.predicted_decode_ms, measured, alone=True)
 
     def _observe_piece(self, note: object, output: StepOutput) -> None:
         """A piece completed: the timeline gets its time, its option's calibration learns.
@@ -544,6 +549,8 @@ class MultiplexScheduler(InFlightScheduler):
     def _calibration_of(self, mode: MuxMode) -> float:
         if mode == MuxMode.TEMPORAL:
             return self.model.mixed_correction
+        if mode in WHOLE_GPU_DECODE:
+            return self.model.alone_decode_correction
         return self.model.decode_correction if mode == MuxMode.SPATIAL else 1.0
 
     def timeline(self, since: float | None = None) -> list[dict]:

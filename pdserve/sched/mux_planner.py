@@ -175,6 +175,10 @@ class OnlineCalibration:
         # the eager steps' predictions down with them (nor eager ones keep graph steps dear).
         self.graph_mixed_correction = 1.0
         self.decode_correction = 1.0  # co-running decode steps
+        # Decode alone on the whole GPU (decode-only steps, time slices' decodes): on the
+        # H200 (ShareGPT-like, 3fa127d) such steps of 33-128 requests ran 1.11-1.18x the
+        # profile, so time slices sized their pieces to a budget the decode had already used.
+        self.alone_decode_correction = 1.0
         self.prefill_corrections: dict[str, float] = {}  # by ``option_key``
         self.prefill_pieces: dict[str, int] = {}
         self.delivered_batches: dict[str, int] = {}  # the ``delivery`` rule's lessons
@@ -199,6 +203,8 @@ class OnlineCalibration:
                                 co_running, num_layers)
         if phase == "decode" and co_running:
             ms *= self.decode_correction
+        elif phase == "decode" and sms == self.total_sms:
+            ms *= self.alone_decode_correction
         return ms
 
     def predict_mixed(self, *args, **kwargs) -> float:
@@ -222,9 +228,15 @@ class OnlineCalibration:
             self.mixed_correction = self._learned(key, self.mixed_correction, predicted_ms,
                                                   measured_ms)
 
-    def observe_decode(self, predicted_ms: float, measured_ms: float) -> None:
-        """A co-running decode step; ``predicted_ms``: what ``predict`` said for it."""
-        if self._teaches("decode", predicted_ms, measured_ms):
+    def observe_decode(self, predicted_ms: float, measured_ms: float, alone: bool = False
+                       ) -> None:
+        """A co-running decode step (``alone``: a decode step alone on the whole GPU);
+        ``predicted_ms``: what ``predict`` said for it."""
+        if alone:
+            if self._teaches("alone_decode", predicted_ms, measured_ms):
+                self.alone_decode_correction = self._learned(
+                    "alone_decode", self.alone_decode_correction, predicted_ms, measured_ms)
+        elif self._teaches("decode", predicted_ms, measured_ms):
             self.decode_correction = self._learned("decode", self.decode_correction,
                                                    predicted_ms, measured_ms)
 
@@ -323,6 +335,8 @@ class OnlineCalibration:
             self.graph_mixed_correction **= keep
         if key != "decode":
             self.decode_correction **= keep
+        if key != "alone_decode":
+            self.alone_decode_correction **= keep
         for option, factor in self.prefill_corrections.items():
             if key != f"prefill:{option}":
                 self.prefill_corrections[option] = factor ** keep

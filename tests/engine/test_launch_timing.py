@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from pdserve.engine.launch import Launch
 from pdserve.engine.streams import DoneEvent, SyncStreamOps
 
@@ -56,6 +58,25 @@ def test_mixed_step_correction_learns_from_the_device_clock():
     MultiplexScheduler._calibrate(policy, SimpleNamespace(note=note),
                                   StepOutput([1], elapsed_ms=60.0))  # no device clock
     assert model.mixed_correction > 1.0
+
+
+@pytest.mark.parametrize("mode, learns", [("decode_only", "alone"), ("time_slice", "alone"),
+                                           ("spatial", "co_running"), ("temporal", None)])
+def test_a_decode_step_teaches_the_factor_of_where_it_ran(mode, learns):
+    """Decode alone on the whole GPU (decode-only steps, time slices' decodes) and decode
+    beside a prefill on an SM split learn separate factors; a mixed step neither."""
+    from pdserve.sched.base import StepOutput
+    from pdserve.sched.multiplex import DecodeNote, MultiplexScheduler, TimelineEntry
+    from pdserve.sched.mux_planner import OnlineCalibration
+
+    model = OnlineCalibration(SimpleNamespace(num_layers=48, total_sms=132))
+    entry = TimelineEntry(0.0, mode, 132, 132, 140, 0, 0, 24.0, False, 24.0)
+    policy = SimpleNamespace(model=model)
+    MultiplexScheduler._calibrate(policy, SimpleNamespace(note=DecodeNote(entry=entry)),
+                                  StepOutput([1], elapsed_ms=40.0, device_ms=31.0))
+    assert (model.alone_decode_correction > 1.0) == (learns == "alone")
+    assert (model.decode_correction > 1.0) == (learns == "co_running")
+    assert model.mixed_correction == 1.0
 
 
 class ClockOps(SyncStreamOps):

@@ -219,3 +219,28 @@ def test_decode_measured_faster_than_predicted_moves_to_a_smaller_partition():
     assert truth <= 50.0 * 0.9
     assert model.predict("decode", 4, 2000, 4, 50) == HandModel().predict(
         "decode", 4, 2000, 4, 50)
+
+
+def test_decode_alone_slower_than_predicted_shrinks_time_slice_pieces_to_the_budget():
+    """Whole-GPU decode steps that run at 1.3x their prediction (decode-only steps, time
+    slices' decodes) teach their own factor: the time slice's piece shrinks until the true
+    cycle fits the budget again; co-running decode and an SM split's decode keep theirs."""
+    model = OnlineCalibration(HandModel())
+    plan = MuxPlanner(model, PARTITIONS, MuxPlannerConfig(
+        itl_slo_ms=50.0, token_align=8, min_chunk_tokens=16, temporal=False, spatial=False,
+        time_slice=True))
+    first = plan.plan(HEAVY, PROMPTS)
+    assert first.mode == MuxMode.TIME_SLICE
+    truth = lambda: 1.3 * HandModel().predict("decode", 32, HEAVY.context_tokens, 32, SMS)
+    assert truth() + first.prefill.predicted_ms > 50.0 * 0.9  # the true cycle overshoots
+    for _ in range(60):
+        step = plan.plan(HEAVY, PROMPTS)
+        model.observe_decode(step.decode_ms, truth(), alone=True)
+    later = plan.plan(HEAVY, PROMPTS)
+    assert model.alone_decode_correction == pytest.approx(1.3, rel=0.02)
+    assert later.mode == MuxMode.TIME_SLICE
+    assert later.prefill.predicted_ms < first.prefill.predicted_ms
+    assert truth() + later.prefill.predicted_ms <= 50.0 * 0.9 + 1e-6
+    assert model.decode_correction == 1.0
+    assert model.predict("decode", 4, 2000, 4, 50) == HandModel().predict(
+        "decode", 4, 2000, 4, 50)
