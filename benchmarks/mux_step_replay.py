@@ -88,16 +88,22 @@ from pdserve.sim.mux_steps import engine_timed as engine_timed_sim  # noqa: E402
 
 
 def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
-           rate: float | None = None, eager: EagerSteps | None = None) -> dict:
+           rate: float | None = None, eager: EagerSteps | None = None,
+           twin: Twin | None = None, seed: int = 0) -> dict:
     """The record's requests replayed with ``variant``'s planner flags; at ``rate`` (req/s)
     their send times are rescaled from the probe's rate to it. With ``eager``, eager mixed
     steps take that factor of the profile's time and the planner starts from that
     correction, learning from the steps as the engine does (else every step takes its
-    prediction and nothing is learned)."""
+    prediction and nothing is learned). With ``twin``, every step as the engine timed
+    another run's (``Twin``), seed ``seed``, time slices as the server's flags allow (SM
+    splits are not modelled); the corrections start at the profile and learn."""
     server_args = record["config"]["server_args"]
-    config = planner_config(server_args, variant)
+    config = planner_config(server_args, variant, time_slice=twin is not None)
     timing = None
-    if eager is None:
+    if twin is not None:
+        calibration = calibrated(predictor, None, f"{server_args} {variant}")
+        timing = twin.timing(seed)
+    elif eager is None:
         calibration = OnlineCalibration(predictor)
     else:
         calibration = calibrated(predictor, {"mixed_steps": eager.start_correction},
@@ -113,12 +119,43 @@ def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
     rows = latency_rows(requests)
     slo = record["summary"]["slo"]
     return {"rate": rate or probed, "variant": variant, "steps": run.modes,
+            **({"seed": seed} if twin else {}),
             **({"eager": dataclasses.asdict(eager),
                 "eager_correction_after": round(calibration.mixed_correction, 4)}
                if eager else {}),
             "busy_s": run.busy_s,
             "attainment": attainment(rows, slo["ttft_ms"] / 1e3, slo["itl_ms"] / 1e3),
             "ttft_s": percentiles(rows, "ttft_s"), "tpot_s": percentiles(rows, "tpot_s")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Twin:
+    """Engine timing taken from another run of a probe (its record and timeline): mixed
+    steps at the path factors it learned (``calibration_after``) times its steps' measured
+    over predicted spread, decode alone at its steps' measured over profile time drawn by
+    batch. The replay of a run with its twin's timing is a prediction of that run."""
+
+    record: str
+    graph_factor: float
+    eager_factor: float
+    spread: StepSpread
+
+    @classmethod
+    def load(cls, record_path: Path) -> Twin:
+        record = json.loads(record_path.read_text())
+        timeline = load_timeline(record_path.with_name(record_path.stem + "_timeline.json.gz"))
+        graph, eager = path_factors(record.get("calibration_after"))
+        spread = step_spread(timeline, _relative(record_path))
+        slices = slice_spread(timeline)
+        if slices:
+            spread = dataclasses.replace(spread, slices=slices,
+                                         slice_source=_relative(record_path))
+        return cls(_relative(record_path), graph, eager, spread)
+
+    def timing(self, seed: int) -> StepTiming:
+        return StepTiming(self.graph_factor, self.eager_factor, self.spread.mixed,
+                          self.spread.decode, seed, self.spread.slices,
+                          self.spread.decode_by_batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,7 +374,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="With --validation: a multiplex replay timeline "
                              "(*_multiplex_timeline_replay.json.gz) of another run whose "
                              "steps' measured over predicted times the engine-timed replay "
-                             "draws (default: none, each step as its path's factor says).")
+                             "draws (default: none, each step as its path's factor says). "
+                             "With --record: another run's goodput record (its timeline "
+                             "beside it) whose engine timing every step takes (Twin).")
     parser.add_argument("--slice-spread-from", type=Path, default=None,
                         help="With --validation: a multiplex timeline of another run whose "
                              "time-slice pieces' measured over predicted cycles the "
@@ -351,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="With --eager-factor: the eager correction the planner starts "
                         "from.")
     parser.add_argument("--seeds", type=int, default=1,
-                        help="With --validation: draws of that spread (default 1).")
+                        help="With --spread-from: draws of that spread (default 1).")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.validation:
@@ -362,18 +401,25 @@ def main(argv: list[str] | None = None) -> None:
     rates = [float(r) for r in args.rates.split(",") if r] or [None]
     eager = None if args.eager_factor is None else EagerSteps(args.eager_factor,
                                                                args.start_eager_correction)
+    twin = Twin.load(args.spread_from) if args.spread_from else None
+    if twin and eager:
+        raise SystemExit("--spread-from and --eager-factor: one timing at a time")
+    seeds = range(args.seeds) if twin else [0]
     result = {**result_header({"record": _relative(args.record),
                                "predictor": _relative(predictor_path),
                                "variants": args.variant, "rates": args.rates,
                                "eager_factor": args.eager_factor,
-                               "start_eager_correction": args.start_eager_correction}),
+                               "start_eager_correction": args.start_eager_correction,
+                               "spread_from": twin.record if twin else None,
+                               "seeds": len(seeds)}),
               "kind": "prediction", "record_revision": record["git_revision"],
               "measured": measured(record),
-              "replayed": [replay(record, predictor, v, rate, eager) for rate in rates
-                           for v in ["", *args.variant]]}
+              "replayed": [replay(record, predictor, v, rate, eager, twin, seed)
+                           for rate in rates for v in ["", *args.variant] for seed in seeds]}
     write_json(result, args.out)
     for row in result["replayed"]:
-        print(f"{row['rate']:g} req/s, {row['variant'] or '(as run)'}: "
+        seed = f", seed {row['seed']}" if "seed" in row else ""
+        print(f"{row['rate']:g} req/s, {row['variant'] or '(as run)'}{seed}: "
               f"attainment {row['attainment']:.2f}, "
               f"TTFT p50/p99 {row['ttft_s']['p50']:.2f}/{row['ttft_s']['p99']:.2f} s, "
               f"TPOT p50/p99 {1e3 * row['tpot_s']['p50']:.0f}/"

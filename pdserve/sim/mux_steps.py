@@ -52,6 +52,7 @@ decodes from the next step and the planner counts its tokens from then.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import random
 import shlex
@@ -75,6 +76,7 @@ from pdserve.sched.mux_planner import (
 )
 
 WHOLE_GPU_MODES = (MuxMode.TEMPORAL, MuxMode.DECODE_ONLY, MuxMode.PREFILL_ONLY)
+DECODE_NEIGHBOURS = 32  # measured decode steps nearest a batch that its draw comes from
 MODELLED_MODES = (*WHOLE_GPU_MODES, MuxMode.TIME_SLICE)
 
 
@@ -121,6 +123,11 @@ class StepTiming:
     decode_spread: tuple[float, ...] = (1.0,)
     seed: int = 0
     slice_spread: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
+    decode_by_batch: tuple[tuple[int, float], ...] = ()
+    """(batch, measured over profile time) of decode steps alone, by batch: a decode step
+    draws from the ``DECODE_NEIGHBOURS`` nearest its batch (none: ``decode_spread``). On
+    the H200 decode alone ran at the profile's time up to ~30 requests and 1.1-1.35x it
+    beyond (3fa127d), so one pooled spread would time large batches as small ones."""
 
 
 @dataclass
@@ -262,7 +269,7 @@ class MuxStepSim:
         ms = self.planner.predictor.predict("decode", load.batch_size, load.context_tokens,
                                             load.batch_size, sms)
         if self.timing is not None:
-            ms *= self.rng.choice(self.timing.decode_spread)
+            ms = self._decode_alone_ms(ms, load.batch_size)
         self.log.add(str(MuxMode.DECODE_ONLY), ms / 1e3)
         self.now += ms / 1e3
         self.busy_s += ms / 1e3
@@ -310,8 +317,26 @@ class MuxStepSim:
         if self.timing is None:
             return plan.cycle_ms / 1e3
         if plan.mode == MuxMode.DECODE_ONLY:
-            return plan.cycle_ms * self.rng.choice(self.timing.decode_spread) / 1e3
+            return self._decode_alone_ms(plan.cycle_ms, len(self._decoding())) / 1e3
         return self._mixed_ms(plan, kind == "graph") / 1e3
+
+    def _decode_alone_ms(self, predicted_ms: float, batch: int) -> float:
+        """Decode alone on the whole GPU: the profile's time (``predicted_ms`` without the
+        correction in force) times a ratio drawn for ``batch``; the decode-alone correction
+        learns from it, as the engine's does."""
+        calibration = self.planner.calibration
+        measured = (predicted_ms / calibration.alone_decode_correction
+                    * self._decode_ratio(batch))
+        calibration.observe_decode(predicted_ms, measured, alone=True)
+        return measured
+
+    def _decode_ratio(self, batch: int) -> float:
+        pairs = self.timing.decode_by_batch
+        if not pairs:
+            return self.rng.choice(self.timing.decode_spread)
+        at = bisect.bisect_left(pairs, (batch, 0.0))
+        lo = max(0, min(at - DECODE_NEIGHBOURS // 2, len(pairs) - DECODE_NEIGHBOURS))
+        return self.rng.choice(pairs[lo:lo + DECODE_NEIGHBOURS])[1]
 
     def _mixed_ms(self, plan: MuxPlan, graph: bool) -> float:
         """The step's engine time; the planner's corrections learn from it, as the
@@ -423,7 +448,7 @@ def engine_timed(predictor, server_args: str, corrections: dict | None,
     seeing tokens a step late; ``time_slice``: time slices as the server's flags allow."""
     spread = spread or StepSpread()
     timing = StepTiming(*path_factors(corrections), spread.mixed, spread.decode, seed,
-                        spread.slices)
+                        spread.slices, spread.decode_by_batch)
     planner = MuxPlanner(calibrated(predictor, corrections, server_args), [],
                          planner_config(server_args, time_slice=time_slice))
     sim = MuxStepSim(planner, requests, timing, first_token_lag=True)
@@ -442,18 +467,25 @@ class StepSpread:
     source: str | None = None
     slices: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
     slice_source: str | None = None
+    decode_by_batch: tuple[tuple[int, float], ...] = ()
 
 
 def step_spread(timeline: list[dict], source: str | None = None) -> StepSpread:
     """Each whole-GPU step's device time over the prediction it ran with, from a
     multiplexing engine's timeline (``MuxScheduler.timeline``): draw it from another run's
     timeline than the one a model is checked on."""
-    def ratios(mode: str) -> tuple[float, ...]:
-        return tuple(e["measured_device_ms"] / e["predicted_cycle_ms"] for e in timeline
-                     if e["mode"] == mode and e["measured_device_ms"] > 0
-                     and e["predicted_cycle_ms"] > 0)
+    def timed(mode: str) -> list[dict]:
+        return [e for e in timeline if e["mode"] == mode and e["measured_device_ms"] > 0
+                and e["predicted_cycle_ms"] > 0]
 
-    return StepSpread(ratios(MuxMode.TEMPORAL), ratios(MuxMode.DECODE_ONLY), source)
+    mixed = tuple(e["measured_device_ms"] / e["predicted_cycle_ms"]
+                  for e in timed(MuxMode.TEMPORAL))
+    # Decode alone over the profile's time: its prediction carried the decode-alone
+    # correction in force (the entry's ``calibration``; 1.0 in timelines before it).
+    decode = sorted((e["decode_batch"], e["measured_device_ms"] * e.get("calibration", 1.0)
+                     / e["predicted_cycle_ms"]) for e in timed(MuxMode.DECODE_ONLY))
+    return StepSpread(mixed, tuple(r for _, r in decode), source,
+                      decode_by_batch=tuple(decode))
 
 
 def slice_spread(timeline: list[dict]) -> tuple[tuple[float, float], ...]:

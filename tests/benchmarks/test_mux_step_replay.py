@@ -3,6 +3,7 @@ through the real planner, step by step, with the committed d698fcb H200 profile.
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -113,3 +114,51 @@ def test_eager_steps_slower_than_profiled_cost_attainment_and_are_learned(tool, 
     stale = tool.replay(busy, predictor, eager=tool.EagerSteps(1.0, 1.2))
     assert stale["eager_correction_after"] < 1.05
     assert stale["eager"] == {"factor": 1.0, "start_correction": 1.2}
+
+
+def _twin(tmp_path: Path, decode_ratio_by_batch) -> Path:
+    """A twin run's record and timeline: its decode-only steps at ``decode_ratio_by_batch``
+    (batch -> measured over predicted), its mixed steps as predicted."""
+    timeline = [{"time": 0.01 * batch, "mode": "decode_only", "decode_batch": batch,
+                 "predicted_cycle_ms": 20.0,
+                 "measured_device_ms": 20.0 * decode_ratio_by_batch(batch), "calibration": 1.0}
+                for batch in range(1, 201)]
+    timeline += [{"time": 3.0, "mode": "temporal", "decode_batch": 8,
+                  "predicted_cycle_ms": 40.0, "measured_device_ms": 40.0, "calibration": 1.0}]
+    path = tmp_path / "twin.json"
+    path.write_text(json.dumps({"calibration_after": {"mixed_steps": 1.0,
+                                                      "graph_mixed_steps": 1.0}}))
+    with gzip.open(tmp_path / "twin_timeline.json.gz", "wt") as out:
+        json.dump(timeline, out)
+    return path
+
+
+def test_a_twin_run_s_decode_times_are_drawn_by_batch(tool, predictor, tmp_path):
+    """Decode alone slower only beyond 100 requests: a probe whose batch stays small keeps
+    its TPOT; one whose batch grows past 100 pays it."""
+    twin = tool.Twin.load(_twin(tmp_path, lambda batch: 1.0 if batch <= 100 else 1.5))
+    assert [ratio for batch, ratio in twin.spread.decode_by_batch if batch > 100] == [1.5] * 100
+    small = record(20, 0.5, 2.0)
+    large = record(150, 0.01, 100.0, prompt_len=64, output_len=200)
+    as_profiled = tool.replay(large, predictor)
+    for probe, slower in ((small, False), (large, True)):
+        timed = tool.replay(probe, predictor, twin=twin, seed=1)
+        assert timed["seed"] == 1
+        plain = tool.replay(probe, predictor)
+        assert (timed["tpot_s"]["p50"] > 1.2 * plain["tpot_s"]["p50"]) == slower
+    assert as_profiled["tpot_s"]["p50"] < tool.replay(large, predictor, twin=twin)["tpot_s"]["p50"]
+
+
+def test_the_script_takes_a_twin_run_s_timing_over_seeds(tool, tmp_path):
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(record(10, 0.5, 2.0)))
+    out = tmp_path / "replay.json"
+    twin = _twin(tmp_path, lambda batch: 1.1)
+    tool.main(["--record", str(path), "--predictor", str(PREDICTOR), "--spread-from",
+               str(twin), "--seeds", "3", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [row["seed"] for row in result["replayed"]] == [0, 1, 2]
+    assert result["config"]["seeds"] == 3 and result["config"]["spread_from"].endswith("twin.json")
+    with pytest.raises(SystemExit, match="one timing at a time"):
+        tool.main(["--record", str(path), "--predictor", str(PREDICTOR), "--spread-from",
+                   str(twin), "--eager-factor", "1.2", "--out", str(out)])
