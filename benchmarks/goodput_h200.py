@@ -245,6 +245,10 @@ CONFIGS["multiplex-graph512-floor-converging-itl60"] = (
     CONFIGS["multiplex-graph512-floor-itl60"] + CONVERGING)
 CONFIGS["multiplex-temporal-graph512-floor-itl60"] = (
     CONFIGS["multiplex-graph512-floor-itl60"] + " --mux-sharing temporal")
+# Without SM splits: the split that opened the run's first co-running batch delivered 0.67
+# of the rate it was chosen by, the time slices after it 0.85 (docs/results.md).
+CONFIGS["multiplex-nosplit-graph512-floor-itl60"] = (
+    CONFIGS["multiplex-graph512-floor-itl60"] + " --mux-sharing temporal,time_slice")
 # The engine's default multiplex first, then the one its earlier records ran.
 TABLE_CONFIGS = ("multiplex-graph512-floor-itl60", "multiplex-graph-floor-itl60",
                  "multiplex-itl60", "chunk256", "chunk512", "chunk512-graph512", "chunk1024",
