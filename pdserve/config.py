@@ -161,6 +161,12 @@ class SchedulerConfig:
                                  "many times its prediction is a stall (kernels compiled on "
                                  "first use, a host pause), not its option's rate: no "
                                  "correction learns from it (> 1; 0: off).")
+    mux_co_running_correction: float = doc(
+        1.0, "multiplex: the prefill correction SM splits and time slices start from (what "
+        "their batches are expected to take over the profile's time; the planner divides "
+        "their rates by it until serving teaches it otherwise); 1.0: the profile's rates. "
+        "On the H200 such batches delivered 0.67-0.95 of the rate they were chosen by "
+        "(docs/results.md).")
     mux_allow_unprofiled: bool = doc(False, "multiplex: answer the SM splits a fitted profile "
                                       "never timed with the roofline model, instead of "
                                       "stopping at start-up with the groups it lacks.")
@@ -194,6 +200,9 @@ class SchedulerConfig:
                              "must be >= 0 (0: off)")
         if self.mux_stall_ratio != 0.0 and self.mux_stall_ratio <= 1.0:
             raise ValueError(f"--mux-stall-ratio {self.mux_stall_ratio}: must be > 1 (0: off)")
+        if not 0.5 <= self.mux_co_running_correction <= 2.0:
+            raise ValueError(f"--mux-co-running-correction {self.mux_co_running_correction}: "
+                             "must be within a correction's bounds, [0.5, 2]")
         if self.mux_graph_step_tokens is not None and self.mux_graph_step_tokens < 0:
             raise ValueError(f"--mux-graph-step-tokens {self.mux_graph_step_tokens}: must be "
                              ">= 0")

@@ -207,6 +207,7 @@ class MultiplexScheduler(InFlightScheduler):
                 "co_running_decode": round(self.model.decode_correction, 4),
                 "decode_alone": round(self.model.alone_decode_correction, 4),
                 "prefill_pieces": self.model.describe_prefill(),
+                "co_running_start": self.model.co_running_start,
                 "prefill_rule": self.model.prefill_rule,
                 "correction_window": self.model.window,
                 "guards": self.model.describe_guards(),

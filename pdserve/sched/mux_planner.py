@@ -154,7 +154,7 @@ class OnlineCalibration:
     def __init__(self, model: LatencyModel, weight: float = 0.2,
                  bounds: tuple[float, float] = (0.5, 2.0), step_limit: float = 1.25,
                  prefill_rule: str = "compounding", window: int = 0, half_life: int = 0,
-                 stall_ratio: float = 0.0):
+                 stall_ratio: float = 0.0, co_running_start: float = 1.0):
         if prefill_rule not in PREFILL_RULES:
             raise ValueError(f"prefill correction rule {prefill_rule!r}: expected one of "
                              f"{', '.join(PREFILL_RULES)}")
@@ -166,6 +166,8 @@ class OnlineCalibration:
         self.model, self.weight, self.bounds = model, weight, bounds
         self.step_limit, self.prefill_rule, self.window = step_limit, prefill_rule, window
         self.half_life, self.stall_ratio = half_life, stall_ratio
+        # Where SM splits' and time slices' prefill corrections start (and relax back to).
+        self.co_running_start = co_running_start
         self.stalls_ignored: dict[str, int] = {}  # by factor
         self._ratios: dict[str, deque[float]] = {}  # by factor, with a window
         self.num_layers, self.total_sms = model.num_layers, model.total_sms
@@ -189,7 +191,8 @@ class OnlineCalibration:
         return cls(model, prefill_rule=config.mux_prefill_correction,
                    window=config.mux_correction_window,
                    half_life=config.mux_correction_half_life,
-                   stall_ratio=config.mux_stall_ratio)
+                   stall_ratio=config.mux_stall_ratio,
+                   co_running_start=config.mux_co_running_correction)
 
     @classmethod
     def learning_only(cls, **kwargs) -> OnlineCalibration:
@@ -241,8 +244,18 @@ class OnlineCalibration:
                                                    predicted_ms, measured_ms)
 
     def prefill_correction(self, option: str | None) -> float:
-        """Measured over predicted time of ``option``'s prefill pieces (1.0: none seen)."""
-        return self.prefill_corrections.get(option, 1.0) if option is not None else 1.0
+        """Measured over predicted time of ``option``'s prefill pieces (none seen: where
+        the option starts, ``prefill_start``)."""
+        if option is None:
+            return 1.0
+        return self.prefill_corrections.get(option, self.prefill_start(option))
+
+    def prefill_start(self, option: str) -> float:
+        """The correction ``option`` starts from: ``co_running_start`` for an SM split or
+        time slices (their batches deliver less than their pieces' profile says: decode
+        steps alone and switches between the pieces), 1.0 for mixed steps."""
+        co_running = option.startswith("spatial:") or option == str(MuxMode.TIME_SLICE)
+        return self.co_running_start if co_running else 1.0
 
     def observe_prefill(self, option: str, predicted_ms: float, measured_ms: float) -> None:
         """A prefill piece of ``option`` (``option_key``) completed: it took ``measured_ms``
@@ -339,7 +352,8 @@ class OnlineCalibration:
             self.alone_decode_correction **= keep
         for option, factor in self.prefill_corrections.items():
             if key != f"prefill:{option}":
-                self.prefill_corrections[option] = factor ** keep
+                start = self.prefill_start(option)
+                self.prefill_corrections[option] = start * (factor / start) ** keep
 
     def _learned(self, key: str, factor: float, corrected_ms: float, measured_ms: float
                  ) -> float:

@@ -177,7 +177,8 @@ def test_every_config_names_its_prefill_step_graphs():
         "multiplex-graph512-floor-itl60", "chunk512-graph512",
         "multiplex-graph512-floor-bank3-itl60", "multiplex-graph512-floor-pressed-itl60",
         "multiplex-graph512-floor-converging-itl60", "multiplex-temporal-graph512-floor-itl60",
-        "multiplex-nosplit-graph512-floor-itl60"}
+        "multiplex-nosplit-graph512-floor-itl60",
+        "multiplex-graph512-floor-corun125-delivery-itl60"}
     assert set(sizes.values()) == {"256", "512"}
     for wide, narrow in [("multiplex-graph512-floor-itl60", "multiplex-graph-floor-itl60"),
                          ("multiplex-graph512-floor-bank3-itl60",

@@ -542,3 +542,47 @@ def test_a_served_batch_teaches_the_delivery_rule_once():
     learned = llm.engine.describe()["calibration"]["prefill_pieces"]
     assert by_sharing and all(row["pieces"] == 0 for row in learned.values())
     assert sum(row["batches"] for row in learned.values()) == len(by_sharing)
+
+
+# --- where SM splits and time slices start (--mux-co-running-correction) -------------------
+
+def test_co_running_options_start_from_their_correction_and_mixed_steps_from_the_profile(
+        fitted):
+    model = OnlineCalibration(fitted, co_running_start=1.25)
+    assert [model.prefill_correction(o) for o in ("spatial:24", "time_slice", "temporal")] == [
+        1.25, 1.25, 1.0]
+    plans = {p.mode: p for p in planner(model, temporal=True).options(DECODE, PROMPT)}
+    for mode, start in ((MuxMode.SPATIAL, 1.25), (MuxMode.TIME_SLICE, 1.25)):
+        assert plans[mode].prefill_calibration == start
+        assert plans[mode].weighed_tokens_per_s == pytest.approx(
+            plans[mode].committed_tokens_per_s / start)
+    profiled = {p.mode: p for p in planner(OnlineCalibration(fitted), temporal=True).options(
+        DECODE, PROMPT)}
+    assert plans[MuxMode.TEMPORAL].weighed_tokens_per_s == pytest.approx(
+        profiled[MuxMode.TEMPORAL].weighed_tokens_per_s)
+
+
+def test_the_co_running_start_is_what_batches_delivering_it_keep_and_relaxing_returns_to():
+    base = SimpleNamespace(num_layers=LAYERS, total_sms=132)
+    delivery = OnlineCalibration(base, prefill_rule="delivery", co_running_start=1.25)
+    for _ in range(40):
+        delivery.observe_delivery("time_slice", 6000.0, 6000.0 * 0.8)
+    assert delivery.prefill_correction("time_slice") == pytest.approx(1.25, rel=0.01)
+    relaxing = OnlineCalibration(base, half_life=100, co_running_start=1.25)
+    relaxing.prefill_corrections["spatial:64"] = 2.0
+    for _ in range(100):
+        relaxing.observe_mixed(30.0 * relaxing.graph_mixed_correction, 30.0, graph=True)
+    assert relaxing.prefill_correction("spatial:64") == pytest.approx(1.25 * (2.0 / 1.25) ** 0.5)
+
+
+def test_the_co_running_correction_is_a_flag_the_engine_uses():
+    from pdserve.config import SchedulerConfig
+    from pdserve.engine.llm import LLM
+
+    with pytest.raises(ValueError, match="--mux-co-running-correction 0.3"):
+        SchedulerConfig(schedule="multiplex", mux_co_running_correction=0.3)
+    llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline",
+              mux_co_running_correction=1.25)
+    calibration = llm.engine.describe()["calibration"]
+    assert calibration["co_running_start"] == 1.25
+    assert llm.engine.scheduler.model.prefill_correction("time_slice") == 1.25
