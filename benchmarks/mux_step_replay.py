@@ -8,8 +8,9 @@ reports it), and decode from the step after their last prompt piece. Each step i
 planner's plan over the whole GPU: a mixed step (TEMPORAL), decode alone, or a prefill
 alone; the step takes the profile's predicted time. It models the options that keep the
 GPU whole (``--mux-sharing temporal``), so it fits a workload whose busy stretch ran mixed
-steps (the ShareGPT-like probes at 12-16 req/s); spatial splits and time slices are not
-replayed. What it is for: the planner settings' effect at one load, compared with the
+steps (the ShareGPT-like probes at 12-16 req/s); with ``--spread-from`` (another run of the
+probe: its engine timing) time slices and SM splits are replayed too, as the server's
+flags allow. What it is for: the planner settings' effect at one load, compared with the
 settings a measured probe ran (the replay of those settings is the check). Every figure
 is a prediction (``"kind": "prediction"``).
 
@@ -98,7 +99,9 @@ def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
     another run's (``Twin``), seed ``seed``, time slices as the server's flags allow (SM
     splits are not modelled); the corrections start at the profile and learn."""
     server_args = record["config"]["server_args"]
-    config = planner_config(server_args, variant, time_slice=twin is not None)
+    config = planner_config(server_args, variant, time_slice=twin is not None,
+                            spatial=twin is not None)
+    splits = [tuple(split) for split in record.get("partitions", {}).get("splits", [])]
     timing = None
     if twin is not None:
         calibration = calibrated(predictor, None, f"{server_args} {variant}")
@@ -109,7 +112,7 @@ def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
         calibration = calibrated(predictor, {"mixed_steps": eager.start_correction},
                                  f"{server_args} {variant}")
         timing = StepTiming(1.0, eager.factor)
-    planner = MuxPlanner(calibration, [], config)
+    planner = MuxPlanner(calibration, splits if config.spatial else [], config)
     probed = record["probe"]["rate"]
     scale = probed / rate if rate else 1.0
     requests = [Replayed(s["send_s"] * scale, s["prompt_len"], s["output_tokens"])
@@ -155,6 +158,7 @@ class Twin:
     def timing(self, seed: int) -> StepTiming:
         return StepTiming(self.graph_factor, self.eager_factor, self.spread.mixed,
                           self.spread.decode, seed, self.spread.slices,
+                          self.spread.spatial_decode, self.spread.spatial_pieces,
                           self.spread.decode_by_batch)
 
 

@@ -2,8 +2,10 @@
 
 Every step is what ``MuxPlanner`` plans for the waiting prompts (first come first served)
 and the decode batch: a mixed step (TEMPORAL), decode alone, prefill alone, or (with
-``time_slice`` in the planner's config) a time-slice cycle. Spatial splits are not
-modelled: the planner must be configured without them.
+``time_slice`` / ``spatial`` in the planner's config) a time-slice cycle or a decode step
+on an SM split beside the batch's pieces on the rest (``MuxStepSim._spatial``: a piece
+launched when the one before it ended, decode kept on its split while one is in flight,
+switching splits free of the engine's drain).
 
 A time-slice cycle runs as ``pdserve/sched/multiplex.py`` runs it: on the whole GPU's one
 stream, the decode step of the batch, then a piece (a layer range) of the prefill batch in
@@ -20,7 +22,10 @@ How long a step runs (``StepTiming``):
 
 - ``None``: the plan's own prediction, the planner's corrections fixed (the step replay
   as it was: ``benchmarks/mux_step_replay.py`` before engine timing).
-- engine timing: a mixed step takes the profile's time for its shape times the factor
+- engine timing: on an SM split, a decode step and a piece each take the profile's time
+  times a ratio drawn from ``spatial_decode_spread`` / ``spatial_piece_spread``, the
+  co-running decode correction and the option's prefill correction learning from them.
+  A mixed step takes the profile's time for its shape times the factor
   measured for its path (``graph_factor`` on the prefill-step graphs, ``eager_factor``
   otherwise: the corrections the engine learned on its probes), times a ratio drawn
   from a measured spread; decode alone takes its prediction times a drawn ratio. The
@@ -123,6 +128,9 @@ class StepTiming:
     decode_spread: tuple[float, ...] = (1.0,)
     seed: int = 0
     slice_spread: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
+    spatial_decode_spread: tuple[float, ...] = (1.0,)
+    spatial_piece_spread: tuple[float, ...] = (1.0,)
+    """Decode steps beside a piece on an SM split, and the pieces, over the profile's time."""
     decode_by_batch: tuple[tuple[int, float], ...] = ()
     """(batch, measured over profile time) of decode steps alone, by batch: a decode step
     draws from the ``DECODE_NEIGHBOURS`` nearest its batch (none: ``decode_spread``). On
@@ -181,11 +189,14 @@ class MuxStepSim:
         self.joining: list[StepRequest] = []  # prefilled by the last piece: not in the
         # decode step already issued behind it
         self.option: str | None = None  # the sharing option running (the incumbent)
+        # A piece in flight on an SM split: when it ends, its layers, the split's decode SMs.
+        self.piece_end: float | None = None
+        self.piece_layers, self.split_sms = 0, 0
 
     def run(self) -> None:
         while self.pending or self.waiting or self.running or self.batch:
             self._admit()
-            if not (self.waiting or self.running):
+            if not (self.waiting or self.running or self.batch):
                 self._show()  # no step follows: the last one's output shows at its end
                 self.now = self.pending[0].arrival
                 continue
@@ -200,6 +211,8 @@ class MuxStepSim:
         in_flight = self.batch.view() if self.batch is not None else None
         plan = self.planner.plan(self._decode_load(), self._waiting_view(), in_flight,
                                  self.option)
+        if self.piece_end is not None or plan.mode == MuxMode.SPATIAL:
+            return self._spatial(plan)
         if self.slicing and plan.mode != MuxMode.TIME_SLICE:
             return self._end_slicing()
         if plan.mode not in MODELLED_MODES:
@@ -251,6 +264,60 @@ class MuxStepSim:
                     batch.option, batch.committed_tokens_per_s,
                     tokens / (self.now - batch.started))
             self.joining = self._batch_done()
+
+    def _spatial(self, plan: MuxPlan) -> None:
+        """One decode step on an SM split beside the batch's pieces on the rest, as the
+        engine runs them: a piece is launched when the one before it has ended, and while
+        one is in flight decode stays on its split whatever the planner would choose next.
+        Switching splits costs nothing here (the engine drains first)."""
+        self.slicing = False
+        if self.piece_end is None and self.batch is None:
+            taken = [(self.waiting[i], tokens) for i, tokens in plan.prefill.chunks]
+            self.batch = SliceBatch(taken, sum(r.prefilled for r, _ in taken), 0,
+                                    plan.option, plan.committed_tokens_per_s, self.now)
+            for request in (r for r, _ in taken):
+                self.waiting.remove(request)
+        if self.piece_end is None:
+            self._launch_piece(plan)
+        decoding = self._decoding()
+        step_s = self._co_running_decode_ms(decoding) / 1e3
+        self.modes[MuxMode.SPATIAL] = self.modes.get(MuxMode.SPATIAL, 0) + 1
+        self.log.add(str(MuxMode.SPATIAL), step_s)
+        self.now += step_s
+        self.busy_s += step_s
+        self._show()
+        self._decode(decoding)
+        if self.piece_end <= self.now:
+            self._piece_ended()
+
+    def _launch_piece(self, plan: MuxPlan) -> None:
+        self.option, self.split_sms = plan.option, plan.decode_sms
+        predicted = piece_predicted_ms(plan)  # the profile's: a piece carries no correction
+        measured = predicted * self._ratio("spatial_piece_spread")
+        self.planner.calibration.observe_prefill(plan.option, predicted, measured)
+        self.piece_end, self.piece_layers = self.now + measured / 1e3, plan.prefill.num_layers
+
+    def _co_running_decode_ms(self, decoding: list[StepRequest]) -> float:
+        if not decoding:
+            return max(0.0, 1e3 * (self.piece_end - self.now))  # nothing to decode: wait
+        calibration = self.planner.calibration
+        load = decode_load_banked(decoding, self.planner.config, self.now)
+        predicted = calibration.predict("decode", load.batch_size, load.context_tokens,
+                                        load.batch_size, self.split_sms, co_running=True)
+        measured = (predicted / calibration.decode_correction
+                    * self._ratio("spatial_decode_spread"))
+        calibration.observe_decode(predicted, measured)
+        return measured
+
+    def _piece_ended(self) -> None:
+        batch, self.piece_end = self.batch, None
+        batch.layers_done = min(self.planner.num_layers, batch.layers_done + self.piece_layers)
+        if batch.layers_done >= self.planner.num_layers:
+            self._batch_done()
+            self.option = None
+
+    def _ratio(self, spread: str) -> float:
+        return self.rng.choice(getattr(self.timing, spread)) if self.timing else 1.0
 
     def _slice_ratios(self) -> tuple[float, float]:
         if self.timing is None:
@@ -398,15 +465,19 @@ class MuxStepSim:
         self.unseen = []
 
 
-def planner_config(server_args: str, variant: str = "", time_slice: bool = False
-                   ) -> MuxPlannerConfig:
-    """The whole-GPU planner a ``pdserve serve`` command line asks for, ``variant``'s flags
-    over it, read as the server reads them (``SchedulerConfig``; graph steps left at
-    ``auto`` count as off: the records name them). SM splits off: not modelled. Time
-    slices off unless ``time_slice``, then as the command line's ``--mux-sharing`` says."""
+def planner_config(server_args: str, variant: str = "", time_slice: bool = False,
+                   spatial: bool = False) -> MuxPlannerConfig:
+    """The planner a ``pdserve serve`` command line asks for, ``variant``'s flags over it,
+    read as the server reads them (``SchedulerConfig``; graph steps left at ``auto`` count
+    as off: the records name them). Time slices and SM splits off unless ``time_slice`` /
+    ``spatial``, then as the command line's ``--mux-sharing`` says."""
     sched = scheduler_config(server_args, variant)
-    slicing = time_slice and "time_slice" in mux_sharing_options(sched.mux_sharing)
-    return mux_planner_config(sched, spatial=False, temporal=True, time_slice=slicing)
+    options = mux_sharing_options(sched.mux_sharing)
+    spatial, time_slice = spatial and "spatial" in options, time_slice and "time_slice" in options
+    # Mixed steps as the flags say where another option is modelled, else always (the
+    # whole-GPU model needs one way to prefill beside decode).
+    temporal = "temporal" in options or not (spatial or time_slice)
+    return mux_planner_config(sched, spatial=spatial, temporal=temporal, time_slice=time_slice)
 
 
 def scheduler_config(server_args: str, variant: str = "") -> SchedulerConfig:
@@ -468,6 +539,8 @@ class StepSpread:
     slices: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
     slice_source: str | None = None
     decode_by_batch: tuple[tuple[int, float], ...] = ()
+    spatial_decode: tuple[float, ...] = (1.0,)
+    spatial_pieces: tuple[float, ...] = (1.0,)
 
 
 def step_spread(timeline: list[dict], source: str | None = None) -> StepSpread:
@@ -484,8 +557,19 @@ def step_spread(timeline: list[dict], source: str | None = None) -> StepSpread:
     # correction in force (the entry's ``calibration``; 1.0 in timelines before it).
     decode = sorted((e["decode_batch"], e["measured_device_ms"] * e.get("calibration", 1.0)
                      / e["predicted_cycle_ms"]) for e in timed(MuxMode.DECODE_ONLY))
+    # On an SM split: decode steps over the profile (their prediction carried the co-running
+    # correction, the entry's ``calibration``), pieces over their (uncorrected) prediction.
+    spatial = [e for e in timeline if e["mode"] == MuxMode.SPATIAL]
+    split_decode = tuple(e["measured_device_ms"] * e.get("calibration", 1.0)
+                         / e["predicted_decode_ms"] for e in spatial
+                         if e["measured_device_ms"] > 0 and e["predicted_decode_ms"] > 0
+                         and not e.get("switch_pending"))
+    pieces = tuple(e["measured_piece_ms"] / e["predicted_piece_ms"] for e in spatial
+                   if e.get("piece_launched") and e["measured_piece_ms"] > 0
+                   and e["predicted_piece_ms"] > 0)
     return StepSpread(mixed, tuple(r for _, r in decode), source,
-                      decode_by_batch=tuple(decode))
+                      decode_by_batch=tuple(decode), spatial_decode=split_decode or (1.0,),
+                      spatial_pieces=pieces or (1.0,))
 
 
 def slice_spread(timeline: list[dict]) -> tuple[tuple[float, float], ...]:

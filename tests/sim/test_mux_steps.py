@@ -301,3 +301,64 @@ def test_the_slice_spread_is_each_piece_over_its_cycle_and_the_cycles_between_th
     cycles, own = [c for c, _ in pairs], [p for _, p in pairs]
     assert 0.95 < median(own) < median(cycles) < 1.02  # the host's lag between pieces
     assert sum(c >= p - 1e-9 for c, p in pairs) > 0.95 * len(pairs)
+
+
+# --------------------------------------------------------------- SM splits
+
+SPLITS = [(16, 116), (24, 108), (32, 100), (48, 84), (64, 68)]
+SPATIAL_ARGS = "--schedule multiplex --itl-slo-ms 60 --mux-predictor p --mux-sharing spatial"
+
+
+def _spatial_sim(replay_tool, predictor, pieces: float = 1.0, decodes: float = 1.0):
+    """LooGLE-like prompts of 16K tokens, 3 s apart, beside one long answer, on SM splits
+    only; every piece at ``pieces`` and every decode step beside one at ``decodes`` of the
+    profile's time."""
+    calibration = OnlineCalibration(predictor)
+    config = replay_tool.planner_config(SPATIAL_ARGS, time_slice=True, spatial=True)
+    planner = MuxPlanner(calibration, SPLITS, config)
+    requests = [StepRequest(0.0, 512, 400)] + [StepRequest(1.0 + 3.0 * i, 16000, 64)
+                                              for i in range(4)]
+    timing = StepTiming(1.0, 1.0, spatial_piece_spread=(pieces,),
+                        spatial_decode_spread=(decodes,))
+    sim = MuxStepSim(planner, requests, timing, first_token_lag=True)
+    sim.run()
+    return sim, requests, calibration
+
+
+def _tpot(request: StepRequest) -> float:
+    return (request.finished - request.first_token) / (request.output_len - 1)
+
+
+def test_the_planner_config_follows_the_sharing_flags_where_other_options_are_modelled(
+        replay_tool):
+    config = replay_tool.planner_config(SPATIAL_ARGS, time_slice=True, spatial=True)
+    assert config.spatial and not config.temporal and not config.time_slice
+    assert replay_tool.planner_config(SPATIAL_ARGS).temporal  # the whole-GPU model
+    assert not replay_tool.planner_config(SLICING_ARGS, time_slice=True).spatial
+
+
+def test_pieces_on_a_split_prefill_every_prompt_while_decode_runs_beside_them(
+        replay_tool, predictor):
+    sim, requests, _ = _spatial_sim(replay_tool, predictor)
+    assert sim.modes["spatial"] > 100
+    answer, prompts = requests[0], requests[1:]
+    for r in requests:
+        assert r.prefilled == r.prompt_len and r.decoded + 1 == r.output_len
+    # The long answer kept decoding while the prompts prefilled beside it: it ended after
+    # the last prompt's first token, each of its tokens within the ITL target.
+    assert answer.finished > prompts[-1].first_token and _tpot(answer) < 0.060
+    alone = predictor.predict("prefill", 16000, 0, 1, predictor.total_sms) / 1e3
+    assert min(r.first_token - r.arrival for r in prompts) > alone  # on a split: slower
+
+
+def test_slow_pieces_and_slow_decode_on_a_split_teach_their_own_corrections(
+        replay_tool, predictor):
+    _, profiled, _ = _spatial_sim(replay_tool, predictor)
+    _, slow_pieces, learned = _spatial_sim(replay_tool, predictor, pieces=1.5)
+    assert min(learned.prefill_corrections.values()) > 1.2
+    assert learned.decode_correction == 1.0
+    assert slow_pieces[1].first_token - slow_pieces[1].arrival > \
+        1.3 * (profiled[1].first_token - profiled[1].arrival)
+    _, slow_decode, learned = _spatial_sim(replay_tool, predictor, decodes=1.3)
+    assert learned.decode_correction == pytest.approx(1.3, rel=0.02)
+    assert _tpot(slow_decode[2]) > 1.1 * _tpot(profiled[2])
