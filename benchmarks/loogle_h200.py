@@ -46,9 +46,11 @@ CONFIGS = {
     # Plans aimed at 95% of the ITL target instead of 90% (the profile predicts +2-3% prefill).
     "multiplex-m95": "--schedule multiplex --itl-slo-ms 60 --max-num-batched-tokens 24576 "
                      f"--mux-decode-sms {SPLITS} --mux-itl-margin 0.95",
-    # Mixed steps that fit the 256-token prefill-step graphs weighed as an option of their own.
+    # Mixed steps that fit the 256-token prefill-step graphs weighed as an option of their own
+    # (the graphs' size pinned: their default is 512 tokens since 16e4d0f).
     "multiplex-graph": "--schedule multiplex --itl-slo-ms 60 --max-num-batched-tokens 24576 "
-                       f"--mux-decode-sms {SPLITS} --mux-graph-step-tokens 256",
+                       f"--mux-decode-sms {SPLITS} --mux-graph-step-tokens 256 "
+                       "--piecewise-graph-max-tokens 256",
     "chunk256": "--schedule chunked --chunk-size 256",
     "chunk512": "--schedule chunked --chunk-size 512",
     "chunk1024": "--schedule chunked --chunk-size 1024",
