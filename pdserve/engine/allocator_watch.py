@@ -36,6 +36,11 @@ class AllocatorWatch:
         stats = torch.cuda.memory_stats(self.device)
         return {key: int(stats.get(key, 0)) for key in (SEGMENTS, RETRIES, RESERVED)}
 
+    def segments(self) -> int:
+        """Segments allocated from the driver so far (a CUDA device only): read around a
+        launch, their difference is the cudaMallocs it made."""
+        return int(torch.cuda.memory_stats(self.device).get(SEGMENTS, 0))
+
     def describe(self) -> dict:
         if self.device.type != "cuda":
             return {"watched": False, "why": f"no caching CUDA allocator on {self.device.type}"}

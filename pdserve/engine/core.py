@@ -100,6 +100,8 @@ class EngineCore:
             self.compiles.serving()
         self.allocations = AllocatorWatch(self.runner.device)
         self.allocations.serving()
+        self._watch_launches = (self.scheduler.watches_allocations
+                                and self.runner.device.type == "cuda")
 
     def _lane_buffers(self) -> list[HostBuffers]:
         """Two pinned buffers (an overlapped launch fills one while the host reads the other)
@@ -272,7 +274,10 @@ class EngineCore:
         for lane, work in self.scheduler.schedule(idle).items():
             waits, self._fences[lane] = self._fences[lane], []
             try:
+                before = self.allocations.segments() if self._watch_launches else 0
                 launch = self.runner.launch(work, waits, self._next_buffers(lane))
+                if self._watch_launches:
+                    work.cuda_mallocs = self.allocations.segments() - before
             except Exception:
                 # One bad launch must not take the engine down: fail the requests it carried.
                 log.exception("launch failed; failing its %d requests", len(work.plan.scheduled))

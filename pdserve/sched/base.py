@@ -109,6 +109,9 @@ class Work:
     # A whole launch the policy calibrates against: also timed on the device's clock
     # (``StepOutput.device_ms``); the others are not, so their steps record no extra events.
     timed: bool = False
+    # Segments the CUDA caching allocator took from the driver while this was issued (a
+    # policy that ``watches_allocations``, on a GPU; else 0).
+    cuda_mallocs: int = 0
 
 
 class LaneLaunches:
@@ -164,6 +167,9 @@ class Scheduler:
 
     lanes: tuple[str, ...] = (MAIN_LANE,)
     waits_for_launches = True
+    # The engine counts the allocator's cudaMallocs around each of its launches
+    # (``Work.cuda_mallocs``): two allocator-stats reads a launch, so only where asked.
+    watches_allocations = False
     serves_pd_roles = True  # may run as a P/D prefill or decode instance
     decode_pool = MAIN_POOL  # the pool decode graphs are captured over
 

@@ -18,6 +18,7 @@ def test_the_watch_reports_what_the_allocator_took_after_serving_began(monkeypat
     stats.update({SEGMENTS: 43, RETRIES: 1, RESERVED: 10 * 2**30 + 96 * 2**20})
     assert watch.describe() == {"watched": True, "cuda_mallocs": 3, "alloc_retries": 1,
                                 "reserved_growth_mib": 96.0}
+    assert watch.segments() == 43  # what a launch's reads around it subtract
 
 
 def test_on_the_cpu_nothing_is_watched_and_the_engine_says_why():

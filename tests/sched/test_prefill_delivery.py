@@ -586,3 +586,29 @@ def test_the_co_running_correction_is_a_flag_the_engine_uses():
     calibration = llm.engine.describe()["calibration"]
     assert calibration["co_running_start"] == 1.25
     assert llm.engine.scheduler.model.prefill_correction("time_slice") == 1.25
+
+
+def test_each_decision_s_timeline_entry_counts_the_cuda_mallocs_its_launches_made():
+    """The engine reads the allocator's segment count around every multiplex launch (a
+    counter standing in for the CUDA allocator here: each read one segment more, so each
+    launch made one); each decision's entry sums its launches'. Chunked prefill is not
+    watched: two stats reads a launch for nothing it decides by."""
+    from itertools import count
+
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.setup import EngineSetup
+    from pdserve.sampling_params import SamplingParams
+
+    llm = LLM("tiny", device="cpu", schedule="multiplex", max_num_batched_tokens=64,
+              mux_sharing="spatial,time_slice", setup=EngineSetup(predictor=SharingModel(4)))
+    assert not llm.engine._watch_launches  # no caching allocator on the CPU
+    reads = count()
+    llm.engine.allocations.segments = lambda: next(reads)
+    llm.engine._watch_launches = True
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (40, 150, 90)]
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    entries = llm.engine.timeline()
+    assert entries and all(e["cuda_mallocs"] >= 1 for e in entries)
+    assert any(e["cuda_mallocs"] >= 2 for e in entries if e["piece_launched"])
+    chunked = LLM("tiny", device="cpu", schedule="chunked")
+    assert not chunked.engine.scheduler.watches_allocations
