@@ -158,8 +158,9 @@ class Twin:
     def timing(self, seed: int) -> StepTiming:
         return StepTiming(self.graph_factor, self.eager_factor, self.spread.mixed,
                           self.spread.decode, seed, self.spread.slices,
-                          self.spread.spatial_decode, self.spread.spatial_pieces,
-                          self.spread.decode_by_batch)
+                          spatial_decode_spread=self.spread.spatial_decode,
+                          spatial_piece_spread=self.spread.spatial_pieces,
+                          decode_by_batch=self.spread.decode_by_batch)
 
 
 @dataclasses.dataclass(frozen=True)

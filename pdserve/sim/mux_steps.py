@@ -519,7 +519,9 @@ def engine_timed(predictor, server_args: str, corrections: dict | None,
     seeing tokens a step late; ``time_slice``: time slices as the server's flags allow."""
     spread = spread or StepSpread()
     timing = StepTiming(*path_factors(corrections), spread.mixed, spread.decode, seed,
-                        spread.slices, spread.decode_by_batch)
+                        spread.slices, spatial_decode_spread=spread.spatial_decode,
+                        spatial_piece_spread=spread.spatial_pieces,
+                        decode_by_batch=spread.decode_by_batch)
     planner = MuxPlanner(calibrated(predictor, corrections, server_args), [],
                          planner_config(server_args, time_slice=time_slice))
     sim = MuxStepSim(planner, requests, timing, first_token_lag=True)

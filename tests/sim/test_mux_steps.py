@@ -17,8 +17,10 @@ from pdserve.sched.predictor import LatencyPredictor
 from pdserve.sim.mux_steps import (
     MuxStepSim,
     StepRequest,
+    StepSpread,
     StepTiming,
     correction_trajectory,
+    engine_timed,
     slice_spread,
     step_spread,
     timeline_accuracy,
@@ -362,3 +364,14 @@ def test_slow_pieces_and_slow_decode_on_a_split_teach_their_own_corrections(
     _, slow_decode, learned = _spatial_sim(replay_tool, predictor, decodes=1.3)
     assert learned.decode_correction == pytest.approx(1.3, rel=0.02)
     assert _tpot(slow_decode[2]) > 1.1 * _tpot(profiled[2])
+
+
+def test_engine_timing_takes_every_spread_it_is_given(predictor):
+    spread = StepSpread(mixed=(1.05,), decode=(1.2,), slices=((1.1, 1.0),),
+                        decode_by_batch=((4, 1.2),), spatial_decode=(1.1,),
+                        spatial_pieces=(1.3,))
+    timing = engine_timed(predictor, SERVER_ARGS, None, [], spread).timing
+    assert (timing.mixed_spread, timing.decode_spread, timing.slice_spread) == (
+        (1.05,), (1.2,), ((1.1, 1.0),))
+    assert timing.decode_by_batch == ((4, 1.2),)
+    assert (timing.spatial_decode_spread, timing.spatial_piece_spread) == ((1.1,), (1.3,))
