@@ -96,8 +96,8 @@ def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
     steps take that factor of the profile's time and the planner starts from that
     correction, learning from the steps as the engine does (else every step takes its
     prediction and nothing is learned). With ``twin``, every step as the engine timed
-    another run's (``Twin``), seed ``seed``, time slices as the server's flags allow (SM
-    splits are not modelled); the corrections start at the profile and learn."""
+    another run's (``Twin``), seed ``seed``, time slices and SM splits (the record's) as
+    the server's flags allow; the corrections start at the profile and learn."""
     server_args = record["config"]["server_args"]
     config = planner_config(server_args, variant, time_slice=twin is not None,
                             spatial=twin is not None)
@@ -156,11 +156,7 @@ class Twin:
         return cls(_relative(record_path), graph, eager, spread)
 
     def timing(self, seed: int) -> StepTiming:
-        return StepTiming(self.graph_factor, self.eager_factor, self.spread.mixed,
-                          self.spread.decode, seed, self.spread.slices,
-                          spatial_decode_spread=self.spread.spatial_decode,
-                          spatial_piece_spread=self.spread.spatial_pieces,
-                          decode_by_batch=self.spread.decode_by_batch)
+        return self.spread.timing(self.graph_factor, self.eager_factor, seed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,9 @@ class AllocatorWatch:
     def segments(self) -> int:
         """Segments allocated from the driver so far (a CUDA device only): read around a
         launch, their difference is the cudaMallocs it made."""
-        return int(torch.cuda.memory_stats(self.device).get(SEGMENTS, 0))
+        # The nested form: memory_stats() flattens and sorts every counter, twice a launch.
+        stats = torch.cuda.memory_stats_as_nested_dict(self.device)
+        return int(stats.get("segment", {}).get("all", {}).get("allocated", 0))
 
     def describe(self) -> dict:
         if self.device.type != "cuda":

@@ -254,8 +254,7 @@ class OnlineCalibration:
         """The correction ``option`` starts from: ``co_running_start`` for an SM split or
         time slices (their batches deliver less than their pieces' profile says: decode
         steps alone and switches between the pieces), 1.0 for mixed steps."""
-        co_running = option.startswith("spatial:") or option == str(MuxMode.TIME_SLICE)
-        return self.co_running_start if co_running else 1.0
+        return 1.0 if option == str(MuxMode.TEMPORAL) else self.co_running_start
 
     def observe_prefill(self, option: str, predicted_ms: float, measured_ms: float) -> None:
         """A prefill piece of ``option`` (``option_key``) completed: it took ``measured_ms``

@@ -239,11 +239,7 @@ class MuxStepSim:
         self.slicing = True
         self._show()  # the lanes drained before slicing: the last step's output is out
         if self.batch is None:
-            taken = [(self.waiting[i], tokens) for i, tokens in plan.prefill.chunks]
-            self.batch = SliceBatch(taken, sum(r.prefilled for r, _ in taken), 0,
-                                    plan.option, plan.committed_tokens_per_s, self.now)
-            for request, _ in taken:
-                self.waiting.remove(request)
+            self._take_batch(plan)
         decoding, self.joining = self._decoding(), []
         cycle, piece = self._slice_ratios()
         if self.timing is not None:  # learned from each piece, as the engine learns
@@ -272,11 +268,7 @@ class MuxStepSim:
         Switching splits costs nothing here (the engine drains first)."""
         self.slicing = False
         if self.piece_end is None and self.batch is None:
-            taken = [(self.waiting[i], tokens) for i, tokens in plan.prefill.chunks]
-            self.batch = SliceBatch(taken, sum(r.prefilled for r, _ in taken), 0,
-                                    plan.option, plan.committed_tokens_per_s, self.now)
-            for request in (r for r, _ in taken):
-                self.waiting.remove(request)
+            self._take_batch(plan)
         if self.piece_end is None:
             self._launch_piece(plan)
         decoding = self._decoding()
@@ -289,6 +281,14 @@ class MuxStepSim:
         self._decode(decoding)
         if self.piece_end <= self.now:
             self._piece_ended()
+
+    def _take_batch(self, plan: MuxPlan) -> None:
+        """The plan's chunks leave the queue as the batch its pieces will prefill."""
+        taken = [(self.waiting[i], tokens) for i, tokens in plan.prefill.chunks]
+        self.batch = SliceBatch(taken, sum(r.prefilled for r, _ in taken), 0,
+                                plan.option, plan.committed_tokens_per_s, self.now)
+        for request, _ in taken:
+            self.waiting.remove(request)
 
     def _launch_piece(self, plan: MuxPlan) -> None:
         self.option, self.split_sms = plan.option, plan.decode_sms
@@ -517,11 +517,7 @@ def engine_timed(predictor, server_args: str, corrections: dict | None,
     """``requests`` run on the step model as the engine of ``server_args`` with the
     ``corrections`` it learned on its probes times its steps (``StepTiming``), the client
     seeing tokens a step late; ``time_slice``: time slices as the server's flags allow."""
-    spread = spread or StepSpread()
-    timing = StepTiming(*path_factors(corrections), spread.mixed, spread.decode, seed,
-                        spread.slices, spatial_decode_spread=spread.spatial_decode,
-                        spatial_piece_spread=spread.spatial_pieces,
-                        decode_by_batch=spread.decode_by_batch)
+    timing = (spread or StepSpread()).timing(*path_factors(corrections), seed)
     planner = MuxPlanner(calibrated(predictor, corrections, server_args), [],
                          planner_config(server_args, time_slice=time_slice))
     sim = MuxStepSim(planner, requests, timing, first_token_lag=True)
@@ -543,6 +539,13 @@ class StepSpread:
     decode_by_batch: tuple[tuple[int, float], ...] = ()
     spatial_decode: tuple[float, ...] = (1.0,)
     spatial_pieces: tuple[float, ...] = (1.0,)
+
+    def timing(self, graph_factor: float, eager_factor: float, seed: int) -> StepTiming:
+        """Steps timed by these spreads, mixed steps at the paths' factors."""
+        return StepTiming(graph_factor, eager_factor, self.mixed, self.decode, seed,
+                          self.slices, spatial_decode_spread=self.spatial_decode,
+                          spatial_piece_spread=self.spatial_pieces,
+                          decode_by_batch=self.decode_by_batch)
 
 
 def step_spread(timeline: list[dict], source: str | None = None) -> StepSpread:

@@ -12,6 +12,8 @@ from pdserve.engine.llm import LLM
 def test_the_watch_reports_what_the_allocator_took_after_serving_began(monkeypatch):
     stats = {SEGMENTS: 40, RETRIES: 0, RESERVED: 10 * 2**30}
     monkeypatch.setattr(allocator_watch.torch.cuda, "memory_stats", lambda device: dict(stats))
+    monkeypatch.setattr(allocator_watch.torch.cuda, "memory_stats_as_nested_dict",
+                        lambda device: {"segment": {"all": {"allocated": stats[SEGMENTS]}}})
     watch = AllocatorWatch(torch.device("cuda", 0))
     assert watch.describe() == {"watched": False, "why": "not serving yet"}
     watch.serving()  # the start-up's segments are expected
