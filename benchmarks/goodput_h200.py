@@ -255,6 +255,10 @@ CONFIGS["multiplex-nosplit-graph512-floor-itl60"] = (
 CONFIGS["multiplex-graph512-floor-corun125-delivery-itl60"] = (
     CONFIGS["multiplex-graph512-floor-itl60"]
     + " --mux-co-running-correction 1.25 --mux-prefill-correction delivery")
+# The delivery rule alone (no start discount): on the LooGLE-like workload at 3edb18c the
+# compounding rule weighed time slices at twice what their batches delivered.
+CONFIGS["multiplex-graph512-floor-delivery-itl60"] = (
+    CONFIGS["multiplex-graph512-floor-itl60"] + " --mux-prefill-correction delivery")
 # The engine's default multiplex first, then the one its earlier records ran.
 TABLE_CONFIGS = ("multiplex-graph512-floor-itl60", "multiplex-graph-floor-itl60",
                  "multiplex-itl60", "chunk256", "chunk512", "chunk512-graph512", "chunk1024",

@@ -43,6 +43,14 @@ CONFIGS = {
     # The ablation: mixed steps only (an ITL-aware chunked prefill), no SM partitions.
     "multiplex-temporal": "--schedule multiplex --itl-slo-ms 60 --max-num-batched-tokens 24576 "
                           f"--mux-decode-sms {SPLITS} --mux-sharing temporal",
+    # Each option's prefill correction converging on its pieces' measured over predicted time
+    # (the default compounding rule walked the time slices' factor to its 0.5 bound at 3edb18c
+    # while their pieces ran 0.95-1.05 of the profile, so time slices were weighed at twice
+    # their rate), or learning from each batch's delivered rate.
+    "multiplex-converging": "--schedule multiplex --itl-slo-ms 60 --max-num-batched-tokens "
+                            f"24576 --mux-decode-sms {SPLITS} --mux-prefill-correction converging",
+    "multiplex-delivery": "--schedule multiplex --itl-slo-ms 60 --max-num-batched-tokens "
+                          f"24576 --mux-decode-sms {SPLITS} --mux-prefill-correction delivery",
     # Plans aimed at 95% of the ITL target instead of 90% (the profile predicts +2-3% prefill).
     "multiplex-m95": "--schedule multiplex --itl-slo-ms 60 --max-num-batched-tokens 24576 "
                      f"--mux-decode-sms {SPLITS} --mux-itl-margin 0.95",
