@@ -76,12 +76,14 @@ from pdserve.bench.runner import RunContext, SloOptions, run_at_rate, warm_up  #
 from pdserve.bench.spec import WorkloadSpec, parse_spec  # noqa: E402
 from pdserve.bench.timeline import load_engine_timeline  # noqa: E402
 from pdserve.bench.workloads import BenchError, salted, workload_stats  # noqa: E402
+from pdserve.config import EARLIER_DEFAULTS  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "goodput_h200"
 TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl"
-# Profiled at d698fcb with the long-context grid (prompt pieces over cached prefixes up to 16K,
-# decode on 16-64 SMs); the probes from efbfdd5 on ran with it.
-PREDICTOR = ROOT / "benchmarks" / "results" / "loogle_h200" / "d698fcb_predictor.json"
+# Profiled at 3edb18c with the long-context grid (prompt pieces over cached prefixes up to
+# 16K, decode on 16-64 SMs); the probes from e1f3fe3 on ran with it, those from efbfdd5 to
+# 3fa127d with d698fcb_predictor.json (each record names its file).
+PREDICTOR = ROOT / "benchmarks" / "results" / "loogle_h200" / "3edb18c_predictor.json"
 TPOT_SLO_MS = 60.0
 FIGURE3_ITL_MS = (40.0, 60.0, 80.0, 100.0)
 TARGET = 0.9
@@ -126,6 +128,14 @@ WORKLOADS = {w.name: w for w in (
                   "max_context=24576,vocab_size=32000,seed=0", 5000.0, 90.0, 20, 80, 60.0,
                   (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.5, 2.0), 0.5),
 )}
+
+def _with_earlier_defaults(args: str) -> str:
+    """``args`` naming the sharing options and prefill rule the engine defaulted to before
+    they changed, where it names neither."""
+    named = set(shlex.split(args))
+    return args + "".join(f" {flag} {value}" for flag, value in EARLIER_DEFAULTS.items()
+                          if flag not in named)
+
 
 MUX_ARGS = "--schedule multiplex --max-num-batched-tokens 24576 --mux-predictor {predictor}"
 CONFIGS = {f"chunk{c}": f"--schedule chunked --chunk-size {c}" for c in (256, 512, 1024, 2048)}
@@ -259,8 +269,19 @@ CONFIGS["multiplex-graph512-floor-corun125-delivery-itl60"] = (
 # compounding rule weighed time slices at twice what their batches delivered.
 CONFIGS["multiplex-graph512-floor-delivery-itl60"] = (
     CONFIGS["multiplex-graph512-floor-itl60"] + " --mux-prefill-correction delivery")
-# The engine's default multiplex first, then the one its earlier records ran.
-TABLE_CONFIGS = ("multiplex-graph512-floor-itl60", "multiplex-graph-floor-itl60",
+# Time slices became opt-in and the converging prefill rule the default after e1f3fe3 (on
+# the H200 time slices' batches delivered less prefill than mixed steps in every run where
+# both ran; the compounding rule walked their factor to its 0.5 bound): every multiplex
+# configuration above names what its records ran.
+CONFIGS = {name: _with_earlier_defaults(args) if name.startswith("multiplex") else args
+           for name, args in CONFIGS.items()}
+# The engine's defaults since then, named in full.
+CONFIGS["multiplex-graph512-floor-converging-noslice-itl60"] = (
+    f"{MUX_ARGS} --itl-slo-ms 60{GRAPH512} --mux-graph-step-tokens 512{FLOOR_ARGS}"
+    " --mux-sharing temporal,spatial --mux-prefill-correction converging")
+# The engine's default multiplex first, then the ones its earlier records ran.
+TABLE_CONFIGS = ("multiplex-graph512-floor-converging-noslice-itl60",
+                 "multiplex-graph512-floor-itl60", "multiplex-graph-floor-itl60",
                  "multiplex-itl60", "chunk256", "chunk512", "chunk512-graph512", "chunk1024",
                  "chunk2048", "prefill-first", "disagg")
 SERVER_ARGS = "--load-format dummy --max-model-len 24576"

@@ -34,6 +34,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # runnable from a plain checkout
 
 from pdserve.bench.timeline import piece_times, prefill_delivery  # noqa: E402
+from pdserve.config import EARLIER_DEFAULTS  # noqa: E402
 from pdserve.testing import start_serve  # noqa: E402
 
 SPLITS = "16,24,32,48,64"
@@ -65,6 +66,13 @@ CONFIGS = {
     "chunk2048": "--schedule chunked --chunk-size 2048",
     "prefill-first": "--schedule prefill-first --max-num-batched-tokens 24576",
 }
+# The ablations name the sharing options and prefill rule their records ran (the engine's
+# defaults until time slices became opt-in and the converging rule the default); "multiplex"
+# follows the engine's defaults.
+CONFIGS = {name: args if name == "multiplex" or not name.startswith("multiplex") else
+           args + "".join(f" {flag} {value}" for flag, value in EARLIER_DEFAULTS.items()
+                          if flag not in args.split())
+           for name, args in CONFIGS.items()}
 TTFT_SLO_S, TPOT_SLO_S = 15.0, 0.060
 
 

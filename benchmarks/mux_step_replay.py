@@ -75,6 +75,7 @@ from pdserve.sim.mux_steps import (  # noqa: E402
     median_log,
     path_factors,
     planner_config,
+    record_server_args,
     scheduler_config,
     slice_spread,
     step_spread,
@@ -98,7 +99,7 @@ def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
     prediction and nothing is learned). With ``twin``, every step as the engine timed
     another run's (``Twin``), seed ``seed``, time slices and SM splits (the record's) as
     the server's flags allow; the corrections start at the profile and learn."""
-    server_args = record["config"]["server_args"]
+    server_args = record_server_args(record)
     config = planner_config(server_args, variant, time_slice=twin is not None,
                             spatial=twin is not None)
     splits = [tuple(split) for split in record.get("partitions", {}).get("splits", [])]

@@ -109,7 +109,7 @@ from pdserve.sim.instance import (  # noqa: E402
     fit_mixed_step_grid,
     mixed_step_s,
 )
-from pdserve.sim.mux_steps import StepRequest, engine_timed  # noqa: E402
+from pdserve.sim.mux_steps import StepRequest, engine_timed, ran_explicitly  # noqa: E402
 from pdserve.testing import ServeProcess, start_serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -401,7 +401,9 @@ def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
     if path is None:
         return None
     fit = json.loads(SHARE_FIT.read_text())
-    settings = settings_of(schedule_args, interference.get("engine_planner")).learned(
+    planner = interference.get("engine_planner") or {}
+    ran = ran_explicitly(schedule_args, planner.get("sharing"), None)  # as it ran them
+    settings = settings_of(ran, planner).learned(
         interference.get("engine_calibration") or fit["corrections"])
     predictor = LatencyPredictor.load(ROOT / path)
     if as_of == "7dad880":
@@ -432,10 +434,14 @@ def mux_predictor(schedule_args: str) -> str | None:
 
 def engine_planner_args(schedule_args: str, interference: dict) -> str:
     """The schedule's flags with the graph-step and floor sizes its engine planned with
-    (``engine_planner``; a run that did not record them: off, as before those defaults)."""
+    (``engine_planner``; a run that did not record them: off, as before those defaults),
+    its sharing options and prefill rule as it ran them (``ran_explicitly``)."""
     planner = interference.get("engine_planner") or {}
-    return (schedule_args + f" --mux-graph-step-tokens {planner.get('graph_step_tokens', 0)}"
-            + f" --mux-mixed-floor-tokens {planner.get('mixed_floor_tokens', 0)}")
+    rule = (interference.get("engine_calibration") or {}).get("prefill_rule")
+    return ran_explicitly(
+        schedule_args + f" --mux-graph-step-tokens {planner.get('graph_step_tokens', 0)}"
+        + f" --mux-mixed-floor-tokens {planner.get('mixed_floor_tokens', 0)}",
+        planner.get("sharing"), rule)
 
 
 def simulated_steps(schedule_args: str, interference: dict,
@@ -670,7 +676,8 @@ async def _probes(name: str, session, url: str, args, rng,
         info = await engine_info(session, url)
         mix["engine_calibration"] = info.get("calibration")
         mix["engine_planner"] = {key: info.get(key)
-                                 for key in ("graph_step_tokens", "mixed_floor_tokens")}
+                                 for key in ("graph_step_tokens", "mixed_floor_tokens",
+                                             "sharing")}
     return factors, mix
 
 

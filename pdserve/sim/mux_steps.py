@@ -37,7 +37,7 @@ How long a step runs (``StepTiming``):
   over it, which ``observe_prefill`` learns from, by the server's rule, as the engine's
   does (under ``--mux-prefill-correction delivery``, ``observe_delivery`` learns instead
   from each batch's prompt tokens over the time from its first cycle to its last). The
-  option's correction only chooses: under the default ``compounding`` rule it has no fixed
+  option's correction only chooses: under the ``compounding`` rule it has no fixed
   point (7dad880 began its replay at 0.52 while pieces ran at 0.98 of the
   profile), so timing pieces by it would halve them.
   Why that matters (H200, 8ccd9ac): the planner weighs graph steps of ~250 prompt tokens
@@ -65,7 +65,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.config import SchedulerConfig, add_cli_args, mux_sharing_options
+from pdserve.config import EARLIER_DEFAULTS, SchedulerConfig, add_cli_args, mux_sharing_options
 from pdserve.sched.in_flight import decode_load_banked
 from pdserve.sched.multiplex import mux_planner_config
 from pdserve.sched.mux_planner import (
@@ -478,6 +478,27 @@ def planner_config(server_args: str, variant: str = "", time_slice: bool = False
     # whole-GPU model needs one way to prefill beside decode).
     temporal = "temporal" in options or not (spatial or time_slice)
     return mux_planner_config(sched, spatial=spatial, temporal=temporal, time_slice=time_slice)
+
+
+def record_server_args(record: dict) -> str:
+    """A probe record's server flags with the sharing options and the prefill correction
+    rule it ran made explicit (``ran_explicitly``, from its engine info)."""
+    engine = record["config"].get("engine") or {}
+    return ran_explicitly(record["config"]["server_args"], engine.get("sharing"),
+                          (engine.get("calibration") or {}).get("prefill_rule"))
+
+
+def ran_explicitly(server_args: str, sharing: list[str] | None, prefill_rule: str | None
+                   ) -> str:
+    """``server_args`` with ``--mux-sharing`` and ``--mux-prefill-correction`` added where
+    they are not named: as the engine reported running them, else the defaults of the
+    time (``EARLIER_DEFAULTS``), so a replay keeps a record's meaning whatever the
+    defaults are now."""
+    ran = {"--mux-sharing": ",".join(sharing or []), "--mux-prefill-correction": prefill_rule}
+    named = set(shlex.split(server_args))
+    missing = [f"{flag} {ran[flag] or earlier}" for flag, earlier in EARLIER_DEFAULTS.items()
+               if flag not in named]
+    return " ".join([server_args, *missing])
 
 
 def scheduler_config(server_args: str, variant: str = "") -> SchedulerConfig:

@@ -111,8 +111,10 @@ def test_every_multiplex_config_serves_to_the_itl_its_name_gives():
     assert "--mux-sharing temporal" in module.CONFIGS["multiplex-temporal-itl60"]
     assert "--mux-graph-step-tokens 256" in module.CONFIGS["multiplex-graph-itl60"]
     converging = _flags(module.CONFIGS["multiplex-graph-converging-itl60"])
+    compounding = _flags(module.CONFIGS["multiplex-graph-itl60"])
     assert converging.pop("--mux-prefill-correction") == "converging"
-    assert converging == _flags(module.CONFIGS["multiplex-graph-itl60"])
+    assert compounding.pop("--mux-prefill-correction") == "compounding"
+    assert converging == compounding
     assert module.itl_target("chunk256") is None and module.itl_target("multiplex-itl") is None
 
 
@@ -146,8 +148,10 @@ def test_the_floor_configs_differ_only_by_the_floor_from_what_they_are_compared_
             "3", "100")
         assert flags == _flags(configs[plain])
     delivery = _flags(configs["multiplex-graph-floor-guarded-delivery-itl60"])
+    guarded = _flags(configs["multiplex-graph-floor-guarded-itl60"])
     assert delivery.pop("--mux-prefill-correction") == "delivery"
-    assert delivery == _flags(configs["multiplex-graph-floor-guarded-itl60"])
+    assert guarded.pop("--mux-prefill-correction") == "compounding"
+    assert delivery == guarded
     banked = _flags(configs["multiplex-graph-floor-bank3-guarded-delivery-itl60"])
     assert banked.pop("--mux-tpot-bank-cap") == "3"
     assert banked == _flags(configs["multiplex-graph-floor-guarded-delivery-itl60"])
@@ -155,8 +159,17 @@ def test_the_floor_configs_differ_only_by_the_floor_from_what_they_are_compared_
     assert off_graphs.pop("--mux-floor-off-graphs") == "on"
     assert off_graphs == _flags(configs["multiplex-graph-floor-itl60"])
     temporal = _flags(configs["multiplex-temporal-graph-floor-itl60"])
+    every_option = _flags(configs["multiplex-graph-floor-itl60"])
     assert temporal.pop("--mux-sharing") == "temporal"
-    assert temporal == _flags(configs["multiplex-graph-floor-itl60"])
+    assert every_option.pop("--mux-sharing") == "temporal,time_slice,spatial"
+    assert temporal == every_option
+    default = _flags(configs["multiplex-graph512-floor-converging-noslice-itl60"])
+    assert (default.pop("--mux-sharing"), default.pop("--mux-prefill-correction")) == (
+        "temporal,spatial", "converging")
+    earlier = _flags(configs["multiplex-graph512-floor-itl60"])
+    assert (earlier.pop("--mux-sharing"), earlier.pop("--mux-prefill-correction")) == (
+        "temporal,time_slice,spatial", "compounding")
+    assert default == earlier
 
 
 def test_every_multiplex_config_names_its_graph_steps_and_floor():
@@ -166,6 +179,7 @@ def test_every_multiplex_config_names_its_graph_steps_and_floor():
         if "--schedule multiplex" in args:
             flags = _flags(args.replace("{predictor}", "p").replace("{ttft_slo_ms}", "1"))
             assert "--mux-graph-step-tokens" in flags and "--mux-mixed-floor-tokens" in flags, name
+            assert "--mux-sharing" in flags and "--mux-prefill-correction" in flags, name
 
 
 def test_every_config_names_its_prefill_step_graphs():
@@ -260,8 +274,8 @@ def test_summary_brackets_missing_probes_revisions_and_figure3(tool, tmp_path):
     assert next(line for line in markdown.splitlines()
                 if line.startswith("| chunk512 |")).split("|")[2].strip() == "0.1"
     assert "† (bbbbbbb)" in markdown  # chunk1024 comes from another revision
-    assert "run --search loogle:multiplex-graph512-floor-itl60,multiplex-graph-floor-itl60 " \
-        "--max-probes 2" in markdown
+    assert "run --search loogle:multiplex-graph512-floor-converging-noslice-itl60," \
+        "multiplex-graph512-floor-itl60 --max-probes 2" in markdown
     assert (tmp_path / "figure3_loogle.png").stat().st_size > 0
     assert "| chunk512 | 0.1 | 0.1 | 0.1 | 0.1 |" in markdown  # one run, every ITL SLO
 

@@ -367,9 +367,26 @@ def test_the_prefill_rule_is_a_flag_the_engine_uses():
     from pdserve.engine.llm import LLM
 
     llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline",
-              mux_prefill_correction="converging")
-    assert llm.engine.scheduler.model.prefill_rule == "converging"
-    assert llm.engine.describe()["calibration"]["prefill_rule"] == "converging"
+              mux_prefill_correction="compounding")
+    assert llm.engine.scheduler.model.prefill_rule == "compounding"
+    assert llm.engine.describe()["calibration"]["prefill_rule"] == "compounding"
+
+
+def test_by_default_corrections_converge_and_time_slices_are_opt_in():
+    """On the H200 the compounding rule walked time slices' factor to its bound and their
+    batches delivered less prefill than mixed steps wherever both ran: the defaults are
+    the converging rule and mixed steps beside SM splits; --mux-sharing adds time slices."""
+    from pdserve.engine.llm import LLM
+
+    llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline")
+    info = llm.engine.describe()
+    assert info["calibration"]["prefill_rule"] == "converging"
+    assert info["sharing"] == ["spatial", "temporal"]
+    config = llm.engine.scheduler.planner.config
+    assert config.temporal and config.spatial and not config.time_slice
+    sliced = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline",
+                 mux_sharing="temporal,time_slice,spatial").engine.scheduler.planner.config
+    assert sliced.time_slice
 
 
 # --- a median window over every correction (--mux-correction-window) ----------------------

@@ -209,7 +209,8 @@ def test_the_validation_script_simulates_the_step_model_beside_the_walk():
 
 # --------------------------------------------------------------- time slices
 
-SLICING_ARGS = "--schedule multiplex --itl-slo-ms 60 --mux-predictor p"
+SLICING_ARGS = ("--schedule multiplex --itl-slo-ms 60 --mux-predictor p "
+                "--mux-sharing temporal,time_slice,spatial")
 
 
 def _slicing_sim(replay_tool, predictor, pieces: tuple[float, float], start: float,
@@ -239,6 +240,31 @@ def test_the_planner_config_takes_time_slices_only_when_asked_and_the_server_all
     assert not replay_tool.planner_config(SLICING_ARGS, time_slice=True).spatial
 
 
+def test_a_record_replays_the_sharing_and_prefill_rule_it_ran_not_todays_defaults(
+        replay_tool):
+    """Records name neither flag where they ran the defaults of their day: the engine info
+    says what ran; a record without it ran the defaults before time slices became opt-in."""
+    def record(args: str, engine: dict) -> dict:
+        return {"config": {"server_args": args, "engine": engine}}
+
+    reported = record("--schedule multiplex", {"sharing": ["spatial", "temporal", "time_slice"],
+                                               "calibration": {"prefill_rule": "compounding"}})
+    config = replay_tool.planner_config(replay_tool.record_server_args(reported),
+                                        time_slice=True, spatial=True)
+    assert config.time_slice and config.spatial
+    assert replay_tool.scheduler_config(replay_tool.record_server_args(reported)
+                                        ).mux_prefill_correction == "compounding"
+    unreported = replay_tool.record_server_args(record("--schedule multiplex", {}))
+    assert replay_tool.planner_config(unreported, time_slice=True).time_slice
+    named = record("--schedule multiplex --mux-sharing temporal "
+                   "--mux-prefill-correction delivery", {"sharing": ["temporal"]})
+    args = replay_tool.record_server_args(named)
+    assert not replay_tool.planner_config(args, time_slice=True).time_slice
+    assert replay_tool.scheduler_config(args).mux_prefill_correction == "delivery"
+    today = replay_tool.planner_config("--schedule multiplex", time_slice=True)
+    assert not today.time_slice  # time slices are opt-in now
+
+
 def test_time_slice_cycles_serve_every_prompt_through_its_last_piece(replay_tool, predictor):
     sim, requests = _slicing_sim(replay_tool, predictor, (1.0, 1.0), 0.5, timing=False)
     assert sim.log.steps["time_slice"] > 100
@@ -256,12 +282,13 @@ def test_time_slice_cycles_serve_every_prompt_through_its_last_piece(replay_tool
 
 def test_compounding_pieces_under_the_profile_keep_slicing_over_it_they_stop(
         replay_tool, predictor):
-    """The default rule moves the correction by each piece over its uncorrected cycle:
+    """The compounding rule moves the correction by each piece over its uncorrected cycle:
     pieces at 0.98 hold it at its 0.5 bound and the planner slices throughout (7dad880's
     first 32 s); at 1.04 it climbs, the rate the option is weighed by halves, and the
     planner turns to mixed steps (that run's last 36 s)."""
-    under, _ = _slicing_sim(replay_tool, predictor, (0.99, 0.98), 0.5)
-    over, _ = _slicing_sim(replay_tool, predictor, (1.05, 1.04), 0.5)
+    compounding = "--mux-prefill-correction compounding"
+    under, _ = _slicing_sim(replay_tool, predictor, (0.99, 0.98), 0.5, rule=compounding)
+    over, _ = _slicing_sim(replay_tool, predictor, (1.05, 1.04), 0.5, rule=compounding)
     assert under.planner.calibration.prefill_correction("time_slice") == pytest.approx(0.5)
     assert under.log.seconds.get("eager", 0.0) < 0.05 * under.log.seconds["time_slice"]
     assert over.planner.calibration.prefill_correction("time_slice") > 0.9
