@@ -291,6 +291,19 @@ def test_fitted_groups_are_the_measured_ones(h200_runs):
     assert not any(sms == 24 for _, sms, _ in groups)
 
 
+@pytest.mark.xfail(strict=True, reason="6 of 10 seeds: held-out mixed steps of 128 prompt "
+                   "tokens beside 32 decodes are predicted 31-48% slow (no prefill row under "
+                   "256 tokens to fit from), and pieces of 256 tokens over 6-24 layers are "
+                   "off by 15-26%: the grid needs smaller pieces, profiled on the GPU")
+def test_the_long_context_profile_meets_the_targets_for_nine_of_ten_splits():
+    """The profile the goodput probes serve with since e1f3fe3 (the long-context grid:
+    pieces over cached prefixes up to 16K tokens, mixed steps), measured at 3edb18c."""
+    data = json.loads((H200_ROWS.parent / "h200_codellama34b_profile_rows_3edb18c.json")
+                      .read_text())
+    reports = held_out_reports(data["rows"], range(10))
+    assert sum(meets_targets(r) for r in reports) >= 9
+
+
 def test_the_five_split_profile_meets_the_targets_for_nine_of_ten_splits():
     """The profile the planner serves with (decode on 16, 24, 32, 48 or 64 SMs, every
     group it can pick, whole-GPU time slices included), measured on the H200 at 6f90be1."""
