@@ -63,12 +63,14 @@ class ProfileGrid:
     decode_points: tuple[tuple[int, int], ...] = (
         (1, 1024), (1, 8192), (8, 2048), (16, 1024), (16, 8192), (32, 4096), (64, 2048),
         (128, 1024), (2, 16384))
-    # (new tokens, prefix tokens, layers); layers 0 means all of them
+    # (new tokens, prefix tokens, layers); layers 0 means all of them. The 128-token points:
+    # without a row under 256 tokens, held-out mixed steps of 128 prompt tokens beside 32
+    # decodes were predicted 31-48% slow (the 3edb18c profile, 6 of 10 splits at target).
     prefill_points: tuple[tuple[int, int, int], ...] = (
         (256, 0, 6), (256, 0, 0), (256, 8192, 24), (1024, 0, 6), (1024, 0, 24),
         (1024, 0, 0), (1024, 8192, 6), (1024, 8192, 0), (4096, 0, 6), (4096, 0, 24),
         (4096, 4096, 12), (4096, 0, 0), (2048, 2048, 0), (512, 0, 12), (512, 16384, 0),
-        (256, 16384, 24), (2048, 12288, 6))
+        (256, 16384, 24), (2048, 12288, 6), (128, 0, 0), (128, 8192, 12))
     # pieces queued on the prefill stream while decode runs beside them (layers > 0 only:
     # a piece that samples copies from pageable memory, which would stall the queueing)
     co_prefill_points: tuple[tuple[int, int, int], ...] = (
