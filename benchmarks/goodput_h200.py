@@ -76,7 +76,7 @@ from pdserve.bench.runner import RunContext, SloOptions, run_at_rate, warm_up  #
 from pdserve.bench.spec import WorkloadSpec, parse_spec  # noqa: E402
 from pdserve.bench.timeline import load_engine_timeline  # noqa: E402
 from pdserve.bench.workloads import BenchError, salted, workload_stats  # noqa: E402
-from pdserve.config import EARLIER_DEFAULTS  # noqa: E402
+from pdserve.config import ran_explicitly  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "goodput_h200"
 TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl"
@@ -128,14 +128,6 @@ WORKLOADS = {w.name: w for w in (
                   "max_context=24576,vocab_size=32000,seed=0", 5000.0, 90.0, 20, 80, 60.0,
                   (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.5, 2.0), 0.5),
 )}
-
-def _with_earlier_defaults(args: str) -> str:
-    """``args`` naming the sharing options and prefill rule the engine defaulted to before
-    they changed, where it names neither."""
-    named = set(shlex.split(args))
-    return args + "".join(f" {flag} {value}" for flag, value in EARLIER_DEFAULTS.items()
-                          if flag not in named)
-
 
 MUX_ARGS = "--schedule multiplex --max-num-batched-tokens 24576 --mux-predictor {predictor}"
 CONFIGS = {f"chunk{c}": f"--schedule chunked --chunk-size {c}" for c in (256, 512, 1024, 2048)}
@@ -273,7 +265,7 @@ CONFIGS["multiplex-graph512-floor-delivery-itl60"] = (
 # the H200 time slices' batches delivered less prefill than mixed steps in every run where
 # both ran; the compounding rule walked their factor to its 0.5 bound): every multiplex
 # configuration above names what its records ran.
-CONFIGS = {name: _with_earlier_defaults(args) if name.startswith("multiplex") else args
+CONFIGS = {name: ran_explicitly(args) if name.startswith("multiplex") else args
            for name, args in CONFIGS.items()}
 # The engine's defaults since then, named in full.
 CONFIGS["multiplex-graph512-floor-converging-noslice-itl60"] = (

@@ -34,7 +34,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # runnable from a plain checkout
 
 from pdserve.bench.timeline import piece_times, prefill_delivery  # noqa: E402
-from pdserve.config import EARLIER_DEFAULTS  # noqa: E402
+from pdserve.config import ran_explicitly  # noqa: E402
 from pdserve.testing import start_serve  # noqa: E402
 
 SPLITS = "16,24,32,48,64"
@@ -69,9 +69,7 @@ CONFIGS = {
 # The ablations name the sharing options and prefill rule their records ran (the engine's
 # defaults until time slices became opt-in and the converging rule the default); "multiplex"
 # follows the engine's defaults.
-CONFIGS = {name: args if name == "multiplex" or not name.startswith("multiplex") else
-           args + "".join(f" {flag} {value}" for flag, value in EARLIER_DEFAULTS.items()
-                          if flag not in args.split())
+CONFIGS = {name: ran_explicitly(args) if name.startswith("multiplex-") else args
            for name, args in CONFIGS.items()}
 TTFT_SLO_S, TPOT_SLO_S = 15.0, 0.060
 

@@ -95,6 +95,7 @@ from benchmarks.validate_sim import (  # noqa: E402
     token_clock,
 )
 from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.config import ran_explicitly  # noqa: E402
 from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
 from pdserve.sim.cluster import (  # noqa: E402
     GroupSim,
@@ -109,7 +110,7 @@ from pdserve.sim.instance import (  # noqa: E402
     fit_mixed_step_grid,
     mixed_step_s,
 )
-from pdserve.sim.mux_steps import StepRequest, engine_timed, ran_explicitly  # noqa: E402
+from pdserve.sim.mux_steps import StepRequest, engine_timed  # noqa: E402
 from pdserve.testing import ServeProcess, start_serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -402,7 +403,7 @@ def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
         return None
     fit = json.loads(SHARE_FIT.read_text())
     planner = interference.get("engine_planner") or {}
-    ran = ran_explicitly(schedule_args, planner.get("sharing"), None)  # as it ran them
+    ran = ran_explicitly(schedule_args, planner.get("sharing"))  # as it ran them
     settings = settings_of(ran, planner).learned(
         interference.get("engine_calibration") or fit["corrections"])
     predictor = LatencyPredictor.load(ROOT / path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,6 +245,19 @@ MUX_SHARING = ("temporal", "time_slice", "spatial")
 # benchmark configurations keep their records' meaning by naming them).
 EARLIER_DEFAULTS = {"--mux-sharing": "temporal,time_slice,spatial",
                     "--mux-prefill-correction": "compounding"}
+
+
+def ran_explicitly(server_args: str, sharing: list[str] | None = None,
+                   prefill_rule: str | None = None) -> str:
+    """``server_args`` with ``--mux-sharing`` and ``--mux-prefill-correction`` added where
+    they are not named: as the engine reported running them, else the defaults of the
+    time (``EARLIER_DEFAULTS``), so a replay or a benchmark configuration keeps a record's
+    meaning whatever the defaults are now."""
+    ran = {"--mux-sharing": ",".join(sharing or []), "--mux-prefill-correction": prefill_rule}
+    named = set(shlex.split(server_args))
+    missing = [f"{flag} {ran[flag] or earlier}" for flag, earlier in EARLIER_DEFAULTS.items()
+               if flag not in named]
+    return " ".join([server_args, *missing])
 
 
 def mux_sharing_options(text: str) -> frozenset[str]:

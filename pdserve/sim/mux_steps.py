@@ -65,7 +65,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.config import EARLIER_DEFAULTS, SchedulerConfig, add_cli_args, mux_sharing_options
+from pdserve.config import SchedulerConfig, add_cli_args, mux_sharing_options, ran_explicitly
 from pdserve.sched.in_flight import decode_load_banked
 from pdserve.sched.multiplex import mux_planner_config
 from pdserve.sched.mux_planner import (
@@ -486,19 +486,6 @@ def record_server_args(record: dict) -> str:
     engine = record["config"].get("engine") or {}
     return ran_explicitly(record["config"]["server_args"], engine.get("sharing"),
                           (engine.get("calibration") or {}).get("prefill_rule"))
-
-
-def ran_explicitly(server_args: str, sharing: list[str] | None, prefill_rule: str | None
-                   ) -> str:
-    """``server_args`` with ``--mux-sharing`` and ``--mux-prefill-correction`` added where
-    they are not named: as the engine reported running them, else the defaults of the
-    time (``EARLIER_DEFAULTS``), so a replay keeps a record's meaning whatever the
-    defaults are now."""
-    ran = {"--mux-sharing": ",".join(sharing or []), "--mux-prefill-correction": prefill_rule}
-    named = set(shlex.split(server_args))
-    missing = [f"{flag} {ran[flag] or earlier}" for flag, earlier in EARLIER_DEFAULTS.items()
-               if flag not in named]
-    return " ".join([server_args, *missing])
 
 
 def scheduler_config(server_args: str, variant: str = "") -> SchedulerConfig:
