@@ -66,11 +66,16 @@ class ProfileGrid:
     # (new tokens, prefix tokens, layers); layers 0 means all of them. The 128-token points:
     # without a row under 256 tokens, held-out mixed steps of 128 prompt tokens beside 32
     # decodes were predicted 31-48% slow (the 3edb18c profile, 6 of 10 splits at target).
+    # The last four are neighbours in the bend from reading the weights to computing
+    # (~200 tokens on the H200): with one row per shape there, a split that held it out
+    # missed P95 15% (the 20d5278 profile, 7 of 10: 128 tokens whole-model +25%, 256 over 6
+    # layers +21-25%, 256 over a 16K prefix -16-19%).
     prefill_points: tuple[tuple[int, int, int], ...] = (
         (256, 0, 6), (256, 0, 0), (256, 8192, 24), (1024, 0, 6), (1024, 0, 24),
         (1024, 0, 0), (1024, 8192, 6), (1024, 8192, 0), (4096, 0, 6), (4096, 0, 24),
         (4096, 4096, 12), (4096, 0, 0), (2048, 2048, 0), (512, 0, 12), (512, 16384, 0),
-        (256, 16384, 24), (2048, 12288, 6), (128, 0, 0), (128, 8192, 12))
+        (256, 16384, 24), (2048, 12288, 6), (128, 0, 0), (128, 8192, 12),
+        (192, 0, 0), (256, 0, 24), (384, 0, 6), (192, 16384, 24))
     # pieces queued on the prefill stream while decode runs beside them (layers > 0 only:
     # a piece that samples copies from pageable memory, which would stall the queueing)
     co_prefill_points: tuple[tuple[int, int, int], ...] = (
