@@ -291,15 +291,24 @@ def test_fitted_groups_are_the_measured_ones(h200_runs):
     assert not any(sms == 24 for _, sms, _ in groups)
 
 
-@pytest.mark.xfail(strict=True, reason="6 of 10 seeds: held-out mixed steps of 128 prompt "
-                   "tokens beside 32 decodes are predicted 31-48% slow (no prefill row under "
-                   "256 tokens to fit from), and pieces of 256 tokens over 6-24 layers are "
-                   "off by 15-26%: the grid needs smaller pieces, profiled on the GPU")
-def test_the_long_context_profile_meets_the_targets_for_nine_of_ten_splits():
-    """The profile the goodput probes serve with since e1f3fe3 (the long-context grid:
-    pieces over cached prefixes up to 16K tokens, mixed steps), measured at 3edb18c."""
+# The long-context profiles (pieces over cached prefixes up to 16K tokens, mixed steps) on
+# their committed rows. 3edb18c (the goodput probes' profile at e1f3fe3): 6 of 10, held-out
+# mixed steps of 128 prompt tokens beside 32 decodes predicted 31-48% slow with no prefill
+# row under 256 tokens. 20d5278 (with 128-token pieces; the probes' profile since): 7 of 10,
+# the misses hold out a shape the grid has one row of (128 tokens whole-model +25%, 256
+# over 6 layers +21-25%, 256 over a 16K prefix -16-19%). 7c34071 (four neighbours added in
+# the bend): 7 of 10, a step from 128 to 192 tokens (68 SMs: 0.52 -> 0.90 ms a layer, as
+# GEMMs go from one 128-row tile to two) that a held-out 128-token row cannot be fitted across.
+LONG_CONTEXT_PROFILES = [
+    pytest.param(rev, marks=pytest.mark.xfail(strict=True, reason=f"{seeds} of 10 seeds: "
+                                              "see the comment above"))
+    for rev, seeds in (("3edb18c", 6), ("20d5278", 7), ("7c34071", 7))]
+
+
+@pytest.mark.parametrize("revision", LONG_CONTEXT_PROFILES)
+def test_the_long_context_profile_meets_the_targets_for_nine_of_ten_splits(revision):
     data = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-                       / "loogle_h200" / "3edb18c_predictor.json").read_text())
+                       / "loogle_h200" / f"{revision}_predictor.json").read_text())
     reports = held_out_reports(data["rows"], range(10))
     assert sum(meets_targets(r) for r in reports) >= 9
 
