@@ -277,6 +277,16 @@ CONFIGS["multiplex-graph512-floor-converging-noslice-itl60"] = (
 # miss its TTFT.
 CONFIGS["multiplex-graph512-floor-converging-noslice-pressed-itl60"] = (
     CONFIGS["multiplex-graph512-floor-converging-noslice-itl60"] + PRESSED_ARGS)
+# The pressure did not help on one run (17: 54%; its SM-split batches ran 9.9 of the first
+# 24 s against 3.6 without). Mixed steps beside ~150 decodes are where the per-step budget
+# binds: at 0.9 of the target they carried 256 prompt tokens (4.8K tokens/s) where a step at
+# the whole target would carry ~300, and TPOT p99 stayed at 55 ms. Next: the defaults
+# planned to 0.97 of the target throughout, and with the TPOT bank up to 2x the target (the
+# bank ran only beside time slices and the compounding rule before, at 5ef4698: 65%).
+CONFIGS["multiplex-graph512-floor-converging-noslice-margin97-itl60"] = (
+    CONFIGS["multiplex-graph512-floor-converging-noslice-itl60"] + " --mux-itl-margin 0.97")
+CONFIGS["multiplex-graph512-floor-converging-noslice-bank2-itl60"] = (
+    CONFIGS["multiplex-graph512-floor-converging-noslice-itl60"] + " --mux-tpot-bank-cap 2")
 # The engine's default multiplex first, then the ones its earlier records ran.
 TABLE_CONFIGS = ("multiplex-graph512-floor-converging-noslice-itl60",
                  "multiplex-graph512-floor-itl60", "multiplex-graph-floor-itl60",
