@@ -51,6 +51,11 @@ from pdserve.sched.predictor import (
 log = logging.getLogger(__name__)
 
 
+# Prefill queues run beside decode per partition at most, until every decode point had a
+# turn beside one (a small decode partition drains a queue in a few turns).
+CO_QUEUES_MAX = 6
+
+
 @dataclass(frozen=True)
 class ProfileGrid:
     # The engine's default splits (``mux_decode_sms``): every split the planner may pick has
@@ -314,12 +319,22 @@ class Profiler:
     # ---- co-running
 
     def _co_running(self, part: Partition) -> None:
-        pieces = self._queue_pieces(part)
-        if not pieces:
-            return
-        decodes = self._decode_while(part, pieces[-1].end)
-        self.clock.sync()
-        self._keep_overlapping(pieces, decodes)
+        """Decode beside queued prefill pieces, the queue run again until every decode
+        point had its turn: one queue drains in a few decode steps on a small decode
+        partition (its prefill side is fast), and the 20d5278 profile had co-running decode
+        on 16-32 SMs only at batches up to 16 where ShareGPT-like serving ran 54-131."""
+        first_point = 0
+        for _ in range(CO_QUEUES_MAX):
+            pieces = self._queue_pieces(part)
+            if not pieces:
+                return
+            decodes, turns = self._decode_while(part, pieces[-1].end, first_point)
+            self.clock.sync()
+            self._keep_overlapping(pieces, decodes)
+            # The turn the queue drained in ran partly past it: its point goes again.
+            first_point += max(1, turns - 1)
+            if not self.clock.cuda or first_point >= len(self.grid.decode_points):
+                return
 
     def _queue_pieces(self, part: Partition) -> list[Span]:
         spans, stream = [], part.prefill_stream
@@ -337,11 +352,12 @@ class Profiler:
                 spans.append(Span(start, self.clock.mark(stream), row))
         return spans
 
-    def _decode_while(self, part: Partition, prefill_end: Any) -> list[Span]:
-        """Decode steps until the prefill queue drains, a few per grid point in turn; each
-        point's requests hold KV only for their turn, so large points fit beside the
-        queued prefills."""
-        spans, stream, turn, steps_per_turn = [], part.decode_stream, 0, 3
+    def _decode_while(self, part: Partition, prefill_end: Any, first_point: int = 0
+                      ) -> tuple[list[Span], int]:
+        """Decode steps until the prefill queue drains, a few per grid point in turn from
+        ``first_point``; each point's requests hold KV only for their turn, so large points
+        fit beside the queued prefills. Returns the steps and the turns taken."""
+        spans, stream, turn, steps_per_turn = [], part.decode_stream, first_point, 3
         points = self.grid.decode_points
         while len(spans) < 2000 and turn < 50 * len(points):
             batch, context = points[turn % len(points)]
@@ -354,7 +370,7 @@ class Profiler:
             self.fixtures.free(plan)  # later launches on this stream are ordered after
             if not self.clock.cuda or prefill_end.query():
                 break
-        return spans
+        return spans, turn - first_point
 
     def _co_decode(self, plan: Plan, part: Partition, stream: Any, batch: int, context: int
                    ) -> Span:

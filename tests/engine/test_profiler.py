@@ -8,8 +8,11 @@ import json
 import pytest
 
 from pdserve.engine.profiler import (
+    CO_QUEUES_MAX,
     QUICK_GRID,
+    Profiler,
     ProfileResult,
+    Span,
     engine_for_profile,
     main,
     profile_engine,
@@ -98,3 +101,43 @@ def test_cli_entry_point_parses(tmp_path, monkeypatch):
                  "--out", str(tmp_path)]) == 0
     assert seen["model"] == "tiny" and seen["grid"].decode_sms == (8, 24)
     assert seen["out"] == tmp_path and seen["device"] == "cpu"
+
+
+class _QueueDrainsIn:
+    """Stands in for the GPU side of a co-running phase: each prefill queue drains after
+    ``turns`` decode turns; records where each queue's decode turns began."""
+
+    def __init__(self, turns: int, cuda: bool = True):
+        self.turns, self.cuda, self.first_points = turns, cuda, []
+
+    def sync(self) -> None:
+        pass
+
+    def decode_while(self, part, prefill_end, first_point=0):
+        self.first_points.append(first_point)
+        return [], self.turns
+
+
+def _co_running_walk(gpu: _QueueDrainsIn) -> list[int]:
+    profiler = object.__new__(Profiler)
+    profiler.grid, profiler.clock = QUICK_GRID, gpu
+    profiler._queue_pieces = lambda part: [Span(0, 1, {})]
+    profiler._decode_while = gpu.decode_while
+    profiler._keep_overlapping = lambda pieces, decodes: None
+    profiler._co_running(part=None)
+    return gpu.first_points
+
+
+def test_co_running_decode_reaches_every_point_when_a_queue_drains_early():
+    gpu = _QueueDrainsIn(turns=3)
+    starts = _co_running_walk(gpu)
+    points = len(QUICK_GRID.decode_points)
+    visited = {(s + k) % points for s in starts for k in range(gpu.turns)}
+    assert visited == set(range(points))
+    # each queue starts on the point the last one drained in (its steps ran partly past it)
+    assert starts == [0, 2, 4, 6]  # eight points in the quick grid
+
+
+def test_co_running_decode_stops_at_the_queue_limit_and_runs_once_on_a_cpu():
+    assert len(_co_running_walk(_QueueDrainsIn(turns=1))) == CO_QUEUES_MAX
+    assert _co_running_walk(_QueueDrainsIn(turns=1, cuda=False)) == [0]
