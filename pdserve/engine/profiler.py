@@ -321,8 +321,9 @@ class Profiler:
     def _co_running(self, part: Partition) -> None:
         """Decode beside queued prefill pieces, the queue run again until every decode
         point had its turn: one queue drains in a few decode steps on a small decode
-        partition (its prefill side is fast), and the 20d5278 profile had co-running decode
-        on 16-32 SMs only at batches up to 16 where ShareGPT-like serving ran 54-131."""
+        partition (its prefill side is fast); the 20d5278 profile had co-running decode
+        only up to batch 8-64 by partition (never 128) where ShareGPT-like splits ran
+        54-131."""
         first_point = 0
         for _ in range(CO_QUEUES_MAX):
             pieces = self._queue_pieces(part)
