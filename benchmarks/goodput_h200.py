@@ -80,9 +80,10 @@ from pdserve.config import ran_explicitly  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "goodput_h200"
 TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl"
-# Profiled at 3edb18c with the long-context grid (prompt pieces over cached prefixes up to
-# 16K, decode on 16-64 SMs); the probes from e1f3fe3 on ran with it, those from efbfdd5 to
-# 3fa127d with d698fcb_predictor.json (each record names its file).
+# Profiled at 20d5278 with the long-context grid (prompt pieces over cached prefixes up to
+# 16K, 128-token pieces, decode on 16-64 SMs); the probes from 20d5278 on ran with it, those
+# at e1f3fe3 with 3edb18c_predictor.json, from efbfdd5 to 3fa127d with d698fcb_predictor.json
+# (each record names its file).
 PREDICTOR = ROOT / "benchmarks" / "results" / "loogle_h200" / "20d5278_predictor.json"
 TPOT_SLO_MS = 60.0
 FIGURE3_ITL_MS = (40.0, 60.0, 80.0, 100.0)
