@@ -357,9 +357,16 @@ class Profiler:
                       ) -> tuple[list[Span], int]:
         """Decode steps until the prefill queue drains, a few per grid point in turn from
         ``first_point``; each point's requests hold KV only for their turn, so large points
-        fit beside the queued prefills. Returns the steps and the turns taken."""
+        fit beside the queued prefills. Returns the steps and how many points were passed,
+        the one the queue drained in included.
+
+        The host stays one turn ahead of the decode stream: it waits for the turn before
+        the one just launched, then asks whether the queue drained. Unchecked, the host ran
+        hundreds of turns ahead of the GPU, so the count said every point had been passed
+        when the GPU had reached batch 8-64 (the 1fcf915 profile), and no queue ran again."""
         spans, stream, turn, steps_per_turn = [], part.decode_stream, first_point, 3
         points = self.grid.decode_points
+        launched: tuple[int, Any] | None = None  # (turn, its last step's end) not yet checked
         while len(spans) < 2000 and turn < 50 * len(points):
             batch, context = points[turn % len(points)]
             turn += 1
@@ -369,8 +376,13 @@ class Profiler:
             for _ in range(steps_per_turn):
                 spans.append(self._co_decode(plan, part, stream, batch, context))
             self.fixtures.free(plan)  # later launches on this stream are ordered after
-            if not self.clock.cuda or prefill_end.query():
-                break
+            if not self.clock.cuda:
+                return spans, turn - first_point
+            if launched is not None:
+                launched[1].synchronize()  # the turn before ran; the one just launched runs
+                if prefill_end.query():
+                    return spans, launched[0] - first_point
+            launched = (turn, spans[-1].end)
         return spans, turn - first_point
 
     def _co_decode(self, plan: Plan, part: Partition, stream: Any, batch: int, context: int

@@ -4,6 +4,7 @@ that ``--schedule multiplex`` then loads. Timings on a CPU mean nothing; shapes 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -141,3 +142,39 @@ def test_co_running_decode_reaches_every_point_when_a_queue_drains_early():
 def test_co_running_decode_stops_at_the_queue_limit_and_runs_once_on_a_cpu():
     assert len(_co_running_walk(_QueueDrainsIn(turns=1))) == CO_QUEUES_MAX
     assert _co_running_walk(_QueueDrainsIn(turns=1, cuda=False)) == [0]
+
+
+class _DecodeStream:
+    """A decode stream whose prefill queue drains while turn ``drains_in`` runs; counts
+    how far the host's launches got ahead of what it had waited for."""
+
+    cuda = True
+
+    def __init__(self, drains_in: int):
+        self.drains_in, self.launched, self.waited, self.most_ahead = drains_in, 0, 0, 0
+
+    def step(self, *args) -> Span:
+        self.launched += 1
+        self.most_ahead = max(self.most_ahead, self.launched - self.waited)
+        turn = (self.launched - 1) // 3  # three steps a turn
+        return Span(None, SimpleNamespace(synchronize=lambda t=turn: self._ran(t)), {})
+
+    def _ran(self, turn: int) -> None:
+        self.waited = max(self.waited, 3 * (turn + 1))
+
+    def query(self) -> bool:
+        return self.waited >= 3 * (self.drains_in + 1)
+
+
+def test_co_running_decode_counts_the_turns_the_gpu_ran_not_the_ones_launched():
+    gpu = _DecodeStream(drains_in=2)
+    profiler = object.__new__(Profiler)
+    profiler.grid, profiler.clock = QUICK_GRID, gpu
+    profiler.fixtures = SimpleNamespace(decode_plan=lambda batch, context: object(),
+                                        free=lambda plan: None)
+    profiler._co_decode = gpu.step
+    part = SimpleNamespace(decode_stream=None)
+    spans, passed = profiler._decode_while(part, gpu, first_point=1)
+    assert passed == 3  # points 1, 2 and 3: the queue drained in the third
+    assert len(spans) == 3 * 4  # one turn launched past the drain, no more
+    assert gpu.most_ahead <= 6  # the host stays within one turn of what it waited for
