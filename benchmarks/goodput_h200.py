@@ -485,8 +485,10 @@ class ConfigRun:
                                                port=self.opts.port)
         return shlex.split(template) + shlex.split(self.opts.server_args) + shlex.split(args)
 
-    async def start(self) -> None:
-        log = self.opts.written() / "logs" / f"{self.config}.log"
+    async def start(self, first_probe: str) -> None:
+        """A server (its log named after the probe it starts for: a server that learns
+        online starts again for each probe)."""
+        log = self.opts.written() / "logs" / f"{self.config}__{first_probe}.log"
         self.server = ManagedServer(self.command(), self.opts.port, log)
         print(f"[goodput] {self.config}: {shlex.join(self.server.command)}", flush=True)
         self.server.start()
@@ -592,7 +594,7 @@ async def _probe(run: ConfigRun, workload: ProbeWorkload, rate: float) -> bool:
     """One probe, recorded; False when the budget cut it (nothing is written then)."""
     if run.server is None:
         try:
-            await run.start()
+            await run.start(f"{workload.name}__r{rate:g}")
         except (BenchError, RuntimeError, TimeoutError, OSError) as exc:
             raise ServerFailed(f"server not up: {exc}") from None
     spec = workload.build_spec(rate, run.opts.trace)
