@@ -164,10 +164,12 @@ class StepLog:
 
     steps: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    durations: dict[str, list[float]] = field(default_factory=dict)  # each step's, in order
 
     def add(self, kind: str, seconds: float) -> None:
         self.steps[kind] = self.steps.get(kind, 0) + 1
         self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+        self.durations.setdefault(kind, []).append(seconds)
 
 
 class MuxStepSim:

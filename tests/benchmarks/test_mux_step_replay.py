@@ -44,6 +44,34 @@ def test_every_request_is_served_once_in_order_of_its_steps(tool, predictor):
     assert 0.015 < result["tpot_s"]["p50"] < 0.03  # a decode batch of 1-2
 
 
+def test_the_client_sees_the_first_token_a_step_after_the_prompt_s_step(tool, predictor):
+    """Overlap scheduling: a lone prompt's first token shows at the end of its first decode
+    step, not of its prefill step (the floor512 ShareGPT-like probes' first requests came
+    a decode step over a replay without it)."""
+    lone = tool.replay(record(1, 1.0, 1.0), predictor)
+    prefill = predictor.predict("prefill", 330, 0, 1, 132)
+    decode = predictor.predict("decode", 1, 331, 1, 132)
+    assert 1e3 * lone["ttft_s"]["p50"] == pytest.approx(prefill + decode, rel=0.02)
+
+
+def test_the_replay_s_mixed_steps_are_set_beside_the_probe_s(tool, tmp_path):
+    """Each replay's mixed-step times, and the measured ones from the probe's timeline."""
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(record(120, 0.06, 16.0, output_len=120)))
+    timeline = [{"mode": "temporal", "measured_cycle_ms": float(ms)} for ms in range(1, 101)]
+    timeline.append({"mode": "decode_only", "measured_cycle_ms": 500.0})
+    with gzip.open(tmp_path / "probe_timeline.json.gz", "wt") as out:
+        json.dump(timeline, out)
+    out = tmp_path / "replay.json"
+    tool.main(["--record", str(path), "--predictor", str(PREDICTOR), "--out", str(out)])
+    result = json.loads(out.read_text())
+    measured = result["measured"]["mixed_step_ms"]
+    assert measured["steps"] == 100 and measured["p50"] == pytest.approx(50.5)
+    replayed = result["replayed"][0]
+    assert replayed["mixed_step_ms"]["steps"] == replayed["steps"]["temporal"] > 0
+    assert 20 < replayed["mixed_step_ms"]["p50"] < 70
+
+
 def test_a_higher_rate_rescales_the_arrivals(tool, predictor):
     base = record(60, 0.05, 20.0)
     calm = tool.replay(base, predictor, rate=5.0)
