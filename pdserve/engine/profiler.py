@@ -12,10 +12,12 @@ The grid is sparse on purpose (the device budget is minutes): few SM counts (the
 predictor interpolates in 1 / SMs), few batch / context / token points that span the
 regimes (weight-bound, KV-bound, compute-bound), CUDA events, and few repeats.
 
-Co-running rows: prefill pieces are queued on the prefill stream up front, then decode
-steps run on the decode stream until that queue drains. A launch counts as co-running
-only if the other stream was busy for its whole span (event timestamps), so the edges
-of each run are dropped rather than mislabelled.
+Co-running rows: for each decode grid point, a queue of prefill pieces goes on the prefill
+stream, long enough by the partition's alone rows to outlast the point's decode turn, and
+the turn follows on the decode stream (a point whose steps were not all kept runs once
+more beside a queue twice as long). A launch counts as co-running only if the other stream
+was busy for its whole span (event timestamps), so the edges of each run are dropped
+rather than mislabelled.
 """
 
 from __future__ import annotations
@@ -51,9 +53,12 @@ from pdserve.sched.predictor import (
 log = logging.getLogger(__name__)
 
 
-# Prefill queues run beside decode per partition at most, until every decode point had a
-# turn beside one (a small decode partition drains a queue in a few turns).
-CO_QUEUES_MAX = 6
+# Decode steps per grid point beside its prefill queue (a turn).
+STEPS_PER_TURN = 3
+# How many times over a decode point's prefill queue is sized to outlast its turn as timed
+# alone: beside prefill a decode step runs slower (the partitions share memory bandwidth),
+# and the queue's time is estimated from other pieces than its own.
+CO_COVER = 2.0
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,13 @@ class ProfileGrid:
         (512, 0, 6), (1024, 0, 12), (2048, 0, 6), (2048, 4096, 12), (4096, 0, 6),
         (1024, 8192, 6), (256, 0, 24), (4096, 0, 3), (768, 2048, 12), (3072, 0, 4),
         (2048, 16384, 3))
-    co_rounds: int = 2  # times the co-running prefill queue is repeated per partition
+    # The most rounds (each co-running piece once) in one decode point's queue, its retry's
+    # included, which bounds the phase. What the bound costs: a turn that outlasts this
+    # many rounds keeps no rows (~2 s of prefill beside 16 decode SMs on the H200, where a
+    # round takes ~0.35 s and the slowest turn, 128 x 1K, ~0.4 s alone); and a partition's
+    # phase may take up to 9 points x 2 queues x 6 rounds, ~40 s there, where as sized it
+    # takes ~5 s (1-4 rounds a point).
+    co_rounds_max: int = 6
     # (chunk tokens, prefix, decode batch, decode context per request)
     mixed_points: tuple[tuple[int, int, int, int], ...] = (
         (256, 0, 16, 2048), (1024, 0, 16, 2048), (2048, 0, 32, 1024), (512, 4096, 8, 8192),
@@ -120,7 +131,7 @@ QUICK_GRID = ProfileGrid(
                                         (1, 200), (8, 100), (3, 50)),
     prefill_points=tuple((t, p, k) for t in (16, 64, 128) for p in (0, 64) for k in (12, 0)),
     co_prefill_points=tuple((t, p, k) for t in (16, 64, 128) for p in (0, 32) for k in (12, 24)),
-    co_rounds=1, mixed_points=((32, 0, 2, 64), (64, 0, 4, 32), (16, 16, 1, 64)), repeats=1,
+    co_rounds_max=1, mixed_points=((32, 0, 2, 64), (64, 0, 4, 32), (16, 16, 1, 64)), repeats=1,
     warmup=0)
 
 
@@ -153,6 +164,31 @@ class Span:
     start: Any
     end: Any
     row: dict  # ProfileRecord fields but the latency
+
+
+@dataclass(frozen=True)
+class QueuedPiece:
+    plan: Plan
+    tokens: int
+    prefix: int
+    layers: int
+
+
+class PrefillQueue:
+    """The co-running pieces, handed out in a cycle: each decode point's queue starts where
+    the last one stopped, so every piece gets co-running rows (those kept are the ones that
+    ran beside the decode turn, near a queue's start)."""
+
+    def __init__(self, pieces: list[QueuedPiece]):
+        self.pieces, self._next = pieces, 0
+
+    def upcoming(self, count: int) -> list[QueuedPiece]:
+        return [self.pieces[(self._next + i) % len(self.pieces)] for i in range(count)]
+
+    def take(self, count: int) -> list[QueuedPiece]:
+        taken = self.upcoming(count)
+        self._next = (self._next + count) % len(self.pieces)
+        return taken
 
 
 # ------------------------------------------------------------------ fixtures
@@ -319,71 +355,114 @@ class Profiler:
     # ---- co-running
 
     def _co_running(self, part: Partition) -> None:
-        """Decode beside queued prefill pieces, the queue run again until every decode
-        point had its turn: one queue drains in a few decode steps on a small decode
-        partition (its prefill side is fast); the 20d5278 profile had co-running decode
-        only up to batch 8-64 by partition (never 128) where ShareGPT-like splits ran
-        54-131."""
-        first_point = 0
-        for _ in range(CO_QUEUES_MAX):
-            pieces = self._queue_pieces(part)
-            if not pieces:
-                return
-            decodes, turns = self._decode_while(part, pieces[-1].end, first_point)
-            self.clock.sync()
-            self._keep_overlapping(pieces, decodes)
-            # The turn the queue drained in ran partly past it: its point goes again.
-            first_point += max(1, turns - 1)
-            if not self.clock.cuda or first_point >= len(self.grid.decode_points):
-                return
+        """Every decode grid point's turn beside a prefill queue of its own, sized from this
+        partition's alone rows to outlast the turn; a point whose steps were not all kept
+        runs once more beside a queue twice as long. One queue run until it drained gave the
+        a11edb9 profile co-running decode only up to batch 16 on 16-32 decode SMs (never
+        128) where ShareGPT-like splits ran 50-180: on a small decode partition a queue
+        drained within a few turns, and a large batch's steps seldom fit inside one."""
+        queue = self._co_queue()
+        if not queue.pieces:
+            return
+        missed = []
+        for batch, context in self.grid.decode_points:
+            plan = self.fixtures.decode_plan(batch, context)
+            if plan is None:  # its KV does not fit beside the queue's
+                missed.append((batch, context))
+                continue
+            if not self._co_point(part, queue, plan, batch, context):
+                missed.append((batch, context))
+            self.fixtures.free(plan)  # the turn ran: nothing on the GPU reads it any more
+        if missed:
+            self.progress(f"co-running on {part.decode_sms} SMs: (batch, context) points "
+                          f"with a step not kept beside prefill, or no KV room: {missed}")
 
-    def _queue_pieces(self, part: Partition) -> list[Span]:
+    def _co_queue(self) -> PrefillQueue:
+        """The co-running pieces' plans, made once: their KV is held for the phase, as every
+        decode point's queue runs them again."""
+        pieces = []
+        for tokens, prefix, layers in self.grid.co_prefill_points:
+            plan = self.fixtures.prefill_plan(tokens, prefix)
+            if plan is not None:
+                pieces.append(QueuedPiece(plan, tokens, prefix, layers))
+        return PrefillQueue(pieces)
+
+    def _co_point(self, part: Partition, queue: PrefillQueue, plan: Plan, batch: int,
+                  context: int) -> bool:
+        """One decode point's turn beside a queue sized to outlast it, and at most once
+        more beside a queue twice as long; whether every step of a turn was kept."""
+        turn_ms = self._turn_ms(part, batch, context)
+        for times_as_long in (1, 2):
+            cover_ms = None if turn_ms is None else times_as_long * CO_COVER * turn_ms
+            pieces = queue.take(self._queue_length(part, queue, cover_ms))
+            if self._co_turn(part, pieces, plan, batch, context):
+                return True
+        return False
+
+    def _co_turn(self, part: Partition, pieces: list[QueuedPiece], plan: Plan, batch: int,
+                 context: int) -> bool:
+        """The queue, then one decode turn beside it on the other stream; the host waits
+        for both before the next turn, so it is never more than one turn ahead of the GPU
+        (the 1fcf915 profile's host, unchecked, ran hundreds of turns ahead and counted
+        turns launched as turns run). Whether every step was kept."""
+        spans = self._queue_pieces(part, pieces)
+        decodes = [self._co_decode(plan, part, part.decode_stream, batch, context)
+                   for _ in range(STEPS_PER_TURN)]
+        self.clock.sync()
+        return self._keep_overlapping(spans, decodes) == len(decodes)
+
+    def _turn_ms(self, part: Partition, batch: int, context: int) -> float | None:
+        """A decode turn's time alone on this partition, from its decode-alone row nearest in
+        batch, then in context (None before any)."""
+        rows = [r for r in self.rows if r["phase"] == "decode" and not r["co_running"]
+                and r["sms"] == part.decode_sms]
+        if not rows:
+            return None
+        kv = batch * context
+        nearest = min(rows, key=lambda r: (abs(r["batch_size"] - batch),
+                                           abs(r["context_tokens"] - kv)))
+        return STEPS_PER_TURN * nearest["latency_ms"]
+
+    def _queue_length(self, part: Partition, queue: PrefillQueue, cover_ms: float | None
+                      ) -> int:
+        """Pieces, from the queue's next one on, whose estimated time less the host's time
+        to issue them is ``cover_ms`` (the GPU runs the queue while the host still issues
+        it); the most the grid allows when nothing was timed to size it from."""
+        most = self.grid.co_rounds_max * len(queue.pieces)
+        rate = self._prefill_ms_per_token_layer(part)
+        if cover_ms is None or rate is None:
+            return most
+        # On a CPU a launch has run when it returns: there is no queue to outrun.
+        lag = statistics.median(self.launch_ms) if self.clock.cuda and self.launch_ms else 0.0
+        covered, length = 0.0, 0
+        for piece in queue.upcoming(most):
+            if covered >= cover_ms:
+                break
+            covered += rate * piece.tokens * piece.layers - lag
+            length += 1
+        return max(1, length)
+
+    def _prefill_ms_per_token_layer(self, part: Partition) -> float | None:
+        """The fastest prefill-alone rate on this partition's prefill side: a queue estimated
+        from it runs at least as long as estimated (prefixes and small, weight-bound pieces
+        only make it slower)."""
+        total = self.runner.model.num_layers
+        rates = [r["latency_ms"] / (r["num_tokens"] * (r["num_layers"] or total))
+                 for r in self.rows if r["phase"] == "prefill" and not r["co_running"]
+                 and r["sms"] == part.prefill_sms]
+        return min(rates) if rates else None
+
+    def _queue_pieces(self, part: Partition, pieces: list[QueuedPiece]) -> list[Span]:
         spans, stream = [], part.prefill_stream
-        points = list(self.grid.co_prefill_points) * self.grid.co_rounds
         with self.ops.on(stream):
-            for tokens, prefix, layers in points:
-                plan = self.fixtures.prefill_plan(tokens, prefix)
-                if plan is None:
-                    continue
+            for piece in pieces:
                 start = self.clock.mark(stream)
-                self._piece(plan, part, layers)
-                row = dict(phase="prefill", num_tokens=tokens, context_tokens=prefix,
-                           batch_size=1, sms=part.prefill_sms, co_running=True,
-                           num_layers=layers or None)
+                self._piece(piece.plan, part, piece.layers)
+                row = dict(phase="prefill", num_tokens=piece.tokens,
+                           context_tokens=piece.prefix, batch_size=1, sms=part.prefill_sms,
+                           co_running=True, num_layers=piece.layers or None)
                 spans.append(Span(start, self.clock.mark(stream), row))
         return spans
-
-    def _decode_while(self, part: Partition, prefill_end: Any, first_point: int = 0
-                      ) -> tuple[list[Span], int]:
-        """Decode steps until the prefill queue drains, a few per grid point in turn from
-        ``first_point``; each point's requests hold KV only for their turn, so large points
-        fit beside the queued prefills. Returns the steps and how many points were passed,
-        the one the queue drained in included.
-
-        The host stays one turn ahead of the decode stream: it waits for the turn before
-        the one just launched, then asks whether the queue drained. Unchecked, the host ran
-        hundreds of turns ahead of the GPU, so the count said every point had been passed
-        when the GPU had reached batch 8-64 (the 1fcf915 profile), and no queue ran again."""
-        spans, stream, turn, steps_per_turn = [], part.decode_stream, first_point, 3
-        points = self.grid.decode_points
-        launched: tuple[int, Any] | None = None  # (turn, its last step's end) not yet checked
-        while len(spans) < 2000 and turn < 50 * len(points):
-            batch, context = points[turn % len(points)]
-            turn += 1
-            plan = self.fixtures.decode_plan(batch, context)
-            if plan is None:
-                continue
-            for _ in range(steps_per_turn):
-                spans.append(self._co_decode(plan, part, stream, batch, context))
-            self.fixtures.free(plan)  # later launches on this stream are ordered after
-            if not self.clock.cuda:
-                return spans, turn - first_point
-            if launched is not None:
-                launched[1].synchronize()  # the turn before ran; the one just launched runs
-                if prefill_end.query():
-                    return spans, launched[0] - first_point
-            launched = (turn, spans[-1].end)
-        return spans, turn - first_point
 
     def _co_decode(self, plan: Plan, part: Partition, stream: Any, batch: int, context: int
                    ) -> Span:
@@ -394,22 +473,26 @@ class Profiler:
                        batch_size=batch, sms=part.decode_sms, co_running=True)
             return Span(start, self.clock.mark(stream), row)
 
-    def _keep_overlapping(self, pieces: list[Span], decodes: list[Span]) -> None:
-        """Rows whose whole span lies inside the other stream's busy span."""
+    def _keep_overlapping(self, pieces: list[Span], decodes: list[Span]) -> int:
+        """Rows whose whole span lies inside the other stream's busy span; returns how many
+        decode rows were kept."""
         if not pieces or not decodes:
-            return
+            return 0
         if not self.clock.cuda:  # the CPU runs them one after the other: plumbing only
             for span in pieces + decodes:
                 self._add_row(span.row, self.clock.ms(span.start, span.end))
-            return
+            return len(decodes)
         origin = pieces[0].start
         at = lambda event: origin.elapsed_time(event)
         busy = {"prefill": (at(pieces[0].start), at(pieces[-1].end)),
                 "decode": (at(decodes[0].start), at(decodes[-1].end))}
+        kept = 0
         for span in pieces + decodes:
             other = busy["decode" if span.row["phase"] == "prefill" else "prefill"]
             if other[0] <= at(span.start) and at(span.end) <= other[1]:
                 self._add_row(span.row, self.clock.ms(span.start, span.end))
+                kept += span.row["phase"] == "decode"
+        return kept
 
     # ---- mixed
 

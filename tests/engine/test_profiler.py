@@ -3,17 +3,20 @@ that ``--schedule multiplex`` then loads. Timings on a CPU mean nothing; shapes 
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 
 from pdserve.engine.profiler import (
-    CO_QUEUES_MAX,
+    CO_COVER,
     QUICK_GRID,
+    STEPS_PER_TURN,
+    ProfileGrid,
     Profiler,
     ProfileResult,
-    Span,
     engine_for_profile,
     main,
     profile_engine,
@@ -104,77 +107,182 @@ def test_cli_entry_point_parses(tmp_path, monkeypatch):
     assert seen["out"] == tmp_path and seen["device"] == "cpu"
 
 
-class _QueueDrainsIn:
-    """Stands in for the GPU side of a co-running phase: each prefill queue drains after
-    ``turns`` decode turns; records where each queue's decode turns began."""
+class _Event:
+    """A CUDA event on the fake GPU's timeline: the time its stream reached it."""
 
-    def __init__(self, turns: int, cuda: bool = True):
-        self.turns, self.cuda, self.first_points = turns, cuda, []
+    def __init__(self, gpu: _FakeGpu, at: float):
+        self.gpu, self.at = gpu, at
 
-    def sync(self) -> None:
-        pass
-
-    def decode_while(self, part, prefill_end, first_point=0):
-        self.first_points.append(first_point)
-        return [], self.turns
-
-
-def _co_running_walk(gpu: _QueueDrainsIn) -> list[int]:
-    profiler = object.__new__(Profiler)
-    profiler.grid, profiler.clock = QUICK_GRID, gpu
-    profiler._queue_pieces = lambda part: [Span(0, 1, {})]
-    profiler._decode_while = gpu.decode_while
-    profiler._keep_overlapping = lambda pieces, decodes: None
-    profiler._co_running(part=None)
-    return gpu.first_points
-
-
-def test_co_running_decode_reaches_every_point_when_a_queue_drains_early():
-    gpu = _QueueDrainsIn(turns=3)
-    starts = _co_running_walk(gpu)
-    points = len(QUICK_GRID.decode_points)
-    visited = {(s + k) % points for s in starts for k in range(gpu.turns)}
-    assert visited == set(range(points))
-    # each queue starts on the point the last one drained in (its steps ran partly past it)
-    assert starts == [0, 2, 4, 6]  # eight points in the quick grid
-
-
-def test_co_running_decode_stops_at_the_queue_limit_and_runs_once_on_a_cpu():
-    assert len(_co_running_walk(_QueueDrainsIn(turns=1))) == CO_QUEUES_MAX
-    assert _co_running_walk(_QueueDrainsIn(turns=1, cuda=False)) == [0]
-
-
-class _DecodeStream:
-    """A decode stream whose prefill queue drains while turn ``drains_in`` runs; counts
-    how far the host's launches got ahead of what it had waited for."""
-
-    cuda = True
-
-    def __init__(self, drains_in: int):
-        self.drains_in, self.launched, self.waited, self.most_ahead = drains_in, 0, 0, 0
-
-    def step(self, *args) -> Span:
-        self.launched += 1
-        self.most_ahead = max(self.most_ahead, self.launched - self.waited)
-        turn = (self.launched - 1) // 3  # three steps a turn
-        return Span(None, SimpleNamespace(synchronize=lambda t=turn: self._ran(t)), {})
-
-    def _ran(self, turn: int) -> None:
-        self.waited = max(self.waited, 3 * (turn + 1))
+    def elapsed_time(self, other: _Event) -> float:
+        return other.at - self.at
 
     def query(self) -> bool:
-        return self.waited >= 3 * (self.drains_in + 1)
+        return self.gpu.host >= self.at
+
+    def synchronize(self) -> None:
+        self.gpu.host = max(self.gpu.host, self.at)
+        self.gpu.waited = max(self.gpu.waited, sum(end <= self.at for end in self.gpu.step_ends))
 
 
-def test_co_running_decode_counts_the_turns_the_gpu_ran_not_the_ones_launched():
-    gpu = _DecodeStream(drains_in=2)
+class _FakeGpu:
+    """Stands in for the GPU under a co-running phase: one timeline per stream, in ms. A
+    prefill piece takes ``PIECE_MS`` per token and layer, a decode step time that grows
+    with its batch and falls with its SMs, ``contention`` times as long while the prefill
+    stream is busy; issuing a piece takes the host ``LAUNCH_MS``. Records each turn (the
+    launches between two waits) and how many decode steps the host got ahead of a wait."""
+
+    cuda = True
+    PIECE_MS, LAUNCH_MS = 0.002, 2.0
+
+    def __init__(self, contention: float = 1.5):
+        self.contention, self.host = contention, 0.0
+        self.free_at = {"prefill": 0.0, "decode": 0.0}
+        self.turns: list[dict] = []
+        self._turn = dict(pieces=0, queue_ms=0.0, steps=0, point=None)
+        self.launched = self.waited = self.most_ahead = 0  # decode steps
+        self.step_ends: list[float] = []
+
+    @staticmethod
+    def step_alone_ms(batch: int, sms: int) -> float:
+        return (20 + batch) * 16 / sms
+
+    # the clock
+
+    def mark(self, stream: str) -> _Event:
+        self.free_at[stream] = max(self.free_at[stream], self.host)
+        return _Event(self, self.free_at[stream])
+
+    def ms(self, start: _Event, end: _Event) -> float:
+        return end.at - start.at
+
+    def sync(self) -> None:
+        self.host = max(self.host, *self.free_at.values())
+        self.waited = self.launched
+        if self._turn["steps"] and self._turn["pieces"]:  # a co-running turn
+            self.turns.append(self._turn)
+        self._turn = dict(pieces=0, queue_ms=0.0, steps=0, point=None)
+
+    # the runner
+
+    def launch(self, work, waits, buffers) -> SimpleNamespace:
+        stream = work.side
+        if work.layers is not None:
+            self.host += self.LAUNCH_MS
+            ms = self.PIECE_MS * work.plan.tokens * work.layers[1]
+            self._turn["pieces"] += 1
+            self._turn["queue_ms"] += ms
+        else:
+            ms = self.step_alone_ms(work.plan.batch, work.partition.decode_sms)
+            if self.free_at["prefill"] > max(self.free_at["decode"], self.host):
+                ms *= self.contention
+            self.launched += 1
+            self.most_ahead = max(self.most_ahead, self.launched - self.waited)
+            point = (work.partition.decode_sms, work.plan.batch, work.plan.context)
+            self._turn.update(steps=self._turn["steps"] + 1, point=point)
+        self.free_at[stream] = max(self.free_at[stream], self.host) + ms
+        if work.layers is None:
+            self.step_ends.append(self.free_at[stream])
+        return SimpleNamespace(launch_ms=self.LAUNCH_MS)
+
+
+def _split(decode_sms: int) -> SimpleNamespace:
+    # streams named after the sides, so the fake's launches find their timeline by side
+    return SimpleNamespace(decode_sms=decode_sms, prefill_sms=132 - decode_sms,
+                           decode_stream="decode", prefill_stream="prefill", whole_gpu=False)
+
+
+def _profile_on_fake_gpu(gpu: _FakeGpu, splits=(16, 64)) -> Profiler:
+    """The alone and co-running phases of ``ProfileGrid()`` on ``gpu``, as ``run`` orders
+    them (the co-running phase sizes its queues from the alone rows)."""
     profiler = object.__new__(Profiler)
-    profiler.grid, profiler.clock = QUICK_GRID, gpu
-    profiler.fixtures = SimpleNamespace(decode_plan=lambda batch, context: object(),
-                                        free=lambda plan: None)
-    profiler._co_decode = gpu.step
-    part = SimpleNamespace(decode_stream=None)
-    spans, passed = profiler._decode_while(part, gpu, first_point=1)
-    assert passed == 3  # points 1, 2 and 3: the queue drained in the third
-    assert len(spans) == 3 * 4  # one turn launched past the drain, no more
-    assert gpu.most_ahead <= 6  # the host stays within one turn of what it waited for
+    profiler.grid, profiler.clock, profiler.buffers = ProfileGrid(), gpu, None
+    profiler.ops = SimpleNamespace(on=lambda stream: contextlib.nullcontext())
+    profiler.runner = SimpleNamespace(model=SimpleNamespace(num_layers=48), launch=gpu.launch)
+    profiler.fixtures = SimpleNamespace(
+        decode_plan=lambda batch, context: SimpleNamespace(batch=batch, context=context),
+        prefill_plan=lambda tokens, prefix: SimpleNamespace(tokens=tokens),
+        free=lambda plan: None, release=lambda: None)
+    profiler.rows, profiler.launch_ms, profiler.messages = [], [], []
+    profiler.progress = profiler.messages.append
+    for sms in splits:
+        part = _split(sms)
+        for phase in (profiler._decode_alone, profiler._prefill_alone, profiler._co_running):
+            phase(part)
+    return profiler
+
+
+def _co_running_rows(profiler: Profiler, phase: str) -> list[dict]:
+    return [r for r in profiler.rows if r["phase"] == phase and r["co_running"]]
+
+
+def _kept_decode_steps(profiler: Profiler) -> Counter:
+    """Co-running decode rows by (decode SMs, batch, context per request)."""
+    return Counter((r["sms"], r["batch_size"], r["context_tokens"] // r["batch_size"])
+                   for r in _co_running_rows(profiler, "decode"))
+
+
+def test_co_running_keeps_decode_rows_for_every_point_on_every_partition():
+    """Large batches on few decode SMs included: one queue run until it drained reached
+    batch 16 at most on 16-32 decode SMs of the H200."""
+    gpu = _FakeGpu()
+    profiler = _profile_on_fake_gpu(gpu)
+    kept = _kept_decode_steps(profiler)
+    for sms in (16, 64):
+        for point in ProfileGrid().decode_points:
+            assert kept[sms, *point] == STEPS_PER_TURN, (sms, point)
+    assert {r["sms"] for r in _co_running_rows(profiler, "prefill")} == {116, 68}
+    assert [t["point"] for t in gpu.turns] == [
+        (sms, *point) for sms in (16, 64) for point in ProfileGrid().decode_points]
+    assert profiler.messages == []
+
+
+def test_the_host_never_launches_more_than_one_turn_ahead_of_what_it_waited_for():
+    gpu = _FakeGpu()
+    _profile_on_fake_gpu(gpu)
+    assert gpu.most_ahead == STEPS_PER_TURN
+
+
+def test_a_slower_decode_point_gets_a_longer_prefill_queue():
+    gpu = _FakeGpu()
+    _profile_on_fake_gpu(gpu)
+    pieces = {t["point"]: t["pieces"] for t in gpu.turns}
+    assert pieces[16, 128, 1024] > 3 * pieces[16, 1, 1024]  # 148 ms a step alone, not 21
+    assert pieces[16, 128, 1024] > pieces[64, 128, 1024]  # the same batch, 4x the SMs
+    most = ProfileGrid().co_rounds_max * len(ProfileGrid().co_prefill_points)
+    assert max(pieces.values()) <= most
+
+
+def test_a_point_whose_steps_were_not_all_kept_runs_once_more_beside_a_queue_twice_as_long():
+    """Three times as slow beside prefill: past the queue's cover of two, within four."""
+    gpu = _FakeGpu(contention=3.0)
+    profiler = _profile_on_fake_gpu(gpu)
+    queues: dict[tuple[int, int, int], list[dict]] = {}
+    for turn in gpu.turns:
+        queues.setdefault(turn["point"], []).append(turn)
+    assert all(len(turns) <= 2 for turns in queues.values())
+    most = ProfileGrid().co_rounds_max * len(ProfileGrid().co_prefill_points)
+    retried = {point: turns for point, turns in queues.items()
+               if len(turns) == 2 and turns[1]["pieces"] < most}
+    assert len(retried) >= 10  # of 18 points; the others' first queue ran long enough
+    for (sms, batch, _), (first, second) in retried.items():
+        # what the GPU still had queued once the host had issued it all
+        outlasts = lambda queue: queue["queue_ms"] - queue["pieces"] * gpu.LAUNCH_MS
+        turn_alone = STEPS_PER_TURN * gpu.step_alone_ms(batch, sms)
+        assert outlasts(first) >= CO_COVER * turn_alone
+        assert outlasts(second) >= 2 * CO_COVER * turn_alone
+    kept = _kept_decode_steps(profiler)
+    assert all(kept[point] >= STEPS_PER_TURN for point in queues)
+    assert profiler.messages == []
+
+
+def test_a_point_never_kept_is_retried_once_only_and_named():
+    gpu = _FakeGpu(contention=100.0)
+    profiler = _profile_on_fake_gpu(gpu, splits=(16,))
+    points = ProfileGrid().decode_points
+    assert [t["point"] for t in gpu.turns] == [(16, *p) for p in points for _ in range(2)]
+    assert all(t["steps"] == STEPS_PER_TURN for t in gpu.turns)
+    most = ProfileGrid().co_rounds_max * len(ProfileGrid().co_prefill_points)
+    assert max(t["pieces"] for t in gpu.turns) == most  # a retry stops at the bound
+    assert profiler.messages == [
+        f"co-running on 16 SMs: (batch, context) points with a step not kept beside "
+        f"prefill, or no KV room: {list(points)}"]
