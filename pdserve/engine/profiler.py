@@ -70,9 +70,13 @@ class ProfileGrid:
     # The long-context points (16K of prefix or context) are where long-prompt serving runs
     # (LooGLE-like: 12-20K prompts beside a few decodes); without them those shapes are
     # extrapolated from 8K.
+    # The last two are where ShareGPT-like serving decodes (50-180 requests of ~450
+    # tokens): every other point past batch 16 holds 131K tokens, so the fit could not tell
+    # batch from context there, and on the H200 (a11edb9 profile) decode alone at 32-190
+    # requests ran 1.19-1.39x what it predicted.
     decode_points: tuple[tuple[int, int], ...] = (
         (1, 1024), (1, 8192), (8, 2048), (16, 1024), (16, 8192), (32, 4096), (64, 2048),
-        (128, 1024), (2, 16384))
+        (128, 1024), (2, 16384), (48, 512), (160, 384))
     # (new tokens, prefix tokens, layers); layers 0 means all of them. The 128-token points:
     # without a row under 256 tokens, held-out mixed steps of 128 prompt tokens beside 32
     # decodes were predicted 31-48% slow (the 3edb18c profile, 6 of 10 splits at target).
@@ -95,9 +99,9 @@ class ProfileGrid:
     # The most rounds (each co-running piece once) in one decode point's queue, its retry's
     # included, which bounds the phase. What the bound costs: a turn that outlasts this
     # many rounds keeps no rows (~2 s of prefill beside 16 decode SMs on the H200, where a
-    # round takes ~0.35 s and the slowest turn, 128 x 1K, ~0.4 s alone); and a partition's
-    # phase may take up to 9 points x 2 queues x 6 rounds, ~40 s there, where as sized it
-    # takes ~5 s (1-4 rounds a point).
+    # round takes ~0.35 s and a turn of 128 x 1K ~0.37 s alone); and a partition's phase
+    # may take up to 11 points x 2 queues x 6 rounds, ~45 s there, where as sized it takes
+    # ~5-6 s (1-4 rounds a point).
     co_rounds_max: int = 6
     # (chunk tokens, prefix, decode batch, decode context per request)
     mixed_points: tuple[tuple[int, int, int, int], ...] = (

@@ -253,8 +253,9 @@ def test_a_slower_decode_point_gets_a_longer_prefill_queue():
 
 
 def test_a_point_whose_steps_were_not_all_kept_runs_once_more_beside_a_queue_twice_as_long():
-    """Three times as slow beside prefill: past the queue's cover of two, within four."""
-    gpu = _FakeGpu(contention=3.0)
+    """2.5 times as slow beside prefill: past the queue's cover of two, within four (and
+    the grid's slowest turn, 160 requests on 16 SMs, within the bound of its rounds)."""
+    gpu = _FakeGpu(contention=2.5)
     profiler = _profile_on_fake_gpu(gpu)
     queues: dict[tuple[int, int, int], list[dict]] = {}
     for turn in gpu.turns:
@@ -263,7 +264,7 @@ def test_a_point_whose_steps_were_not_all_kept_runs_once_more_beside_a_queue_twi
     most = ProfileGrid().co_rounds_max * len(ProfileGrid().co_prefill_points)
     retried = {point: turns for point, turns in queues.items()
                if len(turns) == 2 and turns[1]["pieces"] < most}
-    assert len(retried) >= 10  # of 18 points; the others' first queue ran long enough
+    assert len(retried) >= 10  # of 22 points; the others' first queue ran long enough
     for (sms, batch, _), (first, second) in retried.items():
         # what the GPU still had queued once the host had issued it all
         outlasts = lambda queue: queue["queue_ms"] - queue["pieces"] * gpu.LAUNCH_MS
