@@ -73,7 +73,7 @@ class ProfileGrid:
     # The last two are where ShareGPT-like serving decodes (50-180 requests of ~450
     # tokens): every other point past batch 16 holds 131K tokens, so the fit could not tell
     # batch from context there, and on the H200 (a11edb9 profile) decode alone at 32-190
-    # requests ran 1.19-1.39x what it predicted.
+    # requests ran 1.16-1.39x what it predicted.
     decode_points: tuple[tuple[int, int], ...] = (
         (1, 1024), (1, 8192), (8, 2048), (16, 1024), (16, 8192), (32, 4096), (64, 2048),
         (128, 1024), (2, 16384), (48, 512), (160, 384))
