@@ -159,17 +159,21 @@ class SliceBatch:
 
 @dataclass
 class StepLog:
-    """Steps run and seconds spent per kind (``graph``, ``eager``, decode or prefill
-    alone): what a measured timeline is compared by."""
+    """Each step's seconds per kind (``graph``, ``eager``, decode or prefill alone), in
+    order; the steps and seconds per kind are what a measured timeline is compared by."""
 
-    steps: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-    durations: dict[str, list[float]] = field(default_factory=dict)  # each step's, in order
+    durations: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, kind: str, seconds: float) -> None:
-        self.steps[kind] = self.steps.get(kind, 0) + 1
-        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
         self.durations.setdefault(kind, []).append(seconds)
+
+    @property
+    def steps(self) -> dict[str, int]:
+        return {kind: len(times) for kind, times in self.durations.items()}
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        return {kind: sum(times) for kind, times in self.durations.items()}
 
 
 class MuxStepSim:

@@ -305,7 +305,7 @@ LONG_CONTEXT_PROFILES = [
     pytest.param(rev, marks=pytest.mark.xfail(strict=True, reason=f"{seeds} of 10 seeds: "
                                               "see the comment above"))
     for rev, seeds in (("3edb18c", 6), ("20d5278", 7), ("7c34071", 7), ("1fcf915", 7),
-                                  ("a11edb9", 7))]
+                       ("a11edb9", 7))]
 
 
 @pytest.mark.parametrize("revision", LONG_CONTEXT_PROFILES)
