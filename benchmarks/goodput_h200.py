@@ -71,7 +71,7 @@ from pdserve.bench.evidence import (  # noqa: E402
     searches,
 )
 from pdserve.bench.metrics import sample_attainment  # noqa: E402
-from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.bench.report import portable_command, result_header, write_json  # noqa: E402
 from pdserve.bench.runner import RunContext, SloOptions, run_at_rate, warm_up  # noqa: E402
 from pdserve.bench.spec import WorkloadSpec, parse_spec  # noqa: E402
 from pdserve.bench.timeline import load_engine_timeline  # noqa: E402
@@ -668,7 +668,8 @@ def probe_record(run: ConfigRun, spec: WorkloadSpec, requests: list, rate: float
     summary = {k: v for k, v in result.items()
                if k not in ("samples", "timeline", "engine_timeline", "engine_after")}
     after = result.get("engine_after") or {}
-    record = result_header({"name": run.config, "server_command": run.server.command,
+    record = result_header({"name": run.config,
+                            "server_command": portable_command(run.server.command),
                             "server_args": run.args, "engine": engine})
     return {**record, "probe": {"workload": spec.label, "config": run.config, "rate": rate,
                                 "requests": len(requests)},

@@ -57,6 +57,11 @@ def device_info() -> dict:
             "gpus": [line.strip() for line in gpus.splitlines() if line.strip()]}
 
 
+def portable_command(parts: list[str]) -> list[str]:
+    """A command as anyone would rerun it: this interpreter's install path is the host's own."""
+    return ["python" if part == sys.executable else part for part in parts]
+
+
 def result_header(config: dict) -> dict:
     return {
         "version": RESULT_VERSION,

@@ -63,6 +63,7 @@ def test_probes_run_record_skip_and_respect_the_budget(tool, tmp_path, capsys, m
                                    "requests": 4 if rate == 4.0 else 6}
         assert record["config"]["server_args"] == "--schedule chunked --chunk-size 16"
         assert "--chunk-size" in record["config"]["server_command"]
+        assert record["config"]["server_command"][0] == "python"  # no host install path
         assert record["git_revision"] and record["device"] and record["command"]
         assert record["workload"]["definition"]["span_s"] == 1.0
         assert all(s["success"] and s["output_tokens"] == 4 for s in record["samples"])
