@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +121,9 @@ class SchedulerConfig:
                                       "prefill-step graphs when graph steps are on): the SLO "
                                       "is a mean over a request's tokens, and chunks cut "
                                       "small over long prefixes prefill slowly. 0: off.")
+    mux_mixed_floor_cap: float = doc(1.25, "multiplex: the longest step the mixed floor may "
+                                     "take, as a multiple of --itl-slo-ms (the floor's chunk "
+                                     "shrinks to what fits under it). Must be > 0.")
     mux_floor_off_graphs: bool = doc(False, "multiplex: where the floor is cut to what the "
                                      "prefill-step graphs hold beside the decode batch, take "
                                      "the whole floor as an eager step instead when that is "
@@ -213,6 +217,9 @@ class SchedulerConfig:
         if self.mux_mixed_floor_tokens < 0:
             raise ValueError(f"--mux-mixed-floor-tokens {self.mux_mixed_floor_tokens}: must "
                              "be >= 0")
+        if not 0.0 < self.mux_mixed_floor_cap < math.inf:
+            raise ValueError(f"--mux-mixed-floor-cap {self.mux_mixed_floor_cap}: must be > 0 "
+                             "(a multiple of --itl-slo-ms)")
         if self.mux_tpot_bank_cap != 0.0 and not self.mux_tpot_bank_cap >= 1.0:
             raise ValueError(f"--mux-tpot-bank-cap {self.mux_tpot_bank_cap}: must be 0 (off) "
                              "or >= 1 (a multiple of --itl-slo-ms)")

@@ -202,6 +202,7 @@ class MultiplexScheduler(InFlightScheduler):
                 # As resolved (``auto`` graph steps: the runner's captured size, or 0).
                 "graph_step_tokens": planned.graph_step_tokens,
                 "mixed_floor_tokens": planned.mixed_floor_tokens,
+                "mixed_floor_cap": planned.mixed_floor_cap,
                 "tpot_bank_cap": planned.tpot_bank_cap,
                 "ttft_pressed_margin": planned.ttft_pressed_margin,
                 "calibration": self.describe_calibration()}
@@ -587,6 +588,7 @@ def mux_planner_config(sched: SchedulerConfig, **overrides) -> MuxPlannerConfig:
                   switch_margin=sched.mux_switch_margin,
                   graph_step_tokens=sched.mux_graph_step_tokens or 0,
                   mixed_floor_tokens=sched.mux_mixed_floor_tokens,
+                  mixed_floor_cap=sched.mux_mixed_floor_cap,
                   floor_off_graphs=sched.mux_floor_off_graphs,
                   tpot_bank_cap=sched.mux_tpot_bank_cap,
                   ttft_pressed_margin=sched.mux_ttft_pressed_margin,
