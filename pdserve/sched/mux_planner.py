@@ -1008,6 +1008,11 @@ class MuxPlanner:
             tokens = _largest_fitting(cost, floor, most, self.config.token_align, limit_ms)
             pieces.append(self._piece(waiting, self._gather(waiting, tokens), 0, layers, sms,
                                       co_running))
+        if not pieces:
+            # Fewer tokens can be priced above all of them (pairs are per request of the
+            # batch: the first 64 of a prompt over a long prefix, alone, against those
+            # beside a short one), so the batch's every token over the layers that fit.
+            pieces.append(self._piece(waiting, chunks, 0, fit_all, sms, co_running))
         return max(pieces, key=rate)
 
     def _layers_fitting(self, tokens: int, context: int, batch: int, sms: int,

@@ -142,6 +142,16 @@ def test_itl_use_log_quantiles():
                                            "p90": 0.9, "max": 1.0})
 
 
+def test_a_batch_whose_first_tokens_cost_more_than_all_of_them_is_still_planned(h200):
+    """The first 64 tokens of a prompt over an 834-token prefix are priced above the batch
+    of those and a 1-token prompt (pairs are averaged over the batch's requests); the
+    planner once found no piece then and raised (found by the property below)."""
+    mux = planner(h200, itl=15.0)
+    waiting = [PrefillRequest(64, 834), PrefillRequest(1, 0)]
+    plan = mux.plan(decode_of(1, 100), waiting)
+    assert plan in mux.options(decode_of(1, 100), waiting)
+
+
 # ----------------------------------------------------------------- properties
 
 requests = st.builds(PrefillRequest, st.integers(1, 20000), st.integers(0, 16000),
