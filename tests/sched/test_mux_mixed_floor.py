@@ -60,9 +60,10 @@ def test_a_floor_step_over_the_cap_is_not_taken(profile_d698fcb):
 
 def test_where_the_floor_is_over_the_cap_the_largest_chunk_within_it_is_taken(profile_d698fcb):
     """At a correction of 1.3 over a 22K prefix, 256 tokens are over 75 ms, 192 within it,
-    and the budget fits 64 (128 prompt tokens and the 5 decodes start a second 128-row
-    tile): the step takes 192 rather than falling back to the budget's chunk (a floor of
-    320 fell back to small chunks in the replay, 2.5K tokens/s)."""
+    and the budget fits 64 (a short piece's pairs over a long prefix cost more each than a
+    long piece's, and the fit prices them apart): the step takes 192 rather than falling
+    back to the budget's chunk (a floor of 320 fell back to small chunks in the replay,
+    2.5K tokens/s)."""
     budget = mixed_plan(profile_d698fcb, 22000, floor=0, correction=1.3)
     floored = mixed_plan(profile_d698fcb, 22000, floor=256, correction=1.3)
     assert budget.prefill.num_tokens == 64
@@ -83,12 +84,11 @@ def test_with_graph_steps_the_floor_stays_on_the_graphs(profile_d698fcb):
 
 def test_the_floor_lifts_mixed_steps_out_of_a_raised_correction(profile_d698fcb):
     """Small steps' high measured cost raised the one mixed correction (to 1.55-1.79 in the
-    e0559f6 Mooncake runs); at 1.65 the budget fits only small chunks even with no prefix,
-    which keeps the correction up. The floor's step is weighed by the same inflated
-    prediction and still taken within the cap. (256 prompt tokens and the 5 decodes start
-    a third 128-row tile: over a 4K prefix that step is over the cap from 1.6.)"""
-    raised = mixed_plan(profile_d698fcb, 0, floor=0, correction=1.65)
-    floored = mixed_plan(profile_d698fcb, 0, floor=256, correction=1.65)
+    e0559f6 Mooncake runs); at 1.7 the budget fits only small chunks even over a short
+    prefix, which keeps the correction up. The floor's step is weighed by the same inflated
+    prediction and still taken within the cap."""
+    raised = mixed_plan(profile_d698fcb, 4000, floor=0, correction=1.7)
+    floored = mixed_plan(profile_d698fcb, 4000, floor=256, correction=1.7)
     assert raised.prefill.num_tokens <= 128
     assert floored.prefill.num_tokens == 256
 
@@ -163,18 +163,16 @@ def _sharegpt_chunk(profile_d698fcb, correction: float, off_graphs: bool) -> tup
 
 def test_off_the_graphs_an_eager_correction_of_1_25_keeps_the_whole_floor(profile_d698fcb):
     # The floor cut to the graphs' room (256 - 140 decodes) is a 116-token graph step, the
-    # planner's once the eager correction prices 192-token steps over the budget. Measured:
-    # half the prefill rate. The fit prices steps by 128-row tiles: the cut step's 256 rows
-    # fill two (35.6 ms), the 192-token step's 332 rows take a third and fit the budget at
-    # 1.2 (53.5 ms), priced out from 1.22; at 1.25 the whole floor is predicted 1.17x the
-    # cut step's rate (the old fit: 1.38x).
+    # planner's once the eager correction prices 192-token steps over the budget (from 1.25
+    # with the prefix pairs of a piece's first tokens fitted apart; 1.2 before). Measured:
+    # half the prefill rate.
     fitting = _sharegpt_chunk(profile_d698fcb, 1.0, False)
     assert fitting[0] >= 256
     cut, cut_rate = _sharegpt_chunk(profile_d698fcb, 1.25, False)
     whole, whole_rate = _sharegpt_chunk(profile_d698fcb, 1.25, True)
     assert cut == 116 and whole == 256
-    assert whole_rate > 1.15 * cut_rate
-    assert _sharegpt_chunk(profile_d698fcb, 1.5, True)[0] == 116  # over the cap: the graphs
+    assert whole_rate > 1.3 * cut_rate
+    assert _sharegpt_chunk(profile_d698fcb, 1.6, True)[0] == 116  # over the cap: the graphs
     assert _sharegpt_chunk(profile_d698fcb, 1.0, True) == fitting  # fitting: nothing changes
 
 

@@ -4,12 +4,8 @@ margin, mixed steps and time slices are planned to the pressed share of the ITL 
 instead; off by default.
 
 Planned with the latency model of the committed d698fcb H200 profile (codellama-34b) at an
-ITL target of 60 ms (a 54 ms budget) beside 150 decoding requests, the ShareGPT-like load
-at 16 req/s where the planner's 54 ms steps fell behind the arrivals. The fit prices a
-mixed step by whole 128-row tiles of prompt and decode tokens, ~9 ms a tile here, more than
-the 6 ms the pressed margin adds: at ~600 tokens of context the budget's step already ends
-at 54.0 ms on the fourth tile and pressure gains nothing; at ~800 the budget stops at three
-tiles (46 ms) and the pressed margin reaches the fourth (55 ms)."""
+ITL target of 60 ms (a 54 ms budget) beside 150 decoding requests of ~600 tokens, the
+ShareGPT-like load at 16 req/s where the planner's 54 ms steps fell behind the arrivals."""
 
 from __future__ import annotations
 
@@ -26,9 +22,9 @@ from pdserve.sched.mux_planner import (
 )
 
 SPLITS = [(16, 116), (24, 108), (32, 100), (48, 84), (64, 68)]
-DECODE = DecodeLoad(150, 150 * 800)
+DECODE = DecodeLoad(150, 150 * 600)
 # Ten short prompts that have waited 1.5-1.7 s of a 2 s TTFT SLO: 3,300 tokens at the
-# unpressed ~4.2K tokens/s take 0.79 s, so the last ones miss (1.8 s with the margin).
+# unpressed ~4.9K tokens/s take 0.67 s, so the last ones miss (1.8 s with the margin).
 BEHIND = [PrefillRequest(330, 0, waited_ms=1700.0 - 20.0 * i) for i in range(10)]
 # One fresh prompt: met at any rate.
 ON_TIME = [PrefillRequest(330, 0, waited_ms=10.0)]
@@ -62,7 +58,7 @@ def test_a_queue_on_time_keeps_the_safety_margin(profile_d698fcb):
 def test_pressure_is_the_queue_ahead_over_the_unpressed_rate(profile_d698fcb):
     planner = planner_with(profile_d698fcb, 1.0)
     assert planner.ttft_pressed(DECODE, BEHIND)
-    # The same prompts with no wait behind them: 0.79 s, within the 1.8 s the margin
+    # The same prompts with no wait behind them: 0.67 s, within the 1.8 s the margin
     # leaves of 2 s.
     fresh = [PrefillRequest(330, 0, waited_ms=0.0) for _ in range(10)]
     assert not planner.ttft_pressed(DECODE, fresh)

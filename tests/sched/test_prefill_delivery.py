@@ -152,9 +152,10 @@ def test_a_switch_is_not_worth_it_for_the_last_layers_of_a_batch(fitted):
     model = _slow_spatial(fitted, 0.9)
     fresh = planner(model).plan(DECODE, PROMPT, incumbent="spatial:24")
     assert fresh.option == "time_slice"
-    # The batch spatial:24 was running: a 6K prompt's, 4352 tokens 3 layers a piece. With
-    # GEMM tile steps in the fit it takes the 16K prompt as 13K tokens one layer a piece, and
-    # no time slice fits a layer of those beside this decode: nothing to switch to.
+    # The batch spatial:24 was running: a 6K prompt's, 4352 tokens 3 layers a piece. Fitted
+    # with a piece's first prefix pairs apart (format 4) it takes the 16K prompt as 13K
+    # tokens one layer a piece, and no time slice fits a layer of those beside this decode:
+    # nothing to switch to.
     started = planner(fitted).plan(DECODE, [PrefillRequest(6144)])
     assert started.option == "spatial:24"
     flight = InFlightPrefill(started.prefill.num_tokens, 0, 1, LAYERS - 3)
@@ -491,8 +492,8 @@ def test_relaxing_brings_back_the_eager_steps_a_few_slow_ones_priced_out(profile
     correction to 1.2; beside ~140 decodes the planner then ran graph steps of 116 prompt
     tokens (~35 ms each) for the rest of the run. With a half-life the eager
     factor relaxes while the graph steps run, and 192-token or larger eager steps fit again.
-    The fit prices steps by 128-row tiles: the 192-token step's 332 rows fit the budget at
-    1.2 (53.5 ms), so the lock-out is planned at 1.25."""
+    With the prefix pairs of a piece's first tokens fitted apart, the 192-token step fits
+    the budget at 1.2, so the lock-out is planned at 1.25."""
     config = MuxPlannerConfig(itl_slo_ms=ITL, max_prefill_tokens=24576, temporal=True,
                               time_slice=False, spatial=False, graph_step_tokens=256,
                               mixed_floor_tokens=256)
