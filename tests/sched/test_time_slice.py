@@ -49,11 +49,11 @@ LONG_PROMPT_REST = [[PrefillRequest(8000, prefix_tokens=8192)],
                     [PrefillRequest(4000, prefix_tokens=12000), PrefillRequest(16000)]]
 
 
-# With GEMM tile steps in the fit, a split beside 1-4 decodes of 16K tokens (16-32 decode
-# SMs, 100-116 left to prefill) is predicted to prefill 10-25% faster than time slicing (on
-# the H200 time slicing was measured not to beat it). Time slicing stays ahead where the
-# batch needs the 64-SM split, which leaves prefill 68 SMs: 5-8 decodes of 16K, still small
-# beside the 32-64 that mix instead.
+# Refitted with a piece's first prefix pairs apart (format 4), a split beside 1-4 decodes
+# of 16K tokens (16-32 decode SMs, 100-116 left to prefill) is predicted to prefill 10-25%
+# faster than time slicing (on the H200 time slicing was measured not to beat it). Time
+# slicing stays ahead where the batch needs the 64-SM split, which leaves prefill 68 SMs:
+# 5-8 decodes of 16K.
 FEW_DECODES, SPLIT_64_DECODES = [1, 2, 3], [5, 6, 8]
 
 
@@ -108,7 +108,10 @@ def test_a_batch_in_flight_continues_on_the_whole_gpu(h200):
     assert plan.decode_ms + one_more > 0.9 * ITL  # it took every layer that fits
 
 
-@pytest.mark.parametrize("batch, context_each", [(32, 8000), (64, 2000)])
+# With a piece's first prefix pairs priced apart, the 16K prompt's later 256-token chunks
+# over a long prefix cost more per pair, and from 64 decodes (or 32 of 8K) the time slices'
+# larger pieces commit to more of the prompt per second than the mixed steps do.
+@pytest.mark.parametrize("batch, context_each", [(32, 4000), (48, 4000)])
 def test_large_decode_batches_mix_instead(h200, batch, context_each):
     """Decode takes half the budget alone; a mixed step reads the weights once for both."""
     decode, waiting = decode_of(batch, context_each), [PrefillRequest(16000)]
