@@ -3,11 +3,11 @@
 An engine loads its ``--mux-predictor`` file as saved, and every correction it records
 (``engine_calibration``, a timeline's ``calibration``, a probe record's learned factors) is
 its steps' measured time over that fit's predictions. ``LatencyPredictor.load`` refits a
-file of an older format from its rows, so a replay that loads it sets those corrections on
-another model: refitted to format 4, the d698fcb profile priced its mixed rows 9% under to
-9% over the fit the H200 runs planned with, and the 8ccd9ac validation's replay came 39%
-under its measured TTFT P50 (9.5% with the fit it ran). The saved fit gives the predictions
-the engine recorded in its timelines (to float rounding).
+file of an older format from its rows, so a replay that loads it would set those
+corrections on another model (refitted to format 4 with GEMM tile steps in every group,
+the 8ccd9ac validation's replay came 39% under its measured TTFT P50, 9.5% with the fit it
+ran). The saved fit gives the predictions the engine recorded in its timelines (to float
+rounding).
 """
 
 from __future__ import annotations

