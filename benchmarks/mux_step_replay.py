@@ -61,6 +61,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.served_fit import served_predictor  # noqa: E402
 from benchmarks.sim_goodput_probes import attainment, measured_rows  # noqa: E402
 from benchmarks.sim_validate_instance import latency_rows  # noqa: E402
 from benchmarks.validate_sim import percentiles  # noqa: E402
@@ -472,7 +473,7 @@ def validate(args) -> None:
                                "seeds": args.seeds}),
               "validation_revision": run["git_revision"],
               "timeline": _relative(timeline_path) if timeline else None,
-              **replay_validation(run, LatencyPredictor.load(predictor_path), spread,
+              **replay_validation(run, served_predictor(predictor_path), spread,
                                   args.seeds, timeline)}
     write_json(result, args.out)
     for key, row in result.get("compare", {}).items():

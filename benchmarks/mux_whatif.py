@@ -41,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
 
+from benchmarks.served_fit import served_predictor  # noqa: E402
 from pdserve.bench.timeline import load_engine_timeline as load_timeline  # noqa: E402
 from pdserve.bench.timeline import (  # noqa: E402
     mixed_runs,
@@ -559,8 +560,9 @@ def _replay_summary(rows: list) -> dict:
 
 
 def graph_replay(args: argparse.Namespace) -> int:
-    """Writes and prints ``replay_graph_steps`` per timeline and factor (a prediction)."""
-    predictor = LatencyPredictor.load(args.predictor)
+    """Writes and prints ``replay_graph_steps`` per timeline and factor (a prediction).
+    The runs' learned corrections are over the fit they planned with (``served_predictor``)."""
+    predictor = served_predictor(args.predictor)
     result = {"kind": "prediction", "command": " ".join(["python", *sys.argv]),
               "git_revision": os.environ.get("PDSERVE_GIT_REVISION", "unknown"),
               "predictor": args.predictor, "prompt_tokens_assumed": LOOGLE_PROMPT, "runs": {}}

@@ -83,6 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.loogle_h200 import summarise_timeline  # noqa: E402
 from benchmarks.mux_whatif import settings_of, share_table  # noqa: E402
+from benchmarks.served_fit import served_predictor  # noqa: E402
 from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
 from benchmarks.validate_sim import (  # noqa: E402
     compare,
@@ -96,7 +97,6 @@ from benchmarks.validate_sim import (  # noqa: E402
 )
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.config import ran_explicitly  # noqa: E402
-from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
 from pdserve.sim.cluster import (  # noqa: E402
     GroupSim,
     LatencyModel,
@@ -406,7 +406,7 @@ def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
     ran = ran_explicitly(schedule_args, planner.get("sharing"))  # as it ran them
     settings = settings_of(ran, planner).learned(
         interference.get("engine_calibration") or fit["corrections"])
-    predictor = LatencyPredictor.load(ROOT / path)
+    predictor = served_predictor(ROOT / path)
     if as_of == "7dad880":
         share = PlannerShare(**share_table(predictor, settings), per_batch_s=fit["per_batch_s"])
         delivered = probe_delivered(share, interference, model, args)[0]
@@ -453,7 +453,7 @@ def simulated_steps(schedule_args: str, interference: dict,
     if path is None:
         return None
     fresh = [StepRequest(r.arrival, r.input_len, r.output_len) for r in requests]
-    engine_timed(LatencyPredictor.load(ROOT / path), engine_planner_args(schedule_args,
+    engine_timed(served_predictor(ROOT / path), engine_planner_args(schedule_args,
                  interference), interference.get("engine_calibration"), fresh)
     return latency_rows(fresh)
 

@@ -6,13 +6,22 @@ Fitted by least squares from profile rows the engine records, one linear model p
 - GEMMs: flat while reading the weights dominates, linear in tokens past the ridge
   point. A hinge ``max(0, tokens - knee)`` models that bend; the knee is searched
   per group, because it moves with the SM count (bandwidth and FLOP rate scale apart).
+- GEMM tiles: a GEMM computes whole tiles of 128 rows, so every 128 tokens started add
+  a step on top of the linear terms (on 84-116 SMs of the H200, 128 -> 192 prompt tokens
+  took a layer from 0.52 to 0.80 ms, while 192 -> 256 added little). Only pieces that end
+  inside a tile tell the steps from the cost per token; a group without one fits no steps.
 - Attention: decode reads the KV of every context token (linear in the context sum).
   Prefill computes query-key pairs, ``tokens * prefix / batch`` against the prefix and
   ``tokens**2 / 2 / batch`` among the new tokens (exact for equal requests), with a
   coefficient each: on the H200 the prefix part (another kernel path, KV read from the
-  paged cache) cost more per pair than the causal part. Reading the prefix KV is no
-  feature of its own: it is negligible beside the weights, and a free linear term for it
-  let a fit charge a 256-token piece the whole cost of a 1024-token piece's prefix.
+  paged cache) cost more per pair than the causal part. The prefix pairs of a piece's
+  first ``FULL_PREFIX_WAVE`` tokens have a coefficient of their own: a short piece's
+  query tiles times heads do not fill the SMs, so a pair costs more there (on a
+  partition, ~2x per pair for 256 tokens over a 16K prefix than for 2048 over 12K) and
+  one coefficient fitted mostly on short pieces overpriced long ones by 20-25%.
+  Reading the prefix KV is no feature of its own: it is negligible beside the weights,
+  and a free linear term for it let a fit charge a 256-token piece the whole cost of a
+  1024-token piece's prefix.
 - Prefill pieces run ``num_layers`` of the model: every per-layer cost scales with the
   share of layers run, one launch overhead does not. There is no per-request term: the
   profile times one request per piece, so such a term could not be fitted apart from the
@@ -42,11 +51,19 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT_VERSION = 3  # 2: decode fits lost their token feature; 3: prefill pairs split in two
+# 2: decode fits lost their token feature; 3: prefill pairs split in two; 4: GEMM tiles and
+# the prefix pairs of a piece's first full wave
+FORMAT_VERSION = 4
 PHASES = ("decode", "prefill")
 KNEES = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
 _TOKENS = 1e-3  # features in thousands of tokens keep the normal equations well scaled
 _PAIRS = 1e-6
+GEMM_TILE_ROWS = 128
+# Query tokens of a piece past which its prefix attention fills the GPU. Where that is
+# depends on the kernel's tiles and the model's heads; the committed H200 profiles fit alike
+# for any split from 512 to 1024 tokens (256 or less left the pairs of the first tokens to
+# a held-out row or two), so the fit does not search it.
+FULL_PREFIX_WAVE = 512
 # Predictions remembered per predictor (about 200 bytes each). The planner asks again and
 # again for the same shapes while it searches chunk sizes and layer counts (a replay asked
 # ~2.2 M times for ~52 K distinct shapes); past this many the memo starts over.
@@ -95,26 +112,46 @@ def _features(phase: str, tokens: float, context: float, batch: float, layer_sha
     bend = max(0.0, tokens - knee) * _TOKENS
     if phase == "decode":  # one token per request: tokens and batch are the same feature
         return (1.0, bend, context * _TOKENS, b)
-    prefix_pairs, causal_pairs = tokens * context / b * _PAIRS, tokens * tokens / 2 / b * _PAIRS
+    prefix_per_token = context / b * _PAIRS
+    short_prefix_pairs = min(tokens, FULL_PREFIX_WAVE) * prefix_per_token
+    long_prefix_pairs = max(0.0, tokens - FULL_PREFIX_WAVE) * prefix_per_token
+    causal_pairs = tokens * tokens / 2 / b * _PAIRS
+    tiles = math.ceil(tokens / GEMM_TILE_ROWS)
     s = layer_share
-    return (1.0, s, s * t, s * bend, s * prefix_pairs, s * causal_pairs)
+    return (1.0, s, s * t, s * bend, s * short_prefix_pairs, s * causal_pairs,
+            s * long_prefix_pairs, s * tiles)
+
+
+_TILE_FEATURE = 7  # index of the tile count among the prefill features
 
 
 def _n_features(phase: str) -> int:
-    return 4 if phase == "decode" else 6
+    return 4 if phase == "decode" else 8
 
 
 def _fit_group(phase: str, rows: Sequence[ProfileRecord], num_layers: int) -> _Fit:
     target = np.array([r.latency_ms for r in rows])
     best: tuple[float, _Fit] | None = None
+    tiles_seen = phase == "prefill" and _tiles_separable(rows)
     for knee in KNEES:
         x = np.array([_row_features(r, num_layers, knee) for r in rows])
+        if phase == "prefill" and not tiles_seen:
+            x[:, _TILE_FEATURE] = 0.0
         weighted = x / target[:, None]  # relative error: (x @ c - y) / y
         coef = _nnls(weighted, np.ones(len(rows)))
         err = float(np.sum((weighted @ coef - 1.0) ** 2))
         if best is None or err < best[0]:
             best = (err, _Fit(tuple(float(c) for c in coef), float(knee)))
     return best[1]
+
+
+def _tiles_separable(rows: Sequence[ProfileRecord]) -> bool:
+    """Whether the rows can tell the GEMM tile steps from the cost per token: only a piece
+    that ends inside a tile can (where every piece is a whole number of tiles, the tile
+    count is the token count over 128, and a fit free to choose put the whole slope on the
+    steps: the d698fcb profile, all pieces multiples of 256 tokens, then priced mixed steps
+    by whole tiles, 6.7% median error on its mixed rows against 2.9%)."""
+    return any(r.num_tokens % GEMM_TILE_ROWS for r in rows)
 
 
 def _nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-10) -> np.ndarray:

@@ -129,6 +129,23 @@ def test_a_validation_run_s_multiplex_replay_is_set_beside_its_measured_requests
     assert set(result["steps"]) == {"engine_calibration", "engine_calibration_after_replay"}
 
 
+def test_a_validation_is_replayed_with_the_fit_its_engine_planned_with(tool):
+    """The 8ccd9ac engine's first prompt prefilled alone, then its first token decoded beside
+    the next prompt's first chunk: the fit saved in the profile gives both predictions as the
+    engine recorded them (its corrections are over these); the file refitted does not."""
+    timeline = tool.load_timeline(ROOT / "benchmarks" / "results" /
+                                  "sim_validate_instance_h200_8ccd9ac_multiplex_timeline_replay.json.gz")
+    alone, mixed = timeline[0], timeline[1]
+    piece = ("prefill", alone["prefill_tokens"], 0, 1, 132, False, alone["prefill_layers"])
+    served = tool.served_predictor(PREDICTOR)
+    assert served.predict(*piece) == pytest.approx(alone["predicted_piece_ms"], rel=1e-12)
+    context = alone["prefill_tokens"] + 1  # the prompt and its first token
+    step = served.predict_mixed(mixed["prefill_tokens"], 0, 1, mixed["decode_batch"], context)
+    assert step * mixed["calibration"] == pytest.approx(mixed["predicted_cycle_ms"], rel=1e-12)
+    refitted = tool.LatencyPredictor.load(PREDICTOR)
+    assert refitted.predict(*piece) != pytest.approx(alone["predicted_piece_ms"], rel=1e-3)
+
+
 def test_eager_steps_slower_than_profiled_cost_attainment_and_are_learned(tool, predictor):
     # ~10K prompt tokens/s arriving beside a growing decode batch: near the knee, eager steps
     # 15% over the profile leave prompts waiting, and the correction learns the 15%.

@@ -152,7 +152,11 @@ def test_a_switch_is_not_worth_it_for_the_last_layers_of_a_batch(fitted):
     model = _slow_spatial(fitted, 0.9)
     fresh = planner(model).plan(DECODE, PROMPT, incumbent="spatial:24")
     assert fresh.option == "time_slice"
-    started = planner(fitted).plan(DECODE, PROMPT)  # the batch spatial:24 was running
+    # The batch spatial:24 was running: a 6K prompt's, 4352 tokens 3 layers a piece. Fitted
+    # with a piece's first prefix pairs apart (format 4) it takes the 16K prompt as 13K
+    # tokens one layer a piece, and no time slice fits a layer of those beside this decode:
+    # nothing to switch to.
+    started = planner(fitted).plan(DECODE, [PrefillRequest(6144)])
     assert started.option == "spatial:24"
     flight = InFlightPrefill(started.prefill.num_tokens, 0, 1, LAYERS - 3)
     last = planner(model).plan(DECODE, [], flight, incumbent="spatial:24")
@@ -487,7 +491,9 @@ def test_relaxing_brings_back_the_eager_steps_a_few_slow_ones_priced_out(profile
     """The 6f2d50e course at 18 req/s: four eager steps at 1.4-1.5x lifted the eager
     correction to 1.2; beside ~140 decodes the planner then ran graph steps of 116 prompt
     tokens (~35 ms each) for the rest of the run. With a half-life the eager
-    factor relaxes while the graph steps run, and 256-token eager steps fit again."""
+    factor relaxes while the graph steps run, and 192-token or larger eager steps fit again.
+    With the prefix pairs of a piece's first tokens fitted apart, the 192-token step fits
+    the budget at 1.2, so the lock-out is planned at 1.25."""
     config = MuxPlannerConfig(itl_slo_ms=ITL, max_prefill_tokens=24576, temporal=True,
                               time_slice=False, spatial=False, graph_step_tokens=256,
                               mixed_floor_tokens=256)
@@ -495,7 +501,7 @@ def test_relaxing_brings_back_the_eager_steps_a_few_slow_ones_priced_out(profile
     chunks = {}
     for half_life in (0, 100):
         model = OnlineCalibration(profile_d698fcb, half_life=half_life)
-        model.mixed_correction = 1.2
+        model.mixed_correction = 1.25
         plan_with = MuxPlanner(model, [], config)
         for _ in range(200):
             plan = plan_with.plan(decode, waiting)

@@ -297,10 +297,12 @@ def test_compounding_pieces_under_the_profile_keep_slicing_over_it_they_stop(
 
 def test_the_converging_rule_of_the_server_flags_settles_on_the_pieces(replay_tool,
                                                                         predictor):
-    sim, _ = _slicing_sim(replay_tool, predictor, (1.0, 0.9), 0.5,
+    # Pieces at 0.8 of the profile keep the planner slicing while the correction climbs
+    # from 0.5; at 0.9 it turned to mixed steps after 12 pieces, the correction at 0.82.
+    sim, _ = _slicing_sim(replay_tool, predictor, (1.0, 0.8), 0.5,
                           rule="--mux-prefill-correction converging")
     assert sim.planner.calibration.prefill_rule == "converging"
-    assert sim.planner.calibration.prefill_correction("time_slice") == pytest.approx(0.9,
+    assert sim.planner.calibration.prefill_correction("time_slice") == pytest.approx(0.8,
                                                                                     abs=0.02)
 
 
