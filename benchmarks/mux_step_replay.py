@@ -425,7 +425,9 @@ def main(argv: list[str] | None = None) -> None:
         return validate(args)
     record = json.loads(args.record.read_text())
     predictor_path = args.predictor or ROOT / record["predictor"]["path"]
-    predictor = LatencyPredictor.load(predictor_path)
+    # The probe as served: its server planned with the fit saved in the file, and a spread
+    # drawn from another run is measured over the fit that run saved.
+    predictor = served_predictor(predictor_path)
     rates = [float(r) for r in args.rates.split(",") if r] or [None]
     eager = None if args.eager_factor is None else EagerSteps(args.eager_factor,
                                                                args.start_eager_correction)

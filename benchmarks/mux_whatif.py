@@ -465,8 +465,9 @@ def main(argv: list[str] | None = None) -> int:
 def fit_share(args: argparse.Namespace) -> int:
     """Writes and prints ``share_fit`` over the named timelines (``"kind": "analysis"``).
     Each timeline's run (the JSON beside it) gives the planner's flags; every walk plans
-    with the corrections of ``--calibration-from`` (none: 1.0)."""
-    predictor = LatencyPredictor.load(args.predictor)
+    with the corrections of ``--calibration-from`` (none: 1.0), over the fit the runs planned
+    with (``served_predictor``)."""
+    predictor = served_predictor(args.predictor)
     learned = None
     if args.calibration_from:
         learned = json.loads(Path(args.calibration_from).read_text())["engine_info"][
