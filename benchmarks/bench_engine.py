@@ -90,13 +90,27 @@ def kv_bytes_per_token(engine: EngineCore) -> int:
     return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * engine.runner.dtype.itemsize
 
 
-def place_decoding_requests(engine: EngineCore, batch: int, context: int) -> list[Request] | None:
-    blocks_each = engine.blocks.blocks_needed(context + 64)
-    if blocks_each * batch > engine.blocks.num_free_blocks:
+def ragged_contexts(batch: int, context: int, spread: float) -> list[int]:
+    """``batch`` contexts evenly spaced over ``context`` x [1 - spread, 1 + spread] (mean
+    ``context``, the longest first), as serving holds requests at every length; 0: all
+    ``context``."""
+    if not 0.0 <= spread < 1.0:
+        raise ValueError(f"context spread {spread}: must be in [0, 1)")
+    if batch == 1 or spread == 0.0:
+        return [context] * batch
+    return [max(1, round(context * (1 + spread - 2 * spread * i / (batch - 1))))
+            for i in range(batch)]
+
+
+def place_decoding_requests(engine: EngineCore, batch: int, context: int,
+                            spread: float = 0.0) -> list[Request] | None:
+    contexts = ragged_contexts(batch, context, spread)
+    blocks = sum(engine.blocks.blocks_needed(c + 64) for c in contexts)
+    if blocks > engine.blocks.num_free_blocks:
         return None
     params = SamplingParams(max_tokens=10_000, ignore_eos=True)
     requests = []
-    for i in range(batch):
+    for i, context in enumerate(contexts):
         request = Request(f"d{batch}-{context}-{i}", [i % 1000 + 3] * context, params)
         engine.blocks.grow(request, context)
         request.num_computed = context - 1
@@ -107,8 +121,9 @@ def place_decoding_requests(engine: EngineCore, batch: int, context: int) -> lis
     return requests
 
 
-def time_decode(engine: EngineCore, batch: int, context: int, steps: int = 12) -> dict | None:
-    requests = place_decoding_requests(engine, batch, context)
+def time_decode(engine: EngineCore, batch: int, context: int, steps: int = 12,
+                spread: float = 0.0) -> dict | None:
+    requests = place_decoding_requests(engine, batch, context, spread)
     if requests is None:
         return None
     for _ in range(3):
@@ -223,6 +238,8 @@ class Points:
     decode_batches: tuple[int, ...] = DECODE_BATCHES
     decode_contexts: tuple[int, ...] = DECODE_CONTEXTS
     prefill_lengths: tuple[int, ...] = PREFILL_LENGTHS
+    # Each decode point's contexts over context x [1 - spread, 1 + spread] (``ragged_contexts``)
+    context_spread: float = 0.0
 
 
 def decode_gemv_speedups(results: list[dict]) -> list[dict]:
@@ -259,14 +276,14 @@ def _gemv_modes(text: str) -> tuple[str, ...]:
 
 
 def decode_rows(engine: EngineCore, batch: int, context: int, overlap_modes: tuple,
-                roofline_ms: float) -> list[dict]:
+                roofline_ms: float, spread: float = 0.0) -> list[dict]:
     """One row per overlap mode. The engine is started with overlap on; turning it off for a
     measurement makes every step wait for its launch, as ``--no-overlap-schedule`` does."""
     rows = []
     for overlap in overlap_modes:
         engine.scheduler.overlap.enabled = overlap
-        timing = time_decode(engine, batch, context)
-        row = {"batch": batch, "context": context, "overlap": overlap}
+        timing = time_decode(engine, batch, context, spread=spread)
+        row = {"batch": batch, "context": context, "context_spread": spread, "overlap": overlap}
         if timing is None:
             row["skipped"] = "KV pool too small for this batch and context"
         else:
@@ -307,7 +324,8 @@ def bench_model(model: str, memory_fraction: float, ceilings: dict,
     for context in points.decode_contexts:
         for batch in points.decode_batches:
             roofline_ms = (weights + batch * context * kv_token) / bandwidth * 1e3
-            for row in decode_rows(engine, batch, context, overlap_modes, roofline_ms):
+            for row in decode_rows(engine, batch, context, overlap_modes, roofline_ms,
+                                   points.context_spread):
                 row["decode_gemv"] = decode_gemv
                 result["decode"].append(row)
                 print(json.dumps(row), flush=True)
@@ -341,10 +359,14 @@ def main() -> None:
                         "(then speedup lines at the end)")
     parser.add_argument("--decode-batches", type=_int_list, default=DECODE_BATCHES)
     parser.add_argument("--decode-contexts", type=_int_list, default=DECODE_CONTEXTS)
+    parser.add_argument("--decode-context-spread", type=float, default=0.0,
+                        help="each decode point's contexts spread evenly over context x "
+                        "[1 - S, 1 + S], same mean (serving's ragged lengths); default 0")
     parser.add_argument("--prefill-lengths", type=_int_list, default=PREFILL_LENGTHS,
                         help="comma-separated prompt lengths, or none")
     args = parser.parse_args()
-    points = Points(args.decode_batches, args.decode_contexts, args.prefill_lengths)
+    points = Points(args.decode_batches, args.decode_contexts, args.prefill_lengths,
+                    args.decode_context_spread)
     ceilings = measure_ceilings()
     print(json.dumps(ceilings), flush=True)
     from bisect_prefill import open_sampler  # beside this script, which Python puts on the path

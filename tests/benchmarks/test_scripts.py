@@ -274,6 +274,17 @@ def test_speedup_pairs_off_and_on_of_the_same_point():
     assert bench.decode_gemv_speedups([_result("off", {1: 18.0})]) == []
 
 
+def test_ragged_decode_contexts_keep_the_mean_and_the_spread():
+    bench = _load("bench_engine")
+    assert bench.ragged_contexts(4, 512, 0.0) == [512] * 4
+    assert bench.ragged_contexts(1, 512, 0.9) == [512]
+    contexts = bench.ragged_contexts(48, 600, 0.9)
+    assert contexts[0] == 1140 and contexts[-1] == 60 and len(contexts) == 48
+    assert sum(contexts) / len(contexts) == pytest.approx(600, abs=1)
+    with pytest.raises(ValueError, match="context spread 1.0"):
+        bench.ragged_contexts(4, 512, 1.0)
+
+
 def test_decode_gemv_and_point_arguments():
     bench = _load("bench_engine")
     assert bench._gemv_modes("off,on") == ("off", "on")
