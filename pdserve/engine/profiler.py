@@ -91,11 +91,14 @@ class ProfileGrid:
         (256, 16384, 24), (2048, 12288, 6), (128, 0, 0), (128, 8192, 12),
         (192, 0, 0), (256, 0, 24), (384, 0, 6), (192, 16384, 24))
     # pieces queued on the prefill stream while decode runs beside them (layers > 0 only:
-    # a piece that samples copies from pageable memory, which would stall the queueing)
+    # a piece that samples copies from pageable memory, which would stall the queueing).
+    # The last ends inside a 128-row GEMM tile: without one, a group's tile count is its
+    # tokens over 128 and the fit cannot price the steps (the 06d5640 profile's co-running
+    # groups, all pieces multiples of 256).
     co_prefill_points: tuple[tuple[int, int, int], ...] = (
         (512, 0, 6), (1024, 0, 12), (2048, 0, 6), (2048, 4096, 12), (4096, 0, 6),
         (1024, 8192, 6), (256, 0, 24), (4096, 0, 3), (768, 2048, 12), (3072, 0, 4),
-        (2048, 16384, 3))
+        (2048, 16384, 3), (192, 0, 24))
     # The most rounds (each co-running piece once) in one decode point's queue, its retry's
     # included, which bounds the phase. What the bound costs: a turn that outlasts this
     # many rounds keeps no rows (~2 s of prefill beside 16 decode SMs on the H200, where a
