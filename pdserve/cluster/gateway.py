@@ -16,7 +16,8 @@ Nothing is lost to a failed instance: a request one fails (it dies, hangs up, lo
 KV, answers 5xx) runs again on others, up to ``max_attempts``. A stream resumes where it
 broke: the decode instance's chunks name their token ids (``pdserve_token_ids``, stripped
 here), and the next attempt prefills prompt + the tokens sent and goes on in the same
-stream (``docs/reliability.md``).
+stream (``docs/reliability.md``); one that broke after its last token ends here, with the
+usage its finish chunk named (``pdserve_usage``).
 
 ``--dispatch least-connections`` and ``round-robin`` are the blind baselines P/D-Serve
 compares against: the gateway places each prefill by its own count of prefills in flight,
@@ -96,6 +97,10 @@ class Job:
     first_at: float | None = None
     finished: bool = False  # the answer's finish reason went out
     done: bool = False  # [DONE] went out
+    # The usage the answer ends with (from its finish chunk), until its usage chunk went out:
+    # what the gateway sends itself if the instance fails in between.
+    usage_owed: dict[str, Any] | None = None
+    last_chunk: dict[str, Any] | None = None  # the shape a usage chunk of its own takes
     prefilled: bool = False  # counted once in the ratio window, however many attempts
 
     @property
@@ -170,7 +175,7 @@ class Gateway:
                 log.warning("attempt %d of %d failed (%s): %s", attempt,
                             self.config.max_attempts, stage, exc)
                 if job.finished:  # every token is out: only the stream's end was lost
-                    return await self._finish(job)
+                    return await self._finish(job, self._owed_usage(job))
                 self.metrics.count_retry(job.scenario, stage)
         raise P.APIError(503, f"the request failed on {self.config.max_attempts} instances; "
                          "retry it", code="instances_failed")
@@ -366,6 +371,9 @@ class Gateway:
         if "error" in chunk:
             raise InstanceFailed(decode, f"failed mid-answer: {chunk['error'].get('message')}")
         job.sent_ids += chunk.pop("pdserve_token_ids", [])
+        owed = chunk.pop("pdserve_usage", None)
+        job.usage_owed = None if chunk.get("usage") else owed or job.usage_owed
+        job.last_chunk = chunk
         for choice in chunk.get("choices", ()):
             job.sent_chars += len(_choice_text(choice))
             job.finished = job.finished or bool(choice.get("finish_reason"))
@@ -381,8 +389,15 @@ class Gateway:
         except OSError as exc:  # kept apart from the decode instance's failures
             raise ClientGone(str(exc)) from None
 
-    async def _finish(self, job: Job) -> web.StreamResponse:
-        await job.out.write(P.SSE_DONE)
+    @staticmethod
+    def _owed_usage(job: Job) -> bytes:
+        """The usage chunk the client asked for and the failed instance never sent."""
+        if job.usage_owed is None or job.last_chunk is None:
+            return b""
+        return P.sse({**job.last_chunk, "choices": [], "usage": job.usage_owed})
+
+    async def _finish(self, job: Job, tail: bytes = b"") -> web.StreamResponse:
+        await job.out.write(tail + P.SSE_DONE)
         await job.out.write_eof()
         end = time.monotonic()
         self.metrics.answered(job.scenario, 200, (job.first_at or end) - job.start,

@@ -15,7 +15,8 @@
   ``request`` exactly as ``/v1/completions`` or ``/v1/chat/completions`` would (streamed or
   not), decoding from the second token on with the KV that arrived under ``transfer_id``.
   Each streamed chunk also carries ``pdserve_token_ids``, the ids of its tokens: the
-  gateway keeps them (and strips them) so that it can resume the answer elsewhere.
+  gateway keeps them (and strips them) so that it can resume the answer elsewhere; the
+  chunk with the finish reason also ``pdserve_usage``, the usage the answer ends with.
 
 Resuming: both routes take ``resume_token_ids``, output tokens an instance that failed had
 already streamed, and ``/pd/decode`` also ``resume_text_chars``, the characters of text the

@@ -504,6 +504,11 @@ class _SSEWriter:
             self._add_timing(chunk, piece)
         if self.fmt.with_token_ids:
             chunk["pdserve_token_ids"] = piece.token_ids
+            if piece.finish_reason and self.fmt.sampling.include_usage \
+                    and self.fmt.sampling.num_generated_choices == 1:
+                # The usage this answer ends with: the gateway sends it if this instance
+                # fails between its last token and its usage chunk.
+                chunk["pdserve_usage"] = self.gen.usage()
         self.sent_first = True
         return P.sse(chunk)
 

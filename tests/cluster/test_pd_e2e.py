@@ -420,3 +420,75 @@ def test_logprobs_stop_strings_and_cached_tokens_cross_the_split(instances, gate
     _complete(gateway.http, long_prompt)
     again = _complete(gateway.http, {**long_prompt, "prompt": long_prompt["prompt"] + " two"})
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # prefill side's cache
+
+
+STREAMED_WITH_USAGE = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def _events(raw: bytes) -> list:
+    lines = [line.removeprefix(b"data:").strip() for line in raw.split(b"\n")]
+    return [p if p == b"[DONE]" else json.loads(p) for p in lines if p]
+
+
+def test_a_decode_instance_s_finish_chunk_names_the_usage_its_answer_ends_with(
+        multiplex_decode):
+    """On the internal route the chunk with the finish reason also carries the answer's
+    usage (``pdserve_usage``), which the gateway needs if the instance fails before its
+    usage chunk."""
+    body = {"kind": "completions", "request": STREAMED_WITH_USAGE, "prefill_here": True}
+    status, _, raw = multiplex_decode.request("POST", "/pd/decode", body)
+    assert status == 200, raw
+    events = _events(raw)
+    finish = [e for e in events[:-2] if e["choices"] and e["choices"][0]["finish_reason"]]
+    usage_chunk = events[-2]
+    assert events[-1] == b"[DONE]" and usage_chunk["choices"] == []
+    assert len(finish) == 1 and finish[0]["pdserve_usage"] == usage_chunk["usage"]
+    assert usage_chunk["usage"]["completion_tokens"] == BODY["max_tokens"]
+
+
+class CutAfterFinish(StandIn):
+    """A multiplexing decode instance that streams a whole answer, its finish reason
+    included, and dies before its usage chunk and [DONE]."""
+
+    route = ("/pd/decode", "_answer_then_die")
+    USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+             "prompt_tokens_details": {"cached_tokens": 0}}
+
+    async def _answer_then_die(self, request: web.Request) -> web.StreamResponse:
+        self.offers += 1
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"id": "cmpl-cut", "object": "text_completion", "created": 1, "model": "tiny",
+                 "choices": [{"index": 0, "text": " jumps over", "logprobs": None,
+                              "finish_reason": "length"}],
+                 "usage": None, "pdserve_token_ids": [11, 12], "pdserve_usage": self.USAGE}
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        request.transport.close()  # killed: no usage chunk, no [DONE]
+        return response
+
+    def instance(self) -> Instance:
+        return Instance("cut", SCENARIO, "decode", f"127.0.0.1:{self.port}", "127.0.0.1:1",
+                        "tiny", schedule="multiplex")
+
+
+def test_an_answer_whose_instance_died_after_its_last_token_still_ends_with_its_usage():
+    """Every token is out, so nothing is resumed; the gateway ends the stream itself, with
+    the usage chunk the client asked for (as the chaos test once found missing)."""
+    cut = CutAfterFinish()
+    registry = MemoryRegistry()
+    registry.register(cut.instance())
+    gateway = GatewayThread(registry)
+    try:
+        status, _, raw = gateway.http.request("POST", "/v1/completions",
+                                              {**STREAMED_WITH_USAGE, "max_tokens": 2})
+        assert status == 200
+        events = _events(raw)
+        assert [e["choices"][0]["text"] for e in events[:1]] == [" jumps over"]
+        assert events[1] == {"id": "cmpl-cut", "object": "text_completion", "created": 1,
+                             "model": "tiny", "choices": [], "usage": CutAfterFinish.USAGE}
+        assert events[2:] == [b"[DONE]"] and cut.offers == 1
+        assert all("pdserve_usage" not in e for e in events[:2])
+    finally:
+        gateway.stop()
+        cut.stop()
+        registry.close()
