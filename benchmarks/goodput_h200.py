@@ -3,7 +3,7 @@
 A *probe* is one open-loop run of one workload at one rate against one configuration; it
 writes its per-request records to its own JSON under ``benchmarks/results/goodput_h200/``
 (``<workload>__<config>__r<rate>.json``). Device time comes in short calls, so evidence
-accumulates probe by probe across calls and sessions:
+accumulates probe by probe across calls:
 
 - ``run``: the probes asked for (``--probe W:C:R``) or, with ``--search W:C1,C2``, the next
   rates of each configuration's goodput search, read from the probes already recorded (a
