@@ -97,10 +97,9 @@ class Job:
     first_at: float | None = None
     finished: bool = False  # the answer's finish reason went out
     done: bool = False  # [DONE] went out
-    # The usage the answer ends with (from its finish chunk), until its usage chunk went out:
-    # what the gateway sends itself if the instance fails in between.
-    usage_owed: dict[str, Any] | None = None
-    last_chunk: dict[str, Any] | None = None  # the shape a usage chunk of its own takes
+    # The usage chunk the answer ends with (from its finish chunk's usage), until the
+    # instance's own went out: what the gateway sends itself if the instance fails between.
+    usage_owed: bytes = b""
     prefilled: bool = False  # counted once in the ratio window, however many attempts
 
     @property
@@ -175,7 +174,7 @@ class Gateway:
                 log.warning("attempt %d of %d failed (%s): %s", attempt,
                             self.config.max_attempts, stage, exc)
                 if job.finished:  # every token is out: only the stream's end was lost
-                    return await self._finish(job, self._owed_usage(job))
+                    return await self._finish(job, job.usage_owed)
                 self.metrics.count_retry(job.scenario, stage)
         raise P.APIError(503, f"the request failed on {self.config.max_attempts} instances; "
                          "retry it", code="instances_failed")
@@ -372,12 +371,15 @@ class Gateway:
             raise InstanceFailed(decode, f"failed mid-answer: {chunk['error'].get('message')}")
         job.sent_ids += chunk.pop("pdserve_token_ids", [])
         owed = chunk.pop("pdserve_usage", None)
-        job.usage_owed = None if chunk.get("usage") else owed or job.usage_owed
-        job.last_chunk = chunk
         for choice in chunk.get("choices", ()):
             job.sent_chars += len(_choice_text(choice))
             job.finished = job.finished or bool(choice.get("finish_reason"))
-        return P.sse(_continuing(job, chunk))
+        chunk = _continuing(job, chunk)
+        if chunk.get("usage"):
+            job.usage_owed = b""
+        elif owed is not None:
+            job.usage_owed = P.sse({**chunk, "choices": [], "usage": owed})
+        return P.sse(chunk)
 
     async def _send(self, job: Job, resp: aiohttp.ClientResponse, event: bytes) -> None:
         if job.out is None:
@@ -388,13 +390,6 @@ class Gateway:
             await job.out.write(event)
         except OSError as exc:  # kept apart from the decode instance's failures
             raise ClientGone(str(exc)) from None
-
-    @staticmethod
-    def _owed_usage(job: Job) -> bytes:
-        """The usage chunk the client asked for and the failed instance never sent."""
-        if job.usage_owed is None or job.last_chunk is None:
-            return b""
-        return P.sse({**job.last_chunk, "choices": [], "usage": job.usage_owed})
 
     async def _finish(self, job: Job, tail: bytes = b"") -> web.StreamResponse:
         await job.out.write(tail + P.SSE_DONE)
