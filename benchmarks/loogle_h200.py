@@ -33,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # runnable from a plain checkout
 
+from pdserve.bench.report import portable_command  # noqa: E402
 from pdserve.bench.timeline import piece_times, prefill_delivery  # noqa: E402
 from pdserve.config import ran_explicitly  # noqa: E402
 from pdserve.testing import start_serve  # noqa: E402
@@ -132,8 +133,7 @@ def run_rate(args, name: str, rate: float, url: str, command: list[str], out: Pa
 
 
 def _portable(command: list[str]) -> str:
-    return " ".join("python" if part == sys.executable else
-                    part.replace(str(ROOT) + "/", "") for part in command)
+    return " ".join(part.replace(str(ROOT) + "/", "") for part in portable_command(command))
 
 
 def attainment(requests: list[dict], output_len: int) -> float:
