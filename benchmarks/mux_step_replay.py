@@ -61,14 +61,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.served_fit import served_predictor  # noqa: E402
 from benchmarks.sim_goodput_probes import attainment, measured_rows  # noqa: E402
 from benchmarks.sim_validate_instance import latency_rows  # noqa: E402
 from benchmarks.validate_sim import percentiles  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.bench.timeline import load_engine_timeline as load_timeline  # noqa: E402
 from pdserve.sched.mux_planner import MuxMode, MuxPlanner, OnlineCalibration  # noqa: E402
-from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
+from pdserve.sched.predictor import LatencyPredictor, served_predictor  # noqa: E402
 from pdserve.sim.mux_steps import (  # noqa: E402
     MODELLED_MODES,
     StepSpread,

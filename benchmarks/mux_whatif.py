@@ -41,7 +41,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
 
-from benchmarks.served_fit import served_predictor  # noqa: E402
 from pdserve.bench.timeline import load_engine_timeline as load_timeline  # noqa: E402
 from pdserve.bench.timeline import (  # noqa: E402
     mixed_runs,
@@ -61,7 +60,7 @@ from pdserve.sched.mux_planner import (  # noqa: E402
     PrefillRequest,
     option_key,
 )
-from pdserve.sched.predictor import LatencyPredictor  # noqa: E402
+from pdserve.sched.predictor import LatencyPredictor, served_predictor  # noqa: E402
 from pdserve.sim.cluster import fit_nonnegative  # noqa: E402
 
 SPLITS = ((16, 116), (24, 108), (32, 100), (48, 84), (64, 68))

@@ -83,7 +83,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.loogle_h200 import summarise_timeline  # noqa: E402
 from benchmarks.mux_whatif import settings_of, share_table  # noqa: E402
-from benchmarks.served_fit import served_predictor  # noqa: E402
 from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
 from benchmarks.validate_sim import (  # noqa: E402
     compare,
@@ -97,6 +96,7 @@ from benchmarks.validate_sim import (  # noqa: E402
 )
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.config import ran_explicitly  # noqa: E402
+from pdserve.sched.predictor import served_predictor  # noqa: E402
 from pdserve.sim.cluster import (  # noqa: E402
     GroupSim,
     LatencyModel,

@@ -402,6 +402,33 @@ class LatencyPredictor:
         return pred
 
 
+def served_predictor(path: str | Path) -> LatencyPredictor:
+    """The fit saved in a predictor file, as an engine that loaded the file planned with
+    it: for replays of recorded runs, whose corrections are measured over that fit, where
+    ``LatencyPredictor.load`` refits a file of an older format from its rows (the 8ccd9ac
+    validation replay came 39% under its measured TTFT P50 on a refit, 9.5% on the saved
+    fit). A format-3 fit is this format's with its one prefix-pair coefficient on both
+    halves of the pairs and no GEMM tile steps: the same predictions."""
+    data = json.loads(Path(path).read_text())
+    if data.get("format") == 3:
+        data = {**data, "format": FORMAT_VERSION,
+                "fits": [_format_3_fit(f) for f in data["fits"]]}
+    return LatencyPredictor.from_json(data)
+
+
+_PREFIX_PAIRS_FEATURE = 4  # index of (the first tokens') prefix pairs among prefill features
+
+
+def _format_3_fit(fit: dict) -> dict:
+    if fit["phase"] != "prefill":
+        return fit  # decode features did not change
+    coef = [*fit["coef"], fit["coef"][_PREFIX_PAIRS_FEATURE], 0.0]
+    if len(coef) != _n_features("prefill"):  # a later format must say how format 3 maps
+        raise ValueError(f"format-3 prefill fit of {len(fit['coef'])} coefficients does not "
+                         f"map to this format's {_n_features('prefill')}")
+    return {**fit, "coef": coef}
+
+
 class UncoveredGroupsError(LookupError):
     """The predictor was not fitted on some (phase, SMs, co-running) the planner can pick."""
 

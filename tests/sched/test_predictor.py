@@ -14,6 +14,7 @@ from pdserve.sched.predictor import (
     _nnls,
     predictor_path,
     require_coverage,
+    served_predictor,
     stratified_split,
     train_test_split,
 )
@@ -337,3 +338,26 @@ def test_the_five_split_profile_meets_the_targets_for_nine_of_ten_splits():
     assert all(r["n"] >= 40 for r in reports)
     assert sum(meets_targets(r) for r in reports) >= 9
     assert max(r["median_rel_err"] for r in reports) <= 0.05
+
+
+def test_a_saved_format_3_fit_is_served_as_saved_and_a_mismatched_one_refused(tmp_path):
+    """Replays plan with the fit a recorded engine loaded: a format-3 prefill fit keeps its
+    predictions (its one prefix-pair coefficient on both halves, no tile steps); a fit
+    whose coefficients do not map is refused, not read into the wrong features."""
+    path = (Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "loogle_h200"
+            / "d698fcb_predictor.json")
+    data = json.loads(path.read_text())
+    assert data["format"] == 3
+    served = served_predictor(path)
+    fit = next(f for f in data["fits"] if f["phase"] == "prefill" and f["sms"] == 132
+               and not f["co_running"])
+    c = fit["coef"]  # launch, layers, tokens, bend, prefix pairs, causal pairs (format 3)
+    tokens, prefix = 2048, 8192
+    want = (c[0] + c[1] + c[2] * tokens * 1e-3 + c[3] * max(0, tokens - fit["knee"]) * 1e-3
+            + c[4] * tokens * prefix * 1e-6 + c[5] * tokens * tokens / 2 * 1e-6)
+    assert served.predict("prefill", tokens, prefix, 1, 132) == pytest.approx(want, rel=1e-9)
+    fit["coef"] = c[:5]
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="does not map"):
+        served_predictor(broken)
