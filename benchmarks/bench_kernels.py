@@ -13,12 +13,16 @@
   kernel); two launches at 128 vs 64 tokens per split, and at one 128-token tile per split
   (8B and 34B heads, batch 1..8, 1K and 4K context); and a sweep of split sizes and tiles
   at batch 1..8 and 256 (1K context).
+- ``--decode-balance``: decode attention per layer with long contexts balanced over more
+  splits against split counts from the batch size alone, on contexts alike, spread, and
+  one long beside short ones (batch 16..256).
 
     python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h200.json
     python benchmarks/bench_kernels.py --quick              # a few points, for a smoke run
     python benchmarks/bench_kernels.py --sweep              # also try other tile configs
     python benchmarks/bench_kernels.py --extend-sweep-only  # prefill-attention tiles, layouts
     python benchmarks/bench_kernels.py --decode-ab          # one-launch vs two-launch decode
+    python benchmarks/bench_kernels.py --decode-balance     # long contexts over more splits
 """
 
 from __future__ import annotations
@@ -111,10 +115,10 @@ def bench_decode(
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, q_heads, head_dim, dtype=DTYPE, device="cuda")
     out = torch.empty_like(q)
-    splits = backend.num_kv_splits(batch, kv_heads, q.device)
+    splitting = backend.decode_splitting(batch, kv_heads, q.device)
+    splits = splitting["num_splits"]
     run = lambda: decode_attention(
-        q, k_cache, v_cache, tables, seq_lens, out, head_dim**-0.5, splits,
-        backend.min_split_tokens, config,
+        q, k_cache, v_cache, tables, seq_lens, out, head_dim**-0.5, config=config, **splitting
     )  # fmt: skip
     run()  # compile outside the capture
     ms = do_bench_cudagraph(run, rep=100)
@@ -135,31 +139,42 @@ _AB_MIN_GRAPH_BYTES = 256e6
 _AB_MAX_LAYERS = 48  # CodeLlama-34B's layer count
 
 
-def bench_decode_layers(shape: str, batch: int, context: int, config: DecodeConfig,
-                        splits: int | None = None, min_split_tokens: int | None = None) -> dict:
+def bench_decode_layers(shape: str, batch: int, context: int | list[int],
+                        config: DecodeConfig, splits: int | None = None,
+                        min_split_tokens: int | None = None,
+                        backend: TritonAttentionBackend | None = None) -> dict:
     """Decode attention of one step over several layers, each with its own KV pages, as
     one CUDA graph (as the model's decode graph runs it): time per layer, launch gaps and
-    DRAM reads included. ``splits`` and ``min_split_tokens``: None takes the backend's."""
+    DRAM reads included. ``context``: every sequence's, or each one's (``batch`` of them).
+    ``splits`` and ``min_split_tokens``: None takes the backend's; with ``backend`` its
+    own split counts and balancing (``TritonAttentionBackend._decode``'s arguments)."""
+    contexts = [context] * batch if isinstance(context, int) else list(context)
+    backend = backend or TritonAttentionBackend(balance_splits=1)
     if min_split_tokens is None:
-        min_split_tokens = TritonAttentionBackend().min_split_tokens
+        min_split_tokens = backend.min_split_tokens
     q_heads, kv_heads, head_dim = HEAD_SHAPES[shape]
-    kv_bytes = 2 * batch * context * kv_heads * head_dim * DTYPE.itemsize
+    kv_bytes = 2 * sum(contexts) * kv_heads * head_dim * DTYPE.itemsize
     layers = max(1, min(_AB_MAX_LAYERS, math.ceil(_AB_MIN_GRAPH_BYTES / kv_bytes)))
-    k_cache, v_cache, tables = paged_cache([context] * (batch * layers), kv_heads, head_dim)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    k_cache, v_cache, tables = paged_cache(contexts * layers, kv_heads, head_dim)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, q_heads, head_dim, dtype=DTYPE, device="cuda")
     out = torch.empty_like(q)
-    if splits is None:
-        splits = TritonAttentionBackend().num_kv_splits(batch, kv_heads, q.device)
+    splitting = backend.decode_splitting(batch, kv_heads, q.device)
+    splitting["min_split_tokens"] = min_split_tokens
+    if splits is not None:
+        splitting.update(num_splits=splits, split_cap=splits)
+    splits = splitting["num_splits"]
 
     def step() -> None:
         for layer_tables in tables.split(batch):
             decode_attention(q, k_cache, v_cache, layer_tables, seq_lens, out, head_dim**-0.5,
-                             splits, min_split_tokens, config)  # fmt: skip
+                             config=config, **splitting)  # fmt: skip
 
     ms = do_bench_cudagraph(step, rep=50) / layers
-    return {"kernel": "decode_layers", "shape": shape, "batch": batch, "context": context,
-            "splits": splits, "min_split_tokens": min_split_tokens, "config": config.__dict__,
+    return {"kernel": "decode_layers", "shape": shape, "batch": batch,
+            "context": context if isinstance(context, int) else max(contexts),
+            "mean_context": sum(contexts) / batch, **splitting, "splits": splits,
+            "config": config.__dict__,
             "layers": layers, "us_per_layer": ms * 1e3, "kv_gbs": kv_bytes / ms / 1e6}  # fmt: skip
 
 
@@ -210,6 +225,44 @@ def decode_split_ab(log: Callable[[dict], dict]) -> list[dict]:
         if not row["errors"]:
             row["speedup"] = timed["128/64"]["us_per_layer"] / timed["64/64"]["us_per_layer"]
         rows.append(log(row))
+    return rows
+
+
+# --------------------------------------------------------------------------- decode balance
+
+# Decode batches x context layouts (mean about 600 tokens) where balancing long contexts
+# over more splits (``TritonAttentionBackend.balance_splits``) is timed against split
+# counts from the batch size alone.
+BALANCE_BATCHES = (16, 32, 48, 64, 128, 256)
+BALANCE_VARIANTS = (1, 8, 16, 32)  # 1: off
+
+
+def balance_layouts(batch: int) -> dict[str, list[int]]:
+    """Contexts alike; evenly spaced over 60-1140 tokens; one of 8K beside 512s."""
+    spread = [max(1, round(600 * (1.9 - 1.8 * i / (batch - 1)))) for i in range(batch)]
+    return {"even": [600] * batch, "spread_0.9": spread, "one_8k": [8192] + [512] * (batch - 1)}
+
+
+def decode_balance(log: Callable[[dict], dict]) -> list[dict]:
+    """Decode attention per layer (34B heads, the default two-launch path) at every
+    ``BALANCE_BATCHES`` x ``balance_layouts`` point with each ``BALANCE_VARIANTS``;
+    ``vs_off``: time with balancing off over time with it."""
+    tiles = default_decode_config(128, torch.device("cuda"))
+    rows = []
+    for batch in BALANCE_BATCHES:
+        for layout, contexts in balance_layouts(batch).items():
+            timed = {variant: _guarded(bench_decode_layers, "34b", batch, contexts, tiles, None,
+                                       None, TritonAttentionBackend(balance_splits=variant))
+                     for variant in BALANCE_VARIANTS}  # fmt: skip
+            off = timed[1].get("us_per_layer")
+            row = {"kernel": "decode_balance", "batch": batch, "layout": layout,
+                   "max_context": max(contexts), "mean_context": sum(contexts) / batch,
+                   "us_per_layer": {v: r.get("us_per_layer") for v, r in timed.items()},
+                   "splits": {v: r.get("splits") for v, r in timed.items()},
+                   "errors": [r["error"] for r in timed.values() if "error" in r]}  # fmt: skip
+            if not row["errors"]:
+                row["vs_off"] = {v: off / r["us_per_layer"] for v, r in timed.items()}
+            rows.append(log(row))
     return rows
 
 
@@ -507,6 +560,9 @@ def main() -> None:
     parser.add_argument("--decode-ab", action="store_true",
                         help="only decode attention: one launch vs two per layer, and a "
                              "sweep of its split sizes and tiles")
+    parser.add_argument("--decode-balance", action="store_true",
+                        help="only decode attention: long contexts balanced over more splits "
+                             "against split counts from the batch size alone")
     parser.add_argument("--max-kv-gb", type=float, default=40.0,
                         help="skip decode points whose KV cache is larger")  # fmt: skip
     args = parser.parse_args()
@@ -519,6 +575,8 @@ def main() -> None:
 
     if args.decode_ab:
         results = run_decode_ab(log)
+    elif args.decode_balance:
+        results = {"decode_balance": decode_balance(log)}
     elif args.extend_sweep_only:
         results = run_extend_sweep(log)
     else:

@@ -32,6 +32,9 @@ ONE_LAUNCH_DECODE_ENV = "PDSERVE_ONE_LAUNCH_DECODE"
 # of decode-only batches (one launch fewer per layer). Opt-in until timed and its GPU test
 # run on a GPU (``bench_engine.py`` / ``profile_decode.py`` with and without it).
 FUSED_ROPE_DECODE_ENV = "PDSERVE_FUSED_ROPE_DECODE"
+# The fewest decode splits launched at any batch size (``TritonAttentionBackend``); 1 turns
+# the balancing of long contexts off, for A/B runs of the whole engine.
+BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
 
 
 @dataclass(frozen=True)
@@ -116,16 +119,18 @@ def _load_paged_kv(k_head, v_head, page, in_page, valid, offs_d, stride_kp, stri
 
 
 @triton.jit
-def _split_range(seq_len, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 MIN_SPLIT_TOKENS: tl.constexpr):
+def _split_range(seq_len, split, cap, split_tokens, BLOCK_N: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr):
     """Token range [start, end) of one split, and how many splits have tokens (at least 1).
 
     The range comes from seq_lens on the device: the grid stays fixed, so a CUDA graph
-    captured once replays for any context lengths. Short contexts use fewer splits (the
-    rest run empty, or exit at once in the one-launch path) to keep the partial-result
-    traffic small."""
-    wanted_splits = (seq_len + MIN_SPLIT_TOKENS - 1) // MIN_SPLIT_TOKENS
-    num_splits = tl.minimum(tl.maximum(wanted_splits, 1), NUM_SPLITS)
+    captured once replays for any context lengths. A context takes one split per
+    ``MIN_SPLIT_TOKENS`` up to ``cap`` (short contexts use fewer splits, the rest run
+    empty or exit at once, to keep the partial-result traffic small), and at least one
+    per ``split_tokens`` (``_balanced_split_tokens``), up to the grid's ``NUM_SPLITS``."""
+    by_length = tl.minimum((seq_len + MIN_SPLIT_TOKENS - 1) // MIN_SPLIT_TOKENS, cap)
+    by_share = (seq_len + split_tokens - 1) // split_tokens
+    num_splits = tl.minimum(tl.maximum(tl.maximum(by_length, by_share), 1), NUM_SPLITS)
     num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
     tiles_per_split = tl.maximum((num_tiles + num_splits - 1) // num_splits, 1)
     start = split * tiles_per_split * BLOCK_N
@@ -133,6 +138,21 @@ def _split_range(seq_len, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr
     # Every split below this count starts before seq_len; a zero-length context keeps one.
     used_splits = tl.maximum((num_tiles + tiles_per_split - 1) // tiles_per_split, 1)
     return start, end, used_splits
+
+
+@triton.jit
+def _balanced_split_tokens(seq_lens_ptr, num_seqs, programs_per_split, balance_programs,
+                           MIN_SPLIT_TOKENS: tl.constexpr):
+    """Tokens per split that spread the batch's whole context evenly over about
+    ``balance_programs`` programs. A context far longer than the others then takes more
+    splits than its batch size alone gives it, instead of one program reading all of it
+    while the rest of the GPU waits."""
+    total = tl.zeros([256], dtype=tl.int64)
+    for first in range(0, num_seqs, 256):
+        offs = first + tl.arange(0, 256)
+        total += tl.load(seq_lens_ptr + offs, mask=offs < num_seqs, other=0).to(tl.int64)
+    wanted = (tl.sum(total) * programs_per_split + balance_programs - 1) // balance_programs
+    return tl.maximum(wanted, MIN_SPLIT_TOKENS).to(tl.int32)
 
 
 @triton.jit
@@ -192,7 +212,9 @@ def _attend_range(q, k_head, v_head, table, start, end, stride_kp, stride_kb, st
     return acc, m_i, l_i
 
 
-@triton.jit
+# Split counts and the balance target are plain values, not specialised on (==1, multiples
+# of 16): a new value met while serving must not compile a kernel variant.
+@triton.jit(do_not_specialize=["split_cap", "balance_programs"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -201,6 +223,7 @@ def _decode_split_kernel(
     seq_lens_ptr,
     mid_o_ptr,
     mid_lse_ptr,
+    used_splits_ptr,
     arrivals_ptr,
     out_ptr,
     positions_ptr,
@@ -231,6 +254,8 @@ def _decode_split_kernel(
     stride_oh,
     qk_scale,
     page_size,
+    split_cap,
+    balance_programs,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
@@ -238,6 +263,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TOKENS: tl.constexpr,
+    BALANCE: tl.constexpr,
     ONE_LAUNCH: tl.constexpr,
     MERGE_SPLITS: tl.constexpr,
     FUSE_ROPE: tl.constexpr,
@@ -246,10 +272,13 @@ def _decode_split_kernel(
     """One program = (decode seq, kv head x head block, split): all q heads of the group
     share each K/V tile, so K/V are read from memory once per group.
 
-    ``ONE_LAUNCH``: splits without tokens exit at once; a sequence with one used split
-    writes its output directly; otherwise each split stores its partial and the last to
-    arrive merges them. Without it every split stores a partial (or -inf) and
-    ``_decode_reduce_kernel`` merges them in a second launch.
+    Splits without tokens exit at once, and a sequence with one used split writes its
+    output directly. Otherwise each used split stores its partial, and with ``ONE_LAUNCH``
+    the last to arrive merges them; without it ``_decode_reduce_kernel`` merges them in a
+    second launch (the first split tells it how many there are).
+
+    ``BALANCE``: a context also takes a split per ``_balanced_split_tokens`` of its tokens
+    (up to ``NUM_SPLITS``), beside the one per ``MIN_SPLIT_TOKENS`` up to ``split_cap``.
 
     ``FUSE_ROPE``: q, and k of the new token, arrive unrotated; each program rotates its q
     rows on load, and the split that holds the new token (the last used one) rotates k and
@@ -261,9 +290,20 @@ def _decode_split_kernel(
     head_block = tl.program_id(1) % blocks_per_group
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start, end, used_splits = _split_range(seq_len, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT_TOKENS)
-    if ONE_LAUNCH and split >= used_splits:
+    # No context takes more than one split per MIN_SPLIT_TOKENS: such programs leave at once.
+    if split > 0 and split * MIN_SPLIT_TOKENS >= seq_len:
         return
+    split_tokens = 1 << 30
+    if BALANCE:
+        split_tokens = _balanced_split_tokens(seq_lens_ptr, tl.num_programs(0),
+                                              tl.num_programs(1), balance_programs,
+                                              MIN_SPLIT_TOKENS)  # fmt: skip
+    start, end, used_splits = _split_range(seq_len, split, split_cap, split_tokens, BLOCK_N,
+                                           NUM_SPLITS, MIN_SPLIT_TOKENS)  # fmt: skip
+    if split >= used_splits:
+        return
+    if NUM_SPLITS > 1 and split == 0 and tl.program_id(1) == 0:
+        tl.store(used_splits_ptr + seq, used_splits)  # what the reduce kernel merges
 
     in_group = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = in_group < GROUP
@@ -297,7 +337,7 @@ def _decode_split_kernel(
     out = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     # One split is the whole answer: written here (what a merge of one split computes is
     # this very value).
-    if NUM_SPLITS == 1 or (ONE_LAUNCH and used_splits == 1):
+    if used_splits == 1:
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
     else:
         lse = tl.where(has_work, m_i + tl.log2(tl.where(has_work, l_i, 1.0)), float("-inf"))
@@ -395,6 +435,7 @@ def _fold_partials(m_i, denom, acc, lse, o):
 def _decode_reduce_kernel(
     mid_o_ptr,
     mid_lse_ptr,
+    used_splits_ptr,
     out_ptr,
     stride_mo_s,
     stride_mo_h,
@@ -406,13 +447,18 @@ def _decode_reduce_kernel(
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    """Merges the splits of one (seq, q head) by their log-sum-exp (base 2): the second
-    launch of the two-launch path."""
+    """Merges the used splits of one (seq, q head) by their log-sum-exp (base 2): the
+    second launch of the two-launch path. A sequence with one used split was written by
+    the split kernel itself."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    used_splits = tl.load(used_splits_ptr + seq)
+    if used_splits == 1:
+        return
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(mid_lse_ptr + seq * stride_ml_s + head * stride_ml_h + offs_s)
+    lse = tl.load(mid_lse_ptr + seq * stride_ml_s + head * stride_ml_h + offs_s,
+                  mask=offs_s < used_splits, other=float("-inf"))  # fmt: skip
     used = lse > float("-inf")
     lse_max = tl.max(lse, 0)
     # A zero-length context leaves every split at -inf: shift by 0 so no NaN is formed.
@@ -462,7 +508,9 @@ def decode_attention(
     min_split_tokens: int = 64,
     config: DecodeConfig | None = None,
     rope: NewTokenRope | None = None,
-) -> None:
+    split_cap: int | None = None,
+    balance_programs: int = 0,
+) -> torch.Tensor | None:
     """Attention of the first ``len(seq_lens)`` tokens of ``q`` (one per sequence) over
     their paged context; writes ``out[:len(seq_lens)]``.
 
@@ -472,6 +520,11 @@ def decode_attention(
     allocated: run a batch size eagerly before capturing it (a capture cannot clear memory).
     With ``rope``, q is unrotated and the cache does not hold the new tokens yet: the
     kernel rotates q and k and stores k and v (``rope_store_kv`` fused in); q is left as is.
+
+    A context takes one split per ``min_split_tokens`` up to ``split_cap`` (None: all
+    ``num_splits``); with ``balance_programs`` (0: off) also one per its share of the
+    whole batch's context spread over that many programs, up to ``num_splits``. Returns
+    the splits each context used (int32 per sequence; None for one split, all used one).
     """
     batch = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -485,13 +538,15 @@ def decode_attention(
         (batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
     )
     mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    used_splits = torch.empty((batch,), dtype=torch.int32, device=q.device)
+    split_cap = num_splits if split_cap is None else min(split_cap, num_splits)
     grid = (batch, num_kv_heads * triton.cdiv(group, _DECODE_BLOCK_H), num_splits)
     one_launch = config.one_launch and num_splits > 1
     arrivals = _arrival_counters(batch * grid[1], q.device) if one_launch else mid_lse
     rows = triton.next_power_of_2(min(group, _DECODE_BLOCK_H))  # q heads a merge covers
     rope_args, half_rot = _rope_args(rope, q, k_cache, batch, seq_lens)
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, arrivals, out,
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, used_splits, arrivals, out,
         *rope_args[:5], q.stride(0), q.stride(1), *rope_args[5:],
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -501,6 +556,8 @@ def decode_attention(
         out.stride(0), out.stride(1),
         scale * math.log2(math.e),
         page_size,
+        split_cap,
+        balance_programs,
         GROUP=group,
         BLOCK_H=_DECODE_BLOCK_H,
         ROWS=rows,
@@ -508,6 +565,7 @@ def decode_attention(
         BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits,
         MIN_SPLIT_TOKENS=max(min_split_tokens, config.block_n),
+        BALANCE=balance_programs > 0,
         ONE_LAUNCH=one_launch,
         MERGE_SPLITS=_merge_splits(num_splits, rows, head_dim),
         FUSE_ROPE=rope is not None,
@@ -515,10 +573,12 @@ def decode_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
-    if num_splits == 1 or one_launch:  # the split kernel wrote ``out`` itself
-        return
+    if num_splits == 1:  # the split kernel wrote ``out`` itself, one split a context
+        return None
+    if one_launch:  # the split kernel merged the splits itself
+        return used_splits
     _decode_reduce_kernel[(batch, num_q_heads)](
-        mid_o, mid_lse, out,
+        mid_o, mid_lse, used_splits, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
@@ -526,6 +586,7 @@ def decode_attention(
         HEAD_DIM=head_dim,
         num_warps=4 if head_dim >= 128 else 2,
     )  # fmt: skip
+    return used_splits
 
 
 def _rope_args(rope: NewTokenRope | None, q: torch.Tensor, k_cache: torch.Tensor, batch: int,
@@ -987,6 +1048,12 @@ class TritonAttentionBackend:
     only on the decode batch size (a host int), so each CUDA-graph batch bucket has a fixed
     grid. Contexts shorter than ``num_splits * min_split_tokens`` leave splits empty.
 
+    ``balance_splits`` (default ``PDSERVE_DECODE_BALANCE_SPLITS``, else 8; 1 turns it off)
+    launches at least that many splits at every batch size, used by contexts longer than
+    their share of the batch's tokens: with the count from the batch size alone, from 33
+    decodes on (codellama-34b's 8 KV heads on 132 SMs) each context had one program, and a
+    batch's longest context set the time of every layer.
+
     ``min_split_tokens`` is 64 (one K/V tile of 64): at small batches a split is a chain of
     dependent loads per tile, so one tile per split is the shortest. On the H200 at 38d366f
     (two launches, ``bench_kernels.py --decode-ab``,
@@ -1006,10 +1073,15 @@ class TritonAttentionBackend:
         min_split_tokens: int = 64,
         num_sms: int | None = None,
         fuse_rope: bool | None = None,
+        balance_splits: int | None = None,
     ) -> None:
-        if max_kv_splits < 1 or max_kv_splits & (max_kv_splits - 1):
-            raise ValueError(f"max_kv_splits must be a power of two, got {max_kv_splits}")
+        if balance_splits is None:
+            balance_splits = int(os.environ.get(BALANCE_SPLITS_ENV, "8"))
+        for name, value in (("max_kv_splits", max_kv_splits), ("balance_splits", balance_splits)):
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
         self.max_kv_splits = max_kv_splits
+        self.balance_splits = min(balance_splits, max_kv_splits)
         self.min_split_tokens = min_split_tokens
         self.num_sms = num_sms
         if fuse_rope is None:
@@ -1030,20 +1102,43 @@ class TritonAttentionBackend:
         if not self.fuses_rope(meta):
             raise ValueError("rope_store_attend serves decode-only batches with fuse_rope on")
         out = torch.empty_like(q)
-        num_seqs = meta.num_seqs
-        decode_attention(
-            q, k_cache, v_cache, meta.block_tables[:num_seqs], meta.seq_lens[:num_seqs], out,
-            scale, self.num_kv_splits(num_seqs, k_cache.shape[2], q.device),
-            self.min_split_tokens, rope=NewTokenRope(k, v, positions, cos_sin_cache,
-                                                     meta.slot_mapping),
-        )  # fmt: skip
+        self._decode(q, k_cache, v_cache, meta, meta.num_seqs, out, scale,
+                     NewTokenRope(k, v, positions, cos_sin_cache, meta.slot_mapping))
         return out
 
-    def num_kv_splits(self, num_decode_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-        """Splits for a decode batch: enough programs for about two per SM, no more."""
-        sms = self.num_sms or _sm_count(device)
-        wanted = triton.cdiv(2 * sms, max(1, num_decode_seqs * num_kv_heads))
+    def even_kv_splits(self, num_decode_seqs: int, num_kv_heads: int,
+                       device: torch.device) -> int:
+        """Splits of each context when all are alike: enough programs for about two per SM
+        (``_programs``), no more."""
+        wanted = triton.cdiv(self._programs(device), max(1, num_decode_seqs * num_kv_heads))
         return min(self.max_kv_splits, triton.next_power_of_2(wanted))
+
+    def num_kv_splits(self, num_decode_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+        """Splits the decode kernel launches per context: the even count, and at least
+        ``balance_splits`` for long contexts beside short ones."""
+        return max(self.even_kv_splits(num_decode_seqs, num_kv_heads, device),
+                   self.balance_splits)
+
+    def _programs(self, device: torch.device) -> int:
+        return 2 * (self.num_sms or _sm_count(device))
+
+    def decode_splitting(self, num_decode_seqs: int, num_kv_heads: int,
+                         device: torch.device) -> dict[str, int]:
+        """``decode_attention``'s split arguments for a decode batch of this size."""
+        balance = self._programs(device) if self.balance_splits > 1 else 0
+        return {"num_splits": self.num_kv_splits(num_decode_seqs, num_kv_heads, device),
+                "min_split_tokens": self.min_split_tokens,
+                "split_cap": self.even_kv_splits(num_decode_seqs, num_kv_heads, device),
+                "balance_programs": balance}  # fmt: skip
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, num_decode: int, out: torch.Tensor, scale: float,
+                rope: NewTokenRope | None = None) -> None:
+        decode_attention(
+            q, k_cache, v_cache, meta.block_tables[:num_decode], meta.seq_lens[:num_decode],
+            out, scale, rope=rope,
+            **self.decode_splitting(num_decode, k_cache.shape[2], q.device),
+        )  # fmt: skip
 
     def forward(
         self,
@@ -1064,11 +1159,7 @@ class TritonAttentionBackend:
         out = torch.empty_like(q)
         num_decode = meta.num_decode_seqs
         if num_decode > 0:
-            splits = self.num_kv_splits(num_decode, k_cache.shape[2], q.device)
-            decode_attention(
-                q, k_cache, v_cache, meta.block_tables[:num_decode], meta.seq_lens[:num_decode],
-                out, scale, splits, self.min_split_tokens,
-            )  # fmt: skip
+            self._decode(q, k_cache, v_cache, meta, num_decode, out, scale)
         if meta.num_seqs > num_decode:
             extend_attention(q, k, v, out, k_cache, v_cache, meta, scale, first_seq=num_decode)
         return out

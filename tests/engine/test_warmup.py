@@ -44,18 +44,20 @@ def test_where_it_does_not_run_it_says_why():
     assert "no whole-GPU steps" in skip_reason(disagg.engine)
 
 
-def test_every_decode_split_count_gets_a_warm_up_batch():
-    """codellama-34b (8 kv heads) on 132 SMs: the smallest batch of each split count. The
-    first mixed steps that stalled on fresh 6f2d50e servers ran beside 3, 5, 6, 9, 10, 17,
-    18, 19, 33, 124 and 135 decodes: each shares its split count with a warmed batch."""
+@pytest.mark.parametrize("balance, first_batches", [(1, [1, 3, 5, 9, 17, 33]), (8, [1, 3, 5])])
+def test_every_decode_split_count_gets_a_warm_up_batch(balance, first_batches):
+    """codellama-34b (8 kv heads) on 132 SMs: the smallest batch of each split count
+    launched (with long contexts balanced, 8 at least from 5 decodes on). The first mixed
+    steps that stalled on fresh 6f2d50e servers ran beside 3, 5, 6, 9, 10, 17, 18, 19, 33,
+    124 and 135 decodes: each shares its split count with a warmed batch."""
     # Imported here, not at collection: Triton decides whether a kernel is interpreted when
     # its module is imported, and tests/ops sets that up while it is collected.
     from pdserve.ops.triton_attention import TritonAttentionBackend
 
-    backend = TritonAttentionBackend(num_sms=132)
+    backend = TritonAttentionBackend(num_sms=132, balance_splits=balance)
     cpu = torch.device("cpu")
     batches = decode_split_batches(backend, 8, cpu, 256)
-    assert batches == [1, 3, 5, 9, 17, 33]
+    assert batches == first_batches
     warmed = {backend.num_kv_splits(n, 8, cpu) for n in batches}
     stalled = (3, 5, 6, 9, 10, 17, 18, 19, 33, 124, 135)
     assert {backend.num_kv_splits(n, 8, cpu) for n in stalled} <= warmed

@@ -23,7 +23,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024
 # Small ints that are not 16-divisible in practice (head counts, row lengths, offsets).
 PLAIN_INTS = {"first_seq", "num_heads", "num_kv_heads", "hidden", "head_dim", "inter",
-              "num_q_heads", "q_blocks", "M"}
+              "num_q_heads", "q_blocks", "M", "split_cap", "balance_programs"}
 
 
 def compile_kernel(kernel, dtype: str, constexprs: dict, num_warps: int, num_stages: int):
@@ -48,7 +48,8 @@ def compile_kernel(kernel, dtype: str, constexprs: dict, num_warps: int, num_sta
 
 
 def _pointer_type(name: str, dtype: str) -> str:
-    if name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "arrivals_ptr"):
+    if name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "arrivals_ptr",
+                "used_splits_ptr"):
         return "*i32"
     if name in ("slot_ptr", "positions_ptr", "best_index_ptr", "tokens_ptr"):
         return "*i64"
@@ -72,13 +73,14 @@ def attention_cases(dtype: str):
             HEAD_DIM=head_dim, BLOCK_T=ta._MERGE_TOKENS, KV_SPLITS=16), 4, 1
         dec = ta.default_decode_config(head_dim, cuda)
         # One split writes the output itself; several merge in the same launch or in a second;
-        # with the rotary + K/V store fused in or not.
-        for splits, one_launch, fuse_rope in ((32, True, False), (32, False, False),
-                                              (1, False, False), (32, True, True),
-                                              (32, False, True)):
+        # with the rotary + K/V store fused in or not; long contexts balanced or not.
+        for splits, one_launch, fuse_rope, balance in (
+                (32, True, False, False), (32, False, False, False), (1, False, False, False),
+                (32, True, True, False), (32, False, True, False), (8, False, True, True),
+                (8, True, True, True)):
             yield ta._decode_split_kernel, dtype, dict(
                 GROUP=8, BLOCK_H=16, ROWS=8, HEAD_DIM=head_dim, BLOCK_N=dec.block_n,
-                NUM_SPLITS=splits, MIN_SPLIT_TOKENS=64, ONE_LAUNCH=one_launch,
+                NUM_SPLITS=splits, MIN_SPLIT_TOKENS=64, BALANCE=balance, ONE_LAUNCH=one_launch,
                 MERGE_SPLITS=ta._merge_splits(splits, 8, head_dim), FUSE_ROPE=fuse_rope,
                 HALF_ROT=head_dim // 2 if fuse_rope else 0,
             ), dec.num_warps, dec.num_stages  # fmt: skip

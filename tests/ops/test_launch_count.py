@@ -103,10 +103,12 @@ def test_one_launch_decode_drops_the_reduce_kernel(monkeypatch):
 def test_decode_layer_with_one_kv_split_skips_the_reduce(monkeypatch):
     """A decode batch large enough for one KV split per sequence (here 8 sequences x 2 KV
     heads against 2 programs per SM on 8 SMs; 140 sequences on the H200's 132) launches no
-    reduce kernel."""
+    reduce kernel when long contexts are not balanced (PDSERVE_DECODE_BALANCE_SPLITS=1;
+    balanced, the grid keeps splits for them and the reduce runs)."""
     from pdserve.ops import triton_attention
 
     monkeypatch.setattr(triton_attention, "_sm_count", lambda device: 8)
+    monkeypatch.setenv(triton_attention.BALANCE_SPLITS_ENV, "1")
     script = _count_script()
     count = script.count_decode_layer(PRESETS["tiny"], 8, 20, "cpu", torch.float32, "triton")
     assert count.by_name["triton::_decode_split_kernel"] == 1

@@ -88,18 +88,27 @@ def _ragged_batch(batch_size: int, q_heads: int = 4, kv_heads: int = 1, seed: in
     return batch
 
 
-def _decode(batch: PagedBatch, num_splits: int, min_split_tokens: int, one_launch: bool):
+def _decode(batch: PagedBatch, num_splits: int, min_split_tokens: int, one_launch: bool,
+            **splitting: int) -> torch.Tensor:
     """``decode_attention`` on the batch (the device's default tiles), into an output
-    pre-filled with NaN so any row the kernel leaves unwritten fails the comparison."""
+    pre-filled with NaN so any row the kernel leaves unwritten fails the comparison.
+    ``splitting``: its split_cap and balance_programs."""
+    return _decode_counting(batch, num_splits, min_split_tokens, one_launch, **splitting)[0]
+
+
+def _decode_counting(batch: PagedBatch, num_splits: int, min_split_tokens: int,
+                     one_launch: bool, **splitting: int) -> tuple[torch.Tensor, list[int]]:
+    """``_decode``'s output and the splits each context used."""
     from pdserve.ops.triton_attention import decode_attention, default_decode_config
 
     tiles = default_decode_config(batch.q.shape[-1], batch.q.device)
     config = dataclasses.replace(tiles, one_launch=one_launch)
     out = torch.full_like(batch.q, float("nan"))
     meta, scale = batch.meta, batch.q.shape[-1] ** -0.5
-    decode_attention(batch.q, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens,
-                     out, scale, num_splits, min_split_tokens, config)  # fmt: skip
-    return out
+    used = decode_attention(batch.q, batch.k_cache, batch.v_cache, meta.block_tables,
+                            meta.seq_lens, out, scale, num_splits, min_split_tokens, config,
+                            **splitting)  # fmt: skip
+    return out, [1] * len(meta.seq_lens) if used is None else used.tolist()
 
 
 def _reference_decode(batch: PagedBatch) -> torch.Tensor:
@@ -126,6 +135,38 @@ def test_decode_splits_on_ragged_contexts(batch_size, num_splits, min_split_toke
     out = _decode(batch, num_splits, min_split_tokens, one_launch)
     torch.testing.assert_close(out, _reference_decode(batch), **INTERP_TOL)
     assert _arrivals_all_zero()
+
+
+@interpreted
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_long_context_beside_short_ones_takes_more_splits(one_launch):
+    """With one split per context from the batch size (``split_cap`` 1), a context far
+    longer than the others takes splits by its share of the batch's tokens (up to the
+    grid's 8), the short ones keep one, and every output row matches the reference."""
+    lens = [1000, 17, 16, 15, 1, 4097]  # 5146 tokens; 2 programs per split here
+    batch = make_paged_batch(lens, [], 4, 2, page_size=16, seed=7, head_dim=16)
+    store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    out, used = _decode_counting(batch, 8, 16, one_launch, split_cap=1, balance_programs=12)
+    # 5146 x 2 / 12 -> 858 tokens a split: 2 for 1000 tokens, 5 for 4097 (over 16-token tiles)
+    assert used == [2, 1, 1, 1, 1, 5]
+    torch.testing.assert_close(out, _reference_decode(batch), **INTERP_TOL)
+    _, unbalanced = _decode_counting(batch, 8, 16, one_launch, split_cap=1)
+    assert unbalanced == [1] * len(lens)
+
+
+@interpreted
+def test_balanced_split_counts_never_fall_below_the_cap():
+    """Balancing only adds splits: contexts alike keep the count their batch size gives
+    (one per 16 tokens up to the cap of 4) where their share of 2 programs is 1 split,
+    and take more where their share of 64 programs is more (16 tokens, the floor)."""
+    batch = make_paged_batch([200, 200, 200], [], 4, 1, page_size=16, seed=2, head_dim=16)
+    store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    out, used = _decode_counting(batch, 8, 16, False, split_cap=4, balance_programs=2)
+    assert used == [4, 4, 4]
+    torch.testing.assert_close(out, _reference_decode(batch), **INTERP_TOL)
+    out, used = _decode_counting(batch, 8, 16, False, split_cap=4, balance_programs=64)
+    assert used == [7, 7, 7]  # 13 tiles over 8 splits: 2 tiles a split, 7 splits used
+    torch.testing.assert_close(out, _reference_decode(batch), **INTERP_TOL)
 
 
 @interpreted
@@ -177,11 +218,22 @@ def test_mixed_batch_interpreted():
 
 @interpreted
 def test_split_count_depends_on_batch_only():
-    backend = _backend(max_kv_splits=32, num_sms=132)
+    backend = _backend(max_kv_splits=32, num_sms=132, balance_splits=8)
     cpu = torch.device("cpu")
-    assert backend.num_kv_splits(1, 8, cpu) == 32
-    assert backend.num_kv_splits(16, 8, cpu) == 4
-    assert backend.num_kv_splits(256, 8, cpu) == 1
+    assert [backend.even_kv_splits(n, 8, cpu) for n in (1, 16, 256)] == [32, 4, 1]
+    assert [backend.num_kv_splits(n, 8, cpu) for n in (1, 16, 256)] == [32, 8, 8]
+    unbalanced = _backend(max_kv_splits=32, num_sms=132, balance_splits=1)
+    assert [unbalanced.num_kv_splits(n, 8, cpu) for n in (1, 16, 256)] == [32, 4, 1]
+
+
+@interpreted
+def test_backend_balances_a_long_context_beside_short_ones():
+    """The backend's own path (cap from the batch size, balance over two programs per SM)
+    on a mixed batch of a long context and short ones matches the reference either way."""
+    batch = make_paged_batch([4097, 17, 16, 15, 1, 100], [], 4, 2, 16, seed=5)
+    for balance in (1, 4):
+        _check(batch, _backend(max_kv_splits=4, min_split_tokens=16, num_sms=2,
+                               balance_splits=balance), INTERP_TOL)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- GPU
@@ -199,6 +251,25 @@ def test_decode_gpu(dtype, q_heads, kv_heads, head_dim, page_size):
         lens, [], q_heads, kv_heads, head_dim, page_size, dtype, "cuda", pad_decode=2, seed=head_dim
     )
     _check(batch, _backend(), GPU_TOL[dtype], GPU_MEAN_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("balance", [1, 8])
+def test_decode_gpu_long_context_beside_short_ones(balance):
+    """48 decodes (one split each from the batch size on the H200): one of 9,000 tokens
+    beside 300s takes more splits when balanced, and every row matches the reference."""
+    batch = make_paged_batch([9000] + [300] * 47, [], 64, 8, 128, 16, torch.bfloat16, "cuda",
+                             seed=1)  # fmt: skip
+    backend = _backend(balance_splits=balance)
+    _check(batch, backend, GPU_TOL[torch.bfloat16], GPU_MEAN_TOL[torch.bfloat16])
+    from pdserve.ops.triton_attention import decode_attention
+
+    meta, out = batch.meta, torch.empty_like(batch.q)
+    used = decode_attention(batch.q, batch.k_cache, batch.v_cache, meta.block_tables,
+                            meta.seq_lens, out, 128**-0.5,
+                            **backend.decode_splitting(48, 8, batch.q.device))  # fmt: skip
+    longest = 1 if used is None else used[0].item()
+    assert (longest > 1) == (balance > 1)
 
 
 @pytest.mark.gpu
