@@ -234,7 +234,7 @@ def decode_split_ab(log: Callable[[dict], dict]) -> list[dict]:
 # over more splits (``TritonAttentionBackend.balance_splits``) is timed against split
 # counts from the batch size alone.
 BALANCE_BATCHES = (16, 32, 48, 64, 128, 256)
-BALANCE_VARIANTS = (1, 8, 16, 32)  # 1: off
+BALANCE_VARIANTS = (1, 8)  # 1: off; 8: the default (``num_kv_splits`` bounds the grid)
 
 
 def balance_layouts(batch: int) -> dict[str, list[int]]:

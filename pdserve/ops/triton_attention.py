@@ -35,6 +35,11 @@ FUSED_ROPE_DECODE_ENV = "PDSERVE_FUSED_ROPE_DECODE"
 # The fewest decode splits launched at any batch size (``TritonAttentionBackend``); 1 turns
 # the balancing of long contexts off, for A/B runs of the whole engine.
 BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
+# Each split no context uses is a program that starts and leaves at once: on the H200 about
+# 2 ns of a layer's time each (3bf43d0, ``bench_kernels.py --decode-balance``; 8 splits for
+# 256 contexts alike cost 30 us a layer, 19%). Balancing keeps the grid within this many
+# programs per SM (8 splits up to 64 decodes of 8 KV heads, 4 at 128, 2 at 256).
+BALANCE_PROGRAMS_PER_SM = 32
 
 
 @dataclass(frozen=True)
@@ -1049,10 +1054,11 @@ class TritonAttentionBackend:
     grid. Contexts shorter than ``num_splits * min_split_tokens`` leave splits empty.
 
     ``balance_splits`` (default ``PDSERVE_DECODE_BALANCE_SPLITS``, else 8; 1 turns it off)
-    launches at least that many splits at every batch size, used by contexts longer than
-    their share of the batch's tokens: with the count from the batch size alone, from 33
-    decodes on (codellama-34b's 8 KV heads on 132 SMs) each context had one program, and a
-    batch's longest context set the time of every layer.
+    launches up to that many splits at every batch size (``num_kv_splits``), used by
+    contexts longer than their share of the batch's tokens: with the count from the batch
+    size alone, from 33 decodes on (codellama-34b's 8 KV heads on 132 SMs) each context had
+    one program, and a batch's longest context set the time of every layer (on the H200 at
+    3bf43d0, one 8K context beside 47 of 512 tokens: 287 us a layer, 67 balanced).
 
     ``min_split_tokens`` is 64 (one K/V tile of 64): at small batches a split is a chain of
     dependent loads per tile, so one tile per split is the shortest. On the H200 at 38d366f
@@ -1114,10 +1120,13 @@ class TritonAttentionBackend:
         return min(self.max_kv_splits, triton.next_power_of_2(wanted))
 
     def num_kv_splits(self, num_decode_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-        """Splits the decode kernel launches per context: the even count, and at least
-        ``balance_splits`` for long contexts beside short ones."""
-        return max(self.even_kv_splits(num_decode_seqs, num_kv_heads, device),
-                   self.balance_splits)
+        """Splits the decode kernel launches per context: the even count, and up to
+        ``balance_splits`` for long contexts beside short ones, as many as keep the grid
+        within ``BALANCE_PROGRAMS_PER_SM`` programs per SM."""
+        sms = self.num_sms or _sm_count(device)
+        room = BALANCE_PROGRAMS_PER_SM * sms // max(1, num_decode_seqs * num_kv_heads)
+        balance = min(self.balance_splits, 1 << max(0, room.bit_length() - 1))
+        return max(self.even_kv_splits(num_decode_seqs, num_kv_heads, device), balance)
 
     def _programs(self, device: torch.device) -> int:
         return 2 * (self.num_sms or _sm_count(device))

@@ -44,12 +44,13 @@ def test_where_it_does_not_run_it_says_why():
     assert "no whole-GPU steps" in skip_reason(disagg.engine)
 
 
-@pytest.mark.parametrize("balance, first_batches", [(1, [1, 3, 5, 9, 17, 33]), (8, [1, 3, 5])])
+@pytest.mark.parametrize("balance, first_batches",
+                         [(1, [1, 3, 5, 9, 17, 33]), (8, [1, 3, 5, 67, 133])])
 def test_every_decode_split_count_gets_a_warm_up_batch(balance, first_batches):
     """codellama-34b (8 kv heads) on 132 SMs: the smallest batch of each split count
-    launched (with long contexts balanced, 8 at least from 5 decodes on). The first mixed
-    steps that stalled on fresh 6f2d50e servers ran beside 3, 5, 6, 9, 10, 17, 18, 19, 33,
-    124 and 135 decodes: each shares its split count with a warmed batch."""
+    launched (with long contexts balanced: 8 from 5 decodes on, 4 from 67, 2 from 133).
+    The first mixed steps that stalled on fresh 6f2d50e servers ran beside 3, 5, 6, 9, 10,
+    17, 18, 19, 33, 124 and 135 decodes: each shares its split count with a warmed batch."""
     # Imported here, not at collection: Triton decides whether a kernel is interpreted when
     # its module is imported, and tests/ops sets that up while it is collected.
     from pdserve.ops.triton_attention import TritonAttentionBackend

@@ -220,8 +220,11 @@ def test_mixed_batch_interpreted():
 def test_split_count_depends_on_batch_only():
     backend = _backend(max_kv_splits=32, num_sms=132, balance_splits=8)
     cpu = torch.device("cpu")
-    assert [backend.even_kv_splits(n, 8, cpu) for n in (1, 16, 256)] == [32, 4, 1]
-    assert [backend.num_kv_splits(n, 8, cpu) for n in (1, 16, 256)] == [32, 8, 8]
+    assert [backend.even_kv_splits(n, 8, cpu) for n in (1, 16, 64, 128, 256, 600)] == [
+        32, 4, 1, 1, 1, 1]
+    # Balancing adds splits within 32 programs per SM: fewer as the batch grows.
+    assert [backend.num_kv_splits(n, 8, cpu) for n in (1, 16, 64, 128, 256, 600)] == [
+        32, 8, 8, 4, 2, 1]
     unbalanced = _backend(max_kv_splits=32, num_sms=132, balance_splits=1)
     assert [unbalanced.num_kv_splits(n, 8, cpu) for n in (1, 16, 256)] == [32, 4, 1]
 
