@@ -1133,12 +1133,13 @@ class TritonAttentionBackend:
 
     def decode_splitting(self, num_decode_seqs: int, num_kv_heads: int,
                          device: torch.device) -> dict[str, int]:
-        """``decode_attention``'s split arguments for a decode batch of this size."""
-        balance = self._programs(device) if self.balance_splits > 1 else 0
-        return {"num_splits": self.num_kv_splits(num_decode_seqs, num_kv_heads, device),
-                "min_split_tokens": self.min_split_tokens,
-                "split_cap": self.even_kv_splits(num_decode_seqs, num_kv_heads, device),
-                "balance_programs": balance}  # fmt: skip
+        """``decode_attention``'s split arguments for a decode batch of this size. Where
+        the grid has no splits beyond the even count, balancing could add none: it is off
+        (the kernel then skips the batch's token sum)."""
+        splits = self.num_kv_splits(num_decode_seqs, num_kv_heads, device)
+        cap = self.even_kv_splits(num_decode_seqs, num_kv_heads, device)
+        return {"num_splits": splits, "min_split_tokens": self.min_split_tokens,
+                "split_cap": cap, "balance_programs": self._programs(device) if splits > cap else 0}
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, num_decode: int, out: torch.Tensor, scale: float,
