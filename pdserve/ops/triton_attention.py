@@ -146,18 +146,22 @@ def _split_range(seq_len, split, cap, split_tokens, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _balanced_split_tokens(seq_lens_ptr, num_seqs, programs_per_split, balance_programs,
-                           MIN_SPLIT_TOKENS: tl.constexpr):
-    """Tokens per split that spread the batch's whole context evenly over about
-    ``balance_programs`` programs. A context far longer than the others then takes more
-    splits than its batch size alone gives it, instead of one program reading all of it
-    while the rest of the GPU waits."""
+def _len_and_split_tokens(seq_lens_ptr, seq, num_seqs, programs_per_split, balance_programs,
+                          MIN_SPLIT_TOKENS: tl.constexpr):
+    """Sequence ``seq``'s context length, and the tokens per split that spread the batch's
+    whole context evenly over about ``balance_programs`` programs. A context far longer
+    than the others then takes more splits than its batch size alone gives it, instead of
+    one program reading all of it while the rest of the GPU waits. One load of up to 256
+    lengths serves both, so the sum adds no memory round trip before the tiles' loads."""
     total = tl.zeros([256], dtype=tl.int64)
+    seq_len = tl.zeros([256], dtype=tl.int32)
     for first in range(0, num_seqs, 256):
         offs = first + tl.arange(0, 256)
-        total += tl.load(seq_lens_ptr + offs, mask=offs < num_seqs, other=0).to(tl.int64)
+        lens = tl.load(seq_lens_ptr + offs, mask=offs < num_seqs, other=0)
+        total += lens.to(tl.int64)
+        seq_len += tl.where(offs == seq, lens, 0)
     wanted = (tl.sum(total) * programs_per_split + balance_programs - 1) // balance_programs
-    return tl.maximum(wanted, MIN_SPLIT_TOKENS).to(tl.int32)
+    return tl.sum(seq_len), tl.maximum(wanted, MIN_SPLIT_TOKENS).to(tl.int32)
 
 
 @triton.jit
@@ -294,15 +298,15 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1) // blocks_per_group
     head_block = tl.program_id(1) % blocks_per_group
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    if BALANCE:
+        seq_len, split_tokens = _len_and_split_tokens(seq_lens_ptr, seq, tl.num_programs(0),
+                                                      tl.num_programs(1), balance_programs,
+                                                      MIN_SPLIT_TOKENS)  # fmt: skip
+    else:
+        seq_len, split_tokens = tl.load(seq_lens_ptr + seq), 1 << 30
     # No context takes more than one split per MIN_SPLIT_TOKENS: such programs leave at once.
     if split > 0 and split * MIN_SPLIT_TOKENS >= seq_len:
         return
-    split_tokens = 1 << 30
-    if BALANCE:
-        split_tokens = _balanced_split_tokens(seq_lens_ptr, tl.num_programs(0),
-                                              tl.num_programs(1), balance_programs,
-                                              MIN_SPLIT_TOKENS)  # fmt: skip
     start, end, used_splits = _split_range(seq_len, split, split_cap, split_tokens, BLOCK_N,
                                            NUM_SPLITS, MIN_SPLIT_TOKENS)  # fmt: skip
     if split >= used_splits:
@@ -457,13 +461,14 @@ def _decode_reduce_kernel(
     the split kernel itself."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    used_splits = tl.load(used_splits_ptr + seq)
-    if used_splits == 1:
-        return
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(mid_lse_ptr + seq * stride_ml_s + head * stride_ml_h + offs_s,
-                  mask=offs_s < used_splits, other=float("-inf"))  # fmt: skip
+    # Both loads in flight at once: unused splits' slots hold stale values, masked after.
+    used_splits = tl.load(used_splits_ptr + seq)
+    lse = tl.load(mid_lse_ptr + seq * stride_ml_s + head * stride_ml_h + offs_s)
+    if used_splits == 1:
+        return
+    lse = tl.where(offs_s < used_splits, lse, float("-inf"))
     used = lse > float("-inf")
     lse_max = tl.max(lse, 0)
     # A zero-length context leaves every split at -inf: shift by 0 so no NaN is formed.
