@@ -40,6 +40,9 @@ BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
 # 256 contexts alike cost 30 us a layer, 19%). Balancing keeps the grid within this many
 # programs per SM (8 splits up to 64 decodes of 8 KV heads, 4 at 128, 2 at 256).
 BALANCE_PROGRAMS_PER_SM = 32
+# Decode batches up to this size are balanced (the kernel sums their lengths in one load).
+BALANCE_MAX_SEQS = 512
+_BALANCE_MAX_SEQS = tl.constexpr(BALANCE_MAX_SEQS)
 
 
 @dataclass(frozen=True)
@@ -147,21 +150,20 @@ def _split_range(seq_len, split, cap, split_tokens, BLOCK_N: tl.constexpr,
 
 @triton.jit
 def _len_and_split_tokens(seq_lens_ptr, seq, num_seqs, programs_per_split, balance_programs,
-                          MIN_SPLIT_TOKENS: tl.constexpr):
+                          MIN_SPLIT_TOKENS: tl.constexpr, MAX_SEQS: tl.constexpr):
     """Sequence ``seq``'s context length, and the tokens per split that spread the batch's
     whole context evenly over about ``balance_programs`` programs. A context far longer
     than the others then takes more splits than its batch size alone gives it, instead of
-    one program reading all of it while the rest of the GPU waits. One load of up to 256
-    lengths serves both, so the sum adds no memory round trip before the tiles' loads."""
-    total = tl.zeros([256], dtype=tl.int64)
-    seq_len = tl.zeros([256], dtype=tl.int32)
-    for first in range(0, num_seqs, 256):
-        offs = first + tl.arange(0, 256)
-        lens = tl.load(seq_lens_ptr + offs, mask=offs < num_seqs, other=0)
-        total += lens.to(tl.int64)
-        seq_len += tl.where(offs == seq, lens, 0)
-    wanted = (tl.sum(total) * programs_per_split + balance_programs - 1) // balance_programs
-    return tl.sum(seq_len), tl.maximum(wanted, MIN_SPLIT_TOKENS).to(tl.int32)
+    one program reading all of it while the rest of the GPU waits. One load of the batch's
+    lengths (at most ``MAX_SEQS``) serves both, so the sum adds no memory round trip
+    before the tiles' loads; a loop here would cost the tile loop its software pipelining
+    (no ``cp.async`` in the sm_90 code, Triton 3.6)."""
+    offs = tl.arange(0, MAX_SEQS)
+    lens = tl.load(seq_lens_ptr + offs, mask=offs < num_seqs, other=0)
+    seq_len = tl.sum(tl.where(offs == seq, lens, 0))
+    total = tl.sum(lens.to(tl.int64))
+    wanted = (total * programs_per_split + balance_programs - 1) // balance_programs
+    return seq_len, tl.maximum(wanted, MIN_SPLIT_TOKENS).to(tl.int32)
 
 
 @triton.jit
@@ -301,7 +303,8 @@ def _decode_split_kernel(
     if BALANCE:
         seq_len, split_tokens = _len_and_split_tokens(seq_lens_ptr, seq, tl.num_programs(0),
                                                       tl.num_programs(1), balance_programs,
-                                                      MIN_SPLIT_TOKENS)  # fmt: skip
+                                                      MIN_SPLIT_TOKENS,
+                                                      _BALANCE_MAX_SEQS)  # fmt: skip
     else:
         seq_len, split_tokens = tl.load(seq_lens_ptr + seq), 1 << 30
     # No context takes more than one split per MIN_SPLIT_TOKENS: such programs leave at once.
@@ -540,6 +543,8 @@ def decode_attention(
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     _check_attention_shapes(q, k_cache, v_cache)
+    if balance_programs and batch > BALANCE_MAX_SEQS:
+        raise ValueError(f"balancing covers at most {BALANCE_MAX_SEQS} sequences, got {batch}")
     if num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     config = config or default_decode_config(head_dim, q.device)
@@ -1143,8 +1148,9 @@ class TritonAttentionBackend:
         (the kernel then skips the batch's token sum)."""
         splits = self.num_kv_splits(num_decode_seqs, num_kv_heads, device)
         cap = self.even_kv_splits(num_decode_seqs, num_kv_heads, device)
+        balanced = splits > cap and num_decode_seqs <= BALANCE_MAX_SEQS
         return {"num_splits": splits, "min_split_tokens": self.min_split_tokens,
-                "split_cap": cap, "balance_programs": self._programs(device) if splits > cap else 0}
+                "split_cap": cap, "balance_programs": self._programs(device) if balanced else 0}
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, num_decode: int, out: torch.Tensor, scale: float,
