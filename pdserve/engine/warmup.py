@@ -9,9 +9,10 @@ server's first mixed step took 830 ms where 52 ms were predicted, a stall its de
 requests felt and that the online calibration read as a slow mixed step. Running those
 shapes once before the server says it is ready moves the compiling to start-up.
 
-Decode attention compiles per split count too (a constexpr): decode rows split each
-sequence's context by a count that falls as the decode batch grows (codellama-34b on 132
-SMs: 32 splits for one decode, 16 for 3-4, 8 for 5-8, 4 for 9-16, 2 for 17-33, 1 beyond).
+Decode attention compiles per split count launched too (a constexpr): decode rows split
+each sequence's context by a count that falls as the decode batch grows (codellama-34b on
+132 SMs: 32 splits for one decode, 16 for 3-4, 8 for 5-66 with long contexts balanced, 4
+for 67-132, 2 for 133-264, 1 beyond; without balancing 4 for 9-16, 2 for 17-33, 1 beyond).
 At 6f2d50e, warmed with 1 and 3 decodes only, fresh servers still stalled 7-34x on their
 first mixed steps beside 5, 9-10, 17-19 and 33 decodes (ShareGPT-like): each split count
 gets a step of its own now. Stalls behind 6.6-7.7K-token prefixes (the Mooncake trace)
