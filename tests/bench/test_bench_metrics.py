@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pdserve.bench.metrics import (
     RequestRecord,
+    chunk_token_runs,
+    chunk_tokens_of,
     distinct_errors,
     slo_attainment,
     stats_ms,
@@ -95,3 +99,17 @@ def test_summary_and_slo_attainment():
         assert set(summary[key]) >= {"mean", "p50", "p90", "p99"}
     assert slo_attainment(records, 700, None) == pytest.approx(0.75)
     assert slo_attainment(records, None, None) is None
+
+
+def test_chunk_tokens_are_recorded_as_runs():
+    assert chunk_token_runs([1, 1, 1, 2, 1, 0]) == [[1, 3], [2, 1], [1, 1], [0, 1]]
+    assert chunk_tokens_of({"chunk_token_runs": [[1, 3], [2, 1]]}) == [1, 1, 1, 2]
+    assert chunk_tokens_of({"chunk_tokens": [2, 1]}) == [2, 1]  # a record from before runs
+    assert chunk_token_runs([]) == [] and chunk_tokens_of({}) == []
+
+
+@given(st.lists(st.integers(min_value=0, max_value=4), max_size=60))
+def test_chunk_token_runs_keep_every_count(tokens):
+    runs = chunk_token_runs(tokens)
+    assert chunk_tokens_of({"chunk_token_runs": runs}) == tokens
+    assert all(a[0] != b[0] for a, b in zip(runs, runs[1:], strict=False))  # maximal runs

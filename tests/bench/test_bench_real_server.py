@@ -13,6 +13,7 @@ from bench_standin import free_port
 
 from pdserve.bench.cli import main
 from pdserve.bench.compare import DEFAULT_SERVER_CMD, ManagedServer
+from pdserve.bench.metrics import chunk_tokens_of
 
 
 def _importable(module: str) -> bool:
@@ -51,8 +52,8 @@ def test_compare_through_real_server_on_tiny(tmp_path):
             # return_engine_timing: every token is counted even when its text is held back,
             # and one chunk may carry several (the first one too, when the stream's
             # listener attaches after two steps): one ITL sample per token after it.
-            assert s["output_tokens"] == s["output_len"] == sum(s["chunk_tokens"])
-            assert len(s["itl_ms"]) == s["output_len"] - s["chunk_tokens"][0]
+            assert s["output_tokens"] == s["output_len"] == sum(chunk_tokens_of(s))
+            assert len(s["itl_ms"]) == s["output_len"] - chunk_tokens_of(s)[0]
         assert run["ttft_ms"]["p50"] > 0 and 0.0 <= run["slo_attainment"] <= 1.0
         assert any("pdserve_num_requests_running" in s for s in run["timeline"])
     # Only the multiplex engine keeps an SM-split history; it lands on the run's time axis.
@@ -108,8 +109,8 @@ def test_counts_every_token_of_a_pdserve_stream(tiny_server, tmp_path):
     assert result["config"]["extra_body"] == {"return_engine_timing": True}
     assert result["token_counts"] == {"exact": True, "sources": {"num_tokens": 6}}
     for s in result["samples"]:
-        assert sum(s["chunk_tokens"]) == s["output_tokens"] == 24
-        assert len(s["itl_ms"]) == 24 - s["chunk_tokens"][0]
+        assert sum(chunk_tokens_of(s)) == s["output_tokens"] == 24
+        assert len(s["itl_ms"]) == 24 - chunk_tokens_of(s)[0]
 
 
 @pytest.mark.slow

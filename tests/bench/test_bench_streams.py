@@ -8,6 +8,7 @@ import json
 from bench_standin import StandIn, ThreadedServer, free_port
 
 from pdserve.bench.cli import main
+from pdserve.bench.metrics import chunk_tokens_of
 from pdserve.bench.workloads import random_workload
 
 
@@ -27,7 +28,7 @@ def test_several_tokens_per_chunk_counted_from_continuous_usage(tmp_path):
     assert result["token_counts"] == {"exact": True, "sources": {"usage": 4}}
     for sample in result["samples"]:
         # TTFT is taken at the empty-text first chunk: it carries two tokens.
-        assert sample["chunk_tokens"] == [2, 1, 3, 2] and sample["count_source"] == "usage"
+        assert chunk_tokens_of(sample) == [2, 1, 3, 2] and sample["count_source"] == "usage"
         # One ITL sample per token after the first chunk (1 + 3 + 2).
         assert len(sample["itl_ms"]) == 6 and sample["output_tokens"] == 8
 
@@ -38,7 +39,7 @@ def test_logprobs_give_the_counts_when_usage_stats_are_not_streamed(tmp_path):
         assert _serve(server.url, tmp_path / "r.json", "--extra-body", '{"logprobs": 0}') == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["token_counts"] == {"exact": True, "sources": {"logprobs": 4}}
-    assert all(s["chunk_tokens"] == [3, 3, 2] and len(s["itl_ms"]) == 5
+    assert all(chunk_tokens_of(s) == [3, 3, 2] and len(s["itl_ms"]) == 5
                for s in result["samples"])
 
 
@@ -49,7 +50,7 @@ def test_a_stream_without_counts_is_flagged_approximate(tmp_path, capsys):
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["token_counts"] == {"exact": False, "sources": {"text": 4}}
     # Four text chunks of two tokens each: counted as four tokens, the final usage says 8.
-    assert all(s["chunk_tokens"] == [1, 1, 1, 1] and s["output_tokens"] == 8
+    assert all(chunk_tokens_of(s) == [1, 1, 1, 1] and s["output_tokens"] == 8
                for s in result["samples"])
     assert "approximate" in capsys.readouterr().err
 
