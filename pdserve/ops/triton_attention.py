@@ -133,9 +133,9 @@ def _split_range(seq_len, split, cap, split_tokens, BLOCK_N: tl.constexpr,
 
     The range comes from seq_lens on the device: the grid stays fixed, so a CUDA graph
     captured once replays for any context lengths. A context takes one split per
-    ``MIN_SPLIT_TOKENS`` up to ``cap`` (short contexts use fewer splits, the rest run
-    empty or exit at once, to keep the partial-result traffic small), and at least one
-    per ``split_tokens`` (``_balanced_split_tokens``), up to the grid's ``NUM_SPLITS``."""
+    ``MIN_SPLIT_TOKENS`` up to ``cap`` (short contexts use fewer splits, the rest exit at
+    once, to keep the partial-result traffic small), and at least one per ``split_tokens``
+    (``_len_and_split_tokens``), up to the grid's ``NUM_SPLITS``."""
     by_length = tl.minimum((seq_len + MIN_SPLIT_TOKENS - 1) // MIN_SPLIT_TOKENS, cap)
     by_share = (seq_len + split_tokens - 1) // split_tokens
     num_splits = tl.minimum(tl.maximum(tl.maximum(by_length, by_share), 1), NUM_SPLITS)
@@ -288,8 +288,9 @@ def _decode_split_kernel(
     the last to arrive merges them; without it ``_decode_reduce_kernel`` merges them in a
     second launch (the first split tells it how many there are).
 
-    ``BALANCE``: a context also takes a split per ``_balanced_split_tokens`` of its tokens
-    (up to ``NUM_SPLITS``), beside the one per ``MIN_SPLIT_TOKENS`` up to ``split_cap``.
+    ``BALANCE``: a context also takes a split per its share of the batch's tokens
+    (``_len_and_split_tokens``, up to ``NUM_SPLITS``), beside the one per
+    ``MIN_SPLIT_TOKENS`` up to ``split_cap``.
 
     ``FUSE_ROPE``: q, and k of the new token, arrive unrotated; each program rotates its q
     rows on load, and the split that holds the new token (the last used one) rotates k and
