@@ -24,6 +24,16 @@ step time with the flag off over step time with it on. A short A/B of the small 
         --overlap on --decode-batches 1,2,4,8 --decode-contexts 1024 --prefill-lengths none \
         --out decode_gemv_ab.json
 
+Serving batches hold contexts of every length: ``--decode-context-spread S`` spreads each
+point's contexts evenly over context x [1 - S, 1 + S], and ``--decode-long-context N`` makes
+the first one N tokens long (the roofline counts the KV bytes of the contexts placed), as
+decode attention's balancing of long contexts is timed with and without
+(``PDSERVE_DECODE_BALANCE_SPLITS=1``):
+
+    python benchmarks/bench_engine.py --models codellama-34b --overlap on \
+        --decode-batches 16,48,128 --decode-contexts 512 --decode-long-context 8192 \
+        --prefill-lengths none --out long_context.json
+
 With ``--tensor-parallel-size N`` the rooflines are per GPU: rank 0's shard of the weights,
 its KV heads and its share of the FLOPs, against one GPU's measured ceilings (all-reduce
 time is not in the roofline, so the gap to it includes communication).
@@ -90,21 +100,25 @@ def kv_bytes_per_token(engine: EngineCore) -> int:
     return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * engine.runner.dtype.itemsize
 
 
-def ragged_contexts(batch: int, context: int, spread: float) -> list[int]:
+def ragged_contexts(batch: int, context: int, spread: float,
+                    long_context: int = 0) -> list[int]:
     """``batch`` contexts evenly spaced over ``context`` x [1 - spread, 1 + spread] (mean
     ``context``, the longest first), as serving holds requests at every length; 0: all
-    ``context``."""
+    ``context``. With ``long_context`` the first is that long instead: one long context
+    beside the rest, as a serving batch often holds."""
     if not 0.0 <= spread < 1.0:
         raise ValueError(f"context spread {spread}: must be in [0, 1)")
     if batch == 1 or spread == 0.0:
-        return [context] * batch
-    return [max(1, round(context * (1 + spread - 2 * spread * i / (batch - 1))))
-            for i in range(batch)]
+        contexts = [context] * batch
+    else:
+        contexts = [max(1, round(context * (1 + spread - 2 * spread * i / (batch - 1))))
+                    for i in range(batch)]
+    return [long_context, *contexts[1:]] if long_context and contexts else contexts
 
 
 def place_decoding_requests(engine: EngineCore, batch: int, context: int,
-                            spread: float = 0.0) -> list[Request] | None:
-    contexts = ragged_contexts(batch, context, spread)
+                            spread: float = 0.0, long_context: int = 0) -> list[Request] | None:
+    contexts = ragged_contexts(batch, context, spread, long_context)
     blocks = sum(engine.blocks.blocks_needed(c + 64) for c in contexts)
     if blocks > engine.blocks.num_free_blocks:
         return None
@@ -122,8 +136,8 @@ def place_decoding_requests(engine: EngineCore, batch: int, context: int,
 
 
 def time_decode(engine: EngineCore, batch: int, context: int, steps: int = 12,
-                spread: float = 0.0) -> dict | None:
-    requests = place_decoding_requests(engine, batch, context, spread)
+                spread: float = 0.0, long_context: int = 0) -> dict | None:
+    requests = place_decoding_requests(engine, batch, context, spread, long_context)
     if requests is None:
         return None
     for _ in range(3):
@@ -240,6 +254,8 @@ class Points:
     prefill_lengths: tuple[int, ...] = PREFILL_LENGTHS
     # Each decode point's contexts over context x [1 - spread, 1 + spread] (``ragged_contexts``)
     context_spread: float = 0.0
+    # The first context of each decode point this long instead (0: as the others)
+    long_context: int = 0
 
 
 def decode_gemv_speedups(results: list[dict]) -> list[dict]:
@@ -276,14 +292,16 @@ def _gemv_modes(text: str) -> tuple[str, ...]:
 
 
 def decode_rows(engine: EngineCore, batch: int, context: int, overlap_modes: tuple,
-                roofline_ms: float, spread: float = 0.0) -> list[dict]:
+                roofline_ms: float, spread: float = 0.0, long_context: int = 0) -> list[dict]:
     """One row per overlap mode. The engine is started with overlap on; turning it off for a
     measurement makes every step wait for its launch, as ``--no-overlap-schedule`` does."""
     rows = []
     for overlap in overlap_modes:
         engine.scheduler.overlap.enabled = overlap
-        timing = time_decode(engine, batch, context, spread=spread)
+        timing = time_decode(engine, batch, context, spread=spread, long_context=long_context)
         row = {"batch": batch, "context": context, "context_spread": spread, "overlap": overlap}
+        if long_context:
+            row["long_context"] = long_context
         if timing is None:
             row["skipped"] = "KV pool too small for this batch and context"
         else:
@@ -323,9 +341,11 @@ def bench_model(model: str, memory_fraction: float, ceilings: dict,
     result["overlap_schedule"] = engine.describe()["overlap_schedule"]["enabled"]
     for context in points.decode_contexts:
         for batch in points.decode_batches:
-            roofline_ms = (weights + batch * context * kv_token) / bandwidth * 1e3
+            tokens = sum(ragged_contexts(batch, context, points.context_spread,
+                                         points.long_context))
+            roofline_ms = (weights + tokens * kv_token) / bandwidth * 1e3
             for row in decode_rows(engine, batch, context, overlap_modes, roofline_ms,
-                                   points.context_spread):
+                                   points.context_spread, points.long_context):
                 row["decode_gemv"] = decode_gemv
                 result["decode"].append(row)
                 print(json.dumps(row), flush=True)
@@ -362,11 +382,14 @@ def main() -> None:
     parser.add_argument("--decode-context-spread", type=float, default=0.0,
                         help="each decode point's contexts spread evenly over context x "
                         "[1 - S, 1 + S], same mean (serving's ragged lengths); default 0")
+    parser.add_argument("--decode-long-context", type=int, default=0,
+                        help="the first context of each decode point this long instead (one "
+                        "long context beside the rest); default 0: as the others")
     parser.add_argument("--prefill-lengths", type=_int_list, default=PREFILL_LENGTHS,
                         help="comma-separated prompt lengths, or none")
     args = parser.parse_args()
     points = Points(args.decode_batches, args.decode_contexts, args.prefill_lengths,
-                    args.decode_context_spread)
+                    args.decode_context_spread, args.decode_long_context)
     ceilings = measure_ceilings()
     print(json.dumps(ceilings), flush=True)
     from bisect_prefill import open_sampler  # beside this script, which Python puts on the path

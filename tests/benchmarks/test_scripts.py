@@ -283,6 +283,10 @@ def test_ragged_decode_contexts_keep_the_mean_and_the_spread():
     assert sum(contexts) / len(contexts) == pytest.approx(600, abs=1)
     with pytest.raises(ValueError, match="context spread 1.0"):
         bench.ragged_contexts(4, 512, 1.0)
+    # One long context beside the rest, spread or not.
+    assert bench.ragged_contexts(4, 512, 0.0, 8192) == [8192, 512, 512, 512]
+    assert bench.ragged_contexts(3, 600, 0.9, 8192)[0] == 8192
+    assert bench.ragged_contexts(1, 512, 0.0, 8192) == [8192]
 
 
 def test_decode_gemv_and_point_arguments():
