@@ -32,8 +32,9 @@ ONE_LAUNCH_DECODE_ENV = "PDSERVE_ONE_LAUNCH_DECODE"
 # of decode-only batches (one launch fewer per layer). Opt-in until timed and its GPU test
 # run on a GPU (``bench_engine.py`` / ``profile_decode.py`` with and without it).
 FUSED_ROPE_DECODE_ENV = "PDSERVE_FUSED_ROPE_DECODE"
-# The fewest decode splits launched at any batch size (``TritonAttentionBackend``); 1 turns
-# the balancing of long contexts off, for A/B runs of the whole engine.
+# The most decode splits launched at any batch size for contexts longer than their share
+# (``TritonAttentionBackend.num_kv_splits``; default 8); 1 turns this balancing of long
+# contexts off, for A/B runs of the whole engine.
 BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
 # Each split no context uses is a program that starts and leaves at once: on the H200 about
 # 2 ns of a layer's time each (3bf43d0, ``bench_kernels.py --decode-balance``; 8 splits for
