@@ -60,9 +60,8 @@ def time_layer(module, contexts: list[int], shape: str = "34b") -> float:
     positions = (seq_lens - 1).long()
     cos_sin = torch.randn(max(contexts) + 1, head_dim, dtype=torch.float32, device="cuda")
     backend = module.TritonAttentionBackend()
-    metas = []
+    metas, last = [], seq_lens.long() - 1
     for layer_tables in tables.split(batch):
-        last = (seq_lens.long() - 1)
         pages = layer_tables[torch.arange(batch, device="cuda"), last // PAGE_SIZE]
         slots = pages.long() * PAGE_SIZE + last % PAGE_SIZE
         metas.append(AttentionMetadata(

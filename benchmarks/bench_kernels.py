@@ -239,8 +239,10 @@ BALANCE_VARIANTS = (1, 8)  # 1: off; 8: the default (``num_kv_splits`` bounds th
 
 def balance_layouts(batch: int) -> dict[str, list[int]]:
     """Contexts alike; evenly spaced over 60-1140 tokens; one of 8K beside 512s."""
-    spread = [max(1, round(600 * (1.9 - 1.8 * i / (batch - 1)))) for i in range(batch)]
-    return {"even": [600] * batch, "spread_0.9": spread, "one_8k": [8192] + [512] * (batch - 1)}
+    from bench_engine import ragged_contexts  # beside this script, which Python puts on the path
+
+    return {"even": [600] * batch, "spread_0.9": ragged_contexts(batch, 600, 0.9),
+            "one_8k": ragged_contexts(batch, 512, 0.0, 8192)}
 
 
 def decode_balance(log: Callable[[dict], dict]) -> list[dict]:

@@ -1100,6 +1100,7 @@ class TritonAttentionBackend:
                 raise ValueError(f"{name} must be a power of two, got {value}")
         self.max_kv_splits = max_kv_splits
         self.balance_splits = min(balance_splits, max_kv_splits)
+        self._splitting: dict[tuple, tuple[int, int, int]] = {}
         self.min_split_tokens = min_split_tokens
         self.num_sms = num_sms
         if fuse_rope is None:
@@ -1135,24 +1136,28 @@ class TritonAttentionBackend:
         """Splits the decode kernel launches per context: the even count, and up to
         ``balance_splits`` for long contexts beside short ones, as many as keep the grid
         within ``BALANCE_PROGRAMS_PER_SM`` programs per SM."""
-        sms = self.num_sms or _sm_count(device)
-        room = BALANCE_PROGRAMS_PER_SM * sms // max(1, num_decode_seqs * num_kv_heads)
-        balance = min(self.balance_splits, 1 << max(0, room.bit_length() - 1))
-        return max(self.even_kv_splits(num_decode_seqs, num_kv_heads, device), balance)
+        return self.decode_splitting(num_decode_seqs, num_kv_heads, device)["num_splits"]
 
     def _programs(self, device: torch.device) -> int:
         return 2 * (self.num_sms or _sm_count(device))
 
     def decode_splitting(self, num_decode_seqs: int, num_kv_heads: int,
                          device: torch.device) -> dict[str, int]:
-        """``decode_attention``'s split arguments for a decode batch of this size. Where
-        the grid has no splits beyond the even count, balancing could add none: it is off
-        (the kernel then skips the batch's token sum)."""
-        splits = self.num_kv_splits(num_decode_seqs, num_kv_heads, device)
-        cap = self.even_kv_splits(num_decode_seqs, num_kv_heads, device)
-        balanced = splits > cap and num_decode_seqs <= BALANCE_MAX_SEQS
+        """``decode_attention``'s split arguments for a decode batch of this size (worked
+        out once per size: every layer of an eager step asks). Where the grid has no splits
+        beyond the even count, balancing could add none: it is off (the kernel then skips
+        the batch's token sum)."""
+        key = (num_decode_seqs, num_kv_heads, device)
+        if key not in self._splitting:
+            cap = self.even_kv_splits(num_decode_seqs, num_kv_heads, device)
+            room = (BALANCE_PROGRAMS_PER_SM * (self.num_sms or _sm_count(device))
+                    // max(1, num_decode_seqs * num_kv_heads))
+            splits = max(cap, min(self.balance_splits, 1 << max(0, room.bit_length() - 1)))
+            balanced = splits > cap and num_decode_seqs <= BALANCE_MAX_SEQS
+            self._splitting[key] = (splits, cap, self._programs(device) if balanced else 0)
+        splits, cap, balance_programs = self._splitting[key]
         return {"num_splits": splits, "min_split_tokens": self.min_split_tokens,
-                "split_cap": cap, "balance_programs": self._programs(device) if balanced else 0}
+                "split_cap": cap, "balance_programs": balance_programs}
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, num_decode: int, out: torch.Tensor, scale: float,
