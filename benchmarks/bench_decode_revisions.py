@@ -28,8 +28,8 @@ from pdserve.ops import triton_attention
 from pdserve.ops.metadata import AttentionMetadata
 
 # (batch, layout): contexts alike at 1K, and the layouts of ``balance_layouts``.
-POINTS = [(1, "1k"), (16, "1k"), (48, "1k"), (256, "1k"), (48, "one_8k"), (48, "spread_0.9"),
-          (128, "one_8k")]
+POINTS = [(1, "1k"), (9, "1k"), (16, "1k"), (32, "1k"), (48, "1k"), (128, "1k"), (256, "1k"),
+          (48, "one_8k"), (48, "spread_0.9"), (128, "one_8k")]
 _MIN_GRAPH_BYTES = 256e6
 _MAX_LAYERS = 48
 

@@ -36,10 +36,11 @@ FUSED_ROPE_DECODE_ENV = "PDSERVE_FUSED_ROPE_DECODE"
 # (``TritonAttentionBackend.num_kv_splits``; default 8); 1 turns this balancing of long
 # contexts off, for A/B runs of the whole engine.
 BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
-# Each split no context uses is a program that starts and leaves at once: on the H200 about
-# 2 ns of a layer's time each (3bf43d0, ``bench_kernels.py --decode-balance``; 8 splits for
-# 256 contexts alike cost 30 us a layer, 19%). Balancing keeps the grid within this many
-# programs per SM (8 splits up to 64 decodes of 8 KV heads, 4 at 128, 2 at 256).
+# Balancing keeps partial results for at most this many programs per SM (8 splits up to 64
+# decodes of 8 KV heads, 4 at 128, 2 at 256): the partials buffer and the reduce kernel grow
+# with batch x splits. The split kernel's grid does not: it is a pool of the slots the
+# contexts use (``_decode_grid``); a grid of batch x splits (3bf43d0 to d36edd5) started
+# every split no context used, about 2 ns of a layer each on the H200.
 BALANCE_PROGRAMS_PER_SM = 32
 # Decode batches up to this size are balanced (the kernel sums their lengths in one load).
 BALANCE_MAX_SEQS = 512
@@ -136,7 +137,7 @@ def _split_range(seq_len, split, cap, split_tokens, BLOCK_N: tl.constexpr,
     captured once replays for any context lengths. A context takes one split per
     ``MIN_SPLIT_TOKENS`` up to ``cap`` (short contexts use fewer splits, the rest exit at
     once, to keep the partial-result traffic small), and at least one per ``split_tokens``
-    (``_len_and_split_tokens``), up to the grid's ``NUM_SPLITS``."""
+    (``_pool_slot``), up to ``NUM_SPLITS``."""
     by_length = tl.minimum((seq_len + MIN_SPLIT_TOKENS - 1) // MIN_SPLIT_TOKENS, cap)
     by_share = (seq_len + split_tokens - 1) // split_tokens
     num_splits = tl.minimum(tl.maximum(tl.maximum(by_length, by_share), 1), NUM_SPLITS)
@@ -150,21 +151,37 @@ def _split_range(seq_len, split, cap, split_tokens, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _len_and_split_tokens(seq_lens_ptr, seq, num_seqs, programs_per_split, balance_programs,
-                          MIN_SPLIT_TOKENS: tl.constexpr, MAX_SEQS: tl.constexpr):
-    """Sequence ``seq``'s context length, and the tokens per split that spread the batch's
-    whole context evenly over about ``balance_programs`` programs. A context far longer
-    than the others then takes more splits than its batch size alone gives it, instead of
-    one program reading all of it while the rest of the GPU waits. One load of the batch's
-    lengths (at most ``MAX_SEQS``) serves both, so the sum adds no memory round trip
-    before the tiles' loads; a loop here would cost the tile loop its software pipelining
-    (no ``cp.async`` in the sm_90 code, Triton 3.6)."""
+def _pool_slot(seq_lens_ptr, slot, num_seqs, programs_per_split, balance_programs, cap,
+               BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
+               MAX_SEQS: tl.constexpr):
+    """The context and split that program ``slot`` of a balanced launch serves, that
+    context's length, and the tokens per split that spread the batch's whole context
+    evenly over about ``balance_programs`` programs (a context far longer than the others
+    then takes more splits than its batch size alone gives it, instead of one program
+    reading all of it while the rest of the GPU waits).
+
+    The launch is a pool of slots, not a program per context and split: the contexts'
+    split counts are summed in order and slot s serves the split that covers s, so no
+    program starts only to find its split empty. A slot past the last split gets context
+    ``num_seqs`` (nothing to do). One load of the batch's lengths (at most ``MAX_SEQS``)
+    serves all of it, so the mapping adds no memory round trip before the tiles' loads; a
+    loop here would cost the tile loop its software pipelining (no ``cp.async`` in the
+    sm_90 code, Triton 3.6)."""
     offs = tl.arange(0, MAX_SEQS)
-    lens = tl.load(seq_lens_ptr + offs, mask=offs < num_seqs, other=0)
-    seq_len = tl.sum(tl.where(offs == seq, lens, 0))
+    real = offs < num_seqs
+    lens = tl.load(seq_lens_ptr + offs, mask=real, other=0)
     total = tl.sum(lens.to(tl.int64))
     wanted = (total * programs_per_split + balance_programs - 1) // balance_programs
-    return seq_len, tl.maximum(wanted, MIN_SPLIT_TOKENS).to(tl.int32)
+    split_tokens = tl.maximum(wanted, MIN_SPLIT_TOKENS).to(tl.int32)
+    _, _, used = _split_range(lens, 0, cap, split_tokens, BLOCK_N, NUM_SPLITS, MIN_SPLIT_TOKENS)
+    used = tl.where(real, used, 0)
+    ends = tl.cumsum(used, 0)
+    # The sums below depend on the scan alone, not on one another.
+    mine = (ends - used <= slot) & (slot < ends)
+    seq_plus_one = tl.sum(tl.where(mine, offs + 1, 0))  # 0: the slot is past every split
+    first_slot = tl.sum(tl.where(mine, ends - used, 0))
+    seq = tl.where(seq_plus_one > 0, seq_plus_one - 1, num_seqs)
+    return seq, slot - first_slot, tl.sum(tl.where(mine, lens, 0)), split_tokens
 
 
 @triton.jit
@@ -226,7 +243,7 @@ def _attend_range(q, k_head, v_head, table, start, end, stride_kp, stride_kb, st
 
 # Split counts and the balance target are plain values, not specialised on (==1, multiples
 # of 16): a new value met while serving must not compile a kernel variant.
-@triton.jit(do_not_specialize=["split_cap", "balance_programs"])
+@triton.jit(do_not_specialize=["num_seqs", "split_cap", "balance_programs"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -266,6 +283,7 @@ def _decode_split_kernel(
     stride_oh,
     qk_scale,
     page_size,
+    num_seqs,
     split_cap,
     balance_programs,
     GROUP: tl.constexpr,
@@ -282,7 +300,9 @@ def _decode_split_kernel(
     HALF_ROT: tl.constexpr,
 ):
     """One program = (decode seq, kv head x head block, split): all q heads of the group
-    share each K/V tile, so K/V are read from memory once per group.
+    share each K/V tile, so K/V are read from memory once per group. The grid is (seq,
+    head block, split), or with ``BALANCE`` (slot, head block, 1) over a pool of slots
+    that ``_pool_slot`` maps to (seq, split).
 
     Splits without tokens exit at once, and a sequence with one used split writes its
     output directly. Otherwise each used split stores its partial, and with ``ONE_LAUNCH``
@@ -290,28 +310,29 @@ def _decode_split_kernel(
     second launch (the first split tells it how many there are).
 
     ``BALANCE``: a context also takes a split per its share of the batch's tokens
-    (``_len_and_split_tokens``, up to ``NUM_SPLITS``), beside the one per
-    ``MIN_SPLIT_TOKENS`` up to ``split_cap``.
+    (``_pool_slot``, up to ``NUM_SPLITS``), beside the one per ``MIN_SPLIT_TOKENS`` up to
+    ``split_cap``.
 
     ``FUSE_ROPE``: q, and k of the new token, arrive unrotated; each program rotates its q
     rows on load, and the split that holds the new token (the last used one) rotates k and
     stores it with v into the token's cache slot before it reads its tiles, which saves
     the step's ``rope_store_kv`` launch."""
-    seq = tl.program_id(0)
     blocks_per_group = (GROUP + BLOCK_H - 1) // BLOCK_H
     kv_head = tl.program_id(1) // blocks_per_group
     head_block = tl.program_id(1) % blocks_per_group
-    split = tl.program_id(2)
     if BALANCE:
-        seq_len, split_tokens = _len_and_split_tokens(seq_lens_ptr, seq, tl.num_programs(0),
-                                                      tl.num_programs(1), balance_programs,
-                                                      MIN_SPLIT_TOKENS,
-                                                      _BALANCE_MAX_SEQS)  # fmt: skip
+        seq, split, seq_len, split_tokens = _pool_slot(
+            seq_lens_ptr, tl.program_id(0), num_seqs, tl.num_programs(1), balance_programs,
+            split_cap, BLOCK_N, NUM_SPLITS, MIN_SPLIT_TOKENS, _BALANCE_MAX_SEQS,
+        )  # fmt: skip
+        if seq >= num_seqs:
+            return
     else:
+        seq, split = tl.program_id(0), tl.program_id(2)
         seq_len, split_tokens = tl.load(seq_lens_ptr + seq), 1 << 30
-    # No context takes more than one split per MIN_SPLIT_TOKENS: such programs leave at once.
-    if split > 0 and split * MIN_SPLIT_TOKENS >= seq_len:
-        return
+        # No context takes a split per fewer than MIN_SPLIT_TOKENS: such programs leave at once.
+        if split > 0 and split * MIN_SPLIT_TOKENS >= seq_len:
+            return
     start, end, used_splits = _split_range(seq_len, split, split_cap, split_tokens, BLOCK_N,
                                            NUM_SPLITS, MIN_SPLIT_TOKENS)  # fmt: skip
     if split >= used_splits:
@@ -557,7 +578,8 @@ def decode_attention(
     mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     used_splits = torch.empty((batch,), dtype=torch.int32, device=q.device)
     split_cap = num_splits if split_cap is None else min(split_cap, num_splits)
-    grid = (batch, num_kv_heads * triton.cdiv(group, _DECODE_BLOCK_H), num_splits)
+    grid = _decode_grid(batch, num_kv_heads * triton.cdiv(group, _DECODE_BLOCK_H), num_splits,
+                        split_cap, balance_programs)  # fmt: skip
     one_launch = config.one_launch and num_splits > 1
     arrivals = _arrival_counters(batch * grid[1], q.device) if one_launch else mid_lse
     rows = triton.next_power_of_2(min(group, _DECODE_BLOCK_H))  # q heads a merge covers
@@ -573,6 +595,7 @@ def decode_attention(
         out.stride(0), out.stride(1),
         scale * math.log2(math.e),
         page_size,
+        batch,
         split_cap,
         balance_programs,
         GROUP=group,
@@ -604,6 +627,17 @@ def decode_attention(
         num_warps=4 if head_dim >= 128 else 2,
     )  # fmt: skip
     return used_splits
+
+
+def _decode_grid(batch: int, head_programs: int, num_splits: int, split_cap: int,
+                 balance_programs: int) -> tuple[int, int, int]:
+    """The split kernel's grid. Balanced, a pool of slots: each context takes at most
+    ``split_cap`` splits by its length plus one per full share of the batch's tokens (a
+    share being ``head_programs / balance_programs`` of them), so the shares add at most
+    ``balance_programs // head_programs`` splits to the batch's ``batch * split_cap``."""
+    if not balance_programs:
+        return batch, head_programs, num_splits
+    return batch * split_cap + balance_programs // head_programs, head_programs, 1
 
 
 def _rope_args(rope: NewTokenRope | None, q: torch.Tensor, k_cache: torch.Tensor, batch: int,
@@ -1134,8 +1168,8 @@ class TritonAttentionBackend:
 
     def num_kv_splits(self, num_decode_seqs: int, num_kv_heads: int, device: torch.device) -> int:
         """Splits the decode kernel launches per context: the even count, and up to
-        ``balance_splits`` for long contexts beside short ones, as many as keep the grid
-        within ``BALANCE_PROGRAMS_PER_SM`` programs per SM."""
+        ``balance_splits`` for long contexts beside short ones, as many as keep the
+        partial results within ``BALANCE_PROGRAMS_PER_SM`` programs per SM."""
         return self.decode_splitting(num_decode_seqs, num_kv_heads, device)["num_splits"]
 
     def _programs(self, device: torch.device) -> int:

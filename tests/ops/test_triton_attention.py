@@ -11,6 +11,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from kernel_env import interpreted
 from paged_cases import PagedBatch, make_paged_batch, run_both
 
@@ -166,6 +168,26 @@ def test_balanced_split_counts_never_fall_below_the_cap():
     torch.testing.assert_close(out, _reference_decode(batch), **INTERP_TOL)
     out, used = _decode_counting(batch, 8, 16, False, split_cap=4, balance_programs=64)
     assert used == [7, 7, 7]  # 13 tiles over 8 splits: 2 tiles a split, 7 splits used
+    torch.testing.assert_close(out, _reference_decode(batch), **INTERP_TOL)
+
+
+@interpreted
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lens=st.lists(st.integers(1, 700), min_size=1, max_size=9),
+       split_cap=st.sampled_from([1, 2, 4]), balance_programs=st.integers(2, 40),
+       one_launch=st.booleans())
+@example(lens=[583], split_cap=1, balance_programs=9, one_launch=False)  # 5 splits, 5 slots
+@example(lens=[331, 620, 325], split_cap=1, balance_programs=25, one_launch=True)  # 15 of 15
+def test_balanced_pool_runs_every_split(lens, split_cap, balance_programs, one_launch):
+    """A balanced launch is a pool of ``batch x split_cap + balance_programs // 2`` slots
+    here (2 kv heads, one head block each), not a program per context and split: whatever
+    the lengths, the splits the contexts use fit in it and every row matches the reference
+    (an unrun split would leave its partial unwritten)."""
+    batch = make_paged_batch(lens, [], 4, 2, page_size=16, seed=len(lens), head_dim=16)
+    store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    out, used = _decode_counting(batch, 8, 16, one_launch, split_cap=split_cap,
+                                 balance_programs=balance_programs)  # fmt: skip
+    assert sum(used) <= len(lens) * split_cap + balance_programs // 2
     torch.testing.assert_close(out, _reference_decode(batch), **INTERP_TOL)
 
 
