@@ -38,9 +38,11 @@ FUSED_ROPE_DECODE_ENV = "PDSERVE_FUSED_ROPE_DECODE"
 BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
 # Balancing keeps partial results for at most this many programs per SM (8 splits up to 64
 # decodes of 8 KV heads, 4 at 128, 2 at 256): the partials buffer and the reduce kernel grow
-# with batch x splits. The split kernel's grid does not: it is a pool of the slots the
-# contexts use (``_decode_grid``); a grid of batch x splits (3bf43d0 to d36edd5) started
-# every split no context used, about 2 ns of a layer each on the H200.
+# with batch x splits. The split kernel's grid does not: past each context's first
+# ``split_cap`` splits it is a pool of the extra splits the contexts use (``_decode_grid``).
+# A grid of batch x splits (3bf43d0 to d36edd5) started every split no context used, about
+# 2 ns of a layer each on the H200; a pool of every split (b54a09f) made each program scan
+# the batch's split counts, +2.3 us a layer at 9 contexts alike.
 BALANCE_PROGRAMS_PER_SM = 32
 # Decode batches up to this size are balanced (the kernel sums their lengths in one load).
 BALANCE_MAX_SEQS = 512
@@ -137,7 +139,7 @@ def _split_range(seq_len, split, cap, split_tokens, BLOCK_N: tl.constexpr,
     captured once replays for any context lengths. A context takes one split per
     ``MIN_SPLIT_TOKENS`` up to ``cap`` (short contexts use fewer splits, the rest exit at
     once, to keep the partial-result traffic small), and at least one per ``split_tokens``
-    (``_pool_slot``), up to ``NUM_SPLITS``."""
+    (``_balanced_slot``), up to ``NUM_SPLITS``."""
     by_length = tl.minimum((seq_len + MIN_SPLIT_TOKENS - 1) // MIN_SPLIT_TOKENS, cap)
     by_share = (seq_len + split_tokens - 1) // split_tokens
     num_splits = tl.minimum(tl.maximum(tl.maximum(by_length, by_share), 1), NUM_SPLITS)
@@ -151,37 +153,46 @@ def _split_range(seq_len, split, cap, split_tokens, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _pool_slot(seq_lens_ptr, slot, num_seqs, programs_per_split, balance_programs, cap,
-               BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
-               MAX_SEQS: tl.constexpr):
+def _balanced_slot(seq_lens_ptr, slot, num_seqs, programs_per_split, balance_programs, cap,
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   MIN_SPLIT_TOKENS: tl.constexpr, MAX_SEQS: tl.constexpr):
     """The context and split that program ``slot`` of a balanced launch serves, that
     context's length, and the tokens per split that spread the batch's whole context
     evenly over about ``balance_programs`` programs (a context far longer than the others
     then takes more splits than its batch size alone gives it, instead of one program
     reading all of it while the rest of the GPU waits).
 
-    The launch is a pool of slots, not a program per context and split: the contexts'
-    split counts are summed in order and slot s serves the split that covers s, so no
-    program starts only to find its split empty. A slot past the last split gets context
-    ``num_seqs`` (nothing to do). One load of the batch's lengths (at most ``MAX_SEQS``)
-    serves all of it, so the mapping adds no memory round trip before the tiles' loads; a
-    loop here would cost the tile loop its software pipelining (no ``cp.async`` in the
-    sm_90 code, Triton 3.6)."""
+    The first ``num_seqs * cap`` slots are each context's first ``cap`` splits, as an
+    unbalanced launch has them. The slots after them are a pool for the splits past the
+    cap: the contexts' extra split counts are summed in order and pool slot e serves the
+    extra split that covers e, so no program starts only to find an extra split empty. A
+    pool slot past the last extra split gets context ``num_seqs`` (nothing to do). One load
+    of the batch's lengths (at most ``MAX_SEQS``) serves all of it, so the mapping adds no
+    memory round trip before the tiles' loads; a loop here would cost the tile loop its
+    software pipelining (no ``cp.async`` in the sm_90 code, Triton 3.6)."""
     offs = tl.arange(0, MAX_SEQS)
     real = offs < num_seqs
     lens = tl.load(seq_lens_ptr + offs, mask=real, other=0)
     total = tl.sum(lens.to(tl.int64))
     wanted = (total * programs_per_split + balance_programs - 1) // balance_programs
     split_tokens = tl.maximum(wanted, MIN_SPLIT_TOKENS).to(tl.int32)
-    _, _, used = _split_range(lens, 0, cap, split_tokens, BLOCK_N, NUM_SPLITS, MIN_SPLIT_TOKENS)
-    used = tl.where(real, used, 0)
-    ends = tl.cumsum(used, 0)
-    # The sums below depend on the scan alone, not on one another.
-    mine = (ends - used <= slot) & (slot < ends)
-    seq_plus_one = tl.sum(tl.where(mine, offs + 1, 0))  # 0: the slot is past every split
-    first_slot = tl.sum(tl.where(mine, ends - used, 0))
-    seq = tl.where(seq_plus_one > 0, seq_plus_one - 1, num_seqs)
-    return seq, slot - first_slot, tl.sum(tl.where(mine, lens, 0)), split_tokens
+    if slot < num_seqs * cap:
+        seq = slot // cap
+        split = slot - seq * cap
+        seq_len = tl.sum(tl.where(offs == seq, lens, 0))
+    else:
+        # Only pool slots pay for the scan (the first cap splits are found without it).
+        _, _, used = _split_range(lens, 0, cap, split_tokens, BLOCK_N, NUM_SPLITS,
+                                  MIN_SPLIT_TOKENS)  # fmt: skip
+        extra = tl.where(real, tl.maximum(used - cap, 0), 0)
+        ends = tl.cumsum(extra, 0)
+        pool_slot = slot - num_seqs * cap
+        mine = (ends - extra <= pool_slot) & (pool_slot < ends)  # these sums need only the scan
+        seq_plus_one = tl.sum(tl.where(mine, offs + 1, 0))  # 0: past every extra split
+        split = cap + pool_slot - tl.sum(tl.where(mine, ends - extra, 0))
+        seq_len = tl.sum(tl.where(mine, lens, 0))
+        seq = tl.where(seq_plus_one > 0, seq_plus_one - 1, num_seqs)
+    return seq, split, seq_len, split_tokens
 
 
 @triton.jit
@@ -301,8 +312,8 @@ def _decode_split_kernel(
 ):
     """One program = (decode seq, kv head x head block, split): all q heads of the group
     share each K/V tile, so K/V are read from memory once per group. The grid is (seq,
-    head block, split), or with ``BALANCE`` (slot, head block, 1) over a pool of slots
-    that ``_pool_slot`` maps to (seq, split).
+    head block, split), or with ``BALANCE`` (slot, head block, 1): each context's first
+    ``split_cap`` splits, then a pool of the extra splits (``_balanced_slot``).
 
     Splits without tokens exit at once, and a sequence with one used split writes its
     output directly. Otherwise each used split stores its partial, and with ``ONE_LAUNCH``
@@ -310,7 +321,7 @@ def _decode_split_kernel(
     second launch (the first split tells it how many there are).
 
     ``BALANCE``: a context also takes a split per its share of the batch's tokens
-    (``_pool_slot``, up to ``NUM_SPLITS``), beside the one per ``MIN_SPLIT_TOKENS`` up to
+    (``_balanced_slot``, up to ``NUM_SPLITS``), beside the one per ``MIN_SPLIT_TOKENS`` up to
     ``split_cap``.
 
     ``FUSE_ROPE``: q, and k of the new token, arrive unrotated; each program rotates its q
@@ -321,7 +332,7 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1) // blocks_per_group
     head_block = tl.program_id(1) % blocks_per_group
     if BALANCE:
-        seq, split, seq_len, split_tokens = _pool_slot(
+        seq, split, seq_len, split_tokens = _balanced_slot(
             seq_lens_ptr, tl.program_id(0), num_seqs, tl.num_programs(1), balance_programs,
             split_cap, BLOCK_N, NUM_SPLITS, MIN_SPLIT_TOKENS, _BALANCE_MAX_SEQS,
         )  # fmt: skip
@@ -330,9 +341,9 @@ def _decode_split_kernel(
     else:
         seq, split = tl.program_id(0), tl.program_id(2)
         seq_len, split_tokens = tl.load(seq_lens_ptr + seq), 1 << 30
-        # No context takes a split per fewer than MIN_SPLIT_TOKENS: such programs leave at once.
-        if split > 0 and split * MIN_SPLIT_TOKENS >= seq_len:
-            return
+    # No context takes a split per fewer than MIN_SPLIT_TOKENS: such programs leave at once.
+    if split > 0 and split * MIN_SPLIT_TOKENS >= seq_len:
+        return
     start, end, used_splits = _split_range(seq_len, split, split_cap, split_tokens, BLOCK_N,
                                            NUM_SPLITS, MIN_SPLIT_TOKENS)  # fmt: skip
     if split >= used_splits:
@@ -631,10 +642,11 @@ def decode_attention(
 
 def _decode_grid(batch: int, head_programs: int, num_splits: int, split_cap: int,
                  balance_programs: int) -> tuple[int, int, int]:
-    """The split kernel's grid. Balanced, a pool of slots: each context takes at most
-    ``split_cap`` splits by its length plus one per full share of the batch's tokens (a
-    share being ``head_programs / balance_programs`` of them), so the shares add at most
-    ``balance_programs // head_programs`` splits to the batch's ``batch * split_cap``."""
+    """The split kernel's grid. Balanced: ``split_cap`` slots a context, then a pool for
+    the splits past them. A context takes at most ``split_cap`` splits by its length, or
+    one more than the full shares of the batch's tokens it holds (a share being
+    ``head_programs / balance_programs`` of them), so the extra splits of the whole batch
+    are at most ``balance_programs // head_programs``."""
     if not balance_programs:
         return batch, head_programs, num_splits
     return batch * split_cap + balance_programs // head_programs, head_programs, 1
