@@ -68,9 +68,9 @@ def warm_up_eager_steps(engine) -> dict:
 
 
 def shapes(engine, tokens: int) -> list[tuple[int, int]]:
-    """``SHAPES``, then one decode batch per decode split count the attention backend
-    launches up to the engine's largest batch, then one decode beside a ``tokens`` chunk
-    behind each of ``PREFIXES`` that fits the context."""
+    """``SHAPES``, then one decode batch per decode kernel variant the attention backend
+    launches up to the engine's largest batch (``decode_split_batches``), then one decode
+    beside a ``tokens`` chunk behind each of ``PREFIXES`` that fits the context."""
     batches = decode_split_batches(engine.runner.attn_backend, engine.arch.num_kv_heads,
                                    engine.runner.device,
                                    engine.config.scheduler.max_num_seqs)
@@ -81,14 +81,15 @@ def shapes(engine, tokens: int) -> list[tuple[int, int]]:
 
 
 def decode_split_batches(backend, kv_heads: int, device, most: int) -> list[int]:
-    """The smallest decode batch of each split count ``backend.num_kv_splits`` gives up to
-    ``most`` decodes (none for a backend without split counts)."""
-    splits = getattr(backend, "num_kv_splits", None)
-    if splits is None:
+    """The smallest decode batch of each decode kernel variant ``backend.decode_variant``
+    gives up to ``most`` decodes (split count and balanced width; none for a backend
+    without variants)."""
+    variant = getattr(backend, "decode_variant", None)
+    if variant is None:
         return []
-    first: dict[int, int] = {}
+    first: dict[tuple, int] = {}
     for batch in range(1, most + 1):
-        first.setdefault(splits(batch, kv_heads, device), batch)
+        first.setdefault(variant(batch, kv_heads, device), batch)
     return sorted(first.values())
 
 

@@ -46,7 +46,6 @@ BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
 BALANCE_PROGRAMS_PER_SM = 32
 # Decode batches up to this size are balanced (the kernel sums their lengths in one load).
 BALANCE_MAX_SEQS = 512
-_BALANCE_MAX_SEQS = tl.constexpr(BALANCE_MAX_SEQS)
 
 
 @dataclass(frozen=True)
@@ -167,7 +166,7 @@ def _balanced_slot(seq_lens_ptr, slot, num_seqs, programs_per_split, balance_pro
     cap: the contexts' extra split counts are summed in order and pool slot e serves the
     extra split that covers e, so no program starts only to find an extra split empty. A
     pool slot past the last extra split gets context ``num_seqs`` (nothing to do). One load
-    of the batch's lengths (at most ``MAX_SEQS``) serves all of it, so the mapping adds no
+    of the batch's lengths (``MAX_SEQS`` of them, padded) serves all of it, so the mapping adds no
     memory round trip before the tiles' loads; a loop here would cost the tile loop its
     software pipelining (no ``cp.async`` in the sm_90 code, Triton 3.6)."""
     offs = tl.arange(0, MAX_SEQS)
@@ -305,6 +304,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TOKENS: tl.constexpr,
     BALANCE: tl.constexpr,
+    BALANCE_WIDTH: tl.constexpr,
     ONE_LAUNCH: tl.constexpr,
     MERGE_SPLITS: tl.constexpr,
     FUSE_ROPE: tl.constexpr,
@@ -334,7 +334,7 @@ def _decode_split_kernel(
     if BALANCE:
         seq, split, seq_len, split_tokens = _balanced_slot(
             seq_lens_ptr, tl.program_id(0), num_seqs, tl.num_programs(1), balance_programs,
-            split_cap, BLOCK_N, NUM_SPLITS, MIN_SPLIT_TOKENS, _BALANCE_MAX_SEQS,
+            split_cap, BLOCK_N, NUM_SPLITS, MIN_SPLIT_TOKENS, BALANCE_WIDTH,
         )  # fmt: skip
         if seq >= num_seqs:
             return
@@ -617,6 +617,7 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         MIN_SPLIT_TOKENS=max(min_split_tokens, config.block_n),
         BALANCE=balance_programs > 0,
+        BALANCE_WIDTH=balance_width(batch) if balance_programs else 16,
         ONE_LAUNCH=one_launch,
         MERGE_SPLITS=_merge_splits(num_splits, rows, head_dim),
         FUSE_ROPE=rope is not None,
@@ -638,6 +639,14 @@ def decode_attention(
         num_warps=4 if head_dim >= 128 else 2,
     )  # fmt: skip
     return used_splits
+
+
+def balance_width(batch: int) -> int:
+    """Lengths a balanced launch loads at once: the batch rounded up to a power of two, at
+    least 16. Every program sums and scans them before its first tile, so a vector as wide
+    as the largest batch would put that width on every small batch's critical path; one
+    kernel variant per width instead."""
+    return max(16, triton.next_power_of_2(batch))
 
 
 def _decode_grid(batch: int, head_programs: int, num_splits: int, split_cap: int,
@@ -1183,6 +1192,15 @@ class TritonAttentionBackend:
         ``balance_splits`` for long contexts beside short ones, as many as keep the
         partial results within ``BALANCE_PROGRAMS_PER_SM`` programs per SM."""
         return self.decode_splitting(num_decode_seqs, num_kv_heads, device)["num_splits"]
+
+    def decode_variant(self, num_decode_seqs: int, num_kv_heads: int,
+                       device: torch.device) -> tuple[int, int]:
+        """What picks the decode kernel's compiled variant at this batch size: the split
+        count, and the width of the lengths a balanced launch loads (0 unbalanced). A
+        warm-up that runs one batch of each compiles every variant serving can meet."""
+        splitting = self.decode_splitting(num_decode_seqs, num_kv_heads, device)
+        balanced = splitting["balance_programs"] > 0
+        return splitting["num_splits"], balance_width(num_decode_seqs) if balanced else 0
 
     def _programs(self, device: torch.device) -> int:
         return 2 * (self.num_sms or _sm_count(device))

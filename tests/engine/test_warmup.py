@@ -45,12 +45,14 @@ def test_where_it_does_not_run_it_says_why():
 
 
 @pytest.mark.parametrize("balance, first_batches",
-                         [(1, [1, 3, 5, 9, 17, 33]), (8, [1, 3, 5, 67, 133])])
+                         [(1, [1, 3, 5, 9, 17, 33]),
+                          (8, [1, 3, 5, 9, 17, 33, 65, 67, 129, 133])])
 def test_every_decode_split_count_gets_a_warm_up_batch(balance, first_batches):
-    """codellama-34b (8 kv heads) on 132 SMs: the smallest batch of each split count
-    launched (with long contexts balanced: 8 from 5 decodes on, 4 from 67, 2 from 133).
-    The first mixed steps that stalled on fresh 6f2d50e servers ran beside 3, 5, 6, 9, 10,
-    17, 18, 19, 33, 124 and 135 decodes: each shares its split count with a warmed batch."""
+    """codellama-34b (8 kv heads) on 132 SMs: the smallest batch of each kernel variant
+    launched (with long contexts balanced: 8 splits from 5 decodes on, 4 from 67, 2 from
+    133, balanced from 9 with the lengths loaded 16, 32, ... 256 wide). The first mixed
+    steps that stalled on fresh 6f2d50e servers ran beside 3, 5, 6, 9, 10, 17, 18, 19, 33,
+    124 and 135 decodes: each shares its kernel variant with a warmed batch."""
     # Imported here, not at collection: Triton decides whether a kernel is interpreted when
     # its module is imported, and tests/ops sets that up while it is collected.
     from pdserve.ops.triton_attention import TritonAttentionBackend
@@ -59,7 +61,8 @@ def test_every_decode_split_count_gets_a_warm_up_batch(balance, first_batches):
     cpu = torch.device("cpu")
     batches = decode_split_batches(backend, 8, cpu, 256)
     assert batches == first_batches
-    warmed = {backend.num_kv_splits(n, 8, cpu) for n in batches}
+    warmed = {backend.decode_variant(n, 8, cpu) for n in batches}
     stalled = (3, 5, 6, 9, 10, 17, 18, 19, 33, 124, 135)
-    assert {backend.num_kv_splits(n, 8, cpu) for n in stalled} <= warmed
+    assert {backend.decode_variant(n, 8, cpu) for n in stalled} <= warmed
+    assert {backend.decode_variant(n, 8, cpu) for n in range(1, 257)} == warmed
     assert decode_split_batches(object(), 8, cpu, 256) == []  # a backend without splits

@@ -80,7 +80,8 @@ def attention_cases(dtype: str):
                 (8, True, True, True)):
             yield ta._decode_split_kernel, dtype, dict(
                 GROUP=8, BLOCK_H=16, ROWS=8, HEAD_DIM=head_dim, BLOCK_N=dec.block_n,
-                NUM_SPLITS=splits, MIN_SPLIT_TOKENS=64, BALANCE=balance, ONE_LAUNCH=one_launch,
+                NUM_SPLITS=splits, MIN_SPLIT_TOKENS=64, BALANCE=balance, BALANCE_WIDTH=64,
+                ONE_LAUNCH=one_launch,
                 MERGE_SPLITS=ta._merge_splits(splits, 8, head_dim), FUSE_ROPE=fuse_rope,
                 HALF_ROT=head_dim // 2 if fuse_rope else 0,
             ), dec.num_warps, dec.num_stages  # fmt: skip
