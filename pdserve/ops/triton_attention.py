@@ -40,9 +40,10 @@ BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
 # decodes of 8 KV heads, 4 at 128, 2 at 256): the partials buffer and the reduce kernel grow
 # with batch x splits. The split kernel's grid does not: past each context's first
 # ``split_cap`` splits it is a pool of the extra splits the contexts use (``_decode_grid``).
-# A grid of batch x splits (3bf43d0 to d36edd5) started every split no context used, about
-# 2 ns of a layer each on the H200; a pool of every split (b54a09f) made each program scan
-# the batch's split counts, +2.3 us a layer at 9 contexts alike.
+# What balancing costs contexts alike is the work before each program's first tile, not the
+# programs that exit at once: on the H200 a pool of every split (b54a09f, each program
+# scanning the batch's split counts) ran 1.10x a layer at 9 decodes alike, with fewer
+# programs.
 BALANCE_PROGRAMS_PER_SM = 32
 # Decode batches up to this size are balanced (the kernel sums their lengths in one load).
 BALANCE_MAX_SEQS = 512
