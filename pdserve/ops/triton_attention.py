@@ -313,7 +313,7 @@ def _decode_split_kernel(
 ):
     """One program = (decode seq, kv head x head block, split): all q heads of the group
     share each K/V tile, so K/V are read from memory once per group. The grid is (seq,
-    head block, split), or with ``BALANCE`` (slot, head block, 1): each context's first
+    head block, split), or with ``BALANCE`` (head block, slot, 1): each context's first
     ``split_cap`` splits, then a pool of the extra splits (``_balanced_slot``).
 
     Splits without tokens exit at once, and a sequence with one used split writes its
@@ -329,12 +329,16 @@ def _decode_split_kernel(
     rows on load, and the split that holds the new token (the last used one) rotates k and
     stores it with v into the token's cache slot before it reads its tiles, which saves
     the step's ``rope_store_kv`` launch."""
+    # Balanced, the head block is the grid's first axis, so every context's first splits
+    # (all head blocks) launch before the pool's slots and spread over the SMs first.
+    head_program = tl.program_id(0) if BALANCE else tl.program_id(1)
+    head_programs = tl.num_programs(0) if BALANCE else tl.num_programs(1)
     blocks_per_group = (GROUP + BLOCK_H - 1) // BLOCK_H
-    kv_head = tl.program_id(1) // blocks_per_group
-    head_block = tl.program_id(1) % blocks_per_group
+    kv_head = head_program // blocks_per_group
+    head_block = head_program % blocks_per_group
     if BALANCE:
         seq, split, seq_len, split_tokens = _balanced_slot(
-            seq_lens_ptr, tl.program_id(0), num_seqs, tl.num_programs(1), balance_programs,
+            seq_lens_ptr, tl.program_id(1), num_seqs, head_programs, balance_programs,
             split_cap, BLOCK_N, NUM_SPLITS, MIN_SPLIT_TOKENS, BALANCE_WIDTH,
         )  # fmt: skip
         if seq >= num_seqs:
@@ -349,7 +353,7 @@ def _decode_split_kernel(
                                            NUM_SPLITS, MIN_SPLIT_TOKENS)  # fmt: skip
     if split >= used_splits:
         return
-    if NUM_SPLITS > 1 and split == 0 and tl.program_id(1) == 0:
+    if NUM_SPLITS > 1 and split == 0 and head_program == 0:
         tl.store(used_splits_ptr + seq, used_splits)  # what the reduce kernel merges
 
     in_group = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -396,7 +400,7 @@ def _decode_split_kernel(
         if ONE_LAUNCH:
             _arrive_and_merge(
                 mid_o_ptr + seq * stride_mo_s, mid_lse_ptr + seq * stride_ml_s,
-                arrivals_ptr + seq * tl.num_programs(1) + tl.program_id(1),
+                arrivals_ptr + seq * head_programs + head_program,
                 out_ptr + seq * stride_ot,
                 kv_head * GROUP, head_block * BLOCK_H, used_splits, stride_mo_h, stride_mo_split,
                 stride_ml_h, stride_oh, GROUP, ROWS, HEAD_DIM, NUM_SPLITS, MERGE_SPLITS,
@@ -590,10 +594,10 @@ def decode_attention(
     mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     used_splits = torch.empty((batch,), dtype=torch.int32, device=q.device)
     split_cap = num_splits if split_cap is None else min(split_cap, num_splits)
-    grid = _decode_grid(batch, num_kv_heads * triton.cdiv(group, _DECODE_BLOCK_H), num_splits,
-                        split_cap, balance_programs)  # fmt: skip
+    head_programs = num_kv_heads * triton.cdiv(group, _DECODE_BLOCK_H)
+    grid = _decode_grid(batch, head_programs, num_splits, split_cap, balance_programs)
     one_launch = config.one_launch and num_splits > 1
-    arrivals = _arrival_counters(batch * grid[1], q.device) if one_launch else mid_lse
+    arrivals = _arrival_counters(batch * head_programs, q.device) if one_launch else mid_lse
     rows = triton.next_power_of_2(min(group, _DECODE_BLOCK_H))  # q heads a merge covers
     rope_args, half_rot = _rope_args(rope, q, k_cache, batch, seq_lens)
     _decode_split_kernel[grid](
@@ -659,7 +663,7 @@ def _decode_grid(batch: int, head_programs: int, num_splits: int, split_cap: int
     are at most ``balance_programs // head_programs``."""
     if not balance_programs:
         return batch, head_programs, num_splits
-    return batch * split_cap + balance_programs // head_programs, head_programs, 1
+    return head_programs, batch * split_cap + balance_programs // head_programs, 1
 
 
 def _rope_args(rope: NewTokenRope | None, q: torch.Tensor, k_cache: torch.Tensor, batch: int,
