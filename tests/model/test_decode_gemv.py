@@ -4,6 +4,7 @@ off by default, and ``on`` is refused in one line where it cannot run."""
 from __future__ import annotations
 
 import argparse
+import copy
 
 import pytest
 import torch
@@ -81,20 +82,45 @@ def test_fused_layer_form_matches_the_usual_one(preset, monkeypatch):
         assert g.argmax(-1).tolist() == e.argmax(-1).tolist()
 
 
+# In bf16 the fused form rounds differently from the usual one, and on random weights the
+# logits run to ~250, where bf16's spacing is 1.0: an absolute bound on their difference
+# either fails on rounding (0.05 did: 0.25 apart) or passes real errors. Both forms are
+# judged instead against the same weights in float32: the fused form's mean error may be at
+# most this much the usual form's (0.89-1.07x over 8 seeds on the torch references; an
+# attention output 2% too large, 1.37-1.82x).
+BF16_ERROR_RATIO = 1.25
+
+
+def _mean_errors_against_float32(model: LlamaForCausalLM) -> tuple[float, float]:
+    """Mean |logit error| of a bf16 model's first decode step against the same weights in
+    float32: the usual layer form's, then the fused form's."""
+    truth = greedy_step_logits(copy.deepcopy(model).float(), PROMPTS, steps=1)[1]
+    usual = greedy_step_logits(model, PROMPTS, steps=1)[1]
+    model.decode_gemv = True
+    fused = greedy_step_logits(model, PROMPTS, steps=1)[1]
+    return (usual - truth).abs().mean().item(), (fused - truth).abs().mean().item()
+
+
+def test_fused_layer_form_in_bf16_is_as_close_to_float32():
+    """The torch references in bf16: the fused form's decode logits are as close to the
+    float32 model's as the usual form's."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(PRESETS["tiny-qwen2"], get_attention_backend("torch", "cpu"))
+    usual, fused = _mean_errors_against_float32(model.to(torch.bfloat16))
+    assert fused <= BF16_ERROR_RATIO * usual, (usual, fused)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
-def test_fused_layer_form_on_gpu(dtype, atol):
-    """The Triton GEMVs in the whole model on a GPU: decode logits as the usual path's
-    (cuBLAS, separate norms). bf16: logits are O(1) and the two paths round differently,
-    so 0.05 absolute, as the bf16-vs-HF check of test_model_gpu.py allows. One decode step:
-    both paths then decode the same tokens (a later step could follow a near tie apart)."""
+def test_fused_layer_form_on_gpu():
+    """The Triton GEMVs in the whole model on a GPU, one decode step (both paths then decode
+    the same tokens; a later step could follow a near tie apart). Float32: the usual path's
+    logits within rounding. Bf16: as close to the float32 model's as the usual path's."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(PRESETS["tiny-qwen2"], get_attention_backend("triton", "cuda"))
-    model = model.to(dtype)
+    usual, fused = _mean_errors_against_float32(copy.deepcopy(model).to(torch.bfloat16))
+    assert fused <= BF16_ERROR_RATIO * usual, (usual, fused)
     expected = greedy_step_logits(model, PROMPTS, steps=1)
     model.decode_gemv = True
     got = greedy_step_logits(model, PROMPTS, steps=1)
-    scale = expected[1].abs().max().item()  # the failure says how large the logits run
-    torch.testing.assert_close(got[1], expected[1], atol=atol, rtol=0,
-                               msg=lambda m: f"{m}\nlargest expected |logit|: {scale:.3g}")
+    torch.testing.assert_close(got[1], expected[1], atol=1e-3, rtol=0)
