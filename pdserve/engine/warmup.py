@@ -15,9 +15,11 @@ each sequence's context by a count that falls as the decode batch grows (codella
 for 67-132, 2 for 133-264, 1 beyond; without balancing 4 for 9-16, 2 for 17-33, 1 beyond).
 At 6f2d50e, warmed with 1 and 3 decodes only, fresh servers still stalled 7-34x on their
 first mixed steps beside 5, 9-10, 17-19 and 33 decodes (ShareGPT-like): each split count
-gets a step of its own now. Stalls behind 6.6-7.7K-token prefixes (the Mooncake trace)
-have no cause pinned down (the prefix split count is 1 unless configured), so chunks
-behind 512-8,192-token prefixes are run too, and the next runs' stall census tells.
+gets a step of its own now, and so does each width of the lengths a balanced launch loads
+(another constexpr: the decode batch rounded up to a power of two, 16 to 512). Stalls
+behind 6.6-7.7K-token prefixes (the Mooncake trace) have no cause pinned down (the prefix
+split count is 1 unless configured), so chunks behind 512-8,192-token prefixes are run
+too, and the next runs' stall census tells.
 
 The steps use the engine's own pages through fixture requests (the profiler's), which give
 them back afterwards and never enter the prefix cache; the scheduler, its calibration and
