@@ -85,6 +85,8 @@ def main() -> None:
                         help="an earlier revision's pdserve/ops/triton_attention.py")
     parser.add_argument("--baseline-revision", required=True)
     parser.add_argument("--repeats", type=int, default=2, help="alternating timings of each")
+    parser.add_argument("--shape", choices=sorted(HEAD_SHAPES), default="34b",
+                        help="heads of codellama-34b (64 q, 8 kv) or llama3-8b (32 q, 8 kv)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -96,12 +98,14 @@ def main() -> None:
         timed = {name: [] for name in modules}
         for _ in range(args.repeats):
             for name, module in modules.items():
-                timed[name].append(time_layer(module, contexts))
+                timed[name].append(time_layer(module, contexts, args.shape))
         row = {"batch": batch, "layout": layout, "us_per_layer": timed,
                "this_over_baseline": min(timed["this"]) / min(timed["baseline"])}
         print(json.dumps(row), flush=True)
         rows.append(row)
     record = {"environment": environment(), "baseline_revision": args.baseline_revision,
+              "head_shape": dict(zip(("q_heads", "kv_heads", "head_dim"),
+                                     HEAD_SHAPES[args.shape], strict=True)),
               "rows": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
