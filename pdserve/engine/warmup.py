@@ -16,7 +16,9 @@ for 67-132, 2 for 133-264, 1 beyond; without balancing 4 for 9-16, 2 for 17-33, 
 At 6f2d50e, warmed with 1 and 3 decodes only, fresh servers still stalled 7-34x on their
 first mixed steps beside 5, 9-10, 17-19 and 33 decodes (ShareGPT-like): each split count
 gets a step of its own now, and so does each width of the lengths a balanced launch loads
-(another constexpr: the decode batch rounded up to a power of two, 16 to 512). Stalls
+(another constexpr: the decode batch rounded up to a power of two, 16 to 512). Decode-only
+steps compile those variants with the rotary and K/V store fused in: the decode graphs
+compile them at capture, and decode-only batches no graph serves get a step each. Stalls
 behind 6.6-7.7K-token prefixes (the Mooncake trace) have no cause pinned down (the prefix
 split count is 1 unless configured), so chunks behind 512-8,192-token prefixes are run
 too, and the next runs' stall census tells.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 
+from pdserve.engine.model_runner import graph_buckets
 from pdserve.engine.profiler import Fixtures
 from pdserve.sched.base import MAIN_POOL
 
@@ -69,17 +72,22 @@ def warm_up_eager_steps(engine) -> dict:
     return run_shapes(engine, tokens, shapes(engine, tokens))
 
 
-def shapes(engine, tokens: int) -> list[tuple[int, int]]:
+def shapes(engine, tokens: int) -> list[tuple[int, int | None]]:
     """``SHAPES``, then one decode batch per decode kernel variant the attention backend
     launches up to the engine's largest batch (``decode_split_batches``), then one decode
-    beside a ``tokens`` chunk behind each of ``PREFIXES`` that fits the context."""
-    batches = decode_split_batches(engine.runner.attn_backend, engine.arch.num_kv_heads,
-                                   engine.runner.device,
-                                   engine.config.scheduler.max_num_seqs)
+    beside a ``tokens`` chunk behind each of ``PREFIXES`` that fits the context; then, as
+    ``(batch, None)``, decode-only batches no decode graph serves (``eager_decode_batches``).
+    """
+    backend, kv_heads, device = (engine.runner.attn_backend, engine.arch.num_kv_heads,
+                                 engine.runner.device)
+    most = engine.config.scheduler.max_num_seqs
+    batches = decode_split_batches(backend, kv_heads, device, most)
     warmed = {decodes for decodes, prefix in SHAPES if prefix == 0}
     longest = engine.runner.max_model_len
+    graphed = max(graph_buckets(engine.config, whole_gpu=True), default=0)
     return [*SHAPES, *((n, 0) for n in batches if n not in warmed),
-            *((1, prefix) for prefix in PREFIXES if prefix + tokens <= longest)]
+            *((1, prefix) for prefix in PREFIXES if prefix + tokens <= longest),
+            *((n, None) for n in eager_decode_batches(backend, kv_heads, device, graphed, most))]
 
 
 def decode_split_batches(backend, kv_heads: int, device, most: int) -> list[int]:
@@ -95,11 +103,28 @@ def decode_split_batches(backend, kv_heads: int, device, most: int) -> list[int]
     return sorted(first.values())
 
 
-def run_shapes(engine, tokens: int, shapes: list[tuple[int, int]] = SHAPES) -> dict:
+def eager_decode_batches(backend, kv_heads: int, device, graphed: int, most: int) -> list[int]:
+    """The smallest decode-only batch of each decode kernel variant among the batches
+    that run without a graph: past ``graphed`` (the largest decode graph; 0 with graphs
+    off) up to ``most``. Decode-only steps fuse the rotary and K/V store into attention, a
+    variant of its own that the mixed steps above never compile."""
+    variant = getattr(backend, "decode_variant", None)
+    if variant is None:
+        return []
+    first: dict[tuple, int] = {}
+    for batch in range(graphed + 1, most + 1):
+        first.setdefault(variant(batch, kv_heads, device), batch)
+    return sorted(first.values())
+
+
+def run_shapes(engine, tokens: int, shapes: list[tuple[int, int | None]] = SHAPES) -> dict:
+    """One eager step of each ``(decodes, prefix)``: a ``tokens`` chunk behind ``prefix``
+    cached tokens beside that many decodes, or with ``prefix`` None the decodes alone."""
     fixtures, started, steps = Fixtures(engine), time.perf_counter(), 0
     try:
         for decodes, prefix in shapes:
-            plan = fixtures.mixed_plan(tokens, prefix, decodes, DECODE_CONTEXT)
+            plan = (fixtures.decode_plan(decodes, DECODE_CONTEXT) if prefix is None
+                    else fixtures.mixed_plan(tokens, prefix, decodes, DECODE_CONTEXT))
             if plan is None:  # the pool cannot hold it: nothing to warm at this size
                 continue
             engine.runner.execute(plan)

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from pdserve.engine.llm import LLM
-from pdserve.engine.warmup import SHAPES, decode_split_batches, run_shapes, shapes, skip_reason
+from pdserve.engine.warmup import (
+    SHAPES,
+    decode_split_batches,
+    eager_decode_batches,
+    run_shapes,
+    shapes,
+    skip_reason,
+)
 from pdserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -35,6 +42,34 @@ def test_warm_up_runs_every_shape_and_gives_everything_back(schedule):
     if schedule == "multiplex":
         assert engine.timeline() == []  # the planner never saw them
     assert _tokens(llm) == expected
+
+
+def test_decode_only_steps_give_everything_back():
+    """A decode-only shape (prefix None) runs the decodes alone and leaves the engine as
+    it found it, as the mixed shapes do."""
+    llm = LLM("tiny", device="cpu", chunk_size=64, max_num_batched_tokens=64)
+    expected = _tokens(llm)
+    engine = llm.engine
+    free = engine.blocks.num_free_blocks
+    ran = run_shapes(engine, 33, [(3, None), (1, 0), (17, None)])
+    assert ran["steps"] == 3
+    assert engine.blocks.num_free_blocks == free and not engine.requests
+    assert _tokens(llm) == expected
+
+
+def test_decode_batches_past_the_graphs_get_a_decode_only_step():
+    """Decode-only batches past the largest decode graph run eagerly with the rotary fused
+    into attention: each variant met there gets a step (codellama-34b heads, 132 SMs). With
+    the default 256 requests the graphs serve every batch; with 512, 257 (2 splits,
+    balanced 512 wide) and 265 (1 split) run eagerly; with graphs off, every variant."""
+    from pdserve.ops.triton_attention import TritonAttentionBackend
+
+    backend, cpu = TritonAttentionBackend(num_sms=132, balance_splits=8), torch.device("cpu")
+    assert eager_decode_batches(backend, 8, cpu, 256, 256) == []
+    assert eager_decode_batches(backend, 8, cpu, 256, 512) == [257, 265]
+    assert eager_decode_batches(backend, 8, cpu, 0, 256) == decode_split_batches(backend, 8,
+                                                                                 cpu, 256)
+    assert eager_decode_batches(object(), 8, cpu, 0, 256) == []
 
 
 def test_where_it_does_not_run_it_says_why():
