@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -101,3 +103,28 @@ def test_every_decode_split_count_gets_a_warm_up_batch(balance, first_batches):
     assert {backend.decode_variant(n, 8, cpu) for n in stalled} <= warmed
     assert {backend.decode_variant(n, 8, cpu) for n in range(1, 257)} == warmed
     assert decode_split_batches(object(), 8, cpu, 256) == []  # a backend without splits
+
+
+@pytest.mark.gpu
+def test_with_graphs_off_serving_compiles_no_decode_attention_on_gpu():
+    """With graphs off every decode batch runs eagerly, decode-only ones with the rotary
+    fused into attention: after the warm-up, serving 40 requests whose decode batch
+    shrinks one request at a time from 40 to 1 compiles no decode attention kernel."""
+    llm = LLM("tiny", device="cuda", attention_backend="triton", enforce_eager=True,
+              max_num_seqs=48)
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(rng.randrange(5, 60))]}
+               for _ in range(40)]
+    params = [SamplingParams(max_tokens=2 + i, temperature=0, ignore_eos=True)
+              for i in range(40)]
+    # The watch is one per process: engines of earlier tests may have counted compiles.
+    before = _decode_compiles(llm)
+    llm.generate(prompts, params)
+    assert _decode_compiles(llm) == before, llm.engine.describe()["kernels_compiled_while_serving"]
+
+
+def _decode_compiles(llm: LLM) -> dict[str, int]:
+    compiled = llm.engine.describe()["kernels_compiled_while_serving"]
+    assert compiled["watched"], compiled
+    return {name: count for name, count in compiled["by_kernel"].items()
+            if name.startswith("_decode")}
