@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import time
 
-from pdserve.engine.model_runner import graph_buckets
 from pdserve.engine.profiler import Fixtures
 from pdserve.sched.base import MAIN_POOL
 
@@ -84,7 +83,7 @@ def shapes(engine, tokens: int) -> list[tuple[int, int | None]]:
     batches = decode_split_batches(backend, kv_heads, device, most)
     warmed = {decodes for decodes, prefix in SHAPES if prefix == 0}
     longest = engine.runner.max_model_len
-    graphed = max(graph_buckets(engine.config, whole_gpu=True), default=0)
+    graphed = largest_graphed_decode(engine)
     return [*SHAPES, *((n, 0) for n in batches if n not in warmed),
             *((1, prefix) for prefix in PREFIXES if prefix + tokens <= longest),
             *((n, None) for n in eager_decode_batches(backend, kv_heads, device, graphed, most))]
@@ -94,13 +93,7 @@ def decode_split_batches(backend, kv_heads: int, device, most: int) -> list[int]
     """The smallest decode batch of each decode kernel variant ``backend.decode_variant``
     gives up to ``most`` decodes (split count and balanced width; none for a backend
     without variants)."""
-    variant = getattr(backend, "decode_variant", None)
-    if variant is None:
-        return []
-    first: dict[tuple, int] = {}
-    for batch in range(1, most + 1):
-        first.setdefault(variant(batch, kv_heads, device), batch)
-    return sorted(first.values())
+    return _first_of_each_variant(backend, kv_heads, device, range(1, most + 1))
 
 
 def eager_decode_batches(backend, kv_heads: int, device, graphed: int, most: int) -> list[int]:
@@ -108,13 +101,24 @@ def eager_decode_batches(backend, kv_heads: int, device, graphed: int, most: int
     that run without a graph: past ``graphed`` (the largest decode graph; 0 with graphs
     off) up to ``most``. Decode-only steps fuse the rotary and K/V store into attention, a
     variant of its own that the mixed steps above never compile."""
+    return _first_of_each_variant(backend, kv_heads, device, range(graphed + 1, most + 1))
+
+
+def _first_of_each_variant(backend, kv_heads: int, device, batches: range) -> list[int]:
     variant = getattr(backend, "decode_variant", None)
     if variant is None:
         return []
     first: dict[tuple, int] = {}
-    for batch in range(graphed + 1, most + 1):
+    for batch in batches:
         first.setdefault(variant(batch, kv_heads, device), batch)
     return sorted(first.values())
+
+
+def largest_graphed_decode(engine) -> int:
+    """The largest decode batch every captured decode graph set of the whole-GPU pool
+    replays (0 with none captured): past it, some lane decodes eagerly."""
+    runners = engine.runner.pools[MAIN_POOL].graphs.values()
+    return min((max(runner.graphs, default=0) for runner in runners), default=0)
 
 
 def run_shapes(engine, tokens: int, shapes: list[tuple[int, int | None]] = SHAPES) -> dict:

@@ -167,9 +167,9 @@ def _balanced_slot(seq_lens_ptr, slot, num_seqs, programs_per_split, balance_pro
     cap: the contexts' extra split counts are summed in order and pool slot e serves the
     extra split that covers e, so no program starts only to find an extra split empty. A
     pool slot past the last extra split gets context ``num_seqs`` (nothing to do). One load
-    of the batch's lengths (``MAX_SEQS`` of them, padded) serves all of it, so the mapping adds no
-    memory round trip before the tiles' loads; a loop here would cost the tile loop its
-    software pipelining (no ``cp.async`` in the sm_90 code, Triton 3.6)."""
+    of the batch's lengths (``MAX_SEQS`` of them, padded) serves all of it, so the mapping
+    adds no memory round trip before the tiles' loads; a loop here would cost the tile loop
+    its software pipelining (no ``cp.async`` in the sm_90 code, Triton 3.6)."""
     offs = tl.arange(0, MAX_SEQS)
     real = offs < num_seqs
     lens = tl.load(seq_lens_ptr + offs, mask=real, other=0)
@@ -1213,9 +1213,9 @@ class TritonAttentionBackend:
     def decode_splitting(self, num_decode_seqs: int, num_kv_heads: int,
                          device: torch.device) -> dict[str, int]:
         """``decode_attention``'s split arguments for a decode batch of this size (worked
-        out once per size: every layer of an eager step asks). Where the grid has no splits
-        beyond the even count, balancing could add none: it is off (the kernel then skips
-        the batch's token sum)."""
+        out once per size: every layer of an eager step asks). Where no context may take
+        splits beyond the even count, balancing could add none: it is off (the kernel then
+        skips the batch's token sum)."""
         key = (num_decode_seqs, num_kv_heads, device)
         if key not in self._splitting:
             cap = self.even_kv_splits(num_decode_seqs, num_kv_heads, device)

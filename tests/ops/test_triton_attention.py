@@ -176,8 +176,9 @@ def test_balanced_split_counts_never_fall_below_the_cap():
 @given(lens=st.lists(st.integers(1, 700), min_size=1, max_size=9),
        split_cap=st.sampled_from([1, 2, 4]), balance_programs=st.integers(2, 40),
        one_launch=st.booleans())
-@example(lens=[583], split_cap=1, balance_programs=9, one_launch=False)  # 5 splits, 5 slots
-@example(lens=[331, 620, 325], split_cap=1, balance_programs=25, one_launch=True)  # 15 of 15
+@example(lens=[583], split_cap=1, balance_programs=9, one_launch=False)  # 4 extra, pool of 4
+@example(lens=[331, 620, 325], split_cap=1, balance_programs=25,
+         one_launch=True)  # 3 + 6 + 3 extra, pool of 12
 def test_balanced_pool_runs_every_split(lens, split_cap, balance_programs, one_launch):
     """A balanced launch has ``split_cap`` slots a context and a pool of
     ``balance_programs // 2`` for the splits past them (2 kv heads here, one head block
