@@ -17,6 +17,13 @@ compared too, and says so (``same_revision``). No GPU, no server::
 step's grid terms on top of the validation's model (``fit_mixed_step_grid``: the prefix
 attention's floor, the graph and eager steps' costs), refits the extra cost per mixed step
 on the validation's queue probe with them, and records the grid and its revision.
+
+``--steps`` also sets every step of a probe's step timeline (kept beside its record as
+``<record>_timeline.json.gz`` by ``goodput_h200.py``; ``pdserve.sched.steps``) beside the
+model's time for that step's shape (``recorded_step_s``): in an overloaded probe the queue
+turns a few percent of step time into tens of percent of TTFT, so this says which steps
+(by mode, path and decode batch) the model gets wrong. Probes recorded before the engine
+kept steps have no timeline and are listed in ``steps_skipped``.
 """
 
 from __future__ import annotations
@@ -36,12 +43,14 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.sim_validate_instance import fit_mixed_step_extra, latency_rows  # noqa: E402
 from benchmarks.validate_sim import compare_percentiles, percentiles  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.bench.timeline import load_engine_timeline  # noqa: E402
 from pdserve.sim.cluster import LatencyModel, ServiceNoise, SimRequest  # noqa: E402
 from pdserve.sim.instance import (  # noqa: E402
     ChunkedInstanceSim,
     fit_mixed_step_grid,
     grid_case_s,
     on_graphs,
+    recorded_step_s,
 )
 
 GOODPUT = ROOT / "benchmarks" / "results" / "goodput_h200"
@@ -96,7 +105,68 @@ def compare_probe(record: dict, model: LatencyModel, extra_s: float,
                               for name, rows in simulated.items()}}}
 
 
-def run(validation_path: Path, probe_paths: list[Path], grid_path: Path | None = None) -> dict:
+# Decode batch bands of the step check: where the weights stop dominating a step, and the
+# decode graphs' sizes, fall in different bands.
+BATCH_BANDS = (0, 8, 32, 64, 128, 256)
+
+
+def batch_band(batch: int) -> str:
+    """The band of ``batch`` in ``BATCH_BANDS``: "0", "1-8", ..., "257+"."""
+    if batch == 0:
+        return "0"
+    for low, high in zip(BATCH_BANDS, BATCH_BANDS[1:], strict=False):
+        if batch <= high:
+            return f"{low + 1}-{high}"
+    return f"{BATCH_BANDS[-1] + 1}+"
+
+
+def step_check(model: LatencyModel, extra_s: float, timeline: list[dict]) -> dict:
+    """Each recorded step's measured time (on the GPU's clock where there was one, else
+    the host's) beside the model's for its shape, over the whole run and per group of
+    (mode, path, decode batch band): the sums (a queue runs on the sum) and the median,
+    p10 and p90 of measured over modelled."""
+    rows = []
+    for entry in timeline:
+        measured = entry["measured_device_ms"] or entry["measured_cycle_ms"]
+        if measured > 0:
+            rows.append({"group": (entry["mode"], entry["path"], batch_band(entry["decode_batch"])),
+                         "measured_ms": measured, "on_device": entry["measured_device_ms"] > 0,
+                         "modelled_ms": recorded_step_s(model, entry, extra_s) * 1e3})
+    if not rows:
+        return {"steps": 0}
+    groups = {}
+    for row in rows:
+        groups.setdefault(row["group"], []).append(row)
+    return {**step_totals(rows), "clock": step_clock(rows),
+            "groups": [{"mode": mode, "path": path, "decode_batch": band,
+                        **step_totals(members)}
+                       for (mode, path, band), members in sorted(groups.items())]}
+
+
+def step_totals(rows: list[dict]) -> dict:
+    measured = np.array([r["measured_ms"] for r in rows])
+    modelled = np.array([r["modelled_ms"] for r in rows])
+    ratio = measured / modelled
+    return {"steps": len(rows), "measured_s": float(measured.sum() / 1e3),
+            "modelled_s": float(modelled.sum() / 1e3),
+            "measured_over_modelled": float(measured.sum() / modelled.sum()),
+            "measured_ms_p50": float(np.median(measured)),
+            "modelled_ms_p50": float(np.median(modelled)),
+            "ratio_p10_p50_p90": [float(np.quantile(ratio, q)) for q in (0.1, 0.5, 0.9)]}
+
+
+def step_clock(rows: list[dict]) -> str:
+    """Which clock timed the steps: "device", "host", or "both" (some steps each)."""
+    on_device = {r["on_device"] for r in rows}
+    return "both" if len(on_device) == 2 else "device" if True in on_device else "host"
+
+
+def timeline_of(record_path: Path) -> Path:
+    return record_path.with_name(record_path.stem + "_timeline.json.gz")
+
+
+def run(validation_path: Path, probe_paths: list[Path], grid_path: Path | None = None,
+        steps: bool = False) -> dict:
     validation = json.loads(validation_path.read_text())
     args = argparse.Namespace(**validation["config"])
     fitted = validation["schedules"]["chunk512"]
@@ -105,7 +175,7 @@ def run(validation_path: Path, probe_paths: list[Path], grid_path: Path | None =
     ratios = fitted["service_ratios"]
     noise = ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed)
     revision = validation["git_revision"]
-    probes, skipped = {}, {}
+    probes, skipped, steps_skipped = {}, {}, {}
     for path in probe_paths:
         record = json.loads(path.read_text())
         if chunk_size_of(record) is None:
@@ -115,7 +185,13 @@ def run(validation_path: Path, probe_paths: list[Path], grid_path: Path | None =
             continue
         probes[path.stem] = {**compare_probe(record, model, extra_s, noise),
                              "same_revision": record["git_revision"] == revision}
-    return {"kind": "validation", "num_instances": 1, "skipped": skipped,
+        if steps and timeline_of(path).exists():
+            timeline = load_engine_timeline(timeline_of(path))
+            probes[path.stem]["steps"] = step_check(model, extra_s, timeline)
+        elif steps:
+            steps_skipped[path.stem] = "no step timeline beside the record"
+    found = {"steps_skipped": steps_skipped} if steps else {}
+    return {"kind": "validation", "num_instances": 1, "skipped": skipped, **found,
             "model_from": str(validation_path.relative_to(ROOT)),
             "model_revision": revision, "mixed_step_extra_s": extra_s,
             "mixed_step_extra_fitted_on": checks.get("fitted_on"), **grid_fit,
@@ -156,6 +232,17 @@ def grid_fit(model: LatencyModel, grid: dict) -> dict:
     return {"summary": summary, "cases": rows}
 
 
+def print_steps(check: dict) -> None:
+    print(f"  steps ({check['clock']} clock): {check['steps']}, measured "
+          f"{check['measured_s']:.2f} s against {check['modelled_s']:.2f} s modelled "
+          f"({check['measured_over_modelled']:.3f})")
+    for group in check["groups"]:
+        p10, p50, p90 = group["ratio_p10_p50_p90"]
+        print(f"    {group['mode']:>12} {group['path']:>15} decodes {group['decode_batch']:>7}: "
+              f"{group['steps']:5d} steps, p50 {group['measured_ms_p50']:6.1f} ms measured / "
+              f"{group['modelled_ms_p50']:6.1f} modelled, ratio {p10:.2f} / {p50:.2f} / {p90:.2f}")
+
+
 def default_probes(validation_path: Path) -> list[Path]:
     """The chunked Mooncake probes committed at the validation's revision."""
     revision = json.loads(validation_path.read_text())["git_revision"]
@@ -177,6 +264,8 @@ def main() -> int:
     parser.add_argument("--mixed-step-grid", type=Path,
                         help="a bench_mixed_step.py --grid result to fit the mixed step's "
                         "grid terms on (default: the roofline form the validation fitted)")
+    parser.add_argument("--steps", action="store_true",
+                        help="also set each probe's recorded steps beside the model's")
     parser.add_argument("--out", type=Path, help="write the result here (JSON)")
     args = parser.parse_args()
     validation = args.validation.resolve()
@@ -187,12 +276,14 @@ def main() -> int:
     result = {**result_header({"validation": str(validation.relative_to(ROOT)),
                                "probes": [str(p.relative_to(ROOT)) for p in probes],
                                "mixed_step_grid": grid and str(grid.relative_to(ROOT))}),
-              **run(validation, probes, grid)}
+              **run(validation, probes, grid, args.steps)}
     for name, probe in result["probes"].items():
         errors = {key: {q: round(100 * e, 1) for q, e in
                         probe["compare"][key]["simulated_error"].items()}
                   for key in ("ttft_s", "tpot_s")}
         print(name, "attainment", probe["attainment"], "errors %", errors)
+        if probe.get("steps", {}).get("steps"):
+            print_steps(probe["steps"])
     for name, reason in result["skipped"].items():
         print(name, "skipped:", reason)
     if args.out:

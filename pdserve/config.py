@@ -138,6 +138,13 @@ class SchedulerConfig:
                                    "--itl-slo-ms (>= 1; 0: off, every step within the "
                                    "budget). For a TPOT SLO, a mean per request: decode-only "
                                    "steps bank what larger prefill chunks then spend.")
+    mux_tpot_bank_quantile: float = doc(0.0, "multiplex, with --mux-tpot-bank-cap: spend the "
+                                        "bank of the request at this quantile of the decode "
+                                        "batch's banks instead of the tightest's (in [0, 1); "
+                                        "0: the tightest, every request kept within). An SLO "
+                                        "to be met by nine requests in ten may leave the "
+                                        "tenth with the least banked, e.g. one that just "
+                                        "joined, over it.")
     mux_ttft_pressed_margin: float = doc(0.0, "multiplex: while a waiting prompt is "
                                          "predicted to miss --ttft-slo-ms at the prefill "
                                          "rate of mixed steps planned to --mux-itl-margin, "
@@ -223,7 +230,16 @@ class SchedulerConfig:
         if self.mux_tpot_bank_cap != 0.0 and not self.mux_tpot_bank_cap >= 1.0:
             raise ValueError(f"--mux-tpot-bank-cap {self.mux_tpot_bank_cap}: must be 0 (off) "
                              "or >= 1 (a multiple of --itl-slo-ms)")
+        self._check_tpot_bank_quantile()
         self._check_ttft_pressed_margin()
+
+    def _check_tpot_bank_quantile(self) -> None:
+        quantile = self.mux_tpot_bank_quantile
+        if not 0.0 <= quantile < 1.0:
+            raise ValueError(f"--mux-tpot-bank-quantile {quantile}: must be in [0, 1)")
+        if quantile > 0.0 and self.mux_tpot_bank_cap == 0.0:
+            raise ValueError("--mux-tpot-bank-quantile needs --mux-tpot-bank-cap (the bank "
+                             "is off without it)")
 
     def _check_ttft_pressed_margin(self) -> None:
         margin = self.mux_ttft_pressed_margin

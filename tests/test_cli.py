@@ -90,6 +90,20 @@ def test_a_usage_error_comes_before_torch_is_imported():
     assert result.stdout.strip() == "torch imported: False", result.stdout + result.stderr
 
 
+def test_every_subcommand_prints_its_help():
+    """argparse expands ``%`` in help texts: a bare one (``90% of requests``) breaks
+    ``--help`` of the subcommand whose flag carries it, and nothing else notices."""
+    import argparse
+
+    from pdserve.cli import build_parser
+
+    parser = build_parser()
+    parser.format_help()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in sub.choices.items():
+        assert "usage:" in command.format_help(), name
+
+
 def test_tensor_parallel_size_that_does_not_divide_the_heads():
     assert_one_line_error(pdserve("generate", "tiny", "--prompt", "x",
                                   "--tensor-parallel-size", "3"),

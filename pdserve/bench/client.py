@@ -151,7 +151,7 @@ class HttpBackend:
         return data.get("now") if data else None
 
     async def engine_timeline(self, since: float) -> list[dict]:
-        """Every SM-split decision the engine made after ``since`` (its own clock)."""
+        """The engine's timeline after ``since`` (its own clock): decisions or steps."""
         data = await self._timeline_query(since)
         return list(data.get("entries", [])) if data else []
 

@@ -319,10 +319,12 @@ ENGINE_SERIES = ("decode_batch", "prefill_tokens", "decode_sms", "prefill_sms")
 
 
 def plot_engine_timeline(run: dict, path: Path, title: str) -> Path | None:
-    """The SM split and batch sizes of every engine decision (multiplex mode)."""
+    """The SM split and batch sizes of every engine decision (multiplex), or the batch
+    sizes of every step (chunked, prefill-first)."""
     entries = run.get("engine_timeline") or []
     samples = [{"t": e["t"], **{k: e[k] for k in ENGINE_SERIES if k in e}} for e in entries]
-    return plot_timeline({"timeline": samples}, path, f"{title}: SM split") if samples else None
+    what = "SM split" if any("decode_sms" in e for e in entries) else "steps"
+    return plot_timeline({"timeline": samples}, path, f"{title}: {what}") if samples else None
 
 
 def _save(fig, path: Path) -> Path:

@@ -90,7 +90,7 @@ async def _engine_mark(backend: Backend) -> tuple[float, float] | None:
 
 
 async def _engine_steps(backend: Backend, mark: tuple[float, float], t0: float) -> list[dict]:
-    """The engine's own SM-split history of this run, on the run's time axis.
+    """The engine's own timeline of this run (decisions or steps), on the run's time axis.
 
     Server and client clocks are only related through ``mark`` (read at one instant), so
     this holds across hosts too, to within one request's round trip.

@@ -527,7 +527,7 @@ class EngineCore:
 
     def timeline(self, since: float | None = None) -> list[dict]:
         """Policies that split the GPU: the split over time (time, mode, decode/prefill SMs,
-        decode batch, prefill tokens); empty under the others."""
+        decode batch, prefill tokens); the others: their steps (``pdserve.sched.steps``)."""
         return self.scheduler.timeline(since)
 
     def check_integrity(self) -> None:

@@ -293,7 +293,7 @@ class ModelRunner:
         batch = build_host_batch(work.plan, pool.tables, self.block_size)
         inputs = SamplingInputs.of(work.plan, batch, self.arch.vocab_size,
                                    self.device)
-        hidden = self._forward(batch, pool, work.partition, buffers.device_tokens)
+        hidden, work.path = self._forward(batch, pool, work.partition, buffers.device_tokens)
         return sample_into(self.model, hidden, inputs, buffers)
 
     def _launch_piece(self, work: Work, stream, buffers: HostBuffers) -> tuple[int, bool, Event]:
@@ -306,18 +306,19 @@ class ModelRunner:
         return result
 
     def _forward(self, batch: HostBatch, pool: KVPool, part: Partition | None,
-                 sampled: torch.Tensor | None) -> torch.Tensor:
-        """``sampled``: the lane's last sampled tokens, which placeholder ids name."""
+                 sampled: torch.Tensor | None) -> tuple[torch.Tensor, str]:
+        """The hidden states, and the path that ran them (``Work.path``). ``sampled``: the
+        lane's last sampled tokens, which placeholder ids name."""
         graphs = pool.graphs.get(part.decode_sms if part is not None else None)
         if graphs is not None and graphs.can_run(batch):
-            return graphs.run(batch, sampled)
+            return graphs.run(batch, sampled), "decode_graph"
         input_ids, positions, meta = batch.metadata(self.device)
         whole_gpu = part is None or part.whole_gpu
         if whole_gpu and pool.piecewise is not None and pool.piecewise.can_run(batch):
-            return pool.piecewise.run(batch, meta, sampled)
+            return pool.piecewise.run(batch, meta, sampled), "piecewise_graph"
         if batch.has_placeholders:
             input_ids = resolve_placeholders(input_ids, sampled)
-        return self.model.forward(input_ids, positions, meta, pool.kv_caches)
+        return self.model.forward(input_ids, positions, meta, pool.kv_caches), "eager"
 
     def sampled_tokens_buffer(self) -> torch.Tensor:
         """A lane's device copy of its sampled tokens (see ``HostBuffers.device_tokens``)."""

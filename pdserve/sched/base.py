@@ -21,6 +21,7 @@ from pdserve.config import SchedulerConfig
 from pdserve.gpu.partitions import Partition
 from pdserve.request import Request, RequestStatus
 from pdserve.sched.prefill_order import PrefillOrder
+from pdserve.sched.steps import StepTimeline
 
 MAIN_LANE = "main"  # the synchronous policies' only lane: the whole GPU
 MAIN_POOL = "main"  # the engine's KV pool (disagg cuts it in two)
@@ -112,6 +113,9 @@ class Work:
     # Segments the CUDA caching allocator took from the driver while this was issued (a
     # policy that ``watches_allocations``, on a GPU; else 0).
     cuda_mallocs: int = 0
+    # How the runner ran a whole launch: "decode_graph", "piecewise_graph" or "eager"
+    # ("": not yet issued, or a piece of a prefill batch).
+    path: str = ""
 
 
 class LaneLaunches:
@@ -186,6 +190,7 @@ class Scheduler:
         self.retiring: list[Request] = []
         self.overlap = OverlapCounters(config.overlap_schedule)
         self.prefill_order = PrefillOrder(config.prefill_order, config.ttft_slo_ms)
+        self.steps = StepTimeline()
 
     # ---- the policy interface ----
 
@@ -196,7 +201,9 @@ class Scheduler:
         plan = self.plan_step()
         if plan.is_empty():
             return {}
-        self.last_work = Work(plan, overlapped=self.overlap.allows(plan))
+        # Timed on the GPU's clock too: the step timeline keeps both times.
+        self.last_work = Work(plan, overlapped=self.overlap.allows(plan), timed=True,
+                              note=self.steps.planned(plan))
         return {MAIN_LANE: self.last_work}
 
     def issued(self, work: Work) -> None:
@@ -221,6 +228,7 @@ class Scheduler:
 
     def update_work(self, work: Work, output: StepOutput) -> list[Request]:
         """Applies a completed launch; returns the requests that ended (finished or aborted)."""
+        self.steps.completed(work, output)
         return self.update(work.plan, output, advanced=work.overlapped)
 
     def fail(self, work: Work) -> list[Request]:
@@ -275,8 +283,9 @@ class Scheduler:
         return {MAIN_LANE: "every step, but those counted in synchronous_steps"}
 
     def timeline(self, since: float | None = None) -> list[dict]:
-        """The SM split over time (policies that split the GPU); empty otherwise."""
-        return []
+        """Every step's shape and time (``StepEntry`` fields), planned at ``since`` or later;
+        policies that split the GPU keep their own decisions instead."""
+        return self.steps.entries(since)
 
     def fill_stats(self, stats) -> None:
         """Adds this policy's own figures (its split, its pools) to ``EngineStats``."""

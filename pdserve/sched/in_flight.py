@@ -279,4 +279,5 @@ def decode_load_banked(requests: list, config: MuxPlannerConfig, now: float
     load = decode_load_over(requests)
     if load is None or config.tpot_bank_cap <= 0:
         return load
-    return replace(load, slack_ms=banked_slack_ms(requests, config.budget_ms, now))
+    return replace(load, slack_ms=banked_slack_ms(requests, config.budget_ms, now,
+                                                  config.tpot_bank_quantile))

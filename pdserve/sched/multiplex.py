@@ -204,6 +204,7 @@ class MultiplexScheduler(InFlightScheduler):
                 "mixed_floor_tokens": planned.mixed_floor_tokens,
                 "mixed_floor_cap": planned.mixed_floor_cap,
                 "tpot_bank_cap": planned.tpot_bank_cap,
+                "tpot_bank_quantile": planned.tpot_bank_quantile,
                 "ttft_pressed_margin": planned.ttft_pressed_margin,
                 "calibration": self.describe_calibration()}
 
@@ -591,6 +592,7 @@ def mux_planner_config(sched: SchedulerConfig, **overrides) -> MuxPlannerConfig:
                   mixed_floor_cap=sched.mux_mixed_floor_cap,
                   floor_off_graphs=sched.mux_floor_off_graphs,
                   tpot_bank_cap=sched.mux_tpot_bank_cap,
+                  tpot_bank_quantile=sched.mux_tpot_bank_quantile,
                   ttft_pressed_margin=sched.mux_ttft_pressed_margin,
                   **{name: name in sharing for name in MUX_SHARING})
     return MuxPlannerConfig(**{**fields, **overrides})

@@ -524,6 +524,10 @@ class MuxPlannerConfig:
     # (Mooncake trace) chunked 1024's ~150 ms mixed steps kept TPOT p50 at 29 ms while the
     # planner's steps held 0.69 of a 60 ms target and its prompts waited.
     tpot_bank_cap: float = 0.0
+    # Whose bank is spent: the request at this quantile of the batch's banks (0: the
+    # tightest). A request that just joined has banked nothing, so at 0 a steady stream of
+    # arrivals keeps every step at the budget however much the others banked.
+    tpot_bank_quantile: float = 0.0
     # While a waiting prompt is predicted to miss ``ttft_slo_ms`` at the prefill rate of
     # mixed steps planned to ``safety_margin``, plan mixed steps and time slices to this
     # share of the ITL SLO instead; 0: off. On the H200 (ShareGPT-like, 16 req/s) the
@@ -1230,22 +1234,27 @@ def _prefix_sum(waiting: Sequence[PrefillRequest], chunks: Sequence[tuple[int, i
     return sum(waiting[i].prefix_tokens for i, _ in chunks)
 
 
-def banked_slack_ms(requests: Sequence, budget_ms: float, now: float) -> float | None:
+def banked_slack_ms(requests: Sequence, budget_ms: float, now: float,
+                    quantile: float = 0.0) -> float | None:
     """The longest the next planned step may take with every request's mean time per
     output token so far still within ``budget_ms`` when that step's token lands: per
     request, ``budget_ms`` times its output tokens (those being sampled included: the
     intervals once the planned step's token is in) less the time since its first token,
-    less one budget for a step of its still in flight; the tightest request's. None where
-    a request has no first token yet (a P/D decode side's hand-off): nothing banked."""
-    slack = None
+    less one budget for a step of its still in flight; the tightest request's, or with
+    ``quantile`` q the bank that at most a share q of the requests have less than. None
+    where a request has no first token yet (a P/D decode side's hand-off): nothing banked."""
+    banks = []
     for request in requests:
         if request.first_token_time is None:
             return None
         tokens = request.num_output_tokens + request.num_placeholders
-        banked = (budget_ms * tokens - 1e3 * (now - request.first_token_time)
-                  - (budget_ms if request.num_placeholders else 0.0))
-        slack = banked if slack is None else min(slack, banked)
-    return slack
+        banks.append(budget_ms * tokens - 1e3 * (now - request.first_token_time)
+                     - (budget_ms if request.num_placeholders else 0.0))
+    if not banks:
+        return None
+    if quantile <= 0.0:
+        return min(banks)
+    return sorted(banks)[int(quantile * len(banks))]
 
 
 def _fitting_near(cost, guess: int, lo: int, hi: int, align: int, limit: float) -> int | None:

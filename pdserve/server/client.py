@@ -299,7 +299,7 @@ class EngineClient:
             self.channel.send(AbortRequests(ids))
 
     async def timeline(self, since: float | None = None, timeout: float = 30.0) -> list[dict]:
-        """The engine's SM split history (``EngineCore.timeline``); [] under other policies."""
+        """The engine's timeline (``EngineCore.timeline``): decisions or steps by policy."""
         return await self._query(lambda query_id: TimelineQuery(query_id, since), timeout)
 
     async def describe(self, timeout: float = 30.0) -> dict:

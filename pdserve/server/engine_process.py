@@ -179,7 +179,7 @@ class EngineLoop:
             self._abort(orphans)
 
     def _timeline(self, since: float | None) -> list[dict]:
-        timeline = getattr(self.core, "timeline", None)  # cores without a split have none
+        timeline = getattr(self.core, "timeline", None)  # test stand-ins keep none
         return timeline(since) if timeline is not None else []
 
     def _add(self, index: int, message: AddRequest, arrived: float) -> None:

@@ -61,6 +61,24 @@ def mixed_step_s(model: LatencyModel, batch: int, context: int,
     return step_on_path_s(model, tokens, mixed_step_kernels_s(model, batch, context, pieces))
 
 
+def chunked_step_s(model: LatencyModel, batch: int, context: int,
+                   pieces: list[tuple[int, int]], extra_s: float = 0.0) -> float:
+    """One step of chunked prefill: the decode batch's step where it has no prompt pieces,
+    else the mixed step (``mixed_step_s``) plus ``extra_s`` if it also decodes (what a
+    step with pieces beside decodes costs beyond that: ``mixed_step_extra_s``)."""
+    if not pieces:
+        return model.decode_step_s(batch, context) if batch else 0.0
+    return (extra_s if batch else 0.0) + mixed_step_s(model, batch, context, pieces)
+
+
+def recorded_step_s(model: LatencyModel, entry: dict, extra_s: float = 0.0) -> float:
+    """``chunked_step_s`` of one step a served run recorded (``pdserve.sched.steps``): its
+    decodes, their KV tokens and its prompt pieces as the engine planned them."""
+    return chunked_step_s(model, entry["decode_batch"], entry["decode_context_tokens"],
+                          [(done, tokens) for done, tokens in entry["prefill_pieces"]],
+                          extra_s)
+
+
 def mixed_step_kernels_s(model: LatencyModel, batch: int, context: int,
                          pieces: list[tuple[int, int]]) -> float:
     """The step's GPU work: the weights are read once, so the linear layers cost the larger
@@ -263,11 +281,8 @@ class ChunkedInstanceSim:
     def _step_s(self, pieces: list[tuple[list, int, int]]) -> float:
         if self.mixed_step == "sum":
             return self._decode_s() + sum(self._piece_s(done, n) for _, done, n in pieces)
-        if not pieces:
-            return self._decode_s()
-        extra_s = self.mixed_step_extra_s if self.running else 0.0
-        return extra_s + mixed_step_s(self.model, len(self.running), self._context(),
-                                      [(done, n) for _, done, n in pieces])
+        return chunked_step_s(self.model, len(self.running), self._context(),
+                              [(done, n) for _, done, n in pieces], self.mixed_step_extra_s)
 
     def _context(self) -> int:
         return sum(r.input_len + r.output_len - left for r, left in self.running)

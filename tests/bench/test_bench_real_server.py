@@ -56,8 +56,14 @@ def test_compare_through_real_server_on_tiny(tmp_path):
             assert len(s["itl_ms"]) == s["output_len"] - chunk_tokens_of(s)[0]
         assert run["ttft_ms"]["p50"] > 0 and 0.0 <= run["slo_attainment"] <= 1.0
         assert any("pdserve_num_requests_running" in s for s in run["timeline"])
-    # Only the multiplex engine keeps an SM-split history; it lands on the run's time axis.
-    assert not runs[0]["engine_timeline"]
+    # Each engine's timeline lands on the run's time axis: chunked prefill's steps (every
+    # prompt token in one of them), the multiplex engine's SM-split decisions.
+    steps = runs[0]["engine_timeline"]
+    assert steps and all(-1.0 < e["t"] < runs[0]["duration_s"] + 1.0 for e in steps)
+    assert {e["mode"] for e in steps} <= {"mixed", "prefill_only", "decode_only"}
+    assert sum(e["prefill_tokens"] for e in steps) == sum(
+        s["prompt_len"] for s in runs[0]["samples"])
+    assert list((tmp_path / "plots").glob("split_chunked64_*.png"))
     split = runs[1]["engine_timeline"]
     assert split and all(-1.0 < e["t"] < runs[1]["duration_s"] + 1.0 for e in split)
     assert {e["mode"] for e in split} <= {"spatial", "temporal", "prefill_only", "decode_only"}

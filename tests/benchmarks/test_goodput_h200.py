@@ -121,6 +121,28 @@ def test_every_multiplex_config_serves_to_the_itl_its_name_gives():
     assert module.itl_target("chunk256") is None and module.itl_target("multiplex-itl") is None
 
 
+def test_every_config_is_a_valid_server_command_line():
+    """Each configuration's flags, as a probe's server gets them, parse with ``pdserve
+    serve``'s own parser into a scheduler config that accepts them (a flag renamed, or one
+    that needs another, fails here rather than on the GPU)."""
+    import shlex
+
+    from pdserve.cli import _config_from_args, build_parser
+    from pdserve.config import SchedulerConfig
+
+    module, parser = _load("goodput_h200"), build_parser()
+    for name, template in module.CONFIGS.items():
+        args = template.format(predictor="profile.json", ttft_slo_ms=2000)
+        parsed = parser.parse_args(["serve", "codellama-34b", *shlex.split(module.SERVER_ARGS),
+                                    *shlex.split(args)])
+        try:
+            _config_from_args(SchedulerConfig, parsed)  # raises on a combination it refuses
+        except ValueError as exc:
+            raise AssertionError(f"{name}: {exc}") from exc
+    bank = _flags(module.CONFIGS["multiplex-graph512-floor-converging-noslice-bank2q5-itl60"])
+    assert (bank["--mux-tpot-bank-cap"], bank["--mux-tpot-bank-quantile"]) == ("2", "0.05")
+
+
 def _flags(args: str) -> dict[str, str]:
     """``--flag value`` pairs; a switch (``--flag`` with no value) reads ``"on"``."""
     words, flags = args.split(), {}

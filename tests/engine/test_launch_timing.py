@@ -100,13 +100,16 @@ def _run(schedule: str) -> tuple[ClockOps, list[dict]]:
               max_num_batched_tokens=64, setup=EngineSetup(ops=ops))
     llm.generate([{"prompt_token_ids": list(range(3, 40))}],
                  SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    timeline = llm.engine.timeline() if schedule == "multiplex" else []
-    return ops, timeline
+    return ops, llm.engine.timeline()
 
 
-def test_only_launches_a_policy_calibrates_are_timed_on_the_device():
-    ops, _ = _run("chunked")
-    assert ops.timed == 0  # chunked steps record no timing events
-    ops, timeline = _run("multiplex")
-    assert ops.timed > 0 and ops.timed % 2 == 0  # a start and an end per decode-lane launch
+@pytest.mark.parametrize("schedule", ["chunked", "prefill-first", "multiplex"])
+def test_timed_launches_reach_the_timeline_on_the_device_clock(schedule):
+    """Multiplexing times the launches it calibrates against; the whole-GPU policies time
+    every step, for their step timeline. Each timed launch records a start and an end."""
+    ops, timeline = _run(schedule)
+    assert ops.timed > 0 and ops.timed % 2 == 0
     assert any(e["measured_device_ms"] == 10.0 for e in timeline)
+    if schedule != "multiplex":
+        assert ops.timed == 2 * len(timeline)
+        assert all(e["measured_device_ms"] == 10.0 for e in timeline)

@@ -1,6 +1,7 @@
 """Banked TPOT slack (``MuxPlannerConfig.tpot_bank_cap``): a mixed step or a time slice may
-run past the per-step ITL budget by what every request of the decode batch has banked
-against it (``banked_slack_ms``), up to the cap; off by default.
+run past the per-step ITL budget by what every request of the decode batch (or all but a
+quantile of it, ``tpot_bank_quantile``) has banked against it (``banked_slack_ms``), up to
+the cap; off by default.
 
 Planned with the latency model of the committed d698fcb H200 profile (codellama-34b) at an
 ITL target of 60 ms (a 54 ms budget) beside 5 decoding requests of ~11K tokens."""
@@ -84,6 +85,41 @@ def test_slack_is_the_tightest_requests_budget_times_its_tokens_less_its_time():
     assert banked_slack_ms([_request(5, 0.1), _request(3, None)], 54.0, now=100.0) is None
 
 
+def test_a_quantile_spends_the_bank_that_few_requests_fall_short_of():
+    """Nine requests with 580 ms banked and one that just joined (54 ms): the tightest
+    bank is the newcomer's; at quantile 0.1 one request in ten may have less than the bank
+    spent, so the others' 580 ms is; at 0.05 (under one request in ten) still 54 ms."""
+    batch = [_request(20, 0.5)] * 9 + [_request(1, 0.0)]
+    slack = lambda q: banked_slack_ms(batch, 54.0, now=100.0, quantile=q)
+    assert slack(0.0) == slack(0.05) == pytest.approx(54.0)
+    assert slack(0.1) == slack(0.5) == pytest.approx(580.0)
+    assert banked_slack_ms([], 54.0, now=100.0, quantile=0.1) is None
+    assert banked_slack_ms(batch + [_request(3, None)], 54.0, now=100.0, quantile=0.1) is None
+
+
+@pytest.mark.parametrize("quantile, cap, error", [
+    (1.0, 3.0, "must be in"), (-0.1, 3.0, "must be in"), (float("nan"), 3.0, "must be in"),
+    (0.1, 0.0, "needs --mux-tpot-bank-cap")])
+def test_a_quantile_outside_0_1_or_without_the_bank_is_refused(quantile, cap, error):
+    with pytest.raises(ValueError, match=error):
+        SchedulerConfig(mux_tpot_bank_cap=cap, mux_tpot_bank_quantile=quantile)
+
+
+def test_the_scheduler_plans_with_the_quantile_it_is_given():
+    """The decode load the multiplex scheduler plans with carries the bank at the quantile
+    its config names."""
+    from pdserve.sched.in_flight import decode_load_banked
+
+    batch = [SimpleNamespace(num_tokens=500, **vars(_request(20, 0.5)))] * 9
+    batch.append(SimpleNamespace(num_tokens=300, **vars(_request(1, 0.0))))
+    config = MuxPlannerConfig(itl_slo_ms=60.0, tpot_bank_cap=3.0)
+    tightest = decode_load_banked(batch, config, now=100.0)
+    spread = decode_load_banked(batch, replace(config, tpot_bank_quantile=0.1), now=100.0)
+    assert tightest.slack_ms == pytest.approx(54.0)
+    assert spread.slack_ms == pytest.approx(580.0)
+    assert (spread.batch_size, spread.context_tokens) == (10, 4800)
+
+
 @pytest.mark.parametrize("cap", [0.5, -1.0, float("nan")])
 def test_a_cap_below_one_is_refused(cap):
     with pytest.raises(ValueError, match="--mux-tpot-bank-cap"):
@@ -100,9 +136,11 @@ def test_the_engine_runs_with_the_bank_and_reports_it():
     prompts = [{"prompt_token_ids": [5 + i % 200 for i in range(n)]}
                for n in (40, 300, 120, 700)]
     outputs = {}
-    for cap in (0.0, 3.0):
+    for cap, quantile in ((0.0, 0.0), (3.0, 0.0), (3.0, 0.1)):
         llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline",
-                  mux_tpot_bank_cap=cap)
-        assert llm.engine.describe()["tpot_bank_cap"] == cap
-        outputs[cap] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert outputs[0.0] == outputs[3.0]
+                  mux_tpot_bank_cap=cap, mux_tpot_bank_quantile=quantile)
+        described = llm.engine.describe()
+        assert (described["tpot_bank_cap"], described["tpot_bank_quantile"]) == (cap, quantile)
+        outputs[cap, quantile] = [o.outputs[0].token_ids
+                                  for o in llm.generate(prompts, params)]
+    assert outputs[0.0, 0.0] == outputs[3.0, 0.0] == outputs[3.0, 0.1]

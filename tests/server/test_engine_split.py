@@ -47,6 +47,7 @@ def test_bench_poller_picks_up_the_split():
 
 
 def test_chunked_reports_no_split(server):
+    before = _timeline(server, "?since=1e12")["now"]
     server.openai().completions.create(model="tiny", prompt="x", max_tokens=4,
                                        extra_body={"ignore_eos": True})
     metrics = server.metrics()
@@ -54,8 +55,12 @@ def test_chunked_reports_no_split(server):
         assert name in metrics, name
     assert metrics["pdserve_decode_sms"] == metrics["pdserve_prefill_sms"] == 0
     assert _mode(metrics) == "none"
-    body = _timeline(server)
-    assert body["object"] == "engine.timeline" and body["entries"] == []
+    body = _timeline(server, f"?since={before}")
+    assert body["object"] == "engine.timeline"
+    steps = body["entries"]  # chunked prefill's timeline: its steps, no SM split
+    assert sum(e["decode_batch"] for e in steps) == 3  # the tokens after the first
+    assert steps and not any("decode_sms" in e for e in steps)
+    assert _timeline(server, f"?since={body['now']}")["entries"] == []
     assert server.request("GET", "/v1/engine/timeline?since=soon")[0] == 400
 
 
