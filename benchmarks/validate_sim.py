@@ -723,14 +723,17 @@ async def run(args) -> dict:
         async with ClientSession(timeout=ClientTimeout(total=None)) as session:
             gateway, url = await start_group(session, prefill, decode, args)
             try:
-                steps = await prefill_steps_of(session, prefill)
+                prefill_steps = await prefill_steps_of(session, prefill)
                 cpu_marks.append(cpu_times())
                 calibrated = await calibrate(session, prefill, decode, url, args, rng)
                 requests = workload(args, rng)
                 load_average["calibrated"] = os.getloadavg()[0]
                 cpu_marks.append(cpu_times())
+                replay_mark = time.monotonic()
                 measured = await replay(session, url, requests, args, rng)
                 cpu_marks.append(cpu_times())
+                steps = {role: await instance_steps(session, server, replay_mark)
+                         for role, server in (("prefill", prefill), ("decode", decode))}
                 after = None
                 if args.decode_rounds_after > 0:
                     after = await recalibrate(session, prefill, url, args)
@@ -752,11 +755,11 @@ async def run(args) -> dict:
         recalibration = {"service_points": after, "drift": drift(before, after),
                          "latency_model_both_sides": dataclasses.asdict(both_sides)}
     cores, wake = calibrated.pop("shared_cores"), calibrated.pop("idle_wake")
-    parts = GroupParts(cores, calibrated["decode_hold_probability"], steps, wake,
+    parts = GroupParts(cores, calibrated["decode_hold_probability"], prefill_steps, wake,
                        direct_prompt_slowdown(calibrated["shared_cores_probe"]))
     prefill_busy = sum(model.prefill_s(r.input_len) for r in requests) / requests[-1].arrival
     return {**calibrated, "service_spread": {k: spread(v) for k, v in ratios.items()},
-            "prefill_steps": dataclasses.asdict(steps),  # how the prefill instance steps
+            "prefill_steps": dataclasses.asdict(prefill_steps),  # how it steps
             "service_ratios": ratios,  # what the simulations drew from: re-simulable
             "latency_model": dataclasses.asdict(model),
             "shared_cores": dataclasses.asdict(cores), "prefill_utilisation": prefill_busy,
@@ -772,8 +775,65 @@ async def run(args) -> dict:
             "measured_token_times_s": [[round(t, 5) for t in r["times"]] for r in measured],
             # the request list (arrival s, prompt and answer tokens): re-simulable
             "requests": [[r.arrival, r.input_len, r.output_len] for r in requests],
+            # each instance's engine steps during the replay (s from its start) and, per
+            # request, its TPOT against the decode steps that ran while it decoded
+            "replay_steps": steps,
+            "replay_steps_check": steps_check(steps, measured, model),
             "compare": compare(measured, simulations(model, parts, ratios, requests, args,
                                                      recalibration=recalibration))}
+
+
+STEP_FIELDS = ("t", "mode", "decode_batch", "decode_context_tokens", "prefill_tokens",
+               "measured_cycle_ms")
+
+
+async def instance_steps(session, server: ServeProcess, since: float) -> dict:
+    """An instance's engine steps since ``since`` (this host's ``time.monotonic()``, the
+    clock the engine's timeline keeps), one row of ``STEP_FIELDS`` each, ``t`` in seconds
+    from ``since``."""
+    async with session.get(server.url + "/v1/engine/timeline",
+                           params={"since": repr(since)}) as resp:
+        entries = (await resp.json())["entries"]
+    rows = [[round(e["time"] - since, 5), e["mode"], e["decode_batch"],
+             e["decode_context_tokens"], e["prefill_tokens"], round(e["measured_cycle_ms"], 3)]
+            for e in entries]
+    return {"fields": list(STEP_FIELDS), "rows": rows}
+
+
+def steps_check(steps: dict, measured: list[dict], model: LatencyModel) -> dict:
+    """Whether a slow request was slow in the decode instance's engine or on the way to
+    the client: per request, its TPOT (from its second token: the first gap is the
+    hand-off) over the mean time of the decode instance's steps between its second and
+    last token, and those steps' mean over the model's decode step for their batch and
+    context; percentiles of both over all requests and for the slowest 5% by TPOT."""
+    fields = steps["decode"]["fields"]
+    rows = [dict(zip(fields, row, strict=True)) for row in steps["decode"]["rows"]]
+    decode = [r for r in rows if r["decode_batch"] > 0]
+    per_request = []
+    for request in measured:
+        times = request["times"]
+        if len(times) < 4:
+            continue
+        during = [r for r in decode if times[1] <= r["t"] <= times[-1]]
+        if not during:
+            continue
+        tpot_ms = (times[-1] - times[1]) / (len(times) - 2) * 1e3
+        step_ms = float(np.mean([r["measured_cycle_ms"] for r in during]))
+        model_ms = float(np.mean([model.decode_step_s(r["decode_batch"],
+                                                      r["decode_context_tokens"]) * 1e3
+                                  for r in during]))
+        per_request.append((tpot_ms, tpot_ms / step_ms, step_ms / model_ms))
+    if not per_request:
+        return {"requests": 0}
+    per_request.sort()
+    slowest = per_request[-max(1, len(per_request) // 20):]
+    summary = lambda values: {f"p{q}": float(np.percentile(values, q)) for q in (10, 50, 90)}
+    return {"requests": len(per_request),
+            "tpot_over_engine_steps": summary([r[1] for r in per_request]),
+            "engine_steps_over_model": summary([r[2] for r in per_request]),
+            "slowest_5pct": {"tpot_ms": summary([r[0] for r in slowest]),
+                             "tpot_over_engine_steps": summary([r[1] for r in slowest]),
+                             "engine_steps_over_model": summary([r[2] for r in slowest])}}
 
 
 def direct_prompt_slowdown(probe: dict) -> float | None:

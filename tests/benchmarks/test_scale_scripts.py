@@ -123,6 +123,17 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
             assert 0 < row[side]["p50"] <= row[side]["p99"]
         assert row["simulated_error"]["p50"] == pytest.approx(
             row["simulated"]["p50"] / row["measured"]["p50"] - 1)
+    # Each instance's engine steps during the replay: the prefill instance prefilled every
+    # prompt (and sampled each first token), the decode instance decoded every later token.
+    steps = {role: [dict(zip(part["fields"], row, strict=True)) for row in part["rows"]]
+             for role, part in result["replay_steps"].items()}
+    requests = result["requests"]
+    assert sum(r["prefill_tokens"] for r in steps["prefill"]) == sum(r[1] for r in requests)
+    assert sum(r["decode_batch"] for r in steps["decode"]) >= sum(r[2] - 1 for r in requests)
+    assert all(0 <= r["t"] <= 60 for part in steps.values() for r in part)
+    check = result["replay_steps_check"]
+    assert check["requests"] >= 1
+    assert 0 < check["tpot_over_engine_steps"]["p10"] <= check["tpot_over_engine_steps"]["p90"]
 
 
 def test_instance_validation_smoke_runs_both_schedules_end_to_end(tmp_path):
