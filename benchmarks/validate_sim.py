@@ -778,6 +778,9 @@ async def run(args) -> dict:
             # each instance's engine steps during the replay (s from its start) and, per
             # request, its TPOT against the decode steps that ran while it decoded
             "replay_steps": steps,
+            # this host's time.monotonic() when the replay began: lines the steps up with
+            # anything else recorded on the host meanwhile
+            "replay_started_monotonic_s": replay_mark,
             "replay_steps_check": steps_check(steps, measured, model),
             "compare": compare(measured, simulations(model, parts, ratios, requests, args,
                                                      recalibration=recalibration))}
