@@ -49,7 +49,9 @@ import dataclasses
 import json
 import os
 import shlex
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -101,6 +103,61 @@ def instance_cores(args) -> list[set[int] | None]:
         raise SystemExit(f"--pin-cores needs two cores, this process may use {cores}; "
                          "run with --no-pin-cores")
     return [{cores[0]}, {cores[1]}]
+
+
+class HostMeters:
+    """``host_meter.py`` beside each instance, on its core (``--host-meter``): how fast
+    the host ran through calibration, replay and recalibration, apart from the instances."""
+
+    def __init__(self, args) -> None:
+        self.period_s, self.folder = args.host_meter_period_s, tempfile.mkdtemp()
+        self.processes: dict[str, subprocess.Popen] = {}
+        if args.host_meter_period_s <= 0:
+            return
+        for role, cores in zip(("prefill", "decode"), instance_cores(args), strict=True):
+            core = ["--core", str(min(cores))] if cores else []
+            self.processes[role] = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("host_meter.py")), *core,
+                 "--period-s", str(self.period_s), "--out", self._path(role)])
+
+    def _path(self, role: str) -> str:
+        return os.path.join(self.folder, f"{role}.jsonl")
+
+    def stop(self, replay_start: float, marks: dict[str, float]) -> dict | None:
+        """The samples (s from the replay's start, ms) and, per phase between ``marks``
+        (``time.monotonic()`` at each phase's start), the medians over calibration's."""
+        for process in self.processes.values():
+            process.terminate()
+            process.wait(timeout=30)
+        if not self.processes:
+            return None
+        samples = {}
+        for role in self.processes:
+            with open(self._path(role)) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            samples[role] = [[round(t - replay_start, 3), round(ms, 3)] for t, ms in rows]
+        return {"period_s": self.period_s, "samples": samples,
+                "over_calibration": meter_phases(samples, replay_start, marks)}
+
+
+def meter_phases(samples: dict[str, list], replay_start: float, marks: dict[str, float]
+                 ) -> dict:
+    """Per core and phase (from its mark to the next one's), the meter's p50 / p90 / p99
+    over its median through calibration."""
+    if "calibration" not in marks:
+        return {}  # stopped before calibrating: nothing to compare with
+    bounds = sorted((t - replay_start, name) for name, t in marks.items())
+    spans = {name: (start, end) for (start, name), (end, _) in
+             zip(bounds, [*bounds[1:], (np.inf, "")], strict=True)}
+    phases = {}
+    for role, rows in samples.items():
+        by_phase = {name: np.array([ms for t, ms in rows if start <= t < end])
+                    for name, (start, end) in spans.items()}
+        base = np.median(by_phase["calibration"]) if by_phase["calibration"].size else np.nan
+        phases[role] = {name: {f"p{q}": float(np.percentile(ms, q) / base)
+                               for q in (50, 90, 99)}
+                        for name, ms in by_phase.items() if ms.size}
+    return phases
 
 
 def start_instances(args) -> tuple[ServeProcess, ServeProcess]:
@@ -716,6 +773,7 @@ async def run(args) -> dict:
     load_average = {"start": os.getloadavg()[0]}
     cpu_marks = [cpu_times()]
     prefill, decode = start_instances(args)
+    meters, phase_marks = HostMeters(args), {}
     pinned = {"prefill": affinity(prefill), "decode": affinity(decode),
               "gateway_and_client": sorted(os.sched_getaffinity(0))}
     rng = np.random.default_rng(args.seed)
@@ -725,22 +783,25 @@ async def run(args) -> dict:
             try:
                 prefill_steps = await prefill_steps_of(session, prefill)
                 cpu_marks.append(cpu_times())
+                phase_marks["calibration"] = time.monotonic()
                 calibrated = await calibrate(session, prefill, decode, url, args, rng)
                 requests = workload(args, rng)
                 load_average["calibrated"] = os.getloadavg()[0]
                 cpu_marks.append(cpu_times())
-                replay_mark = time.monotonic()
+                replay_mark = phase_marks["replay"] = time.monotonic()
                 measured = await replay(session, url, requests, args, rng)
                 cpu_marks.append(cpu_times())
                 steps = {role: await instance_steps(session, server, replay_mark)
                          for role, server in (("prefill", prefill), ("decode", decode))}
                 after = None
+                phase_marks["recalibration"] = time.monotonic()
                 if args.decode_rounds_after > 0:
                     after = await recalibrate(session, prefill, url, args)
                     cpu_marks.append(cpu_times())
             finally:
                 await stop_gateway(*gateway)
     finally:
+        host_meter = meters.stop(phase_marks.get("replay", time.monotonic()), phase_marks)
         for server in (prefill, decode):
             server.stop()
     load_average["replayed"] = os.getloadavg()[0]
@@ -781,6 +842,8 @@ async def run(args) -> dict:
             # this host's time.monotonic() when the replay began: lines the steps up with
             # anything else recorded on the host meanwhile
             "replay_started_monotonic_s": replay_mark,
+            # a fixed CPU workload timed on each instance's core throughout (None: off)
+            "host_meter": host_meter,
             "replay_steps_check": steps_check(steps, measured, model),
             "compare": compare(measured, simulations(model, parts, ratios, requests, args,
                                                      recalibration=recalibration))}
@@ -1236,6 +1299,10 @@ def main() -> int:
                         help="Pauses of the idle probe: how much longer a prompt takes "
                         "after the group idled that long (the replay's requests come "
                         "after idle cores, the calibration's back to back).")
+    parser.add_argument("--host-meter-period-s", type=float, default=0.5,
+                        help="time a fixed CPU workload (benchmarks/host_meter.py) on each "
+                        "instance's core this often, for the host's speed apart from the "
+                        "instances (0: off)")
     parser.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=True,
                         help="The prefill instance on the first core, the decode instance "
                         "on the second (the gateway and the client on any): the two never "

@@ -131,9 +131,28 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     assert sum(r["prefill_tokens"] for r in steps["prefill"]) == sum(r[1] for r in requests)
     assert sum(r["decode_batch"] for r in steps["decode"]) >= sum(r[2] - 1 for r in requests)
     assert all(0 <= r["t"] <= 60 for part in steps.values() for r in part)
+    # The host meter timed its work on each instance's core through every phase.
+    meter = result["host_meter"]
+    assert set(meter["samples"]) == {"prefill", "decode"}
+    for role, phases in meter["over_calibration"].items():
+        assert set(phases) == {"calibration", "replay", "recalibration"}, role
+        assert phases["calibration"]["p50"] == pytest.approx(1.0)
+    assert any(t < 0 for t, _ in meter["samples"]["decode"])  # before the replay began
     check = result["replay_steps_check"]
     assert check["requests"] >= 1
     assert 0 < check["tpot_over_engine_steps"]["p10"] <= check["tpot_over_engine_steps"]["p90"]
+
+
+def test_the_host_meter_is_split_by_phase_over_its_calibration_median():
+    """Samples 2 ms through calibration, 3 ms in the replay (from 0 s), 2.2 ms after."""
+    module = _script("validate_sim")
+    rows = [[t, 2.0] for t in range(-10, 0)] + [[t, 3.0] for t in range(0, 20)]
+    rows += [[t, 2.2] for t in range(20, 25)]
+    marks = {"calibration": 90.0, "replay": 100.0, "recalibration": 120.0}
+    phases = module.meter_phases({"decode": rows}, 100.0, marks)["decode"]
+    assert phases["calibration"]["p50"] == 1.0 and phases["replay"]["p50"] == 1.5
+    assert phases["recalibration"]["p99"] == pytest.approx(1.1)
+    assert module.meter_phases({"decode": rows}, 100.0, {"replay": 100.0}) == {}
 
 
 def test_instance_validation_smoke_runs_both_schedules_end_to_end(tmp_path):
