@@ -143,6 +143,21 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     assert 0 < check["tpot_over_engine_steps"]["p10"] <= check["tpot_over_engine_steps"]["p90"]
 
 
+def test_the_cpu_decode_state_ab_alternates_both_pairs(tmp_path):
+    """Small: two rounds of 64-token probes, the served engine churned by 2 requests."""
+    result = _run("cpu_decode_state_ab.py", "--rounds", "2", "--churn", "2", "--context",
+                  "64", "--core", str(min(os.sched_getaffinity(0))),
+                  out=tmp_path / "ab.json")
+    assert result["kind"] == "ab"
+    for name, keys in (("served", {"fresh_ms", "served_ms"}),
+                       ("pages", {"contiguous_ms", "shuffled_ms"})):
+        rounds = result[name]["rounds"]
+        assert len(rounds) == 2 and all(set(r) == keys and min(r.values()) > 0
+                                        for r in rounds)
+        assert result[name]["ratio_min"] <= result[name]["ratio_median"] <= result[name][
+            "ratio_max"]
+
+
 def test_the_host_meter_is_split_by_phase_over_its_calibration_median():
     """Samples 2 ms through calibration, 3 ms in the replay (from 0 s), 2.2 ms after."""
     module = _script("validate_sim")
