@@ -76,7 +76,7 @@ def plot_validation(plt, result: dict, path: Path, out_dir: Path) -> Path:
                        label=SIDES[side])
             ax.set_xticks([0, 1], ["P50", "P99"])
             ax.set_ylabel(f"{key[:-2].upper()} (ms)")
-            ax.set_title(f"{name}: measured against simulated", fontsize=9)
+            ax.set_title(f"{name}:\nmeasured against simulated", fontsize=9)
         row[0].legend(fontsize=7)  # runs may differ in the simulations they hold
     fig.tight_layout()
     out = out_dir / f"{path.stem}.png"
