@@ -111,6 +111,7 @@ from pdserve.sim.instance import (  # noqa: E402
     mixed_step_s,
 )
 from pdserve.sim.mux_steps import StepRequest, engine_timed  # noqa: E402
+from pdserve.sim.step_check import step_check  # noqa: E402
 from pdserve.testing import ServeProcess, start_serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -627,6 +628,13 @@ async def _measure_and_replay(name: str, schedule_args: str, session, url: str, 
     measured = await replay(session, url, requests, args, rng)
     phases["replay_s"] = time.monotonic() - clock
     share = None
+    if name == "chunk512":
+        # The replay's steps against the model's step for each one's shape: which steps a
+        # miss of the percentiles comes from (the steps kept beside the result).
+        steps = await timeline_entries(session, url, clock,
+                                       keep=Path(args.out) / f"{name}_steps_replay.json.gz")
+        mix["replay_steps_check"] = step_check(model, mix.get("mixed_step_extra_s", 0.0),
+                                               steps)
     if name == "multiplex":
         mix["timeline_replay"] = await engine_timeline(
             session, url, clock, keep=Path(args.out) / f"{name}_timeline_replay.json.gz")
@@ -687,15 +695,23 @@ async def engine_timeline(session, url: str, since: float, keep: Path | None = N
     ``time.monotonic()``), summarised as the LooGLE runs are (``summarise_timeline``);
     with ``keep``, the decisions themselves written there (gzipped JSON): each one's
     option, decode batch and cycle, to set beside what the planner model walks."""
+    entries = await timeline_entries(session, url, since, keep)
+    itl_ms = (await engine_info(session, url)).get("itl_slo_ms") or 60.0
+    return summarise_timeline(entries, since, itl_ms)
+
+
+async def timeline_entries(session, url: str, since: float, keep: Path | None = None
+                           ) -> list[dict]:
+    """The engine's timeline since ``since``: a multiplexing engine's decisions, a chunked
+    one's steps; with ``keep``, also written there (gzipped JSON)."""
     base = url.rsplit("/v1/", 1)[0]
     async with session.get(base + "/v1/engine/timeline") as resp:
-        entries = (await resp.json())["entries"]
+        entries = [e for e in (await resp.json())["entries"] if e["time"] >= since]
     if keep is not None:
         keep.parent.mkdir(parents=True, exist_ok=True)
         with gzip.open(keep, "wt") as f:
-            json.dump([e for e in entries if e["time"] >= since], f)
-    itl_ms = (await engine_info(session, url)).get("itl_slo_ms") or 60.0
-    return summarise_timeline(entries, since, itl_ms)
+            json.dump(entries, f)
+    return entries
 
 
 async def engine_info(session, url: str) -> dict:

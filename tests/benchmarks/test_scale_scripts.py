@@ -4,6 +4,7 @@ ZooKeeper (the scale script starts one, as the cluster tests do)."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import shutil
@@ -205,6 +206,12 @@ def test_instance_validation_smoke_runs_both_schedules_end_to_end(tmp_path):
     assert len(chunked["measured_per_request"]) == chunked["workload"]["requests"]
     assert len(chunked["service_ratios"]["decode_step"]) == chunked["service_spread"][
         "decode_step"]["samples"]
+    # The chunked replay's steps, kept beside the result and set against the model.
+    check = chunked["interference"]["replay_steps_check"]
+    assert check["steps"] > 0 and check["clock"] == "host"
+    assert {g["mode"] for g in check["groups"]} >= {"decode_only"}
+    with gzip.open(out / "chunk512_steps_replay.json.gz", "rt") as f:
+        assert len(json.load(f)) >= check["steps"]
 
 
 VALIDATION_H200 = ROOT / "benchmarks" / "results" / "sim_validate_instance_h200_eb12b7d.json"

@@ -93,8 +93,9 @@ def test_the_step_check_sets_each_recorded_step_beside_the_model():
     """Steps recorded 20% over the model's mixed steps and on it for decode alone: the
     check finds each group's ratio, and the run's total between the two."""
     from pdserve.sim.instance import recorded_step_s
+    from pdserve.sim.step_check import batch_band, step_check
 
-    module, model = _script(), _chunk512_model()
+    model = _chunk512_model()
     decode = {"mode": "decode_only", "path": "decode_graph", "decode_batch": 140,
               "decode_context_tokens": 84_000, "prefill_pieces": [], "measured_cycle_ms": 0.0}
     mixed = {**decode, "mode": "mixed", "path": "piecewise_graph",
@@ -105,7 +106,7 @@ def test_the_step_check_sets_each_recorded_step_beside_the_model():
         timeline.append({**entry, "measured_device_ms": over * modelled_ms})
     timeline.append({**decode, "measured_device_ms": 0.0, "measured_cycle_ms": 25.0})
     timeline.append({**decode, "measured_device_ms": 0.0})  # never timed: left out
-    check = module.step_check(model, 0.0015, timeline)
+    check = step_check(model, 0.0015, timeline)
     assert check["steps"] == 41 and check["clock"] == "both"
     groups = {(g["mode"], g["decode_batch"]): g for g in check["groups"]}
     assert set(groups) == {("decode_only", "129-256"), ("mixed", "129-256")}
@@ -114,7 +115,7 @@ def test_the_step_check_sets_each_recorded_step_beside_the_model():
     assert groups["decode_only", "129-256"]["ratio_p10_p50_p90"][1] == pytest.approx(1.0)
     assert 1.0 < check["measured_over_modelled"] < 1.2
     assert check["measured_s"] == pytest.approx(sum(g["measured_s"] for g in groups.values()))
-    assert [module.batch_band(b) for b in (0, 1, 8, 9, 256, 300)] == [
+    assert [batch_band(b) for b in (0, 1, 8, 9, 256, 300)] == [
         "0", "1-8", "1-8", "9-32", "129-256", "257+"]
 
 
@@ -123,6 +124,7 @@ def test_a_served_runs_steps_go_through_the_check_and_old_probes_are_listed():
     a committed probe recorded before the engine kept steps is listed as without one."""
     from pdserve.engine.llm import LLM
     from pdserve.sampling_params import SamplingParams
+    from pdserve.sim.step_check import step_check
 
     module = _script()
     llm = LLM("tiny", device="cpu", schedule="chunked", chunk_size=64,
@@ -130,7 +132,7 @@ def test_a_served_runs_steps_go_through_the_check_and_old_probes_are_listed():
     llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in (90, 30, 12)],
                  SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     timeline = llm.engine.timeline()
-    check = module.step_check(_chunk512_model(), 0.0, timeline)
+    check = step_check(_chunk512_model(), 0.0, timeline)
     assert check["steps"] == len(timeline) and check["clock"] == "host"
     assert {g["mode"] for g in check["groups"]} == {"prefill_only", "mixed", "decode_only"}
     validation = RESULTS / "sim_validate_instance_h200_8ccd9ac.json"
