@@ -22,8 +22,10 @@ on the validation's queue probe with them, and records the grid and its revision
 ``<record>_timeline.json.gz`` by ``goodput_h200.py``; ``pdserve.sched.steps``) beside the
 model's time for that step's shape (``recorded_step_s``): in an overloaded probe the queue
 turns a few percent of step time into tens of percent of TTFT, so this says which steps
-(by mode, path and decode batch) the model gets wrong. Probes recorded before the engine
-kept steps have no timeline and are listed in ``steps_skipped``.
+(by mode, path and decode batch) the model gets wrong. With ``--steps`` a multiplex probe
+is taken too, for its whole-GPU steps only (mixed steps and decode alone, the shapes this
+model prices; its latencies are another schedule's). Probes recorded before the engine
+kept steps (or their shapes) are listed in ``steps_skipped``.
 """
 
 from __future__ import annotations
@@ -105,6 +107,19 @@ def compare_probe(record: dict, model: LatencyModel, extra_s: float,
                               for name, rows in simulated.items()}}}
 
 
+def is_multiplex(record: dict) -> bool:
+    return "--schedule multiplex" in record["config"]["server_args"]
+
+
+def steps_of(record_path: Path, model: LatencyModel, extra_s: float) -> dict | None:
+    """``step_check`` of the steps kept beside a probe's record (None: none kept, or a
+    multiplex timeline from before its decisions carried their shapes)."""
+    if not timeline_of(record_path).exists():
+        return None
+    found = step_check(model, extra_s, load_engine_timeline(timeline_of(record_path)))
+    return found if found["steps"] else None
+
+
 def timeline_of(record_path: Path) -> Path:
     return record_path.with_name(record_path.stem + "_timeline.json.gz")
 
@@ -123,15 +138,23 @@ def run(validation_path: Path, probe_paths: list[Path], grid_path: Path | None =
     for path in probe_paths:
         record = json.loads(path.read_text())
         if chunk_size_of(record) is None:
-            raise SystemExit(f"{path}: not a chunked probe (the chunked model only)")
+            if not (steps and is_multiplex(record)):
+                raise SystemExit(f"{path}: not a chunked probe (the chunked model only; a "
+                                 "multiplex probe's whole-GPU steps with --steps)")
+            found = steps_of(path, model, extra_s)  # its latencies are not this model's
+            if found is None:
+                steps_skipped[path.stem] = "no step timeline beside the record"
+            else:
+                probes[path.stem] = {"schedule": "multiplex", "steps": found}
+            continue
         if "summary" not in record:  # imported from a run before goodput_h200.py
             skipped[path.stem] = "no SLO summary: imported from an earlier runner"
             continue
         probes[path.stem] = {**compare_probe(record, model, extra_s, noise),
                              "same_revision": record["git_revision"] == revision}
-        if steps and timeline_of(path).exists():
-            timeline = load_engine_timeline(timeline_of(path))
-            probes[path.stem]["steps"] = step_check(model, extra_s, timeline)
+        found = steps_of(path, model, extra_s) if steps else None
+        if found is not None:
+            probes[path.stem]["steps"] = found
         elif steps:
             steps_skipped[path.stem] = "no step timeline beside the record"
     found = {"steps_skipped": steps_skipped} if steps else {}
@@ -222,10 +245,13 @@ def main() -> int:
                                "mixed_step_grid": grid and str(grid.relative_to(ROOT))}),
               **run(validation, probes, grid, args.steps)}
     for name, probe in result["probes"].items():
-        errors = {key: {q: round(100 * e, 1) for q, e in
-                        probe["compare"][key]["simulated_error"].items()}
-                  for key in ("ttft_s", "tpot_s")}
-        print(name, "attainment", probe["attainment"], "errors %", errors)
+        if "compare" in probe:
+            errors = {key: {q: round(100 * e, 1) for q, e in
+                            probe["compare"][key]["simulated_error"].items()}
+                      for key in ("ttft_s", "tpot_s")}
+            print(name, "attainment", probe["attainment"], "errors %", errors)
+        else:
+            print(name, f"({probe['schedule']}: steps only)")
         if probe.get("steps", {}).get("steps"):
             print_steps(probe["steps"])
     for name, reason in result["skipped"].items():

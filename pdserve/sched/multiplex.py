@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from pdserve.config import MUX_SHARING, SchedulerConfig, mux_sharing_options
 from pdserve.gpu.partitions import Partition, PartitionSet
@@ -57,6 +57,7 @@ from pdserve.sched.mux_planner import (
     OnlineCalibration,
     piece_predicted_ms,
 )
+from pdserve.sched.steps import step_entry
 
 log = logging.getLogger(__name__)
 TIMELINE_LENGTH = 20_000  # decisions kept for ``timeline()``; older ones are dropped
@@ -110,6 +111,12 @@ class TimelineEntry:
     # launches were issued: each a cudaMalloc inside a serving step (on the H200 the first
     # piece of a fresh server's first SM-split batch took 88 ms where 49 were predicted).
     cuda_mallocs: int = 0
+    # KV tokens the decode launch's requests attend over, summed (0: no decode launch),
+    # and, for a whole-GPU mixed step (TEMPORAL), its prompt pieces as [tokens cached
+    # ahead, tokens]: the shape a step model prices (``pdserve.sched.steps``).
+    decode_context_tokens: int = 0
+    prefill_pieces: list[list[int]] = field(default_factory=list)
+    path: str = ""  # how the decode launch ran (``Work.path``), once it completed
 
 
 @dataclass
@@ -299,7 +306,7 @@ class MultiplexScheduler(InFlightScheduler):
         if step.is_empty():
             return
         prefill_tokens = sum(s.num_new_tokens for s in step.prefills)
-        self._note(plan, len(step.decodes), prefill_tokens)
+        self._note(plan, len(step.decodes), prefill_tokens, step)
         overlapped = self.overlap.allows(step)
         self.overlap.mixed_step(chained)
         self.launched(step, overlapped)
@@ -478,6 +485,7 @@ class MultiplexScheduler(InFlightScheduler):
         if entry is not None:
             entry.measured_cycle_ms = output.elapsed_ms
             entry.measured_device_ms = output.device_ms or 0.0
+            entry.path = work.path
         # The profile timed the GPU: learn from the device's clock where there is one (the
         # host's view adds whatever kept it from looking at a finished step in time).
         measured = output.device_ms if output.device_ms is not None else output.elapsed_ms
@@ -529,8 +537,11 @@ class MultiplexScheduler(InFlightScheduler):
     # --------------------------------------------------------------- reporting
 
     def _note(self, plan: MuxPlan, decode_batch: int | None = None,
-              prefill_tokens: int | None = None) -> None:
-        """Records what runs now: the split, the decode batch and the prefill piece."""
+              prefill_tokens: int | None = None, step: Plan | None = None) -> None:
+        """Records what runs now: the split, the decode batch and the prefill piece
+        (``step``: the whole-GPU mixed step launched, whose shape the entry keeps)."""
+        decoding = step or (self.decode_work.plan if self.decode_work else None)
+        shape = step_entry(decoding) if decoding is not None else None
         if decode_batch is None:
             decode_batch = len(self.decode_work.plan.decodes) if self.decode_work else 0
         layers = serial = 0
@@ -548,7 +559,9 @@ class MultiplexScheduler(InFlightScheduler):
             prefill_calibration=plan.prefill_calibration,
             weighed_tokens_per_s=plan.weighed_tokens_per_s, held_over=plan.held_over or "",
             runner_up=plan.runner_up or "", runner_up_tokens_per_s=plan.runner_up_tokens_per_s,
-            prefill_batch=serial)
+            prefill_batch=serial,
+            decode_context_tokens=shape.decode_context_tokens if shape else 0,
+            prefill_pieces=shape.prefill_pieces if shape and step else [])
         self._timeline.append(entry)
         self.held_decisions += bool(plan.held_over)
         note = self.decode_work.note if self.decode_work is not None else None

@@ -30,16 +30,33 @@ def batch_band(batch: int) -> str:
     return f"{BATCH_BANDS[-1] + 1}+"
 
 
+# A multiplexing engine's decisions that ran one whole-GPU step, by the name the chunked
+# engine's steps of that kind have.
+WHOLE_GPU_MODES = {"temporal": "mixed", "decode_only": "decode_only"}
+
+
+def whole_gpu_steps(timeline: list[dict]) -> list[dict]:
+    """The entries a step model prices: every step of a chunked or prefill-first engine's
+    timeline; of a multiplexing engine's, the decisions that ran one whole-GPU step (mixed
+    steps and decode alone), renamed as the chunked engine names its steps; decisions of an
+    engine that did not record their shape yet (no ``decode_context_tokens``) are left out."""
+    if not any("decode_sms" in e for e in timeline):
+        return timeline
+    return [{**e, "mode": WHOLE_GPU_MODES[e["mode"]]} for e in timeline
+            if e["mode"] in WHOLE_GPU_MODES and "decode_context_tokens" in e]
+
+
 def step_check(model: LatencyModel, extra_s: float, timeline: list[dict]) -> dict:
     """Each recorded step's measured time (on the GPU's clock where there was one, else
     the host's) beside the model's for its shape, over the whole run and per group of
     (mode, path, decode batch band): the sums (a queue runs on the sum) and the median,
-    p10 and p90 of measured over modelled."""
+    p10 and p90 of measured over modelled (``whole_gpu_steps`` of ``timeline``)."""
     rows = []
-    for entry in timeline:
+    for entry in whole_gpu_steps(timeline):
         measured = entry["measured_device_ms"] or entry["measured_cycle_ms"]
         if measured > 0:
-            rows.append({"group": (entry["mode"], entry["path"], batch_band(entry["decode_batch"])),
+            band = batch_band(entry["decode_batch"])
+            rows.append({"group": (entry["mode"], entry.get("path", ""), band),
                          "measured_ms": measured, "on_device": entry["measured_device_ms"] > 0,
                          "modelled_ms": recorded_step_s(model, entry, extra_s) * 1e3})
     if not rows:

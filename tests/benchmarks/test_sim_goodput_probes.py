@@ -140,3 +140,11 @@ def test_a_served_runs_steps_go_through_the_check_and_old_probes_are_listed():
     result = module.run(validation, [probe], steps=True)
     assert "steps" not in result["probes"][probe.stem]
     assert probe.stem in result["steps_skipped"]
+    # A multiplex probe is taken with --steps alone; its timeline predates the decisions'
+    # shapes, so it has no steps to check either.
+    mux = RESULTS / "goodput_h200" / (
+        "sharegpt__multiplex-graph512-floor-converging-noslice-itl60__r17__rep7.json")
+    result = module.run(validation, [mux], steps=True)
+    assert result["probes"] == {} and mux.stem in result["steps_skipped"]
+    with pytest.raises(SystemExit, match="not a chunked probe"):
+        module.run(validation, [mux])

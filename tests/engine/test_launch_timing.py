@@ -51,11 +51,12 @@ def test_mixed_step_correction_learns_from_the_device_clock():
     note = DecodeNote(entry=entry, mixed=MixedNote(plan=SimpleNamespace(decode_ms=52.0),
                                                    as_planned=True))
     policy = SimpleNamespace(model=model)
-    MultiplexScheduler._calibrate(policy, SimpleNamespace(note=note),
+    MultiplexScheduler._calibrate(policy, SimpleNamespace(note=note, path="piecewise_graph"),
                                   StepOutput([1], elapsed_ms=400.0, device_ms=52.0))
     assert model.mixed_correction == 1.0
     assert entry.measured_cycle_ms == 400.0 and entry.measured_device_ms == 52.0
-    MultiplexScheduler._calibrate(policy, SimpleNamespace(note=note),
+    assert entry.path == "piecewise_graph"
+    MultiplexScheduler._calibrate(policy, SimpleNamespace(note=note, path="piecewise_graph"),
                                   StepOutput([1], elapsed_ms=60.0))  # no device clock
     assert model.mixed_correction > 1.0
 
@@ -72,8 +73,8 @@ def test_a_decode_step_teaches_the_factor_of_where_it_ran(mode, learns):
     model = OnlineCalibration(SimpleNamespace(num_layers=48, total_sms=132))
     entry = TimelineEntry(0.0, mode, 132, 132, 140, 0, 0, 24.0, False, 24.0)
     policy = SimpleNamespace(model=model)
-    MultiplexScheduler._calibrate(policy, SimpleNamespace(note=DecodeNote(entry=entry)),
-                                  StepOutput([1], elapsed_ms=40.0, device_ms=31.0))
+    work = SimpleNamespace(note=DecodeNote(entry=entry), path="decode_graph")
+    MultiplexScheduler._calibrate(policy, work, StepOutput([1], elapsed_ms=40.0, device_ms=31.0))
     assert (model.alone_decode_correction > 1.0) == (learns == "alone")
     assert (model.decode_correction > 1.0) == (learns == "co_running")
     assert model.mixed_correction == 1.0

@@ -92,3 +92,36 @@ def test_a_served_run_accounts_for_every_token_in_its_steps(schedule):
         assert "mixed" not in {e["mode"] for e in steps}
     else:
         assert {e["mode"] for e in steps} == {"prefill_only", "mixed", "decode_only"}
+
+
+def test_a_multiplex_timeline_keeps_its_whole_gpu_steps_shapes():
+    """Mixed steps (temporal) record their decodes' KV tokens and their prompt pieces,
+    decode-only decisions their decodes' KV tokens; the step check reads those two kinds
+    as the chunked engine's steps and leaves the rest out."""
+    from pdserve.sim.cluster import LatencyModel
+    from pdserve.sim.step_check import step_check, whole_gpu_steps
+
+    llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline",
+              max_num_batched_tokens=64, mux_sharing="temporal")
+    prompts = [list(range(3, 20)), list(range(3, 200))]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    decisions = llm.engine.timeline()
+    mixed = [e for e in decisions if e["mode"] == "temporal"]
+    assert mixed and all(sum(n for _, n in e["prefill_pieces"]) == e["prefill_tokens"]
+                         for e in mixed)
+    assert mixed[0]["decode_context_tokens"] == len(prompts[0]) + 1  # its one decode
+    assert all(e["path"] == "eager" for e in mixed)
+    alone = [e for e in decisions if e["mode"] == "decode_only"]
+    assert alone and all(e["decode_context_tokens"] > 0 and not e["prefill_pieces"]
+                         for e in alone)
+    steps = whole_gpu_steps(decisions)
+    assert len(steps) == len(mixed) + len(alone)
+    assert {e["mode"] for e in steps} == {"mixed", "decode_only"}
+    model = LatencyModel(prefill_per_token_s=1e-5, prefill_per_token_sq_s=0.0,
+                         decode_base_s=1e-3, decode_per_request_s=1e-4,
+                         decode_per_kv_token_s=1e-7, kv_bytes_per_token=4096)
+    check = step_check(model, 0.0, decisions)
+    assert check["steps"] == len(steps) and check["clock"] == "host"
+    # a timeline from before the shapes were recorded gives the check nothing
+    older = [{k: v for k, v in e.items() if k != "decode_context_tokens"} for e in decisions]
+    assert whole_gpu_steps(older) == []
