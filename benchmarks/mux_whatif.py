@@ -318,10 +318,13 @@ def decode_context(entry: dict, predictor) -> float | None:
     """The decode batch's context (tokens in all) that gives the step the planner predicted
     for ``entry`` (linear in it): a spatial split's decode step (over the co-running
     correction the entry carries), a mixed step (over the mixed correction), a time slice's
-    or a lone decode step; None for other decisions."""
+    or a lone decode step; None for other decisions. A decision that recorded its decode
+    launch's context (``decode_context_tokens``, engines since 4cecf99) gives it as is."""
     batch, sms, mode = entry["decode_batch"], entry["decode_sms"], entry["mode"]
     if batch <= 0 or mode not in ("spatial", "time_slice", "decode_only", "temporal"):
         return None
+    if entry.get("decode_context_tokens", 0) > 0:
+        return float(entry["decode_context_tokens"])
     if mode == "temporal":
         step = lambda c: predictor.predict_mixed(entry["prefill_tokens"],
                                                  entry["prefill_context_tokens"], 1, batch, c)

@@ -218,6 +218,22 @@ def test_share_fit_on_one_h200_run_predicts_a_held_out_one(tmp_path):
     assert scalar["runs"][held]["role"] == "held out" and scalar["delivered_over_planned"] > 0
 
 
+def test_a_decision_that_recorded_its_decode_context_gives_it_as_is():
+    """Older timelines: the context that gives the planner's predicted step; newer ones
+    record it, and the recorded figure wins over the recovered one."""
+    from pdserve.bench.timeline import load_engine_timeline
+    from pdserve.sched.predictor import served_predictor
+
+    whatif = _load("mux_whatif")
+    predictor = served_predictor(LOOGLE / "d698fcb_predictor.json")
+    entries = load_engine_timeline(LOOGLE / "eb12b7d_multiplex_rate0.5_timeline.json.gz")
+    entry = next(e for e in entries if e["mode"] == "decode_only" and e["decode_batch"] > 1)
+    recovered = whatif.decode_context(entry, predictor)
+    assert recovered is not None and recovered > 0
+    assert whatif.decode_context({**entry, "decode_context_tokens": 4321}, predictor) == 4321
+    assert whatif.decode_context({**entry, "decode_context_tokens": 0}, predictor) == recovered
+
+
 def test_graph_replay_of_a_measured_run_changes_choices_only_when_graph_steps_are_cheaper(
         tmp_path):
     """The eb12b7d run's decisions that start prefill work, re-planned with graph steps
