@@ -87,6 +87,7 @@ from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
 from benchmarks.validate_sim import (  # noqa: E402
     compare,
     compare_percentiles,
+    engine_timeline_since,
     ints,
     measure_decode,
     measure_prefill,
@@ -704,9 +705,7 @@ async def timeline_entries(session, url: str, since: float, keep: Path | None = 
                            ) -> list[dict]:
     """The engine's timeline since ``since``: a multiplexing engine's decisions, a chunked
     one's steps; with ``keep``, also written there (gzipped JSON)."""
-    base = url.rsplit("/v1/", 1)[0]
-    async with session.get(base + "/v1/engine/timeline") as resp:
-        entries = [e for e in (await resp.json())["entries"] if e["time"] >= since]
+    entries = await engine_timeline_since(session, url.rsplit("/v1/", 1)[0], since)
     if keep is not None:
         keep.parent.mkdir(parents=True, exist_ok=True)
         with gzip.open(keep, "wt") as f:

@@ -106,14 +106,16 @@ def instance_cores(args) -> list[set[int] | None]:
 
 
 class HostMeters:
-    """``host_meter.py`` beside each instance, on its core (``--host-meter``): how fast
-    the host ran through calibration, replay and recalibration, apart from the instances."""
+    """``host_meter.py`` beside each instance, on its core (``--host-meter-period-s``): how
+    fast the host ran through calibration, replay and recalibration, apart from the
+    instances."""
 
     def __init__(self, args) -> None:
-        self.period_s, self.folder = args.host_meter_period_s, tempfile.mkdtemp()
+        self.period_s = args.host_meter_period_s
         self.processes: dict[str, subprocess.Popen] = {}
-        if args.host_meter_period_s <= 0:
+        if self.period_s <= 0:
             return
+        self.folder = tempfile.TemporaryDirectory()
         for role, cores in zip(("prefill", "decode"), instance_cores(args), strict=True):
             core = ["--core", str(min(cores))] if cores else []
             self.processes[role] = subprocess.Popen(
@@ -121,7 +123,7 @@ class HostMeters:
                  "--period-s", str(self.period_s), "--out", self._path(role)])
 
     def _path(self, role: str) -> str:
-        return os.path.join(self.folder, f"{role}.jsonl")
+        return os.path.join(self.folder.name, f"{role}.jsonl")
 
     def stop(self, replay_start: float, marks: dict[str, float]) -> dict | None:
         """The samples (s from the replay's start, ms) and, per phase between ``marks``
@@ -136,6 +138,7 @@ class HostMeters:
             with open(self._path(role)) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
             samples[role] = [[round(t - replay_start, 3), round(ms, 3)] for t, ms in rows]
+        self.folder.cleanup()
         return {"period_s": self.period_s, "samples": samples,
                 "over_calibration": meter_phases(samples, replay_start, marks)}
 
@@ -853,13 +856,19 @@ STEP_FIELDS = ("t", "mode", "decode_batch", "decode_context_tokens", "prefill_to
                "measured_cycle_ms")
 
 
-async def instance_steps(session, server: ServeProcess, since: float) -> dict:
-    """An instance's engine steps since ``since`` (this host's ``time.monotonic()``, the
-    clock the engine's timeline keeps), one row of ``STEP_FIELDS`` each, ``t`` in seconds
-    from ``since``."""
-    async with session.get(server.url + "/v1/engine/timeline",
+async def engine_timeline_since(session, base_url: str, since: float) -> list[dict]:
+    """A server's engine timeline entries since ``since`` (this host's ``time.monotonic()``,
+    the clock the engine's timeline keeps): a multiplexing engine's decisions, a chunked
+    one's steps."""
+    async with session.get(base_url + "/v1/engine/timeline",
                            params={"since": repr(since)}) as resp:
-        entries = (await resp.json())["entries"]
+        return (await resp.json())["entries"]
+
+
+async def instance_steps(session, server: ServeProcess, since: float) -> dict:
+    """An instance's engine steps since ``since``, one row of ``STEP_FIELDS`` each, ``t``
+    in seconds from ``since``."""
+    entries = await engine_timeline_since(session, server.url, since)
     rows = [[round(e["time"] - since, 5), e["mode"], e["decode_batch"],
              e["decode_context_tokens"], e["prefill_tokens"], round(e["measured_cycle_ms"], 3)]
             for e in entries]
