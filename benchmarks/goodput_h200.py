@@ -310,6 +310,14 @@ CONFIGS["multiplex-graph512-floor512cap1-converging-noslice-itl60"] = (
 CONFIGS["multiplex-graph512-floor-converging-noslice-bank2q5-itl60"] = (
     CONFIGS["multiplex-graph512-floor-converging-noslice-bank2-itl60"]
     + " --mux-tpot-bank-quantile 0.05")
+# At fdd80df the default's ShareGPT-like 16 req/s run that failed (61%, against 95% at
+# 20d5278) spent 8.6 s in back-to-back spatial batches at ~4.3K prompt tokens/s, where mixed
+# steps ran ~5.4K before and after: each batch that ended beside a decode step on the split
+# was followed by another there, weighed among spatial options alone. Here the next batch is
+# weighed against every option first, and the lanes drain for a switch when another wins.
+CONFIGS["multiplex-graph512-floor-converging-noslice-reweigh-itl60"] = (
+    CONFIGS["multiplex-graph512-floor-converging-noslice-itl60"]
+    + " --mux-reweigh-spatial-batches")
 # The engine's default multiplex first, then the ones its earlier records ran.
 TABLE_CONFIGS = ("multiplex-graph512-floor-converging-noslice-itl60",
                  "multiplex-graph512-floor-itl60", "multiplex-graph-floor-itl60",

@@ -131,6 +131,15 @@ class SchedulerConfig:
                                      "(a large decode batch otherwise leaves a graph step of "
                                      "a few prompt tokens once eager steps are priced over "
                                      "the budget).")
+    mux_reweigh_spatial_batches: bool = doc(False, "multiplex: before the next prefill "
+                                            "batch starts beside a decode step running on a "
+                                            "partition, weigh every option (mixed steps "
+                                            "included) against that partition's, and let the "
+                                            "lanes drain for a switch when another wins by the "
+                                            "switch margin. Off: that batch is weighed among "
+                                            "the partition's own spatial option only, so a "
+                                            "busy decode lane can keep prefill on a partition "
+                                            "long after mixed steps would deliver more.")
     mux_tpot_bank_cap: float = doc(0.0, "multiplex: let a mixed step or a time slice run past "
                                    "the ITL budget by what every running request has banked "
                                    "against it (the budget times its output tokens, less the "

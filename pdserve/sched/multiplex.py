@@ -182,6 +182,9 @@ class MultiplexScheduler(InFlightScheduler):
         self.option: str | None = None  # the sharing option running (``MuxPlan.option``)
         self.held_decisions = 0  # launching decisions the switch margin kept on ``option``
         self.batches_started = 0  # prefill batches numbered so far (``prefill_batch``)
+        # Batches beside a split's decode not started because another option won
+        # (``--mux-reweigh-spatial-batches``).
+        self.spatial_batches_declined = 0
         self.time_slicing = False  # lanes alternate on the whole GPU's stream (TIME_SLICE)
         self._timeline: deque[TimelineEntry] = deque(maxlen=TIMELINE_LENGTH)
         log.info("multiplex: %r, predictor %s", partitions, type(predictor).__name__)
@@ -213,6 +216,8 @@ class MultiplexScheduler(InFlightScheduler):
                 "tpot_bank_cap": planned.tpot_bank_cap,
                 "tpot_bank_quantile": planned.tpot_bank_quantile,
                 "ttft_pressed_margin": planned.ttft_pressed_margin,
+                "reweigh_spatial_batches": self.config.mux_reweigh_spatial_batches,
+                "spatial_batches_declined": self.spatial_batches_declined,
                 "calibration": self.describe_calibration()}
 
     def describe_calibration(self) -> dict:
@@ -393,11 +398,24 @@ class MultiplexScheduler(InFlightScheduler):
         candidates = self.prefill_candidates()
         if self.batch is None and not candidates:
             return
+        if self.batch is None and self._another_option_wins(candidates):
+            self.spatial_batches_declined += 1
+            self.switch_pending = True  # the lanes drain; the next drained boundary re-plans
+            return
         plan = self._plan(self._pinned_planner(self.current), candidates,
                           self.decode_work.plan)
         if plan.mode == MuxMode.SPATIAL and self._ensure_batch(plan, candidates):
             self._add_piece(works, plan)
             self._note(plan)
+
+    def _another_option_wins(self, candidates) -> bool:
+        """With ``--mux-reweigh-spatial-batches``: whether the whole planner, weighing every
+        option against the running one (a challenger pays for the switch and must beat it by
+        the switch margin), would run the next batch other than as a split of the GPU."""
+        if not self.config.mux_reweigh_spatial_batches:
+            return False
+        plan = self._plan(self.planner, candidates, self.decode_work.plan)
+        return plan.mode != MuxMode.SPATIAL
 
     def _pinned_planner(self, part: Partition) -> MuxPlanner:
         if part.decode_sms not in self._pinned:

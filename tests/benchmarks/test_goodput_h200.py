@@ -141,6 +141,9 @@ def test_every_config_is_a_valid_server_command_line():
             raise AssertionError(f"{name}: {exc}") from exc
     bank = _flags(module.CONFIGS["multiplex-graph512-floor-converging-noslice-bank2q5-itl60"])
     assert (bank["--mux-tpot-bank-cap"], bank["--mux-tpot-bank-quantile"]) == ("2", "0.05")
+    reweigh = _flags(module.CONFIGS["multiplex-graph512-floor-converging-noslice-reweigh-itl60"])
+    assert reweigh.pop("--mux-reweigh-spatial-batches") == "on"
+    assert reweigh == _flags(module.CONFIGS["multiplex-graph512-floor-converging-noslice-itl60"])
 
 
 def _flags(args: str) -> dict[str, str]:
