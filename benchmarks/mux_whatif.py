@@ -432,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graph-factors", default="1.0,0.95,0.9,0.85",
                         help="with --graph-replay: graph steps' cost over eager steps' "
                         "(as the run learned them)")
+    parser.add_argument("--reweigh-replay", metavar="RECORDS",
+                        help="with --predictor: each spatial batch these goodput probes "
+                        "started beside decode (their timelines beside them), re-planned by "
+                        "the whole planner against the option running before it, as "
+                        "--mux-reweigh-spatial-batches weighs it (comma-separated)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if bool(args.predictor) == bool(args.timeline):
@@ -442,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         return fit_share(args)
     if args.graph_replay:
         return graph_replay(args)
+    if args.reweigh_replay:
+        return reweigh_replay(args)
     predictor = LatencyPredictor.load(args.predictor)
     rows = []
     for batch, itl, correction, sharing in itertools.product(
@@ -578,6 +585,63 @@ def graph_replay(args: argparse.Namespace) -> int:
         for row in result["runs"][path]:
             for option, summary in row["by_option"].items():
                 print(f"{Path(path).name:45s} x{row['graph_factor']:<5} {option:11s} {summary}")
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+SHAREGPT_PROMPT = 340  # the ShareGPT-like prompts' mean, in tokens
+
+
+def reweigh_batch_starts(predictor, entries: list[dict], settings: PlannerSettings
+                         ) -> list[dict]:
+    """Each spatial batch a measured run started beside decode, with the plan the whole
+    planner makes for its load against the option running before it (every option weighed,
+    a challenger paying for the switch), as ``--mux-reweigh-spatial-batches`` weighs a batch
+    about to start beside a split's decode step. The timeline records a batch's tokens, not
+    its prompts: prompts of ``SHAREGPT_PROMPT`` tokens without a prefix are taken."""
+    rows = []
+    for entry, incumbent in _starts_beside_decode(entries):
+        context = decode_context(entry, predictor)
+        if entry["mode"] != "spatial" or context is None:
+            continue
+        count = max(1, round(entry["prefill_tokens"] / SHAREGPT_PROMPT))
+        waiting = [PrefillRequest(entry["prefill_tokens"] // count, 0, 0.0)] * count
+        load = DecodeLoad(entry["decode_batch"], int(context))
+        plan = settings.planner(predictor).plan(load, waiting, None, incumbent)
+        rows.append({"t": entry.get("t"), "decode_batch": entry["decode_batch"],
+                     "batch_tokens": entry["prefill_tokens"], "running_before": incumbent,
+                     "ran": _option_of(entry), "ran_planned_tokens_per_s":
+                     entry["weighed_tokens_per_s"], "reweighed": plan.option,
+                     "reweighed_tokens_per_s": plan.weighed_tokens_per_s,
+                     "runner_up": plan.runner_up,
+                     "runner_up_tokens_per_s": plan.runner_up_tokens_per_s})
+    return rows
+
+
+def reweigh_replay(args: argparse.Namespace) -> int:
+    """Writes and prints ``reweigh_batch_starts`` per goodput probe (a prediction), each
+    planned with its server's flags and the corrections it had learned by its end."""
+    predictor = served_predictor(args.predictor)
+    result = {"kind": "prediction", "command": " ".join(["python", *sys.argv]),
+              "git_revision": os.environ.get("PDSERVE_GIT_REVISION", "unknown"),
+              "predictor": args.predictor, "prompt_tokens_assumed": SHAREGPT_PROMPT,
+              "corrections": "each probe's calibration_after (learned by its end)",
+              "runs": {}}
+    for path in comma_paths(args.reweigh_replay):
+        record = json.loads(Path(path).read_text())
+        settings = settings_of(" ".join(record["config"]["server_command"]),
+                               record["config"].get("engine")).learned(
+            record.get("calibration_after"))
+        timeline = str(path).removesuffix(".json") + "_timeline.json.gz"
+        rows = reweigh_batch_starts(predictor, load_timeline(timeline), settings)
+        result["runs"][path] = {"batch_starts": rows, "another_option_wins": sum(
+            not r["reweighed"].startswith("spatial") for r in rows)}
+        for r in rows:
+            print(f"{Path(path).stem[:50]:50s} t={r['t'] or 0:6.2f} {r['decode_batch']:4d} "
+                  f"decodes {r['batch_tokens']:6d} tokens ran {r['ran']} "
+                  f"({r['ran_planned_tokens_per_s']:.0f}/s); reweighed: {r['reweighed']} "
+                  f"({r['reweighed_tokens_per_s']:.0f}/s) over {r['runner_up']} "
+                  f"({r['runner_up_tokens_per_s']:.0f}/s)")
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 

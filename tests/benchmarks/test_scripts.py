@@ -189,6 +189,27 @@ def test_graph_steps_and_floor_from_the_flags_else_the_engine_else_off():
         whatif.settings_of("--mux-tpot-bank-cap 3")
 
 
+def test_reweigh_replay_finds_the_spatial_batches_a_run_started_beside_decode(tmp_path):
+    """The ShareGPT-like 16 req/s run at fdd80df that attained 61%: 14 spatial batches
+    started beside decode from 6 s on, all but the first while a split's option ran; the
+    whole planner, weighing each against the option running before it, takes mixed steps
+    for some of them (a prediction with the corrections the run had learned by its end)."""
+    whatif = _load("mux_whatif")
+    record = (BENCHMARKS / "results" / "goodput_h200" /
+              "sharegpt__multiplex-graph512-floor-converging-noslice-itl60__r16__rep2.json")
+    out = tmp_path / "reweigh.json"
+    assert whatif.main(["--predictor", str(LOOGLE / "06d5640_predictor.json"),
+                        "--reweigh-replay", str(record), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    run = result["runs"][str(record)]
+    rows = run["batch_starts"]
+    assert result["kind"] == "prediction" and len(rows) == 14
+    assert all(r["ran"].startswith("spatial") and r["decode_batch"] > 0 for r in rows)
+    assert all(r["running_before"].startswith("spatial") for r in rows[1:])
+    assert 1 <= run["another_option_wins"] < len(rows)
+    assert run["another_option_wins"] == sum(r["reweighed"] == "temporal" for r in rows)
+
+
 def _h200_predictor():
     from pdserve.sched.predictor import LatencyPredictor
 
