@@ -918,14 +918,19 @@ SHARING_MODES = ("temporal", "spatial", "time_slice")  # a step that also prefil
 def budget_use(timeline: list[dict], itl_ms: float) -> dict | None:
     """How much of the ITL target a multiplex probe's steps used while they prefilled:
     each sharing step's measured cycle over the target (quantiles), and how many steps
-    decoded alone (nothing to prefill, or nothing that fitted)."""
+    decoded alone (nothing to prefill, or nothing that fitted); and its spatial decisions,
+    with the seconds from the first to the last (on ShareGPT-like loads the runs that
+    spent seconds in back-to-back spatial batches are the ones that failed)."""
     shares = sorted(e["measured_cycle_ms"] / itl_ms for e in timeline
                     if e["mode"] in SHARING_MODES and e["measured_cycle_ms"] > 0)
     if not shares:
         return None
     at = lambda q: round(shares[min(len(shares) - 1, int(q * len(shares)))], 2)
+    spatial = [e["time"] for e in timeline if e["mode"] == "spatial"]
     return {"sharing_steps": len(shares), "p10": at(0.1), "p50": at(0.5), "p90": at(0.9),
-            "decode_only_steps": sum(e["mode"] == "decode_only" for e in timeline)}
+            "decode_only_steps": sum(e["mode"] == "decode_only" for e in timeline),
+            "spatial_decisions": len(spatial),
+            "spatial_span_s": round(max(spatial) - min(spatial), 1) if spatial else 0.0}
 
 
 def budget_use_lines(results: Path) -> list[str]:
@@ -943,17 +948,23 @@ def budget_use_lines(results: Path) -> list[str]:
         if use is not None:
             probe, repeat = record["probe"], path.stem.partition("__rep")[2]
             rate = f"{probe['rate']:g}" + (f" (run {repeat})" if repeat else "")
+            attained = sample_attainment(record["samples"],
+                                         WORKLOADS[probe["workload"]].ttft_slo_ms, TPOT_SLO_MS)
             lines.append(f"| {probe['workload']} | {config} | {rate} | "
+                         f"{100 * (attained or 0.0):.0f}% | "
                          f"{use['sharing_steps']} | {use['p10']} / {use['p50']} / "
-                         f"{use['p90']} | {use['decode_only_steps']} |")
+                         f"{use['p90']} | {use['decode_only_steps']} | "
+                         f"{use['spatial_decisions']} over {use['spatial_span_s']:g} s |")
     if not lines:
         return []
     return ["", "## The ITL budget used (multiplex probes)", "",
             "Each step that also prefilled: its measured cycle (between two decode tokens) "
             "over the configuration's ITL target, from the probe's timeline (the engine keeps "
-            "its most recent decisions).", "",
-            "| workload | config | rate (req/s) | sharing steps | cycle / target p10 / p50 / p90 "
-            "| decode-only steps |", "|---|---|---|---|---|---|", *lines]
+            "its most recent decisions); and its spatial decisions, from the first to the "
+            "last.", "",
+            "| workload | config | rate (req/s) | attainment | sharing steps | cycle / target "
+            "p10 / p50 / p90 | decode-only steps | spatial decisions |",
+            "|---|---|---|---|---|---|---|---|", *lines]
 
 
 def summary_markdown(found: list[Search], figure3_workloads: list[str], out_dir: Path,

@@ -616,19 +616,23 @@ def test_figure3_shows_the_best_probed_multiplex_configuration_of_each_target(to
 
 def test_the_itl_budget_a_multiplex_probe_used_is_summarised(tool, tmp_path):
     # Ten sharing steps at 30..57 ms against a 60 ms target, three decode-only steps.
-    timeline = [{"mode": "temporal", "measured_cycle_ms": 30.0 + 3 * i} for i in range(10)]
-    timeline += [{"mode": "decode_only", "measured_cycle_ms": 20.0}] * 3
+    # Two of them spatial decisions 4.5 s apart.
+    timeline = [{"mode": "temporal", "measured_cycle_ms": 30.0 + 3 * i, "time": 100.0 + i}
+                for i in range(10)]
+    timeline[2]["mode"], timeline[7]["mode"], timeline[7]["time"] = "spatial", "spatial", 106.5
+    timeline += [{"mode": "decode_only", "measured_cycle_ms": 20.0, "time": 120.0}] * 3
     use = tool.budget_use(timeline, 60.0)
     assert use == {"sharing_steps": 10, "p10": 0.55, "p50": 0.75, "p90": 0.95,
-                   "decode_only_steps": 3}
+                   "decode_only_steps": 3, "spatial_decisions": 2, "spatial_span_s": 4.5}
     assert tool.budget_use(timeline[10:], 60.0) is None  # nothing prefilled
     record = _record(tool, "sharegpt", "multiplex-graph-floor-itl60", 16.0, 1.0, "a" * 40, "1")
     path = tmp_path / "sharegpt__multiplex-graph-floor-itl60__r16__rep2.json"
     tool.write_json(record, path)
     tool.write_timeline(timeline, path)
     _write(tool, tmp_path, _record(tool, "sharegpt", "chunk512", 16.0, 1.0, "a" * 40, "1"))
-    assert tool.budget_use_lines(tmp_path)[-1] == \
-        "| sharegpt | multiplex-graph-floor-itl60 | 16 (run 2) | 10 | 0.55 / 0.75 / 0.95 | 3 |"
+    assert tool.budget_use_lines(tmp_path)[-1] == (
+        "| sharegpt | multiplex-graph-floor-itl60 | 16 (run 2) | 100% | 10 | 0.55 / 0.75 / 0.95 "
+        "| 3 | 2 over 4.5 s |")
 
 
 def test_every_config_is_a_serve_command_line_the_cli_accepts():
