@@ -125,11 +125,13 @@ def timeline_of(record_path: Path) -> Path:
 
 
 def run(validation_path: Path, probe_paths: list[Path], grid_path: Path | None = None,
-        steps: bool = False) -> dict:
+        steps: bool = False, engine_path: Path | None = None) -> dict:
     validation = json.loads(validation_path.read_text())
     args = argparse.Namespace(**validation["config"])
     fitted = validation["schedules"]["chunk512"]
-    model, grid_fit = with_grid(LatencyModel(**fitted["latency_model"]), grid_path)
+    model, decode_fit = with_engine_decode(LatencyModel(**fitted["latency_model"]),
+                                           fitted["service_points"]["decode"], engine_path)
+    model, grid_fit = with_grid(model, grid_path)
     extra_s, checks = fit_mixed_step_extra(model, args, fitted["interference"])
     ratios = fitted["service_ratios"]
     noise = ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed)
@@ -160,9 +162,37 @@ def run(validation_path: Path, probe_paths: list[Path], grid_path: Path | None =
     found = {"steps_skipped": steps_skipped} if steps else {}
     return {"kind": "validation", "num_instances": 1, "skipped": skipped, **found,
             "model_from": str(validation_path.relative_to(ROOT)),
-            "model_revision": revision, "mixed_step_extra_s": extra_s,
+            "model_revision": revision, **decode_fit, "mixed_step_extra_s": extra_s,
             "mixed_step_extra_fitted_on": checks.get("fitted_on"), **grid_fit,
             "probes": probes}
+
+
+def with_engine_decode(model: LatencyModel, validation_points: list[dict],
+                       engine_path: Path | None) -> tuple[LatencyModel, dict]:
+    """The model with its decode step refitted on the validation's own decode points and an
+    engine benchmark's decode rows (``bench_engine.py``'s JSON, or ``ab_engine.py``'s: its
+    new revision's runs); and what the result records of it. None: the validation's decode
+    fit as it is (its points reach 32 decodes, where served steps run to ~200)."""
+    if engine_path is None:
+        return model, {"decode_fit": "the validation's"}
+    rows = engine_decode_rows(json.loads(engine_path.read_text()))
+    points = validation_points + [{"batch": r["batch"], "context": r["context"],
+                                   "step_ms": r["step_ms"]} for r in rows]
+    refitted = model.fit_decode(points)
+    terms = {k: v for k, v in dataclasses.asdict(refitted).items() if k.startswith("decode_")}
+    return refitted, {"decode_fit": {"engine_rows_from": str(engine_path.relative_to(ROOT)),
+                                     "engine_rows": len(rows), "terms": terms}}
+
+
+def engine_decode_rows(record: dict) -> list[dict]:
+    """Every decode row of a ``bench_engine.py`` result, or of the new revision's runs of an
+    ``ab_engine.py`` one."""
+    if record.get("kind") == "ab":
+        runs = [run for run in record["runs"].values()
+                if run["git_revision"] == record["new_revision"]]
+    else:
+        runs = [record]
+    return [row for run in runs for model in run["models"] for row in model["decode"]]
 
 
 def with_grid(model: LatencyModel, grid_path: Path | None) -> tuple[LatencyModel, dict]:
@@ -233,6 +263,10 @@ def main() -> int:
                         "grid terms on (default: the roofline form the validation fitted)")
     parser.add_argument("--steps", action="store_true",
                         help="also set each probe's recorded steps beside the model's")
+    parser.add_argument("--decode-points-from", type=Path,
+                        help="refit the decode step on the validation's decode points and "
+                        "this engine benchmark's decode rows (bench_engine.py or "
+                        "ab_engine.py JSON)")
     parser.add_argument("--out", type=Path, help="write the result here (JSON)")
     args = parser.parse_args()
     validation = args.validation.resolve()
@@ -240,10 +274,12 @@ def main() -> int:
     if not probes:
         raise SystemExit("no chunked goodput probe to compare")
     grid = args.mixed_step_grid.resolve() if args.mixed_step_grid else None
+    engine = args.decode_points_from.resolve() if args.decode_points_from else None
     result = {**result_header({"validation": str(validation.relative_to(ROOT)),
                                "probes": [str(p.relative_to(ROOT)) for p in probes],
-                               "mixed_step_grid": grid and str(grid.relative_to(ROOT))}),
-              **run(validation, probes, grid, args.steps)}
+                               "mixed_step_grid": grid and str(grid.relative_to(ROOT)),
+                               "decode_points_from": engine and str(engine.relative_to(ROOT))}),
+              **run(validation, probes, grid, args.steps, engine)}
     for name, probe in result["probes"].items():
         if "compare" in probe:
             errors = {key: {q: round(100 * e, 1) for q, e in

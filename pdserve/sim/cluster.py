@@ -157,11 +157,17 @@ class LatencyModel:
         per request)."""
         a = np.array([[1.0, p["tokens"], p["tokens"] ** 2] for p in prefill])
         base, per_token, per_token_sq = fit_nonnegative(a, [p["seconds"] for p in prefill])
+        return cls(per_token, per_token_sq, 0.0, 0.0, 0.0, kv_bytes_per_token=kv_bytes_per_token,
+                   prefill_base_s=base, **options).fit_decode(decode)
+
+    def fit_decode(self, decode: list[dict]) -> LatencyModel:
+        """This model with the decode step refitted (least squares, nothing negative) to
+        measured ``{"batch", "context", "step_ms"}`` (``context`` per request)."""
         a = np.array([[1.0, d["batch"], d["batch"] * d["context"]] for d in decode])
-        step_base, per_request, per_kv_token = fit_nonnegative(
+        base, per_request, per_kv_token = fit_nonnegative(
             a, [d["step_ms"] / 1e3 for d in decode])
-        return cls(per_token, per_token_sq, step_base, per_request, per_kv_token,
-                   kv_bytes_per_token=kv_bytes_per_token, prefill_base_s=base, **options)
+        return replace(self, decode_base_s=base, decode_per_request_s=per_request,
+                       decode_per_kv_token_s=per_kv_token)
 
 
 def fit_nonnegative(a: np.ndarray, b: list[float]) -> list[float]:

@@ -148,3 +148,32 @@ def test_a_served_runs_steps_go_through_the_check_and_old_probes_are_listed():
     assert result["probes"] == {} and mux.stem in result["steps_skipped"]
     with pytest.raises(SystemExit, match="not a chunked probe"):
         module.run(validation, [mux])
+
+
+def test_the_decode_step_refitted_on_an_engine_benchmarks_rows():
+    """The 8ccd9ac validation timed decode at 1-32 requests; the engine A/B at fdd80df timed
+    1-256 at 1K contexts. Refitted on both, the model's step at 256 decodes comes near the
+    engine's (the validation's fit alone leaves it 17% short); without the engine's rows the
+    model is the validation's as it was."""
+    from pdserve.sim.cluster import LatencyModel
+
+    module = _script()
+    validation = json.loads((RESULTS / "sim_validate_instance_h200_8ccd9ac.json").read_text())
+    fitted = validation["schedules"]["chunk512"]
+    model = LatencyModel(**fitted["latency_model"])
+    points = fitted["service_points"]["decode"]
+    assert module.with_engine_decode(model, points, None) == (
+        model, {"decode_fit": "the validation's"})
+    engine = RESULTS / "engine_h200_codellama34b_ab_fdd80df_vs_e8fb095.json"
+    rows = module.engine_decode_rows(json.loads(engine.read_text()))
+    assert [r["batch"] for r in rows] == [1, 16, 48, 128, 256] * 2  # the new revision's runs
+    refitted, recorded = module.with_engine_decode(model, points, engine)
+    assert recorded["decode_fit"]["engine_rows"] == 10
+    at_256 = {r["step_ms"] for r in rows if r["batch"] == 256}
+    engine_ms = sum(at_256) / len(at_256)
+    assert model.decode_step_s(256, 256 * 1024) * 1e3 < 0.85 * engine_ms
+    assert refitted.decode_step_s(256, 256 * 1024) * 1e3 == pytest.approx(engine_ms, rel=0.10)
+    # The validation's own points stay fitted: within 5% at batch 1.
+    one = next(p for p in points if p["batch"] == 1)
+    assert refitted.decode_step_s(1, one["context"]) * 1e3 == pytest.approx(one["step_ms"],
+                                                                             rel=0.05)
