@@ -44,11 +44,14 @@ GRID_CHUNKS, GRID_PREFIXES, GRID_DECODES = (64, 128, 256, 384, 512, 1024), (0, 4
 GRID_CONTEXT = 4096
 
 
-def cases(grid: bool) -> tuple[tuple[int, int, int, int], ...]:
+def cases(grid: bool, decodes: tuple[int, ...] = GRID_DECODES,
+          context: int = GRID_CONTEXT) -> tuple[tuple[int, int, int, int], ...]:
+    """The named cases, or with ``grid`` chunk x prefix x decode batch (``decodes``, each
+    decode over ``context`` tokens)."""
     if not grid:
         return CASES
-    return tuple((chunk, prefix, decodes, GRID_CONTEXT) for chunk in GRID_CHUNKS
-                 for prefix in GRID_PREFIXES for decodes in GRID_DECODES)
+    return tuple((chunk, prefix, batch, context) for chunk in GRID_CHUNKS
+                 for prefix in GRID_PREFIXES for batch in decodes)
 
 
 def place_prefill(engine: EngineCore, tokens: int, prefix: int) -> Request:
@@ -128,9 +131,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", default="mixed_step.json")
     parser.add_argument("--grid", action="store_true",
-                        help=f"time {len(cases(True))} steps over chunk x prefix x decode "
-                        "batch instead of the seven named cases")
+                        help="time chunk x prefix x decode batch steps (54 by default) "
+                        "instead of the seven named cases")
+    parser.add_argument("--grid-decodes", default=",".join(map(str, GRID_DECODES)),
+                        help="with --grid: the decode batches (comma-separated; served "
+                        "ShareGPT-like mixed steps carry ~60-200 decodes)")
+    parser.add_argument("--grid-context", type=int, default=GRID_CONTEXT,
+                        help="with --grid: each decode's context in tokens (the batches "
+                        "times it must fit the KV pool beside the prompt)")
     args = parser.parse_args()
+    grid_decodes = tuple(int(n) for n in args.grid_decodes.split(","))
     config = EngineConfig.from_flat(model=args.model, load_format="dummy", schedule="chunked",
                                     chunk_size=2048, max_model_len=24576, max_num_seqs=256,
                                     gpu_memory_utilization=0.85)
@@ -140,7 +150,7 @@ def main() -> None:
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "model": args.model,
               "piecewise_buckets": segments.buckets if segments else None, "cases": []}
-    for case in cases(args.grid):
+    for case in cases(args.grid, grid_decodes, args.grid_context):
         row = measure(engine, case, args.repeats)
         print(json.dumps(row), flush=True)
         report["cases"].append(row)

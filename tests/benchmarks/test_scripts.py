@@ -409,3 +409,6 @@ def test_the_mixed_step_grid_covers_the_steps_the_chunked_model_misses(monkeypat
     assert {c[0] for c in grid} >= {64, 128, 256, 512} and {c[1] for c in grid} >= {0, 16384}
     assert all(prefix + chunk <= 24576 for chunk, prefix, _, _ in grid)
     assert bench.cases(False) == bench.CASES and len(bench.CASES) == 7
+    wide = bench.cases(True, (64, 128, 256), 512)  # the decode batches served steps carry
+    assert len(wide) == 54 and {c[2] for c in wide} == {64, 128, 256}
+    assert {c[3] for c in wide} == {512}
