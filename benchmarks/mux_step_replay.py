@@ -10,7 +10,9 @@ alone; the step takes the profile's predicted time. It models the options that k
 GPU whole (``--mux-sharing temporal``), so it fits a workload whose busy stretch ran mixed
 steps (the ShareGPT-like probes at 12-16 req/s); with ``--spread-from`` (another run of the
 probe: its engine timing) time slices and SM splits are replayed too, as the server's
-flags allow. What it is for: the planner settings' effect at one load, compared with the
+flags allow, each batch after one on a split starting there as the engine starts it unless
+the flags name ``--mux-reweigh-spatial-batches`` (``pinned_batch_starts`` in each row;
+replays before this rule re-planned every batch with the whole planner). What it is for: the planner settings' effect at one load, compared with the
 settings a measured probe ran (the replay of those settings is the check). Every figure
 is a prediction (``"kind": "prediction"``).
 
@@ -123,11 +125,16 @@ def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
     # The client sees a step's tokens a step late (overlap scheduling), as the validation
     # replays model it: without it the floor512 ShareGPT-like probes' first 40 requests
     # came 22 ms (a decode step, median) under their measured TTFT.
-    run = StepReplay(planner, requests, timing, first_token_lag=True)
+    # SM splits replayed: a batch starts on the split the last one ended on as the engine
+    # starts it, unless the flags reweigh it (--mux-reweigh-spatial-batches).
+    pinned = config.spatial and not scheduler_config(
+        server_args, variant).mux_reweigh_spatial_batches
+    run = StepReplay(planner, requests, timing, first_token_lag=True, pinned_batches=pinned)
     run.run()
     rows = latency_rows(requests)
     slo = record["summary"]["slo"]
     return {"rate": rate or probed, "variant": variant, "steps": run.modes,
+            "pinned_batch_starts": pinned,
             "mixed_step_ms": step_percentiles(run.log.durations.get("graph", [])
                                               + run.log.durations.get("eager", [])),
             **({"seed": seed} if twin else {}),

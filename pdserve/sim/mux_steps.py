@@ -5,7 +5,10 @@ and the decode batch: a mixed step (TEMPORAL), decode alone, prefill alone, or (
 ``time_slice`` / ``spatial`` in the planner's config) a time-slice cycle or a decode step
 on an SM split beside the batch's pieces on the rest (``MuxStepSim._spatial``: a piece
 launched when the one before it ended, decode kept on its split while one is in flight,
-switching splits free of the engine's drain).
+switching splits free of the engine's drain). With ``pinned_batches`` a batch that starts
+as the one before it on a split ended is planned among that split's option alone, as the
+engine plans it beside the decode step in flight there (without
+``--mux-reweigh-spatial-batches``).
 
 A time-slice cycle runs as ``pdserve/sched/multiplex.py`` runs it: on the whole GPU's one
 stream, the decode step of the batch, then a piece (a layer range) of the prefill batch in
@@ -180,8 +183,14 @@ class MuxStepSim:
     """Runs ``requests`` (``StepRequest``) to completion; their times are filled in."""
 
     def __init__(self, planner: MuxPlanner, requests: Sequence[StepRequest],
-                 timing: StepTiming | None = None, first_token_lag: bool = False) -> None:
+                 timing: StepTiming | None = None, first_token_lag: bool = False,
+                 pinned_batches: bool = False) -> None:
         self.planner, self.timing, self.lag = planner, timing, first_token_lag
+        # The engine without --mux-reweigh-spatial-batches: a batch that starts as the one
+        # before it on a split ended (a decode step of that split always in flight) is
+        # weighed among that split's spatial option alone (``_pinned_plan``).
+        self.pinned_batches = pinned_batches
+        self.pinned_split: int | None = None  # the split whose batch just ended
         self.requests = list(requests)
         self.pending = deque(sorted(requests, key=lambda r: r.arrival))
         self.now, self.waiting, self.running = 0.0, [], []
@@ -214,6 +223,9 @@ class MuxStepSim:
             self.waiting.append(self.pending.popleft())
 
     def _step(self) -> None:
+        pinned = self._pinned_plan()
+        if pinned is not None:
+            return self._spatial(pinned)
         in_flight = self.batch.view() if self.batch is not None else None
         plan = self.planner.plan(self._decode_load(), self._waiting_view(), in_flight,
                                  self.option)
@@ -288,6 +300,21 @@ class MuxStepSim:
         if self.piece_end <= self.now:
             self._piece_ended()
 
+    def _pinned_plan(self) -> MuxPlan | None:
+        """With ``pinned_batches``, right after a batch on a split ended with prompts
+        waiting and requests decoding: the next batch on that split, as the engine's
+        ``_pinned_planner`` plans it (None where that plan is no split)."""
+        split, self.pinned_split = self.pinned_split, None
+        if split is None or not self.waiting or not self.running or self.batch is not None:
+            return None
+        planner = MuxPlanner(self.planner.predictor,
+                             [(split, self.planner.total_sms - split)],
+                             dataclasses.replace(self.planner.config, temporal=False,
+                                                 time_slice=False),
+                             self.planner.total_sms)
+        plan = planner.plan(self._decode_load(), self._waiting_view(), None, self.option)
+        return plan if plan.mode == MuxMode.SPATIAL else None
+
     def _take_batch(self, plan: MuxPlan) -> None:
         """The plan's chunks leave the queue as the batch its pieces will prefill."""
         taken = [(self.waiting[i], tokens) for i, tokens in plan.prefill.chunks]
@@ -320,6 +347,7 @@ class MuxStepSim:
         batch.layers_done = min(self.planner.num_layers, batch.layers_done + self.piece_layers)
         if batch.layers_done >= self.planner.num_layers:
             self._batch_done()
+            self.pinned_split = self.split_sms if self.pinned_batches else None
             self.option = None
 
     def _ratio(self, spread: str) -> float:

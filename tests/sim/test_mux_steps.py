@@ -404,3 +404,36 @@ def test_engine_timing_takes_every_spread_it_is_given(predictor):
         (1.05,), (1.2,), ((1.1, 1.0),))
     assert timing.decode_by_batch == ((4, 1.2),)
     assert (timing.spatial_decode_spread, timing.spatial_piece_spread) == ((1.1,), (1.3,))
+
+
+MIXED_AND_SPATIAL_ARGS = SPATIAL_ARGS.replace("--mux-sharing spatial",
+                                              "--mux-sharing temporal,spatial")
+
+
+def _decoding_beside(prompt_tokens: int, pinned: bool, replay_tool, predictor) -> MuxStepSim:
+    """A sim with one request decoding and a prompt waiting, a batch on the 48-SM split
+    having just ended."""
+    config = replay_tool.planner_config(MIXED_AND_SPATIAL_ARGS, time_slice=True, spatial=True)
+    planner = MuxPlanner(OnlineCalibration(predictor), SPLITS, config)
+    answer, prompt = StepRequest(0.0, 512, 400), StepRequest(0.0, prompt_tokens, 64)
+    sim = MuxStepSim(planner, [answer, prompt], pinned_batches=pinned)
+    answer.prefilled = answer.prompt_len
+    sim.running, sim.waiting = [answer], [prompt]
+    sim.pending.clear()
+    sim.pinned_split = 48 if pinned else None
+    return sim
+
+
+def test_a_batch_after_one_on_a_split_starts_there_as_the_engine_starts_it(
+        replay_tool, predictor):
+    """``pinned_batches``: the next batch is planned on the split the last one ended on,
+    among that split's option alone (the engine's ``_pinned_planner``), once; without it
+    the whole planner weighs every option (``--mux-reweigh-spatial-batches``)."""
+    sim = _decoding_beside(16000, True, replay_tool, predictor)
+    plan = sim._pinned_plan()
+    assert plan is not None and plan.mode == "spatial" and plan.decode_sms == 48
+    assert sim.pinned_split is None and sim._pinned_plan() is None  # once only
+    assert _decoding_beside(16000, False, replay_tool, predictor)._pinned_plan() is None
+    idle = _decoding_beside(16000, True, replay_tool, predictor)
+    idle.running = []  # nothing decoding: the lanes drain, the whole planner plans
+    assert idle._pinned_plan() is None
