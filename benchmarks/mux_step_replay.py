@@ -12,8 +12,9 @@ steps (the ShareGPT-like probes at 12-16 req/s); with ``--spread-from`` (another
 probe: its engine timing) time slices and SM splits are replayed too, as the server's
 flags allow, each batch after one on a split starting there as the engine starts it unless
 the flags name ``--mux-reweigh-spatial-batches`` (``pinned_batch_starts`` in each row;
-replays before this rule re-planned every batch with the whole planner). What it is for: the planner settings' effect at one load, compared with the
-settings a measured probe ran (the replay of those settings is the check). Every figure
+replays before this rule re-planned every batch with the whole planner). What it is
+for: the planner settings' effect at one load, compared with the settings a measured
+probe ran (the replay of those settings is the check). Every figure
 is a prediction (``"kind": "prediction"``).
 
 With ``--validation`` it replays instead the multiplex run of an H200 simulator validation
