@@ -321,7 +321,7 @@ CONFIGS["multiplex-graph512-floor-converging-noslice-reweigh-itl60"] = (
 # The whole planner chose those batches by 5.1-6.2K predicted and got ~4.3K: with the
 # reweighing, each option's correction learned from what its batches delivered (the
 # delivery rule). In the step model's replays of the 61% run and of the 95% one, 16 of 16
-# draws passed, against 14 with the reweighing alone (a prediction; the model is 12-23
+# draws passed, against 14 with the reweighing alone (a prediction; the model is 8-23
 # points pessimistic on LooGLE-like and Mooncake replays, where it rated this worst).
 CONFIGS["multiplex-graph512-floor-delivery-noslice-reweigh-itl60"] = (
     CONFIGS["multiplex-graph512-floor-converging-noslice-reweigh-itl60"].replace(
