@@ -13,10 +13,12 @@ compared too, and says so (``same_revision``). No GPU, no server::
         --validation benchmarks/results/sim_validate_instance_h200_8ccd9ac.json \\
         --out sim_goodput_probes_h200_8ccd9ac.json
 
-``--mixed-step-grid GRID.json`` (a ``bench_mixed_step.py --grid`` result) fits the mixed
-step's grid terms on top of the validation's model (``fit_mixed_step_grid``: the prefix
-attention's floor, the graph and eager steps' costs), refits the extra cost per mixed step
-on the validation's queue probe with them, and records the grid and its revision.
+``--mixed-step-grid GRID.json [...]`` (``bench_mixed_step.py --grid`` results, their steps
+together) fits the mixed step's grid terms on top of the validation's model
+(``fit_mixed_step_grid``: the prefix attention's floor, the graph and eager steps' costs),
+refits the extra cost per mixed step on the validation's queue probe with them, and records
+the grids and their revisions. ``--decode-points-from ENGINE.json`` refits the decode step
+on the validation's decode points and an engine benchmark's decode rows.
 
 ``--steps`` also sets every step of a probe's step timeline (kept beside its record as
 ``<record>_timeline.json.gz`` by ``goodput_h200.py``; ``pdserve.sched.steps``) beside the
@@ -124,7 +126,8 @@ def timeline_of(record_path: Path) -> Path:
     return record_path.with_name(record_path.stem + "_timeline.json.gz")
 
 
-def run(validation_path: Path, probe_paths: list[Path], grid_path: Path | None = None,
+def run(validation_path: Path, probe_paths: list[Path],
+        grid_path: Path | list[Path] | None = None,
         steps: bool = False, engine_path: Path | None = None) -> dict:
     validation = json.loads(validation_path.read_text())
     args = argparse.Namespace(**validation["config"])
@@ -195,18 +198,31 @@ def engine_decode_rows(record: dict) -> list[dict]:
     return [row for run in runs for model in run["models"] for row in model["decode"]]
 
 
-def with_grid(model: LatencyModel, grid_path: Path | None) -> tuple[LatencyModel, dict]:
-    """The model with the mixed step's grid terms fitted on ``grid_path`` (none: as it is),
-    and what the result records of that fit: the grid, the revision it was measured at, the
-    fitted terms."""
-    if grid_path is None:
+def with_grid(model: LatencyModel, grid_path: Path | list[Path] | None
+              ) -> tuple[LatencyModel, dict]:
+    """The model with the mixed step's grid terms fitted on ``grid_path`` (several: their
+    steps together; none: as it is), and what the result records of that fit: the grid,
+    the revision it was measured at, the fitted terms."""
+    paths = [grid_path] if isinstance(grid_path, Path) else list(grid_path or [])
+    if not paths:
         return model, {"mixed_step_form": "roofline"}
-    grid = json.loads(grid_path.read_text())
+    grid = merged_grid([json.loads(path.read_text()) for path in paths])
     model = fit_mixed_step_grid(model, grid)
     terms = {k: v for k, v in dataclasses.asdict(model).items() if k.startswith("mixed_")}
-    return model, {"mixed_step_form": "grid", "mixed_step_grid": str(grid_path.relative_to(ROOT)),
+    return model, {"mixed_step_form": "grid",
+                   "mixed_step_grid": ", ".join(str(p.relative_to(ROOT)) for p in paths),
                    "mixed_step_grid_revision": grid["git_revision"],
                    "mixed_step_grid_terms": terms, "mixed_step_grid_fit": grid_fit(model, grid)}
+
+
+def merged_grid(grids: list[dict]) -> dict:
+    """Several measured grids as one: their steps together (each names its decode batch
+    and context), measured with the same prefill-step graphs."""
+    buckets = {tuple(g["piecewise_buckets"]) for g in grids}
+    if len(buckets) != 1:
+        raise SystemExit("the grids were measured with different prefill-step graphs")
+    return {**grids[0], "cases": [c for g in grids for c in g["cases"]],
+            "git_revision": ", ".join(g["git_revision"] for g in grids)}
 
 
 def grid_fit(model: LatencyModel, grid: dict) -> dict:
@@ -258,8 +274,8 @@ def main() -> int:
     parser.add_argument("--probes", type=Path, nargs="*",
                         help="goodput probe records of chunked configs (default: the "
                         "Mooncake ones at the validation's revision)")
-    parser.add_argument("--mixed-step-grid", type=Path,
-                        help="a bench_mixed_step.py --grid result to fit the mixed step's "
+    parser.add_argument("--mixed-step-grid", type=Path, nargs="+",
+                        help="bench_mixed_step.py --grid results to fit the mixed step's "
                         "grid terms on (default: the roofline form the validation fitted)")
     parser.add_argument("--steps", action="store_true",
                         help="also set each probe's recorded steps beside the model's")
@@ -273,11 +289,12 @@ def main() -> int:
     probes = [p.resolve() for p in args.probes] if args.probes else default_probes(validation)
     if not probes:
         raise SystemExit("no chunked goodput probe to compare")
-    grid = args.mixed_step_grid.resolve() if args.mixed_step_grid else None
+    grid = [path.resolve() for path in args.mixed_step_grid or []]
     engine = args.decode_points_from.resolve() if args.decode_points_from else None
     result = {**result_header({"validation": str(validation.relative_to(ROOT)),
                                "probes": [str(p.relative_to(ROOT)) for p in probes],
-                               "mixed_step_grid": grid and str(grid.relative_to(ROOT)),
+                               "mixed_step_grid": ", ".join(str(p.relative_to(ROOT))
+                                                            for p in grid) or None,
                                "decode_points_from": engine and str(engine.relative_to(ROOT))}),
               **run(validation, probes, grid, args.steps, engine)}
     for name, probe in result["probes"].items():

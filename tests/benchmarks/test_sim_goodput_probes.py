@@ -177,3 +177,15 @@ def test_the_decode_step_refitted_on_an_engine_benchmarks_rows():
     one = next(p for p in points if p["batch"] == 1)
     assert refitted.decode_step_s(1, one["context"]) * 1e3 == pytest.approx(one["step_ms"],
                                                                              rel=0.05)
+
+
+def test_several_grids_are_fitted_as_one():
+    """A grid at other decode batches measured later adds its steps to the first; grids
+    measured with other prefill-step graphs are refused."""
+    module = _script()
+    grid = json.loads((RESULTS / "mixed_step_grid_h200_d92d053.json").read_text())
+    merged = module.merged_grid([grid, {**grid, "git_revision": "b" * 40}])
+    assert len(merged["cases"]) == 2 * len(grid["cases"])
+    assert merged["git_revision"] == f"{grid['git_revision']}, {'b' * 40}"
+    with pytest.raises(SystemExit, match="different prefill-step graphs"):
+        module.merged_grid([grid, {**grid, "piecewise_buckets": [1, 2]}])
