@@ -182,9 +182,9 @@ class MultiplexScheduler(InFlightScheduler):
         self.option: str | None = None  # the sharing option running (``MuxPlan.option``)
         self.held_decisions = 0  # launching decisions the switch margin kept on ``option``
         self.batches_started = 0  # prefill batches numbered so far (``prefill_batch``)
-        # Batches beside a split's decode not started because another option won
-        # (``--mux-reweigh-spatial-batches``).
-        self.spatial_batches_declined = 0
+        # When a batch beside a split's decode was not started because another option won
+        # (``--mux-reweigh-spatial-batches``; monotonic seconds, as the timeline's ``time``).
+        self.spatial_batches_declined: deque[float] = deque(maxlen=TIMELINE_LENGTH)
         self.time_slicing = False  # lanes alternate on the whole GPU's stream (TIME_SLICE)
         self._timeline: deque[TimelineEntry] = deque(maxlen=TIMELINE_LENGTH)
         log.info("multiplex: %r, predictor %s", partitions, type(predictor).__name__)
@@ -217,7 +217,6 @@ class MultiplexScheduler(InFlightScheduler):
                 "tpot_bank_quantile": planned.tpot_bank_quantile,
                 "ttft_pressed_margin": planned.ttft_pressed_margin,
                 "reweigh_spatial_batches": self.config.mux_reweigh_spatial_batches,
-                "spatial_batches_declined": self.spatial_batches_declined,
                 "calibration": self.describe_calibration()}
 
     def describe_calibration(self) -> dict:
@@ -233,7 +232,10 @@ class MultiplexScheduler(InFlightScheduler):
                 "correction_window": self.model.window,
                 "guards": self.model.describe_guards(),
                 "switch_margin": self.planner.config.switch_margin,
-                "decisions_held_by_switch_margin": self.held_decisions}
+                "decisions_held_by_switch_margin": self.held_decisions,
+                "spatial_batches_declined": len(self.spatial_batches_declined),
+                "spatial_batches_declined_at": [round(t, 3)
+                                                for t in self.spatial_batches_declined]}
 
     @property
     def decode_work(self) -> Work | None:
@@ -399,7 +401,7 @@ class MultiplexScheduler(InFlightScheduler):
         if self.batch is None and not candidates:
             return
         if self.batch is None and self._another_option_wins(candidates):
-            self.spatial_batches_declined += 1
+            self.spatial_batches_declined.append(time.monotonic())
             self.switch_pending = True  # the lanes drain; the next drained boundary re-plans
             return
         plan = self._plan(self._pinned_planner(self.current), candidates,

@@ -78,13 +78,15 @@ def test_without_reweighing_a_busy_decode_lane_keeps_prefill_on_its_split(runs):
     _, timeline, described = runs[False]
     assert batches_started_on_a_split(timeline, min_decodes=2)
     assert described["reweigh_spatial_batches"] is False
-    assert described["spatial_batches_declined"] == 0
+    assert described["calibration"]["spatial_batches_declined"] == 0
 
 
 def test_reweighing_lets_mixed_steps_take_over_once_they_win(runs):
     _, timeline, described = runs[True]
     assert described["reweigh_spatial_batches"] is True
-    assert described["spatial_batches_declined"] >= 1
+    declined = described["calibration"]
+    assert declined["spatial_batches_declined"] == len(declined["spatial_batches_declined_at"])
+    assert declined["spatial_batches_declined"] >= 1
     assert not batches_started_on_a_split(timeline, min_decodes=2)
     assert any(e["mode"] == "temporal" and e["prefill_tokens"] > 0 for e in timeline)
 
