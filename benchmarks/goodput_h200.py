@@ -74,7 +74,7 @@ from pdserve.bench.metrics import sample_attainment  # noqa: E402
 from pdserve.bench.report import portable_command, result_header, write_json  # noqa: E402
 from pdserve.bench.runner import RunContext, SloOptions, run_at_rate, warm_up  # noqa: E402
 from pdserve.bench.spec import WorkloadSpec, parse_spec  # noqa: E402
-from pdserve.bench.timeline import load_engine_timeline  # noqa: E402
+from pdserve.bench.timeline import load_engine_timeline, timeline_beside  # noqa: E402
 from pdserve.bench.workloads import BenchError, salted, workload_stats  # noqa: E402
 from pdserve.config import ran_explicitly  # noqa: E402
 
@@ -668,15 +668,11 @@ async def _measure(run: ConfigRun, workload: ProbeWorkload, spec: WorkloadSpec,
     return result
 
 
-def timeline_path(record_path: Path) -> Path:
-    return record_path.with_name(record_path.stem + "_timeline.json.gz")
-
-
 def write_timeline(entries: list[dict], record_path: Path) -> None:
     """A probe's engine timeline beside its record: a multiplex probe's planner decisions,
     predicted and measured (for ``benchmarks/mux_whatif.py --timeline``), the other
     schedules' steps with their shapes and times (``sim_goodput_probes.py --steps``)."""
-    with gzip.open(timeline_path(record_path), "wt") as out:
+    with gzip.open(timeline_beside(record_path), "wt") as out:
         json.dump(entries, out)
 
 

@@ -69,6 +69,7 @@ from benchmarks.sim_validate_instance import latency_rows  # noqa: E402
 from benchmarks.validate_sim import percentiles  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
 from pdserve.bench.timeline import load_engine_timeline as load_timeline  # noqa: E402
+from pdserve.bench.timeline import timeline_beside  # noqa: E402
 from pdserve.sched.mux_planner import MuxMode, MuxPlanner, OnlineCalibration  # noqa: E402
 from pdserve.sched.predictor import LatencyPredictor, served_predictor  # noqa: E402
 from pdserve.sim.mux_steps import (  # noqa: E402
@@ -162,7 +163,7 @@ class Twin:
     @classmethod
     def load(cls, record_path: Path) -> Twin:
         record = json.loads(record_path.read_text())
-        timeline = load_timeline(record_path.with_name(record_path.stem + "_timeline.json.gz"))
+        timeline = load_timeline(timeline_beside(record_path))
         graph, eager = path_factors(record.get("calibration_after"))
         spread = step_spread(timeline, _relative(record_path))
         slices = slice_spread(timeline)
@@ -371,7 +372,7 @@ def measured(record: dict, record_path: Path | None = None) -> dict:
     rows = measured_rows(record)
     result = {"attainment": record["summary"]["slo_attainment"],
               "ttft_s": percentiles(rows, "ttft_s"), "tpot_s": percentiles(rows, "tpot_s")}
-    timeline = record_path and record_path.with_name(record_path.stem + "_timeline.json.gz")
+    timeline = record_path and timeline_beside(record_path)
     if timeline and timeline.exists():
         result["mixed_step_ms"] = step_percentiles(
             [e["measured_cycle_ms"] / 1e3 for e in load_timeline(timeline)

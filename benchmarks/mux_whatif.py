@@ -47,6 +47,7 @@ from pdserve.bench.timeline import (  # noqa: E402
     piece_times,
     prefill_batches,
     prefill_delivery,
+    timeline_beside,
 )
 from pdserve.config import MUX_SHARING, SchedulerConfig, mux_sharing_options  # noqa: E402
 from pdserve.sched.mux_planner import (  # noqa: E402
@@ -632,8 +633,7 @@ def reweigh_replay(args: argparse.Namespace) -> int:
         settings = settings_of(" ".join(record["config"]["server_command"]),
                                record["config"].get("engine")).learned(
             record.get("calibration_after"))
-        timeline = str(path).removesuffix(".json") + "_timeline.json.gz"
-        rows = reweigh_batch_starts(predictor, load_timeline(timeline), settings)
+        rows = reweigh_batch_starts(predictor, load_timeline(timeline_beside(path)), settings)
         result["runs"][path] = {"batch_starts": rows, "another_option_wins": sum(
             not r["reweighed"].startswith("spatial") for r in rows)}
         for r in rows:

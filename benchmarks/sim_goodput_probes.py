@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.sim_validate_instance import fit_mixed_step_extra, latency_rows  # noqa: E402
 from benchmarks.validate_sim import compare_percentiles, percentiles  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
-from pdserve.bench.timeline import load_engine_timeline  # noqa: E402
+from pdserve.bench.timeline import load_engine_timeline, timeline_beside  # noqa: E402
 from pdserve.sim.cluster import LatencyModel, ServiceNoise, SimRequest  # noqa: E402
 from pdserve.sim.instance import (  # noqa: E402
     ChunkedInstanceSim,
@@ -116,14 +116,11 @@ def is_multiplex(record: dict) -> bool:
 def steps_of(record_path: Path, model: LatencyModel, extra_s: float) -> dict | None:
     """``step_check`` of the steps kept beside a probe's record (None: none kept, or a
     multiplex timeline from before its decisions carried their shapes)."""
-    if not timeline_of(record_path).exists():
+    timeline = timeline_beside(record_path)
+    if not timeline.exists():
         return None
-    found = step_check(model, extra_s, load_engine_timeline(timeline_of(record_path)))
+    found = step_check(model, extra_s, load_engine_timeline(timeline))
     return found if found["steps"] else None
-
-
-def timeline_of(record_path: Path) -> Path:
-    return record_path.with_name(record_path.stem + "_timeline.json.gz")
 
 
 def run(validation_path: Path, probe_paths: list[Path],

@@ -241,3 +241,9 @@ def load_engine_timeline(path: str | Path) -> list[dict]:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
         return json.load(f)
+
+
+def timeline_beside(record_path: str | Path) -> Path:
+    """Where a benchmark record keeps its engine timeline: ``<record>_timeline.json.gz``."""
+    record_path = Path(record_path)
+    return record_path.with_name(record_path.stem + "_timeline.json.gz")
