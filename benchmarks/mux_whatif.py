@@ -63,6 +63,7 @@ from pdserve.sched.mux_planner import (  # noqa: E402
 )
 from pdserve.sched.predictor import LatencyPredictor, served_predictor  # noqa: E402
 from pdserve.sim.cluster import fit_nonnegative  # noqa: E402
+from pdserve.sim.mux_steps import record_server_args  # noqa: E402
 
 SPLITS = ((16, 116), (24, 108), (32, 100), (48, 84), (64, 68))
 WAITED_MS = 1e9  # the prompt has waited "forever": the planner may force prefill in
@@ -630,9 +631,8 @@ def reweigh_replay(args: argparse.Namespace) -> int:
               "runs": {}}
     for path in comma_paths(args.reweigh_replay):
         record = json.loads(Path(path).read_text())
-        settings = settings_of(" ".join(record["config"]["server_command"]),
-                               record["config"].get("engine")).learned(
-            record.get("calibration_after"))
+        settings = settings_of(record_server_args(record), record["config"].get("engine")
+                               ).learned(record.get("calibration_after"))
         rows = reweigh_batch_starts(predictor, load_timeline(timeline_beside(path)), settings)
         result["runs"][path] = {"batch_starts": rows, "another_option_wins": sum(
             not r["reweighed"].startswith("spatial") for r in rows)}

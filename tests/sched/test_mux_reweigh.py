@@ -14,27 +14,23 @@ import pytest
 
 from pdserve.sampling_params import SamplingParams
 from tests.engine.test_multiplex import StepOps, _multiplex
+from tests.sched.test_prefill_delivery import SharingModel
 
 PROMPTS = 8  # of 64 tokens each: one a batch, so each batch that ends adds one decode
 
 
-class MixedStepsAtTwoDecodes:
-    """A 132-SM GPU for the tiny model's 4 layers: decode on a split as in
-    ``test_prefill_delivery.SharingModel``, prefill pieces ten times its cost (a split's
-    batch delivers ~200 prompt tokens/s); a mixed step never fits beside one decode and
-    costs 1 ms beside two or more, so from two decodes on mixed steps win even after paying
-    for the switch."""
+class MixedStepsAtTwoDecodes(SharingModel):
+    """``SharingModel``'s 132-SM GPU for the tiny model's 4 layers with prefill pieces ten
+    times its cost (a split's batch delivers ~200 prompt tokens/s); a mixed step never fits
+    beside one decode and costs 1 ms beside two or more, so from two decodes on mixed steps
+    win even after paying for the switch."""
 
-    total_sms = 132
-    num_layers = 4
+    def __init__(self):
+        super().__init__(num_layers=4)
 
-    def predict(self, phase, num_tokens, context_tokens, batch_size, sms, co_running=False,
-                num_layers=None):
-        slower = 1.2 if co_running and sms < self.total_sms else 1.0
-        if phase == "decode":
-            return (2 + 2 * batch_size + context_tokens / 1e3) * (132 / sms) ** 0.5 * slower
-        share = (num_layers or self.num_layers) / self.num_layers
-        return share * (1 + 3 * num_tokens) * 132 / sms * slower
+    def predict(self, phase, *args, **kwargs):
+        ms = super().predict(phase, *args, **kwargs)
+        return ms if phase == "decode" else 10 * ms
 
     def predict_mixed(self, prefill_tokens, prefill_context, prefill_batch, decode_batch,
                       decode_context, sms=None):
