@@ -48,6 +48,15 @@ def test_a_queue_behind_its_ttft_gets_mixed_steps_to_the_pressed_margin(profile_
     assert "TTFT pressed" in pressed.reason
 
 
+def test_a_margin_past_one_plans_steps_past_the_itl_target(profile_d698fcb):
+    at_target = planner_with(profile_d698fcb, 1.0).plan(DECODE, BEHIND)
+    past = planner_with(profile_d698fcb, 1.1).plan(DECODE, BEHIND)
+    assert past.mode == MuxMode.TEMPORAL
+    assert 60.0 < past.cycle_ms <= 66.0
+    assert past.prefill.num_tokens > at_target.prefill.num_tokens
+    assert "TTFT pressed" in past.reason
+
+
 def test_a_queue_on_time_keeps_the_safety_margin(profile_d698fcb):
     planner = planner_with(profile_d698fcb, 1.0)
     assert not planner.ttft_pressed(DECODE, ON_TIME)
@@ -79,7 +88,7 @@ def test_a_time_slice_takes_the_pressed_room_too(profile_d698fcb):
 
 @pytest.mark.parametrize("fields, match", [
     ({"mux_ttft_pressed_margin": 1.0}, "--ttft-slo-ms"),
-    ({"mux_ttft_pressed_margin": 1.2, "ttft_slo_ms": 2000.0}, r"\[--mux-itl-margin"),
+    ({"mux_ttft_pressed_margin": 1.6, "ttft_slo_ms": 2000.0}, r"\[--mux-itl-margin"),
     ({"mux_ttft_pressed_margin": 0.8, "ttft_slo_ms": 2000.0}, r"\[--mux-itl-margin"),
 ])
 def test_a_margin_outside_its_range_or_without_a_ttft_slo_is_refused(fields, match):
