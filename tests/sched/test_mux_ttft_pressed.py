@@ -106,9 +106,9 @@ def test_the_engine_runs_pressed_and_reports_it():
     prompts = [{"prompt_token_ids": [5 + i % 200 for i in range(n)]}
                for n in (40, 300, 120, 700)]
     outputs = {}
-    for margin in (0.0, 1.0):
+    for margin in (0.0, 1.0, 1.2):
         llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline",
                   ttft_slo_ms=1.0, mux_ttft_pressed_margin=margin)
         assert llm.engine.describe()["ttft_pressed_margin"] == margin
         outputs[margin] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert outputs[0.0] == outputs[1.0]
+    assert outputs[0.0] == outputs[1.0] == outputs[1.2]
