@@ -525,10 +525,11 @@ class ConfigRun:
                                                port=self.opts.port)
         return shlex.split(template) + shlex.split(self.opts.server_args) + shlex.split(args)
 
-    async def start(self, first_probe: str) -> None:
-        """A server (its log named after the probe it starts for: a server that learns
-        online starts again for each probe)."""
-        log = self.opts.written() / "logs" / f"{self.config}__{first_probe}.log"
+    async def start(self, first_record: Path) -> None:
+        """A server, its log named after the record of the probe it starts for (a server
+        that learns online starts again for each probe, a repeat's included: a name of
+        the probe alone kept only the last repeat's log)."""
+        log = self.opts.written() / "logs" / f"{first_record.stem}.log"
         self.server = ManagedServer(self.command(), self.opts.port, log)
         print(f"[goodput] {self.config}: {shlex.join(self.server.command)}", flush=True)
         self.server.start()
@@ -632,9 +633,10 @@ async def _run_target(target: Target, run: ConfigRun) -> bool:
 
 async def _probe(run: ConfigRun, workload: ProbeWorkload, rate: float) -> bool:
     """One probe, recorded; False when the budget cut it (nothing is written then)."""
+    path = record_path(run.opts, workload.name, run.config, rate)
     if run.server is None:
         try:
-            await run.start(f"{workload.name}__r{rate:g}")
+            await run.start(path)
         except (BenchError, RuntimeError, TimeoutError, OSError) as exc:
             raise ServerFailed(f"server not up: {exc}") from None
     spec = workload.build_spec(rate, run.opts.trace)
@@ -647,7 +649,6 @@ async def _probe(run: ConfigRun, workload: ProbeWorkload, rate: float) -> bool:
     except TimeoutError:
         print(f"[goodput] {label} cut at the budget limit; nothing written", flush=True)
         return False
-    path = record_path(run.opts, workload.name, run.config, rate)
     write_json(probe_record(run, spec, requests, rate, result), path)
     write_timeline(result.get("engine_timeline") or [], path)
     run.done += 1
@@ -1109,6 +1110,38 @@ def _commit_date(revision: str) -> str:
     return done.stdout.strip()
 
 
+def import_call(folder: Path, results: Path, label: str) -> list[Path]:
+    """A device call's ``run --out`` folder into ``results``: each record with its timeline,
+    renamed to the next free repeat where ``results`` already holds its name (two calls at
+    one revision both write ``__rep2``), and its server log as
+    ``server_logs_<revision>/<label>_<record>.log``. The call's output folder, a path of
+    the device machine, is written ``$OUT/<folder name>`` in the record's command."""
+    written = []
+    for source in sorted(p for p in folder.glob("*.json") if "__" in p.stem):
+        text = source.read_text()
+        record = json.loads(text)
+        command = record.get("command") or []
+        if "--out" in command[:-1]:
+            device_out = Path(command[command.index("--out") + 1])
+            text = text.replace(f"{device_out.parent}/", "$OUT/")
+        probe, target = record["probe"], results / source.name
+        if target.exists():
+            target = repeat_path([results], results, probe["workload"], probe["config"],
+                                 probe["rate"])
+        target.write_text(text)
+        written.append(target)
+        if timeline_beside(source).exists():
+            written.append(timeline_beside(target))
+            written[-1].write_bytes(timeline_beside(source).read_bytes())
+        log = folder / "logs" / f"{source.stem}.log"
+        if log.exists():
+            logs = results / f"server_logs_{record['git_revision'][:7]}"
+            logs.mkdir(exist_ok=True)
+            written.append(logs / f"{label}_{target.stem}.log")
+            written[-1].write_bytes(log.read_bytes())
+    return written
+
+
 def import_legacy(results: Path) -> list[Path]:
     written = [_import_loadgen(name, entry, results) for name, entry in LEGACY_LOOGLE.items()]
     for name, configs in LEGACY_SHAREGPT.items():
@@ -1194,6 +1227,12 @@ def _import_parser(sub) -> None:
     p = sub.add_parser("import-legacy", help="Probe JSONs from the committed records that "
                        "match a probe's definition.")
     p.add_argument("--results", type=Path, default=RESULTS)
+    p = sub.add_parser("import-call", help="A device call's --out folder: records, "
+                       "timelines and server logs into --results (repeats renamed where "
+                       "their names are taken, the device's output path as $OUT).")
+    p.add_argument("folder", type=Path)
+    p.add_argument("--label", required=True, help="Prefixes the server logs (call1, ...).")
+    p.add_argument("--results", type=Path, default=RESULTS)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -1226,6 +1265,12 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import_call(args: argparse.Namespace) -> int:
+    for path in import_call(args.folder, args.results, args.label):
+        print(f"imported: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1233,7 +1278,8 @@ def main(argv: list[str] | None = None) -> int:
     for add in (_run_parser, _summarise_parser, _import_parser):
         add(sub)
     args = parser.parse_args(argv)
-    handler = {"run": cmd_run, "summarise": cmd_summarise, "import-legacy": cmd_import}
+    handler = {"run": cmd_run, "summarise": cmd_summarise, "import-legacy": cmd_import,
+               "import-call": cmd_import_call}
     return handler[args.mode](args)
 
 

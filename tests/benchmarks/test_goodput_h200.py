@@ -3,6 +3,7 @@ its summary on records whose answers are known."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import socket
@@ -71,11 +72,30 @@ def test_probes_run_record_skip_and_respect_the_budget(tool, tmp_path, capsys, m
     # Recorded probes are skipped and an ended search (8 is the top rung) asks for nothing:
     # no server is started for them.
     # One server served both rates (chunked prefill learns nothing online).
-    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["chunk16__tiny__r4.log"]
-    (tmp_path / "logs" / "chunk16__tiny__r4.log").unlink()
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["tiny__chunk16__r4.log"]
+    (tmp_path / "logs" / "tiny__chunk16__r4.log").unlink()
     assert _run(tool, tmp_path, "tiny:chunk16:4", "search=tiny:chunk16") == 0
     assert not any((tmp_path / "logs").iterdir())
     assert "attainment" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_each_fresh_server_of_a_repeated_probe_keeps_its_own_log(tool, tmp_path, monkeypatch):
+    """A server that learns online starts again for each probe; its log is named after the
+    record the probe writes, so a repeat's log does not replace the first run's."""
+    monkeypatch.setattr(tool, "TPOT_SLO_MS", 1e9)
+    monkeypatch.setattr(tool, "learns_online", lambda config: True)
+    probe = "tiny:chunk16:4"
+    assert _run(tool, tmp_path, probe) == 0
+    assert tool.main(["run", "--model", "tiny", "--server-args", "", "--port",
+                      str(_free_port()), "--results", str(tmp_path), "--budget-s", "240",
+                      "--startup-s", "60", "--probe", probe, "--probe", probe,
+                      "--repeat"]) == 0
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == ["tiny__chunk16__r4.log", "tiny__chunk16__r4__rep2.log",
+                    "tiny__chunk16__r4__rep3.log"]
+    assert sorted(p.stem for p in tmp_path.glob("tiny__*.json")) == [
+        log.removesuffix(".log") for log in logs]
 
 
 @pytest.mark.slow
@@ -493,6 +513,38 @@ def test_a_repeat_runs_a_recorded_probe_again_into_a_file_of_its_own(tool, tmp_p
     with pytest.raises(SystemExit, match="--repeat repeats --probe"):
         tool.main(["run", "--search", "loogle:chunk256", "--repeat", "--budget-s", "10",
                    "--results", str(results)])
+
+
+def test_a_device_call_is_imported_with_repeats_renamed_and_its_output_path_portable(
+        tool, tmp_path):
+    results, out = tmp_path / "results", tmp_path / "device" / "out" / "goodput"
+    (out / "logs").mkdir(parents=True)
+    results.mkdir()
+    command = ["benchmarks/goodput_h200.py", "run", "--out", str(out)]
+    for name, created in (("sharegpt__chunk512__r16", "1"), ("sharegpt__chunk512__r16__rep2", "2"),
+                          ("loogle__chunk256__r0.6", "3")):
+        record = _record(tool, name.split("__")[0], name.split("__")[1],
+                         16.0 if "sharegpt" in name else 0.6, 1.0, "c" * 40, created)
+        record["command"] = command
+        (out / f"{name}.json").write_text(json.dumps(record))
+        tool.write_timeline([{"created": created}], out / f"{name}.json")
+        (out / "logs" / f"{name}.log").write_text(f"server {created}")
+    # The results already hold both ShareGPT-like names (an earlier call at this revision).
+    for name in ("sharegpt__chunk512__r16", "sharegpt__chunk512__r16__rep2"):
+        (results / f"{name}.json").write_text("{}")
+
+    tool.main(["import-call", str(out), "--label", "call2", "--results", str(results)])
+    for name, created in (("sharegpt__chunk512__r16__rep3", "1"),
+                          ("sharegpt__chunk512__r16__rep4", "2"), ("loogle__chunk256__r0.6", "3")):
+        record = json.loads((results / f"{name}.json").read_text())
+        assert record["created"] == created
+        assert record["command"][-1] == "$OUT/goodput"
+        assert str(tmp_path) not in (results / f"{name}.json").read_text()
+        assert tool.load_engine_timeline(tool.timeline_beside(results / f"{name}.json")) == [
+            {"created": created}]
+        log = results / "server_logs_ccccccc" / f"call2_{name}.log"
+        assert log.read_text() == f"server {created}"
+    assert (results / "sharegpt__chunk512__r16.json").read_text() == "{}"
 
 
 def test_every_run_of_a_repeated_probe_is_listed_and_the_newest_decides(tool, tmp_path):
