@@ -43,6 +43,7 @@ import json
 import math
 import re
 import shlex
+import shutil
 import sys
 import time
 from collections import Counter
@@ -1129,16 +1130,14 @@ def import_call(folder: Path, results: Path, label: str) -> list[Path]:
             target = repeat_path([results], results, probe["workload"], probe["config"],
                                  probe["rate"])
         target.write_text(text)
+        logs = results / f"server_logs_{record['git_revision'][:7]}"
+        copies = {timeline_beside(source): timeline_beside(target),
+                  folder / "logs" / f"{source.stem}.log": logs / f"{label}_{target.stem}.log"}
         written.append(target)
-        if timeline_beside(source).exists():
-            written.append(timeline_beside(target))
-            written[-1].write_bytes(timeline_beside(source).read_bytes())
-        log = folder / "logs" / f"{source.stem}.log"
-        if log.exists():
-            logs = results / f"server_logs_{record['git_revision'][:7]}"
-            logs.mkdir(exist_ok=True)
-            written.append(logs / f"{label}_{target.stem}.log")
-            written[-1].write_bytes(log.read_bytes())
+        for copied, to in copies.items():
+            if copied.exists():
+                to.parent.mkdir(exist_ok=True)
+                written.append(Path(shutil.copyfile(copied, to)))
     return written
 
 

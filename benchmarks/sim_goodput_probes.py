@@ -37,6 +37,7 @@ import dataclasses
 import json
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -124,14 +125,14 @@ def steps_of(record_path: Path, model: LatencyModel, extra_s: float) -> dict | N
 
 
 def run(validation_path: Path, probe_paths: list[Path],
-        grid_path: Path | list[Path] | None = None,
+        grid_paths: Sequence[Path] = (),
         steps: bool = False, engine_path: Path | None = None) -> dict:
     validation = json.loads(validation_path.read_text())
     args = argparse.Namespace(**validation["config"])
     fitted = validation["schedules"]["chunk512"]
     model, decode_fit = with_engine_decode(LatencyModel(**fitted["latency_model"]),
                                            fitted["service_points"]["decode"], engine_path)
-    model, grid_fit = with_grid(model, grid_path)
+    model, grid_fit = with_grid(model, grid_paths)
     extra_s, checks = fit_mixed_step_extra(model, args, fitted["interference"])
     ratios = fitted["service_ratios"]
     noise = ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed)
@@ -195,12 +196,10 @@ def engine_decode_rows(record: dict) -> list[dict]:
     return [row for run in runs for model in run["models"] for row in model["decode"]]
 
 
-def with_grid(model: LatencyModel, grid_path: Path | list[Path] | None
-              ) -> tuple[LatencyModel, dict]:
-    """The model with the mixed step's grid terms fitted on ``grid_path`` (several: their
-    steps together; none: as it is), and what the result records of that fit: the grid,
-    the revision it was measured at, the fitted terms."""
-    paths = [grid_path] if isinstance(grid_path, Path) else list(grid_path or [])
+def with_grid(model: LatencyModel, paths: Sequence[Path]) -> tuple[LatencyModel, dict]:
+    """The model with the mixed step's grid terms fitted on the grids at ``paths`` (their
+    steps together; none: as it is), and what the result records of that fit: the grids,
+    the revisions they were measured at, the fitted terms."""
     if not paths:
         return model, {"mixed_step_form": "roofline"}
     grid = merged_grid([json.loads(path.read_text()) for path in paths])

@@ -182,9 +182,11 @@ class MultiplexScheduler(InFlightScheduler):
         self.option: str | None = None  # the sharing option running (``MuxPlan.option``)
         self.held_decisions = 0  # launching decisions the switch margin kept on ``option``
         self.batches_started = 0  # prefill batches numbered so far (``prefill_batch``)
-        # When a batch beside a split's decode was not started because another option won
-        # (``--mux-reweigh-spatial-batches``; monotonic seconds, as the timeline's ``time``).
-        self.spatial_batches_declined: deque[float] = deque(maxlen=TIMELINE_LENGTH)
+        # Batches beside a split's decode not started because another option won
+        # (``--mux-reweigh-spatial-batches``), and when the most recent were (monotonic
+        # seconds, as the timeline's ``time``).
+        self.spatial_batches_declined = 0
+        self.spatial_batches_declined_at: deque[float] = deque(maxlen=TIMELINE_LENGTH)
         self.time_slicing = False  # lanes alternate on the whole GPU's stream (TIME_SLICE)
         self._timeline: deque[TimelineEntry] = deque(maxlen=TIMELINE_LENGTH)
         log.info("multiplex: %r, predictor %s", partitions, type(predictor).__name__)
@@ -233,9 +235,9 @@ class MultiplexScheduler(InFlightScheduler):
                 "guards": self.model.describe_guards(),
                 "switch_margin": self.planner.config.switch_margin,
                 "decisions_held_by_switch_margin": self.held_decisions,
-                "spatial_batches_declined": len(self.spatial_batches_declined),
+                "spatial_batches_declined": self.spatial_batches_declined,
                 "spatial_batches_declined_at": [round(t, 3)
-                                                for t in self.spatial_batches_declined]}
+                                                for t in self.spatial_batches_declined_at]}
 
     @property
     def decode_work(self) -> Work | None:
@@ -401,7 +403,8 @@ class MultiplexScheduler(InFlightScheduler):
         if self.batch is None and not candidates:
             return
         if self.batch is None and self._another_option_wins(candidates):
-            self.spatial_batches_declined.append(time.monotonic())
+            self.spatial_batches_declined += 1
+            self.spatial_batches_declined_at.append(time.monotonic())
             self.switch_pending = True  # the lanes drain; the next drained boundary re-plans
             return
         plan = self._plan(self._pinned_planner(self.current), candidates,
@@ -421,9 +424,8 @@ class MultiplexScheduler(InFlightScheduler):
 
     def _pinned_planner(self, part: Partition) -> MuxPlanner:
         if part.decode_sms not in self._pinned:
-            self._pinned[part.decode_sms] = MuxPlanner(
-                self.model, [(part.decode_sms, part.prefill_sms)],
-                self._planner_config(temporal=False), self.partitions.total_sms)
+            self._pinned[part.decode_sms] = self.planner.pinned_to(
+                (part.decode_sms, part.prefill_sms))
         return self._pinned[part.decode_sms]
 
     def _plan(self, planner: MuxPlanner, candidates, decoding: Plan | None = None) -> MuxPlan:

@@ -569,6 +569,13 @@ class MuxPlanner:
         self.total_sms = total_sms or predictor.total_sms
         self.num_layers = predictor.num_layers
 
+    def pinned_to(self, split: tuple[int, int]) -> MuxPlanner:
+        """This planner's settings with ``split`` (decode SMs, prefill SMs) as the only SM
+        split and no whole-GPU mixed step: how a prefill batch that starts beside a decode
+        step in flight on that split is weighed (the split holds until both lanes drain)."""
+        return MuxPlanner(self.predictor, [split], replace(self.config, temporal=False),
+                          self.total_sms, self.calibration)
+
     def plan(self, decode: DecodeLoad | None, waiting: Sequence[PrefillRequest] = (),
              in_flight: InFlightPrefill | None = None, incumbent: str | None = None
              ) -> MuxPlan:

@@ -307,11 +307,7 @@ class MuxStepSim:
         split, self.pinned_split = self.pinned_split, None
         if split is None or not self.waiting or not self.running or self.batch is not None:
             return None
-        planner = MuxPlanner(self.planner.predictor,
-                             [(split, self.planner.total_sms - split)],
-                             dataclasses.replace(self.planner.config, temporal=False,
-                                                 time_slice=False),
-                             self.planner.total_sms)
+        planner = self.planner.pinned_to((split, dict(self.planner.partitions)[split]))
         plan = planner.plan(self._decode_load(), self._waiting_view(), None, self.option)
         return plan if plan.mode == MuxMode.SPATIAL else None
 

@@ -71,7 +71,7 @@ def test_with_the_grid_terms_the_small_chunks_come_close_and_the_grid_is_recorde
     validation = RESULTS / "sim_validate_instance_h200_8ccd9ac.json"
     grid = RESULTS / "mixed_step_grid_h200_d92d053.json"
     probes = [RESULTS / "goodput_h200" / "mooncake__chunk256__r0.3.json"]
-    before, after = module.run(validation, probes), module.run(validation, probes, grid)
+    before, after = module.run(validation, probes), module.run(validation, probes, [grid])
     assert before["mixed_step_form"] == "roofline" and after["mixed_step_form"] == "grid"
     assert after["mixed_step_grid"] == "benchmarks/results/mixed_step_grid_h200_d92d053.json"
     assert after["mixed_step_grid_revision"].startswith("d92d053")
