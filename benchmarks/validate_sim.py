@@ -133,14 +133,20 @@ class HostMeters:
             process.wait(timeout=30)
         if not self.processes:
             return None
-        samples = {}
+        samples, cache = {}, {}
         for role in self.processes:
             with open(self._path(role)) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
-            samples[role] = [[round(t - replay_start, 3), round(ms, 3)] for t, ms in rows]
+            samples[role] = [[round(r[0] - replay_start, 3), round(r[1], 3)] for r in rows]
+            cache[role] = [[round(r[0] - replay_start, 3), round(r[2], 3)]
+                           for r in rows if len(r) > 2]
         self.folder.cleanup()
         return {"period_s": self.period_s, "samples": samples,
-                "over_calibration": meter_phases(samples, replay_start, marks)}
+                "over_calibration": meter_phases(samples, replay_start, marks),
+                # the read of a buffer the size of the model's working set: the shared
+                # cache and memory, which the core work above does not reach
+                "cache_samples": cache,
+                "cache_over_calibration": meter_phases(cache, replay_start, marks)}
 
 
 def meter_phases(samples: dict[str, list], replay_start: float, marks: dict[str, float]
@@ -1002,13 +1008,23 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
         # 156c086-bcc1c68 recorded the both-sides model as their model
         model = LatencyModel(**recalibration["latency_model_before_replay"])
         recalibration = {**recalibration, "latency_model_both_sides": run["latency_model"]}
+    recorded = model
+    if args.refit:
+        model, recalibration = refitted(run, args)
     simulated = simulations(model, parts, run["service_ratios"], requests, args,
                             recalibration=recalibration)
     measured = {key: run["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
     result = {"resimulated": path, "recorded_revision": run.get("git_revision"),
-              "prefill_steps": dataclasses.asdict(steps),
+              "prefill_steps": dataclasses.asdict(steps), "refit": args.refit,
               "latency_model": dataclasses.asdict(model),
               "compare": compare_percentiles(measured, simulated)}
+    if args.refit:
+        result["latency_model_recorded"] = dataclasses.asdict(recorded)
+    if "replay_steps" in run:
+        result["replay_decode_steps_over_model"] = {
+            "recorded": decode_steps_over_model(run["replay_steps"], recorded),
+            **({"refitted": decode_steps_over_model(run["replay_steps"], model)}
+               if args.refit else {})}
     if "measured_token_times_s" in run:
         unwoken = simulate(model, requests, args, cores=parts.cores, steps=steps)
         result["first_token_over_simulated"] = first_token_ratios(
@@ -1016,6 +1032,39 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
         result["first_token_over_simulated_without_idle_wake"] = first_token_ratios(
             run, unwoken)
     return result
+
+
+def refitted(run: dict, args) -> tuple[LatencyModel, dict | None]:
+    """The model, and the both-sides model where the run timed points after its replay,
+    fitted again from the run's recorded service points by today's fit."""
+    points = run["service_points"]
+    missing = {"prefill", "prefill_direct", "decode", "handoff"} - set(points)
+    if missing:
+        raise SystemExit(f"--refit: the run records no {', '.join(sorted(missing))} points")
+    model, recalibration = fitted_model(points, args), run.get("recalibration")
+    if recalibration:
+        both_sides = fitted_model(bracketed(points, recalibration["service_points"]), args)
+        recalibration = {**recalibration,
+                         "latency_model_both_sides": dataclasses.asdict(both_sides)}
+    return model, recalibration
+
+
+def decode_steps_over_model(steps: dict, model: LatencyModel) -> dict:
+    """The decode instance's replayed decode-only steps over the model's step for their
+    batch and context: percentiles, and the median per batch size."""
+    fields = steps["decode"]["fields"]
+    rows = [dict(zip(fields, row, strict=True)) for row in steps["decode"]["rows"]]
+    rows = [r for r in rows if r["mode"] == "decode_only" and r["decode_batch"] > 0]
+    if not rows:
+        return {"steps": 0}
+    ratios = np.array([r["measured_cycle_ms"] / (1e3 * model.decode_step_s(
+        r["decode_batch"], r["decode_context_tokens"])) for r in rows])
+    batches = np.array([r["decode_batch"] for r in rows])
+    return {"steps": len(rows),
+            **{f"p{q}": float(np.percentile(ratios, q)) for q in (10, 50, 90)},
+            "p50_by_batch": {str(b): {"steps": int((batches == b).sum()),
+                                      "p50": float(np.median(ratios[batches == b]))}
+                             for b in sorted(set(batches.tolist()))}}
 
 
 def recorded_model(run: dict) -> LatencyModel:
@@ -1336,6 +1385,10 @@ def main() -> int:
                         help="Simulate a recorded run again with today's simulator (its "
                         "recorded model, factors, spread and requests) and write the "
                         "comparison to --out instead of a run.")
+    parser.add_argument("--refit", action="store_true",
+                        help="With --resimulate, fit the model (and the both-sides one) "
+                        "again from the run's recorded service points by today's fit, "
+                        "instead of taking the model the run recorded.")
     parser.add_argument("--assume-prefill-steps", type=assumed_steps, metavar="CHUNK[,late]",
                         help="With --resimulate, for a run that did not record them: the "
                         "prefill instance's chunk budget, and 'late' where its tokens came "

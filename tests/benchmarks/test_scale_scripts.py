@@ -139,6 +139,11 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
         assert set(phases) == {"calibration", "replay", "recalibration"}, role
         assert phases["calibration"]["p50"] == pytest.approx(1.0)
     assert any(t < 0 for t, _ in meter["samples"]["decode"])  # before the replay began
+    # and, apart, a read of a buffer the size of the model's working set, sample by sample
+    for role, cache in meter["cache_samples"].items():
+        assert [t for t, _ in cache] == [t for t, _ in meter["samples"][role]], role
+        assert all(ms > 0 for _, ms in cache)
+        assert meter["cache_over_calibration"][role]["calibration"]["p50"] == pytest.approx(1)
     check = result["replay_steps_check"]
     assert check["requests"] >= 1
     assert 0 < check["tpot_over_engine_steps"]["p10"] <= check["tpot_over_engine_steps"]["p90"]
@@ -546,7 +551,7 @@ def _recorded_run(**extra) -> dict:
 
 def test_resimulation_of_a_recorded_run_with_its_prefill_steps(tmp_path):
     module = _script("validate_sim")
-    args = SimpleNamespace(draws=2, seed=0, ttft_slo_s=2.0, max_wait_s=30.0)
+    args = SimpleNamespace(draws=2, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False)
     path = tmp_path / "run.json"
     path.write_text(json.dumps(_recorded_run()))
     with pytest.raises(SystemExit, match="--assume-prefill-steps"):
@@ -574,7 +579,7 @@ def test_resimulation_of_a_run_that_recorded_its_both_sides_model_as_the_model(t
     simulated, the one before is the figures' and the both-sides one is simulated beside
     (here 2 ms per prompt token against 1: the 50-token prompt's first token 0.1 s)."""
     module = _script("validate_sim")
-    args = SimpleNamespace(draws=2, seed=0, ttft_slo_s=2.0, max_wait_s=30.0)
+    args = SimpleNamespace(draws=2, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False)
     run = _recorded_run(prefill_steps={"chunk_tokens": 512, "tokens_one_step_late": False},
                         requests=[[0.0, 50, 3]])
     before = {**run["latency_model"], "prefill_per_token_s": 2e-3}
@@ -593,7 +598,7 @@ def test_resimulation_takes_the_recorded_idle_extra(tmp_path):
     (10 ms into the replay, idle since its start) pays 10 ms * 1/2 = 5 ms more; a run
     without it is simulated as before."""
     module = _script("validate_sim")
-    args = SimpleNamespace(draws=1, seed=0, ttft_slo_s=2.0, max_wait_s=30.0)
+    args = SimpleNamespace(draws=1, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False)
     steps = {"chunk_tokens": 512, "tokens_one_step_late": False}
     path = tmp_path / "run.json"
     path.write_text(json.dumps(_recorded_run(prefill_steps=steps, requests=[[0.01, 50, 3]])))
@@ -626,7 +631,7 @@ def test_first_tokens_over_simulated_apart_beside_a_decode(tmp_path):
     first token (125 ms) over the simulated (200 ms: 1 ms a token) counts beside a decode,
     the first's (60 ms over 50) with nothing decoding."""
     module = _script("validate_sim")
-    args = SimpleNamespace(draws=1, seed=0, ttft_slo_s=2.0, max_wait_s=30.0)
+    args = SimpleNamespace(draws=1, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False)
     path = tmp_path / "run.json"
     path.write_text(json.dumps(_recorded_run(
         prefill_steps={"chunk_tokens": 512, "tokens_one_step_late": False},
@@ -673,3 +678,42 @@ def test_interference_steps_split_a_chunk_over_its_tokens():
     module = _script("sim_validate_instance")
     times = [0.0, 0.1, 0.1, 0.1, 0.2]  # the second chunk carried three tokens
     assert module.chunk_steps(times) == pytest.approx([(0.0, 0.1 / 3), (0.1, 0.1)])
+
+
+def test_resimulation_refits_the_model_from_the_recorded_points(tmp_path):
+    """``--refit``: the model fitted again from the run's service points by today's fit (a
+    decode step of 4 ms + 1 ms per request where the run recorded a flat 10 ms), the
+    recorded one kept beside; the replayed decode steps over both models."""
+    module = _script("validate_sim")
+    decode = [{"batch": b, "context": c, "step_ms": 4.0 + b, "round_step_ms": [4.0 + b],
+               "streams": b} for b in (1, 2, 4) for c in (64, 1024)]
+    prompts = [{"tokens": n, "seconds": 0.01 + 1e-3 * n, "samples_s": [0.01 + 1e-3 * n]}
+               for n in (64, 256)]
+    points = {"prefill": prompts, "prefill_direct": prompts, "decode": decode,
+              "handoff": [{"tokens": n, "seconds": 0.002} for n in (64, 256)]}
+    steps = {"prefill": {"fields": ["t"], "rows": []},
+             "decode": {"fields": list(module.STEP_FIELDS), "rows": [
+                 [0.1, "decode_only", 1, 100, 0, 10.0], [0.2, "decode_only", 2, 200, 0, 6.0],
+                 [0.3, "mixed", 1, 100, 64, 30.0]]}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(_recorded_run(
+        prefill_steps={"chunk_tokens": 100, "tokens_one_step_late": False},
+        service_points=points, replay_steps=steps)))
+    args = SimpleNamespace(draws=2, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=True,
+                           model="tiny", link_gb_per_s=1.5, decode_kv_tokens=100_000)
+    result = module.resimulate(str(path), args, None)
+    assert result["refit"] is True
+    assert result["latency_model_recorded"]["decode_base_s"] == 0.01
+    assert result["latency_model"]["decode_base_s"] == pytest.approx(0.004, abs=1e-9)
+    assert result["latency_model"]["decode_per_request_s"] == pytest.approx(0.001)
+    over = result["replay_decode_steps_over_model"]  # the mixed step left out
+    assert over["recorded"]["steps"] == 2 and over["recorded"]["p50_by_batch"] == {
+        "1": {"steps": 1, "p50": pytest.approx(1.0)}, "2": {"steps": 1, "p50": pytest.approx(0.6)}}
+    assert over["refitted"]["p50_by_batch"]["1"]["p50"] == pytest.approx(10.0 / 5.0)
+    assert over["refitted"]["p50_by_batch"]["2"]["p50"] == pytest.approx(6.0 / 6.0)
+    del points["handoff"]
+    path.write_text(json.dumps(_recorded_run(
+        prefill_steps={"chunk_tokens": 100, "tokens_one_step_late": False},
+        service_points=points)))
+    with pytest.raises(SystemExit, match="no handoff points"):
+        module.resimulate(str(path), args, None)

@@ -233,6 +233,31 @@ def test_fit_of_points_that_pull_every_coefficient_negative_is_zero_not_a_crash(
     assert all(c >= 0 for c in fitted)
 
 
+def test_relative_fit_keeps_one_slow_large_point_from_deciding_the_small_ones():
+    """A CPU calibration's decode points (validation_cpu_tiny_2c81cd3_run1.json: batch,
+    context per request, step ms), its batch of 4 at 1.3K context timed at 26 ms where
+    the rest of its grid said about 12-14: a plain fit put the batch-1 step at half what
+    was timed, the relative one within 15% of it."""
+    from pdserve.sim.cluster import fit_nonnegative
+
+    points = [{"batch": b, "context": c, "step_ms": ms} for b, c, ms in (
+        (1, 127, 4.185), (2, 136, 5.119), (4, 148, 6.392),
+        (1, 1089, 5.109), (2, 1177, 7.939), (4, 1290, 25.957))]
+    a = np.array([[1.0, p["batch"], p["batch"] * p["context"]] for p in points])
+    seconds = [p["step_ms"] / 1e3 for p in points]
+    plain = a @ fit_nonnegative(a, seconds) / seconds
+    relative = a @ fit_nonnegative(a, seconds, relative=True) / seconds
+    assert plain[0] < 0.6 and 0.85 < relative[0] < 1.15  # batch 1, 127 tokens
+    assert max(abs(relative[:5] - 1)) < 0.16 < max(abs(plain[:5] - 1))
+    model = MODEL.fit_decode(points)  # the model's decode fit is the relative one
+    assert model.decode_step_s(1, 127) / 1e-3 == pytest.approx(relative[0] * 4.185)
+    # On points a line fits exactly, both fits find it.
+    exact = list(a @ np.array([0.5e-3, 1.2e-3, 3e-6]))
+    assert fit_nonnegative(a, exact, relative=True) == pytest.approx([0.5e-3, 1.2e-3, 3e-6])
+    with pytest.raises(ValueError, match="above 0"):
+        fit_nonnegative(a, [0.0, *seconds[1:]], relative=True)
+
+
 def test_handoff_fitted_beyond_the_link_delays_the_join_and_only_that():
     # Measured: 30 ms per handoff plus 20 us per prompt token, the link's 1 ms/token included.
     points = [{"tokens": n, "seconds": 0.03 + 2e-5 * n + 1e-3 * n} for n in (64, 256, 1024)]
