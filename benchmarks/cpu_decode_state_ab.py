@@ -5,7 +5,10 @@ core, in one process, alternating so that the host's speed hits both sides alike
   prompt (64-1,024 tokens) and answer (16-64 tokens) lengths, probed alternately, the
   churned one serving a few more between rounds;
 - ``pages``: one engine whose free KV pages are put in id order before one probe and
-  shuffled before the next (a request's pages contiguous in memory or scattered).
+  shuffled before the next (a request's pages contiguous in memory or scattered);
+- ``idle``: one engine probed right after another probe (back to back, as the
+  calibration's streams run) and after ``--pause-s`` of nothing (as most of a replay's
+  requests find the decode instance).
 
 Each probe decodes one request of ``--context`` prompt tokens for 40 tokens; its figure is
 the median decode step from the engine's step timeline. The tiny model in float32 on the
@@ -87,6 +90,21 @@ def pages_ab(rng: random.Random, args) -> dict:
     return summarise(rows, "shuffled_ms", "contiguous_ms")
 
 
+def idle_ab(rng: random.Random, args) -> dict:
+    llm = make_engine()
+    rows = []
+    for _ in range(args.rounds):
+        probe(llm, rng, args.context)
+        row = {"back_to_back_ms": probe(llm, rng, args.context)}
+        time.sleep(args.pause_s)
+        row["after_pause_ms"] = probe(llm, rng, args.context)
+        rows.append(row)
+    return summarise(rows, "after_pause_ms", "back_to_back_ms")
+
+
+PARTS = {"served": served_ab, "pages": pages_ab, "idle": idle_ab}
+
+
 def summarise(rows: list[dict], new: str, old: str) -> dict:
     ratios = [r[new] / r[old] for r in rows]
     return {"rounds": rows, "ratio_median": statistics.median(ratios),
@@ -99,6 +117,9 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--churn", type=int, default=80)
+    parser.add_argument("--pause-s", type=float, default=2.0, help="the idle A/B's pause")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"which A/Bs, comma-separated (of {', '.join(PARTS)})")
     parser.add_argument("--core", type=int, default=1, help="run on this core only")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -107,9 +128,12 @@ def main() -> int:
 
     torch.set_num_threads(1)
     rng = random.Random(0)
+    parts = args.parts.split(",")
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"--parts: no A/B named {', '.join(sorted(unknown))}")
     result = {**result_header(vars(args) | {"out": args.out and str(args.out)}),
-              "kind": "ab", "served": served_ab(rng, args), "pages": pages_ab(rng, args)}
-    for name in ("served", "pages"):
+              "kind": "ab", **{name: PARTS[name](rng, args) for name in parts}}
+    for name in parts:
         part = result[name]
         print(f"{name}: {part['new_over_old']} median {part['ratio_median']:.3f} "
               f"({part['ratio_min']:.3f}-{part['ratio_max']:.3f})")

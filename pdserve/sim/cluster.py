@@ -142,7 +142,7 @@ class LatencyModel:
     @classmethod
     def from_engine_results(cls, path: str, kv_bytes_per_token: int,
                             **options: Any) -> LatencyModel:
-        """Least-squares fit to a ``bench_engine.py`` result's prefill and decode points."""
+        """``fit`` to a ``bench_engine.py`` result's prefill and decode points."""
         with open(path) as f:
             measured = json.load(f)["models"][0]
         decode = [d for d in measured["decode"] if "step_ms" in d]  # some points were skipped

@@ -149,14 +149,16 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     assert 0 < check["tpot_over_engine_steps"]["p10"] <= check["tpot_over_engine_steps"]["p90"]
 
 
-def test_the_cpu_decode_state_ab_alternates_both_pairs(tmp_path):
-    """Small: two rounds of 64-token probes, the served engine churned by 2 requests."""
+def test_the_cpu_decode_state_ab_alternates_every_pair(tmp_path):
+    """Small: two rounds of 64-token probes, the served engine churned by 2 requests, the
+    idle one's pause 0.1 s."""
     result = _run("cpu_decode_state_ab.py", "--rounds", "2", "--churn", "2", "--context",
-                  "64", "--core", str(min(os.sched_getaffinity(0))),
+                  "64", "--pause-s", "0.1", "--core", str(min(os.sched_getaffinity(0))),
                   out=tmp_path / "ab.json")
     assert result["kind"] == "ab"
     for name, keys in (("served", {"fresh_ms", "served_ms"}),
-                       ("pages", {"contiguous_ms", "shuffled_ms"})):
+                       ("pages", {"contiguous_ms", "shuffled_ms"}),
+                       ("idle", {"back_to_back_ms", "after_pause_ms"})):
         rounds = result[name]["rounds"]
         assert len(rounds) == 2 and all(set(r) == keys and min(r.values()) > 0
                                         for r in rounds)
