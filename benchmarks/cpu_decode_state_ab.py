@@ -8,7 +8,14 @@ core, in one process, alternating so that the host's speed hits both sides alike
   shuffled before the next (a request's pages contiguous in memory or scattered);
 - ``idle``: one engine probed right after another probe (back to back, as the
   calibration's streams run) and after ``--pause-s`` of nothing (as most of a replay's
-  requests find the decode instance).
+  requests find the decode instance);
+- ``pd_served``: what ``validate_sim.py`` runs, twice: two P/D groups of served tiny
+  instances (``pdserve serve``, each group's prefill instance on the first core, its
+  decode instance on ``--core``) behind the real gateway, one group fresh and one that
+  first served ``--churn`` requests through its gateway (more between rounds), probed
+  alternately through their gateways, each probe's figure its decode instance's median
+  decode step from that server's step timeline. The in-process A/Bs leave out the
+  server: its HTTP side, the KV hand-off and everything a served request leaves behind.
 
 Each probe decodes one request of ``--context`` prompt tokens for 40 tokens; its figure is
 the median decode step from the engine's step timeline. The tiny model in float32 on the
@@ -102,7 +109,76 @@ def idle_ab(rng: random.Random, args) -> dict:
     return summarise(rows, "after_pause_ms", "back_to_back_ms")
 
 
-PARTS = {"served": served_ab, "pages": pages_ab, "idle": idle_ab}
+def pd_served_ab(rng: random.Random, args) -> dict:
+    """The gateways and this client on any core, as in ``validate_sim.py``; the instances
+    pinned by ``start_instance``."""
+    import asyncio
+
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, args.host_cores)
+    try:
+        return asyncio.run(_pd_served_ab(rng, args))
+    finally:
+        os.sched_setaffinity(0, pinned)
+
+
+async def _pd_served_ab(rng: random.Random, args) -> dict:
+    from aiohttp import ClientSession, ClientTimeout
+
+    from benchmarks import validate_sim
+    from pdserve.cluster.app import stop_gateway
+
+    group_args = argparse.Namespace(model="tiny", serve_args="--dtype float32 --device cpu",
+                                    ttft_slo_s=30.0, max_wait_s=30.0)
+    servers, gateways = [], []
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=None)) as session:
+            urls = []
+            for _ in ("fresh", "served"):
+                pair = [validate_sim.start_instance(group_args, {core})
+                        for core in (args.prefill_core, args.core)]
+                servers += pair
+                gateway, url = await validate_sim.start_group(session, *pair, group_args)
+                gateways.append(gateway)
+                urls.append((url, pair[1]))
+            await served_churn(session, urls[1][0], rng, args.churn)
+            rows = []
+            for _ in range(args.rounds):
+                rows.append({"fresh_ms": await served_probe(session, *urls[0], rng, args),
+                             "served_ms": await served_probe(session, *urls[1], rng, args)})
+                await served_churn(session, urls[1][0], rng, 5)
+    finally:
+        for gateway in gateways:
+            await stop_gateway(*gateway)
+        for server in servers:
+            server.stop()
+    return summarise(rows, "served_ms", "fresh_ms")
+
+
+async def served_churn(session, url: str, rng: random.Random, requests: int) -> None:
+    for _ in range(requests):
+        body = {"model": "tiny", "max_tokens": rng.randint(16, 64), "ignore_eos": True,
+                "prompt": [rng.randrange(1, 250)
+                           for _ in range(rng.choice([64, 256, 512, 1024]))]}
+        async with session.post(url, json=body) as resp:
+            await resp.read()
+
+
+async def served_probe(session, url: str, decode, rng: random.Random, args) -> float:
+    """The median decode step (ms) of one request through a group's gateway, from its
+    decode instance's step timeline."""
+    from benchmarks import validate_sim
+
+    since = time.monotonic()
+    body = {"model": "tiny", "max_tokens": 40, "ignore_eos": True,
+            "prompt": [rng.randrange(1, 250) for _ in range(args.context)]}
+    async with session.post(url, json=body) as resp:
+        await resp.read()
+    steps = await validate_sim.instance_steps(session, decode, since)
+    return statistics.median(row[5] for row in steps["rows"] if row[1] == "decode_only")
+
+
+PARTS = {"served": served_ab, "pages": pages_ab, "idle": idle_ab, "pd_served": pd_served_ab}
 
 
 def summarise(rows: list[dict], new: str, old: str) -> dict:
@@ -121,8 +197,11 @@ def main() -> int:
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"which A/Bs, comma-separated (of {', '.join(PARTS)})")
     parser.add_argument("--core", type=int, default=1, help="run on this core only")
+    parser.add_argument("--prefill-core", type=int, default=0,
+                        help="pd_served: the prefill instances' core")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    args.host_cores = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {args.core})
     import torch
 
@@ -131,7 +210,8 @@ def main() -> int:
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):
         parser.error(f"--parts: no A/B named {', '.join(sorted(unknown))}")
-    result = {**result_header(vars(args) | {"out": args.out and str(args.out)}),
+    config = {k: v for k, v in vars(args).items() if k != "host_cores"}
+    result = {**result_header(config | {"out": args.out and str(args.out)}),
               "kind": "ab", **{name: PARTS[name](rng, args) for name in parts}}
     for name in parts:
         part = result[name]

@@ -150,15 +150,17 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
 
 
 def test_the_cpu_decode_state_ab_alternates_every_pair(tmp_path):
-    """Small: two rounds of 64-token probes, the served engine churned by 2 requests, the
-    idle one's pause 0.1 s."""
+    """Small: two rounds of 64-token probes, the served engine (and the served P/D
+    group) churned by 2 requests, the idle one's pause 0.1 s."""
     result = _run("cpu_decode_state_ab.py", "--rounds", "2", "--churn", "2", "--context",
                   "64", "--pause-s", "0.1", "--core", str(min(os.sched_getaffinity(0))),
+                  "--prefill-core", str(max(os.sched_getaffinity(0))),
                   out=tmp_path / "ab.json")
     assert result["kind"] == "ab"
     for name, keys in (("served", {"fresh_ms", "served_ms"}),
                        ("pages", {"contiguous_ms", "shuffled_ms"}),
-                       ("idle", {"back_to_back_ms", "after_pause_ms"})):
+                       ("idle", {"back_to_back_ms", "after_pause_ms"}),
+                       ("pd_served", {"fresh_ms", "served_ms"})):
         rounds = result[name]["rounds"]
         assert len(rounds) == 2 and all(set(r) == keys and min(r.values()) > 0
                                         for r in rounds)
