@@ -854,8 +854,10 @@ async def run(args) -> dict:
             # a fixed CPU workload timed on each instance's core throughout (None: off)
             "host_meter": host_meter,
             "replay_steps_check": steps_check(steps, measured, model),
-            "compare": compare(measured, simulations(model, parts, ratios, requests, args,
-                                                     recalibration=recalibration))}
+            "replay_host_speed": replay_host_speed(host_meter),
+            "compare": compare(measured, simulations(
+                model, parts, ratios, requests, args, recalibration=recalibration,
+                host_speed=replay_host_speed(host_meter)))}
 
 
 STEP_FIELDS = ("t", "mode", "decode_batch", "decode_context_tokens", "prefill_tokens",
@@ -940,10 +942,11 @@ class GroupParts(NamedTuple):  # not a dataclass: the tests load this script unr
 
 
 def simulations(model: LatencyModel, parts: GroupParts, ratios: dict[str, list[float]],
-                requests: list[SimRequest], args, recalibration: dict | None = None
-                ) -> dict[str, list[dict]]:
+                requests: list[SimRequest], args, recalibration: dict | None = None,
+                host_speed: dict[str, float] | None = None) -> dict[str, list[dict]]:
     """The fitted group with the measured spread, and each without one of its parts (and,
-    with ``recalibration``, the model fitted to both sides of the replay). With the spread,
+    with ``recalibration``, the model fitted to both sides of the replay; with
+    ``host_speed``, the model at the host's speed in the replay). With the spread,
     the requests' results of ``--draws`` draws, each row marked with its draw: one draw's
     P99 of 100 requests moved by up to 20% from seed to seed, so ``percentiles`` takes the
     median over the draws."""
@@ -965,6 +968,9 @@ def simulations(model: LatencyModel, parts: GroupParts, ratios: dict[str, list[f
         result["simulated_without_gateway_hop"] = drawn(model.without_gateway_hop())
     if parts.wake is not None:
         result["simulated_without_idle_wake"] = drawn(wake=None)
+    if host_speed is not None:
+        result["simulated_at_replay_host_speed"] = drawn(
+            model.at_speed(host_speed["prefill"], host_speed["decode"]))
     if recalibration is not None:
         result["simulated_calibrated_both_sides"] = drawn(
             LatencyModel(**recalibration["latency_model_both_sides"]))
@@ -1011,11 +1017,13 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
     recorded = model
     if args.refit:
         model, recalibration = refitted(run, args)
+    host_speed = replay_host_speed(run.get("host_meter"))
     simulated = simulations(model, parts, run["service_ratios"], requests, args,
-                            recalibration=recalibration)
+                            recalibration=recalibration, host_speed=host_speed)
     measured = {key: run["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
     result = {"resimulated": path, "recorded_revision": run.get("git_revision"),
               "prefill_steps": dataclasses.asdict(steps), "refit": args.refit,
+              "replay_host_speed": host_speed,
               "latency_model": dataclasses.asdict(model),
               "compare": compare_percentiles(measured, simulated)}
     if args.refit:
@@ -1265,6 +1273,17 @@ def noise(ratios: dict[str, list[float]], args, hold: float = 0.0,
     return ServiceNoise(ratios["prefill"], ratios["decode_step"],
                         seed=args.seed if seed is None else seed,
                         steps_per_ratio=STEP_WINDOW, hold_probability=hold)
+
+
+def replay_host_speed(host_meter: dict | None) -> dict[str, float] | None:
+    """How long the host meter's core work took on each instance's core through the
+    replay over through calibration (medians; None without a meter): the host's own
+    speed, timed apart from the instances, by which ``LatencyModel.at_speed`` runs the
+    model at the replay's speed."""
+    phases = (host_meter or {}).get("over_calibration") or {}
+    if not all("replay" in phases.get(role, {}) for role in ("prefill", "decode")):
+        return None
+    return {role: phases[role]["replay"]["p50"] for role in ("prefill", "decode")}
 
 
 def held_stretches(probe: dict) -> float:

@@ -134,6 +134,17 @@ class LatencyModel:
         return replace(self, prefill_base_s=self.prefill_base_s - hop,
                        gateway_hop_s=self.gateway_hop_s + hop)
 
+    def at_speed(self, prefill: float, decode: float) -> LatencyModel:
+        """This model on a host that runs its prefill instances' work ``prefill`` times
+        and its decode instances' ``decode`` times as long as when it was fitted (a host
+        meter's reading over its calibration's); hops and handoffs as they are."""
+        return replace(self, prefill_per_token_s=self.prefill_per_token_s * prefill,
+                       prefill_per_token_sq_s=self.prefill_per_token_sq_s * prefill,
+                       prefill_base_s=self.prefill_base_s * prefill,
+                       decode_base_s=self.decode_base_s * decode,
+                       decode_per_request_s=self.decode_per_request_s * decode,
+                       decode_per_kv_token_s=self.decode_per_kv_token_s * decode)
+
     def without_gateway_hop(self) -> LatencyModel:
         """The hop charged to the prefill instance again, as before ``gateway_hop_s``."""
         return replace(self, prefill_base_s=self.prefill_base_s + self.gateway_hop_s,

@@ -120,7 +120,7 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
                      "simulated_without_handoff", "simulated_without_shared_cores",
                      "simulated_without_held_stretches", "simulated_without_prefill_steps",
                      "simulated_without_idle_wake", "simulated_with_direct_prompt_factor",
-                     "simulated_calibrated_both_sides"):
+                     "simulated_calibrated_both_sides", "simulated_at_replay_host_speed"):
             assert 0 < row[side]["p50"] <= row[side]["p99"]
         assert row["simulated_error"]["p50"] == pytest.approx(
             row["simulated"]["p50"] / row["measured"]["p50"] - 1)
@@ -139,6 +139,10 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
         assert set(phases) == {"calibration", "replay", "recalibration"}, role
         assert phases["calibration"]["p50"] == pytest.approx(1.0)
     assert any(t < 0 for t, _ in meter["samples"]["decode"])  # before the replay began
+    # the model run at the meter's replay speed on each core, as a simulation beside
+    assert result["replay_host_speed"] == {
+        role: meter["over_calibration"][role]["replay"]["p50"] for role in ("prefill", "decode")}
+    assert _script("validate_sim").replay_host_speed({"over_calibration": {}}) is None
     # and, apart, a read of a buffer the size of the model's working set, sample by sample
     for role, cache in meter["cache_samples"].items():
         assert [t for t, _ in cache] == [t for t, _ in meter["samples"][role]], role

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -256,6 +258,16 @@ def test_relative_fit_keeps_one_slow_large_point_from_deciding_the_small_ones():
     assert fit_nonnegative(a, exact, relative=True) == pytest.approx([0.5e-3, 1.2e-3, 3e-6])
     with pytest.raises(ValueError, match="above 0"):
         fit_nonnegative(a, [0.0, *seconds[1:]], relative=True)
+
+
+def test_a_model_at_a_host_speed_scales_its_instances_work_and_nothing_else():
+    model = dataclasses.replace(MODEL, prefill_base_s=0.01, handoff_base_s=0.002,
+                                gateway_hop_s=0.003, decode_per_kv_token_s=1e-6)
+    slower = model.at_speed(prefill=1.5, decode=1.2)
+    assert slower.prefill_s(300) == pytest.approx(1.5 * model.prefill_s(300))
+    assert slower.decode_step_s(4, 4096) == pytest.approx(1.2 * model.decode_step_s(4, 4096))
+    assert slower.handoff_s(300) == model.handoff_s(300)
+    assert slower.gateway_hop_s == model.gateway_hop_s
 
 
 def test_handoff_fitted_beyond_the_link_delays_the_join_and_only_that():
