@@ -1044,14 +1044,20 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
 
 def refitted(run: dict, args) -> tuple[LatencyModel, dict | None]:
     """The model, and the both-sides model where the run timed points after its replay,
-    fitted again from the run's recorded service points by today's fit."""
+    fitted again from the run's recorded service points by today's fit (with the model
+    preset, link and KV room the run was configured with; ``args``' where it records
+    none)."""
     points = run["service_points"]
     missing = {"prefill", "prefill_direct", "decode", "handoff"} - set(points)
     if missing:
         raise SystemExit(f"--refit: the run records no {', '.join(sorted(missing))} points")
-    model, recalibration = fitted_model(points, args), run.get("recalibration")
+    config = run.get("config", {})
+    fit_args = argparse.Namespace(**{key: config.get(key, getattr(args, key)) for key in
+                                     ("model", "link_gb_per_s", "decode_kv_tokens")})
+    model, recalibration = fitted_model(points, fit_args), run.get("recalibration")
     if recalibration:
-        both_sides = fitted_model(bracketed(points, recalibration["service_points"]), args)
+        both_sides = fitted_model(bracketed(points, recalibration["service_points"]),
+                                  fit_args)
         recalibration = {**recalibration,
                          "latency_model_both_sides": dataclasses.asdict(both_sides)}
     return model, recalibration

@@ -706,11 +706,12 @@ def test_resimulation_refits_the_model_from_the_recorded_points(tmp_path):
     path = tmp_path / "run.json"
     path.write_text(json.dumps(_recorded_run(
         prefill_steps={"chunk_tokens": 100, "tokens_one_step_late": False},
-        service_points=points, replay_steps=steps)))
+        service_points=points, replay_steps=steps, config={"link_gb_per_s": 3.0})))
     args = SimpleNamespace(draws=2, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=True,
                            model="tiny", link_gb_per_s=1.5, decode_kv_tokens=100_000)
     result = module.resimulate(str(path), args, None)
     assert result["refit"] is True
+    assert result["latency_model"]["link_gb_per_s"] == 3.0  # the run's, not today's flag
     assert result["latency_model_recorded"]["decode_base_s"] == 0.01
     assert result["latency_model"]["decode_base_s"] == pytest.approx(0.004, abs=1e-9)
     assert result["latency_model"]["decode_per_request_s"] == pytest.approx(0.001)
