@@ -13,8 +13,9 @@ core, in one process, alternating so that the host's speed hits both sides alike
   instances (``pdserve serve``, each group's prefill instance on the first core, its
   decode instance on ``--core``) behind the real gateway, one group fresh and one that
   first served ``--churn`` requests through its gateway (more between rounds), probed
-  alternately through their gateways, each probe's figure its decode instance's median
-  decode step from that server's step timeline. The in-process A/Bs leave out the
+  alternately through their gateways, each probe's figures its prompt's prefill on the
+  prefill instance and its decode instance's median decode step, from those servers'
+  step timelines. The in-process A/Bs leave out the
   server: its HTTP side, the KV hand-off and everything a served request leaves behind.
 
 Each probe decodes one request of ``--context`` prompt tokens for 40 tokens; its figure is
@@ -133,26 +134,32 @@ async def _pd_served_ab(rng: random.Random, args) -> dict:
     servers, gateways = [], []
     try:
         async with ClientSession(timeout=ClientTimeout(total=None)) as session:
-            urls = []
+            groups = []
             for _ in ("fresh", "served"):
                 pair = [validate_sim.start_instance(group_args, {core})
                         for core in (args.prefill_core, args.core)]
                 servers += pair
                 gateway, url = await validate_sim.start_group(session, *pair, group_args)
                 gateways.append(gateway)
-                urls.append((url, pair[1]))
-            await served_churn(session, urls[1][0], rng, args.churn)
+                groups.append((url, *pair))
+            await served_churn(session, groups[1][0], rng, args.churn)
             rows = []
             for _ in range(args.rounds):
-                rows.append({"fresh_ms": await served_probe(session, *urls[0], rng, args),
-                             "served_ms": await served_probe(session, *urls[1], rng, args)})
-                await served_churn(session, urls[1][0], rng, 5)
+                fresh = await served_probe(session, *groups[0], rng, args)
+                served = await served_probe(session, *groups[1], rng, args)
+                rows.append({f"{side}_{part}_ms": ms for side, probed in
+                             (("fresh", fresh), ("served", served))
+                             for part, ms in probed.items()})
+                await served_churn(session, groups[1][0], rng, 5)
     finally:
         for gateway in gateways:
             await stop_gateway(*gateway)
         for server in servers:
             server.stop()
-    return summarise(rows, "served_ms", "fresh_ms")
+    pick = lambda part: [{k.replace(f"_{part}", ""): v for k, v in row.items() if part in k}
+                         for row in rows]
+    return {"decode": summarise(pick("decode"), "served_ms", "fresh_ms"),
+            "prefill": summarise(pick("prefill"), "served_ms", "fresh_ms")}
 
 
 async def served_churn(session, url: str, rng: random.Random, requests: int) -> None:
@@ -164,9 +171,11 @@ async def served_churn(session, url: str, rng: random.Random, requests: int) -> 
             await resp.read()
 
 
-async def served_probe(session, url: str, decode, rng: random.Random, args) -> float:
-    """The median decode step (ms) of one request through a group's gateway, from its
-    decode instance's step timeline."""
+async def served_probe(session, url: str, prefill, decode, rng: random.Random,
+                       args) -> dict[str, float]:
+    """One request through a group's gateway: its prompt's prefill (ms, the prefill
+    instance's steps that carried it) and its median decode step (ms, the decode
+    instance's), from the servers' step timelines."""
     from benchmarks import validate_sim
 
     since = time.monotonic()
@@ -174,8 +183,11 @@ async def served_probe(session, url: str, decode, rng: random.Random, args) -> f
             "prompt": [rng.randrange(1, 250) for _ in range(args.context)]}
     async with session.post(url, json=body) as resp:
         await resp.read()
-    steps = await validate_sim.instance_steps(session, decode, since)
-    return statistics.median(row[5] for row in steps["rows"] if row[1] == "decode_only")
+    prefilled = await validate_sim.instance_steps(session, prefill, since)
+    decoded = await validate_sim.instance_steps(session, decode, since)
+    return {"prefill": sum(row[5] for row in prefilled["rows"] if row[4] > 0),
+            "decode": statistics.median(row[5] for row in decoded["rows"]
+                                        if row[1] == "decode_only")}
 
 
 PARTS = {"served": served_ab, "pages": pages_ab, "idle": idle_ab, "pd_served": pd_served_ab}
@@ -214,9 +226,10 @@ def main() -> int:
     result = {**result_header(config | {"out": args.out and str(args.out)}),
               "kind": "ab", **{name: PARTS[name](rng, args) for name in parts}}
     for name in parts:
-        part = result[name]
-        print(f"{name}: {part['new_over_old']} median {part['ratio_median']:.3f} "
-              f"({part['ratio_min']:.3f}-{part['ratio_max']:.3f})")
+        for label, part in ({name: result[name]} if "rounds" in result[name] else
+                            {f"{name} {k}": v for k, v in result[name].items()}).items():
+            print(f"{label}: {part['new_over_old']} median {part['ratio_median']:.3f} "
+                  f"({part['ratio_min']:.3f}-{part['ratio_max']:.3f})")
     if args.out:
         write_json(result, args.out)
     return 0

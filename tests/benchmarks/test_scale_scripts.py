@@ -161,15 +161,19 @@ def test_the_cpu_decode_state_ab_alternates_every_pair(tmp_path):
                   "--prefill-core", str(max(os.sched_getaffinity(0))),
                   out=tmp_path / "ab.json")
     assert result["kind"] == "ab"
-    for name, keys in (("served", {"fresh_ms", "served_ms"}),
-                       ("pages", {"contiguous_ms", "shuffled_ms"}),
-                       ("idle", {"back_to_back_ms", "after_pause_ms"}),
-                       ("pd_served", {"fresh_ms", "served_ms"})):
-        rounds = result[name]["rounds"]
+    for part, keys in ((result["served"], {"fresh_ms", "served_ms"}),
+                       (result["pages"], {"contiguous_ms", "shuffled_ms"}),
+                       (result["idle"], {"back_to_back_ms", "after_pause_ms"}),
+                       (result["pd_served"]["decode"], {"fresh_ms", "served_ms"}),
+                       (result["pd_served"]["prefill"], {"fresh_ms", "served_ms"})):
+        rounds = part["rounds"]
         assert len(rounds) == 2 and all(set(r) == keys and min(r.values()) > 0
                                         for r in rounds)
-        assert result[name]["ratio_min"] <= result[name]["ratio_median"] <= result[name][
-            "ratio_max"]
+        assert part["ratio_min"] <= part["ratio_median"] <= part["ratio_max"]
+    # each probe's prompt found in its prefill instance's steps (a 64-token prompt of the
+    # tiny model takes milliseconds on a CPU)
+    assert all(r["fresh_ms"] > 0.5 and r["served_ms"] > 0.5
+               for r in result["pd_served"]["prefill"]["rounds"])
 
 
 def test_the_host_meter_is_split_by_phase_over_its_calibration_median():
