@@ -144,12 +144,13 @@ async def _pd_served_ab(rng: random.Random, args) -> dict:
                 groups.append((url, *pair))
             await served_churn(session, groups[1][0], rng, args.churn)
             rows = []
-            for _ in range(args.rounds):
-                fresh = await served_probe(session, *groups[0], rng, args)
-                served = await served_probe(session, *groups[1], rng, args)
-                rows.append({f"{side}_{part}_ms": ms for side, probed in
-                             (("fresh", fresh), ("served", served))
-                             for part, ms in probed.items()})
+            for k in range(args.rounds):
+                probed = {}
+                for side in ("fresh", "served")[::1 if k % 2 else -1]:  # each first in turn
+                    probed[side] = await served_probe(
+                        session, *groups[side == "served"], rng, args)
+                rows.append({f"{side}_{part}_ms": ms for side, parts in probed.items()
+                             for part, ms in parts.items()})
                 await served_churn(session, groups[1][0], rng, 5)
     finally:
         for gateway in gateways:
