@@ -135,7 +135,10 @@ def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
     run.run()
     rows = latency_rows(requests)
     slo = record["summary"]["slo"]
+    by_window = ({"ttft_by_send_window": ttft_by_window(record, rows)}
+                 if scale == 1.0 else {})
     return {"rate": rate or probed, "variant": variant, "steps": run.modes,
+            **by_window,
             "pinned_batch_starts": pinned,
             "mixed_step_ms": step_percentiles(run.log.durations.get("graph", [])
                                               + run.log.durations.get("eager", [])),
@@ -377,6 +380,29 @@ def measured(record: dict, record_path: Path | None = None) -> dict:
         result["mixed_step_ms"] = step_percentiles(
             [e["measured_cycle_ms"] / 1e3 for e in load_timeline(timeline)
              if e["mode"] == MuxMode.TEMPORAL])
+    return result
+
+
+TTFT_WINDOW_S = 2.0
+
+
+def ttft_by_window(record: dict, rows: list[dict]) -> dict:
+    """Measured and replayed TTFT medians (s) of the requests sent in each
+    ``TTFT_WINDOW_S`` window of the probe (the replay at the probe's own rate, request by
+    request): where the replay keeps up with the measured queue and where it drains
+    faster. Windows start at ``window_start_s``; a window nobody was sent in is left out."""
+    sent = np.array([s["send_s"] for s in record["samples"]])
+    measured_s = np.array([s["ttft_ms"] / 1e3 for s in record["samples"]])
+    replayed_s = np.array([r["ttft_s"] for r in rows])
+    windows = np.floor(sent / TTFT_WINDOW_S).astype(int)
+    result: dict[str, list] = {"window_start_s": [], "requests": [], "measured_p50_s": [],
+                               "replayed_p50_s": []}
+    for window in sorted(set(windows.tolist())):
+        inside = windows == window
+        result["window_start_s"].append(window * TTFT_WINDOW_S)
+        result["requests"].append(int(inside.sum()))
+        result["measured_p50_s"].append(round(float(np.median(measured_s[inside])), 4))
+        result["replayed_p50_s"].append(round(float(np.median(replayed_s[inside])), 4))
     return result
 
 

@@ -92,6 +92,23 @@ def test_ttft_pressure_drains_an_overloaded_queue_faster(tool, predictor):
     assert pressed["tpot_s"]["p99"] <= 0.0605  # within the target it plans to
 
 
+def test_a_replay_at_the_probe_s_rate_sets_its_ttft_beside_the_measured_per_send_window(
+        tool, predictor):
+    """40 prompts 0.1 s apart (2 s windows of 20 requests), each measured at 100 ms."""
+    probe = record(40, 0.1, 10.0)
+    windows = tool.replay(probe, predictor)["ttft_by_send_window"]
+    assert windows["window_start_s"] == [0.0, 2.0] and windows["requests"] == [20, 20]
+    assert windows["measured_p50_s"] == [0.1, 0.1]
+    assert all(0 < s < 0.2 for s in windows["replayed_p50_s"])  # a prompt alone: ~70 ms
+    # Overloaded (20K prompt tokens/s), the later window's prompts queue behind the
+    # earlier's, whatever the probe measured.
+    crowded = tool.replay(record(40, 0.1, 10.0, prompt_len=2000), predictor)
+    early, late = crowded["ttft_by_send_window"]["replayed_p50_s"]
+    assert late > early + 0.5
+    # At another rate the requests are not the probe's: no windows.
+    assert "ttft_by_send_window" not in tool.replay(probe, predictor, rate=5.0)
+
+
 def test_the_planner_follows_the_command_line_and_the_variant(tool):
     config = tool.planner_config(SERVER_ARGS, "--mux-tpot-bank-cap 3 --itl-slo-ms 80")
     assert (config.itl_slo_ms, config.tpot_bank_cap) == (80.0, 3.0)
