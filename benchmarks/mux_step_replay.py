@@ -164,11 +164,16 @@ class Twin:
     spread: StepSpread
 
     @classmethod
-    def load(cls, record_path: Path) -> Twin:
+    def load(cls, record_path: Path, predictor: LatencyPredictor | None = None) -> Twin:
+        """With ``predictor`` (the one the twin's engine planned with), its mixed steps
+        on the prefill-step graphs timed by their decode batch (``graph_mixed_by_batch``)."""
         record = json.loads(record_path.read_text())
         timeline = load_timeline(timeline_beside(record_path))
         graph, eager = path_factors(record.get("calibration_after"))
-        spread = step_spread(timeline, _relative(record_path))
+        # a twin without its server flags has no graph size to tell its graph steps by
+        graph_tokens = (planner_config(record_server_args(record)).graph_step_tokens or 0
+                        if predictor is not None and "config" in record else 0)
+        spread = step_spread(timeline, _relative(record_path), predictor, graph_tokens)
         slices = slice_spread(timeline)
         if slices:
             spread = dataclasses.replace(spread, slices=slices,
@@ -451,6 +456,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--start-eager-correction", type=float, default=1.0,
                         help="With --eager-factor: the eager correction the planner starts "
                         "from.")
+    parser.add_argument("--graph-steps-by-batch", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="with --spread-from: time each mixed step on the prefill-step "
+                        "graphs by the other run's such steps at the nearest decode batches "
+                        "(measured over the profile), not by its one learned factor")
     parser.add_argument("--seeds", type=int, default=1,
                         help="With --spread-from: draws of that spread (default 1).")
     parser.add_argument("--out", type=Path, required=True)
@@ -465,7 +475,8 @@ def main(argv: list[str] | None = None) -> None:
     rates = [float(r) for r in args.rates.split(",") if r] or [None]
     eager = None if args.eager_factor is None else EagerSteps(args.eager_factor,
                                                                args.start_eager_correction)
-    twin = Twin.load(args.spread_from) if args.spread_from else None
+    twin = (Twin.load(args.spread_from, predictor if args.graph_steps_by_batch else None)
+            if args.spread_from else None)
     if twin and eager:
         raise SystemExit("--spread-from and --eager-factor: one timing at a time")
     seeds = range(args.seeds) if twin else [0]
@@ -475,6 +486,8 @@ def main(argv: list[str] | None = None) -> None:
                                "eager_factor": args.eager_factor,
                                "start_eager_correction": args.start_eager_correction,
                                "spread_from": twin.record if twin else None,
+                               "graph_steps_by_batch": bool(
+                                   twin and twin.spread.graph_mixed_by_batch),
                                "seeds": len(seeds)}),
               "kind": "prediction", "record_revision": record["git_revision"],
               "measured": measured(record, args.record),

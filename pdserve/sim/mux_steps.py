@@ -139,6 +139,12 @@ class StepTiming:
     draws from the ``DECODE_NEIGHBOURS`` nearest its batch (none: ``decode_spread``). On
     the H200 decode alone ran at the profile's time up to ~30 requests and 1.1-1.35x it
     beyond (3fa127d), so one pooled spread would time large batches as small ones."""
+    graph_mixed_by_batch: tuple[tuple[int, float], ...] = ()
+    """(decode batch, measured over profile time) of mixed steps on the prefill-step
+    graphs: such a step draws from the nearest to its decode batch instead of the graph
+    path's factor times ``mixed_spread`` (none: that). On the H200 ShareGPT-like probes
+    they ran ~1.0x the profile beside under 32 decodes and 1.09-1.12x beside 128-160, where
+    the engine's one learned factor sits between (1.08 at 0162a0c)."""
 
 
 @dataclass
@@ -428,9 +434,13 @@ class MuxStepSim:
         return measured
 
     def _decode_ratio(self, batch: int) -> float:
-        pairs = self.timing.decode_by_batch
-        if not pairs:
+        if not self.timing.decode_by_batch:
             return self.rng.choice(self.timing.decode_spread)
+        return self._by_batch(self.timing.decode_by_batch, batch)
+
+    def _by_batch(self, pairs: tuple[tuple[int, float], ...], batch: int) -> float:
+        """A ratio drawn from the ``DECODE_NEIGHBOURS`` (batch, ratio) pairs nearest
+        ``batch`` (sorted by batch)."""
         at = bisect.bisect_left(pairs, (batch, 0.0))
         lo = max(0, min(at - DECODE_NEIGHBOURS // 2, len(pairs) - DECODE_NEIGHBOURS))
         return self.rng.choice(pairs[lo:lo + DECODE_NEIGHBOURS])[1]
@@ -441,8 +451,12 @@ class MuxStepSim:
         calibration, timing = self.planner.calibration, self.timing
         in_force = (calibration.graph_mixed_correction if graph
                     else calibration.mixed_correction)
-        factor = timing.graph_factor if graph else timing.eager_factor
-        measured = plan.cycle_ms / in_force * factor * self.rng.choice(timing.mixed_spread)
+        if graph and timing.graph_mixed_by_batch:
+            ratio = self._by_batch(timing.graph_mixed_by_batch, len(self._decoding()))
+        else:
+            factor = timing.graph_factor if graph else timing.eager_factor
+            ratio = factor * self.rng.choice(timing.mixed_spread)
+        measured = plan.cycle_ms / in_force * ratio
         calibration.observe_mixed(plan.cycle_ms, measured, graph)
         return measured
 
@@ -577,19 +591,25 @@ class StepSpread:
     decode_by_batch: tuple[tuple[int, float], ...] = ()
     spatial_decode: tuple[float, ...] = (1.0,)
     spatial_pieces: tuple[float, ...] = (1.0,)
+    graph_mixed_by_batch: tuple[tuple[int, float], ...] = ()
 
     def timing(self, graph_factor: float, eager_factor: float, seed: int) -> StepTiming:
-        """Steps timed by these spreads, mixed steps at the paths' factors."""
+        """Steps timed by these spreads, mixed steps at the paths' factors (graph steps by
+        their decode batch where ``graph_mixed_by_batch`` was measured)."""
         return StepTiming(graph_factor, eager_factor, self.mixed, self.decode, seed,
                           self.slices, spatial_decode_spread=self.spatial_decode,
                           spatial_piece_spread=self.spatial_pieces,
-                          decode_by_batch=self.decode_by_batch)
+                          decode_by_batch=self.decode_by_batch,
+                          graph_mixed_by_batch=self.graph_mixed_by_batch)
 
 
-def step_spread(timeline: list[dict], source: str | None = None) -> StepSpread:
+def step_spread(timeline: list[dict], source: str | None = None,
+                predictor=None, graph_step_tokens: int = 0) -> StepSpread:
     """Each whole-GPU step's device time over the prediction it ran with, from a
     multiplexing engine's timeline (``MuxScheduler.timeline``): draw it from another run's
-    timeline than the one a model is checked on."""
+    timeline than the one a model is checked on. With the ``predictor`` the engine planned
+    with and its ``graph_step_tokens``, the mixed steps on the prefill-step graphs over
+    the profile's time, by decode batch (``graph_mixed_by_batch``)."""
     def timed(mode: str) -> list[dict]:
         return [e for e in timeline if e["mode"] == mode and e["measured_device_ms"] > 0
                 and e["predicted_cycle_ms"] > 0]
@@ -610,9 +630,32 @@ def step_spread(timeline: list[dict], source: str | None = None) -> StepSpread:
     pieces = tuple(e["measured_piece_ms"] / e["predicted_piece_ms"] for e in spatial
                    if e.get("piece_launched") and e["measured_piece_ms"] > 0
                    and e["predicted_piece_ms"] > 0)
+    graph_mixed = () if predictor is None or graph_step_tokens <= 0 else \
+        graph_mixed_by_batch(timed(MuxMode.TEMPORAL), predictor, graph_step_tokens)
     return StepSpread(mixed, tuple(r for _, r in decode), source,
                       decode_by_batch=tuple(decode), spatial_decode=split_decode or (1.0,),
-                      spatial_pieces=pieces or (1.0,))
+                      spatial_pieces=pieces or (1.0,), graph_mixed_by_batch=graph_mixed)
+
+
+def graph_mixed_by_batch(steps: list[dict], predictor, graph_step_tokens: int
+                         ) -> tuple[tuple[int, float], ...]:
+    """(decode batch, measured over the profile's time) of the mixed steps on the
+    prefill-step graphs among ``steps`` (timeline entries), sorted by batch; () where a
+    timeline lacks what the profile needs (before the entries kept their contexts)."""
+    pairs = []
+    for entry in steps:
+        if timeline_kind(entry, graph_step_tokens) != "graph" \
+                or "decode_context_tokens" not in entry:
+            continue
+        # the prompts in the chunk: its pieces ([prefix, tokens] each) where recorded
+        prompts = max(len(entry.get("prefill_pieces") or ()), 1)
+        profile = predictor.predict_mixed(entry["prefill_tokens"],
+                                          entry["prefill_context_tokens"], prompts,
+                                          entry["decode_batch"],
+                                          entry["decode_context_tokens"])
+        if profile > 0:
+            pairs.append((entry["decode_batch"], entry["measured_device_ms"] / profile))
+    return tuple(sorted(pairs))
 
 
 def slice_spread(timeline: list[dict]) -> tuple[tuple[float, float], ...]:

@@ -211,6 +211,48 @@ def test_a_twin_run_s_decode_times_are_drawn_by_batch(tool, predictor, tmp_path)
     assert as_profiled["tpot_s"]["p50"] < tool.replay(large, predictor, twin=twin)["tpot_s"]["p50"]
 
 
+def _graph_twin(tmp_path, predictor, ratio_by_batch) -> Path:
+    """A twin run whose mixed steps on the graphs (32 prompt tokens beside 1-200 decodes)
+    took ``ratio_by_batch(batch)`` times the profile's time."""
+    timeline = []
+    for batch in range(1, 201):
+        profile = predictor.predict_mixed(32, 0, 1, batch, 100 * batch)
+        timeline.append({"time": 1.0, "mode": "temporal", "decode_batch": batch,
+                         "prefill_tokens": 32, "prefill_context_tokens": 0,
+                         "prefill_pieces": [[0, 32]], "decode_context_tokens": 100 * batch,
+                         "predicted_cycle_ms": profile,
+                         "measured_device_ms": profile * ratio_by_batch(batch)})
+    timeline += [{"time": 2.0, "mode": "decode_only", "decode_batch": batch,
+                  "predicted_cycle_ms": 20.0, "measured_device_ms": 20.0, "calibration": 1.0}
+                 for batch in range(1, 201)]  # decode alone at the profile's time
+    path = tmp_path / "graph_twin.json"
+    path.write_text(json.dumps({"config": {"server_args": SERVER_ARGS},
+                                "calibration_after": {"mixed_steps": 1.0,
+                                                      "graph_mixed_steps": 1.3}}))
+    with gzip.open(tmp_path / "graph_twin_timeline.json.gz", "wt") as out:
+        json.dump(timeline, out)
+    return path
+
+
+def test_a_twin_run_s_graph_steps_are_drawn_by_decode_batch(tool, predictor, tmp_path):
+    """Graph mixed steps at the profile's time beside up to 100 decodes and 1.5x beyond,
+    where the twin's engine learned one factor between (1.3): with the predictor, a
+    replay whose mixed steps run beside small batches takes them at the profile's time,
+    not at the factor; without it, the factor as before."""
+    path = _graph_twin(tmp_path, predictor, lambda batch: 1.0 if batch <= 100 else 1.5)
+    by_batch = tool.Twin.load(path, predictor)
+    pairs = by_batch.spread.graph_mixed_by_batch
+    assert [b for b, _ in pairs] == list(range(1, 201))
+    assert [round(r, 6) for _, r in pairs] == [1.0] * 100 + [1.5] * 100
+    assert tool.Twin.load(path).spread.graph_mixed_by_batch == ()
+    small = record(40, 0.1, 10.0, prompt_len=200, output_len=40)  # a few decodes beside
+    plain = tool.replay(small, predictor)["mixed_step_ms"]["p50"]
+    drawn = tool.replay(small, predictor, twin=by_batch)["mixed_step_ms"]["p50"]
+    factor = tool.replay(small, predictor, twin=tool.Twin.load(path))["mixed_step_ms"]["p50"]
+    assert drawn == pytest.approx(plain, rel=0.05)
+    assert factor > 1.2 * plain
+
+
 def test_the_script_takes_a_twin_run_s_timing_over_seeds(tool, tmp_path):
     path = tmp_path / "probe.json"
     path.write_text(json.dumps(record(10, 0.5, 2.0)))
