@@ -337,17 +337,16 @@ for pressed in (105, 110):
     CONFIGS[f"multiplex-graph512-floor-converging-noslice-reweigh-pressed{pressed}-itl60"] = (
         CONFIGS["multiplex-graph512-floor-converging-noslice-reweigh-itl60"]
         + PRESSED_ARGS.replace("margin 1", f"margin {pressed / 100:g}"))
-# The step model (mux_step_replay.py over the 0162a0c reweigh record, its own engine timing;
-# 2-15 points high on that record) put pressed105 at 70-97% at 17 req/s (TPOT P99 61 ms:
-# the steps past the target stretch the tail's mean) and, with the TPOT bank spent beside it
-# at the 5% quantile up to 1.2x the target, 82-98% (median 98%, TPOT P99 60 ms); at 16 req/s
-# 99-100%, LooGLE-like 0.6 90-97% (as run 77-83%), Mooncake unchanged (88%, as run).
+# The step model (mux_step_replay.py over the 0162a0c reweigh record, its own engine timing,
+# graph steps by decode batch) put pressed105 at 90-97% at 17 req/s (TPOT P99 61 ms: the
+# steps past the target stretch the tail's mean) and, with the TPOT bank spent beside it
+# at the 5% quantile up to 1.2x the target, 90-98% (median 97%, TPOT P99 60 ms); at 16
+# req/s 90-100%, LooGLE-like 0.6 90-97% (as run 77-83%), Mooncake as run (88%).
 CONFIGS["multiplex-graph512-floor-converging-noslice-reweigh-bank120q5-pressed105-itl60"] = (
     CONFIGS["multiplex-graph512-floor-converging-noslice-reweigh-pressed105-itl60"]
     + " --mux-tpot-bank-cap 1.2 --mux-tpot-bank-quantile 0.05")
-# In the draws where that configuration fell to 82% at 17 req/s the planner still ran
-# SM splits (34-50 spatial steps); with mixed steps only, 85-98% there and 100% at 16
-# (LooGLE-like 0.6: 87-97%).
+# The same with mixed steps only (no SM splits): 100% at 16, 89-98% at 17, LooGLE-like 0.6
+# 87-97%, Mooncake 96% at 0.275 and 100% at 0.3 where the splits held the model at 88%.
 CONFIGS["multiplex-graph512-floor-converging-temporal-bank120q5-pressed105-itl60"] = (
     CONFIGS["multiplex-graph512-floor-converging-noslice-reweigh-bank120q5-pressed105-itl60"]
     .replace("--mux-sharing temporal,spatial", "--mux-sharing temporal")
