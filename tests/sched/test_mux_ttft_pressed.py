@@ -112,3 +112,27 @@ def test_the_engine_runs_pressed_and_reports_it():
         assert llm.engine.describe()["ttft_pressed_margin"] == margin
         outputs[margin] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outputs[0.0] == outputs[1.0] == outputs[1.2]
+
+
+def test_the_goodput_configs_bank_beside_the_pressure_serve_the_same_tokens():
+    """The two ShareGPT-like candidates' planner flags (the TPOT bank at the 5% quantile up
+    to 1.2x beside the pressure at 1.05x; with SM splits reweighed, and mixed steps only)
+    on the tiny model: the same tokens as the defaults, and what ran in the engine info."""
+    from pdserve.engine.llm import LLM
+    from pdserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i % 200 for i in range(n)]}
+               for n in (40, 300, 120, 700)]
+    candidate = dict(ttft_slo_ms=1.0, mux_ttft_pressed_margin=1.05, mux_tpot_bank_cap=1.2,
+                     mux_tpot_bank_quantile=0.05)
+    outputs = []
+    for options in ({}, {**candidate, "mux_reweigh_spatial_batches": True},
+                    {**candidate, "mux_sharing": "temporal"}):
+        llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline",
+                  **options)
+        info = llm.engine.describe()
+        assert info["ttft_pressed_margin"] == options.get("mux_ttft_pressed_margin", 0.0)
+        assert info["tpot_bank_cap"] == options.get("mux_tpot_bank_cap", 0.0)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outputs[0] == outputs[1] == outputs[2]
