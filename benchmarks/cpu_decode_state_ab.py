@@ -143,24 +143,22 @@ async def _pd_served_ab(rng: random.Random, args) -> dict:
                 gateways.append(gateway)
                 groups.append((url, *pair))
             await served_churn(session, groups[1][0], rng, args.churn)
-            rows = []
+            rows: dict[str, list[dict]] = {"decode": [], "prefill": []}
             for k in range(args.rounds):
                 probed = {}
                 for side in ("fresh", "served")[::1 if k % 2 else -1]:  # each first in turn
                     probed[side] = await served_probe(
                         session, *groups[side == "served"], rng, args)
-                rows.append({f"{side}_{part}_ms": ms for side, parts in probed.items()
-                             for part, ms in parts.items()})
+                for part, part_rows in rows.items():
+                    part_rows.append({f"{side}_ms": probed[side][part] for side in probed})
                 await served_churn(session, groups[1][0], rng, 5)
     finally:
         for gateway in gateways:
             await stop_gateway(*gateway)
         for server in servers:
             server.stop()
-    pick = lambda part: [{k.replace(f"_{part}", ""): v for k, v in row.items() if part in k}
-                         for row in rows]
-    return {"decode": summarise(pick("decode"), "served_ms", "fresh_ms"),
-            "prefill": summarise(pick("prefill"), "served_ms", "fresh_ms")}
+    return {part: summarise(part_rows, "served_ms", "fresh_ms")
+            for part, part_rows in rows.items()}
 
 
 async def served_churn(session, url: str, rng: random.Random, requests: int) -> None:
@@ -184,11 +182,11 @@ async def served_probe(session, url: str, prefill, decode, rng: random.Random,
             "prompt": [rng.randrange(1, 250) for _ in range(args.context)]}
     async with session.post(url, json=body) as resp:
         await resp.read()
-    prefilled = await validate_sim.instance_steps(session, prefill, since)
-    decoded = await validate_sim.instance_steps(session, decode, since)
-    return {"prefill": sum(row[5] for row in prefilled["rows"] if row[4] > 0),
-            "decode": statistics.median(row[5] for row in decoded["rows"]
-                                        if row[1] == "decode_only")}
+    prefilled, decoded = [validate_sim.step_rows(await validate_sim.instance_steps(
+        session, server, since)) for server in (prefill, decode)]
+    return {"prefill": sum(r["measured_cycle_ms"] for r in prefilled if r["prefill_tokens"]),
+            "decode": statistics.median(r["measured_cycle_ms"] for r in decoded
+                                        if r["mode"] == "decode_only")}
 
 
 PARTS = {"served": served_ab, "pages": pages_ab, "idle": idle_ab, "pd_served": pd_served_ab}

@@ -828,6 +828,7 @@ async def run(args) -> dict:
     parts = GroupParts(cores, calibrated["decode_hold_probability"], prefill_steps, wake,
                        direct_prompt_slowdown(calibrated["shared_cores_probe"]))
     prefill_busy = sum(model.prefill_s(r.input_len) for r in requests) / requests[-1].arrival
+    host_speed = replay_host_speed(host_meter)
     return {**calibrated, "service_spread": {k: spread(v) for k, v in ratios.items()},
             "prefill_steps": dataclasses.asdict(prefill_steps),  # how it steps
             "service_ratios": ratios,  # what the simulations drew from: re-simulable
@@ -854,10 +855,10 @@ async def run(args) -> dict:
             # a fixed CPU workload timed on each instance's core throughout (None: off)
             "host_meter": host_meter,
             "replay_steps_check": steps_check(steps, measured, model),
-            "replay_host_speed": replay_host_speed(host_meter),
+            "replay_host_speed": host_speed,
             "compare": compare(measured, simulations(
                 model, parts, ratios, requests, args, recalibration=recalibration,
-                host_speed=replay_host_speed(host_meter)))}
+                host_speed=host_speed))}
 
 
 STEP_FIELDS = ("t", "mode", "decode_batch", "decode_context_tokens", "prefill_tokens",
@@ -883,15 +884,19 @@ async def instance_steps(session, server: ServeProcess, since: float) -> dict:
     return {"fields": list(STEP_FIELDS), "rows": rows}
 
 
+def step_rows(part: dict) -> list[dict]:
+    """An instance's recorded steps (``instance_steps``: ``fields`` and ``rows``), one dict
+    per step."""
+    return [dict(zip(part["fields"], row, strict=True)) for row in part["rows"]]
+
+
 def steps_check(steps: dict, measured: list[dict], model: LatencyModel) -> dict:
     """Whether a slow request was slow in the decode instance's engine or on the way to
     the client: per request, its TPOT (from its second token: the first gap is the
     hand-off) over the mean time of the decode instance's steps between its second and
     last token, and those steps' mean over the model's decode step for their batch and
     context; percentiles of both over all requests and for the slowest 5% by TPOT."""
-    fields = steps["decode"]["fields"]
-    rows = [dict(zip(fields, row, strict=True)) for row in steps["decode"]["rows"]]
-    decode = [r for r in rows if r["decode_batch"] > 0]
+    decode = [r for r in step_rows(steps["decode"]) if r["decode_batch"] > 0]
     per_request = []
     for request in measured:
         times = request["times"]
@@ -1066,9 +1071,8 @@ def refitted(run: dict, args) -> tuple[LatencyModel, dict | None]:
 def decode_steps_over_model(steps: dict, model: LatencyModel) -> dict:
     """The decode instance's replayed decode-only steps over the model's step for their
     batch and context: percentiles, and the median per batch size."""
-    fields = steps["decode"]["fields"]
-    rows = [dict(zip(fields, row, strict=True)) for row in steps["decode"]["rows"]]
-    rows = [r for r in rows if r["mode"] == "decode_only" and r["decode_batch"] > 0]
+    rows = [r for r in step_rows(steps["decode"])
+            if r["mode"] == "decode_only" and r["decode_batch"] > 0]
     if not rows:
         return {"steps": 0}
     ratios = np.array([r["measured_cycle_ms"] / (1e3 * model.decode_step_s(
