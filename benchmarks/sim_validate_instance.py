@@ -680,7 +680,11 @@ async def _probes(name: str, session, url: str, args, rng,
         mix["mixed_step_extra_s"], checks = fit_mixed_step_extra(model, args, mix)
         mix.update(checks)
     else:
-        mix["timeline_probes"] = await engine_timeline(session, url, since)
+        # Kept whole too: what the planner's corrections learned on the probes, step by step,
+        # to set beside the replay's steps (at 6b7fcf7 the probes taught graph steps 1.053
+        # where the replay's ran 1.03, and that 2.4% was the whole TTFT miss).
+        mix["timeline_probes"] = await engine_timeline(
+            session, url, since, keep=Path(args.out) / f"{name}_timeline_probes.json.gz")
         # What the planner learned over the probes and the sizes it plans with (graph
         # steps resolved from ``auto``): the planner model walks with both.
         info = await engine_info(session, url)

@@ -216,6 +216,9 @@ def test_instance_validation_smoke_runs_both_schedules_end_to_end(tmp_path):
     assert queue["prefill_over_alone"] > 0 and "cycle_model_prefill_over_alone" in queue
     for window in ("timeline_probes", "timeline_replay"):
         assert multiplex[window]["decisions"] > 0
+        # each window's decisions kept whole beside the result
+        with gzip.open(out / f"multiplex_{window}.json.gz", "rt") as f:
+            assert len(json.load(f)) >= multiplex[window]["decisions"]
     chunked = result["schedules"]["chunk512"]
     for probe in (chunked["interference"], chunked["interference"]["queue"]):
         assert probe["steps_during"] > 0 and probe["predicted_step_ms_during"] > 0
