@@ -713,6 +713,17 @@ def predictor_info(path: Path) -> dict:
             "sha256": digest}
 
 
+def repo_relative(path: str | None) -> str | None:
+    """A data file inside the repository as a path from its root (the trace's default is
+    absolute, and the device's checkout path is that machine's own)."""
+    if not path or not Path(path).is_absolute():
+        return path
+    try:
+        return str(Path(path).relative_to(ROOT))
+    except ValueError:
+        return path
+
+
 def probe_record(run: ConfigRun, spec: WorkloadSpec, requests: list, rate: float,
                  result: dict) -> dict:
     engine = run.backend.engine_info or {}
@@ -725,7 +736,8 @@ def probe_record(run: ConfigRun, spec: WorkloadSpec, requests: list, rate: float
                             "server_args": run.args, "engine": engine})
     return {**record, "probe": {"workload": spec.label, "config": run.config, "rate": rate,
                                 "requests": len(requests)},
-            "workload": {**spec.describe(), **workload_stats(requests),
+            "workload": {**spec.describe(), "path": repo_relative(spec.path),
+                         **workload_stats(requests),
                          "definition": dataclasses.asdict(WORKLOADS[spec.label])},
             "predictor": predictor_info(run.opts.predictor)
             if itl_target(run.config) is not None else None,

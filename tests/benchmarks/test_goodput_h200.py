@@ -492,6 +492,23 @@ def test_a_multiplex_probe_keeps_its_timeline_and_what_the_engine_learned(tool, 
     assert load_records(tmp_path) == []  # a timeline is not a probe record
 
 
+def test_a_probe_records_the_trace_by_its_path_in_the_repository(tool, tmp_path):
+    """The default trace is an absolute path on whichever machine ran the probe."""
+    assert tool.repo_relative(str(tool.TRACE)) == (
+        "benchmarks/data/mooncake_conversation_trace.jsonl")
+    outside = str(tmp_path / "trace.jsonl")
+    assert tool.repo_relative(outside) == outside
+    assert tool.repo_relative("benchmarks/data/x.jsonl") == "benchmarks/data/x.jsonl"
+    assert tool.repo_relative(None) is None
+    run = SimpleNamespace(backend=SimpleNamespace(engine_info={}), config="chunk16",
+                          server=SimpleNamespace(command="pdserve serve"), served=0,
+                          args="--schedule chunked --chunk-size 16",
+                          opts=SimpleNamespace(predictor=None))
+    spec = tool.WORKLOADS["mooncake"].build_spec(0.3, tool.TRACE)
+    record = tool.probe_record(run, spec, [], 0.3, {"samples": [], "slo_attainment": 1.0})
+    assert record["workload"]["path"] == "benchmarks/data/mooncake_conversation_trace.jsonl"
+
+
 def test_a_repeat_runs_a_recorded_probe_again_into_a_file_of_its_own(tool, tmp_path):
     results, out = tmp_path / "results", tmp_path / "out"
     results.mkdir()
