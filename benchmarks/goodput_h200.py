@@ -351,6 +351,14 @@ CONFIGS["multiplex-graph512-floor-converging-temporal-bank120q5-pressed105-itl60
     CONFIGS["multiplex-graph512-floor-converging-noslice-reweigh-bank120q5-pressed105-itl60"]
     .replace("--mux-sharing temporal,spatial", "--mux-sharing temporal")
     .replace(" --mux-reweigh-spatial-batches", ""))
+# At 6b7fcf7 both fell short at 17 (73% / 77% against chunked 512's 86%): under the burst
+# their mixed steps carried 292 prompt tokens in 56.6 ms where chunked 512's carried 363 in
+# 62.4 ms. Replayed from T's run with its own timing (as run 78-83%, measured 77%), steps
+# planned to the whole target with the bank up to 1.5x read 84-88%, the best of the variants
+# tried (docs/results.md, "The bank beside the pressure on the GPU").
+CONFIGS["multiplex-graph512-floor-converging-temporal-bank150q5-pressed105-margin100-itl60"] = (
+    CONFIGS["multiplex-graph512-floor-converging-temporal-bank120q5-pressed105-itl60"]
+    .replace("--mux-tpot-bank-cap 1.2", "--mux-tpot-bank-cap 1.5") + " --mux-itl-margin 1")
 # The engine's default multiplex first, then the ones its earlier records ran.
 TABLE_CONFIGS = ("multiplex-graph512-floor-converging-noslice-itl60",
                  "multiplex-graph512-floor-itl60", "multiplex-graph-floor-itl60",
