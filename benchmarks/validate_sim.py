@@ -955,10 +955,10 @@ def simulations(model: LatencyModel, parts: GroupParts, ratios: dict[str, list[f
     the requests' results of ``--draws`` draws, each row marked with its draw: one draw's
     P99 of 100 requests moved by up to 20% from seed to seed, so ``percentiles`` takes the
     median over the draws."""
-    def drawn(model: LatencyModel = model, **changes) -> list[dict]:
+    def drawn(model: LatencyModel = model, spread: dict = ratios, **changes) -> list[dict]:
         p = parts._replace(**changes)
         return [{**row, "draw": draw} for draw in range(args.draws) for row in simulate(
-            model, requests, args, noise(ratios, args, p.hold, args.seed + draw), p.cores,
+            model, requests, args, noise(spread, args, p.hold, args.seed + draw), p.cores,
             p.steps, p.wake)]
 
     without = dataclasses.replace(model, handoff_base_s=0.0, handoff_per_token_s=0.0)
@@ -979,6 +979,10 @@ def simulations(model: LatencyModel, parts: GroupParts, ratios: dict[str, list[f
     if recalibration is not None:
         result["simulated_calibrated_both_sides"] = drawn(
             LatencyModel(**recalibration["latency_model_both_sides"]))
+    # Prompts drawn from the decode steps' spread: the same host's slow stretches over
+    # ~1,000 timed blocks, where the prompts' own spread has 5 per length and no tail.
+    result["simulated_with_prefill_host_spread"] = drawn(
+        spread={**ratios, "prefill": ratios["decode_step"]})
     if parts.cores is not None and parts.direct_prompt_slowdown is not None:
         direct = dataclasses.replace(parts.cores,
                                      prefill_slowdown=parts.direct_prompt_slowdown)

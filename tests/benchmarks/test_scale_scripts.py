@@ -120,7 +120,8 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
                      "simulated_without_handoff", "simulated_without_shared_cores",
                      "simulated_without_held_stretches", "simulated_without_prefill_steps",
                      "simulated_without_idle_wake", "simulated_with_direct_prompt_factor",
-                     "simulated_calibrated_both_sides", "simulated_at_replay_host_speed"):
+                     "simulated_calibrated_both_sides", "simulated_at_replay_host_speed",
+                     "simulated_with_prefill_host_spread"):
             assert 0 < row[side]["p50"] <= row[side]["p99"]
         assert row["simulated_error"]["p50"] == pytest.approx(
             row["simulated"]["p50"] / row["measured"]["p50"] - 1)
@@ -624,6 +625,22 @@ def test_resimulation_takes_the_recorded_idle_extra(tmp_path):
     assert plain["simulated_medians_only"]["p50"] == pytest.approx(0.05)
     assert woken["simulated_medians_only"]["p50"] == pytest.approx(0.055)
     assert woken["simulated_without_idle_wake"]["p50"] == pytest.approx(0.05)
+
+
+def test_resimulation_draws_prompts_from_the_decode_steps_spread_beside(tmp_path):
+    """Beside the prompts' own spread (here none: every prompt at its median), the same
+    simulation with each prompt drawn from the decode steps' spread (here every block 1.5x
+    its median): the 50-token prompt alone takes 50 ms, then 75."""
+    module = _script("validate_sim")
+    args = SimpleNamespace(draws=1, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False)
+    steps = {"chunk_tokens": 512, "tokens_one_step_late": False}
+    run = _recorded_run(prefill_steps=steps, requests=[[0.0, 50, 3]],
+                        service_ratios={"prefill": [1.0], "decode_step": [1.5]})
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    ttft = module.resimulate(str(path), args, None)["compare"]["ttft_s"]
+    assert ttft["simulated"]["p50"] == pytest.approx(0.05)
+    assert ttft["simulated_with_prefill_host_spread"]["p50"] == pytest.approx(0.075)
 
 
 def test_idle_extra_a_line_in_the_prompts_tokens_per_pause():
