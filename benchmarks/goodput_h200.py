@@ -717,19 +717,16 @@ def compact_samples(samples: list[dict]) -> list[dict]:
 
 def predictor_info(path: Path) -> dict:
     digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-    return {"path": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
-            "sha256": digest}
+    return {"path": repo_relative(path), "sha256": digest}
 
 
-def repo_relative(path: str | None) -> str | None:
-    """A data file inside the repository as a path from its root (the trace's default is
-    absolute, and the device's checkout path is that machine's own)."""
-    if not path or not Path(path).is_absolute():
-        return path
-    try:
-        return str(Path(path).relative_to(ROOT))
-    except ValueError:
-        return path
+def repo_relative(path: str | Path | None) -> str | None:
+    """A file inside the repository as a path from its root (the trace's default is
+    absolute, and the device's checkout path is that machine's own); others as given."""
+    if not path:
+        return None if path is None else str(path)
+    path = Path(path)
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 
 def probe_record(run: ConfigRun, spec: WorkloadSpec, requests: list, rate: float,
