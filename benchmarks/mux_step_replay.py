@@ -460,7 +460,8 @@ def main(argv: list[str] | None = None) -> None:
                         default=True,
                         help="with --spread-from: time each mixed step on the prefill-step "
                         "graphs by the other run's such steps at the nearest decode batches "
-                        "(measured over the profile), not by its one learned factor")
+                        "(measured over the profile), not by its one learned factor "
+                        "(with --validation: the graph size its engine planned with)")
     parser.add_argument("--seeds", type=int, default=1,
                         help="With --spread-from: draws of that spread (default 1).")
     parser.add_argument("--out", type=Path, required=True)
@@ -506,7 +507,8 @@ def main(argv: list[str] | None = None) -> None:
 def validate(args) -> None:
     run = json.loads(args.validation.read_text())
     predictor_path = args.predictor or ROOT / _predictor_of(run["schedules"]["multiplex"])
-    spread = (step_spread(load_timeline(args.spread_from), _relative(args.spread_from))
+    predictor = served_predictor(predictor_path)
+    spread = (_validation_spread(run, args.spread_from, predictor, args.graph_steps_by_batch)
               if args.spread_from else StepSpread())
     if args.slice_spread_from:
         spread = dataclasses.replace(
@@ -519,11 +521,11 @@ def validate(args) -> None:
                                "spread_from": args.spread_from and _relative(args.spread_from),
                                "slice_spread_from": args.slice_spread_from
                                and _relative(args.slice_spread_from),
+                               "graph_steps_by_batch": bool(spread.graph_mixed_by_batch),
                                "seeds": args.seeds}),
               "validation_revision": run["git_revision"],
               "timeline": _relative(timeline_path) if timeline else None,
-              **replay_validation(run, served_predictor(predictor_path), spread,
-                                  args.seeds, timeline)}
+              **replay_validation(run, predictor, spread, args.seeds, timeline)}
     write_json(result, args.out)
     for key, row in result.get("compare", {}).items():
         print(f"{key} P50 / P99: {_errors(row)}")
@@ -531,6 +533,17 @@ def validate(args) -> None:
         print(f"engine-timed {key} P50 / P99: {_errors(row)}")
     for key, row in result.get("diagnosis", {}).get("compare", {}).items():
         print(f"diagnosis {key} P50 / P99: {_errors(row)}")
+
+
+def _validation_spread(run: dict, path: Path, predictor: LatencyPredictor,
+                       by_batch: bool) -> StepSpread:
+    """The steps of the timeline at ``path`` as the validation's engine timing; with
+    ``by_batch`` its mixed steps on the prefill-step graphs (at the graph size the
+    validation's engine planned with) by decode batch over the profile's time, as a
+    record's twin draws them."""
+    planner = run["schedules"]["multiplex"]["interference"].get("engine_planner") or {}
+    graph_tokens = (planner.get("graph_step_tokens") or 0) if by_batch else 0
+    return step_spread(load_timeline(path), _relative(path), predictor, graph_tokens)
 
 
 def _errors(row: dict) -> str:

@@ -266,3 +266,23 @@ def test_the_script_takes_a_twin_run_s_timing_over_seeds(tool, tmp_path):
     with pytest.raises(SystemExit, match="one timing at a time"):
         tool.main(["--record", str(path), "--predictor", str(PREDICTOR), "--spread-from",
                    str(twin), "--eager-factor", "1.2", "--out", str(out)])
+
+
+def test_a_validation_draws_graph_steps_by_batch_only_when_asked(tool, tmp_path):
+    """The 6b7fcf7 validation replayed with its own replay timeline as the engine timing:
+    its mixed steps on the prefill-step graphs (512 tokens) come by decode batch over the
+    profile unless ``--no-graph-steps-by-batch`` says one learned factor."""
+    results = ROOT / "benchmarks" / "results"
+    validation = results / "sim_validate_instance_h200_6b7fcf7.json"
+    spread = results / "sim_validate_instance_h200_6b7fcf7_multiplex_timeline_replay.json.gz"
+    figures = {}
+    for flag in ("--graph-steps-by-batch", "--no-graph-steps-by-batch"):
+        out = tmp_path / f"{flag}.json"
+        tool.main(["--validation", str(validation), "--spread-from", str(spread), flag,
+                   "--out", str(out)])
+        result = json.loads(out.read_text())
+        figures[flag] = (result["config"]["graph_steps_by_batch"],
+                         result["engine_timed"]["compare"]["ttft_s"]["simulated"]["p50"])
+    assert figures["--graph-steps-by-batch"][0] is True
+    assert figures["--no-graph-steps-by-batch"][0] is False
+    assert figures["--graph-steps-by-batch"][1] != figures["--no-graph-steps-by-batch"][1]
