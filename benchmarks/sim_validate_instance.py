@@ -39,7 +39,10 @@ For each schedule (``--schedules``: chunked prefill with 512-token steps, PD-mul
    the engine learned for it on the probes, the corrections learning as the engine's do,
    the first token a step late; it has no spatial splits nor time slices, and the
    interference record's ``step_model`` (a re-simulation's
-   ``cycle_covers_every_batch.multiplex_steps``) says whether the engine ran any);
+   ``cycle_covers_every_batch.multiplex_steps``) says whether the engine ran any); and
+   beside it the same timed by the probes' own steps (``simulated_steps_probe_timing``:
+   each mixed step on the prefill-step graphs at a measured over profile ratio of the
+   probes' graph steps nearest its decode batch, ``PROBE_TIMING_DRAWS`` draws pooled);
 5. write ``OUT/sim_validate_instance.json`` (after each schedule, so a cut-short run keeps
    what it finished) and each instance's log.
 
@@ -96,6 +99,7 @@ from benchmarks.validate_sim import (  # noqa: E402
     token_clock,
 )
 from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.bench.timeline import load_engine_timeline as load_timeline  # noqa: E402
 from pdserve.config import ran_explicitly  # noqa: E402
 from pdserve.sched.predictor import served_predictor  # noqa: E402
 from pdserve.sim.cluster import (  # noqa: E402
@@ -111,7 +115,7 @@ from pdserve.sim.instance import (  # noqa: E402
     fit_mixed_step_grid,
     mixed_step_s,
 )
-from pdserve.sim.mux_steps import StepRequest, engine_timed  # noqa: E402
+from pdserve.sim.mux_steps import StepRequest, engine_timed, step_spread  # noqa: E402
 from pdserve.sim.step_check import step_check  # noqa: E402
 from pdserve.testing import ServeProcess, start_serve  # noqa: E402
 
@@ -447,24 +451,51 @@ def engine_planner_args(schedule_args: str, interference: dict) -> str:
         planner.get("sharing"), rule)
 
 
-def simulated_steps(schedule_args: str, interference: dict,
-                    requests: list[SimRequest]) -> list[dict] | None:
-    """The step model's rows (``mux_steps.engine_timed``, no spread drawn), None where the
-    schedule plans with the roofline model."""
+def simulated_steps(schedule_args: str, interference: dict, requests: list[SimRequest],
+                    probe_timeline: list[dict] | None = None) -> list[dict] | None:
+    """The step model's rows (``mux_steps.engine_timed``), None where the schedule plans
+    with the roofline model. Without ``probe_timeline`` no spread is drawn: each mixed-step
+    path at the one correction its engine learned on the probes. With it (the engine's
+    decisions over the probes) the steps are timed by the probes' own
+    (``mux_steps.step_spread``: graph steps by decode batch over the profile),
+    ``PROBE_TIMING_DRAWS`` draws pooled: the correction after the probes is where an
+    average over their last steps ended, and at 6b7fcf7 its 2.4% over the replay's graph
+    steps was the whole TTFT miss."""
     path = mux_predictor(schedule_args)
     if path is None:
         return None
-    fresh = [StepRequest(r.arrival, r.input_len, r.output_len) for r in requests]
-    engine_timed(served_predictor(ROOT / path), engine_planner_args(schedule_args,
-                 interference), interference.get("engine_calibration"), fresh)
-    return latency_rows(fresh)
+    predictor = served_predictor(ROOT / path)
+    server_args = engine_planner_args(schedule_args, interference)
+    spread, draws = None, 1
+    if probe_timeline:
+        graph_tokens = (interference.get("engine_planner") or {}).get("graph_step_tokens") or 0
+        spread = step_spread(probe_timeline, "probes", predictor, graph_tokens)
+        draws = PROBE_TIMING_DRAWS
+    rows = []
+    for seed in range(draws):
+        fresh = [StepRequest(r.arrival, r.input_len, r.output_len) for r in requests]
+        engine_timed(predictor, server_args, interference.get("engine_calibration"), fresh,
+                     spread, seed)
+        rows += latency_rows(fresh)
+    return rows
+
+
+PROBE_TIMING_DRAWS = 5
 
 
 def with_step_model(simulated: dict, schedule_args: str, interference: dict,
-                    requests: list[SimRequest]) -> dict:
-    """``simulated`` with the step model's rows where it runs (``simulated_steps``)."""
+                    requests: list[SimRequest], probe_timeline: list[dict] | None = None
+                    ) -> dict:
+    """``simulated`` with the step model's rows where it runs (``simulated_steps``), and
+    with the probes' step timing beside them where their timeline was kept."""
     rows = simulated_steps(schedule_args, interference, requests)
-    return simulated if rows is None else {**simulated, "simulated_steps": rows}
+    if rows is None:
+        return simulated
+    simulated = {**simulated, "simulated_steps": rows}
+    if probe_timeline:
+        simulated["simulated_steps_probe_timing"] = simulated_steps(
+            schedule_args, interference, requests, probe_timeline)
+    return simulated
 
 
 def steps_cover(interference: dict) -> dict:
@@ -651,7 +682,8 @@ async def _measure_and_replay(name: str, schedule_args: str, session, url: str, 
     simulated = simulate_both(name, model, factors, requests, noise, share,
                               mixed_extra_s=mix.get("mixed_step_extra_s", 0.0))
     if name == "multiplex":
-        simulated = with_step_model(simulated, schedule_args, mix, requests)
+        simulated = with_step_model(simulated, schedule_args, mix, requests,
+                                    load_timeline(_probe_timeline_path(args, name)))
         mix["step_model"] = steps_cover(mix)
     return {"service_points": {"prefill": prefill_points, "decode": decode_points},
             "service_spread": {"prefill": spread(prefill_ratios),
@@ -684,7 +716,7 @@ async def _probes(name: str, session, url: str, args, rng,
         # to set beside the replay's steps (at 6b7fcf7 the probes taught graph steps 1.053
         # where the replay's ran 1.03, and that 2.4% was the whole TTFT miss).
         mix["timeline_probes"] = await engine_timeline(
-            session, url, since, keep=Path(args.out) / f"{name}_timeline_probes.json.gz")
+            session, url, since, keep=_probe_timeline_path(args, name))
         # What the planner learned over the probes and the sizes it plans with (graph
         # steps resolved from ``auto``): the planner model walks with both.
         info = await engine_info(session, url)
@@ -693,6 +725,10 @@ async def _probes(name: str, session, url: str, args, rng,
                                  for key in ("graph_step_tokens", "mixed_floor_tokens",
                                              "sharing")}
     return factors, mix
+
+
+def _probe_timeline_path(args, name: str) -> Path:
+    return Path(args.out) / f"{name}_timeline_probes.json.gz"
 
 
 async def engine_timeline(session, url: str, since: float, keep: Path | None = None) -> dict:
