@@ -451,6 +451,9 @@ def engine_planner_args(schedule_args: str, interference: dict) -> str:
         planner.get("sharing"), rule)
 
 
+PROBE_TIMING_DRAWS = 5
+
+
 def simulated_steps(schedule_args: str, interference: dict, requests: list[SimRequest],
                     probe_timeline: list[dict] | None = None) -> list[dict] | None:
     """The step model's rows (``mux_steps.engine_timed``), None where the schedule plans
@@ -478,9 +481,6 @@ def simulated_steps(schedule_args: str, interference: dict, requests: list[SimRe
                      spread, seed)
         rows += latency_rows(fresh)
     return rows
-
-
-PROBE_TIMING_DRAWS = 5
 
 
 def with_step_model(simulated: dict, schedule_args: str, interference: dict,
