@@ -798,13 +798,20 @@ def resimulate(path: str, as_of: str = "current", extra_from: str | None = None,
         simulated = simulate_both(name, model, factors, requests, noise, share, as_of, extra_s)
         if name == "multiplex" and as_of == "current" and only is None:
             simulated = with_step_model(simulated, run["schedule_args"], run["interference"],
-                                        requests)
+                                        requests, committed_probe_timeline(path))
             covered["multiplex_steps"] = steps_cover(run["interference"])
         measured = {key: row["measured"] for key, row in run["compare"].items()}
         table[name] = compare_percentiles(measured, simulated)
     return {"resimulated_from": os.path.relpath(path, ROOT), "models_as_of": as_of,
             "planner_options": only or "all",
             "schedules": table, "cycle_covers_every_batch": covered, "chunked": extra}
+
+
+def committed_probe_timeline(path: str) -> list[dict] | None:
+    """The engine's decisions over a recorded validation's probes, where they were
+    committed beside it (``<stem>_multiplex_timeline_probes.json.gz``); None where not."""
+    probes = Path(path).with_name(Path(path).stem + "_multiplex_timeline_probes.json.gz")
+    return load_timeline(probes) if probes.exists() else None
 
 
 def with_grid_terms(model: LatencyModel, grid: str | None) -> LatencyModel:

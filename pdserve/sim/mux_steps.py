@@ -60,7 +60,6 @@ decodes from the next step and the planner counts its tokens from then.
 from __future__ import annotations
 
 import argparse
-import bisect
 import dataclasses
 import random
 import shlex
@@ -84,7 +83,7 @@ from pdserve.sched.mux_planner import (
 )
 
 WHOLE_GPU_MODES = (MuxMode.TEMPORAL, MuxMode.DECODE_ONLY, MuxMode.PREFILL_ONLY)
-DECODE_NEIGHBOURS = 32  # measured decode steps nearest a batch that its draw comes from
+DECODE_NEIGHBOURS = 32  # the fewest measured steps a batch's draw comes from (whole batches)
 MODELLED_MODES = (*WHOLE_GPU_MODES, MuxMode.TIME_SLICE)
 
 
@@ -136,9 +135,10 @@ class StepTiming:
     """Decode steps beside a piece on an SM split, and the pieces, over the profile's time."""
     decode_by_batch: tuple[tuple[int, float], ...] = ()
     """(batch, measured over profile time) of decode steps alone, by batch: a decode step
-    draws from the ``DECODE_NEIGHBOURS`` nearest its batch (none: ``decode_spread``). On
-    the H200 decode alone ran at the profile's time up to ~30 requests and 1.1-1.35x it
-    beyond (3fa127d), so one pooled spread would time large batches as small ones."""
+    draws from the steps of the batches nearest its own (``nearest_batch_ratios``; none:
+    ``decode_spread``). On the H200 decode alone ran at the profile's time up to ~30
+    requests and 1.1-1.35x it beyond (3fa127d), so one pooled spread would time large
+    batches as small ones."""
     graph_mixed_by_batch: tuple[tuple[int, float], ...] = ()
     """(decode batch, measured over profile time) of mixed steps on the prefill-step
     graphs: such a step draws from the nearest to its decode batch instead of the graph
@@ -205,6 +205,7 @@ class MuxStepSim:
         self.log = StepLog()
         self.busy_s = 0.0
         self.rng = random.Random(timing.seed if timing else 0)
+        self._pools: dict[tuple[int, int], tuple[float, ...]] = {}  # by (spread, batch)
         self.batch: SliceBatch | None = None  # in flight in time-slice pieces
         self.slicing = False  # the lanes alternate on the whole GPU (TIME_SLICE)
         self.joining: list[StepRequest] = []  # prefilled by the last piece: not in the
@@ -439,11 +440,13 @@ class MuxStepSim:
         return self._by_batch(self.timing.decode_by_batch, batch)
 
     def _by_batch(self, pairs: tuple[tuple[int, float], ...], batch: int) -> float:
-        """A ratio drawn from the ``DECODE_NEIGHBOURS`` (batch, ratio) pairs nearest
-        ``batch`` (sorted by batch)."""
-        at = bisect.bisect_left(pairs, (batch, 0.0))
-        lo = max(0, min(at - DECODE_NEIGHBOURS // 2, len(pairs) - DECODE_NEIGHBOURS))
-        return self.rng.choice(pairs[lo:lo + DECODE_NEIGHBOURS])[1]
+        """A ratio drawn from the measured steps of the batches nearest ``batch``
+        (``nearest_batch_ratios``)."""
+        key = (id(pairs), batch)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = nearest_batch_ratios(pairs, batch, DECODE_NEIGHBOURS)
+        return self.rng.choice(pool)
 
     def _mixed_ms(self, plan: MuxPlan, graph: bool) -> float:
         """The step's engine time; the planner's corrections learn from it, as the
@@ -678,6 +681,24 @@ def slice_spread(timeline: list[dict]) -> tuple[tuple[float, float], ...]:
         pairs.append((cycle / predicted, measured / predicted))
         previous_end = end
     return tuple(pairs)
+
+
+def nearest_batch_ratios(pairs: tuple[tuple[int, float], ...], batch: int,
+                         at_least: int) -> tuple[float, ...]:
+    """The ratios of ``pairs`` ((batch, ratio), any order) whose batches are nearest
+    ``batch``: every step of each batch taken, nearest first (the smaller batch first at
+    equal distance), until ``at_least`` steps are in. Whole batches, because a slice of
+    pairs sorted by ratio within a batch would draw one end of that batch's ratios: a batch
+    past the largest measured drew only the slowest steps of that largest one."""
+    by_batch: dict[int, list[float]] = {}
+    for measured_batch, ratio in pairs:
+        by_batch.setdefault(measured_batch, []).append(ratio)
+    pool: list[float] = []
+    for measured_batch in sorted(by_batch, key=lambda b: (abs(b - batch), b)):
+        if len(pool) >= at_least:
+            break
+        pool.extend(by_batch[measured_batch])
+    return tuple(pool)
 
 
 def whole_gpu_only(timeline: list[dict]) -> bool:

@@ -21,6 +21,7 @@ from pdserve.sim.mux_steps import (
     StepTiming,
     correction_trajectory,
     engine_timed,
+    nearest_batch_ratios,
     slice_spread,
     step_spread,
     timeline_accuracy,
@@ -429,6 +430,32 @@ def test_engine_timing_takes_every_spread_it_is_given(predictor):
         (1.05,), (1.2,), ((1.1, 1.0),))
     assert timing.decode_by_batch == ((4, 1.2),)
     assert (timing.spatial_decode_spread, timing.spatial_piece_spread) == ((1.1,), (1.3,))
+
+
+def test_a_batch_draws_every_step_of_the_batches_nearest_it_not_one_end_of_them():
+    # Batch 8 measured 40 times from 1.00 to 1.39, batch 7 ten times at 1.5: a batch
+    # past 8, or 8 itself, draws all of batch 8's steps, not its slowest or fastest.
+    eight = [(8, 1.0 + 0.01 * i) for i in range(40)]
+    pairs = tuple(sorted([(7, 1.5)] * 10 + eight))
+    assert sorted(nearest_batch_ratios(pairs, 12, 32)) == [r for _, r in eight]
+    assert sorted(nearest_batch_ratios(pairs, 8, 32)) == [r for _, r in eight]
+    # too few at the nearest batch: the next nearest joins whole, the smaller one first
+    few = ((2, 1.0), (4, 2.0), (4, 2.0), (6, 3.0))
+    assert sorted(nearest_batch_ratios(few, 5, 3)) == [2.0, 2.0, 3.0]
+    assert sorted(nearest_batch_ratios(few, 3, 2)) == [1.0, 2.0, 2.0]
+
+
+def test_graph_steps_past_the_largest_measured_batch_run_at_its_mean(replay_tool,
+                                                                       predictor):
+    """Every decode batch of this replay is past the one measured batch (1): its steps
+    spread 0.9-1.3x the profile around a mean of 1.1, and the replay's graph steps land
+    there on average, not at the top of the spread."""
+    ratios = tuple((1, 0.9 + 0.4 * i / 99) for i in range(100))
+    timing = StepTiming(1.0, 1.0, seed=3, graph_mixed_by_batch=ratios,
+                        decode_by_batch=tuple((1, 1.0) for _ in range(4)))
+    sim, _ = _sim(replay_tool, predictor, timing)
+    drawn = [sim._by_batch(ratios, 6) for _ in range(2000)]
+    assert sum(drawn) / len(drawn) == pytest.approx(1.1, abs=0.01)
 
 
 MIXED_AND_SPATIAL_ARGS = SPATIAL_ARGS.replace("--mux-sharing spatial",
