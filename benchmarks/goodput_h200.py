@@ -359,6 +359,12 @@ CONFIGS["multiplex-graph512-floor-converging-temporal-bank120q5-pressed105-itl60
 CONFIGS["multiplex-graph512-floor-converging-temporal-bank150q5-pressed105-margin100-itl60"] = (
     CONFIGS["multiplex-graph512-floor-converging-temporal-bank120q5-pressed105-itl60"]
     .replace("--mux-tpot-bank-cap 1.2", "--mux-tpot-bank-cap 1.5") + " --mux-itl-margin 1")
+# B's SM splits weighed from the start at what the Mooncake probe's splits learned (its
+# 0.2875 req/s run at 5d0f7fe: prefill corrections 1.16-1.39 per split, and a split not
+# run yet starting at 1.0 chose a 24K-token prompt's first batch at 7.1K tokens/s over mixed
+# steps' 6.0K; it delivered ~4.6K, TTFT 5.2 s against chunked 512's 4.2 s).
+_B = "multiplex-graph512-floor-converging-noslice-reweigh-bank120q5-pressed105-itl60"
+CONFIGS[_B.replace("-itl60", "-corun130-itl60")] = CONFIGS[_B] + " --mux-co-running-correction 1.3"
 # The engine's default multiplex first, then the ones its earlier records ran.
 TABLE_CONFIGS = ("multiplex-graph512-floor-converging-noslice-itl60",
                  "multiplex-graph512-floor-itl60", "multiplex-graph-floor-itl60",
