@@ -365,6 +365,12 @@ CONFIGS["multiplex-graph512-floor-converging-temporal-bank150q5-pressed105-margi
 # steps' 6.0K; it delivered ~4.6K, TTFT 5.2 s against chunked 512's 4.2 s).
 _B = "multiplex-graph512-floor-converging-noslice-reweigh-bank120q5-pressed105-itl60"
 CONFIGS[_B.replace("-itl60", "-corun130-itl60")] = CONFIGS[_B] + " --mux-co-running-correction 1.3"
+# With the bank to 2x as well: over prefixes past 10K tokens chunked 512 kept 509-token
+# chunks at 94 ms a step (5.3K tokens/s) where B's mixed steps held ~62 ms with 256 (4.4K),
+# the 1.2x cap binding beside 2-4 decodes whose TPOT (a mean) stayed at 41 ms P99.
+CONFIGS[_B.replace("bank120q5-pressed105-itl60", "bank200q5-pressed105-corun130-itl60")] = (
+    CONFIGS[_B].replace("--mux-tpot-bank-cap 1.2", "--mux-tpot-bank-cap 2.0")
+    + " --mux-co-running-correction 1.3")
 # The engine's default multiplex first, then the ones its earlier records ran.
 TABLE_CONFIGS = ("multiplex-graph512-floor-converging-noslice-itl60",
                  "multiplex-graph512-floor-itl60", "multiplex-graph-floor-itl60",
