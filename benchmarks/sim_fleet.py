@@ -7,8 +7,9 @@ Comparisons P/D-Serve reports, each a row: ``--compare dispatch`` (on-demand for
 against least-connections and round-robin), ``ratio`` (the dynamic P/D ratio against the
 static one it starts from: one fleet-wide split), ``pool`` (a group per scenario against
 one pool of the same instances serving every scenario), ``multiplex`` (pure P/D groups
-against groups of PD-multiplexing instances, slowdowns from a ``bench_multiplex.py``
-result). ``--compare none`` runs one
+against groups of PD-multiplexing instances: two fixed slowdowns from a
+``bench_multiplex.py`` result, or with ``--multiplex-model-from`` the planner model of a
+``sim_validate_instance.py`` run). ``--compare none`` runs one
 configuration and reports how long the simulation took (CPU seconds, one core).
 
 These are a model's predictions, not measurements.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -83,7 +85,9 @@ def run_row(args: argparse.Namespace, model: LatencyModel, lengths: Lengths,
     cpu, wall = time.process_time() - cpu, time.monotonic() - wall
     host_load = {"start": load_start, "end": os.getloadavg(), "cpus": os.cpu_count()}
     moves = sum(len(g.moves) for g in fleet.distinct_groups())
-    row = {**labels, "num_instances": fleet.num_instances,
+    mux = fleet.multiplexing if labels.get("multiplex") else None
+    row = {**labels, "multiplex_model": mux.model if mux else None,
+           "num_instances": fleet.num_instances,
            "scenarios": len(fleet.plan.scenarios),
            "moves": moves, "sim_cpu_s": cpu, "sim_wall_s": wall,
            "host_load_1_5_15_min": host_load, **summary}
@@ -94,8 +98,33 @@ def run_row(args: argparse.Namespace, model: LatencyModel, lengths: Lengths,
 
 
 def multiplexing(args: argparse.Namespace, model: LatencyModel) -> Multiplexing:
+    if args.multiplex_model_from:
+        return planner_multiplexing(args.multiplex_model_from)
     return Multiplexing.from_multiplex_results(args.multiplex_results, model,
                                                args.multiplex_itl_slo_ms)
+
+
+def planner_multiplexing(validation_path: str) -> Multiplexing:
+    """A multiplexing instance on the planner model (``PlannerShare``), built from a
+    ``sim_validate_instance.py`` run as its ``--resimulate`` builds it: the predictor the
+    instance served with, walked with the corrections its engine learned over the probes,
+    each option's pieces timed as the probes measured them, and the delivered factor fitted
+    on the run's own probe. Its factors are ratios to a prompt or a decode step alone, so
+    they carry over to the fleet's own latency model; loads past the walked grid take the
+    run's measured cycle model."""
+    from benchmarks import sim_validate_instance as validation  # the builders; heavy imports
+
+    recorded = json.loads(Path(validation_path).read_text())
+    run = recorded["schedules"]["multiplex"]
+    run_args = argparse.Namespace(**recorded["config"])
+    run_args.trace = str(validation.ROOT / run_args.trace)
+    share = validation.planner_share(run["schedule_args"], run["interference"],
+                                     LatencyModel(**run["latency_model"]), run_args)
+    factors = validation._recorded_factors(run["interference"])
+    if share is None or factors is None:
+        raise SystemExit(f"{validation_path}: no planner model (a roofline schedule, or no "
+                         "interference probe recorded)")
+    return dataclasses.replace(factors, share=share)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,6 +152,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "a multiplexing instance come from.")
     parser.add_argument("--multiplex-itl-slo-ms", type=float, default=40.0,
                         help="Which of its runs.")
+    parser.add_argument("--multiplex-model-from", metavar="VALIDATION.json",
+                        help="--compare multiplex: the planner model of a multiplexing "
+                        "instance, from a sim_validate_instance.py result (validated against "
+                        "a real instance there), instead of --multiplex-results' two fixed "
+                        "slowdowns.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
     return parser.parse_args(argv)

@@ -218,6 +218,7 @@ class FleetSim:
                  ratio: RatioConfig | None = None, pooled: bool = False,
                  multiplexing: Multiplexing | None = None, seed: int = 0) -> None:
         self.plan, self.model, self.lengths = plan, model, lengths
+        self.multiplexing = multiplexing  # every instance's model, or None: pure P/D
         self.loop = EventLoop()
         self.gateways = [GatewaySim(f"g{i}") for i in range(num_gateways)]
         self.tally = Tally(len(plan.scenarios), ttft_slo_s)

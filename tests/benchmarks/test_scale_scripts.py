@@ -41,6 +41,24 @@ def test_fleet_dispatch_comparison_reports_each_policy_as_a_simulation(tmp_path)
                for r in result["rows"])
 
 
+def test_fleet_multiplexing_on_the_planner_model_of_a_validated_run(tmp_path):
+    """``--multiplex-model-from``: the multiplexing groups run the planner model built from
+    a committed H200 validation (as its --resimulate builds it), and the row says so; by
+    default the two fixed slowdowns run."""
+    validation = ROOT / "benchmarks" / "results" / "sim_validate_instance_h200_5d0f7fe.json"
+    common = ("--trace", str(TRACE), "--engine-results", str(ENGINE), "--compare",
+              "multiplex", "--instances", "20", "--scenarios", "2", "--duration-s", "60")
+    planned = _run("sim_fleet.py", *common, "--multiplex-model-from", str(validation),
+                   out=tmp_path / "planner.json")
+    fixed = _run("sim_fleet.py", *common, out=tmp_path / "fixed.json")
+    assert [r["multiplex_model"] for r in planned["rows"]] == [None, "planner"]
+    assert [r["multiplex_model"] for r in fixed["rows"]] == [None, "fixed"]
+    assert planned["config"]["multiplex_model_from"] == str(validation)
+    # the same arrivals, served differently
+    assert planned["rows"][1]["requests"] == fixed["rows"][1]["requests"] > 0
+    assert planned["rows"][1]["ttft_p50_s"] != fixed["rows"][1]["ttft_p50_s"]
+
+
 def test_gateway_capacity_through_the_real_gateway_and_stand_ins(tmp_path):
     result = _run("scale_gateway.py", "--gateways", "1,2", "--concurrency", "2",
                   "--duration-s", "1", "--group-size", "5", out=tmp_path / "gateway.json")
