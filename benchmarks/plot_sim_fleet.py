@@ -16,6 +16,11 @@ from pathlib import Path
 
 
 def label(row: dict) -> str:
+    if "multiplex" in row:  # no ratio controller on either side of this comparison
+        if not row["multiplex"]:
+            return "pure P/D"
+        model = row.get("multiplex_model") or "fixed"  # rows before the field: fixed factors
+        return f"PD-multiplexing instances ({model} model)"
     parts = []
     if "dispatch" in row:
         parts.append(row["dispatch"])

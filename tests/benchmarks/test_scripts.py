@@ -93,6 +93,16 @@ def test_loogle_attainment_needs_both_slos():
     assert loogle.attainment(requests, output_len=64) == 0.25
 
 
+def test_fleet_plot_labels_name_the_multiplexing_model():
+    plots = _load("plot_sim_fleet")
+    assert plots.label({"multiplex": False, "dynamic": False}) == "pure P/D"
+    assert plots.label({"multiplex": True, "dynamic": False, "multiplex_model": "planner"}) \
+        == "PD-multiplexing instances (planner model)"
+    assert plots.label({"multiplex": True, "dynamic": False}) == \
+        "PD-multiplexing instances (fixed model)"
+    assert plots.label({"dynamic": True}) == "dynamic ratio"
+
+
 def test_validation_plot_draws_measured_beside_each_simulation(tmp_path):
     pytest.importorskip("matplotlib")
     plots = _load("plot_sim_fleet")
