@@ -63,7 +63,9 @@ def plot(path: Path, out_dir: Path) -> Path:
 SIDES = {"measured": "measured", "simulated": "simulated, measured spread",
          "simulated_medians_only": "simulated, medians only",
          "simulated_without_shared_cores": "simulated, spread, cores not shared",
-         "simulated_planner": "simulated, planner model, spread"}
+         "simulated_planner": "simulated, planner model, spread",
+         "simulated_steps": "simulated, step model, one correction",
+         "simulated_steps_probe_timing": "simulated, step model, the probes' steps"}
 
 
 def plot_validation(plt, result: dict, path: Path, out_dir: Path) -> Path:
