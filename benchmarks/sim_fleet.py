@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -85,8 +84,7 @@ def run_row(args: argparse.Namespace, model: LatencyModel, lengths: Lengths,
     cpu, wall = time.process_time() - cpu, time.monotonic() - wall
     host_load = {"start": load_start, "end": os.getloadavg(), "cpus": os.cpu_count()}
     moves = sum(len(g.moves) for g in fleet.distinct_groups())
-    mux = fleet.multiplexing if labels.get("multiplex") else None
-    row = {**labels, "multiplex_model": mux.model if mux else None,
+    row = {**labels, "multiplex_model": fleet.multiplexing and fleet.multiplexing.model,
            "num_instances": fleet.num_instances,
            "scenarios": len(fleet.plan.scenarios),
            "moves": moves, "sim_cpu_s": cpu, "sim_wall_s": wall,
@@ -105,26 +103,19 @@ def multiplexing(args: argparse.Namespace, model: LatencyModel) -> Multiplexing:
 
 
 def planner_multiplexing(validation_path: str) -> Multiplexing:
-    """A multiplexing instance on the planner model (``PlannerShare``), built from a
-    ``sim_validate_instance.py`` run as its ``--resimulate`` builds it: the predictor the
+    """A multiplexing instance on the planner model (``PlannerShare``) of a
+    ``sim_validate_instance.py`` run, as its ``--resimulate`` builds it: the predictor the
     instance served with, walked with the corrections its engine learned over the probes,
     each option's pieces timed as the probes measured them, and the delivered factor fitted
     on the run's own probe. Its factors are ratios to a prompt or a decode step alone, so
-    they carry over to the fleet's own latency model; loads past the walked grid take the
-    run's measured cycle model."""
-    from benchmarks import sim_validate_instance as validation  # the builders; heavy imports
+    they carry over to the fleet's own latency model."""
+    from benchmarks.sim_validate_instance import recorded_multiplexing  # heavy imports
 
-    recorded = json.loads(Path(validation_path).read_text())
-    run = recorded["schedules"]["multiplex"]
-    run_args = argparse.Namespace(**recorded["config"])
-    run_args.trace = str(validation.ROOT / run_args.trace)
-    share = validation.planner_share(run["schedule_args"], run["interference"],
-                                     LatencyModel(**run["latency_model"]), run_args)
-    factors = validation._recorded_factors(run["interference"])
-    if share is None or factors is None:
+    multiplexing = recorded_multiplexing(validation_path)
+    if multiplexing is None:
         raise SystemExit(f"{validation_path}: no planner model (a roofline schedule, or no "
                          "interference probe recorded)")
-    return dataclasses.replace(factors, share=share)
+    return multiplexing
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -770,8 +770,7 @@ def resimulate(path: str, as_of: str = "current", extra_from: str | None = None,
     grid terms fitted on that measured grid (``fit_mixed_step_grid``) on top of the run's
     model, its extra cost refitted with them. No GPU, no server."""
     recorded = json.load(open(path))
-    args = argparse.Namespace(**recorded["config"])
-    args.trace = str(ROOT / args.trace)
+    args = recorded_args(recorded)
     table, covered, extra = {}, {}, {}
     for name, run in recorded["schedules"].items():
         model = LatencyModel(**run["latency_model"])
@@ -805,6 +804,27 @@ def resimulate(path: str, as_of: str = "current", extra_from: str | None = None,
     return {"resimulated_from": os.path.relpath(path, ROOT), "models_as_of": as_of,
             "planner_options": only or "all",
             "schedules": table, "cycle_covers_every_batch": covered, "chunked": extra}
+
+
+def recorded_args(recorded: dict) -> argparse.Namespace:
+    """A recorded validation's arguments, its trace resolved from the repository root."""
+    args = argparse.Namespace(**recorded["config"])
+    args.trace = str(ROOT / args.trace)
+    return args
+
+
+def recorded_multiplexing(path: str) -> Multiplexing | None:
+    """The planner model of a recorded validation's multiplexing instance, as
+    ``resimulate`` builds it (``planner_share`` from the run's own calibration), on the
+    run's measured cycle model for loads past the walked grid; None where the run has no
+    planner model (a roofline schedule) or no interference probe."""
+    recorded = json.load(open(path))
+    run = recorded["schedules"]["multiplex"]
+    share = planner_share(run["schedule_args"], run["interference"],
+                          LatencyModel(**run["latency_model"]), recorded_args(recorded))
+    factors = _recorded_factors(run["interference"])
+    return None if share is None or factors is None else dataclasses.replace(factors,
+                                                                             share=share)
 
 
 def committed_probe_timeline(path: str) -> list[dict] | None:
