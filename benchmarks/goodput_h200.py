@@ -44,6 +44,7 @@ import math
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -1251,6 +1252,10 @@ def _run_parser(sub) -> None:
     p.add_argument("--out", type=Path,
                    help="Write new records and server logs here instead of --results (a "
                    "device call's output folder); records in both count.")
+    p.add_argument("--expect-gpu", default="H200",
+                   help="Stop before any probe unless the first GPU's name contains this "
+                   "(the probes' servers size codellama-34b's KV pool for an H200's memory; "
+                   "'any': no check; no check on a host without nvidia-smi).")
     p.add_argument("--repeat", action="store_true",
                    help="Run each --probe again even when recorded (an A/B's second run): "
                    "the record goes to <probe>__rep<k>.json; the newest run decides the "
@@ -1277,6 +1282,28 @@ def _import_parser(sub) -> None:
     p.add_argument("--results", type=Path, default=RESULTS)
 
 
+def gpu_name() -> str | None:
+    """The first GPU's name as nvidia-smi reports it; None on a host without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out.strip() else None
+
+
+def check_gpu(expected: str, name_of_gpu=gpu_name) -> None:
+    """Stop before any server starts when the GPU is not the one the probes are for: on an
+    80 GB card codellama-34b at a 24,576-token context leaves no KV pool, so every server
+    would fail after loading (about 20 s each)."""
+    if expected == "any":
+        return
+    name = name_of_gpu()
+    if name is not None and expected.lower() not in name.lower():
+        raise SystemExit(f"the GPU is {name!r}, not an {expected}: these probes are defined "
+                         f"on an {expected} (--expect-gpu any runs them anyway)")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     targets = [parse_probe(t) for t in args.probe]
     targets += [t for text in args.search for t in parse_search(text)]
@@ -1286,6 +1313,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit(f"the Mooncake trace is not at {args.trace_path} (--trace-path)")
     if any(itl_target(t.config) for t in targets) and not args.predictor.is_file():
         raise SystemExit(f"no multiplex predictor at {args.predictor} (--predictor)")
+    check_gpu(args.expect_gpu)
     budget = Budget(time.monotonic() + args.budget_s)
     opts = RunOptions(args.results, args.trace_path, args.predictor, args.model,
                       args.server_args, args.port, args.startup_s, args.max_probes, budget,

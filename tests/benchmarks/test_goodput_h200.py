@@ -719,3 +719,11 @@ def test_every_config_is_a_serve_command_line_the_cli_accepts():
         parsed = parser.parse_args(["serve", "codellama-34b", *shlex.split(args)])
         assert parsed.command == "serve", config
         scheduler_config(args)  # and the values pass the scheduler's own checks
+
+
+def test_probes_stop_before_any_server_on_a_gpu_they_are_not_for(tool):
+    with pytest.raises(SystemExit, match="NVIDIA H100 80GB HBM3.*not an H200"):
+        tool.check_gpu("H200", lambda: "NVIDIA H100 80GB HBM3")
+    tool.check_gpu("H200", lambda: "NVIDIA H200")
+    tool.check_gpu("H200", lambda: None)  # no nvidia-smi: a CPU host, the tiny model's runs
+    tool.check_gpu("any", lambda: "NVIDIA H100 80GB HBM3")
