@@ -422,3 +422,18 @@ def test_the_mixed_step_grid_covers_the_steps_the_chunked_model_misses(monkeypat
     wide = bench.cases(True, (64, 128, 256), 512)  # the decode batches served steps carry
     assert len(wide) == 54 and {c[2] for c in wide} == {64, 128, 256}
     assert {c[3] for c in wide} == {512}
+
+
+def test_the_prefill_bound_is_the_least_rate_some_set_of_requests_passes_at():
+    bound = _load("loogle_bound")
+    # Two 1,000-token prompts at once, SLO 1 s: both need 2,000 tokens/s, one needs 1,000.
+    assert bound.least_prefill_rate([0.0, 0.0], [1000, 1000], 1.0, 1.0) == pytest.approx(
+        2000, abs=1)
+    assert bound.least_prefill_rate([0.0, 0.0], [1000, 1000], 1.0, 0.5) == pytest.approx(
+        1000, abs=1)
+    # Arrivals at 0 and 1 s: with a 2 s SLO the first prompt's 2,000 tokens by t=2 and all
+    # 3,000 by t=3 both need 1,000 tokens/s; with a 1 s SLO the first alone needs 2,000.
+    assert bound.least_prefill_rate([0.0, 1.0], [2000, 1000], 1.0 + 1.0, 1.0) == \
+        pytest.approx(1000, abs=1)
+    assert bound.least_prefill_rate([0.0, 1.0], [2000, 1000], 1.0, 1.0) == pytest.approx(
+        2000, abs=1)
