@@ -14,7 +14,14 @@ faster may still miss it (decode takes GPU time too).
 
     python benchmarks/loogle_bound.py \\
         --record benchmarks/results/goodput_h200/loogle__chunk256__r0.6.json \\
-        --rates 0.5,0.6,0.65,0.7,0.8,0.9 --out benchmarks/results/loogle_prefill_bound.json
+        --rates 0.5,0.6,0.65,0.7,0.75,0.8,0.9 --effective-from <probe records> \
+        --out benchmarks/results/loogle_prefill_bound.json
+
+``--effective-from``: for each probe record, the rate at which a server prefilling whole
+prompts in arrival order comes closest to its measured first tokens, and what that server
+attains at each rate on the bound's prompts: the simplest model of a schedule that keeps
+its prefill rate as the load grows (its decode does not: it is the same 64 tokens a
+request at any rate).
 """
 
 from __future__ import annotations
@@ -75,6 +82,43 @@ def least_prefill_rate(arrivals: list[float], tokens: list[int], slo_s: float,
     return high
 
 
+def fcfs_ttft_s(arrivals: list[float], tokens: list[int], rate_tokens_s: float) -> np.ndarray:
+    """First-token times of a server that prefills whole prompts in arrival order at
+    ``rate_tokens_s`` (decode free)."""
+    finish, ttft = 0.0, []
+    for arrival, prompt in zip(arrivals, tokens, strict=True):
+        finish = max(finish, arrival) + prompt / rate_tokens_s
+        ttft.append(finish - arrival)
+    return np.asarray(ttft)
+
+
+def effective_prefill_rate(record: dict) -> float:
+    """The rate (tokens/s, to 10) at which ``fcfs_ttft_s`` comes closest to a probe's
+    measured first-token times (least squares): how fast the schedule prefilled, queueing
+    included, under the simplest model of it."""
+    samples = sorted(record["samples"], key=lambda s: s["send_s"])
+    arrivals = [s["send_s"] for s in samples]
+    tokens = [s["prompt_len"] for s in samples]
+    measured = np.asarray([s["ttft_ms"] / 1e3 for s in samples])
+    return float(min(range(1000, 20000, 10), key=lambda rate: float(
+        np.sum((fcfs_ttft_s(arrivals, tokens, rate) - measured) ** 2))))
+
+
+def effective_row(path: Path, tokens: list[int], args: argparse.Namespace) -> dict:
+    """A record's effective prefill rate and what a server at it attains at ``--rates``
+    (the probe's prompts of ``--record``)."""
+    record = json.loads(path.read_text())
+    rate_tokens_s = effective_prefill_rate(record)
+    attained = {}
+    for rate in (float(r) for r in args.rates.split(",")):
+        ttft = fcfs_ttft_s(gamma_arrivals(len(tokens), rate, seed=0), tokens, rate_tokens_s)
+        attained[str(rate)] = round(float(np.mean(ttft <= args.ttft_slo_s)), 4)
+    print(f"{path.name}: {rate_tokens_s:.0f} tokens/s; in arrival order {attained}")
+    return {"record": path.as_posix(), "git_revision": record.get("git_revision"),
+            "probe": record.get("probe"), "effective_prefill_tokens_per_s": rate_tokens_s,
+            "fcfs_attainment_by_rate": attained}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--record", type=Path, required=True,
@@ -82,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="0.5,0.6,0.65,0.7,0.8,0.9")
     parser.add_argument("--ttft-slo-s", type=float, default=15.0)
     parser.add_argument("--attainment", type=float, default=0.9)
+    parser.add_argument("--effective-from", type=Path, nargs="*", default=[],
+                        help="probe records: each one's effective prefill rate and the "
+                        "attainment a server at that rate, in arrival order, reaches at "
+                        "each rate")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     record = json.loads(args.record.read_text())
@@ -93,10 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         least = least_prefill_rate(arrivals, tokens, args.ttft_slo_s, args.attainment)
         rows.append({"rate": rate, "least_prefill_tokens_per_s": round(least)})
         print(f"{rate:5.2f} req/s: prefill >= {least:7.0f} tokens/s")
+    effective = [effective_row(path, tokens, args) for path in args.effective_from]
     config = {"record": args.record.as_posix(), "ttft_slo_s": args.ttft_slo_s,
               "attainment": args.attainment}
     result = {**result_header(config), "kind": "analysis", "prompts": len(tokens),
-              "prompt_tokens": sum(tokens), "rows": rows}
+              "prompt_tokens": sum(tokens), "rows": rows,
+              "effective": effective}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -437,3 +437,13 @@ def test_the_prefill_bound_is_the_least_rate_some_set_of_requests_passes_at():
         pytest.approx(1000, abs=1)
     assert bound.least_prefill_rate([0.0, 1.0], [2000, 1000], 1.0, 1.0) == pytest.approx(
         2000, abs=1)
+
+
+def test_the_effective_prefill_rate_recovers_the_rate_a_fcfs_server_ran_at():
+    bound = _load("loogle_bound")
+    arrivals, tokens = [0.0, 0.5, 1.0, 4.0], [3000, 2000, 4000, 1000]
+    ttft = bound.fcfs_ttft_s(arrivals, tokens, 2000.0)
+    assert ttft.tolist() == pytest.approx([1.5, 2.0, 3.5, 1.0])
+    record = {"samples": [{"send_s": a, "prompt_len": p, "ttft_ms": 1e3 * t}
+                          for a, p, t in zip(arrivals, tokens, ttft, strict=True)]}
+    assert bound.effective_prefill_rate(record) == 2000.0
