@@ -220,6 +220,12 @@ def settings_of(command: str, resolved: dict | None = None) -> PlannerSettings:
     parser.add_argument("--mux-tpot-bank-cap", type=float, default=0.0)
     parser.add_argument("--mux-ttft-pressed-margin", type=float, default=0.0)
     flags, _ = parser.parse_known_args(shlex.split(command))
+    # A command line that left them to the defaults ran what its engine reported (the bank
+    # and the pressure are on by default after 8a6ad63).
+    flags.mux_tpot_bank_cap = flags.mux_tpot_bank_cap or (resolved or {}).get(
+        "tpot_bank_cap", 0.0)
+    flags.mux_ttft_pressed_margin = flags.mux_ttft_pressed_margin or (resolved or {}).get(
+        "ttft_pressed_margin", 0.0)
     if flags.mux_tpot_bank_cap:
         # The walk plans beside a decode load with no requests behind it: nothing banked.
         raise ValueError(f"--mux-tpot-bank-cap {flags.mux_tpot_bank_cap:g}: the walk does not "

@@ -409,7 +409,8 @@ def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
         return None
     fit = json.loads(SHARE_FIT.read_text())
     planner = interference.get("engine_planner") or {}
-    ran = ran_explicitly(schedule_args, planner.get("sharing"))  # as it ran them
+    ran = ran_explicitly(schedule_args, planner.get("sharing"),  # as it ran them
+                         engine=engine_reported(interference))
     settings = settings_of(ran, planner).learned(
         interference.get("engine_calibration") or fit["corrections"])
     predictor = served_predictor(ROOT / path)
@@ -448,7 +449,14 @@ def engine_planner_args(schedule_args: str, interference: dict) -> str:
     return ran_explicitly(
         schedule_args + f" --mux-graph-step-tokens {planner.get('graph_step_tokens', 0)}"
         + f" --mux-mixed-floor-tokens {planner.get('mixed_floor_tokens', 0)}",
-        planner.get("sharing"), rule)
+        planner.get("sharing"), rule, engine_reported(interference))
+
+
+def engine_reported(interference: dict) -> dict:
+    """What the run's multiplex engine reported of its planner and calibration, in the
+    shape ``ran_explicitly`` reads (the engine's ``describe()``)."""
+    return {**(interference.get("engine_planner") or {}),
+            "calibration": interference.get("engine_calibration") or {}}
 
 
 PROBE_TIMING_DRAWS = 5

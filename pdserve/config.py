@@ -22,6 +22,11 @@ PREFILL_ORDERS = ("fcfs", "slo")
 # a request's mean, and on the H200 chunked 512's ShareGPT-like steps ran ~1.05x it while
 # requests' TPOT P99 stayed near it (decode-only steps between bursts run at ~20 ms).
 MAX_TTFT_PRESSED_MARGIN = 1.5
+# The multiplex defaults since the H200 goodput probes at f67d252 (docs/results.md, "The TPOT
+# bank to 2x with the splits starting at 1.3"): with them multiplexing matched or passed the
+# best baseline's goodput on the LooGLE-like, ShareGPT-like and Mooncake workloads.
+DEFAULT_TTFT_PRESSED_MARGIN = 1.05
+DEFAULT_TPOT_BANK_QUANTILE = 0.05
 
 
 def doc(default: Any, help: str, **kwargs) -> Any:
@@ -135,7 +140,7 @@ class SchedulerConfig:
                                      "(a large decode batch otherwise leaves a graph step of "
                                      "a few prompt tokens once eager steps are priced over "
                                      "the budget).")
-    mux_reweigh_spatial_batches: bool = doc(False, "multiplex: before the next prefill "
+    mux_reweigh_spatial_batches: bool = doc(True, "multiplex: before the next prefill "
                                             "batch starts beside a decode step running on a "
                                             "partition, weigh every option (mixed steps "
                                             "included) against that partition's, and let the "
@@ -144,21 +149,22 @@ class SchedulerConfig:
                                             "the partition's own spatial option only, so a "
                                             "busy decode lane can keep prefill on a partition "
                                             "long after mixed steps would deliver more.")
-    mux_tpot_bank_cap: float = doc(0.0, "multiplex: let a mixed step or a time slice run past "
+    mux_tpot_bank_cap: float = doc(2.0, "multiplex: let a mixed step or a time slice run past "
                                    "the ITL budget by what every running request has banked "
                                    "against it (the budget times its output tokens, less the "
                                    "time since its first token), up to this multiple of "
                                    "--itl-slo-ms (>= 1; 0: off, every step within the "
                                    "budget). For a TPOT SLO, a mean per request: decode-only "
                                    "steps bank what larger prefill chunks then spend.")
-    mux_tpot_bank_quantile: float = doc(0.0, "multiplex, with --mux-tpot-bank-cap: spend the "
+    mux_tpot_bank_quantile: float | None = doc(None, "multiplex, with --mux-tpot-bank-cap: "
+                                               "spend the "
                                         "bank of the request at this quantile of the decode "
                                         "batch's banks instead of the tightest's (in [0, 1); "
                                         "0: the tightest, every request kept within). An SLO "
                                         "to be met by nine requests in ten may leave the "
                                         "tenth with the least banked, e.g. one that just "
-                                        "joined, over it.")
-    mux_ttft_pressed_margin: float = doc(0.0, "multiplex: while a waiting prompt is "
+                                        "joined, over it. Default: 0.05 with the bank on.")
+    mux_ttft_pressed_margin: float | None = doc(None, "multiplex: while a waiting prompt is "
                                          "predicted to miss --ttft-slo-ms at the prefill "
                                          "rate of mixed steps planned to --mux-itl-margin, "
                                          "plan mixed steps and time slices to this share of "
@@ -166,7 +172,8 @@ class SchedulerConfig:
                                          "0: off; past 1 a step runs over the ITL target, "
                                          "which a TPOT SLO, a request's mean, can absorb "
                                          "where decode-only steps run short). Needs "
-                                         "--ttft-slo-ms.")
+                                         "--ttft-slo-ms; default: 1.05 with "
+                                         "--ttft-slo-ms, off without.")
     mux_prefill_correction: str = doc("converging", "multiplex: how each sharing option's "
                                       "prefill correction learns from its pieces: "
                                       "'converging' moves it towards their measured over "
@@ -193,7 +200,7 @@ class SchedulerConfig:
                                  "first use, a host pause), not its option's rate: no "
                                  "correction learns from it (> 1; 0: off).")
     mux_co_running_correction: float = doc(
-        1.0, "multiplex: the prefill correction SM splits and time slices start from (what "
+        1.3, "multiplex: the prefill correction SM splits and time slices start from (what "
         "their batches are expected to take over the profile's time; the planner divides "
         "their rates by it until serving teaches it otherwise); 1.0: the profile's rates. "
         "On the H200 such batches delivered 0.67-0.95 of the rate they were chosen by "
@@ -249,17 +256,35 @@ class SchedulerConfig:
         self._check_tpot_bank_quantile()
         self._check_ttft_pressed_margin()
 
+    def tpot_bank_quantile(self) -> float:
+        """The bank quantile in force: as set, or by default
+        ``DEFAULT_TPOT_BANK_QUANTILE`` with the bank on and 0 with it off."""
+        if self.mux_tpot_bank_quantile is not None:
+            return self.mux_tpot_bank_quantile
+        return DEFAULT_TPOT_BANK_QUANTILE if self.mux_tpot_bank_cap else 0.0
+
     def _check_tpot_bank_quantile(self) -> None:
         quantile = self.mux_tpot_bank_quantile
+        if quantile is None:
+            return
         if not 0.0 <= quantile < 1.0:
             raise ValueError(f"--mux-tpot-bank-quantile {quantile}: must be in [0, 1)")
         if quantile > 0.0 and self.mux_tpot_bank_cap == 0.0:
             raise ValueError("--mux-tpot-bank-quantile needs --mux-tpot-bank-cap (the bank "
                              "is off without it)")
 
+    def ttft_pressed_margin(self) -> float:
+        """The pressed margin in force: as set, or by default ``DEFAULT_TTFT_PRESSED_MARGIN``
+        where a TTFT SLO is set and off (0) where none is."""
+        if self.mux_ttft_pressed_margin is not None:
+            return self.mux_ttft_pressed_margin
+        if self.ttft_slo_ms is None or self.ttft_slo_ms <= 0:
+            return 0.0
+        return DEFAULT_TTFT_PRESSED_MARGIN
+
     def _check_ttft_pressed_margin(self) -> None:
         margin = self.mux_ttft_pressed_margin
-        if margin == 0.0:
+        if margin is None or margin == 0.0:
             return
         if not self.mux_itl_margin <= margin <= MAX_TTFT_PRESSED_MARGIN:
             raise ValueError(f"--mux-ttft-pressed-margin {margin}: must be 0 (off) or in "
@@ -285,18 +310,35 @@ MUX_SHARING = ("temporal", "time_slice", "spatial")
 # benchmark configurations keep their records' meaning by naming them).
 EARLIER_DEFAULTS = {"--mux-sharing": "temporal,time_slice,spatial",
                     "--mux-prefill-correction": "compounding"}
+# Multiplex defaults through 8a6ad63 (the TPOT bank, the reweighing, TTFT pressure and the
+# co-running start were opt-in): by the engine's own report where a record has it.
+EARLIER_PLANNER_DEFAULTS = {"--mux-tpot-bank-cap": ("tpot_bank_cap", "0"),
+                            "--mux-tpot-bank-quantile": ("tpot_bank_quantile", "0"),
+                            "--mux-ttft-pressed-margin": ("ttft_pressed_margin", "0"),
+                            "--mux-co-running-correction": ("co_running_start", "1.0"),
+                            "--mux-reweigh-spatial-batches": ("reweigh_spatial_batches", False)}
 
 
 def ran_explicitly(server_args: str, sharing: list[str] | None = None,
-                   prefill_rule: str | None = None) -> str:
-    """``server_args`` with ``--mux-sharing`` and ``--mux-prefill-correction`` added where
-    they are not named: as the engine reported running them, else the defaults of the
-    time (``EARLIER_DEFAULTS``), so a replay or a benchmark configuration keeps a record's
-    meaning whatever the defaults are now."""
+                   prefill_rule: str | None = None, engine: dict | None = None) -> str:
+    """``server_args`` with the multiplex flags whose defaults changed added where they are
+    not named: as the engine reported running them (``sharing``, ``prefill_rule``, and
+    ``engine``, the multiplex engine's ``describe()``), else the defaults of the time
+    (``EARLIER_DEFAULTS``, ``EARLIER_PLANNER_DEFAULTS``), so a replay or a benchmark
+    configuration keeps a record's meaning whatever the defaults are now."""
     ran = {"--mux-sharing": ",".join(sharing or []), "--mux-prefill-correction": prefill_rule}
-    named = set(shlex.split(server_args))
+    named = {part.split("=")[0].replace("--no-", "--") for part in shlex.split(server_args)}
     missing = [f"{flag} {ran[flag] or earlier}" for flag, earlier in EARLIER_DEFAULTS.items()
                if flag not in named]
+    reported = {**(engine or {}), **((engine or {}).get("calibration") or {})}
+    for flag, (key, earlier) in EARLIER_PLANNER_DEFAULTS.items():
+        if flag in named:
+            continue
+        value = reported.get(key, earlier)
+        if isinstance(earlier, bool):
+            missing.append(flag if value else flag.replace("--", "--no-", 1))
+        else:
+            missing.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
     return " ".join([server_args, *missing])
 
 

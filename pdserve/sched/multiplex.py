@@ -627,7 +627,7 @@ def mux_planner_config(sched: SchedulerConfig, **overrides) -> MuxPlannerConfig:
                   mixed_floor_cap=sched.mux_mixed_floor_cap,
                   floor_off_graphs=sched.mux_floor_off_graphs,
                   tpot_bank_cap=sched.mux_tpot_bank_cap,
-                  tpot_bank_quantile=sched.mux_tpot_bank_quantile,
-                  ttft_pressed_margin=sched.mux_ttft_pressed_margin,
+                  tpot_bank_quantile=sched.tpot_bank_quantile(),
+                  ttft_pressed_margin=sched.ttft_pressed_margin(),
                   **{name: name in sharing for name in MUX_SHARING})
     return MuxPlannerConfig(**{**fields, **overrides})

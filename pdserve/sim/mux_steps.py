@@ -532,7 +532,7 @@ def record_server_args(record: dict) -> str:
     rule it ran made explicit (``ran_explicitly``, from its engine info)."""
     engine = record["config"].get("engine") or {}
     return ran_explicitly(record["config"]["server_args"], engine.get("sharing"),
-                          (engine.get("calibration") or {}).get("prefill_rule"))
+                          (engine.get("calibration") or {}).get("prefill_rule"), engine)
 
 
 def scheduler_config(server_args: str, variant: str = "") -> SchedulerConfig:

@@ -162,8 +162,22 @@ def test_every_config_is_a_valid_server_command_line():
     bank = _flags(module.CONFIGS["multiplex-graph512-floor-converging-noslice-bank2q5-itl60"])
     assert (bank["--mux-tpot-bank-cap"], bank["--mux-tpot-bank-quantile"]) == ("2", "0.05")
     reweigh = _flags(module.CONFIGS["multiplex-graph512-floor-converging-noslice-reweigh-itl60"])
+    plain = _flags(module.CONFIGS["multiplex-graph512-floor-converging-noslice-itl60"])
     assert reweigh.pop("--mux-reweigh-spatial-batches") == "on"
-    assert reweigh == _flags(module.CONFIGS["multiplex-graph512-floor-converging-noslice-itl60"])
+    assert plain.pop("--no-mux-reweigh-spatial-batches") == "on"  # the default until 8a6ad63
+    assert reweigh == plain
+    # The defaults after 8a6ad63 are B2's flags: a server given none of them runs B2.
+    from pdserve.sim.mux_steps import scheduler_config
+    b2_args = module.CONFIGS[module.TABLE_CONFIGS[0]].format(predictor="p.json",
+                                                             ttft_slo_ms=2000)
+    b2, named = _flags(b2_args), scheduler_config(b2_args)
+    default = scheduler_config(" ".join(f"{k} {v}" for k, v in b2.items() if k in (
+        "--itl-slo-ms", "--ttft-slo-ms")))
+    for field in ("mux_tpot_bank_cap", "mux_co_running_correction",
+                  "mux_reweigh_spatial_batches"):
+        assert getattr(named, field) == getattr(default, field), field
+    assert (named.tpot_bank_quantile(), named.ttft_pressed_margin()) == (
+        default.tpot_bank_quantile(), default.ttft_pressed_margin())
 
 
 def _flags(args: str) -> dict[str, str]:
@@ -201,8 +215,9 @@ def test_the_floor_configs_differ_only_by_the_floor_from_what_they_are_compared_
     assert guarded.pop("--mux-prefill-correction") == "compounding"
     assert delivery == guarded
     banked = _flags(configs["multiplex-graph-floor-bank3-guarded-delivery-itl60"])
-    assert banked.pop("--mux-tpot-bank-cap") == "3"
-    assert banked == _flags(configs["multiplex-graph-floor-guarded-delivery-itl60"])
+    unbanked = _flags(configs["multiplex-graph-floor-guarded-delivery-itl60"])
+    assert (banked.pop("--mux-tpot-bank-cap"), unbanked.pop("--mux-tpot-bank-cap")) == ("3", "0")
+    assert banked == unbanked
     off_graphs = _flags(configs["multiplex-graph-floor-off-graphs-itl60"])
     assert off_graphs.pop("--mux-floor-off-graphs") == "on"
     assert off_graphs == _flags(configs["multiplex-graph-floor-itl60"])
@@ -322,8 +337,9 @@ def test_summary_brackets_missing_probes_revisions_and_figure3(tool, tmp_path):
     assert next(line for line in markdown.splitlines()
                 if line.startswith("| chunk512 |")).split("|")[2].strip() == "0.1"
     assert "† (bbbbbbb)" in markdown  # chunk1024 comes from another revision
-    assert "run --search loogle:multiplex-graph512-floor-converging-noslice-itl60," \
-        "multiplex-graph512-floor-itl60 --max-probes 2" in markdown
+    assert "run --search loogle:multiplex-graph512-floor-converging-noslice-reweigh-bank200q5-" \
+        "pressed105-corun130-itl60,multiplex-graph512-floor-converging-noslice-itl60 " \
+        "--max-probes 2" in markdown
     assert (tmp_path / "figure3_loogle.png").stat().st_size > 0
     assert "| chunk512 | 0.1 | 0.1 | 0.1 | 0.1 |" in markdown  # one run, every ITL SLO
 

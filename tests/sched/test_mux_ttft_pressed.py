@@ -132,7 +132,19 @@ def test_the_goodput_configs_bank_beside_the_pressure_serve_the_same_tokens():
         llm = LLM("tiny", device="cpu", schedule="multiplex", mux_predictor="roofline",
                   **options)
         info = llm.engine.describe()
+        # The defaults: the bank to 2x, no pressure without a TTFT SLO.
         assert info["ttft_pressed_margin"] == options.get("mux_ttft_pressed_margin", 0.0)
-        assert info["tpot_bank_cap"] == options.get("mux_tpot_bank_cap", 0.0)
+        assert info["tpot_bank_cap"] == options.get("mux_tpot_bank_cap", 2.0)
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_the_pressed_margin_defaults_to_1_05_with_a_ttft_slo_and_off_without():
+    from pdserve.config import SchedulerConfig
+
+    assert SchedulerConfig().ttft_pressed_margin() == 0.0
+    assert SchedulerConfig(ttft_slo_ms=2000.0).ttft_pressed_margin() == 1.05
+    assert SchedulerConfig(ttft_slo_ms=2000.0,
+                           mux_ttft_pressed_margin=0.0).ttft_pressed_margin() == 0.0
+    with pytest.raises(ValueError, match="set --ttft-slo-ms"):
+        SchedulerConfig(mux_ttft_pressed_margin=1.05)  # named without an SLO: not ignored

@@ -36,8 +36,9 @@ PREDICTOR = RESULTS / "loogle_h200" / "d698fcb_predictor.json"
 VALIDATION = RESULTS / "sim_validate_instance_h200_8ccd9ac.json"
 TIMELINE = RESULTS / "sim_validate_instance_h200_8ccd9ac_multiplex_timeline_replay.json.gz"
 HELD_OUT_TIMELINE = RESULTS / "sim_validate_instance_h200_7dad880_multiplex_timeline_replay.json.gz"
+# The engine's planner at 8ccd9ac (the TPOT bank off, as it was by default then).
 SERVER_ARGS = ("--schedule multiplex --itl-slo-ms 60 --mux-predictor p "
-               "--mux-graph-step-tokens 256 --mux-mixed-floor-tokens 256")
+               "--mux-graph-step-tokens 256 --mux-mixed-floor-tokens 256 --mux-tpot-bank-cap 0")
 
 
 def _script(name: str):
