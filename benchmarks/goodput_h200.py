@@ -44,7 +44,6 @@ import math
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -73,7 +72,12 @@ from pdserve.bench.evidence import (  # noqa: E402
     searches,
 )
 from pdserve.bench.metrics import sample_attainment  # noqa: E402
-from pdserve.bench.report import portable_command, result_header, write_json  # noqa: E402
+from pdserve.bench.report import (  # noqa: E402
+    check_gpu,
+    portable_command,
+    result_header,
+    write_json,
+)
 from pdserve.bench.runner import RunContext, SloOptions, run_at_rate, warm_up  # noqa: E402
 from pdserve.bench.spec import WorkloadSpec, parse_spec  # noqa: E402
 from pdserve.bench.timeline import load_engine_timeline, timeline_beside  # noqa: E402
@@ -1286,28 +1290,6 @@ def _import_parser(sub) -> None:
     p.add_argument("folder", type=Path)
     p.add_argument("--label", required=True, help="Prefixes the server logs (call1, ...).")
     p.add_argument("--results", type=Path, default=RESULTS)
-
-
-def gpu_name() -> str | None:
-    """The first GPU's name as nvidia-smi reports it; None on a host without nvidia-smi."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.splitlines()[0].strip() if out.strip() else None
-
-
-def check_gpu(expected: str, name_of_gpu=gpu_name) -> None:
-    """Stop before any server starts when the GPU is not the one the probes are for: on an
-    80 GB card codellama-34b at a 24,576-token context leaves no KV pool, so every server
-    would fail after loading (about 20 s each)."""
-    if expected == "any":
-        return
-    name = name_of_gpu()
-    if name is not None and expected.lower() not in name.lower():
-        raise SystemExit(f"the GPU is {name!r}, not an {expected}: these probes are defined "
-                         f"on an {expected} (--expect-gpu any runs them anyway)")
 
 
 def cmd_run(args: argparse.Namespace) -> int:

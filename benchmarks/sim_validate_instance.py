@@ -98,7 +98,7 @@ from benchmarks.validate_sim import (  # noqa: E402
     spread,
     token_clock,
 )
-from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.bench.report import check_gpu, result_header, write_json  # noqa: E402
 from pdserve.bench.timeline import load_engine_timeline as load_timeline  # noqa: E402
 from pdserve.config import ran_explicitly  # noqa: E402
 from pdserve.sched.predictor import served_predictor  # noqa: E402
@@ -957,6 +957,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mix-warmup-s", type=float, default=3.0)
     parser.add_argument("--decode-kv-tokens", type=int, default=290_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--expect-gpu", help="stop before any server unless the GPU's name "
+                        "contains this (default: H200 for codellama-34b, else any; 'any': "
+                        "no check)")
     if parser.parse_known_args()[0].smoke:
         # As defaults, not over the parsed values: a flag given beside --smoke is taken,
         # where an update after parsing dropped it without a word.
@@ -982,6 +985,7 @@ def main() -> int:
     unknown = [s for s in args.schedules.split(",") if s not in table]
     if unknown:
         raise SystemExit(f"unknown schedule {unknown}: choose from {', '.join(table)}")
+    check_gpu(args.expect_gpu or ("H200" if args.model == "codellama-34b" else "any"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # on CPU: the instance, not every core
     config = {k: v for k, v in vars(args).items() if k != "out"}
     header = result_header({**config, "trace": os.path.relpath(args.trace, ROOT)})

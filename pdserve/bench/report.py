@@ -57,6 +57,25 @@ def device_info() -> dict:
             "gpus": [line.strip() for line in gpus.splitlines() if line.strip()]}
 
 
+def gpu_name() -> str | None:
+    """The first GPU's name as nvidia-smi reports it; None on a host without one."""
+    names = _run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
+    return names.splitlines()[0].strip() if names else None
+
+
+def check_gpu(expected: str, name_of_gpu=gpu_name) -> None:
+    """Stop (SystemExit) when the GPU is not the one a benchmark is defined on, before it
+    starts any server: on an 80 GB card codellama-34b at a 24,576-token context leaves no
+    KV pool, so every server would fail after loading. ``any``: no check; none on a host
+    without nvidia-smi (a CPU run of the tiny model)."""
+    if expected == "any":
+        return
+    name = name_of_gpu()
+    if name is not None and expected.lower() not in name.lower():
+        raise SystemExit(f"the GPU is {name!r}, not an {expected}: this benchmark is defined "
+                         f"on an {expected} (--expect-gpu any runs it anyway)")
+
+
 def portable_command(parts: list[str]) -> list[str]:
     """A command as anyone would rerun it: this interpreter's install path is the host's own."""
     return ["python" if part == sys.executable else part for part in parts]

@@ -738,8 +738,11 @@ def test_every_config_is_a_serve_command_line_the_cli_accepts():
 
 
 def test_probes_stop_before_any_server_on_a_gpu_they_are_not_for(tool):
+    from pdserve.bench.report import check_gpu
+
+    assert tool.check_gpu is check_gpu  # what cmd_run calls before any server
     with pytest.raises(SystemExit, match="NVIDIA H100 80GB HBM3.*not an H200"):
-        tool.check_gpu("H200", lambda: "NVIDIA H100 80GB HBM3")
-    tool.check_gpu("H200", lambda: "NVIDIA H200")
-    tool.check_gpu("H200", lambda: None)  # no nvidia-smi: a CPU host, the tiny model's runs
-    tool.check_gpu("any", lambda: "NVIDIA H100 80GB HBM3")
+        check_gpu("H200", lambda: "NVIDIA H100 80GB HBM3")
+    check_gpu("H200", lambda: "NVIDIA H200")
+    check_gpu("H200", lambda: None)  # no nvidia-smi: a CPU host, the tiny model's runs
+    check_gpu("any", lambda: "NVIDIA H100 80GB HBM3")
