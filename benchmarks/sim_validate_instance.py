@@ -51,7 +51,7 @@ The default trace is the first 600 s of the public trace (FAST'25 Mooncake,
 On an H200 (about 6-8 minutes by estimate: two starts of codellama-34b, two 60 s
 replays, the queue probes about 25 s each)::
 
-    PYTHONPATH=$PWD python benchmarks/sim_validate_instance.py --out /tmp/validation
+    PYTHONPATH=$PWD python benchmarks/sim_validate_instance.py --out out/validation
 
 ``--smoke`` runs the same steps with the tiny model on CPU in about two minutes.
 
