@@ -271,9 +271,7 @@ CONFIGS["multiplex-graph512-floor-delivery-itl60"] = (
 # Time slices became opt-in and the converging prefill rule the default after e1f3fe3 (on
 # the H200 time slices' batches delivered less prefill than mixed steps in every run where
 # both ran; the compounding rule walked their factor to its 0.5 bound): every multiplex
-# configuration above names what its records ran.
-CONFIGS = {name: ran_explicitly(args) if name.startswith("multiplex") else args
-           for name, args in CONFIGS.items()}
+# configuration above runs what its records ran (named at the end of the table).
 # The engine's defaults since then, named in full.
 CONFIGS["multiplex-graph512-floor-converging-noslice-itl60"] = (
     f"{MUX_ARGS} --itl-slo-ms 60{GRAPH512} --mux-graph-step-tokens 512{FLOOR_ARGS}"
@@ -377,7 +375,8 @@ CONFIGS[_B.replace("bank120q5-pressed105-itl60", "bank200q5-pressed105-corun130-
     CONFIGS[_B].replace("--mux-tpot-bank-cap 1.2", "--mux-tpot-bank-cap 2.0")
     + " --mux-co-running-correction 1.3")
 # Every multiplex configuration keeps the meaning its records ran with when the defaults
-# change (B2's flags became the defaults after 8a6ad63): what it does not name, named.
+# change (time slices and the compounding rule after e1f3fe3, B2's flags after 8a6ad63):
+# what it does not name, named as it ran.
 CONFIGS = {name: ran_explicitly(args) if name.startswith("multiplex") else args
            for name, args in CONFIGS.items()}
 # The engine's default multiplex first (B2's flags, with --ttft-slo-ms), then the ones its

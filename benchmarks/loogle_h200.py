@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # runnable from a plain checkout
 
-from pdserve.bench.report import check_gpu, portable_command  # noqa: E402
+from pdserve.bench.report import check_gpu, expected_gpu, portable_command  # noqa: E402
 from pdserve.bench.timeline import piece_times, prefill_delivery  # noqa: E402
 from pdserve.config import ran_explicitly  # noqa: E402
 from pdserve.testing import start_serve  # noqa: E402
@@ -207,7 +207,7 @@ def main() -> None:
     parser.add_argument("--expect-gpu", help="stop unless the GPU's name contains this "
                         "(default: H200 for codellama-34b, else any; 'any': no check)")
     args = parser.parse_args()
-    check_gpu(args.expect_gpu or ("H200" if args.model == "codellama-34b" else "any"))
+    check_gpu(expected_gpu(args.expect_gpu, args.model))
     args.out.mkdir(parents=True, exist_ok=True)
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]

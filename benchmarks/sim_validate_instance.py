@@ -98,7 +98,7 @@ from benchmarks.validate_sim import (  # noqa: E402
     spread,
     token_clock,
 )
-from pdserve.bench.report import check_gpu, result_header, write_json  # noqa: E402
+from pdserve.bench.report import check_gpu, expected_gpu, result_header, write_json  # noqa: E402
 from pdserve.bench.timeline import load_engine_timeline as load_timeline  # noqa: E402
 from pdserve.config import ran_explicitly  # noqa: E402
 from pdserve.sched.predictor import served_predictor  # noqa: E402
@@ -409,8 +409,7 @@ def planner_share(schedule_args: str, interference: dict, model: LatencyModel,
         return None
     fit = json.loads(SHARE_FIT.read_text())
     planner = interference.get("engine_planner") or {}
-    ran = ran_explicitly(schedule_args, planner.get("sharing"),  # as it ran them
-                         engine=engine_reported(interference))
+    ran = ran_explicitly(schedule_args, engine_reported(interference))  # as it ran them
     settings = settings_of(ran, planner).learned(
         interference.get("engine_calibration") or fit["corrections"])
     predictor = served_predictor(ROOT / path)
@@ -445,11 +444,10 @@ def engine_planner_args(schedule_args: str, interference: dict) -> str:
     (``engine_planner``; a run that did not record them: off, as before those defaults),
     its sharing options and prefill rule as it ran them (``ran_explicitly``)."""
     planner = interference.get("engine_planner") or {}
-    rule = (interference.get("engine_calibration") or {}).get("prefill_rule")
     return ran_explicitly(
         schedule_args + f" --mux-graph-step-tokens {planner.get('graph_step_tokens', 0)}"
         + f" --mux-mixed-floor-tokens {planner.get('mixed_floor_tokens', 0)}",
-        planner.get("sharing"), rule, engine_reported(interference))
+        engine_reported(interference))
 
 
 def engine_reported(interference: dict) -> dict:
@@ -985,7 +983,7 @@ def main() -> int:
     unknown = [s for s in args.schedules.split(",") if s not in table]
     if unknown:
         raise SystemExit(f"unknown schedule {unknown}: choose from {', '.join(table)}")
-    check_gpu(args.expect_gpu or ("H200" if args.model == "codellama-34b" else "any"))
+    check_gpu(expected_gpu(args.expect_gpu, args.model))
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # on CPU: the instance, not every core
     config = {k: v for k, v in vars(args).items() if k != "out"}
     header = result_header({**config, "trace": os.path.relpath(args.trace, ROOT)})

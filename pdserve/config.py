@@ -156,14 +156,12 @@ class SchedulerConfig:
                                    "--itl-slo-ms (>= 1; 0: off, every step within the "
                                    "budget). For a TPOT SLO, a mean per request: decode-only "
                                    "steps bank what larger prefill chunks then spend.")
-    mux_tpot_bank_quantile: float | None = doc(None, "multiplex, with --mux-tpot-bank-cap: "
-                                               "spend the "
-                                        "bank of the request at this quantile of the decode "
-                                        "batch's banks instead of the tightest's (in [0, 1); "
-                                        "0: the tightest, every request kept within). An SLO "
-                                        "to be met by nine requests in ten may leave the "
-                                        "tenth with the least banked, e.g. one that just "
-                                        "joined, over it. Default: 0.05 with the bank on.")
+    mux_tpot_bank_quantile: float | None = doc(
+        None, "multiplex, with --mux-tpot-bank-cap: spend the bank of the request at this "
+        "quantile of the decode batch's banks instead of the tightest's (in [0, 1); 0: the "
+        "tightest, every request kept within). An SLO to be met by nine requests in ten may "
+        "leave the tenth with the least banked, e.g. one that just joined, over it. "
+        "Default: 0.05 with the bank on.")
     mux_ttft_pressed_margin: float | None = doc(None, "multiplex: while a waiting prompt is "
                                          "predicted to miss --ttft-slo-ms at the prefill "
                                          "rate of mixed steps planned to --mux-itl-margin, "
@@ -312,25 +310,26 @@ EARLIER_DEFAULTS = {"--mux-sharing": "temporal,time_slice,spatial",
                     "--mux-prefill-correction": "compounding"}
 # Multiplex defaults through 8a6ad63 (the TPOT bank, the reweighing, TTFT pressure and the
 # co-running start were opt-in): by the engine's own report where a record has it.
-EARLIER_PLANNER_DEFAULTS = {"--mux-tpot-bank-cap": ("tpot_bank_cap", "0"),
-                            "--mux-tpot-bank-quantile": ("tpot_bank_quantile", "0"),
-                            "--mux-ttft-pressed-margin": ("ttft_pressed_margin", "0"),
-                            "--mux-co-running-correction": ("co_running_start", "1.0"),
+EARLIER_PLANNER_DEFAULTS = {"--mux-tpot-bank-cap": ("tpot_bank_cap", 0.0),
+                            "--mux-tpot-bank-quantile": ("tpot_bank_quantile", 0.0),
+                            "--mux-ttft-pressed-margin": ("ttft_pressed_margin", 0.0),
+                            "--mux-co-running-correction": ("co_running_start", 1.0),
                             "--mux-reweigh-spatial-batches": ("reweigh_spatial_batches", False)}
 
 
-def ran_explicitly(server_args: str, sharing: list[str] | None = None,
-                   prefill_rule: str | None = None, engine: dict | None = None) -> str:
+def ran_explicitly(server_args: str, engine: dict | None = None) -> str:
     """``server_args`` with the multiplex flags whose defaults changed added where they are
-    not named: as the engine reported running them (``sharing``, ``prefill_rule``, and
-    ``engine``, the multiplex engine's ``describe()``), else the defaults of the time
-    (``EARLIER_DEFAULTS``, ``EARLIER_PLANNER_DEFAULTS``), so a replay or a benchmark
-    configuration keeps a record's meaning whatever the defaults are now."""
-    ran = {"--mux-sharing": ",".join(sharing or []), "--mux-prefill-correction": prefill_rule}
+    not named: as the engine reported running them (``engine``, the multiplex engine's
+    ``describe()``: its sharing options, planner settings and calibration), else the
+    defaults of the time (``EARLIER_DEFAULTS``, ``EARLIER_PLANNER_DEFAULTS``), so a replay
+    or a benchmark configuration keeps a record's meaning whatever the defaults are now."""
+    engine = engine or {}
+    reported = {**engine, **(engine.get("calibration") or {})}
+    ran = {"--mux-sharing": ",".join(engine.get("sharing") or []),
+           "--mux-prefill-correction": reported.get("prefill_rule")}
     named = {part.split("=")[0].replace("--no-", "--") for part in shlex.split(server_args)}
     missing = [f"{flag} {ran[flag] or earlier}" for flag, earlier in EARLIER_DEFAULTS.items()
                if flag not in named]
-    reported = {**(engine or {}), **((engine or {}).get("calibration") or {})}
     for flag, (key, earlier) in EARLIER_PLANNER_DEFAULTS.items():
         if flag in named:
             continue
@@ -338,7 +337,7 @@ def ran_explicitly(server_args: str, sharing: list[str] | None = None,
         if isinstance(earlier, bool):
             missing.append(flag if value else flag.replace("--", "--no-", 1))
         else:
-            missing.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+            missing.append(f"{flag} {float(value):g}")
     return " ".join([server_args, *missing])
 
 

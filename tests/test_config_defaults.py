@@ -28,8 +28,7 @@ def test_what_the_engine_reported_wins_over_the_earlier_defaults():
               "tpot_bank_quantile": 0.05, "ttft_pressed_margin": 1.05,
               "reweigh_spatial_batches": True,
               "calibration": {"co_running_start": 1.3, "prefill_rule": "converging"}}
-    ran = ran_explicitly("--schedule multiplex --ttft-slo-ms 5000", engine["sharing"],
-                         "converging", engine)
+    ran = ran_explicitly("--schedule multiplex --ttft-slo-ms 5000", engine)
     sched = scheduler_config(ran)
     assert (sched.mux_tpot_bank_cap, sched.mux_tpot_bank_quantile) == (2.0, 0.05)
     assert sched.ttft_pressed_margin() == 1.05

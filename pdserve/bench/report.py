@@ -63,6 +63,12 @@ def gpu_name() -> str | None:
     return names.splitlines()[0].strip() if names else None
 
 
+def expected_gpu(named: str | None, model: str) -> str:
+    """The GPU a benchmark of ``model`` is defined on, unless ``--expect-gpu`` named one:
+    an H200 for codellama-34b (its 24,576-token KV pool), any for the others."""
+    return named or ("H200" if model == "codellama-34b" else "any")
+
+
 def check_gpu(expected: str, name_of_gpu=gpu_name) -> None:
     """Stop (SystemExit) when the GPU is not the one a benchmark is defined on, before it
     starts any server: on an 80 GB card codellama-34b at a 24,576-token context leaves no

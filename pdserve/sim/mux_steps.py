@@ -530,9 +530,7 @@ def planner_config(server_args: str, variant: str = "", time_slice: bool = False
 def record_server_args(record: dict) -> str:
     """A probe record's server flags with the sharing options and the prefill correction
     rule it ran made explicit (``ran_explicitly``, from its engine info)."""
-    engine = record["config"].get("engine") or {}
-    return ran_explicitly(record["config"]["server_args"], engine.get("sharing"),
-                          (engine.get("calibration") or {}).get("prefill_rule"), engine)
+    return ran_explicitly(record["config"]["server_args"], record["config"].get("engine"))
 
 
 def scheduler_config(server_args: str, variant: str = "") -> SchedulerConfig:

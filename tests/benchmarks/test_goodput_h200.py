@@ -746,3 +746,7 @@ def test_probes_stop_before_any_server_on_a_gpu_they_are_not_for(tool):
     check_gpu("H200", lambda: "NVIDIA H200")
     check_gpu("H200", lambda: None)  # no nvidia-smi: a CPU host, the tiny model's runs
     check_gpu("any", lambda: "NVIDIA H100 80GB HBM3")
+    from pdserve.bench.report import expected_gpu
+
+    assert (expected_gpu(None, "codellama-34b"), expected_gpu(None, "tiny")) == ("H200", "any")
+    assert expected_gpu("H100", "codellama-34b") == "H100"
