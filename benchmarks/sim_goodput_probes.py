@@ -127,16 +127,8 @@ def steps_of(record_path: Path, model: LatencyModel, extra_s: float) -> dict | N
 def run(validation_path: Path, probe_paths: list[Path],
         grid_paths: Sequence[Path] = (),
         steps: bool = False, engine_path: Path | None = None) -> dict:
-    validation = json.loads(validation_path.read_text())
-    args = argparse.Namespace(**validation["config"])
-    fitted = validation["schedules"]["chunk512"]
-    model, decode_fit = with_engine_decode(LatencyModel(**fitted["latency_model"]),
-                                           fitted["service_points"]["decode"], engine_path)
-    model, grid_fit = with_grid(model, grid_paths)
-    extra_s, checks = fit_mixed_step_extra(model, args, fitted["interference"])
-    ratios = fitted["service_ratios"]
-    noise = ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed)
-    revision = validation["git_revision"]
+    model, extra_s, noise, facts = chunked_model(validation_path, grid_paths, engine_path)
+    revision = facts["model_revision"]
     probes, skipped, steps_skipped = {}, {}, {}
     for path in probe_paths:
         record = json.loads(path.read_text())
@@ -161,11 +153,30 @@ def run(validation_path: Path, probe_paths: list[Path],
         elif steps:
             steps_skipped[path.stem] = "no step timeline beside the record"
     found = {"steps_skipped": steps_skipped} if steps else {}
-    return {"kind": "validation", "num_instances": 1, "skipped": skipped, **found,
-            "model_from": str(validation_path.relative_to(ROOT)),
-            "model_revision": revision, **decode_fit, "mixed_step_extra_s": extra_s,
-            "mixed_step_extra_fitted_on": checks.get("fitted_on"), **grid_fit,
+    return {"kind": "validation", "num_instances": 1, "skipped": skipped, **found, **facts,
             "probes": probes}
+
+
+def chunked_model(validation_path: Path, grid_paths: Sequence[Path] = (),
+                  engine_path: Path | None = None
+                  ) -> tuple[LatencyModel, float, ServiceNoise, dict]:
+    """The chunked instance's model as a validation run fitted it (its chunk512 fit), with
+    the grid terms and the decode refit when given: (model, extra cost per mixed step, the
+    measured spread of service times, what a result records of where they came from)."""
+    validation = json.loads(validation_path.read_text())
+    args = argparse.Namespace(**validation["config"])
+    fitted = validation["schedules"]["chunk512"]
+    model, decode_fit = with_engine_decode(LatencyModel(**fitted["latency_model"]),
+                                           fitted["service_points"]["decode"], engine_path)
+    model, grid_fit = with_grid(model, grid_paths)
+    extra_s, checks = fit_mixed_step_extra(model, args, fitted["interference"])
+    ratios = fitted["service_ratios"]
+    noise = ServiceNoise(ratios["prefill"], ratios["decode_step"], seed=args.seed)
+    facts = {"model_from": str(validation_path.relative_to(ROOT)),
+             "model_revision": validation["git_revision"], **decode_fit,
+             "mixed_step_extra_s": extra_s, "mixed_step_extra_fitted_on": checks.get("fitted_on"),
+             **grid_fit}
+    return model, extra_s, noise, facts
 
 
 def with_engine_decode(model: LatencyModel, validation_points: list[dict],

@@ -32,6 +32,13 @@ twice); kept so that that run's simulated figures can be reproduced offline.
 tokenizing) delays the answer's tokens without holding the engine. With
 ``noise`` each step takes a drawn measured ratio times its modelled time.
 
+``step_budget_s``: while requests decode, a step takes the most prompt tokens (up to
+``chunk_size`` less the decodes) whose modelled step stays within the budget, at least one
+token so that prefill always moves: chunked prefill sized to an inter-token target by a
+perfect predictor, which no served schedule runs as such (multiplexing's mixed steps are
+sized to its ITL target, by a fitted predictor). A step with nothing decoding takes up to
+``chunk_size``.
+
 ``prefill_order="slo"`` (with ``ttft_slo_s``) keeps the prompts not yet started in the
 engine's ``--prefill-order slo`` order (``moore_hodgson``), behind the ones already part
 prefilled; the service time of a prompt is its prefill alone in this model (the engine
@@ -211,9 +218,12 @@ class ChunkedInstanceSim:
                  noise: ServiceNoise | None = None, max_batch: int = 256,
                  mixed_step: str = "roofline", mixed_step_extra_s: float = 0.0,
                  overlap: bool = False, prefill_order: str = "fcfs",
-                 ttft_slo_s: float | None = None) -> None:
+                 ttft_slo_s: float | None = None, step_budget_s: float | None = None) -> None:
         if mixed_step not in MIXED_STEP_MODELS:
             raise ValueError(f"mixed_step must be one of {', '.join(MIXED_STEP_MODELS)}")
+        if step_budget_s is not None and step_budget_s <= 0:
+            raise ValueError(f"step_budget_s must be positive, got {step_budget_s}")
+        self.step_budget_s = step_budget_s
         check_prefill_order(prefill_order, None if ttft_slo_s is None else ttft_slo_s * 1e3)
         self.prefill_order, self.ttft_slo_s = prefill_order, ttft_slo_s
         self.model, self.chunk_size, self.max_batch = model, chunk_size, max_batch
@@ -244,13 +254,29 @@ class ChunkedInstanceSim:
             return
         if self.prefill_order == "slo":
             self._order_waiting()
-        pieces = self._pieces(self.chunk_size - len(self.running))
+        pieces = self._budgeted_pieces()
         self._planned_at = self.loop.now
         seconds = self._step_s(pieces)
         if self.noise is not None:
             seconds *= self.noise.span(self._noise_step, self._noise_step + 1)[0]
             self._noise_step += 1
         self.loop.at(self.loop.now + seconds, self._end_step, pieces)
+
+    def _budgeted_pieces(self) -> list[tuple[list, int, int]]:
+        """This step's pieces: the chunk's tokens, or with ``step_budget_s`` while requests
+        decode the most tokens whose step fits the budget (the step grows with its tokens,
+        so by bisection), at least one."""
+        tokens = self.chunk_size - len(self.running)
+        if self.step_budget_s is None or not self.running:
+            return self._pieces(tokens)
+        low, high = 1, max(tokens, 1)  # low: the least taken, fitting or not
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._step_s(self._pieces(middle)) <= self.step_budget_s:
+                low = middle
+            else:
+                high = middle - 1
+        return self._pieces(low)
 
     def _pieces(self, budget: int) -> list[tuple[list, int, int]]:
         """(entry, tokens done before, tokens now) of each waiting prompt in this step."""

@@ -34,6 +34,23 @@ def test_a_prompt_arriving_mid_decode_shares_the_steps():
     assert first.finished == pytest.approx(0.05 + 2 * 0.01 + 0.100 + 0.052 + 15 * 0.01 + 0.02)
 
 
+def test_a_step_budget_sizes_the_pieces_beside_decodes_and_not_alone():
+    first, second = ChunkedInstanceSim(MODEL, chunk_size=100, step_budget_s=0.05).run(
+        [SimRequest(0.0, 50, 20), SimRequest(0.065, 150, 2)])
+    assert first.first_token == pytest.approx(0.05 + 0.02)  # nothing decoding: the chunk
+    # Beside one decode a step of n prompt tokens takes (n + 1) ms: 49 fit in 50 ms, so
+    # pieces of 49, 49, 49 and the last 3 (10 ms, the weight read) from 0.07 s.
+    assert second.first_token == pytest.approx(0.07 + 3 * 0.05 + 0.01 + 0.02)
+
+
+def test_a_step_budget_below_the_decode_step_still_moves_prefill_a_token_a_step():
+    _, second = ChunkedInstanceSim(MODEL, chunk_size=100, step_budget_s=0.005).run(
+        [SimRequest(0.0, 50, 200), SimRequest(0.065, 10, 2)])
+    assert second.first_token == pytest.approx(0.07 + 10 * 0.01 + 0.02)
+    with pytest.raises(ValueError, match="step_budget_s must be positive"):
+        ChunkedInstanceSim(MODEL, step_budget_s=0.0)
+
+
 def test_the_model_as_it_was_adds_the_decode_step_to_each_piece():
     """``mixed_step="sum"``: the model of the first H200 validation (eb12b7d)."""
     first, second = ChunkedInstanceSim(MODEL, chunk_size=100, mixed_step="sum").run(
