@@ -186,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the requests to simulate (a goodput probe or loadgen result)")
     parser.add_argument("--measured", type=Path, nargs="*", default=[],
                         help="measured records of the same requests, set beside")
-    parser.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[256, 512, 1024])
-    parser.add_argument("--budgets-ms", type=lambda s: [float(x) for x in s.split(",")],
-                        default=[40.0, 60.0, 80.0, 100.0])
+    parser.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",") if x],
+                        default=[256, 512, 1024], help="fixed chunk sizes ('' for none)")
+    parser.add_argument("--budgets-ms", type=lambda s: [float(x) for x in s.split(",") if x],
+                        default=[40.0, 60.0, 80.0, 100.0], help="step budgets ('' for none)")
     parser.add_argument("--budget-chunk", type=int, default=2048,
                         help="the most prompt tokens a budgeted step takes")
     parser.add_argument("--attention-scales", type=lambda s: [float(x) for x in s.split(",")],
