@@ -111,6 +111,10 @@ class SchedulerConfig:
                            "on their own SM partitions).")
     mux_itl_margin: float = doc(0.9, "multiplex: the share of the ITL target a plan aims at "
                                 "(room for predictor error and jitter), in (0, 1].")
+    mux_token_align: int = doc(64, "multiplex: mixed-step chunks and spatial prefill batches "
+                               "are multiples of this many tokens (or what is left of a "
+                               "prompt): coarse sizes follow the GEMM tiles, fine ones fill "
+                               "the ITL budget more closely.")
     mux_switch_margin: float = doc(0.03, "multiplex: how much more prefill (as a fraction) "
                                    "another sharing option must be predicted to deliver, after "
                                    "paying for the switch, before the running one is left.")
@@ -242,6 +246,8 @@ class SchedulerConfig:
         if self.mux_graph_step_tokens is not None and self.mux_graph_step_tokens < 0:
             raise ValueError(f"--mux-graph-step-tokens {self.mux_graph_step_tokens}: must be "
                              ">= 0")
+        if not 1 <= self.mux_token_align <= 512:
+            raise ValueError(f"--mux-token-align {self.mux_token_align}: must be in [1, 512]")
         if self.mux_mixed_floor_tokens < 0:
             raise ValueError(f"--mux-mixed-floor-tokens {self.mux_mixed_floor_tokens}: must "
                              "be >= 0")

@@ -213,6 +213,7 @@ class MultiplexScheduler(InFlightScheduler):
                 "itl_margin": self.config.mux_itl_margin,
                 # As resolved (``auto`` graph steps: the runner's captured size, or 0).
                 "graph_step_tokens": planned.graph_step_tokens,
+                "token_align": planned.token_align,
                 "mixed_floor_tokens": planned.mixed_floor_tokens,
                 "mixed_floor_cap": planned.mixed_floor_cap,
                 "tpot_bank_cap": planned.tpot_bank_cap,
@@ -621,6 +622,7 @@ def mux_planner_config(sched: SchedulerConfig, **overrides) -> MuxPlannerConfig:
     fields = dict(itl_slo_ms=sched.itl_slo_ms, ttft_slo_ms=sched.ttft_slo_ms,
                   max_prefill_tokens=sched.max_num_batched_tokens,
                   safety_margin=sched.mux_itl_margin,
+                  token_align=sched.mux_token_align,
                   switch_margin=sched.mux_switch_margin,
                   graph_step_tokens=sched.mux_graph_step_tokens or 0,
                   mixed_floor_tokens=sched.mux_mixed_floor_tokens,

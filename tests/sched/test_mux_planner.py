@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.config import SchedulerConfig
+from pdserve.sched.multiplex import mux_planner_config
 from pdserve.sched.mux_planner import (
     DecodeLoad,
     InFlightPrefill,
@@ -244,3 +246,21 @@ def test_decode_alone_slower_than_predicted_shrinks_time_slice_pieces_to_the_bud
     assert model.decode_correction == 1.0
     assert model.predict("decode", 4, 2000, 4, 50) == HandModel().predict(
         "decode", 4, 2000, 4, 50)
+
+
+@pytest.mark.parametrize("align, chunk", [(8, 392), (64, 384)])
+def test_mixed_chunks_are_the_largest_multiple_of_the_alignment_that_fits(align, chunk):
+    # Beside 4 decodes at 2K context: 5 + 0.1 * (chunk + 4) + 0.2 <= 45 ms up to 394 tokens.
+    config = MuxPlannerConfig(itl_slo_ms=50.0, token_align=align, min_chunk_tokens=16,
+                              spatial=False)
+    plan = MuxPlanner(HandModel(), PARTITIONS, config).plan(LIGHT, PROMPTS)
+    assert plan.mode == MuxMode.TEMPORAL and plan.prefill.num_tokens == chunk
+
+
+def test_the_token_alignment_flag_reaches_the_planner_and_is_checked():
+    sched = SchedulerConfig(schedule="multiplex", itl_slo_ms=60.0, mux_token_align=16)
+    assert mux_planner_config(sched).token_align == 16
+    assert mux_planner_config(SchedulerConfig(schedule="multiplex")).token_align == 64
+    for bad in (0, 513):
+        with pytest.raises(ValueError, match="--mux-token-align"):
+            SchedulerConfig(schedule="multiplex", mux_token_align=bad)
