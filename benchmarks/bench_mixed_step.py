@@ -44,6 +44,18 @@ GRID_CHUNKS, GRID_PREFIXES, GRID_DECODES = (64, 128, 256, 384, 512, 1024), (0, 4
 GRID_CONTEXT = 4096
 
 
+def parse_cases(text: str) -> tuple[tuple[int, int, int, int], ...]:
+    """``--cases``: comma-separated ``tokens:prefix:decodes:context`` steps (a step one token
+    past a graph bucket beside the same step on it, say); a ValueError naming a bad one."""
+    found = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 4 or not all(part.isdigit() for part in parts):
+            raise ValueError(f"--cases {item!r}: want tokens:prefix:decodes:context")
+        found.append(tuple(int(part) for part in parts))
+    return tuple(found)
+
+
 def cases(grid: bool, decodes: tuple[int, ...] = GRID_DECODES,
           context: int = GRID_CONTEXT) -> tuple[tuple[int, int, int, int], ...]:
     """The named cases, or with ``grid`` chunk x prefix x decode batch (``decodes``, each
@@ -139,6 +151,9 @@ def main() -> None:
     parser.add_argument("--grid-context", type=int, default=GRID_CONTEXT,
                         help="with --grid: each decode's context in tokens (the batches "
                         "times it must fit the KV pool beside the prompt)")
+    parser.add_argument("--cases", type=parse_cases, default=None,
+                        help="time these steps instead: comma-separated "
+                        "tokens:prefix:decodes:context")
     args = parser.parse_args()
     grid_decodes = tuple(int(n) for n in args.grid_decodes.split(","))
     config = EngineConfig.from_flat(model=args.model, load_format="dummy", schedule="chunked",
@@ -150,7 +165,7 @@ def main() -> None:
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "model": args.model,
               "piecewise_buckets": segments.buckets if segments else None, "cases": []}
-    for case in cases(args.grid, grid_decodes, args.grid_context):
+    for case in args.cases or cases(args.grid, grid_decodes, args.grid_context):
         row = measure(engine, case, args.repeats)
         print(json.dumps(row), flush=True)
         report["cases"].append(row)

@@ -374,6 +374,12 @@ CONFIGS[_B.replace("-itl60", "-corun130-itl60")] = CONFIGS[_B] + " --mux-co-runn
 CONFIGS[_B.replace("bank120q5-pressed105-itl60", "bank200q5-pressed105-corun130-itl60")] = (
     CONFIGS[_B].replace("--mux-tpot-bank-cap 1.2", "--mux-tpot-bank-cap 2.0")
     + " --mux-co-running-correction 1.3")
+# B2 with each mixed step's tokens, the decodes' included, aligned to 64 as chunked prefill's
+# are: in B2's LooGLE-like probes (f67d252) every mixed step was 1-3 tokens past a graph bucket
+# (256 + 2 decodes run as 272) and per prompt token over the same prefixes cost 4-10% more
+# than chunked 256's steps of exactly 256 (docs/results.md, "Mixed steps held to 60 ms").
+_B2 = _B.replace("bank120q5-pressed105-itl60", "bank200q5-pressed105-corun130-itl60")
+CONFIGS[_B2.replace("-itl60", "-aligned-itl60")] = CONFIGS[_B2] + " --mux-align-step-tokens"
 # Every multiplex configuration keeps the meaning its records ran with when the defaults
 # change (time slices and the compounding rule after e1f3fe3, B2's flags after 8a6ad63):
 # what it does not name, named as it ran.

@@ -115,6 +115,11 @@ class SchedulerConfig:
                                "are multiples of this many tokens (or what is left of a "
                                "prompt): coarse sizes follow the GEMM tiles, fine ones fill "
                                "the ITL budget more closely.")
+    mux_align_step_tokens: bool = doc(False, "multiplex: align the whole mixed step (the "
+                                      "chunk and the decode batch's tokens) to "
+                                      "--mux-token-align, as chunked prefill's token budget "
+                                      "does, instead of the chunk alone; the mixed-step floor "
+                                      "then counts the decodes too.")
     mux_switch_margin: float = doc(0.03, "multiplex: how much more prefill (as a fraction) "
                                    "another sharing option must be predicted to deliver, after "
                                    "paying for the switch, before the running one is left.")

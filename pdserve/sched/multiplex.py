@@ -214,6 +214,7 @@ class MultiplexScheduler(InFlightScheduler):
                 # As resolved (``auto`` graph steps: the runner's captured size, or 0).
                 "graph_step_tokens": planned.graph_step_tokens,
                 "token_align": planned.token_align,
+                "align_step_tokens": planned.align_step_tokens,
                 "mixed_floor_tokens": planned.mixed_floor_tokens,
                 "mixed_floor_cap": planned.mixed_floor_cap,
                 "tpot_bank_cap": planned.tpot_bank_cap,
@@ -623,6 +624,7 @@ def mux_planner_config(sched: SchedulerConfig, **overrides) -> MuxPlannerConfig:
                   max_prefill_tokens=sched.max_num_batched_tokens,
                   safety_margin=sched.mux_itl_margin,
                   token_align=sched.mux_token_align,
+                  align_step_tokens=sched.mux_align_step_tokens,
                   switch_margin=sched.mux_switch_margin,
                   graph_step_tokens=sched.mux_graph_step_tokens or 0,
                   mixed_floor_tokens=sched.mux_mixed_floor_tokens,

@@ -488,6 +488,11 @@ class MuxPlannerConfig:
     max_prefill_tokens: int = 8192  # most prompt tokens in one prefill batch
     min_chunk_tokens: int = 64  # smallest mixed-step chunk or spatial batch worth launching
     token_align: int = 64  # chunk sizes are multiples of this (GEMM tiles, graph buckets)
+    # Align the whole mixed step (the chunk and the decode batch's tokens) instead of the
+    # chunk alone, as chunked prefill's token budget does: a 256-token chunk beside 2
+    # decodes is a 258-token step the prefill-step graphs pad to 272 tokens. The mixed-step
+    # floor then counts the step's tokens too.
+    align_step_tokens: bool = False
     spatial: bool = True
     temporal: bool = True
     # Off by default: a loop that cannot run TIME_SLICE plans must never be handed one.
@@ -659,7 +664,7 @@ class MuxPlanner:
         step = lambda tokens: self._mixed_ms(decode, waiting, tokens)
         smallest, largest = self._chunk_range(waiting)
         chunk = self._largest_step(step, smallest, largest, None,
-                                   self.config.step_budget_ms(decode))
+                                   self.config.step_budget_ms(decode), self._offset(decode))
         chunk = chunk or smallest
         return chunk / step(chunk)
 
@@ -888,7 +893,7 @@ class MuxPlanner:
         ``guess`` (the last step's chunk) is searched from."""
         step = lambda tokens: self._mixed_ms(decode, waiting, tokens)
         budget = self.config.step_budget_ms(decode)
-        found = [self._largest_step(step, a, b, guess, budget)
+        found = [self._largest_step(step, a, b, guess, budget, self._offset(decode))
                  for a, b in self._graph_ranges(decode, lo, hi)]
         best = max((n for n in found if n is not None), key=lambda n: n / step(n), default=None)
         return self._floored(best, decode, step, hi)
@@ -913,7 +918,9 @@ class MuxPlanner:
         start = chunk if chunk is not None else min(floor, cfg.min_chunk_tokens)
         if step(start) > cap_ms:
             return chunk
-        return _largest_fitting(step, start, floor, cfg.token_align, cap_ms)
+        offset = self._offset(decode)
+        return _largest_fitting(lambda total: step(total - offset), start + offset,
+                                floor + offset, cfg.token_align, cap_ms) - offset
 
     def _off_graphs(self, chunk: int | None, decode: DecodeLoad,
                     step: Callable[[int], float], hi: int) -> int | None:
@@ -937,21 +944,32 @@ class MuxPlanner:
         floor = self.config.mixed_floor_tokens
         if floor <= 0:
             return 0
+        if self._offset(decode):  # the floor is the step's tokens, decodes included
+            floor = max(floor - decode.batch_size, self.config.min_chunk_tokens)
         graph_room = self.config.graph_step_tokens - decode.batch_size
         if 0 < graph_room < floor:
             floor = graph_room
         return min(floor, hi)
 
     def _largest_step(self, step: Callable[[int], float], lo: int, hi: int,
-                      guess: int | None, budget_ms: float) -> int | None:
+                      guess: int | None, budget_ms: float, offset: int = 0) -> int | None:
         """The largest chunk in [lo, hi] whose ``step`` fits ``budget_ms`` (None: none
-        does), searched from ``guess`` when there is one."""
+        does), searched from ``guess`` when there is one; the chunk plus ``offset`` (the
+        decode tokens beside it, ``_offset``) aligned."""
         align = self.config.token_align
+        total = lambda tokens: step(tokens - offset)
         if guess is not None:
-            return _fitting_near(step, guess, lo, hi, align, budget_ms)
+            found = _fitting_near(total, guess + offset, lo + offset, hi + offset, align,
+                                  budget_ms)
+            return None if found is None else found - offset
         if step(lo) > budget_ms:
             return None
-        return _largest_fitting(step, lo, hi, align, budget_ms)
+        return _largest_fitting(total, lo + offset, hi + offset, align, budget_ms) - offset
+
+    def _offset(self, decode: DecodeLoad) -> int:
+        """The tokens beside a mixed step's chunk that its alignment counts: the decode
+        batch's with ``align_step_tokens``, else none."""
+        return decode.batch_size if self.config.align_step_tokens else 0
 
     def _graph_ranges(self, decode: DecodeLoad, lo: int, hi: int) -> list[tuple[int, int]]:
         """[lo, hi] cut where a mixed step outgrows the prefill-step graphs: a step's

@@ -424,6 +424,15 @@ def test_the_mixed_step_grid_covers_the_steps_the_chunked_model_misses(monkeypat
     assert {c[3] for c in wide} == {512}
 
 
+def test_mixed_step_cases_can_be_named_one_by_one(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = _load("bench_mixed_step")
+    assert bench.parse_cases("255:14336:1:16384, 256:14336:1:16384") == (
+        (255, 14336, 1, 16384), (256, 14336, 1, 16384))
+    with pytest.raises(ValueError, match="want tokens:prefix:decodes:context"):
+        bench.parse_cases("255:14336:1")
+
+
 def test_the_prefill_bound_is_the_least_rate_some_set_of_requests_passes_at():
     bound = _load("loogle_bound")
     # Two 1,000-token prompts at once, SLO 1 s: both need 2,000 tokens/s, one needs 1,000.

@@ -182,3 +182,13 @@ def test_the_floor_off_the_graphs_is_a_flag_the_planner_gets():
     sched = SchedulerConfig(schedule="multiplex", mux_floor_off_graphs=True)
     assert mux_planner_config(sched).floor_off_graphs
     assert not mux_planner_config(SchedulerConfig(schedule="multiplex")).floor_off_graphs
+
+
+def test_with_aligned_steps_the_floor_counts_the_decodes(profile_d698fcb):
+    """A 256-token floor beside 5 decodes: a 251-token chunk, a 256-token step."""
+    plan = mixed_plan(profile_d698fcb, 20000, floor=256, align_step_tokens=True)
+    assert plan.mode == MuxMode.TEMPORAL
+    assert plan.prefill.num_tokens + DECODE.batch_size == 256
+    with_graphs = mixed_plan(profile_d698fcb, 2000, floor=256, graph_tokens=512,
+                             align_step_tokens=True)
+    assert (with_graphs.prefill.num_tokens + DECODE.batch_size) % 64 == 0

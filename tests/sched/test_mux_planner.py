@@ -264,3 +264,19 @@ def test_the_token_alignment_flag_reaches_the_planner_and_is_checked():
     for bad in (0, 513):
         with pytest.raises(ValueError, match="--mux-token-align"):
             SchedulerConfig(schedule="multiplex", mux_token_align=bad)
+
+
+@pytest.mark.parametrize("align, chunk", [(8, 388), (64, 380)])
+def test_aligned_steps_count_the_decode_tokens_in_the_alignment(align, chunk):
+    # Beside 4 decodes the step is chunk + 4 tokens: 392 (8 x 49) and 384 (64 x 6) fit 45 ms.
+    config = MuxPlannerConfig(itl_slo_ms=50.0, token_align=align, min_chunk_tokens=16,
+                              spatial=False, align_step_tokens=True)
+    plan = MuxPlanner(HandModel(), PARTITIONS, config).plan(LIGHT, PROMPTS)
+    assert plan.mode == MuxMode.TEMPORAL and plan.prefill.num_tokens == chunk
+    assert (chunk + LIGHT.batch_size) % align == 0
+
+
+def test_the_aligned_steps_flag_reaches_the_planner():
+    sched = SchedulerConfig(schedule="multiplex", itl_slo_ms=60.0, mux_align_step_tokens=True)
+    assert mux_planner_config(sched).align_step_tokens is True
+    assert mux_planner_config(SchedulerConfig(schedule="multiplex")).align_step_tokens is False
