@@ -118,8 +118,8 @@ class SchedulerConfig:
     mux_align_step_tokens: bool = doc(False, "multiplex: align the whole mixed step (the "
                                       "chunk and the decode batch's tokens) to "
                                       "--mux-token-align, as chunked prefill's token budget "
-                                      "does, instead of the chunk alone; the mixed-step floor "
-                                      "then counts the decodes too.")
+                                      "does, instead of the chunk alone (the mixed-step "
+                                      "floor's chunk rounded down to such a step).")
     mux_switch_margin: float = doc(0.03, "multiplex: how much more prefill (as a fraction) "
                                    "another sharing option must be predicted to deliver, after "
                                    "paying for the switch, before the running one is left.")

@@ -491,7 +491,7 @@ class MuxPlannerConfig:
     # Align the whole mixed step (the chunk and the decode batch's tokens) instead of the
     # chunk alone, as chunked prefill's token budget does: a 256-token chunk beside 2
     # decodes is a 258-token step the prefill-step graphs pad to 272 tokens. The mixed-step
-    # floor then counts the step's tokens too.
+    # floor's chunk is then rounded down to an aligned step (256 beside 2 decodes: 254).
     align_step_tokens: bool = False
     spatial: bool = True
     temporal: bool = True
@@ -944,8 +944,10 @@ class MuxPlanner:
         floor = self.config.mixed_floor_tokens
         if floor <= 0:
             return 0
-        if self._offset(decode):  # the floor is the step's tokens, decodes included
-            floor = max(floor - decode.batch_size, self.config.min_chunk_tokens)
+        if self._offset(decode):  # the floor's step aligned: its chunk rounded down to it
+            align, batch = self.config.token_align, decode.batch_size
+            floor = max((floor + batch) // align * align - batch,
+                        min(floor, self.config.min_chunk_tokens))
         graph_room = self.config.graph_step_tokens - decode.batch_size
         if 0 < graph_room < floor:
             floor = graph_room

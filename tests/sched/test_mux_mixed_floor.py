@@ -184,7 +184,7 @@ def test_the_floor_off_the_graphs_is_a_flag_the_planner_gets():
     assert not mux_planner_config(SchedulerConfig(schedule="multiplex")).floor_off_graphs
 
 
-def test_with_aligned_steps_the_floor_counts_the_decodes(profile_d698fcb):
+def test_with_aligned_steps_the_floor_is_rounded_down_to_an_aligned_step(profile_d698fcb):
     """A 256-token floor beside 5 decodes: a 251-token chunk, a 256-token step."""
     plan = mixed_plan(profile_d698fcb, 20000, floor=256, align_step_tokens=True)
     assert plan.mode == MuxMode.TEMPORAL
@@ -192,3 +192,13 @@ def test_with_aligned_steps_the_floor_counts_the_decodes(profile_d698fcb):
     with_graphs = mixed_plan(profile_d698fcb, 2000, floor=256, graph_tokens=512,
                              align_step_tokens=True)
     assert (with_graphs.prefill.num_tokens + DECODE.batch_size) % 64 == 0
+
+
+def test_with_aligned_steps_a_large_decode_batch_keeps_most_of_the_floor(profile_d698fcb):
+    """Beside 150 decodes the 256-token floor's step of 406 tokens is rounded down to 384:
+    a 234-token chunk (the floor stays prompt tokens, not the step's)."""
+    model = OnlineCalibration(profile_d698fcb)
+    config = MuxPlannerConfig(itl_slo_ms=60.0, mixed_floor_tokens=256, spatial=False,
+                              time_slice=False, align_step_tokens=True)
+    planner = MuxPlanner(model, SPLITS, config)
+    assert planner._floor_chunk(DecodeLoad(150, 150 * 1000), PROMPT) == 234
