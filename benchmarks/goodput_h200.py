@@ -380,6 +380,9 @@ CONFIGS[_B.replace("bank120q5-pressed105-itl60", "bank200q5-pressed105-corun130-
 # than chunked 256's steps of exactly 256 (docs/results.md, "Mixed steps held to 60 ms").
 _B2 = _B.replace("bank120q5-pressed105-itl60", "bank200q5-pressed105-corun130-itl60")
 CONFIGS[_B2.replace("-itl60", "-aligned-itl60")] = CONFIGS[_B2] + " --mux-align-step-tokens"
+# The same aligned to the graphs' 16-token buckets only: no padding, finer fill.
+CONFIGS[_B2.replace("-itl60", "-aligned16-itl60")] = (
+    CONFIGS[_B2] + " --mux-align-step-tokens --mux-token-align 16")
 # Every multiplex configuration keeps the meaning its records ran with when the defaults
 # change (time slices and the compounding rule after e1f3fe3, B2's flags after 8a6ad63):
 # what it does not name, named as it ran.
