@@ -433,6 +433,31 @@ def test_mixed_step_cases_can_be_named_one_by_one(monkeypatch):
         bench.parse_cases("255:14336:1")
 
 
+def _mixed_entry(prefix: int, tokens: int, decodes: int, ms: float) -> dict:
+    return {"mode": "temporal", "path": "piecewise_graph", "prefill_pieces": [[prefix, tokens]],
+            "decode_batch": decodes, "decode_context_tokens": 1000 * decodes,
+            "measured_device_ms": ms}
+
+
+def test_steps_on_a_graph_bucket_are_set_against_the_line_through_the_others():
+    """Steps cost 10 ms + 0.1 ms per replayed (bucket-padded) token; those ending on a
+    bucket pay for no padding, so they run under the line through the padded ones."""
+    align = _load("step_alignment")
+    timeline = [_mixed_entry(prefix, n, b, 10 + 0.1 * (-(-(n + b) // 16) * 16))
+                for prefix in (0, 4000, 9000, 13000) for n in (96, 192, 256, 304, 368)
+                for b in (1, 2, 3)]
+    timeline += [_mixed_entry(9000, 254, 2, 10 + 0.1 * 256), {"mode": "decode_only"}]
+    steps = align.mixed_steps(timeline)
+    assert len(steps) == 61
+    found = align.on_bucket(steps, 16)
+    assert found["on_bucket_steps"] == 1 and found["on_bucket_totals"] == [256]
+    assert found["on_bucket_over_line_p50"] < 0.97
+    assert found["tokens_past_a_bucket"]["0"] == 1
+    bands = align.by_band(steps)
+    assert [b["prefix"][0] for b in bands] == [0, 4000, 8000, 12000]
+    assert bands[0]["steps"] == 15 and bands[2]["steps"] == 16
+
+
 def test_the_prefill_bound_is_the_least_rate_some_set_of_requests_passes_at():
     bound = _load("loogle_bound")
     # Two 1,000-token prompts at once, SLO 1 s: both need 2,000 tokens/s, one needs 1,000.
