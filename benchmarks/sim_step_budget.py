@@ -40,6 +40,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a plain checkout
 
@@ -113,7 +115,10 @@ def with_attention_scale(model: LatencyModel, scale: float) -> LatencyModel:
 def run(args: argparse.Namespace) -> dict:
     model, extra_s, noise, facts = chunked_model(
         args.validation.resolve(), [path.resolve() for path in args.mixed_step_grid])
-    samples = samples_of(json.loads(args.record.read_text()))
+    record = json.loads(args.record.read_text())
+    samples = samples_of(record)
+    if args.rates:
+        check_rescalable(record, samples)
     slo = (args.ttft_slo_s, args.tpot_slo_ms / 1e3)
 
     def simulate(sim_model, requests, chunk, budget_s=None):
@@ -144,6 +149,20 @@ def run(args: argparse.Namespace) -> dict:
             "prompt_tokens": sum(s["prompt_len"] for s in samples),
             "slo": {"ttft_s": args.ttft_slo_s, "tpot_ms": args.tpot_slo_ms},
             "configurations": configurations, "measured": measured}
+
+
+def check_rescalable(record: dict, samples: list[dict]) -> None:
+    """Stop unless the record's requests were sent at the probes' arrivals for its rate (a
+    synthetic workload: the same prompts at every rate). A trace window draws other requests
+    at another rate, so its record says nothing of another rate's."""
+    rate = (record.get("probe") or {}).get("rate")
+    if rate is None:
+        raise SystemExit("--rates needs a goodput probe's record (its rate)")
+    sent = np.array([s["send_s"] for s in samples])
+    if np.max(np.abs(sent - gamma_arrivals(len(samples), rate, seed=0))) > 0.05:
+        raise SystemExit(f"--rates: {record['probe'].get('workload')} requests were not sent "
+                         "at the probes' arrivals (a trace draws other requests at each "
+                         "rate); give a record of the rate itself")
 
 
 def rescaled(samples: list[dict], rate: float) -> list[dict]:
@@ -196,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                         default=[1.0])
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")],
                         help="simulate the record's prompts sent at each of these rates "
-                        "(the goodput probes' arrivals) instead of at its own send times")
+                        "(the goodput probes' arrivals) instead of at its own send times; "
+                        "a synthetic workload's probe only (a trace draws other requests "
+                        "at each rate)")
     parser.add_argument("--ttft-slo-s", type=float, default=15.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=60.0)
     parser.add_argument("--out", type=Path, required=True)

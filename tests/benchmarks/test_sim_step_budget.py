@@ -87,3 +87,12 @@ def test_rescaled_arrivals_are_the_probes_own_and_faster_attention_prefills_fast
                               attention_scales=[1.0, 0.67]))
     plain, faster = (c["medians_only"] for c in result["configurations"])
     assert faster["ttft_s"]["p50"] < plain["ttft_s"]["p50"]
+
+
+def test_rates_are_refused_for_a_trace_whose_requests_change_with_the_rate():
+    module = _script()
+    trace = RESULTS / "goodput_h200" / "mooncake__chunk512-graph512__r0.3.json"
+    with pytest.raises(SystemExit, match="a trace draws other requests"):
+        module.run(_args(record=trace, rates=[0.35], chunks=[512]))
+    with pytest.raises(SystemExit, match="needs a goodput probe's record"):
+        module.run(_args(record=CHUNK512, rates=[0.6], chunks=[512]))
