@@ -5,8 +5,9 @@ A simulation, not a measurement.
 
 Every schedule on one GPU that meets TPOT <= T while prompts wait must keep the steps a
 decode sees at about T on average; with mixed steps (one weight read for the prompt's
-piece and the decodes, what multiplexing's mixed steps and chunked prefill run) the most
-prefill per step comes from filling each step to T. ``ChunkedInstanceSim(step_budget_s=T)``
+piece and the decodes, what multiplexing's mixed steps and chunked prefill run) filling
+each step to T is the natural way to do that (not proven the best: a TPOT is a mean, and a
+schedule may trade a short step for a long one). ``ChunkedInstanceSim(step_budget_s=T)``
 does that with the model's own step times (no prediction error), and a step with nothing
 decoding takes up to ``--budget-chunk`` tokens. Fixed chunk sizes are simulated beside it,
 and each measured record given (``--measured``) is set beside, with a chunked one's own
