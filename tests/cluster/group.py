@@ -81,10 +81,14 @@ class Group:
     gateway: GatewayThread | None = None
 
     def add(self, name: str, role: str, server: Server | None = None) -> Server:
+        """Starts (or takes) a member and lists it. It is in ``members`` from the start, so
+        ``close`` stops it even if it never joins, and in ``roles`` only once registered:
+        a chaos thread picks its victims from ``roles``, and one killed while still being
+        asked for its listing made its own replacement fail."""
         server = server or start_member()
         self.members[name] = server
-        self.roles[name] = role
         self.registry.register(listing(server, role, name))
+        self.roles[name] = role
         return server
 
     def remove(self, name: str) -> None:
