@@ -223,9 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tpot-slo-ms", type=float, default=60.0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    config = {key: [str(v) for v in value] if isinstance(value, list) and value
-              and isinstance(value[0], Path) else str(value) if isinstance(value, Path)
-              else value for key, value in vars(args).items()}
+    config = json.loads(json.dumps(vars(args), default=str))  # the paths as given
     write_json({**result_header(config), **run(args)}, args.out)
     return 0
 
