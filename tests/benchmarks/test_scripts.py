@@ -84,6 +84,15 @@ def test_loogle_timeline_summary_splits_time_and_cycles_by_mode():
     assert summary["spatial_decode_sms"] == {"16": 1, "24": 1}
 
 
+def test_loogle_aligned_multiplex_follows_the_defaults_and_parses():
+    from pdserve.cli import build_parser, engine_config_from_args  # noqa: PLC0415
+    loogle = _load("loogle_h200")
+    aligned = loogle.CONFIGS["multiplex-aligned"]
+    assert aligned == loogle.CONFIGS["multiplex"] + " --mux-align-step-tokens"
+    config = engine_config_from_args(build_parser().parse_args(["serve", *aligned.split()]))
+    assert config.scheduler.mux_align_step_tokens
+
+
 def test_loogle_attainment_needs_both_slos():
     loogle = _load("loogle_h200")
     requests = [{"ok": True, "ttft": 14.0, "e2e": 14.0 + 63 * 0.059},  # meets both
