@@ -78,7 +78,7 @@ def served_ab(rng: random.Random, args) -> dict:
     for _ in range(args.rounds):
         rows.append({"fresh_ms": probe(fresh, rng, args.context),
                      "served_ms": probe(churned, rng, args.context)})
-        churn(churned, rng, 5)
+        churn(churned, rng, args.churn_between_rounds)
     return summarise(rows, "served_ms", "fresh_ms")
 
 
@@ -124,6 +124,8 @@ def pd_served_ab(rng: random.Random, args) -> dict:
 
 
 async def _pd_served_ab(rng: random.Random, args) -> dict:
+    import asyncio
+
     from aiohttp import ClientSession, ClientTimeout
 
     from benchmarks import validate_sim
@@ -135,10 +137,10 @@ async def _pd_served_ab(rng: random.Random, args) -> dict:
     try:
         async with ClientSession(timeout=ClientTimeout(total=None)) as session:
             groups = []
-            for _ in ("fresh", "served"):
-                pair = [validate_sim.start_instance(group_args, {core})
-                        for core in (args.prefill_core, args.core)]
-                servers += pair
+            # both groups' instances started at once (a start is mostly loading torch)
+            servers = await asyncio.to_thread(validate_sim.start_instances, group_args,
+                                              [{args.prefill_core}, {args.core}] * 2)
+            for pair in (servers[:2], servers[2:]):
                 gateway, url = await validate_sim.start_group(session, *pair, group_args)
                 gateways.append(gateway)
                 groups.append((url, *pair))
@@ -151,7 +153,7 @@ async def _pd_served_ab(rng: random.Random, args) -> dict:
                         session, *groups[side == "served"], rng, args)
                 for part, part_rows in rows.items():
                     part_rows.append({f"{side}_ms": probed[side][part] for side in probed})
-                await served_churn(session, groups[1][0], rng, 5)
+                await served_churn(session, groups[1][0], rng, args.churn_between_rounds)
     finally:
         for gateway in gateways:
             await stop_gateway(*gateway)
@@ -204,6 +206,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--churn", type=int, default=80)
+    parser.add_argument("--churn-between-rounds", type=int, default=5,
+                        help="requests served by the churned side between two rounds")
     parser.add_argument("--pause-s", type=float, default=2.0, help="the idle A/B's pause")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"which A/Bs, comma-separated (of {', '.join(PARTS)})")

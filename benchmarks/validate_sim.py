@@ -169,20 +169,20 @@ def meter_phases(samples: dict[str, list], replay_start: float, marks: dict[str,
     return phases
 
 
-def start_instances(args) -> tuple[ServeProcess, ServeProcess]:
-    """The prefill and the decode instance, started side by side: a start is mostly one
-    process loading torch and the model, which two cores do at once. Stops the one that
-    came up when the other fails."""
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start_instance, args, cores) for cores in instance_cores(args)]
+def start_instances(args, cores: list[set[int] | None] | None = None) -> list[ServeProcess]:
+    """One instance per entry of ``cores`` (default: the prefill and the decode instance's,
+    ``instance_cores``), started side by side: a start is mostly one process loading torch
+    and the model, which the cores do at once. Stops those that came up when one fails."""
+    cores = instance_cores(args) if cores is None else cores
+    with ThreadPoolExecutor(len(cores)) as pool:
+        futures = [pool.submit(start_instance, args, instance) for instance in cores]
     failed = [f.exception() for f in futures if f.exception() is not None]
     if failed:
         for future in futures:
             if future.exception() is None:
                 future.result().stop()
         raise failed[0]
-    prefill, decode = (f.result() for f in futures)
-    return prefill, decode
+    return [f.result() for f in futures]
 
 
 def prompt(rng: np.random.Generator, tokens: int) -> list[int]:

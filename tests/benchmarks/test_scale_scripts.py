@@ -174,9 +174,10 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
 
 def test_the_cpu_decode_state_ab_alternates_every_pair(tmp_path):
     """Small: two rounds of 64-token probes, the served engine (and the served P/D
-    group) churned by 2 requests, the idle one's pause 0.1 s."""
-    result = _run("cpu_decode_state_ab.py", "--rounds", "2", "--churn", "2", "--context",
-                  "64", "--pause-s", "0.1", "--core", str(min(os.sched_getaffinity(0))),
+    group) churned by 2 requests and 1 between rounds, the idle one's pause 0.1 s."""
+    result = _run("cpu_decode_state_ab.py", "--rounds", "2", "--churn", "2",
+                  "--churn-between-rounds", "1", "--context", "64", "--pause-s", "0.1",
+                  "--core", str(min(os.sched_getaffinity(0))),
                   "--prefill-core", str(max(os.sched_getaffinity(0))),
                   out=tmp_path / "ab.json")
     assert result["kind"] == "ab"
