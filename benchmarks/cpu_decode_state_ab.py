@@ -28,6 +28,7 @@ CPU, one torch thread, as ``validate_sim.py``'s instances run::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import random
 import statistics
@@ -113,8 +114,6 @@ def idle_ab(rng: random.Random, args) -> dict:
 def pd_served_ab(rng: random.Random, args) -> dict:
     """The gateways and this client on any core, as in ``validate_sim.py``; the instances
     pinned by ``start_instance``."""
-    import asyncio
-
     pinned = os.sched_getaffinity(0)
     os.sched_setaffinity(0, args.host_cores)
     try:
@@ -124,8 +123,6 @@ def pd_served_ab(rng: random.Random, args) -> dict:
 
 
 async def _pd_served_ab(rng: random.Random, args) -> dict:
-    import asyncio
-
     from aiohttp import ClientSession, ClientTimeout
 
     from benchmarks import validate_sim
