@@ -7,6 +7,8 @@
 - Prefill attention (Triton extend kernel, causal, one prompt; plus a chunk over a cached
   prefix): TFLOP/s against the GEMM ceiling, next to torch SDPA on contiguous K/V. The
   extend sweep also times its layouts (GQA packing on/off x prefix splits 1/2/4/auto).
+- ``--extend-waves``: chunks of 64-1024 tokens over 4-16K-token prefixes at 1, 2 and 4
+  prefix splits, beside the count the auto rule picks (grids in whole waves or not).
 - Fused ops (Triton vs the torch reference): time and achieved bandwidth.
 - ``--decode-ab``: decode attention per layer inside a CUDA graph of several layers (KV
   larger than L2), one launch (splits merged by the last to arrive) vs two (split + reduce
@@ -21,6 +23,7 @@
     python benchmarks/bench_kernels.py --quick              # a few points, for a smoke run
     python benchmarks/bench_kernels.py --sweep              # also try other tile configs
     python benchmarks/bench_kernels.py --extend-sweep-only  # prefill-attention tiles, layouts
+    python benchmarks/bench_kernels.py --extend-waves       # prefix splits against waves
     python benchmarks/bench_kernels.py --decode-ab          # one-launch vs two-launch decode
     python benchmarks/bench_kernels.py --decode-balance     # long contexts over more splits
 """
@@ -477,6 +480,51 @@ def sweep_extend(log: Callable[[dict], None],
     return rows
 
 
+# Chunks over a cached prefix as mixed steps take them, across the tile counts whose grids
+# fill a whole number of waves or not (codellama-34b: 64 programs a 128-token tile).
+EXTEND_WAVE_CHUNKS = (64, 128, 192, 256, 288, 320, 384, 448, 512, 576, 640, 1024)
+EXTEND_WAVE_PREFIXES = (4096, 8192, 12288, 16384)
+EXTEND_WAVE_SPLITS = (1, 2, 4)
+
+
+def extend_waves(log: Callable[[dict], dict]) -> dict:
+    """Each chunk x prefix at 1, 2 and 4 prefix splits (the default tiles), with the count
+    the auto rule picks, and per point the auto pick's time over one split's."""
+    tiles = default_extend_config(128, torch.device("cuda"))
+    rows, picks = [], []
+    for prefix in EXTEND_WAVE_PREFIXES:
+        for new in EXTEND_WAVE_CHUNKS:
+            timed = {}
+            for splits in EXTEND_WAVE_SPLITS:
+                row = _guarded(bench_prefill, "34b", prefix, new,
+                               dataclasses.replace(tiles, kv_splits=splits))
+                timed[splits] = row.get("ms")
+                rows.append(log({"sweep": "extend_waves", **row}))
+            auto = _guarded(auto_extend_splits, prefix, new, tiles)
+            picks.append(log({"prefix": prefix, "new": new, **auto, **_pick_ratio(timed, auto)}))
+    return {"extend_config": tiles.__dict__, "rows": rows, "auto": picks}
+
+
+def auto_extend_splits(prefix: int, new: int, tiles: ExtendConfig,
+                       device: str = "cuda") -> dict:
+    """The split count kv_splits=0 resolves to on this chunk (nothing launched)."""
+    q_heads, kv_heads, _ = HEAD_SHAPES["34b"]
+    tables = torch.zeros(1, triton.cdiv(prefix + new, PAGE_SIZE), dtype=torch.int32,
+                         device=device)
+    meta = extend_meta(prefix, new, tables)
+    config = dataclasses.replace(tiles, kv_splits=0)
+    return {"auto_splits": extend_grid(config, meta, q_heads, q_heads // kv_heads, 0,
+                                       tables.device)[1]}
+
+
+def _pick_ratio(timed: dict[int, float | None], auto: dict) -> dict:
+    picked, one = timed.get(auto.get("auto_splits")), timed.get(1)
+    best = min((s for s in timed if timed[s]), key=lambda s: timed[s], default=None)
+    if not picked or not one:
+        return {}
+    return {"auto_over_one": picked / one, "fastest_splits": best}
+
+
 def extend_variants() -> list[ExtendConfig]:
     tiles = default_extend_config(128, torch.device("cuda"), hopper=True)
     return [dataclasses.replace(tiles, pack_gqa=pack, kv_splits=splits)
@@ -559,6 +607,9 @@ def main() -> None:
     parser.add_argument("--extend-sweep-only", action="store_true",
                         help="only the prefill-attention sweep: tiles, then GQA packing x "
                              "prefix splits (a few minutes)")
+    parser.add_argument("--extend-waves", action="store_true",
+                        help="only the extend kernel's prefix splits on chunks over a prefix: "
+                             "1, 2 and 4 against the auto count (about a minute)")
     parser.add_argument("--decode-ab", action="store_true",
                         help="only decode attention: one launch vs two per layer, and a "
                              "sweep of its split sizes and tiles")
@@ -581,6 +632,8 @@ def main() -> None:
         results = {"decode_balance": decode_balance(log)}
     elif args.extend_sweep_only:
         results = run_extend_sweep(log)
+    elif args.extend_waves:
+        results = {"extend_waves": extend_waves(log)}
     else:
         results = run_all(args, log)
     record = {"environment": environment(), **results}

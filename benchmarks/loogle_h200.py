@@ -33,7 +33,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # runnable from a plain checkout
 
-from pdserve.bench.report import check_gpu, expected_gpu, portable_command  # noqa: E402
+from pdserve.bench.report import (  # noqa: E402
+    check_gpu,
+    expected_gpu,
+    pdserve_environment,
+    portable_command,
+)
 from pdserve.bench.timeline import piece_times, prefill_delivery  # noqa: E402
 from pdserve.config import ran_explicitly  # noqa: E402
 from pdserve.testing import start_serve  # noqa: E402
@@ -123,7 +128,8 @@ def run_rate(args, name: str, rate: float, url: str, command: list[str], out: Pa
            "config": name, "rate": rate, "git_revision": os.environ.get(
                "PDSERVE_GIT_REVISION", "unknown"), "device": info.get("device"),
            "server_command": _portable(command), "client_command": _portable(client),
-           "engine_info": info, "summary": result["summary"],
+           "environment_variables": pdserve_environment(), "engine_info": info,
+           "summary": result["summary"],
            "attainment": attainment(result["requests"], args.output_len)}
     if name.startswith("multiplex"):
         entries = get_json(url + "/v1/engine/timeline")["entries"]

@@ -36,6 +36,14 @@ class HostBatch:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
+    def max_extend_prefix_len(self) -> int:
+        """Longest cached prefix among the prefill / extend sequences (0: none)."""
+        first = self.num_decode_seqs
+        if first >= self.num_seqs:
+            return 0
+        new = np.diff(self.query_start_loc[first:])
+        return int((self.seq_lens[first:] - new).max())
+
     def metadata(self, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         put = lambda array: staged(array, device).to(device, non_blocking=True)
@@ -49,6 +57,7 @@ class HostBatch:
             max_query_len=int(np.diff(self.query_start_loc).max()),
             max_seq_len=int(self.seq_lens.max()),
             block_size=self.block_size,
+            max_extend_prefix_len=self.max_extend_prefix_len(),
         )
         return put(self.input_ids), put(self.positions), meta
 

@@ -19,9 +19,12 @@ gets a step of its own now, and so does each width of the lengths a balanced lau
 (another constexpr: the decode batch rounded up to a power of two, 16 to 512). Decode-only
 steps compile those variants with the rotary and K/V store fused in: the decode graphs
 compile them at capture, and decode-only batches no graph serves get a step each. Stalls
-behind 6.6-7.7K-token prefixes (the Mooncake trace) have no cause pinned down (the prefix
-split count is 1 unless configured), so chunks behind 512-8,192-token prefixes are run
-too, and the next runs' stall census tells.
+behind 6.6-7.7K-token prefixes (the Mooncake trace) have no cause pinned down, so chunks
+behind 512-8,192-token prefixes are run too, and the next runs' stall census tells.
+
+The extend kernel compiles per prefix split count as well (``extend_kv_splits``: short
+chunks over long prefixes, and grids that fill their last wave badly, split): one chunk
+per count the rule can launch for this model, behind a prefix that gives it.
 
 The steps use the engine's own pages through fixture requests (the profiler's), which give
 them back afterwards and never enter the prefix cache; the scheduler, its calibration and
@@ -34,6 +37,11 @@ import logging
 import time
 
 from pdserve.engine.profiler import Fixtures
+from pdserve.ops.triton_attention import (
+    MIN_EXTEND_SPLIT_TOKENS,
+    default_extend_config,
+    extend_kv_splits,
+)
 from pdserve.sched.base import MAIN_POOL
 
 log = logging.getLogger(__name__)
@@ -71,11 +79,13 @@ def warm_up_eager_steps(engine) -> dict:
     return run_shapes(engine, tokens, shapes(engine, tokens))
 
 
-def shapes(engine, tokens: int) -> list[tuple[int, int | None]]:
+def shapes(engine, tokens: int) -> list[tuple]:
     """``SHAPES``, then one decode batch per decode kernel variant the attention backend
     launches up to the engine's largest batch (``decode_split_batches``), then one decode
     beside a ``tokens`` chunk behind each of ``PREFIXES`` that fits the context; then, as
-    ``(batch, None)``, decode-only batches no decode graph serves (``eager_decode_batches``).
+    ``(batch, None)``, decode-only batches no decode graph serves (``eager_decode_batches``);
+    then, as ``(1, prefix, chunk)``, one decode beside a chunk of each extend split count
+    (``extend_split_chunks``).
     """
     backend, kv_heads, device = (engine.runner.attn_backend, engine.arch.num_kv_heads,
                                  engine.runner.device)
@@ -86,7 +96,27 @@ def shapes(engine, tokens: int) -> list[tuple[int, int | None]]:
     graphed = largest_graphed_decode(engine)
     return [*SHAPES, *((n, 0) for n in batches if n not in warmed),
             *((1, prefix) for prefix in PREFIXES if prefix + tokens <= longest),
-            *((n, None) for n in eager_decode_batches(backend, kv_heads, device, graphed, most))]
+            *((n, None) for n in eager_decode_batches(backend, kv_heads, device, graphed, most)),
+            *((1, prefix, chunk) for chunk, prefix in extend_split_chunks(
+                engine.arch, device, longest, engine.config.scheduler.max_num_batched_tokens))]
+
+
+def extend_split_chunks(arch, device, longest: int, most_tokens: int) -> list[tuple[int, int]]:
+    """(chunk tokens, prefix) of the first chunk meeting each prefix split count past 1
+    that the extend kernel's auto rule launches for ``arch`` (none where the splits are
+    fixed), chunks of whole query tiles under ``most_tokens``, prefixes powers of two times
+    the split's least share, within ``longest``."""
+    config = default_extend_config(arch.head_dim, device)
+    if config.kv_splits != 0:
+        return []
+    first: dict[int, tuple[int, int]] = {}
+    for chunk in range(config.block_m, most_tokens, config.block_m):  # a decode beside it
+        prefix = MIN_EXTEND_SPLIT_TOKENS
+        while prefix + chunk <= longest:
+            programs = chunk // config.block_m * arch.num_heads
+            first.setdefault(extend_kv_splits(0, programs, prefix, device), (chunk, prefix))
+            prefix *= 2
+    return [first[splits] for splits in sorted(first) if splits > 1]
 
 
 def decode_split_batches(backend, kv_heads: int, device, most: int) -> list[int]:
@@ -121,14 +151,16 @@ def largest_graphed_decode(engine) -> int:
     return min((max(runner.graphs, default=0) for runner in runners), default=0)
 
 
-def run_shapes(engine, tokens: int, shapes: list[tuple[int, int | None]] = SHAPES) -> dict:
+def run_shapes(engine, tokens: int, shapes: list[tuple] = SHAPES) -> dict:
     """One eager step of each ``(decodes, prefix)``: a ``tokens`` chunk behind ``prefix``
-    cached tokens beside that many decodes, or with ``prefix`` None the decodes alone."""
+    cached tokens beside that many decodes, or with ``prefix`` None the decodes alone; a
+    ``(decodes, prefix, chunk)`` takes a chunk of its own size."""
     fixtures, started, steps = Fixtures(engine), time.perf_counter(), 0
     try:
-        for decodes, prefix in shapes:
+        for shape in shapes:
+            decodes, prefix, chunk = shape if len(shape) == 3 else (*shape, tokens)
             plan = (fixtures.decode_plan(decodes, DECODE_CONTEXT) if prefix is None
-                    else fixtures.mixed_plan(tokens, prefix, decodes, DECODE_CONTEXT))
+                    else fixtures.mixed_plan(chunk, prefix, decodes, DECODE_CONTEXT))
             if plan is None:  # the pool cannot hold it: nothing to warm at this size
                 continue
             engine.runner.execute(plan)

@@ -55,6 +55,7 @@ def build_metadata(num_cached: list[int], num_new: list[int], block_tables: list
         block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         max_query_len=max(num_new), max_seq_len=max(seq_lens), block_size=block_size,
+        max_extend_prefix_len=max(num_cached[num_decode_seqs:], default=0),
     )
 
 

@@ -30,6 +30,10 @@ class AttentionMetadata:
     max_query_len: int  # host-side maxima size kernel grids without a device sync
     max_seq_len: int
     block_size: int
+    # Longest cached prefix of the extend (non-decode) sequences, a host int for the extend
+    # kernel's split count; None where the batch's builder does not say (the kernel then
+    # bounds it by max_seq_len - max_query_len).
+    max_extend_prefix_len: int | None = None
 
     @property
     def num_tokens(self) -> int:

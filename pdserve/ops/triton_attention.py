@@ -8,6 +8,8 @@ value.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -36,6 +38,10 @@ FUSED_ROPE_DECODE_ENV = "PDSERVE_FUSED_ROPE_DECODE"
 # (``TritonAttentionBackend.num_kv_splits``; default 8); 1 turns this balancing of long
 # contexts off, for A/B runs of the whole engine.
 BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
+# The extend kernel's prefix splits on a GPU (``ExtendConfig.kv_splits``): 0, the default,
+# picks them from the grid and the prefix (``extend_kv_splits``); a power of two fixes them
+# (1: no splits, as before the count followed the grid's waves), for A/B runs.
+EXTEND_SPLITS_ENV = "PDSERVE_EXTEND_KV_SPLITS"
 # Balancing keeps partial results for at most this many programs per SM (8 splits up to 64
 # decodes of 8 KV heads, 4 at 128, 2 at 256): the partials buffer and the reduce kernel grow
 # with batch x splits. The split kernel's grid does not: past each context's first
@@ -949,10 +955,14 @@ def _extend_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, query_start_loc_ptr, s
 
 # Auto split count (kv_splits=0): each split keeps at least this many prefix tokens, so the
 # partials' traffic (an fp32 row per split) stays small next to the K/V it saves re-reading.
-_MIN_EXTEND_SPLIT_TOKENS = 512
+MIN_EXTEND_SPLIT_TOKENS = 512
 _MAX_EXTEND_SPLITS = 16
+# A grid of more than half a wave is split only where that cuts its waves' work (waves of
+# programs, each a split's share) to this share of one split's or less: the partials' traffic
+# and the merge launch are paid back. Splits tried there: 2 and 4.
+_WAVE_GAIN = 0.9
+_MAX_BALANCE_SPLITS = 4
 _MERGE_TOKENS = 16
-
 
 def extend_attention(
     q: torch.Tensor,
@@ -1034,8 +1044,16 @@ def extend_grid(config: ExtendConfig, meta: AttentionMetadata, num_q_heads: int,
     num_seqs = meta.num_seqs - first_seq
     tiles = triton.cdiv(max(meta.max_query_len, 0), config.block_m // row_heads)
     programs = max(tiles * (num_q_heads // row_heads) * num_seqs, 1)
-    splits = extend_kv_splits(config.kv_splits, programs, meta.max_seq_len, device)
+    splits = extend_kv_splits(config.kv_splits, programs, extend_prefix_bound(meta), device)
     return (tiles * splits, num_q_heads // row_heads, num_seqs), splits
+
+
+def extend_prefix_bound(meta: AttentionMetadata) -> int:
+    """The longest cached prefix the split count may count on: the batch's own figure where
+    it has one, else its longest context less its longest query (exact for one sequence)."""
+    if meta.max_extend_prefix_len is not None:
+        return meta.max_extend_prefix_len
+    return max(meta.max_seq_len - meta.max_query_len, 0)
 
 
 def _extend_row_heads(config: ExtendConfig, group: int) -> int:
@@ -1050,25 +1068,46 @@ def _extend_row_heads(config: ExtendConfig, group: int) -> int:
     return group
 
 
-def extend_kv_splits(requested: int, programs: int, max_seq_len: int,
+def extend_kv_splits(requested: int, programs: int, max_prefix_len: int,
                      device: torch.device) -> int:
-    """Prefix splits to launch: ``requested`` (a power of two), or for 0 (auto) enough for
-    a wave of programs, at most one per ``_MIN_EXTEND_SPLIT_TOKENS`` of the longest context
-    and at most ``_MAX_EXTEND_SPLITS``; 1 when the grid already fills half the GPU or more.
-    On the H200 (efbfdd5 sweep) splitting a 256-token chunk over 12-15K, 128 programs on
-    132 SMs, 2-4 ways lost 1-7%; a 64-128-token chunk over 16K (64 programs) paid the same
-    20-21 ms of attention a step as a 256-token one (d92d053 mixed-step grid)."""
+    """Prefix splits to launch: ``requested`` (a power of two), or for 0 (auto) at most one
+    per ``MIN_EXTEND_SPLIT_TOKENS`` of the longest cached prefix and at most
+    ``_MAX_EXTEND_SPLITS``, and within that:
+
+    - a grid under half a wave: enough splits for a wave of programs. On the H200 a
+      64-128-token chunk over 16K (64 programs) paid the same 20-21 ms of attention a step
+      as a 256-token one (d92d053 mixed-step grid).
+    - a larger grid: the split count (``_balanced_splits``) that best fills the last wave,
+      else 1. One program per SM at the H200's tiles, so a grid runs in whole waves: a
+      3-tile chunk (257-384 tokens, 192 programs with codellama-34b's 64 q heads on 132
+      SMs) takes two waves where a 2-tile one takes one. In the mixed steps of two LooGLE-like
+      runs at 0c8789f (3,548 steps) attention fitted as waves x prefix explained the
+      3-tile steps' 6.6% excess over a fit linear in the chunk; 2 splits run the
+      same work as three waves of half programs, 1.5 waves' time. Splitting a 256-token
+      chunk over 12-15K (128 programs, a wave) 2-4 ways lost 1-7% (efbfdd5 sweep)."""
     if requested < 0 or requested & (requested - 1):
         raise ValueError(f"kv_splits must be 0 (auto) or a power of two, got {requested}")
     if requested:
         return requested
     sms = _sm_count(device)
-    if 2 * programs > sms:
-        return 1
-    wanted = triton.next_power_of_2(triton.cdiv(sms, programs))
-    useful = max(1, max_seq_len // _MIN_EXTEND_SPLIT_TOKENS)
-    useful = 1 << (useful.bit_length() - 1)  # the power of two at or below
-    return min(wanted, useful, _MAX_EXTEND_SPLITS)
+    useful = max(1, max_prefix_len // MIN_EXTEND_SPLIT_TOKENS)
+    useful = min(1 << (useful.bit_length() - 1), _MAX_EXTEND_SPLITS)  # a power of two
+    if 2 * programs <= sms:
+        return min(triton.next_power_of_2(triton.cdiv(sms, programs)), useful)
+    return _balanced_splits(programs, sms, min(useful, _MAX_BALANCE_SPLITS))
+
+
+def _balanced_splits(programs: int, sms: int, most: int) -> int:
+    """The split count (a power of two up to ``most``) whose waves take the least time,
+    each wave costing one program's share of the prefix (1 / splits); 1 unless that is
+    ``_WAVE_GAIN`` of one split's or less. Ties go to fewer splits."""
+    waves = lambda splits: triton.cdiv(programs * splits, sms) / splits
+    best, splits = 1, 2
+    while splits <= most:
+        if waves(splits) < waves(best):
+            best = splits
+        splits *= 2
+    return best if waves(best) <= _WAVE_GAIN * waves(1) else 1
 
 
 def _extend_partials(q: torch.Tensor, out: torch.Tensor, splits: int):
@@ -1085,9 +1124,15 @@ def _extend_partials(q: torch.Tensor, out: torch.Tensor, splits: int):
 
 def default_extend_config(head_dim: int, device: torch.device,
                           hopper: bool | None = None) -> ExtendConfig:
-    """``hopper``: whether the tiles may use Hopper's shared memory (None: ask the device)."""
+    """``hopper``: whether the tiles may use Hopper's shared memory (None: ask the device).
+    On a GPU the prefix splits follow ``PDSERVE_EXTEND_KV_SPLITS`` (default 0: auto)."""
     if device.type != "cuda":  # interpreter: small tiles, several of them per sequence
         return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    return dataclasses.replace(_gpu_extend_tiles(head_dim, device, hopper),
+                               kv_splits=_extend_splits_from_env())
+
+
+def _gpu_extend_tiles(head_dim: int, device: torch.device, hopper: bool | None) -> ExtendConfig:
     if head_dim <= 64:
         return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     if hopper is None:
@@ -1102,6 +1147,18 @@ def default_extend_config(head_dim: int, device: torch.device,
         # Q 32 KiB + 3 stages of K and V tiles (16 KiB each) stays inside 164 KiB smem.
         return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
+@functools.cache
+def _extend_splits_from_env() -> int:
+    raw = os.environ.get(EXTEND_SPLITS_ENV, "0")
+    try:
+        splits = int(raw)
+    except ValueError:
+        splits = -1
+    if splits < 0 or splits & (splits - 1):
+        raise ValueError(f"{EXTEND_SPLITS_ENV}={raw!r}: must be 0 (auto) or a power of two")
+    return splits
 
 
 def _check_attention_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):

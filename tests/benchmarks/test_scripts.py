@@ -401,6 +401,34 @@ def test_extend_sweep_times_every_layout_on_every_chunk_shape():
 
 
 @pytest.mark.skipif(not triton_available(), reason="bench_kernels.py imports triton")
+def test_extend_waves_times_each_split_count_beside_the_auto_pick(monkeypatch):
+    """``--extend-waves``: every chunk x prefix at 1, 2 and 4 splits, and per point the
+    count auto picks (132 SMs counted on a CPU) with its time over one split's."""
+    import functools
+
+    import torch
+
+    bench = _load("bench_kernels")
+    from pdserve.ops.triton_attention import default_extend_config
+
+    tiles = default_extend_config(128, torch.device("cuda"), hopper=True)
+    monkeypatch.setattr(bench, "default_extend_config", lambda *args: tiles)
+    monkeypatch.setattr(bench, "auto_extend_splits",
+                        functools.partial(bench.auto_extend_splits, device="cpu"))
+    speed = {1: 1.0, 2: 0.8, 4: 0.9}  # ms by split count: 2 the fastest everywhere
+    monkeypatch.setattr(bench, "bench_prefill", lambda shape, prefix, new, config: {
+        "prefix": prefix, "new": new, "ms": speed[config.kv_splits]})
+    result = bench.extend_waves(lambda row: row)
+    points = len(bench.EXTEND_WAVE_CHUNKS) * len(bench.EXTEND_WAVE_PREFIXES)
+    assert len(result["rows"]) == 3 * points and len(result["auto"]) == points
+    picks = {(p["prefix"], p["new"]): p for p in result["auto"]}
+    assert picks[12288, 320]["auto_splits"] == 2 and picks[12288, 320]["auto_over_one"] == 0.8
+    assert picks[12288, 256]["auto_splits"] == 1 and picks[12288, 256]["auto_over_one"] == 1.0
+    assert picks[16384, 64]["auto_splits"] == 4 and picks[16384, 64]["auto_over_one"] == 0.9
+    assert {p["fastest_splits"] for p in result["auto"]} == {2}
+
+
+@pytest.mark.skipif(not triton_available(), reason="bench_kernels.py imports triton")
 def test_decode_split_ab_times_every_split_size_at_every_point(monkeypatch):
     bench = _load("bench_kernels")
     asked = []

@@ -49,6 +49,9 @@ def assert_matches_reference(batch, plan: Plan) -> None:
         np.testing.assert_array_equal(got, expected, err_msg=name)
     assert batch.block_tables.flags.c_contiguous
     assert batch.num_decode_seqs == len(plan.decodes)
+    extends = plan.scheduled[len(plan.decodes):]
+    assert batch.max_extend_prefix_len() == max(
+        (item.request.num_computed for item in extends), default=0)
 
 
 @pytest.mark.parametrize("schedule", ["chunked", "prefill-first"])

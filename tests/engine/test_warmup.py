@@ -12,6 +12,7 @@ from pdserve.engine.warmup import (
     SHAPES,
     decode_split_batches,
     eager_decode_batches,
+    extend_split_chunks,
     run_shapes,
     shapes,
     skip_reason,
@@ -128,3 +129,28 @@ def _decode_compiles(llm: LLM) -> dict[str, int]:
     assert compiled["watched"], compiled
     return {name: count for name, count in compiled["by_kernel"].items()
             if name.startswith("_decode")}
+
+
+@pytest.mark.parametrize("heads, head_dim", [(64, 128), (32, 128), (8, 64)])
+def test_every_extend_split_count_gets_a_warm_up_chunk(monkeypatch, heads, head_dim):
+    """Each prefix split count the auto rule launches (codellama-34b's, llama3-8b's and a
+    small model's q heads on 132 SMs, the GPU's tiles) gets one chunk that launches it;
+    chunks of any size behind any prefix meet no other count."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from pdserve.engine import warmup
+    from pdserve.ops.triton_attention import default_extend_config, extend_kv_splits
+
+    tiles = default_extend_config(head_dim, torch.device("cuda"), hopper=True)
+    monkeypatch.setattr(warmup, "default_extend_config", lambda *args: tiles)
+    cpu, longest, most = torch.device("cpu"), 24576, 8192  # the CPU counts 132 SMs
+    arch = SimpleNamespace(num_heads=heads, head_dim=head_dim)
+    chunks = extend_split_chunks(arch, cpu, longest, most)
+    programs = lambda chunk: -(-chunk // tiles.block_m) * heads
+    warmed = [extend_kv_splits(0, programs(c), p, cpu) for c, p in chunks]
+    assert len(set(warmed)) == len(warmed) and 1 not in warmed
+    assert all(chunk < most and chunk + prefix <= longest for chunk, prefix in chunks)
+    met = {extend_kv_splits(0, programs(chunk), prefix, cpu)
+           for chunk in range(1, most, 16) for prefix in range(0, longest - chunk, 256)}
+    assert met - {1} == set(warmed) and len(warmed) >= 2

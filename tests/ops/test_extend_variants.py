@@ -8,6 +8,8 @@ a mixed batch. GPU tests run CodeLlama-34B's head shape (64 q heads, 8 kv heads,
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_env import interpreted
@@ -119,6 +121,62 @@ def test_auto_split_count_follows_the_grid_and_the_context():
     assert extend_kv_splits(4, 10_000, 10, cpu) == 4  # an explicit count is kept
     with pytest.raises(ValueError, match="power of two"):
         extend_kv_splits(3, 8, 1000, cpu)
+
+
+def test_auto_split_count_fills_the_last_wave():
+    """Past half a wave the count is the one whose waves of shares take least: a 3-tile
+    chunk of codellama-34b's 64 q heads (192 programs on 132 SMs) runs two waves at 1 split
+    and three of half programs at 2."""
+    pytest.importorskip("triton")
+    from pdserve.ops.triton_attention import extend_kv_splits
+
+    cpu = torch.device("cpu")  # counted as 132 SMs
+    assert extend_kv_splits(0, 192, 10_000, cpu) == 2  # 2 waves -> 1.5
+    assert extend_kv_splits(0, 320, 10_000, cpu) == 2  # 5 tiles: 3 waves -> 2.5
+    assert extend_kv_splits(0, 256, 10_000, cpu) == 1  # 1.94 waves: nothing to gain
+    assert extend_kv_splits(0, 384, 10_000, cpu) == 1  # 2.9 waves
+    assert extend_kv_splits(0, 512, 16_384, cpu) == 1  # a 1K chunk: 3.9 waves
+    assert extend_kv_splits(0, 200, 10_000, cpu) == 4  # 2 waves -> 7 of quarters, 1.75
+    assert extend_kv_splits(0, 192, 1_000, cpu) == 1  # a split keeps 512 prefix tokens
+    assert extend_kv_splits(0, 192, 0, cpu) == 1  # no prefix: nothing to split
+
+
+def test_the_prefix_bound_comes_from_the_extend_sequences():
+    """A long decode context beside a fresh prompt leaves the prompt nothing to split."""
+    pytest.importorskip("triton")
+    from pdserve.model.testing import build_metadata
+    from pdserve.ops.triton_attention import extend_prefix_bound
+
+    tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    meta = build_metadata([8191, 0], [1, 300], tables, block_size=2048)
+    assert meta.max_extend_prefix_len == 0 and extend_prefix_bound(meta) == 0
+    meta = build_metadata([8191, 5000], [1, 300], tables, block_size=2048)
+    assert extend_prefix_bound(meta) == 5000
+    unknown = dataclasses.replace(meta, max_extend_prefix_len=None)
+    assert extend_prefix_bound(unknown) == 8192 - 300  # longest context less longest query
+
+
+def test_gpu_extend_splits_follow_the_environment(monkeypatch):
+    """Auto by default on a GPU, fixed by PDSERVE_EXTEND_KV_SPLITS, refused when not a power
+    of two; the interpreter's tiles keep one split."""
+    pytest.importorskip("triton")
+    from pdserve.ops import triton_attention as ta
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    try:
+        monkeypatch.delenv(ta.EXTEND_SPLITS_ENV, raising=False)
+        ta._extend_splits_from_env.cache_clear()
+        assert ta.default_extend_config(128, cuda, hopper=True).kv_splits == 0
+        assert ta.default_extend_config(128, cpu).kv_splits == 1
+        monkeypatch.setenv(ta.EXTEND_SPLITS_ENV, "1")
+        ta._extend_splits_from_env.cache_clear()
+        assert ta.default_extend_config(128, cuda, hopper=True).kv_splits == 1
+        monkeypatch.setenv(ta.EXTEND_SPLITS_ENV, "3")
+        ta._extend_splits_from_env.cache_clear()
+        with pytest.raises(ValueError, match="PDSERVE_EXTEND_KV_SPLITS"):
+            ta.default_extend_config(128, cuda, hopper=True)
+    finally:
+        ta._extend_splits_from_env.cache_clear()
 
 
 @interpreted
