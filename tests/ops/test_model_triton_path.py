@@ -63,7 +63,7 @@ def test_model_triton_path_matches_reference_path(fused_rope_run):
 
 
 @interpreted
-def test_decode_gemv_path_matches_reference_path():
+def test_decode_gemv_path_matches_reference_path(monkeypatch):
     """Decode steps (2 rows) on the fused GEMV path, the prefill (10 rows) on the usual one:
     logits as the reference path's, and the GEMV kernel did run (4 launches per layer), with
     the rotary + K/V store inside the decode kernel (the default; the prefill keeps its own).
@@ -71,12 +71,28 @@ def test_decode_gemv_path_matches_reference_path():
     interpreter's time down; the GPU tests run the kernels on the real shapes)."""
     model, expected = _model_and_reference_logits("tiny-qwen2")
     model.decode_gemv = True
+    monkeypatch.setattr("pdserve.ops.triton_gemv.GEMV_CONFIGS", _wide_gemv_configs(model))
     with dispatch.interpreted_triton_ops(), count_launches() as count:
         got = _logits_over_steps(model, steps=DECODE_STEPS)
     assert count.by_name["triton::_gemv_kernel"] == DECODE_STEPS * 4 * model.num_layers
     prefills = len(got) - DECODE_STEPS
     assert count.by_name["triton::_rope_store_kv_kernel"] == prefills * model.num_layers
     _assert_logits_match(got, expected)
+
+
+def _wide_gemv_configs(model: LlamaForCausalLM) -> dict:
+    """Each of the model's GEMV shapes (2 rows) with tiles of 64 weight rows: the
+    interpreter runs a launch's programs one by one, and the default 8 rows a program made
+    2,048 of them. A K tile of 128 also sweeps K in several tiles (the default 512 covers
+    tiny-qwen2's K of 256 and 512 in one), so the next-tile loads are exercised."""
+    from pdserve.ops.triton_gemv import GemvConfig, row_bucket
+
+    arch, wide = model.arch, GemvConfig(block_n=64, block_k=128)
+    qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    shapes = [(qkv_rows, arch.hidden_size), (arch.hidden_size, arch.num_heads * arch.head_dim),
+              (2 * arch.intermediate_size, arch.hidden_size),
+              (arch.hidden_size, arch.intermediate_size)]
+    return {(n, k, row_bucket(2)): wide for n, k in shapes}
 
 
 @interpreted

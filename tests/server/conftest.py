@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.testing import free_port
+from pdserve.testing import HEALTH_POLL_S, free_port
 
 START_TIMEOUT_S = 120
 BIND_ATTEMPTS = 3  # starts on fresh ports when another process took the drawn one
@@ -197,7 +197,7 @@ def wait_healthy(server: Server, timeout: float = START_TIMEOUT_S) -> None:
                 return
         except OSError:
             pass
-        time.sleep(0.25)
+        time.sleep(HEALTH_POLL_S)
     server.stop()
     raise RuntimeError("server did not become healthy")
 
