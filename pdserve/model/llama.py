@@ -271,11 +271,20 @@ class LlamaDecoderLayer(nn.Module):
         return dispatch.silu_mul_gemv_add(gate_up, mlp.down_proj.weight, None, stream)
 
 
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding``, built without its random init on the meta device (the loader's
+    path: weights are loaded or set afterwards). That init imports ``torch._dynamo``
+    (torch 2.13: ~1-2 s of every engine start on CPU) for values nobody reads."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+    return nn.Embedding(rows, dim)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, backend: AttentionBackend, vocab_rows: int,
                  comm: TPComm = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_rows, arch.hidden_size)
+        self.embed_tokens = _embedding(vocab_rows, arch.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(arch, backend, comm) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)

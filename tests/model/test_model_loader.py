@@ -3,6 +3,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -142,3 +144,13 @@ def test_max_model_len_extends_rope_table():
     model_config = ModelConfig(model="tiny", max_model_len=8192)
     model = load_model(model_config, PRESETS["tiny"], "cpu", "auto", TorchAttentionBackend())
     assert model.rotary.cos_sin_cache.shape == (8192, PRESETS["tiny"].head_dim)
+
+
+def test_building_an_engine_model_does_not_import_dynamo():
+    """The loader builds on the meta device, where nn.Embedding's random init would import
+    torch._dynamo (1-2 s of every engine start on CPU) for values the weights replace."""
+    code = ("import sys; from pdserve.engine.llm import LLM; LLM('tiny', device='cpu'); "
+            "print('torch._dynamo' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, timeout=120)
+    assert result.stdout.strip().splitlines()[-1] == "False"
