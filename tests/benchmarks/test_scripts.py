@@ -495,6 +495,30 @@ def test_steps_on_a_graph_bucket_are_set_against_the_line_through_the_others():
     assert bands[0]["steps"] == 15 and bands[2]["steps"] == 16
 
 
+def test_attention_priced_in_waves_explains_the_three_tile_steps():
+    """Steps whose attention costs 1 ms per wave per 1K prefix (64 q heads, 128-token
+    tiles, 132 SMs: 2 tiles one wave, 3 and 4 tiles two): the waves fit leaves nothing by
+    tile count, the fit linear in the chunk leaves the 3-tile steps above it; counted at
+    the kernel's own split rule, 3 tiles run 2 splits, 1.5 waves."""
+    align = _load("step_alignment")
+
+    def ms(prefix, tokens, decodes, waves):
+        return 5 + 0.1 * tokens + waves * prefix / 1e3 + 0.3 * decodes
+
+    waves_unsplit = {192: 1, 256: 1, 320: 2, 384: 2, 448: 2, 512: 2}
+    timeline = [_mixed_entry(prefix, n, b, ms(prefix, n, b, waves_unsplit[n]))
+                for prefix in (2000, 6000, 10000, 14000) for n in waves_unsplit for b in (1, 3)]
+    steps = align.mixed_steps(timeline)
+    found = align.attention_waves(steps, 132, 64, 128, auto_splits=False)
+    assert found["steps_by_tiles"] == {"2": 16, "3": 16, "4": 16}
+    waves, linear = found["fits"]["waves_x_prefix"], found["fits"]["tokens_x_prefix"]
+    assert waves["rms_relative_error"] < 1e-6 and waves["coef"][2] == pytest.approx(1.0)
+    assert linear["residual_p50_by_tiles"]["3"] > 1.03 > linear["residual_p50_by_tiles"]["2"]
+    pytest.importorskip("triton")
+    split = align.attention_waves(steps, 132, 64, 128, auto_splits=True)
+    assert split["fits"]["waves_x_prefix"]["rms_relative_error"] > 0.01  # 3 tiles now 1.5
+
+
 def test_the_prefill_bound_is_the_least_rate_some_set_of_requests_passes_at():
     bound = _load("loogle_bound")
     # Two 1,000-token prompts at once, SLO 1 s: both need 2,000 tokens/s, one needs 1,000.
