@@ -38,9 +38,10 @@ FUSED_ROPE_DECODE_ENV = "PDSERVE_FUSED_ROPE_DECODE"
 # (``TritonAttentionBackend.num_kv_splits``; default 8); 1 turns this balancing of long
 # contexts off, for A/B runs of the whole engine.
 BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
-# The extend kernel's prefix splits on a GPU (``ExtendConfig.kv_splits``): 0, the default,
-# picks them from the grid and the prefix (``extend_kv_splits``); a power of two fixes them
-# (1: no splits, as before the count followed the grid's waves), for A/B runs.
+# The extend kernel's prefix splits on a GPU (``ExtendConfig.kv_splits``): 0 picks them per
+# launch from the grid and the prefix (``extend_kv_splits``); a power of two fixes them.
+# Opt-in (default 1, no splits) until the GPU measures the rule end to end: the committed
+# step timelines price it at ~3-4% of multiplexing's LooGLE-like mixed-step time.
 EXTEND_SPLITS_ENV = "PDSERVE_EXTEND_KV_SPLITS"
 # Balancing keeps partial results for at most this many programs per SM (8 splits up to 64
 # decodes of 8 KV heads, 4 at 128, 2 at 256): the partials buffer and the reduce kernel grow
@@ -1125,7 +1126,7 @@ def _extend_partials(q: torch.Tensor, out: torch.Tensor, splits: int):
 def default_extend_config(head_dim: int, device: torch.device,
                           hopper: bool | None = None) -> ExtendConfig:
     """``hopper``: whether the tiles may use Hopper's shared memory (None: ask the device).
-    On a GPU the prefix splits follow ``PDSERVE_EXTEND_KV_SPLITS`` (default 0: auto)."""
+    On a GPU the prefix splits follow ``PDSERVE_EXTEND_KV_SPLITS`` (default 1; 0: auto)."""
     if device.type != "cuda":  # interpreter: small tiles, several of them per sequence
         return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
     return dataclasses.replace(_gpu_extend_tiles(head_dim, device, hopper),
@@ -1151,7 +1152,7 @@ def _gpu_extend_tiles(head_dim: int, device: torch.device, hopper: bool | None) 
 
 @functools.cache
 def _extend_splits_from_env() -> int:
-    raw = os.environ.get(EXTEND_SPLITS_ENV, "0")
+    raw = os.environ.get(EXTEND_SPLITS_ENV, "1")
     try:
         splits = int(raw)
     except ValueError:
