@@ -37,11 +37,6 @@ import logging
 import time
 
 from pdserve.engine.profiler import Fixtures
-from pdserve.ops.triton_attention import (
-    MIN_EXTEND_SPLIT_TOKENS,
-    default_extend_config,
-    extend_kv_splits,
-)
 from pdserve.sched.base import MAIN_POOL
 
 log = logging.getLogger(__name__)
@@ -101,12 +96,22 @@ def shapes(engine, tokens: int) -> list[tuple]:
                 engine.arch, device, longest, engine.config.scheduler.max_num_batched_tokens))]
 
 
-def extend_split_chunks(arch, device, longest: int, most_tokens: int) -> list[tuple[int, int]]:
+def extend_split_chunks(arch, device, longest: int, most_tokens: int,
+                        config=None) -> list[tuple[int, int]]:
     """(chunk tokens, prefix) of the first chunk meeting each prefix split count past 1
     that the extend kernel's auto rule launches for ``arch`` (none where the splits are
     fixed), chunks of whole query tiles under ``most_tokens``, prefixes powers of two times
-    the split's least share, within ``longest``."""
-    config = default_extend_config(arch.head_dim, device)
+    the split's least share, within ``longest``. ``config``: the kernel's (``ExtendConfig``;
+    default: the device's)."""
+    if device.type != "cuda" and config is None:
+        return []  # the interpreter's tiles keep one split; and no Triton import on a CPU
+    from pdserve.ops.triton_attention import (
+        MIN_EXTEND_SPLIT_TOKENS,
+        default_extend_config,
+        extend_kv_splits,
+    )
+
+    config = config or default_extend_config(arch.head_dim, device)
     if config.kv_splits != 0:
         return []
     first: dict[int, tuple[int, int]] = {}

@@ -133,24 +133,22 @@ def _decode_compiles(llm: LLM) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("heads, head_dim", [(64, 128), (32, 128), (8, 64)])
-def test_every_extend_split_count_gets_a_warm_up_chunk(monkeypatch, heads, head_dim):
+def test_every_extend_split_count_gets_a_warm_up_chunk(heads, head_dim):
     """With the auto rule, each prefix split count it launches (codellama-34b's, llama3-8b's
     and a small model's q heads on 132 SMs, the GPU's tiles) gets one chunk that launches
     it; chunks of any size behind any prefix meet no other count. Fixed splits: none."""
     pytest.importorskip("triton")
     from types import SimpleNamespace
 
-    from pdserve.engine import warmup
     from pdserve.ops.triton_attention import default_extend_config, extend_kv_splits
 
     fixed = default_extend_config(head_dim, torch.device("cuda"), hopper=True)
     tiles = dataclasses.replace(fixed, kv_splits=0)  # PDSERVE_EXTEND_KV_SPLITS=0
     cpu, longest, most = torch.device("cpu"), 24576, 8192  # the CPU counts 132 SMs
     arch = SimpleNamespace(num_heads=heads, head_dim=head_dim)
-    monkeypatch.setattr(warmup, "default_extend_config", lambda *args: fixed)
-    assert fixed.kv_splits == 1 and extend_split_chunks(arch, cpu, longest, most) == []
-    monkeypatch.setattr(warmup, "default_extend_config", lambda *args: tiles)
-    chunks = extend_split_chunks(arch, cpu, longest, most)
+    assert fixed.kv_splits == 1 and extend_split_chunks(arch, cpu, longest, most, fixed) == []
+    assert extend_split_chunks(arch, cpu, longest, most) == []  # the interpreter's tiles
+    chunks = extend_split_chunks(arch, cpu, longest, most, tiles)
     programs = lambda chunk: -(-chunk // tiles.block_m) * heads
     warmed = [extend_kv_splits(0, programs(c), p, cpu) for c, p in chunks]
     assert len(set(warmed)) == len(warmed) and 1 not in warmed
