@@ -36,17 +36,20 @@ class HostBatch:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    def max_extend_prefix_len(self) -> int:
-        """Longest cached prefix among the prefill / extend sequences (0: none)."""
+    def max_extend_prefix_len(self, new_tokens: np.ndarray | None = None) -> int:
+        """Longest cached prefix among the prefill / extend sequences (0: none);
+        ``new_tokens``: each sequence's, where the caller has them."""
         first = self.num_decode_seqs
         if first >= self.num_seqs:
             return 0
-        new = np.diff(self.query_start_loc[first:])
-        return int((self.seq_lens[first:] - new).max())
+        if new_tokens is None:
+            new_tokens = np.diff(self.query_start_loc)
+        return int((self.seq_lens[first:] - new_tokens[first:]).max())
 
     def metadata(self, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         put = lambda array: staged(array, device).to(device, non_blocking=True)
+        new_tokens = np.diff(self.query_start_loc)
         meta = AttentionMetadata(
             num_seqs=self.num_seqs,
             num_decode_seqs=self.num_decode_seqs,
@@ -54,10 +57,10 @@ class HostBatch:
             seq_lens=put(self.seq_lens),
             block_tables=put(self.block_tables),
             slot_mapping=put(self.slot_mapping),
-            max_query_len=int(np.diff(self.query_start_loc).max()),
+            max_query_len=int(new_tokens.max()),
             max_seq_len=int(self.seq_lens.max()),
             block_size=self.block_size,
-            max_extend_prefix_len=self.max_extend_prefix_len(),
+            max_extend_prefix_len=self.max_extend_prefix_len(new_tokens),
         )
         return put(self.input_ids), put(self.positions), meta
 

@@ -8,7 +8,6 @@ value.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
@@ -965,6 +964,7 @@ _WAVE_GAIN = 0.9
 _MAX_BALANCE_SPLITS = 4
 _MERGE_TOKENS = 16
 
+
 def extend_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1129,13 +1129,10 @@ def default_extend_config(head_dim: int, device: torch.device,
     On a GPU the prefix splits follow ``PDSERVE_EXTEND_KV_SPLITS`` (default 1; 0: auto)."""
     if device.type != "cuda":  # interpreter: small tiles, several of them per sequence
         return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    return dataclasses.replace(_gpu_extend_tiles(head_dim, device, hopper),
-                               kv_splits=_extend_splits_from_env())
-
-
-def _gpu_extend_tiles(head_dim: int, device: torch.device, hopper: bool | None) -> ExtendConfig:
+    splits = _extend_splits_from_env()
     if head_dim <= 64:
-        return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+        return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3,
+                            kv_splits=splits)
     if hopper is None:
         hopper = torch.cuda.get_device_capability(device) >= (9, 0)
     if head_dim <= 128 and hopper:
@@ -1143,11 +1140,13 @@ def _gpu_extend_tiles(head_dim: int, device: torch.device, hopper: bool | None) 
         # 227 KiB. On the H200 (codellama-34b heads) the fastest of 12 tile configs for a
         # whole 8K prompt (+2% over 64-token tiles) and by far for chunks over a cached
         # prefix (+12% at 2K over 16K, +17% at 512 over 8K; benchmarks/results/extend_sweep_*).
-        return ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+        return ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3,
+                            kv_splits=splits)
     if head_dim <= 128:
         # Q 32 KiB + 3 stages of K and V tiles (16 KiB each) stays inside 164 KiB smem.
-        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3,
+                            kv_splits=splits)
+    return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, kv_splits=splits)
 
 
 @functools.cache
