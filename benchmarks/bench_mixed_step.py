@@ -12,12 +12,18 @@ line of the step to its sampled tokens on the host, as the median of repeats:
 
     python benchmarks/bench_mixed_step.py --model codellama-34b --out mixed_step.json
     python benchmarks/bench_mixed_step.py --grid --repeats 5 --out mixed_step_grid.json
+    python benchmarks/bench_mixed_step.py --cases 384:12288:2:4096 --extend-splits 1,0,1
+
+``--extend-splits`` times every case once per value of ``PDSERVE_EXTEND_KV_SPLITS`` (the
+extend kernel's prefix splits: 1, a power of two, or 0 for the rule that fills the last
+wave), one after another in the same process, so an A/B of the rule meets the same machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -26,7 +32,7 @@ import time
 import torch
 from bench_engine import place_decoding_requests
 
-from pdserve.bench.report import git_revision
+from pdserve.bench.report import git_revision, pdserve_environment
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.request import Request, RequestStatus
@@ -115,6 +121,37 @@ def kernel_sum_ms(engine: EngineCore, plan: Plan) -> float:
     return total_us / 1e3
 
 
+def parse_splits(text: str) -> tuple[str, ...]:
+    """``--extend-splits``: comma-separated values of the split variable, each 0 or a power
+    of two; a ValueError naming a bad one."""
+    values = tuple(item.strip() for item in text.split(","))
+    for value in values:
+        if not value.isdigit() or int(value) & (int(value) - 1):
+            raise ValueError(f"--extend-splits {value!r}: want 0 (auto) or a power of two")
+    return values
+
+
+def use_extend_splits(value: str) -> None:
+    """Point the extend kernel at ``value`` splits from the next launch on (the variable is
+    read once and cached; each arm warms up its own kernels in ``wall_ms``)."""
+    from pdserve.ops.triton_attention import EXTEND_SPLITS_ENV, _extend_splits_from_env
+
+    os.environ[EXTEND_SPLITS_ENV] = value
+    _extend_splits_from_env.cache_clear()
+
+
+def rule_splits(engine: EngineCore, case) -> int | None:
+    """The split count the wave rule launches for ``case``'s chunk (one sequence); None
+    off a GPU, where the torch reference attends without splits."""
+    arch, device = engine.arch, engine.runner.device
+    if device.type != "cuda":
+        return None
+    from pdserve.ops.triton_attention import default_extend_config, extend_kv_splits
+
+    tiles = -(-case[0] // default_extend_config(arch.head_dim, device).block_m)
+    return extend_kv_splits(0, tiles * arch.num_heads, case[1], device)
+
+
 def measure(engine: EngineCore, case, repeats: int) -> dict:
     plan, placed = step_plan(engine, case)
     pool = engine.runner.pools[MAIN_POOL]
@@ -154,23 +191,36 @@ def main() -> None:
     parser.add_argument("--cases", type=parse_cases, default=None,
                         help="time these steps instead: comma-separated "
                         "tokens:prefix:decodes:context")
+    parser.add_argument("--extend-splits", type=parse_splits, default=None,
+                        help="time each case once per value of PDSERVE_EXTEND_KV_SPLITS "
+                        "(comma-separated: 1, a power of two, 0 = fill the last wave)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                        help="the engine's memory budget (codellama-34b on an 80 GB card "
+                        "needs ~0.95 for a KV pool)")
     args = parser.parse_args()
     grid_decodes = tuple(int(n) for n in args.grid_decodes.split(","))
     config = EngineConfig.from_flat(model=args.model, load_format="dummy", schedule="chunked",
                                     chunk_size=2048, max_model_len=24576, max_num_seqs=256,
-                                    gpu_memory_utilization=0.85)
+                                    gpu_memory_utilization=args.gpu_memory_utilization)
     engine = EngineCore(config)
     segments = engine.runner.pools[MAIN_POOL].piecewise
     report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "model": args.model,
-              "piecewise_buckets": segments.buckets if segments else None, "cases": []}
+              "piecewise_buckets": segments.buckets if segments else None,
+              "environment_variables": pdserve_environment(), "cases": []}
     for case in args.cases or cases(args.grid, grid_decodes, args.grid_context):
-        row = measure(engine, case, args.repeats)
-        print(json.dumps(row), flush=True)
-        report["cases"].append(row)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        for splits in args.extend_splits or (None,):
+            if splits is not None:
+                use_extend_splits(splits)
+            row = measure(engine, case, args.repeats)
+            if splits is not None:
+                row["extend_kv_splits_env"] = splits
+                row["rule_splits"] = rule_splits(engine, case)
+            print(json.dumps(row), flush=True)
+            report["cases"].append(row)
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -542,3 +542,25 @@ def test_the_effective_prefill_rate_recovers_the_rate_a_fcfs_server_ran_at():
     record = {"samples": [{"send_s": a, "prompt_len": p, "ttft_ms": 1e3 * t}
                           for a, p, t in zip(arrivals, tokens, ttft, strict=True)]}
     assert bound.effective_prefill_rate(record) == 2000.0
+
+
+def test_mixed_step_split_arms_are_checked_and_switch_the_kernel(monkeypatch):
+    """``bench_mixed_step.py --extend-splits``: each arm a valid value of the variable,
+    and switching arms changes what the next extend launch reads (the variable is cached)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = _load("bench_mixed_step")
+    from pdserve.ops import triton_attention
+
+    assert bench.parse_splits("1, 0,4") == ("1", "0", "4")
+    for bad in ("3", "auto", "-1"):
+        with pytest.raises(ValueError, match="want 0 \\(auto\\) or a power of two"):
+            bench.parse_splits(bad)
+    monkeypatch.setenv(triton_attention.EXTEND_SPLITS_ENV, "1")
+    triton_attention._extend_splits_from_env.cache_clear()
+    assert triton_attention._extend_splits_from_env() == 1
+    bench.use_extend_splits("0")
+    assert triton_attention._extend_splits_from_env() == 0
+    bench.use_extend_splits("2")
+    assert triton_attention._extend_splits_from_env() == 2
+    monkeypatch.setenv(triton_attention.EXTEND_SPLITS_ENV, "1")
+    triton_attention._extend_splits_from_env.cache_clear()
