@@ -957,11 +957,14 @@ def _extend_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, query_start_loc_ptr, s
 # partials' traffic (an fp32 row per split) stays small next to the K/V it saves re-reading.
 MIN_EXTEND_SPLIT_TOKENS = 512
 _MAX_EXTEND_SPLITS = 16
-# A grid of more than half a wave is split only where that cuts its waves' work (waves of
-# programs, each a split's share) to this share of one split's or less: the partials' traffic
-# and the merge launch are paid back. Splits tried there: 2 and 4.
-_WAVE_GAIN = 0.9
-_MAX_BALANCE_SPLITS = 4
+# What a split costs beside its share of the prefix, in prefix tokens: its program loads
+# the query tile and attends the chunk's own causal block, and its partials are merged.
+# Fitted to the H100 sweep at df0a788 (benchmarks/results/extend_waves_h100_df0a788.json:
+# 3 tiles at 2 splits 0.80-0.91x of one, 5 tiles 0.88-1.04x, over 4-16K prefixes):
+# 930-1,300 tokens.
+_SPLIT_OVERHEAD_TOKENS = 1024
+# Splits only where the cost model gives this share of one split's time or less.
+_SPLIT_GAIN = 0.95
 _MERGE_TOKENS = 16
 
 
@@ -1071,44 +1074,40 @@ def _extend_row_heads(config: ExtendConfig, group: int) -> int:
 
 def extend_kv_splits(requested: int, programs: int, max_prefix_len: int,
                      device: torch.device) -> int:
-    """Prefix splits to launch: ``requested`` (a power of two), or for 0 (auto) at most one
-    per ``MIN_EXTEND_SPLIT_TOKENS`` of the longest cached prefix and at most
-    ``_MAX_EXTEND_SPLITS``, and within that:
+    """Prefix splits to launch: ``requested`` (a power of two), or for 0 (auto) the power of
+    two up to one per ``MIN_EXTEND_SPLIT_TOKENS`` of the longest cached prefix (at most
+    ``_MAX_EXTEND_SPLITS``) whose launch takes least by ``_split_cost``, where that is
+    ``_SPLIT_GAIN`` of one split's or less.
 
-    - a grid under half a wave: enough splits for a wave of programs. On the H200 a
-      64-128-token chunk over 16K (64 programs) paid the same 20-21 ms of attention a step
-      as a 256-token one (d92d053 mixed-step grid).
-    - a larger grid: the split count (``_balanced_splits``) that best fills the last wave,
-      else 1. One program per SM at the H200's tiles, so a grid runs in whole waves: a
-      3-tile chunk (257-384 tokens, 192 programs with codellama-34b's 64 q heads on 132
-      SMs) takes two waves where a 2-tile one takes one. In the mixed steps of two LooGLE-like
-      runs at 0c8789f (3,548 steps) attention fitted as waves x prefix explained the
-      3-tile steps' 6.6% excess over a fit linear in the chunk; 2 splits run the
-      same work as three waves of half programs, 1.5 waves' time. Splitting a 256-token
-      chunk over 12-15K (128 programs, a wave) 2-4 ways lost 1-7% (efbfdd5 sweep)."""
+    One program per SM at the H200's tiles, so a grid runs in whole waves: a 3-tile chunk
+    (257-384 tokens, 192 programs with codellama-34b's 64 q heads on 132 SMs) takes two
+    waves where a 2-tile one takes one; at 2 splits it runs three waves of half programs.
+    In the mixed steps of two LooGLE-like runs at 0c8789f (3,548 steps) attention fitted
+    as waves x prefix explained the 3-tile steps' 6.6% excess over a fit linear in the
+    chunk. A short chunk over a long prefix (64-128 tokens, under half a wave) runs 2
+    splits, one wave, 0.55-0.64x of one split's time on the H100 sweep; 4 (two waves) less
+    well."""
     if requested < 0 or requested & (requested - 1):
         raise ValueError(f"kv_splits must be 0 (auto) or a power of two, got {requested}")
     if requested:
         return requested
     sms = _sm_count(device)
-    useful = max(1, max_prefix_len // MIN_EXTEND_SPLIT_TOKENS)
-    useful = min(1 << (useful.bit_length() - 1), _MAX_EXTEND_SPLITS)  # a power of two
-    if 2 * programs <= sms:
-        return min(triton.next_power_of_2(triton.cdiv(sms, programs)), useful)
-    return _balanced_splits(programs, sms, min(useful, _MAX_BALANCE_SPLITS))
-
-
-def _balanced_splits(programs: int, sms: int, most: int) -> int:
-    """The split count (a power of two up to ``most``) whose waves take the least time,
-    each wave costing one program's share of the prefix (1 / splits); 1 unless that is
-    ``_WAVE_GAIN`` of one split's or less. Ties go to fewer splits."""
-    waves = lambda splits: triton.cdiv(programs * splits, sms) / splits
+    most = min(max(1, max_prefix_len // MIN_EXTEND_SPLIT_TOKENS), _MAX_EXTEND_SPLITS)
     best, splits = 1, 2
     while splits <= most:
-        if waves(splits) < waves(best):
+        if _split_cost(splits, programs, max_prefix_len, sms) < \
+                _split_cost(best, programs, max_prefix_len, sms):
             best = splits
         splits *= 2
-    return best if waves(best) <= _WAVE_GAIN * waves(1) else 1
+    one = _split_cost(1, programs, max_prefix_len, sms)
+    return best if _split_cost(best, programs, max_prefix_len, sms) <= _SPLIT_GAIN * one else 1
+
+
+def _split_cost(splits: int, programs: int, prefix: int, sms: int) -> float:
+    """A launch's time in prefix tokens: its waves of programs, each a split's share of the
+    prefix plus ``_SPLIT_OVERHEAD_TOKENS``. Ties go to fewer splits (the caller keeps the
+    first least)."""
+    return triton.cdiv(programs * splits, sms) * (_SPLIT_OVERHEAD_TOKENS + prefix / splits)
 
 
 def _extend_partials(q: torch.Tensor, out: torch.Tensor, splits: int):

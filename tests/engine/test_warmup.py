@@ -155,4 +155,4 @@ def test_every_extend_split_count_gets_a_warm_up_chunk(heads, head_dim):
     assert all(chunk < most and chunk + prefix <= longest for chunk, prefix in chunks)
     met = {extend_kv_splits(0, programs(chunk), prefix, cpu)
            for chunk in range(1, most, 16) for prefix in range(0, longest - chunk, 256)}
-    assert met - {1} == set(warmed) and len(warmed) >= 2
+    assert met - {1} == set(warmed) and warmed  # codellama-34b: 2 only; 8 heads: 2-16

@@ -114,7 +114,7 @@ def test_auto_split_count_follows_the_grid_and_the_context():
 
     cpu = torch.device("cpu")  # counted as 132 SMs
     assert extend_kv_splits(0, 128, 15616, cpu) == 1  # 256 new over 15K: about a wave
-    assert extend_kv_splits(0, 64, 16448, cpu) == 4  # 64 new over 16K: half a wave, x 4
+    assert extend_kv_splits(0, 64, 16448, cpu) == 2  # 64 new over 16K: half a wave, x 2
     assert extend_kv_splits(0, 1024, 18432, cpu) == 1  # 2K new over 16K fills the GPU
     assert extend_kv_splits(0, 8, 1100, cpu) == 2  # capped by the context: 2 x 512 tokens
     assert extend_kv_splits(0, 1, 100_000, cpu) == 16  # capped at 16
@@ -124,19 +124,22 @@ def test_auto_split_count_follows_the_grid_and_the_context():
 
 
 def test_auto_split_count_fills_the_last_wave():
-    """Past half a wave the count is the one whose waves of shares take least: a 3-tile
+    """The count whose waves of shares (plus a split's fixed cost) take least: a 3-tile
     chunk of codellama-34b's 64 q heads (192 programs on 132 SMs) runs two waves at 1 split
-    and three of half programs at 2."""
+    and three of half programs at 2; a 5-tile one splits only over a long prefix."""
     pytest.importorskip("triton")
     from pdserve.ops.triton_attention import extend_kv_splits
 
     cpu = torch.device("cpu")  # counted as 132 SMs
     assert extend_kv_splits(0, 192, 10_000, cpu) == 2  # 2 waves -> 1.5
+    assert extend_kv_splits(0, 192, 4_096, cpu) == 2  # 0.90x by the cost model
     assert extend_kv_splits(0, 320, 10_000, cpu) == 2  # 5 tiles: 3 waves -> 2.5
+    assert extend_kv_splits(0, 320, 4_096, cpu) == 1  # 1.0x on the H100 sweep: kept
     assert extend_kv_splits(0, 256, 10_000, cpu) == 1  # 1.94 waves: nothing to gain
     assert extend_kv_splits(0, 384, 10_000, cpu) == 1  # 2.9 waves
     assert extend_kv_splits(0, 512, 16_384, cpu) == 1  # a 1K chunk: 3.9 waves
-    assert extend_kv_splits(0, 200, 10_000, cpu) == 4  # 2 waves -> 7 of quarters, 1.75
+    assert extend_kv_splits(0, 200, 10_000, cpu) == 1  # 2 waves; 4 of halves, 7 of quarters
+    assert extend_kv_splits(0, 64, 4_096, cpu) == 2  # one wave of halves, not two of quarters
     assert extend_kv_splits(0, 192, 1_000, cpu) == 1  # a split keeps 512 prefix tokens
     assert extend_kv_splits(0, 192, 0, cpu) == 1  # no prefix: nothing to split
 
