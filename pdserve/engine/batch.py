@@ -46,8 +46,10 @@ class HostBatch:
             new_tokens = np.diff(self.query_start_loc)
         return int((self.seq_lens[first:] - new_tokens[first:]).max())
 
-    def metadata(self, device: torch.device
+    def metadata(self, device: torch.device, launch_sms: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The batch's ids, positions and attention metadata on ``device``; ``launch_sms``:
+        the SMs of the partition it runs on (None: the whole device)."""
         put = lambda array: staged(array, device).to(device, non_blocking=True)
         new_tokens = np.diff(self.query_start_loc)
         meta = AttentionMetadata(
@@ -61,6 +63,7 @@ class HostBatch:
             max_seq_len=int(self.seq_lens.max()),
             block_size=self.block_size,
             max_extend_prefix_len=self.max_extend_prefix_len(new_tokens),
+            launch_sms=launch_sms,
         )
         return put(self.input_ids), put(self.positions), meta
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -295,10 +296,11 @@ class PrefillBatch:
         return self._inputs is not None
 
     def launch_piece(self, stream: Any, layers: tuple[int, int], final: bool,
-                     buffers: HostBuffers) -> tuple[int, bool, Event]:
-        """Issues layers [start, end) on ``stream`` (the caller made it wait on what it must);
-        the final piece also samples the batch's finishing requests. Returns (rows sampled,
-        logprobs wanted, the piece's event)."""
+                     buffers: HostBuffers, sms: int | None = None) -> tuple[int, bool, Event]:
+        """Issues layers [start, end) on ``stream`` (the caller made it wait on what it must),
+        which runs on ``sms`` SMs (None: the whole device); the final piece also samples the
+        batch's finishing requests. Returns (rows sampled, logprobs wanted, the piece's
+        event)."""
         if self._last_event is not None and not same_stream(stream, self._stream):
             self.ops.wait(stream, self._last_event)
         inputs = self._sampling_inputs() if final else None  # copies before kernels
@@ -307,6 +309,9 @@ class PrefillBatch:
         else:
             self._follow(stream)
         positions, meta = self._inputs
+        if meta.launch_sms != sms:  # the pieces of one batch may run on several partitions
+            meta = dataclasses.replace(meta, launch_sms=sms)
+            self._inputs = (positions, meta)
         self._hidden, self._residual = self.runner.model.forward_layers(
             self._hidden, self._residual, positions, meta, self.pool.kv_caches, *layers)
         num, want = self._finish(inputs, buffers) if final else (0, False)

@@ -300,7 +300,8 @@ class ModelRunner:
         carry = work.carry
         if carry.state is None:
             carry.state = PrefillBatch(work.plan, self, self.pools[work.pool])
-        result = carry.state.launch_piece(stream, work.layers, work.final, buffers)
+        result = carry.state.launch_piece(stream, work.layers, work.final, buffers,
+                                          _partition_sms(work.partition))
         if work.final:
             carry.state = None
         return result
@@ -312,7 +313,7 @@ class ModelRunner:
         graphs = pool.graphs.get(part.decode_sms if part is not None else None)
         if graphs is not None and graphs.can_run(batch):
             return graphs.run(batch, sampled), "decode_graph"
-        input_ids, positions, meta = batch.metadata(self.device)
+        input_ids, positions, meta = batch.metadata(self.device, _partition_sms(part))
         whole_gpu = part is None or part.whole_gpu
         if whole_gpu and pool.piecewise is not None and pool.piecewise.can_run(batch):
             return pool.piecewise.run(batch, meta, sampled), "piecewise_graph"
@@ -325,10 +326,13 @@ class ModelRunner:
         return torch.zeros(self.config.scheduler.max_num_seqs, dtype=torch.int64,
                            device=self.device)
 
-    def execute(self, plan: Plan, buffers: HostBuffers | None = None) -> StepOutput:
-        """Runs ``plan`` on the whole GPU and waits for its tokens (profiling, tests)."""
+    def execute(self, plan: Plan, buffers: HostBuffers | None = None,
+                partition: Partition | None = None) -> StepOutput:
+        """Runs ``plan`` on the whole GPU (or on ``partition``'s prefill SMs) and waits for
+        its tokens (profiling, warm-up, tests)."""
         buffers = buffers or HostBuffers.make(self.ops, max(1, len(plan.sampling)))
-        launch = self.launch(Work(plan), [], buffers)
+        work = Work(plan) if partition is None else Work(plan, partition, side="prefill")
+        launch = self.launch(work, [], buffers)
         launch.event.synchronize()
         return launch.output()
 
@@ -347,6 +351,11 @@ class ModelRunner:
         """Stops the tensor-parallel workers, if any."""
         if self.tp is not None:
             self.tp.close()
+
+
+def _partition_sms(part: Partition | None) -> int | None:
+    """The SMs a prefill launch on ``part`` runs on, where that is less than the device."""
+    return None if part is None or part.whole_gpu else part.prefill_sms
 
 
 def _stream_of(work: Work):

@@ -79,8 +79,9 @@ def shapes(engine, tokens: int) -> list[tuple]:
     launches up to the engine's largest batch (``decode_split_batches``), then one decode
     beside a ``tokens`` chunk behind each of ``PREFIXES`` that fits the context; then, as
     ``(batch, None)``, decode-only batches no decode graph serves (``eager_decode_batches``);
-    then, as ``(1, prefix, chunk)``, one decode beside a chunk of each extend split count
-    (``extend_split_chunks``).
+    then, as ``(1, prefix, chunk, sms)``, one decode beside a chunk of each extend split
+    count (``extend_split_chunks``), on the whole GPU (``sms`` None) or, for a count only an
+    SM partition's prefill launches, a chunk alone on that partition.
     """
     backend, kv_heads, device = (engine.runner.attn_backend, engine.arch.num_kv_heads,
                                  engine.runner.device)
@@ -92,17 +93,27 @@ def shapes(engine, tokens: int) -> list[tuple]:
     return [*SHAPES, *((n, 0) for n in batches if n not in warmed),
             *((1, prefix) for prefix in PREFIXES if prefix + tokens <= longest),
             *((n, None) for n in eager_decode_batches(backend, kv_heads, device, graphed, most)),
-            *((1, prefix, chunk) for chunk, prefix in extend_split_chunks(
-                engine.arch, device, longest, engine.config.scheduler.max_num_batched_tokens))]
+            *((1, prefix, chunk, sms) for chunk, prefix, sms in extend_split_chunks(
+                engine.arch, device, longest, engine.config.scheduler.max_num_batched_tokens,
+                partition_sms=sorted(_prefill_partitions(engine))))]
 
 
-def extend_split_chunks(arch, device, longest: int, most_tokens: int,
-                        config=None) -> list[tuple[int, int]]:
-    """(chunk tokens, prefix) of the first chunk meeting each prefix split count past 1
-    that the extend kernel's auto rule launches for ``arch`` (none where the splits are
+def _prefill_partitions(engine) -> dict[int, object]:
+    """The SM partitions a prefill may run on, by their prefill SMs (none for a schedule
+    that runs on the whole GPU only)."""
+    return {part.prefill_sms: part for part in engine.scheduler.graph_partitions() or ()
+            if not part.whole_gpu}
+
+
+def extend_split_chunks(arch, device, longest: int, most_tokens: int, config=None,
+                        partition_sms=()) -> list[tuple[int, int, int | None]]:
+    """(chunk tokens, prefix, SMs) of the first chunk meeting each prefix split count past
+    1 that the extend kernel's auto rule launches for ``arch`` (none where the splits are
     fixed), chunks of whole query tiles under ``most_tokens``, prefixes powers of two times
-    the split's least share, within ``longest``. ``config``: the kernel's (``ExtendConfig``;
-    default: the device's)."""
+    the split's least share, and the longest, within ``longest``; on the whole device (SMs None) where it
+    launches that count, else on the first of ``partition_sms`` (the rule counts a launch's
+    own SMs, so a partition's prefill meets counts the whole GPU does not). ``config``: the
+    kernel's (``ExtendConfig``; default: the device's)."""
     if device.type != "cuda" and config is None:
         return []  # the interpreter's tiles keep one split; and no Triton import on a CPU
     from pdserve.ops.triton_attention import (
@@ -114,14 +125,24 @@ def extend_split_chunks(arch, device, longest: int, most_tokens: int,
     config = config or default_extend_config(arch.head_dim, device)
     if config.kv_splits != 0:
         return []
-    first: dict[int, tuple[int, int]] = {}
-    for chunk in range(config.block_m, most_tokens, config.block_m):  # a decode beside it
-        prefix = MIN_EXTEND_SPLIT_TOKENS
-        while prefix + chunk <= longest:
+    first: dict[int, tuple[int, int, int | None]] = {}
+    for sms in (None, *partition_sms):
+        for chunk in range(config.block_m, most_tokens, config.block_m):  # a decode beside
             programs = chunk // config.block_m * arch.num_heads
-            first.setdefault(extend_kv_splits(0, programs, prefix, device), (chunk, prefix))
-            prefix *= 2
+            for prefix in _warm_prefixes(MIN_EXTEND_SPLIT_TOKENS, longest - chunk):
+                splits = extend_kv_splits(0, programs, prefix, device, sms)
+                first.setdefault(splits, (chunk, prefix, sms))
     return [first[splits] for splits in sorted(first) if splits > 1]
+
+
+def _warm_prefixes(least: int, longest: int) -> list[int]:
+    """``least`` doubled while within ``longest``, then ``longest`` itself (a count the rule
+    launches only past the last power of two)."""
+    found = []
+    while least <= longest:
+        found.append(least)
+        least *= 2
+    return found + [longest] if found and found[-1] != longest else found
 
 
 def decode_split_batches(backend, kv_heads: int, device, most: int) -> list[int]:
@@ -156,19 +177,31 @@ def largest_graphed_decode(engine) -> int:
     return min((max(runner.graphs, default=0) for runner in runners), default=0)
 
 
+def _shape(shape: tuple, tokens: int) -> tuple[int, int | None, int, int | None]:
+    """(decodes, prefix, chunk, partition's prefill SMs) of a ``shapes`` entry."""
+    decodes, prefix, *rest = shape
+    return decodes, prefix, rest[0] if rest else tokens, rest[1] if len(rest) > 1 else None
+
+
 def run_shapes(engine, tokens: int, shapes: list[tuple] = SHAPES) -> dict:
     """One eager step of each ``(decodes, prefix)``: a ``tokens`` chunk behind ``prefix``
     cached tokens beside that many decodes, or with ``prefix`` None the decodes alone; a
-    ``(decodes, prefix, chunk)`` takes a chunk of its own size."""
+    ``(decodes, prefix, chunk)`` takes a chunk of its own size, and a ``(decodes, prefix,
+    chunk, sms)`` with ``sms`` set runs the chunk alone on the SM partition whose prefill
+    has that many SMs (skipped where the schedule has none)."""
     fixtures, started, steps = Fixtures(engine), time.perf_counter(), 0
+    partitions = _prefill_partitions(engine)
     try:
         for shape in shapes:
-            decodes, prefix, chunk = shape if len(shape) == 3 else (*shape, tokens)
+            decodes, prefix, chunk, sms = _shape(shape, tokens)
+            part = partitions.get(sms) if sms is not None else None
+            if part is not None:  # a partition's prefill runs alone there
+                decodes = 0
             plan = (fixtures.decode_plan(decodes, DECODE_CONTEXT) if prefix is None
                     else fixtures.mixed_plan(chunk, prefix, decodes, DECODE_CONTEXT))
             if plan is None:  # the pool cannot hold it: nothing to warm at this size
                 continue
-            engine.runner.execute(plan)
+            engine.runner.execute(plan, partition=part)
             fixtures.release()
             steps += 1
     finally:

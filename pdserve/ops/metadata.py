@@ -34,6 +34,9 @@ class AttentionMetadata:
     # kernel's split count; None where the batch's builder does not say (the kernel then
     # bounds it by max_seq_len - max_query_len).
     max_extend_prefix_len: int | None = None
+    # SMs the launch runs on where that is a partition's (multiplexing's prefill beside a
+    # decode slice), for the extend kernel's split count; None: the whole device.
+    launch_sms: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -38,7 +38,8 @@ FUSED_ROPE_DECODE_ENV = "PDSERVE_FUSED_ROPE_DECODE"
 # contexts off, for A/B runs of the whole engine.
 BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
 # The extend kernel's prefix splits on a GPU (``ExtendConfig.kv_splits``): 0 picks them per
-# launch from the grid and the prefix (``extend_kv_splits``); a power of two fixes them.
+# launch from the grid, the prefix and the SMs it runs on (``extend_kv_splits``); a power
+# of two fixes them.
 # Opt-in (default 1, no splits) until the GPU measures the rule end to end: the committed
 # step timelines price it at ~3-4% of multiplexing's LooGLE-like mixed-step time.
 EXTEND_SPLITS_ENV = "PDSERVE_EXTEND_KV_SPLITS"
@@ -1048,7 +1049,8 @@ def extend_grid(config: ExtendConfig, meta: AttentionMetadata, num_q_heads: int,
     num_seqs = meta.num_seqs - first_seq
     tiles = triton.cdiv(max(meta.max_query_len, 0), config.block_m // row_heads)
     programs = max(tiles * (num_q_heads // row_heads) * num_seqs, 1)
-    splits = extend_kv_splits(config.kv_splits, programs, extend_prefix_bound(meta), device)
+    splits = extend_kv_splits(config.kv_splits, programs, extend_prefix_bound(meta), device,
+                              meta.launch_sms)
     return (tiles * splits, num_q_heads // row_heads, num_seqs), splits
 
 
@@ -1073,7 +1075,7 @@ def _extend_row_heads(config: ExtendConfig, group: int) -> int:
 
 
 def extend_kv_splits(requested: int, programs: int, max_prefix_len: int,
-                     device: torch.device) -> int:
+                     device: torch.device, sms: int | None = None) -> int:
     """Prefix splits to launch: ``requested`` (a power of two), or for 0 (auto) the power of
     two up to one per ``MIN_EXTEND_SPLIT_TOKENS`` of the longest cached prefix (at most
     ``_MAX_EXTEND_SPLITS``) whose launch takes least by ``_split_cost``, where that is
@@ -1086,12 +1088,13 @@ def extend_kv_splits(requested: int, programs: int, max_prefix_len: int,
     as waves x prefix explained the 3-tile steps' 6.6% excess over a fit linear in the
     chunk. A short chunk over a long prefix (64-128 tokens, under half a wave) runs 2
     splits, one wave, 0.55-0.64x of one split's time on the H100 sweep; 4 (two waves) less
-    well."""
+    well. ``sms``: the SMs the launch runs on (an SM partition's), else the device's: on
+    108 SMs a 3-tile chunk runs two waves either way, and a split would only add its cost."""
     if requested < 0 or requested & (requested - 1):
         raise ValueError(f"kv_splits must be 0 (auto) or a power of two, got {requested}")
     if requested:
         return requested
-    sms = _sm_count(device)
+    sms = sms or _sm_count(device)
     most = min(max(1, max_prefix_len // MIN_EXTEND_SPLIT_TOKENS), _MAX_EXTEND_SPLITS)
     best, splits = 1, 2
     while splits <= most:

@@ -209,6 +209,53 @@ def test_spatial_pieces_match_transformers(hf_llama, expected):
     assert all(e["committed_tokens_per_s"] > 0 for e in spatial)
 
 
+def test_prefill_on_a_partition_tells_attention_its_sms(hf_llama, expected):
+    """The extend kernel's split count counts the SMs a piece runs on: a spatial piece's
+    metadata carries its partition's prefill SMs, a whole-GPU launch none (the device's)."""
+    folder, _ = hf_llama
+    prompts, want = expected
+    llm = _multiplex(folder, predictor=SplitModel(2))
+    model, seen = llm.engine.runner.model, []
+    forward_layers, forward = model.forward_layers, model.forward
+
+    def layers_recording(hidden, residual, positions, meta, *args):
+        seen.append(meta.launch_sms)
+        return forward_layers(hidden, residual, positions, meta, *args)
+
+    def forward_recording(input_ids, positions, meta, *args):
+        seen.append(meta.launch_sms)
+        return forward(input_ids, positions, meta, *args)
+
+    model.forward_layers, model.forward = layers_recording, forward_recording
+    assert _generate(llm, prompts) == want
+    spatial = {e["prefill_sms"] for e in llm.engine.timeline() if e["mode"] == "spatial"}
+    assert spatial and all(sms < SMS for sms in spatial)
+    assert set(seen) - {None} == spatial and None in seen
+
+
+def test_warm_up_runs_a_partition_chunk_on_its_prefill_sms(hf_llama):
+    """A warm-up shape naming a partition's prefill SMs runs its chunk alone there (the
+    extend split counts only a partition launches compile before serving); without SMs,
+    beside a decode on the whole GPU; the fixtures leave nothing behind."""
+    from pdserve.engine.warmup import run_shapes
+
+    folder, _ = hf_llama
+    llm = _multiplex(folder, predictor=SplitModel(2))
+    parts = [p for p in llm.engine.scheduler.graph_partitions() if not p.whole_gpu]
+    sms = max(p.prefill_sms for p in parts)
+    model, seen = llm.engine.runner.model, []
+    forward = model.forward
+
+    def recording(input_ids, positions, meta, *args):
+        seen.append((meta.launch_sms, meta.num_decode_seqs))
+        return forward(input_ids, positions, meta, *args)
+
+    model.forward = recording
+    assert run_shapes(llm.engine, 16, [(1, 8, 16, sms), (1, 8, 16)])["steps"] == 2
+    assert seen == [(sms, 0), (None, 1)]
+    _assert_clean(llm)
+
+
 def test_late_out_of_order_completions_keep_tokens_and_the_split_rule(hf_llama, expected):
     folder, _ = hf_llama
     prompts, want = expected

@@ -135,8 +135,9 @@ def _decode_compiles(llm: LLM) -> dict[str, int]:
 @pytest.mark.parametrize("heads, head_dim", [(64, 128), (32, 128), (8, 64)])
 def test_every_extend_split_count_gets_a_warm_up_chunk(heads, head_dim):
     """With the auto rule, each prefix split count it launches (codellama-34b's, llama3-8b's
-    and a small model's q heads on 132 SMs, the GPU's tiles) gets one chunk that launches
-    it; chunks of any size behind any prefix meet no other count. Fixed splits: none."""
+    and a small model's q heads on 132 SMs, the GPU's tiles, and on the prefill SMs of
+    multiplexing's partitions) gets one chunk that launches it, on the whole GPU where it
+    can; chunks of any size behind any prefix meet no other count. Fixed splits: none."""
     pytest.importorskip("triton")
     from types import SimpleNamespace
 
@@ -148,11 +149,17 @@ def test_every_extend_split_count_gets_a_warm_up_chunk(heads, head_dim):
     arch = SimpleNamespace(num_heads=heads, head_dim=head_dim)
     assert fixed.kv_splits == 1 and extend_split_chunks(arch, cpu, longest, most, fixed) == []
     assert extend_split_chunks(arch, cpu, longest, most) == []  # the interpreter's tiles
-    chunks = extend_split_chunks(arch, cpu, longest, most, tiles)
     programs = lambda chunk: -(-chunk // tiles.block_m) * heads
-    warmed = [extend_kv_splits(0, programs(c), p, cpu) for c, p in chunks]
+    met_on = lambda sms: {extend_kv_splits(0, programs(chunk), prefix, cpu, sms)
+                          for chunk in range(1, most, 16)
+                          for prefix in range(0, longest - chunk, 256)}
+    partitions = [60, 84, 108]
+    chunks = extend_split_chunks(arch, cpu, longest, most, tiles, partition_sms=partitions)
+    warmed = [extend_kv_splits(0, programs(c), p, cpu, sms) for c, p, sms in chunks]
     assert len(set(warmed)) == len(warmed) and 1 not in warmed
-    assert all(chunk < most and chunk + prefix <= longest for chunk, prefix in chunks)
-    met = {extend_kv_splits(0, programs(chunk), prefix, cpu)
-           for chunk in range(1, most, 16) for prefix in range(0, longest - chunk, 256)}
+    assert all(chunk < most and chunk + prefix <= longest for chunk, prefix, _ in chunks)
+    whole = met_on(None)
+    assert all(sms is None for (_, _, sms), splits in zip(chunks, warmed, strict=True)
+               if splits in whole)
+    met = whole.union(*(met_on(sms) for sms in partitions))
     assert met - {1} == set(warmed) and warmed  # codellama-34b: 2 only; 8 heads: 2-16

@@ -140,6 +140,9 @@ def test_auto_split_count_fills_the_last_wave():
     assert extend_kv_splits(0, 512, 16_384, cpu) == 1  # a 1K chunk: 3.9 waves
     assert extend_kv_splits(0, 200, 10_000, cpu) == 1  # 2 waves; 4 of halves, 7 of quarters
     assert extend_kv_splits(0, 64, 4_096, cpu) == 2  # one wave of halves, not two of quarters
+    assert extend_kv_splits(0, 192, 10_000, cpu, sms=108) == 1  # two waves on a partition
+    assert extend_kv_splits(0, 64, 16_448, cpu, sms=108) == 8  # 2: two waves; 8: five, 0.88x
+    assert extend_kv_splits(0, 64, 16_448, cpu, sms=132) == 2
     assert extend_kv_splits(0, 192, 1_000, cpu) == 1  # a split keeps 512 prefix tokens
     assert extend_kv_splits(0, 192, 0, cpu) == 1  # no prefix: nothing to split
 
