@@ -16,9 +16,9 @@ used on another must be marked or it is handed out again under a kernel still us
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
