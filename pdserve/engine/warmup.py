@@ -110,9 +110,10 @@ def extend_split_chunks(arch, device, longest: int, most_tokens: int, config=Non
     """(chunk tokens, prefix, SMs) of the first chunk meeting each prefix split count past
     1 that the extend kernel's auto rule launches for ``arch`` (none where the splits are
     fixed), chunks of whole query tiles under ``most_tokens``, prefixes powers of two times
-    the split's least share, and the longest, within ``longest``; on the whole device (SMs None) where it
-    launches that count, else on the first of ``partition_sms`` (the rule counts a launch's
-    own SMs, so a partition's prefill meets counts the whole GPU does not). ``config``: the
+    the split's least share and the longest, within ``longest``; on the whole device (SMs
+    None) where it launches that count, else on the first of ``partition_sms`` (the rule
+    counts a launch's own SMs, so a partition's prefill meets counts the whole GPU does
+    not). ``config``: the
     kernel's (``ExtendConfig``; default: the device's)."""
     if device.type != "cuda" and config is None:
         return []  # the interpreter's tiles keep one split; and no Triton import on a CPU
