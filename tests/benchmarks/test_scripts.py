@@ -395,9 +395,9 @@ def test_extend_sweep_times_every_layout_on_every_chunk_shape():
     assert auto[True, 15360, 256] == auto[False, 12288, 256] == 1
     assert auto[False, 8192, 512] == 1
     assert auto[True, 0, 8192] == auto[False, 16384, 2048] == 1  # the grid fills the GPU
-    # Short chunks over a prefix: 64 programs (32 packed) split up to a wave.
-    assert auto[False, 16384, 64] == auto[False, 16384, 128] == auto[False, 4096, 128] == 4
-    assert auto[True, 16384, 64] == 8
+    # Short chunks over a prefix: 64 programs (32 packed) split to one wave.
+    assert auto[False, 16384, 64] == auto[False, 16384, 128] == auto[False, 4096, 128] == 2
+    assert auto[True, 16384, 64] == 4
 
 
 @pytest.mark.skipif(not triton_available(), reason="bench_kernels.py imports triton")
@@ -424,7 +424,7 @@ def test_extend_waves_times_each_split_count_beside_the_auto_pick(monkeypatch):
     picks = {(p["prefix"], p["new"]): p for p in result["auto"]}
     assert picks[12288, 320]["auto_splits"] == 2 and picks[12288, 320]["auto_over_one"] == 0.8
     assert picks[12288, 256]["auto_splits"] == 1 and picks[12288, 256]["auto_over_one"] == 1.0
-    assert picks[16384, 64]["auto_splits"] == 4 and picks[16384, 64]["auto_over_one"] == 0.9
+    assert picks[16384, 64]["auto_splits"] == 2 and picks[16384, 64]["auto_over_one"] == 0.8
     assert {p["fastest_splits"] for p in result["auto"]} == {2}
 
 
