@@ -39,9 +39,9 @@ FUSED_ROPE_DECODE_ENV = "PDSERVE_FUSED_ROPE_DECODE"
 BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
 # The extend kernel's prefix splits on a GPU (``ExtendConfig.kv_splits``): 0 picks them per
 # launch from the grid, the prefix and the SMs it runs on (``extend_kv_splits``); a power
-# of two fixes them.
-# Opt-in (default 1, no splits) until the GPU measures the rule end to end: the committed
-# step timelines price it at ~3-4% of multiplexing's LooGLE-like mixed-step time.
+# of two fixes them (1: no splits). The rule is the default: on the H100 (132 SMs, as the
+# H200) whole mixed steps that it splits ran 0.81-0.95x of one split's time, the rest 1.00x
+# (benchmarks/results/mixed_step_splits_h100_*.json).
 EXTEND_SPLITS_ENV = "PDSERVE_EXTEND_KV_SPLITS"
 # Balancing keeps partial results for at most this many programs per SM (8 splits up to 64
 # decodes of 8 KV heads, 4 at 128, 2 at 256): the partials buffer and the reduce kernel grow
@@ -1128,7 +1128,8 @@ def _extend_partials(q: torch.Tensor, out: torch.Tensor, splits: int):
 def default_extend_config(head_dim: int, device: torch.device,
                           hopper: bool | None = None) -> ExtendConfig:
     """``hopper``: whether the tiles may use Hopper's shared memory (None: ask the device).
-    On a GPU the prefix splits follow ``PDSERVE_EXTEND_KV_SPLITS`` (default 1; 0: auto)."""
+    On a GPU the prefix splits follow ``PDSERVE_EXTEND_KV_SPLITS`` (default 0: the rule of
+    ``extend_kv_splits``; a power of two fixes them)."""
     if device.type != "cuda":  # interpreter: small tiles, several of them per sequence
         return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
     splits = _extend_splits_from_env()
@@ -1153,7 +1154,7 @@ def default_extend_config(head_dim: int, device: torch.device,
 
 @functools.cache
 def _extend_splits_from_env() -> int:
-    raw = os.environ.get(EXTEND_SPLITS_ENV, "1")
+    raw = os.environ.get(EXTEND_SPLITS_ENV, "0")
     try:
         splits = int(raw)
     except ValueError:

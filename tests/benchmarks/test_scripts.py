@@ -557,10 +557,11 @@ def test_mixed_step_split_arms_are_checked_and_switch_the_kernel(monkeypatch):
             bench.parse_splits(bad)
     monkeypatch.setenv(triton_attention.EXTEND_SPLITS_ENV, "1")
     triton_attention._extend_splits_from_env.cache_clear()
-    assert triton_attention._extend_splits_from_env() == 1
-    bench.use_extend_splits("0")
-    assert triton_attention._extend_splits_from_env() == 0
-    bench.use_extend_splits("2")
-    assert triton_attention._extend_splits_from_env() == 2
-    monkeypatch.setenv(triton_attention.EXTEND_SPLITS_ENV, "1")
-    triton_attention._extend_splits_from_env.cache_clear()
+    try:
+        assert triton_attention._extend_splits_from_env() == 1
+        bench.use_extend_splits("0")
+        assert triton_attention._extend_splits_from_env() == 0
+        bench.use_extend_splits("2")
+        assert triton_attention._extend_splits_from_env() == 2
+    finally:  # the next reader sees the environment as the fixture leaves it
+        triton_attention._extend_splits_from_env.cache_clear()

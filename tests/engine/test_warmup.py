@@ -143,8 +143,9 @@ def test_every_extend_split_count_gets_a_warm_up_chunk(heads, head_dim):
 
     from pdserve.ops.triton_attention import default_extend_config, extend_kv_splits
 
-    fixed = default_extend_config(head_dim, torch.device("cuda"), hopper=True)
-    tiles = dataclasses.replace(fixed, kv_splits=0)  # PDSERVE_EXTEND_KV_SPLITS=0
+    gpu = default_extend_config(head_dim, torch.device("cuda"), hopper=True)
+    fixed = dataclasses.replace(gpu, kv_splits=1)  # whatever PDSERVE_EXTEND_KV_SPLITS says
+    tiles = dataclasses.replace(gpu, kv_splits=0)
     cpu, longest, most = torch.device("cpu"), 24576, 8192  # the CPU counts 132 SMs
     arch = SimpleNamespace(num_heads=heads, head_dim=head_dim)
     assert fixed.kv_splits == 1 and extend_split_chunks(arch, cpu, longest, most, fixed) == []

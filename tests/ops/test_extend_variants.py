@@ -163,8 +163,8 @@ def test_the_prefix_bound_comes_from_the_extend_sequences():
 
 
 def test_gpu_extend_splits_follow_the_environment(monkeypatch):
-    """One split by default on a GPU, auto with PDSERVE_EXTEND_KV_SPLITS=0, any power of two
-    fixed, refused otherwise; the interpreter's tiles keep one split."""
+    """The auto rule by default on a GPU (PDSERVE_EXTEND_KV_SPLITS unset or 0), any power of
+    two fixed (1: no splits), refused otherwise; the interpreter's tiles keep one split."""
     pytest.importorskip("triton")
     from pdserve.ops import triton_attention as ta
 
@@ -172,9 +172,9 @@ def test_gpu_extend_splits_follow_the_environment(monkeypatch):
     try:
         monkeypatch.delenv(ta.EXTEND_SPLITS_ENV, raising=False)
         ta._extend_splits_from_env.cache_clear()
-        assert ta.default_extend_config(128, cuda, hopper=True).kv_splits == 1
+        assert ta.default_extend_config(128, cuda, hopper=True).kv_splits == 0
         assert ta.default_extend_config(128, cpu).kv_splits == 1
-        for raw, splits in (("0", 0), ("4", 4)):
+        for raw, splits in (("0", 0), ("1", 1), ("4", 4)):
             monkeypatch.setenv(ta.EXTEND_SPLITS_ENV, raw)
             ta._extend_splits_from_env.cache_clear()
             assert ta.default_extend_config(128, cuda, hopper=True).kv_splits == splits
