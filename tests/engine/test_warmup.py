@@ -151,9 +151,10 @@ def test_every_extend_split_count_gets_a_warm_up_chunk(heads, head_dim):
     assert fixed.kv_splits == 1 and extend_split_chunks(arch, cpu, longest, most, fixed) == []
     assert extend_split_chunks(arch, cpu, longest, most) == []  # the interpreter's tiles
     programs = lambda chunk: -(-chunk // tiles.block_m) * heads
+    # Programs follow the tile count: each count's shortest chunk, behind every prefix.
+    shortest = range(1, most, tiles.block_m)
     met_on = lambda sms: {extend_kv_splits(0, programs(chunk), prefix, cpu, sms)
-                          for chunk in range(1, most, 16)
-                          for prefix in range(0, longest - chunk, 256)}
+                          for chunk in shortest for prefix in range(0, longest - chunk, 64)}
     partitions = [60, 84, 108]
     chunks = extend_split_chunks(arch, cpu, longest, most, tiles, partition_sms=partitions)
     warmed = [extend_kv_splits(0, programs(c), p, cpu, sms) for c, p, sms in chunks]
