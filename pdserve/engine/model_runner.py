@@ -293,7 +293,8 @@ class ModelRunner:
         batch = build_host_batch(work.plan, pool.tables, self.block_size)
         inputs = SamplingInputs.of(work.plan, batch, self.arch.vocab_size,
                                    self.device)
-        hidden, work.path = self._forward(batch, pool, work.partition, buffers.device_tokens)
+        hidden, work.path = self._forward(batch, pool, work.partition, buffers.device_tokens,
+                                          _launch_sms(work))
         return sample_into(self.model, hidden, inputs, buffers)
 
     def _launch_piece(self, work: Work, stream, buffers: HostBuffers) -> tuple[int, bool, Event]:
@@ -301,19 +302,21 @@ class ModelRunner:
         if carry.state is None:
             carry.state = PrefillBatch(work.plan, self, self.pools[work.pool])
         result = carry.state.launch_piece(stream, work.layers, work.final, buffers,
-                                          _partition_sms(work.partition))
+                                          _launch_sms(work))
         if work.final:
             carry.state = None
         return result
 
     def _forward(self, batch: HostBatch, pool: KVPool, part: Partition | None,
-                 sampled: torch.Tensor | None) -> tuple[torch.Tensor, str]:
+                 sampled: torch.Tensor | None, launch_sms: int | None = None
+                 ) -> tuple[torch.Tensor, str]:
         """The hidden states, and the path that ran them (``Work.path``). ``sampled``: the
-        lane's last sampled tokens, which placeholder ids name."""
+        lane's last sampled tokens, which placeholder ids name; ``launch_sms``: the SMs of
+        the partition side it runs on (None: the whole device)."""
         graphs = pool.graphs.get(part.decode_sms if part is not None else None)
         if graphs is not None and graphs.can_run(batch):
             return graphs.run(batch, sampled), "decode_graph"
-        input_ids, positions, meta = batch.metadata(self.device, _partition_sms(part))
+        input_ids, positions, meta = batch.metadata(self.device, launch_sms)
         whole_gpu = part is None or part.whole_gpu
         if whole_gpu and pool.piecewise is not None and pool.piecewise.can_run(batch):
             return pool.piecewise.run(batch, meta, sampled), "piecewise_graph"
@@ -353,9 +356,12 @@ class ModelRunner:
             self.tp.close()
 
 
-def _partition_sms(part: Partition | None) -> int | None:
-    """The SMs a prefill launch on ``part`` runs on, where that is less than the device."""
-    return None if part is None or part.whole_gpu else part.prefill_sms
+def _launch_sms(work: Work) -> int | None:
+    """The SMs ``work`` runs on where that is a partition's side, not the whole device."""
+    part = work.partition
+    if part is None or part.whole_gpu:
+        return None
+    return part.decode_sms if work.side == "decode" else part.prefill_sms
 
 
 def _stream_of(work: Work):

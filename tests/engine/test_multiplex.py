@@ -210,27 +210,35 @@ def test_spatial_pieces_match_transformers(hf_llama, expected):
 
 
 def test_prefill_on_a_partition_tells_attention_its_sms(hf_llama, expected):
-    """The extend kernel's split count counts the SMs a piece runs on: a spatial piece's
-    metadata carries its partition's prefill SMs, a whole-GPU launch none (the device's)."""
+    """The extend kernel's split count counts the SMs a launch runs on: a spatial piece's
+    metadata carries its partition's prefill SMs, an eager decode on a split its decode
+    SMs, a whole-GPU launch none (the device's)."""
     folder, _ = hf_llama
     prompts, want = expected
     llm = _multiplex(folder, predictor=SplitModel(2))
-    model, seen = llm.engine.runner.model, []
+    model, prompt_sms, decode_sms = llm.engine.runner.model, [], []
     forward_layers, forward = model.forward_layers, model.forward
 
+    def record(meta):
+        (decode_sms if meta.num_decode_seqs == meta.num_seqs else prompt_sms).append(
+            meta.launch_sms)
+
     def layers_recording(hidden, residual, positions, meta, *args):
-        seen.append(meta.launch_sms)
+        record(meta)
         return forward_layers(hidden, residual, positions, meta, *args)
 
     def forward_recording(input_ids, positions, meta, *args):
-        seen.append(meta.launch_sms)
+        record(meta)
         return forward(input_ids, positions, meta, *args)
 
     model.forward_layers, model.forward = layers_recording, forward_recording
     assert _generate(llm, prompts) == want
-    spatial = {e["prefill_sms"] for e in llm.engine.timeline() if e["mode"] == "spatial"}
-    assert spatial and all(sms < SMS for sms in spatial)
-    assert set(seen) - {None} == spatial and None in seen
+    spatial = [e for e in llm.engine.timeline() if e["mode"] == "spatial"]
+    assert spatial and all(e["prefill_sms"] < SMS for e in spatial)
+    assert set(prompt_sms) - {None} == {e["prefill_sms"] for e in spatial}
+    assert None in prompt_sms  # prefill alone and mixed steps on the whole GPU
+    splits = {p.decode_sms for p in llm.engine.scheduler.graph_partitions() if not p.whole_gpu}
+    assert set(decode_sms) - {None} <= splits
 
 
 def test_warm_up_runs_a_partition_chunk_on_its_prefill_sms(hf_llama):
