@@ -24,7 +24,8 @@ behind 512-8,192-token prefixes are run too, and the next runs' stall census tel
 
 The extend kernel compiles per prefix split count as well (``extend_kv_splits``: short
 chunks over long prefixes, and grids that fill their last wave badly, split): one chunk
-per count the rule can launch for this model, behind a prefix that gives it.
+per count the rule can launch for this model, behind a prefix that gives it, on the whole
+GPU or alone on the SM partition whose prefill launches it (the rule counts a launch's SMs).
 
 The steps use the engine's own pages through fixture requests (the profiler's), which give
 them back afterwards and never enter the prefix cache; the scheduler, its calibration and
