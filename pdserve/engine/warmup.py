@@ -114,8 +114,7 @@ def extend_split_chunks(arch, device, longest: int, most_tokens: int, config=Non
     the split's least share and the longest, within ``longest``; on the whole device (SMs
     None) where it launches that count, else on the first of ``partition_sms`` (the rule
     counts a launch's own SMs, so a partition's prefill meets counts the whole GPU does
-    not). ``config``: the
-    kernel's (``ExtendConfig``; default: the device's)."""
+    not). ``config``: the kernel's (``ExtendConfig``; default: the device's)."""
     if device.type != "cuda" and config is None:
         return []  # the interpreter's tiles keep one split; and no Triton import on a CPU
     from pdserve.ops.triton_attention import (
@@ -196,7 +195,9 @@ def run_shapes(engine, tokens: int, shapes: list[tuple] = SHAPES) -> dict:
     try:
         for shape in shapes:
             decodes, prefix, chunk, sms = _shape(shape, tokens)
-            part = partitions.get(sms) if sms is not None else None
+            part = partitions.get(sms)
+            if sms is not None and part is None:
+                continue
             if part is not None:  # a partition's prefill runs alone there
                 decodes = 0
             plan = (fixtures.decode_plan(decodes, DECODE_CONTEXT) if prefix is None

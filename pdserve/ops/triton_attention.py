@@ -1094,22 +1094,21 @@ def extend_kv_splits(requested: int, programs: int, max_prefix_len: int,
         raise ValueError(f"kv_splits must be 0 (auto) or a power of two, got {requested}")
     if requested:
         return requested
-    sms = sms or _sm_count(device)
-    most = min(max(1, max_prefix_len // MIN_EXTEND_SPLIT_TOKENS), _MAX_EXTEND_SPLITS)
-    best, splits = 1, 2
-    while splits <= most:
-        if _split_cost(splits, programs, max_prefix_len, sms) < \
-                _split_cost(best, programs, max_prefix_len, sms):
-            best = splits
-        splits *= 2
-    one = _split_cost(1, programs, max_prefix_len, sms)
-    return best if _split_cost(best, programs, max_prefix_len, sms) <= _SPLIT_GAIN * one else 1
+    return _auto_splits(programs, max_prefix_len, sms or _sm_count(device))
+
+
+@functools.lru_cache(maxsize=1024)  # every layer of a step asks again for the same grid
+def _auto_splits(programs: int, prefix: int, sms: int) -> int:
+    most = min(max(1, prefix // MIN_EXTEND_SPLIT_TOKENS), _MAX_EXTEND_SPLITS)
+    counts = [1 << k for k in range(most.bit_length())]  # powers of two up to ``most``
+    cost = {splits: _split_cost(splits, programs, prefix, sms) for splits in counts}
+    best = min(counts, key=cost.__getitem__)  # the first least: ties go to fewer splits
+    return best if cost[best] <= _SPLIT_GAIN * cost[1] else 1
 
 
 def _split_cost(splits: int, programs: int, prefix: int, sms: int) -> float:
     """A launch's time in prefix tokens: its waves of programs, each a split's share of the
-    prefix plus ``_SPLIT_OVERHEAD_TOKENS``. Ties go to fewer splits (the caller keeps the
-    first least)."""
+    prefix plus ``_SPLIT_OVERHEAD_TOKENS``."""
     return triton.cdiv(programs * splits, sms) * (_SPLIT_OVERHEAD_TOKENS + prefix / splits)
 
 
