@@ -24,6 +24,7 @@
     python benchmarks/bench_kernels.py --sweep              # also try other tile configs
     python benchmarks/bench_kernels.py --extend-sweep-only  # prefill-attention tiles, layouts
     python benchmarks/bench_kernels.py --extend-waves       # prefix splits against waves
+    python benchmarks/bench_kernels.py --extend-waves --extend-waves-sms 108,84  # on partitions
     python benchmarks/bench_kernels.py --decode-ab          # one-launch vs two-launch decode
     python benchmarks/bench_kernels.py --decode-balance     # long contexts over more splits
 """
@@ -337,9 +338,13 @@ def attention_flops(q_heads: int, head_dim: int, prefix: int, new: int) -> float
     return 4.0 * q_heads * head_dim * (new * prefix + new * (new + 1) / 2)
 
 
-def bench_prefill(shape: str, prefix: int, new: int, config: ExtendConfig | None = None) -> dict:
+def bench_prefill(shape: str, prefix: int, new: int, config: ExtendConfig | None = None,
+                  launch_sms: int | None = None) -> dict:
+    """``launch_sms``: the SMs the split count counts (the caller runs it on a partition
+    of that many); None is the whole GPU."""
     q_heads, kv_heads, head_dim = HEAD_SHAPES[shape]
     q, k, v, k_cache, v_cache, meta = extend_inputs(shape, prefix, new)
+    meta = dataclasses.replace(meta, launch_sms=launch_sms)
     out = torch.empty_like(q)
     scale = head_dim**-0.5
     run = lambda: extend_attention(q, k, v, out, k_cache, v_cache, meta, scale, 0, config)
@@ -485,33 +490,57 @@ def sweep_extend(log: Callable[[dict], None],
 EXTEND_WAVE_CHUNKS = (64, 128, 192, 256, 288, 320, 384, 448, 512, 576, 640, 1024)
 EXTEND_WAVE_PREFIXES = (4096, 8192, 12288, 16384)
 EXTEND_WAVE_SPLITS = (1, 2, 4)
+# On a partition the rule may pick more splits (fewer SMs, the same programs): 8 is timed too.
+EXTEND_WAVE_PARTITION_SPLITS = (1, 2, 4, 8)
 
 
-def extend_waves(log: Callable[[dict], dict]) -> dict:
+def extend_waves(log: Callable[[dict], dict], sms: int | None = None) -> dict:
     """Each chunk x prefix at 1, 2 and 4 prefix splits (the default tiles), with the count
-    the auto rule picks, and per point the auto pick's time over one split's."""
+    the auto rule picks, and per point the auto pick's time over one split's. ``sms``: run
+    every launch on the prefill side of a green-context partition of that many SMs (and
+    8 splits too), the rule counting them as the engine's launches on it do."""
     tiles = default_extend_config(128, torch.device("cuda"))
+    split_counts = EXTEND_WAVE_SPLITS if sms is None else EXTEND_WAVE_PARTITION_SPLITS
     rows, picks = [], []
     for prefix in EXTEND_WAVE_PREFIXES:
         for new in EXTEND_WAVE_CHUNKS:
             timed = {}
-            for splits in EXTEND_WAVE_SPLITS:
+            for splits in split_counts:
                 row = _guarded(bench_prefill, "34b", prefix, new,
-                               dataclasses.replace(tiles, kv_splits=splits))
+                               dataclasses.replace(tiles, kv_splits=splits), sms)
                 timed[splits] = row.get("ms")
-                rows.append(log({"sweep": "extend_waves", **row}))
-            auto = _guarded(auto_extend_splits, prefix, new, tiles)
-            picks.append(log({"prefix": prefix, "new": new, **auto, **_pick_ratio(timed, auto)}))
-    return {"extend_config": tiles.__dict__, "rows": rows, "auto": picks}
+                rows.append(log({"sweep": "extend_waves", "launch_sms": sms, **row}))
+            auto = _guarded(lambda *args: auto_extend_splits(*args, launch_sms=sms),
+                            prefix, new, tiles)
+            picks.append(log({"prefix": prefix, "new": new, "launch_sms": sms, **auto,
+                              **_pick_ratio(timed, auto)}))
+    return {"extend_config": tiles.__dict__, "launch_sms": sms, "rows": rows, "auto": picks}
+
+
+def extend_waves_on_partitions(log: Callable[[dict], dict], prefill_sms: list[int]) -> dict:
+    """``extend_waves`` on the prefill side of one green-context split per count, on its
+    stream; stops with the reason where green contexts cannot be made (an emulated
+    partition would time the whole GPU under a partition's name)."""
+    from pdserve.gpu.partitions import PartitionSet
+
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    pset = PartitionSet.for_device(0, [total - sms for sms in prefill_sms])
+    if pset.emulated:
+        sys.exit(f"--extend-waves-sms needs green contexts: {pset.emulation_reason}")
+    runs = []
+    for part in pset.choices():
+        with torch.cuda.stream(part.prefill_stream):
+            runs.append(extend_waves(log, part.prefill_sms))
+    return {"partitions": pset.describe(), "runs": runs}
 
 
 def auto_extend_splits(prefix: int, new: int, tiles: ExtendConfig,
-                       device: str = "cuda") -> dict:
+                       device: str = "cuda", launch_sms: int | None = None) -> dict:
     """The split count kv_splits=0 resolves to on this chunk (nothing launched)."""
     q_heads, kv_heads, _ = HEAD_SHAPES["34b"]
     tables = torch.zeros(1, triton.cdiv(prefix + new, PAGE_SIZE), dtype=torch.int32,
                          device=device)
-    meta = extend_meta(prefix, new, tables)
+    meta = dataclasses.replace(extend_meta(prefix, new, tables), launch_sms=launch_sms)
     config = dataclasses.replace(tiles, kv_splits=0)
     return {"auto_splits": extend_grid(config, meta, q_heads, q_heads // kv_heads, 0,
                                        tables.device)[1]}
@@ -610,6 +639,9 @@ def main() -> None:
     parser.add_argument("--extend-waves", action="store_true",
                         help="only the extend kernel's prefix splits on chunks over a prefix: "
                              "1, 2 and 4 against the auto count (about a minute)")
+    parser.add_argument("--extend-waves-sms", type=lambda text: [int(x) for x in text.split(",")],
+                        help="with --extend-waves: time it on the prefill side of green-context "
+                             "partitions of these SM counts instead (e.g. 108,84)")
     parser.add_argument("--decode-ab", action="store_true",
                         help="only decode attention: one launch vs two per layer, and a "
                              "sweep of its split sizes and tiles")
@@ -632,6 +664,9 @@ def main() -> None:
         results = {"decode_balance": decode_balance(log)}
     elif args.extend_sweep_only:
         results = run_extend_sweep(log)
+    elif args.extend_waves and args.extend_waves_sms:
+        results = {"extend_waves_partitions": extend_waves_on_partitions(log,
+                                                                         args.extend_waves_sms)}
     elif args.extend_waves:
         results = {"extend_waves": extend_waves(log)}
     else:

@@ -416,8 +416,13 @@ def test_extend_waves_times_each_split_count_beside_the_auto_pick(monkeypatch):
     monkeypatch.setattr(bench, "auto_extend_splits",
                         functools.partial(bench.auto_extend_splits, device="cpu"))
     speed = {1: 1.0, 2: 0.8, 4: 0.9}  # ms by split count: 2 the fastest everywhere
-    monkeypatch.setattr(bench, "bench_prefill", lambda shape, prefix, new, config: {
-        "prefix": prefix, "new": new, "ms": speed[config.kv_splits]})
+    asked_sms = set()
+
+    def fake_prefill(shape, prefix, new, config, launch_sms=None):
+        asked_sms.add(launch_sms)
+        return {"prefix": prefix, "new": new, "ms": speed[config.kv_splits]}
+
+    monkeypatch.setattr(bench, "bench_prefill", fake_prefill)
     result = bench.extend_waves(lambda row: row)
     points = len(bench.EXTEND_WAVE_CHUNKS) * len(bench.EXTEND_WAVE_PREFIXES)
     assert len(result["rows"]) == 3 * points and len(result["auto"]) == points
@@ -426,6 +431,16 @@ def test_extend_waves_times_each_split_count_beside_the_auto_pick(monkeypatch):
     assert picks[12288, 256]["auto_splits"] == 1 and picks[12288, 256]["auto_over_one"] == 1.0
     assert picks[16384, 64]["auto_splits"] == 2 and picks[16384, 64]["auto_over_one"] == 0.8
     assert {p["fastest_splits"] for p in result["auto"]} == {2}
+    assert asked_sms == {None}
+
+    # On a partition's 108 SMs: 8 splits timed too, and the rule counts 108 SMs, so a
+    # 1-tile chunk over 16K (64 programs) splits further than on the whole GPU.
+    speed[8] = 0.7
+    on_part = bench.extend_waves(lambda row: row, sms=108)
+    assert len(on_part["rows"]) == 4 * points and asked_sms == {None, 108}
+    part_picks = {(p["prefix"], p["new"]): p for p in on_part["auto"]}
+    assert part_picks[16384, 64]["auto_splits"] > picks[16384, 64]["auto_splits"]
+    assert {p["launch_sms"] for p in on_part["auto"]} == {108}
 
 
 @pytest.mark.skipif(not triton_available(), reason="bench_kernels.py imports triton")
