@@ -960,10 +960,13 @@ MIN_EXTEND_SPLIT_TOKENS = 512
 _MAX_EXTEND_SPLITS = 16
 # What a split costs beside its share of the prefix, in prefix tokens: its program loads
 # the query tile and attends the chunk's own causal block, and its partials are merged.
-# Fitted to the H100 sweep at df0a788 (benchmarks/results/extend_waves_h100_df0a788.json:
-# 3 tiles at 2 splits 0.80-0.91x of one, 5 tiles 0.88-1.04x, over 4-16K prefixes):
-# 930-1,300 tokens.
-_SPLIT_OVERHEAD_TOKENS = 1024
+# Fitted to three H100 sweeps of 1, 2, 4 (and 8) splits over 4-16K prefixes, on the whole
+# GPU (benchmarks/results/extend_waves_h100_{df0a788,4cbad54}.json) and on the prefill
+# side of 108- and 84-SM partitions (extend_waves_partitions_h100_f352268.json): from 256
+# to 384 tokens the pick is within 0.1% of the fastest count on the whole GPU and 0.5% on
+# the partitions (means), where 1,024 (fitted to the whole GPU alone) left 1.8% there,
+# up to 22% on 1-tile chunks.
+_SPLIT_OVERHEAD_TOKENS = 320
 # Splits only where the cost model gives this share of one split's time or less.
 _SPLIT_GAIN = 0.95
 _MERGE_TOKENS = 16

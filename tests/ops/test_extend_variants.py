@@ -134,7 +134,7 @@ def test_auto_split_count_fills_the_last_wave():
     assert extend_kv_splits(0, 192, 10_000, cpu) == 2  # 2 waves -> 1.5
     assert extend_kv_splits(0, 192, 4_096, cpu) == 2  # 0.90x by the cost model
     assert extend_kv_splits(0, 320, 10_000, cpu) == 2  # 5 tiles: 3 waves -> 2.5
-    assert extend_kv_splits(0, 320, 4_096, cpu) == 1  # 1.0x on the H100 sweep: kept
+    assert extend_kv_splits(0, 320, 4_096, cpu) == 2  # 0.99-1.04x on the H100 sweeps: a tie
     assert extend_kv_splits(0, 256, 10_000, cpu) == 1  # 1.94 waves: nothing to gain
     assert extend_kv_splits(0, 384, 10_000, cpu) == 1  # 2.9 waves
     assert extend_kv_splits(0, 512, 16_384, cpu) == 1  # a 1K chunk: 3.9 waves
@@ -143,6 +143,10 @@ def test_auto_split_count_fills_the_last_wave():
     assert extend_kv_splits(0, 192, 10_000, cpu, sms=108) == 1  # two waves on a partition
     assert extend_kv_splits(0, 64, 16_448, cpu, sms=108) == 8  # 2: two waves; 8: five, 0.88x
     assert extend_kv_splits(0, 64, 16_448, cpu, sms=132) == 2
+    # The partition sweep's fastest counts: 3 tiles over 8K on 84 SMs (3 waves -> 5 halves)
+    # and 1 tile over 4K there (every split slower).
+    assert extend_kv_splits(0, 192, 8_192, cpu, sms=84) == 2
+    assert extend_kv_splits(0, 64, 4_096, cpu, sms=84) == 1
     assert extend_kv_splits(0, 192, 1_000, cpu) == 1  # a split keeps 512 prefix tokens
     assert extend_kv_splits(0, 192, 0, cpu) == 1  # no prefix: nothing to split
 
