@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,9 +49,11 @@ def test_fleet_multiplexing_on_the_planner_model_of_a_validated_run(tmp_path):
     validation = ROOT / "benchmarks" / "results" / "sim_validate_instance_h200_5d0f7fe.json"
     common = ("--trace", str(TRACE), "--engine-results", str(ENGINE), "--compare",
               "multiplex", "--instances", "20", "--scenarios", "2", "--duration-s", "60")
-    planned = _run("sim_fleet.py", *common, "--multiplex-model-from", str(validation),
-                   out=tmp_path / "planner.json")
-    fixed = _run("sim_fleet.py", *common, out=tmp_path / "fixed.json")
+    with ThreadPoolExecutor(2) as pool:  # two independent processes: one a core
+        planned_run = pool.submit(_run, "sim_fleet.py", *common, "--multiplex-model-from",
+                                  str(validation), out=tmp_path / "planner.json")
+        fixed_run = pool.submit(_run, "sim_fleet.py", *common, out=tmp_path / "fixed.json")
+    planned, fixed = planned_run.result(), fixed_run.result()
     assert [r["multiplex_model"] for r in planned["rows"]] == [None, "planner"]
     assert [r["multiplex_model"] for r in fixed["rows"]] == [None, "fixed"]
     assert planned["config"]["multiplex_model_from"] == str(validation)
