@@ -214,18 +214,20 @@ def test_the_host_meter_is_split_by_phase_over_its_calibration_median():
 def test_instance_validation_smoke_runs_both_schedules_end_to_end(tmp_path):
     """The H200 command's own steps on the tiny model on CPU: two real instances, the
     trace window replayed, both models simulated, one JSON under --out. The replays last
-    4 s instead of the smoke's 20 (still dozens of requests each), and the probes' decode
-    streams 200 tokens instead of 400 (the prompts they must cover take ~10 steps after a
-    0.3 s warm-up of ~30): a flag beside --smoke wins over its value."""
+    3 s instead of the smoke's 20 (15-25 requests each), the calibration times each length
+    and batch once instead of 3 times (nothing below counts its samples), and the probes'
+    decode streams 200 tokens instead of 400 (the prompts they must cover take ~10 steps
+    after a 0.3 s warm-up of ~30): a flag beside --smoke wins over its value."""
     out = tmp_path / "out"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim_validate_instance.py"),
-                    "--smoke", "--replay-s", "4", "--mix-steps", "200", "--out", str(out)],
+                    "--smoke", "--replay-s", "3", "--repeats", "1", "--mix-steps", "200",
+                    "--out", str(out)],
                    check=True, cwd=ROOT,
                    timeout=900, env={**os.environ, "PDSERVE_GIT_REVISION": "abc123"})
     result = json.loads((out / "sim_validate_instance.json").read_text())
     assert result["kind"] == "validation" and result["git_revision"] == "abc123"
-    assert result["config"]["replay_s"] == 4.0 and result["config"]["model"] == "tiny"
-    assert result["config"]["mix_steps"] == 200
+    assert result["config"]["replay_s"] == 3.0 and result["config"]["model"] == "tiny"
+    assert result["config"]["mix_steps"] == 200 and result["config"]["repeats"] == 1
     assert set(result["schedules"]) == {"chunk512", "multiplex"}
     for name, run in result["schedules"].items():
         assert run["workload"]["window_s"] == [0.0, 600.0] and run["workload"]["requests"] > 5
