@@ -383,6 +383,12 @@ CONFIGS[_B2.replace("-itl60", "-aligned-itl60")] = CONFIGS[_B2] + " --mux-align-
 # The same aligned to the graphs' 16-token buckets only: no padding, finer fill.
 CONFIGS[_B2.replace("-itl60", "-aligned16-itl60")] = (
     CONFIGS[_B2] + " --mux-align-step-tokens --mux-token-align 16")
+# The same aligned to 128, the GEMMs' row tile: over 8-12K prefixes steps of exactly 256
+# tokens carried 5.7K prompt tokens/s, 257-352 (the defaults' 3-tile steps, splits on or
+# off) 5.1-5.4K and 384 5.8K (committed timelines of 0c8789f, 9f669fe and f67d252): a
+# step's GEMMs cost by 128-row tiles, so a step past a multiple of 128 pays for the next.
+CONFIGS[_B2.replace("-itl60", "-aligned128-itl60")] = (
+    CONFIGS[_B2] + " --mux-align-step-tokens --mux-token-align 128")
 # Every multiplex configuration keeps the meaning its records ran with when the defaults
 # change (time slices and the compounding rule after e1f3fe3, B2's flags after 8a6ad63):
 # what it does not name, named as it ran.

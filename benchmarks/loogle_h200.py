@@ -82,6 +82,8 @@ CONFIGS = {name: ran_explicitly(args) if name.startswith("multiplex-") else args
 # The defaults with each mixed step's tokens, the decodes' included, aligned to 64 (mixed
 # steps 1-3 tokens past a graph bucket replay the whole next bucket): follows the defaults.
 CONFIGS["multiplex-aligned"] = CONFIGS["multiplex"] + " --mux-align-step-tokens"
+# The same aligned to 128 tokens, the GEMMs' row tile (a step of 257-384 tokens pays for 384).
+CONFIGS["multiplex-aligned128"] = CONFIGS["multiplex-aligned"] + " --mux-token-align 128"
 TTFT_SLO_S, TPOT_SLO_S = 15.0, 0.060
 
 

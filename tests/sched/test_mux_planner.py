@@ -266,9 +266,10 @@ def test_the_token_alignment_flag_reaches_the_planner_and_is_checked():
             SchedulerConfig(schedule="multiplex", mux_token_align=bad)
 
 
-@pytest.mark.parametrize("align, chunk", [(8, 388), (64, 380)])
+@pytest.mark.parametrize("align, chunk", [(8, 388), (64, 380), (128, 380), (256, 252)])
 def test_aligned_steps_count_the_decode_tokens_in_the_alignment(align, chunk):
-    # Beside 4 decodes the step is chunk + 4 tokens: 392 (8 x 49) and 384 (64 x 6) fit 45 ms.
+    # Beside 4 decodes the step is chunk + 4 tokens: 392 (8 x 49), 384 (64 x 6, 128 x 3) fit
+    # 45 ms; 512 (256 x 2) does not, so 256 does.
     config = MuxPlannerConfig(itl_slo_ms=50.0, token_align=align, min_chunk_tokens=16,
                               spatial=False, align_step_tokens=True)
     plan = MuxPlanner(HandModel(), PARTITIONS, config).plan(LIGHT, PROMPTS)
