@@ -476,3 +476,44 @@ def test_multiplex_matches_chunked_on_gpu(hf_llama_gpu, planner):
         assert graphs.stream is part.decode_stream and graphs.graphs
     if planner != "roofline":
         assert any(e["mode"] == planner for e in llm.engine.timeline())
+
+
+class MixedModel(SplitModel):
+    """Mixed steps at 0.15 ms a token: the 60 ms target's budget (54 ms) holds 360 tokens,
+    so a step cut to 128-token tiles holds 256 of them."""
+
+    def predict_mixed(self, prefill_tokens, prefill_context, prefill_batch, decode_batch,
+                      decode_context, sms=None):
+        return 0.15 * (prefill_tokens + decode_batch)
+
+
+def test_mixed_steps_aligned_to_128_tokens_match_chunked(hf_llama):
+    """``--mux-align-step-tokens --mux-token-align 128``: every mixed step that cuts a
+    prompt holds a whole number of 128-token tiles, the decodes counted; the tokens are
+    chunked prefill's."""
+    folder, _ = hf_llama
+    rng = random.Random(3)
+    lengths = [rng.randrange(150, 225) * 2 + 1 for _ in range(4)]  # odd: no cut ends on one
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
+    chunked = _generate(LLM(folder, dtype="float32", block_size=8, schedule="chunked",
+                            chunk_size=64), prompts)
+    llm = _multiplex(folder, predictor=MixedModel(2), max_num_batched_tokens=2048,
+                     itl_slo_ms=60.0, mux_sharing="temporal", mux_align_step_tokens=True,
+                     mux_token_align=128)
+    engine, tokens = llm.engine, {f"q{i}": [] for i in range(len(prompts))}
+    engine.add_request("q0", prompts[0], GREEDY)
+    while not tokens["q0"]:  # the others arrive while it decodes: mixed steps
+        for update in engine.step():
+            tokens[update.request_id] += update.new_token_ids
+    for i, prompt in enumerate(prompts[1:], 1):
+        engine.add_request(f"q{i}", prompt, GREEDY)
+    while engine.has_work():
+        for update in engine.step():
+            tokens[update.request_id] += update.new_token_ids
+    assert [tokens[f"q{i}"] for i in range(len(prompts))] == chunked
+    _assert_clean(llm)
+    mixed = [e for e in llm.engine.timeline() if e["mode"] == "temporal" and e["decode_batch"]]
+    cuts = [e for e in mixed if not any(start + size in lengths
+                                        for start, size in e["prefill_pieces"])]
+    assert cuts, [(e["prefill_pieces"], e["decode_batch"]) for e in mixed]
+    assert all((e["prefill_tokens"] + e["decode_batch"]) % 128 == 0 for e in cuts)
