@@ -965,7 +965,8 @@ _MAX_EXTEND_SPLITS = 16
 # side of 108- and 84-SM partitions (extend_waves_partitions_h100_f352268.json): from 256
 # to 384 tokens the pick is within 0.1% of the fastest count on the whole GPU and 0.5% on
 # the partitions (means), where 1,024 (fitted to the whole GPU alone) left 1.8% there,
-# up to 22% on 1-tile chunks.
+# up to 22% on 1-tile chunks; held out on 116, 108 and 100 SMs and the whole GPU
+# (..._h100_22a09a3.json): 0.2-1.3% and 0.0%.
 _SPLIT_OVERHEAD_TOKENS = 320
 # Splits only where the cost model gives this share of one split's time or less.
 _SPLIT_GAIN = 0.95
