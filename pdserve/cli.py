@@ -250,7 +250,6 @@ class UsageError(Exception):
 def _check_engine_args(args: argparse.Namespace) -> None:
     """Builds ``args.engine_config``: the model resolved to a local folder (hub ids are
     downloaded), its shapes read, device, dtype and the tensor-parallel split checked."""
-    from pdserve.engine.tp import check_tp_config
     from pdserve.model.arch import get_arch
     from pdserve.model.generation_config import read_generation_config
     from pdserve.model.hub import resolve_model_config
@@ -263,6 +262,8 @@ def _check_engine_args(args: argparse.Namespace) -> None:
     _check_device(config.device.device, model.dtype)
     _check_graph_steps(config)
     args.engine_config = dataclasses.replace(config, model=model)
+    from pdserve.engine.tp import check_tp_config  # imports torch: after the flag checks
+
     check_tp_config(args.engine_config, arch)
 
 
@@ -370,13 +371,14 @@ def _check_cluster(args: argparse.Namespace) -> None:
 
 
 def _check_profile(args: argparse.Namespace) -> None:
-    from pdserve.engine.tp import check_tp_config
     from pdserve.model.arch import get_arch
     from pdserve.model.hub import resolve_model_config
 
     model = resolve_model_config(ModelConfig(model=args.model, load_format=args.load_format))
     arch = get_arch(model)
     _check_device(args.device, args.dtype)
+    from pdserve.engine.tp import check_tp_config  # imports torch: after the cheaper checks
+
     check_tp_config(EngineConfig.from_flat(model=model.model, device=args.device,
                                            tensor_parallel_size=args.tensor_parallel_size),
                     arch)
