@@ -662,17 +662,25 @@ class MuxPlanner:
         """Prompt tokens per ms of mixed steps of the largest chunk within the step budget
         (the smallest chunk where none fits)."""
         step = lambda tokens: self._mixed_ms(decode, waiting, tokens)
-        smallest, largest = self._chunk_range(waiting)
+        smallest, largest = self._chunk_range(waiting, decode)
         chunk = self._largest_step(step, smallest, largest, None,
                                    self.config.step_budget_ms(decode), self._offset(decode))
         chunk = chunk or smallest
         return chunk / step(chunk)
 
-    def _chunk_range(self, waiting: Sequence[PrefillRequest]) -> tuple[int, int]:
-        """The smallest and largest chunk a mixed step may take of the waiting prompts."""
+    def _chunk_range(self, waiting: Sequence[PrefillRequest], decode: DecodeLoad
+                     ) -> tuple[int, int]:
+        """The smallest and largest chunk a mixed step may take of the waiting prompts. A
+        step that ``max_prefill_tokens`` cuts is aligned as one the budget cuts (only what
+        is left of the prompts may end off the alignment)."""
+        cfg = self.config
         available = sum(r.tokens_remaining for r in waiting)
-        return (min(available, self.config.min_chunk_tokens),
-                min(available, self.config.max_prefill_tokens))
+        smallest = min(available, cfg.min_chunk_tokens)
+        if available <= cfg.max_prefill_tokens:
+            return smallest, available
+        offset = self._offset(decode)
+        aligned = (cfg.max_prefill_tokens + offset) // cfg.token_align * cfg.token_align
+        return smallest, max(aligned - offset, smallest)
 
     def _sharing(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
                  in_flight: InFlightPrefill | None, incumbent: str | None = None
@@ -857,7 +865,7 @@ class MuxPlanner:
             return None
         cfg = self.config
         step = lambda tokens: self._mixed_ms(decode, waiting, tokens)
-        smallest, largest = self._chunk_range(waiting)
+        smallest, largest = self._chunk_range(waiting, decode)
         budget = cfg.step_budget_ms(decode)
         if step(smallest) <= budget:
             chunk = self._mixed_chunk(decode, waiting, smallest, largest)

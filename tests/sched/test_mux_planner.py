@@ -277,6 +277,17 @@ def test_aligned_steps_count_the_decode_tokens_in_the_alignment(align, chunk):
     assert (chunk + LIGHT.batch_size) % align == 0
 
 
+@pytest.mark.parametrize("align_step, chunk", [(True, 252), (False, 256)])
+def test_a_step_the_token_cap_cuts_is_aligned_too(align_step, chunk):
+    # A budget that holds 380 tokens, a cap of 300: 256 with the 4 decodes (252 of prompt),
+    # or 256 of prompt where the chunk alone is aligned.
+    config = MuxPlannerConfig(itl_slo_ms=50.0, token_align=128, min_chunk_tokens=16,
+                              spatial=False, align_step_tokens=align_step,
+                              max_prefill_tokens=300)
+    plan = MuxPlanner(HandModel(), PARTITIONS, config).plan(LIGHT, PROMPTS)
+    assert plan.mode == MuxMode.TEMPORAL and plan.prefill.num_tokens == chunk
+
+
 def test_the_aligned_steps_flag_reaches_the_planner():
     sched = SchedulerConfig(schedule="multiplex", itl_slo_ms=60.0, mux_align_step_tokens=True)
     assert mux_planner_config(sched).align_step_tokens is True
