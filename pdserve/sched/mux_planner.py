@@ -673,14 +673,18 @@ class MuxPlanner:
         """The smallest and largest chunk a mixed step may take of the waiting prompts. A
         step that ``max_prefill_tokens`` cuts is aligned as one the budget cuts (only what
         is left of the prompts may end off the alignment)."""
-        cfg = self.config
         available = sum(r.tokens_remaining for r in waiting)
-        smallest = min(available, cfg.min_chunk_tokens)
-        if available <= cfg.max_prefill_tokens:
-            return smallest, available
+        return min(available, self.config.min_chunk_tokens), self._capped(available, decode)
+
+    def _capped(self, tokens: int, decode: DecodeLoad) -> int:
+        """``tokens``, or where ``max_prefill_tokens`` cuts them the cap aligned as the
+        budget's cuts are (the decodes counted with ``align_step_tokens``)."""
+        cfg = self.config
+        if tokens <= cfg.max_prefill_tokens:
+            return tokens
         offset = self._offset(decode)
         aligned = (cfg.max_prefill_tokens + offset) // cfg.token_align * cfg.token_align
-        return smallest, max(aligned - offset, smallest)
+        return max(aligned - offset, min(tokens, cfg.min_chunk_tokens))
 
     def _sharing(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
                  in_flight: InFlightPrefill | None, incumbent: str | None = None
@@ -744,7 +748,7 @@ class MuxPlanner:
         while done < work and chunk is not None:
             window, left = _window(waiting, done, work - done), work - done
             chunk = self._mixed_chunk(decode, window, min(left, cfg.min_chunk_tokens),
-                                      min(left, cfg.max_prefill_tokens), guess=chunk)
+                                      self._capped(left, decode), guess=chunk)
             if chunk is not None:
                 ms, done = ms + self._mixed_ms(decode, window, chunk), done + chunk
         rate = 1e3 * work / ms if chunk is not None else 0.0
