@@ -74,6 +74,7 @@ from pdserve.bench.evidence import (  # noqa: E402
 from pdserve.bench.metrics import sample_attainment  # noqa: E402
 from pdserve.bench.report import (  # noqa: E402
     check_gpu,
+    load_json,
     portable_command,
     result_header,
     write_json,
@@ -1137,8 +1138,8 @@ LOADGEN_COMMAND = ("python benchmarks/loadgen_loogle.py --api openai --url http:
 # `pdserve bench compare` runs whose ShareGPT-like workload is this one at 6 req/s exactly
 # (150 requests, seed 0, vocabulary 32,000, two warm-up requests). Their LooGLE runs are
 # not: lognormal 10-16K prompts, 20 requests.
-LEGACY_SHAREGPT = {"baseline_h200_part1.json": ("chunk512", "chunk2048", "prefill-first"),
-                   "baseline_h200_multiplex.json": ("multiplex",)}
+LEGACY_SHAREGPT = {"baseline_h200_part1.json.gz": ("chunk512", "chunk2048", "prefill-first"),
+                   "baseline_h200_multiplex.json.gz": ("multiplex",)}
 
 
 def _loadgen_samples(requests: list[dict]) -> list[dict]:
@@ -1229,7 +1230,7 @@ def _import_loadgen(name: str, entry: tuple, results: Path) -> Path | None:
 
 
 def _import_compare(source: Path, configs: tuple[str, ...], results: Path) -> list[Path | None]:
-    data = json.loads(source.read_text())
+    data = load_json(source)
     head = {k: data[k] for k in ("created", "git_revision", "command", "device")}
     written = []
     for run in data["runs"]:

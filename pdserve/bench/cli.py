@@ -354,7 +354,8 @@ def handler(args: argparse.Namespace) -> int:
         return 2
     plot_dir = args.plot_dir
     if args.bench_mode == "plot":
-        plot_dir = plot_dir or str(Path(args.result[0]).with_suffix("")) + "_plots"
+        plot_dir = plot_dir or str(Path(args.result[0].removesuffix(".gz")).with_suffix("")) \
+            + "_plots"
     _write_outputs(result, args.out, args.report, plot_dir)
     return _report_problems(result)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gzip
 import json
 import math
 import os
@@ -132,7 +133,13 @@ def _layout(value, indent: str = "") -> str:
 
 
 def load_json(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text())
+    """A result file, gzip-compressed where its name ends in ``.gz`` (large committed
+    results are kept compressed)."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt") as f:
+            return json.load(f)
+    return json.loads(path.read_text())
 
 
 # --- text report ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shlex
@@ -54,6 +55,10 @@ def test_serve_goodput_sweep_and_plot_mode(tmp_path):
     assert [p["rate"] for p in result["goodput"]["points"]] == [5.0, 60.0]
     assert main(["plot", str(out), "--plot-dir", str(tmp_path / "p")]) == 0
     assert (tmp_path / "p" / "attainment_random.png").exists()
+    packed = tmp_path / "goodput.json.gz"  # large committed results are kept compressed
+    packed.write_bytes(gzip.compress(out.read_bytes()))
+    assert main(["plot", str(packed)]) == 0
+    assert (tmp_path / "goodput_plots" / "attainment_random.png").exists()
 
 
 def test_compare_starts_and_stops_each_server(tmp_path):
