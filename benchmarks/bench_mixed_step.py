@@ -13,6 +13,7 @@ line of the step to its sampled tokens on the host, as the median of repeats:
     python benchmarks/bench_mixed_step.py --model codellama-34b --out mixed_step.json
     python benchmarks/bench_mixed_step.py --grid --repeats 5 --out mixed_step_grid.json
     python benchmarks/bench_mixed_step.py --cases 384:12288:2:4096 --extend-splits 1,0,1
+    python benchmarks/bench_mixed_step.py --cases 255:10240:1:16384,287:10240:1:16384 --kernels 12
 
 ``--extend-splits`` times every case once per value of ``PDSERVE_EXTEND_KV_SPLITS`` (the
 extend kernel's prefix splits: 1, a power of two, or 0 for the rule that fills the last
@@ -152,7 +153,7 @@ def rule_splits(engine: EngineCore, case) -> int | None:
     return extend_kv_splits(0, tiles * arch.num_heads, case[1], device)
 
 
-def measure(engine: EngineCore, case, repeats: int) -> dict:
+def measure(engine: EngineCore, case, repeats: int, kernels: int = 0) -> dict:
     plan, placed = step_plan(engine, case)
     pool = engine.runner.pools[MAIN_POOL]
     segments, row = pool.piecewise, dict(zip(("prefill_tokens", "prefix", "decodes",
@@ -160,6 +161,11 @@ def measure(engine: EngineCore, case, repeats: int) -> dict:
     pool.piecewise = None
     row["eager_ms"] = wall_ms(engine, plan, repeats)
     row["kernel_sum_ms"] = kernel_sum_ms(engine, plan)
+    if kernels:  # which kernels a step size's cost is in (the eager step's)
+        from profile_decode import profile_kernels
+
+        row["kernels"] = profile_kernels(lambda: engine.runner.execute(plan), 3,
+                                         "step")[:kernels]
     pool.piecewise = segments
     if segments is not None and len(plan.scheduled) and case[0] + case[2] <= segments.max_tokens:
         row["piecewise_ms"] = wall_ms(engine, plan, repeats)
@@ -194,6 +200,9 @@ def main() -> None:
     parser.add_argument("--extend-splits", type=parse_splits, default=None,
                         help="time each case once per value of PDSERVE_EXTEND_KV_SPLITS "
                         "(comma-separated: 1, a power of two, 0 = fill the last wave)")
+    parser.add_argument("--kernels", type=int, default=0,
+                        help="record each case's N slowest kernels (GPU time per eager "
+                        "step, launches), to tell which kernel a step size's cost is in")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                         help="the engine's memory budget (codellama-34b on an 80 GB card "
                         "needs ~0.95 for a KV pool)")
@@ -213,7 +222,7 @@ def main() -> None:
         for splits in args.extend_splits or (None,):
             if splits is not None:
                 use_extend_splits(splits)
-            row = measure(engine, case, args.repeats)
+            row = measure(engine, case, args.repeats, args.kernels)
             if splits is not None:
                 row["extend_kv_splits_env"] = splits
                 row["rule_splits"] = rule_splits(engine, case)
