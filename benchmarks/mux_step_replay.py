@@ -431,6 +431,12 @@ def main(argv: list[str] | None = None) -> None:
                              "whose multiplex replay to replay.")
     parser.add_argument("--predictor", type=Path, default=None,
                         help="Fitted profile (default: the one the record names).")
+    parser.add_argument("--fit", choices=("saved", "today"), default="saved",
+                        help="With --record: the profile's fit as saved in its file, which "
+                        "the probe's server planned with (default), or as today's engine "
+                        "makes it from that file (an older format refit from its rows, "
+                        "e.g. with the GEMM tile steps): what a rerun of the probe plans "
+                        "with.")
     parser.add_argument("--variant", action="append", default=[],
                         help="Planner flags over the record's server flags; repeatable. "
                              "The record's own settings are always replayed first.")
@@ -471,8 +477,10 @@ def main(argv: list[str] | None = None) -> None:
     record = json.loads(args.record.read_text())
     predictor_path = args.predictor or ROOT / record["predictor"]["path"]
     # The probe as served: its server planned with the fit saved in the file, and a spread
-    # drawn from another run is measured over the fit that run saved.
-    predictor = served_predictor(predictor_path)
+    # drawn from another run is measured over the fit that run saved. ``today``: as a
+    # rerun's server would plan, the spread then measured over a fit the run did not have.
+    predictor = (served_predictor(predictor_path) if args.fit == "saved"
+                 else LatencyPredictor.load(predictor_path))
     rates = [float(r) for r in args.rates.split(",") if r] or [None]
     eager = None if args.eager_factor is None else EagerSteps(args.eager_factor,
                                                                args.start_eager_correction)
@@ -483,6 +491,7 @@ def main(argv: list[str] | None = None) -> None:
     seeds = range(args.seeds) if twin else [0]
     result = {**result_header({"record": _relative(args.record),
                                "predictor": _relative(predictor_path),
+                               "predictor_fit": args.fit,
                                "variants": args.variant, "rates": args.rates,
                                "eager_factor": args.eager_factor,
                                "start_eager_correction": args.start_eager_correction,

@@ -129,6 +129,22 @@ def test_the_script_writes_a_prediction_beside_the_measured_figures(tool, tmp_pa
         (2.0, ""), (2.0, "--mux-tpot-bank-cap 2"), (4.0, ""), (4.0, "--mux-tpot-bank-cap 2")]
 
 
+def test_a_record_replays_with_the_fit_today_s_engine_makes_when_asked(tool, tmp_path):
+    """``--fit today``: the profile refitted as a rerun's engine loads it (here with the GEMM
+    tile steps the saved format-3 fit lacks), so the same steps take other times."""
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(record(10, 0.5, 2.0, prompt_len=3000)))
+    steps = {}
+    for fit in ("saved", "today"):
+        out = tmp_path / f"{fit}.json"
+        tool.main(["--record", str(path), "--predictor", str(PREDICTOR), "--fit", fit,
+                   "--out", str(out)])
+        result = json.loads(out.read_text())
+        assert result["config"]["predictor_fit"] == fit
+        steps[fit] = result["replayed"][0]["mixed_step_ms"]
+    assert steps["saved"]["steps"] > 0 and steps["saved"] != steps["today"]
+
+
 def test_a_validation_run_s_multiplex_replay_is_set_beside_its_measured_requests(tool, tmp_path):
     """The 8ccd9ac H200 validation ran whole-GPU steps only: replayed from the engine's
     corrections before that replay, TTFT comes within 10-11% at P50 and P99 (a regression
