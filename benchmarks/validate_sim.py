@@ -63,7 +63,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.sim_pd_dispatch import kv_bytes_per_token  # noqa: E402
-from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.bench.report import load_json, result_header, write_json  # noqa: E402
 from pdserve.sim.cluster import (  # noqa: E402
     GroupSim,
     IdleWake,
@@ -1006,8 +1006,7 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
     """A recorded run's measured percentiles against the simulations of today's code, from
     its recorded model, factors, spread and requests. ``steps``: the prefill instance's
     steps where the run did not record them."""
-    with open(path) as f:
-        run = json.load(f)
+    run = load_json(path)  # committed runs are gzip-compressed (.json.gz)
     if "prefill_steps" in run:
         steps = PrefillSteps(**run["prefill_steps"])
     if steps is None:
@@ -1334,18 +1333,22 @@ def compare_percentiles(measured: dict[str, dict], simulated: dict[str, list[dic
     return table
 
 
+def _run_name(path: str) -> str:
+    """A run's file name without .json or .json.gz: its key among the summarised runs."""
+    return Path(path).name.removesuffix(".gz").removesuffix(".json")
+
+
 def summarize_runs(paths: list[str]) -> dict:
     """Several runs' results side by side, and per metric, simulation and percentile the
     spread of the simulation's error over the runs (smallest, largest)."""
     runs = {}
     for path in paths:
-        with open(path) as f:
-            run = json.load(f)
-        runs[Path(path).stem] = {key: run[key] for key in (
+        run = load_json(path)
+        runs[_run_name(path)] = {key: run[key] for key in (
             "git_revision", "created", "host_load_average_1min", "host_cpu", "shared_cores",
             "compare") if key in run}
         if run.get("recalibration"):
-            runs[Path(path).stem]["drift_after_replay"] = run["recalibration"]["drift"]
+            runs[_run_name(path)]["drift_after_replay"] = run["recalibration"]["drift"]
     spread: dict[str, dict] = {}
     for key in ("ttft_s", "tpot_s"):
         # a simulation some runs lack (added since) spans the runs that have it

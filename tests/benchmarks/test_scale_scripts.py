@@ -519,9 +519,10 @@ def test_validation_runs_summarized_with_the_spread_of_each_error(tmp_path):
     # A later run with a simulation the earlier ones lack, and the drift it recorded.
     row = {**row, "simulated_calibrated_both_sides": {"p50": 1.2, "p99": 2.0},
            "simulated_calibrated_both_sides_error": {"p50": 0.2, "p99": 0.0}}
-    path = tmp_path / "run2.json"
-    path.write_text(json.dumps({"git_revision": "def", "compare": {"ttft_s": row, "tpot_s": row},
-                                "recalibration": {"drift": {"decode": 1.1}}}))
+    path = tmp_path / "run2.json.gz"  # committed runs are kept gzip-compressed
+    path.write_bytes(gzip.compress(json.dumps({
+        "git_revision": "def", "compare": {"ttft_s": row, "tpot_s": row},
+        "recalibration": {"drift": {"decode": 1.1}}}).encode()))
     paths.append(str(path))
     summary = module.summarize_runs(paths)
     assert list(summary["runs"]) == ["run0", "run1", "run2"]
