@@ -236,7 +236,7 @@ def test_fit_of_points_that_pull_every_coefficient_negative_is_zero_not_a_crash(
 
 
 def test_relative_fit_keeps_one_slow_large_point_from_deciding_the_small_ones():
-    """A CPU calibration's decode points (validation_cpu_tiny_2c81cd3_run1.json: batch,
+    """A CPU calibration's decode points (validation_cpu_tiny_2c81cd3_run1.json.gz: batch,
     context per request, step ms), its batch of 4 at 1.3K context timed at 26 ms where
     the rest of its grid said about 12-14: a plain fit put the batch-1 step at half what
     was timed, the relative one within 15% of it."""
