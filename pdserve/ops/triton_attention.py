@@ -43,6 +43,8 @@ BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
 # H200) whole mixed steps that it splits ran 0.81-0.95x of one split's time, the rest 1.00x
 # (benchmarks/results/mixed_step_splits_h100_*.json).
 EXTEND_SPLITS_ENV = "PDSERVE_EXTEND_KV_SPLITS"
+EXTEND_TAIL_ENV = "PDSERVE_EXTEND_TAIL_TILES"  # 1: ExtendConfig.tail_tiles on the GPU
+_MIN_TAIL_ROWS = 16  # the smallest tile tl.dot takes
 # Balancing keeps partial results for at most this many programs per SM (8 splits up to 64
 # decodes of 8 KV heads, 4 at 128, 2 at 256): the partials buffer and the reduce kernel grow
 # with batch x splits. The split kernel's grid does not: past each context's first
@@ -72,6 +74,11 @@ class ExtendConfig:
     """Programs per query tile, each over a share of the cached prefix, merged by a second
     kernel: a power of two, or 0 to choose from the shape (``extend_kv_splits``). Pays off
     for short chunks over a long prefix, where one program per tile leaves SMs idle."""
+    tail_tiles: bool = False
+    """Rows past the last whole tile, where they fill at most half a tile, in a second launch
+    of tiles just large enough for them (``_extend_tail``): a chunk a few tokens past a whole
+    number of tiles otherwise pays a whole tile per head for them (on the H100, 263 prompt
+    tokens over a 10K prefix took the extend kernel 22.2 ms against 14.7 ms for 255)."""
 
 
 @dataclass(frozen=True)
@@ -791,6 +798,7 @@ def _extend_kernel(
     qk_scale,
     page_size,
     first_seq,
+    row_start,
     GROUP: tl.constexpr,
     ROW_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -805,7 +813,8 @@ def _extend_kernel(
     tokens' own K/V are read from the contiguous step inputs, with the causal mask applied
     only on the diagonal tiles and tiles above the diagonal skipped. With ``KV_SPLITS`` > 1
     each split attends to its share of the prefix (the last one also to the new tokens) and
-    stores a partial for ``_extend_merge_kernel``."""
+    stores a partial for ``_extend_merge_kernel``. The tiles start ``row_start`` tokens into
+    each sequence's new tokens (a tail launch of smaller tiles, ``_extend_tail``)."""
     TOKENS: tl.constexpr = BLOCK_M // ROW_HEADS
     split = tl.program_id(0) % KV_SPLITS
     # Highest query tiles have the most keys under the causal mask: launch them first so
@@ -814,7 +823,7 @@ def _extend_kernel(
     seq = first_seq + tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     num_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    first_tok = m_block * TOKENS
+    first_tok = row_start + m_block * TOKENS
     if first_tok >= num_new:
         return
     prefix_len = tl.load(seq_lens_ptr + seq) - num_new
@@ -1006,29 +1015,39 @@ def extend_attention(
     if num_seqs <= 0 or meta.max_query_len <= 0:
         return
     mid_o, mid_lse, mid_strides = _extend_partials(q, out, splits)
-    _extend_kernel[grid](
-        q, k, v, out, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        mid_o, mid_lse,
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        meta.block_tables.stride(0),
-        *mid_strides,
-        scale * math.log2(math.e),
-        k_cache.shape[1],
-        first_seq,
-        GROUP=group,
-        ROW_HEADS=_extend_row_heads(config, group),
-        HEAD_DIM=head_dim,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        KV_SPLITS=splits,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )  # fmt: skip
+    tail = _extend_tail(config, meta.max_query_len, group)
+    launches = [(grid, config.block_m, 0, config.num_warps)]
+    if tail is not None:  # the whole tiles, then the rows past them in small tiles
+        row_start, tail_m = tail
+        launches = [((grid[0] - splits, grid[1], grid[2]), config.block_m, 0, config.num_warps),
+                    ((splits, grid[1], grid[2]), tail_m, row_start, min(config.num_warps, 4))]
+    for launch_grid, block_m, row_start, num_warps in launches:
+        if launch_grid[0] <= 0:
+            continue
+        _extend_kernel[launch_grid](
+            q, k, v, out, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+            meta.query_start_loc, mid_o, mid_lse,
+            q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            meta.block_tables.stride(0),
+            *mid_strides,
+            scale * math.log2(math.e),
+            k_cache.shape[1],
+            first_seq,
+            row_start,
+            GROUP=group,
+            ROW_HEADS=_extend_row_heads(config, group),
+            HEAD_DIM=head_dim,
+            BLOCK_M=block_m,
+            BLOCK_N=config.block_n,
+            KV_SPLITS=splits,
+            num_warps=num_warps,
+            num_stages=config.num_stages,
+        )  # fmt: skip
     if splits > 1:
         _merge_extend_splits(mid_o, mid_lse, mid_strides, out, meta, first_seq, splits)
 
@@ -1076,6 +1095,19 @@ def _extend_row_heads(config: ExtendConfig, group: int) -> int:
             f"({config.block_m}); use pack_gqa=False for this model"
         )
     return group
+
+
+def _extend_tail(config: ExtendConfig, max_query_len: int, group: int
+                 ) -> tuple[int, int] | None:
+    """With ``tail_tiles``: (the first row past the longest chunk's whole tiles, the tile
+    size for the rows after it), where those rows fill at most half a tile; None otherwise
+    (one launch). Unpacked tiles only (a packed tile's rows are tokens x GQA group)."""
+    rows = max_query_len % config.block_m
+    if not config.tail_tiles or _extend_row_heads(config, group) != 1 or rows == 0 \
+            or 2 * rows > config.block_m:
+        return None
+    tail_m = max(_MIN_TAIL_ROWS, 1 << (rows - 1).bit_length())
+    return max_query_len - rows, tail_m
 
 
 def extend_kv_splits(requested: int, programs: int, max_prefix_len: int,
@@ -1132,13 +1164,14 @@ def default_extend_config(head_dim: int, device: torch.device,
                           hopper: bool | None = None) -> ExtendConfig:
     """``hopper``: whether the tiles may use Hopper's shared memory (None: ask the device).
     On a GPU the prefix splits follow ``PDSERVE_EXTEND_KV_SPLITS`` (default 0: the rule of
-    ``extend_kv_splits``; a power of two fixes them)."""
+    ``extend_kv_splits``; a power of two fixes them) and the tail launch
+    ``PDSERVE_EXTEND_TAIL_TILES`` (default 0: off until measured on the GPU; 1: on)."""
     if device.type != "cuda":  # interpreter: small tiles, several of them per sequence
         return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    splits = _extend_splits_from_env()
+    splits, tail = _extend_splits_from_env(), _extend_tail_from_env()
     if head_dim <= 64:
         return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3,
-                            kv_splits=splits)
+                            kv_splits=splits, tail_tiles=tail)
     if hopper is None:
         hopper = torch.cuda.get_device_capability(device) >= (9, 0)
     if head_dim <= 128 and hopper:
@@ -1147,12 +1180,21 @@ def default_extend_config(head_dim: int, device: torch.device,
         # whole 8K prompt (+2% over 64-token tiles) and by far for chunks over a cached
         # prefix (+12% at 2K over 16K, +17% at 512 over 8K; benchmarks/results/extend_sweep_*).
         return ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3,
-                            kv_splits=splits)
+                            kv_splits=splits, tail_tiles=tail)
     if head_dim <= 128:
         # Q 32 KiB + 3 stages of K and V tiles (16 KiB each) stays inside 164 KiB smem.
         return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3,
-                            kv_splits=splits)
-    return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, kv_splits=splits)
+                            kv_splits=splits, tail_tiles=tail)
+    return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, kv_splits=splits,
+                        tail_tiles=tail)
+
+
+@functools.cache
+def _extend_tail_from_env() -> bool:
+    raw = os.environ.get(EXTEND_TAIL_ENV, "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{EXTEND_TAIL_ENV}={raw!r}: must be 0 or 1")
+    return raw == "1"
 
 
 @functools.cache

@@ -96,6 +96,42 @@ def test_split_prefix_matches_reference(decode_lens, extend, q_heads, kv_heads, 
 
 
 @interpreted
+@pytest.mark.parametrize(
+    "decode_lens, extend, block_m, kv_splits, tail",
+    [
+        # the longest chunk 6 rows past one 64-row tile: a 16-row tail launch; shorter
+        # chunks end inside the whole tile or have no new token past it
+        ([], [(30, 70), (10, 40), (0, 66)], 64, 1, (64, 16)),
+        # decodes first, two prefix splits merged over both launches' rows; 32-row tail
+        ([4, 9], [(100, 150), (7, 129)], 64, 2, (128, 32)),
+        # a chunk shorter than half a tile: the tail launch alone
+        ([], [(40, 5)], 64, 1, (0, 16)),
+    ],
+)
+def test_rows_past_the_last_whole_tile_run_in_a_tail_launch(decode_lens, extend, block_m,
+                                                             kv_splits, tail):
+    from pdserve.ops.triton_attention import _extend_tail
+
+    batch = _batch(decode_lens, extend, 4, 2, 16, seed=block_m + kv_splits)
+    config = dataclasses.replace(_config(False, kv_splits, block_m=block_m), tail_tiles=True)
+    assert _extend_tail(config, batch.meta.max_query_len, 2) == tail
+    out, ref = _extend_vs_reference(batch, config)
+    torch.testing.assert_close(out, ref, **INTERP_TOL)
+
+
+def test_a_tail_launch_only_where_the_rows_fill_half_a_tile_or_less():
+    from pdserve.ops.triton_attention import ExtendConfig, _extend_tail
+
+    config = ExtendConfig(128, 128, 8, 3, tail_tiles=True)
+    assert _extend_tail(config, 257, 8) == (256, 16)
+    assert _extend_tail(config, 320, 8) == (256, 64)
+    assert _extend_tail(config, 321, 8) is None  # 65 rows: more than half a tile
+    assert _extend_tail(config, 384, 8) is None  # whole tiles
+    assert _extend_tail(dataclasses.replace(config, tail_tiles=False), 257, 8) is None
+    assert _extend_tail(dataclasses.replace(config, pack_gqa=True), 257, 8) is None
+
+
+@interpreted
 @pytest.mark.parametrize("pack_gqa", [False, True])
 def test_auto_splits_on_a_long_prefix(pack_gqa):
     """kv_splits=0 on a short chunk over a 1100-token prefix picks 2 splits (one per 512
@@ -191,6 +227,29 @@ def test_gpu_extend_splits_follow_the_environment(monkeypatch):
         ta._extend_splits_from_env.cache_clear()
 
 
+def test_gpu_tail_launch_follows_the_environment(monkeypatch):
+    """Off by default on a GPU (PDSERVE_EXTEND_TAIL_TILES unset or 0), on with 1, refused
+    otherwise; never on the interpreter's tiles."""
+    pytest.importorskip("triton")
+    from pdserve.ops import triton_attention as ta
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    try:
+        monkeypatch.delenv(ta.EXTEND_TAIL_ENV, raising=False)
+        ta._extend_tail_from_env.cache_clear()
+        assert not ta.default_extend_config(128, cuda, hopper=True).tail_tiles
+        monkeypatch.setenv(ta.EXTEND_TAIL_ENV, "1")
+        ta._extend_tail_from_env.cache_clear()
+        assert ta.default_extend_config(128, cuda, hopper=True).tail_tiles
+        assert not ta.default_extend_config(128, cpu).tail_tiles
+        monkeypatch.setenv(ta.EXTEND_TAIL_ENV, "yes")
+        ta._extend_tail_from_env.cache_clear()
+        with pytest.raises(ValueError, match="PDSERVE_EXTEND_TAIL_TILES"):
+            ta.default_extend_config(128, cuda, hopper=True)
+    finally:
+        ta._extend_tail_from_env.cache_clear()
+
+
 @interpreted
 @pytest.mark.parametrize("q_heads, kv_heads", [(12, 2), (32, 1)])
 def test_packing_refuses_a_group_that_does_not_divide_the_tile(q_heads, kv_heads):
@@ -232,6 +291,27 @@ def test_short_chunk_over_long_prefix_gpu(kv_splits):
     config = _config(True, kv_splits, tiles.block_m, tiles.block_n,
                      num_warps=tiles.num_warps, num_stages=tiles.num_stages)  # fmt: skip
     batch = _batch([], [(15360, 256)], 64, 8, 128, seed=1, dtype=torch.bfloat16, device="cuda")
+    out, ref = _extend_vs_reference(batch, config)
+    torch.testing.assert_close(out, ref, **GPU_TOL)
+    assert (out - ref).abs().mean().item() < GPU_MEAN_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_splits", [1, 2, 0])
+@pytest.mark.parametrize("longest", [264, 320, 40])
+def test_codellama_shape_tail_launch_gpu(kv_splits, longest):
+    """The rows past the longest chunk's whole tiles in a tail launch (8, 64 rows; a chunk
+    under half a tile in the tail launch alone), beside shorter chunks and decodes."""
+    from pdserve.ops.triton_attention import _extend_tail, default_extend_config
+
+    tiles = default_extend_config(128, torch.device("cuda"))
+    config = dataclasses.replace(
+        _config(False, kv_splits, tiles.block_m, tiles.block_n, num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages), tail_tiles=True)
+    extend = [(10240, longest), (2048, min(longest, 100)), (0, 17)]
+    batch = _batch([3, 500], extend, 64, 8, 128, seed=longest, dtype=torch.bfloat16,
+                   device="cuda")
+    assert _extend_tail(config, batch.meta.max_query_len, 8) is not None
     out, ref = _extend_vs_reference(batch, config)
     torch.testing.assert_close(out, ref, **GPU_TOL)
     assert (out - ref).abs().mean().item() < GPU_MEAN_TOL
