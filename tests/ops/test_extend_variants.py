@@ -202,52 +202,44 @@ def test_the_prefix_bound_comes_from_the_extend_sequences():
     assert extend_prefix_bound(unknown) == 8192 - 300  # longest context less longest query
 
 
-def test_gpu_extend_splits_follow_the_environment(monkeypatch):
-    """The auto rule by default on a GPU (PDSERVE_EXTEND_KV_SPLITS unset or 0), any power of
-    two fixed (1: no splits), refused otherwise; the interpreter's tiles keep one split."""
+# setting: (variable, its cached reader, config field, GPU default, the interpreter's value,
+# accepted values, a refused one)
+ENV_SETTINGS = {
+    "splits": ("EXTEND_SPLITS_ENV", "_extend_splits_from_env", "kv_splits", 0, 1,
+               (("0", 0), ("1", 1), ("4", 4)), "3"),
+    "tail": ("EXTEND_TAIL_ENV", "_extend_tail_from_env", "tail_tiles", False, False,
+             (("0", False), ("1", True)), "yes"),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(ENV_SETTINGS))
+def test_gpu_extend_config_follows_the_environment(monkeypatch, setting):
+    """On a GPU the prefix splits (default 0: the auto rule; a power of two fixes them, 1: no
+    splits) and the tail launch (default off, 1: on) follow their variables, anything else
+    refused; the interpreter's tiles keep one split and no tail launch whatever they say."""
     pytest.importorskip("triton")
     from pdserve.ops import triton_attention as ta
 
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    env, reader, field, gpu_default, cpu_value, accepted, refused = ENV_SETTINGS[setting]
+    env, read = getattr(ta, env), getattr(ta, reader)
+
+    def value(device: str):
+        return getattr(ta.default_extend_config(128, torch.device(device), hopper=True), field)
+
     try:
-        monkeypatch.delenv(ta.EXTEND_SPLITS_ENV, raising=False)
-        ta._extend_splits_from_env.cache_clear()
-        assert ta.default_extend_config(128, cuda, hopper=True).kv_splits == 0
-        assert ta.default_extend_config(128, cpu).kv_splits == 1
-        for raw, splits in (("0", 0), ("1", 1), ("4", 4)):
-            monkeypatch.setenv(ta.EXTEND_SPLITS_ENV, raw)
-            ta._extend_splits_from_env.cache_clear()
-            assert ta.default_extend_config(128, cuda, hopper=True).kv_splits == splits
-            assert ta.default_extend_config(128, cpu).kv_splits == 1
-        monkeypatch.setenv(ta.EXTEND_SPLITS_ENV, "3")
-        ta._extend_splits_from_env.cache_clear()
-        with pytest.raises(ValueError, match="PDSERVE_EXTEND_KV_SPLITS"):
-            ta.default_extend_config(128, cuda, hopper=True)
+        monkeypatch.delenv(env, raising=False)
+        read.cache_clear()
+        assert value("cuda") == gpu_default and value("cpu") == cpu_value
+        for raw, expected in accepted:
+            monkeypatch.setenv(env, raw)
+            read.cache_clear()
+            assert value("cuda") == expected and value("cpu") == cpu_value
+        monkeypatch.setenv(env, refused)
+        read.cache_clear()
+        with pytest.raises(ValueError, match=env):
+            value("cuda")
     finally:
-        ta._extend_splits_from_env.cache_clear()
-
-
-def test_gpu_tail_launch_follows_the_environment(monkeypatch):
-    """Off by default on a GPU (PDSERVE_EXTEND_TAIL_TILES unset or 0), on with 1, refused
-    otherwise; never on the interpreter's tiles."""
-    pytest.importorskip("triton")
-    from pdserve.ops import triton_attention as ta
-
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    try:
-        monkeypatch.delenv(ta.EXTEND_TAIL_ENV, raising=False)
-        ta._extend_tail_from_env.cache_clear()
-        assert not ta.default_extend_config(128, cuda, hopper=True).tail_tiles
-        monkeypatch.setenv(ta.EXTEND_TAIL_ENV, "1")
-        ta._extend_tail_from_env.cache_clear()
-        assert ta.default_extend_config(128, cuda, hopper=True).tail_tiles
-        assert not ta.default_extend_config(128, cpu).tail_tiles
-        monkeypatch.setenv(ta.EXTEND_TAIL_ENV, "yes")
-        ta._extend_tail_from_env.cache_clear()
-        with pytest.raises(ValueError, match="PDSERVE_EXTEND_TAIL_TILES"):
-            ta.default_extend_config(128, cuda, hopper=True)
-    finally:
-        ta._extend_tail_from_env.cache_clear()
+        read.cache_clear()
 
 
 @interpreted
