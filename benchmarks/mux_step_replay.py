@@ -472,6 +472,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="With --spread-from: draws of that spread (default 1).")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.validation and args.fit != "saved":
+        parser.error("--fit applies to --record: a validation replays the fit its engine "
+                     "planned with")
     if args.validation:
         return validate(args)
     record = json.loads(args.record.read_text())

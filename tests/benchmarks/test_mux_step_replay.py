@@ -143,6 +143,8 @@ def test_a_record_replays_with_the_fit_today_s_engine_makes_when_asked(tool, tmp
         assert result["config"]["predictor_fit"] == fit
         steps[fit] = result["replayed"][0]["mixed_step_ms"]
     assert steps["saved"]["steps"] > 0 and steps["saved"] != steps["today"]
+    with pytest.raises(SystemExit):  # a validation replays its engine's own fit
+        tool.main(["--validation", str(path), "--fit", "today", "--out", str(tmp_path / "v")])
 
 
 def test_a_validation_run_s_multiplex_replay_is_set_beside_its_measured_requests(tool, tmp_path):
