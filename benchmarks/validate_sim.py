@@ -1343,12 +1343,12 @@ def summarize_runs(paths: list[str]) -> dict:
     spread of the simulation's error over the runs (smallest, largest)."""
     runs = {}
     for path in paths:
-        run = load_json(path)
-        runs[_run_name(path)] = {key: run[key] for key in (
+        run, name = load_json(path), _run_name(path)
+        runs[name] = {key: run[key] for key in (
             "git_revision", "created", "host_load_average_1min", "host_cpu", "shared_cores",
             "compare") if key in run}
         if run.get("recalibration"):
-            runs[_run_name(path)]["drift_after_replay"] = run["recalibration"]["drift"]
+            runs[name]["drift_after_replay"] = run["recalibration"]["drift"]
     spread: dict[str, dict] = {}
     for key in ("ttft_s", "tpot_s"):
         # a simulation some runs lack (added since) spans the runs that have it

@@ -11,6 +11,7 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 RESULT_VERSION = 1
 HEADER_KEYS = ("version", "created", "command", "git_revision", "device", "config", "model")
@@ -132,9 +133,9 @@ def _layout(value, indent: str = "") -> str:
     return json.dumps(value)
 
 
-def load_json(path: str | Path) -> dict:
-    """A result file, gzip-compressed where its name ends in ``.gz`` (large committed
-    results are kept compressed)."""
+def load_json(path: str | Path) -> Any:
+    """A result file (or an engine timeline), gzip-compressed where its name ends in
+    ``.gz`` (large committed results are kept compressed)."""
     path = Path(path)
     if path.suffix == ".gz":
         with gzip.open(path, "rt") as f:

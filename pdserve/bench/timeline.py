@@ -8,8 +8,6 @@ reports it); ``JsonTimeline`` reads a flat JSON object of numbers from any endpo
 from __future__ import annotations
 
 import asyncio
-import gzip
-import json
 import math
 import re
 import time
@@ -17,6 +15,8 @@ from pathlib import Path
 from typing import Protocol
 
 import aiohttp
+
+from pdserve.bench.report import load_json
 
 DEFAULT_PATTERN = r"running|waiting|batch|sm|queue|kv_cache_usage"
 """Metric names worth plotting; histogram parts and counters are skipped."""
@@ -238,9 +238,7 @@ def _quantiles(values: list[float]) -> dict:
 def load_engine_timeline(path: str | Path) -> list[dict]:
     """An engine timeline's entries (``EngineCore.timeline()``, as the benchmarks keep it),
     from JSON or gzipped JSON."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
+    return load_json(path)
 
 
 def timeline_beside(record_path: str | Path) -> Path:
