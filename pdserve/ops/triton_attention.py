@@ -1016,15 +1016,15 @@ def extend_attention(
         return
     mid_o, mid_lse, mid_strides = _extend_partials(q, out, splits)
     tail = _extend_tail(config, meta.max_query_len, group)
-    launches = [(grid, config.block_m, 0, config.num_warps)]
-    if tail is not None:  # the whole tiles, then the rows past them in small tiles
-        row_start, tail_m = tail
-        launches = [((grid[0] - splits, grid[1], grid[2]), config.block_m, 0, config.num_warps),
-                    ((splits, grid[1], grid[2]), tail_m, row_start, min(config.num_warps, 4))]
-    for launch_grid, block_m, row_start, num_warps in launches:
-        if launch_grid[0] <= 0:
+    # (tile programs, tile rows, first row, warps): the whole tiles, then with a tail launch
+    # the rows past them in small tiles, one tile per split
+    launches = [(grid[0] - (splits if tail else 0), config.block_m, 0, config.num_warps)]
+    if tail is not None:
+        launches.append((splits, tail[1], tail[0], min(config.num_warps, 4)))
+    for tile_programs, block_m, row_start, num_warps in launches:
+        if tile_programs <= 0:
             continue
-        _extend_kernel[launch_grid](
+        _extend_kernel[(tile_programs, grid[1], grid[2])](
             q, k, v, out, k_cache, v_cache, meta.block_tables, meta.seq_lens,
             meta.query_start_loc, mid_o, mid_lse,
             q.stride(0), q.stride(1),
