@@ -682,9 +682,14 @@ class MuxPlanner:
         cfg = self.config
         if tokens <= cfg.max_prefill_tokens:
             return tokens
-        offset = self._offset(decode)
-        aligned = (cfg.max_prefill_tokens + offset) // cfg.token_align * cfg.token_align
-        return max(aligned - offset, min(tokens, cfg.min_chunk_tokens))
+        return self._aligned_down(cfg.max_prefill_tokens, decode,
+                                  least=min(tokens, cfg.min_chunk_tokens))
+
+    def _aligned_down(self, chunk: int, decode: DecodeLoad, least: int) -> int:
+        """``chunk`` cut so that it (with ``align_step_tokens`` the decodes beside it too)
+        ends on the alignment, but not under ``least``."""
+        offset, align = self._offset(decode), self.config.token_align
+        return max((chunk + offset) // align * align - offset, least)
 
     def _sharing(self, decode: DecodeLoad, waiting: Sequence[PrefillRequest],
                  in_flight: InFlightPrefill | None, incumbent: str | None = None
@@ -957,9 +962,8 @@ class MuxPlanner:
         if floor <= 0:
             return 0
         if self._offset(decode):  # the floor's step aligned: its chunk rounded down to it
-            align, batch = self.config.token_align, decode.batch_size
-            floor = max((floor + batch) // align * align - batch,
-                        min(floor, self.config.min_chunk_tokens))
+            floor = self._aligned_down(floor, decode,
+                                       least=min(floor, self.config.min_chunk_tokens))
         graph_room = self.config.graph_step_tokens - decode.batch_size
         if 0 < graph_room < floor:
             floor = graph_room
