@@ -44,7 +44,6 @@ BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
 # (benchmarks/results/mixed_step_splits_h100_*.json).
 EXTEND_SPLITS_ENV = "PDSERVE_EXTEND_KV_SPLITS"
 EXTEND_TAIL_ENV = "PDSERVE_EXTEND_TAIL_TILES"  # 1: ExtendConfig.tail_tiles on the GPU
-_MIN_TAIL_ROWS = 16  # the smallest tile tl.dot takes
 # Balancing keeps partial results for at most this many programs per SM (8 splits up to 64
 # decodes of 8 KV heads, 4 at 128, 2 at 256): the partials buffer and the reduce kernel grow
 # with batch x splits. The split kernel's grid does not: past each context's first
@@ -75,10 +74,11 @@ class ExtendConfig:
     kernel: a power of two, or 0 to choose from the shape (``extend_kv_splits``). Pays off
     for short chunks over a long prefix, where one program per tile leaves SMs idle."""
     tail_tiles: bool = False
-    """Rows past the last whole tile, where they fill at most half a tile, in a second launch
-    of tiles just large enough for them (``_extend_tail``): a chunk a few tokens past a whole
-    number of tiles otherwise pays a whole tile per head for them (on the H100, 263 prompt
-    tokens over a 10K prefix took the extend kernel 22.2 ms against 14.7 ms for 255)."""
+    """Rows past the longest chunk's last whole tile, where they fill at most half a tile, in a
+    second launch of tiles packed by GQA group, with a split count of its own
+    (``_extend_tail``). One launch gives those few rows a tile per q head, each reading the
+    whole prefix: on the H100 (codellama-34b, 10K prefix), 263 prompt tokens took the extend
+    kernel 20.1 ms against 13.7 ms for 255; a tail of unpacked 16-row tiles took as long."""
 
 
 @dataclass(frozen=True)
@@ -762,7 +762,7 @@ def default_decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
 
 # first_seq changes with the number of decodes in a mixed batch: specialising on it (==1,
 # divisible by 16) would compile new variants in the middle of serving.
-@triton.jit(do_not_specialize=["first_seq"])
+@triton.jit(do_not_specialize=["first_seq", "row_start"])
 def _extend_kernel(
     q_ptr,
     k_ptr,
@@ -813,8 +813,9 @@ def _extend_kernel(
     tokens' own K/V are read from the contiguous step inputs, with the causal mask applied
     only on the diagonal tiles and tiles above the diagonal skipped. With ``KV_SPLITS`` > 1
     each split attends to its share of the prefix (the last one also to the new tokens) and
-    stores a partial for ``_extend_merge_kernel``. The tiles start ``row_start`` tokens into
-    each sequence's new tokens (a tail launch of smaller tiles, ``_extend_tail``)."""
+    stores a partial for ``_extend_merge_kernel``, at row ``row_start`` less than its token's.
+    The tiles start ``row_start`` tokens into each sequence's new tokens (the tail launch of
+    ``_extend_tail``)."""
     TOKENS: tl.constexpr = BLOCK_M // ROW_HEADS
     split = tl.program_id(0) % KV_SPLITS
     # Highest query tiles have the most keys under the causal mask: launch them first so
@@ -867,9 +868,11 @@ def _extend_kernel(
     else:
         # An empty split leaves l_i == 0: its log-sum-exp is -inf and the merge skips it.
         lse = tl.where(has_work, m_i + tl.log2(tl.where(has_work, l_i, 1.0)), float("-inf"))
-        tl.store(mid_lse_ptr + (q_start + tok) * stride_ml_t + heads * stride_ml_h + split, lse,
+        # A launch starting past row 0 keeps its partials from row 0 of each sequence's rows.
+        part_rows = q_start + tok - row_start
+        tl.store(mid_lse_ptr + part_rows * stride_ml_t + heads * stride_ml_h + split, lse,
                  mask=row_valid)  # fmt: skip
-        mid_o = (mid_o_ptr + store_rows * stride_mo_t + heads[:, None] * stride_mo_h
+        mid_o = (mid_o_ptr + part_rows[:, None] * stride_mo_t + heads[:, None] * stride_mo_h
                  + split * stride_mo_s + offs_d[None, :])  # fmt: skip
         tl.store(mid_o, o, mask=row_valid[:, None])
 
@@ -935,26 +938,28 @@ def _attend_new(q, acc, m_i, l_i, k_base, v_base, tok, first_tok, num_new, strid
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["first_seq"])
+@triton.jit(do_not_specialize=["first_seq", "row_start"])
 def _extend_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, query_start_loc_ptr, stride_mo_t,
                          stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot,
-                         stride_oh, first_seq, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
-                         KV_SPLITS: tl.constexpr):
+                         stride_oh, first_seq, row_start, HEAD_DIM: tl.constexpr,
+                         BLOCK_T: tl.constexpr, KV_SPLITS: tl.constexpr):
     """One program = (BLOCK_T new tokens, q head, sequence): merges the splits' partials
-    by their log-sum-exp (base 2) with a running maximum."""
+    by their log-sum-exp (base 2) with a running maximum; the tokens from ``row_start`` on,
+    whose partials start at row 0 of each sequence's rows (``_extend_kernel``)."""
     seq = first_seq + tl.program_id(2)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
     num_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok = row_start + tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     valid = tok < num_new
     rows = q_start + tok
+    part_rows = rows - row_start
     offs_d = tl.arange(0, HEAD_DIM)
     m_i, denom, acc = _no_partials(BLOCK_T, HEAD_DIM)
     for split in tl.static_range(KV_SPLITS):
-        lse = tl.load(mid_lse_ptr + rows * stride_ml_t + head * stride_ml_h + split, mask=valid,
-                      other=float("-inf"))  # fmt: skip
-        o = tl.load(mid_o_ptr + rows[:, None] * stride_mo_t + head * stride_mo_h
+        lse = tl.load(mid_lse_ptr + part_rows * stride_ml_t + head * stride_ml_h + split,
+                      mask=valid, other=float("-inf"))  # fmt: skip
+        o = tl.load(mid_o_ptr + part_rows[:, None] * stride_mo_t + head * stride_mo_h
                     + split * stride_mo_s + offs_d[None, :],
                     mask=(lse > float("-inf"))[:, None], other=0.0)  # fmt: skip
         m_i, denom, acc = _fold_partials(m_i, denom, acc, lse[:, None], o[:, None, :])
@@ -1010,71 +1015,109 @@ def extend_attention(
     config = config or default_extend_config(head_dim, q.device)
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("the head_dim axis of k and v must be contiguous")
-    grid, splits = extend_grid(config, meta, num_q_heads, group, first_seq, q.device)
-    num_seqs = grid[2]
-    if num_seqs <= 0 or meta.max_query_len <= 0:
+    if meta.num_seqs <= first_seq or meta.max_query_len <= 0:
         return
-    mid_o, mid_lse, mid_strides = _extend_partials(q, out, splits)
-    tail = _extend_tail(config, meta.max_query_len, group)
-    # (tile programs, tile rows, first row, warps): the whole tiles, then with a tail launch
-    # the rows past them in small tiles, one tile per split
-    launches = [(grid[0] - (splits if tail else 0), config.block_m, 0, config.num_warps)]
-    if tail is not None:
-        launches.append((splits, tail[1], tail[0], min(config.num_warps, 4)))
-    for tile_programs, block_m, row_start, num_warps in launches:
-        if tile_programs <= 0:
-            continue
-        _extend_kernel[(tile_programs, grid[1], grid[2])](
-            q, k, v, out, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-            meta.query_start_loc, mid_o, mid_lse,
-            q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            meta.block_tables.stride(0),
-            *mid_strides,
-            scale * math.log2(math.e),
-            k_cache.shape[1],
-            first_seq,
-            row_start,
-            GROUP=group,
-            ROW_HEADS=_extend_row_heads(config, group),
-            HEAD_DIM=head_dim,
-            BLOCK_M=block_m,
-            BLOCK_N=config.block_n,
-            KV_SPLITS=splits,
-            num_warps=num_warps,
-            num_stages=config.num_stages,
-        )  # fmt: skip
-    if splits > 1:
-        _merge_extend_splits(mid_o, mid_lse, mid_strides, out, meta, first_seq, splits)
+    for launch in extend_launches(config, meta, num_q_heads, group, first_seq, q.device):
+        _launch_extend(q, k, v, out, k_cache, v_cache, meta, scale, first_seq, config, group,
+                       launch)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ExtendLaunch:
+    """One launch of the extend kernel over sequences ``first_seq..``: its grid, prefix
+    splits, q heads per tile row block (1, or the GQA group when packed), and the first new
+    token of each sequence its tiles start at."""
+
+    grid: tuple[int, int, int]
+    splits: int
+    row_heads: int
+    row_start: int
+
+
+def _launch_extend(q, k, v, out, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                   first_seq: int, config: ExtendConfig, group: int,
+                   launch: ExtendLaunch) -> None:
+    """``launch``'s kernel, then with splits its merge, over partials of its own."""
+    mid_o, mid_lse, mid_strides = _extend_partials(q, out, launch.splits)
+    _extend_kernel[launch.grid](
+        q, k, v, out, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+        meta.query_start_loc, mid_o, mid_lse,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_tables.stride(0),
+        *mid_strides,
+        scale * math.log2(math.e),
+        k_cache.shape[1],
+        first_seq,
+        launch.row_start,
+        GROUP=group,
+        ROW_HEADS=launch.row_heads,
+        HEAD_DIM=q.shape[2],
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        KV_SPLITS=launch.splits,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    if launch.splits > 1:
+        _merge_extend_splits(mid_o, mid_lse, mid_strides, out, meta, first_seq, launch)
 
 
 def _merge_extend_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, mid_strides: tuple,
                          out: torch.Tensor, meta: AttentionMetadata, first_seq: int,
-                         splits: int) -> None:
-    grid = (triton.cdiv(meta.max_query_len, _MERGE_TOKENS), out.shape[1],
+                         launch: ExtendLaunch) -> None:
+    grid = (triton.cdiv(meta.max_query_len - launch.row_start, _MERGE_TOKENS), out.shape[1],
             meta.num_seqs - first_seq)  # fmt: skip
     _extend_merge_kernel[grid](
         mid_o, mid_lse, out, meta.query_start_loc, *mid_strides, out.stride(0), out.stride(1),
-        first_seq, HEAD_DIM=out.shape[2], BLOCK_T=_MERGE_TOKENS, KV_SPLITS=splits,
-        num_warps=4 if out.shape[2] >= 128 else 2,
+        first_seq, launch.row_start, HEAD_DIM=out.shape[2], BLOCK_T=_MERGE_TOKENS,
+        KV_SPLITS=launch.splits, num_warps=4 if out.shape[2] >= 128 else 2,
     )  # fmt: skip
 
 
 def extend_grid(config: ExtendConfig, meta: AttentionMetadata, num_q_heads: int, group: int,
                 first_seq: int, device: torch.device) -> tuple[tuple[int, int, int], int]:
     """The extend kernel's grid for sequences ``first_seq..`` of a batch, and its prefix
-    split count (``kv_splits`` 0 resolved): what ``extend_attention`` launches."""
+    split count (``kv_splits`` 0 resolved), as one launch over every tile would run."""
     row_heads = _extend_row_heads(config, group)
-    num_seqs = meta.num_seqs - first_seq
     tiles = triton.cdiv(max(meta.max_query_len, 0), config.block_m // row_heads)
-    programs = max(tiles * (num_q_heads // row_heads) * num_seqs, 1)
+    launch = _extend_launch(config, meta, num_q_heads, first_seq, device, tiles, row_heads, 0)
+    return launch.grid, launch.splits
+
+
+def extend_launches(config: ExtendConfig, meta: AttentionMetadata, num_q_heads: int,
+                    group: int, first_seq: int, device: torch.device) -> list[ExtendLaunch]:
+    """What ``extend_attention`` launches: one launch over every tile, or with a tail
+    (``_extend_tail``) the whole tiles, then the rows past them packed by GQA group."""
+    row_start = _extend_tail(config, meta.max_query_len, group)
+    if row_start is None:
+        grid, splits = extend_grid(config, meta, num_q_heads, group, first_seq, device)
+        return [ExtendLaunch(grid, splits, _extend_row_heads(config, group), 0)]
+    tail_tiles = triton.cdiv(meta.max_query_len - row_start, config.block_m // group)
+    tail = _extend_launch(config, meta, num_q_heads, first_seq, device, tail_tiles, group,
+                          row_start)  # fmt: skip
+    if row_start == 0:
+        return [tail]
+    whole_tiles = row_start // config.block_m
+    return [_extend_launch(config, meta, num_q_heads, first_seq, device, whole_tiles, 1, 0),
+            tail]
+
+
+def _extend_launch(config: ExtendConfig, meta: AttentionMetadata, num_q_heads: int,
+                   first_seq: int, device: torch.device, tiles: int, row_heads: int,
+                   row_start: int) -> ExtendLaunch:
+    """A launch of ``tiles`` query tiles per head slot and sequence, with the split count
+    the grid and the batch's longest prefix call for."""
+    num_seqs = meta.num_seqs - first_seq
+    head_slots = num_q_heads // row_heads
+    programs = max(tiles * head_slots * num_seqs, 1)
     splits = extend_kv_splits(config.kv_splits, programs, extend_prefix_bound(meta), device,
                               meta.launch_sms)
-    return (tiles * splits, num_q_heads // row_heads, num_seqs), splits
+    return ExtendLaunch((tiles * splits, head_slots, num_seqs), splits, row_heads, row_start)
 
 
 def extend_prefix_bound(meta: AttentionMetadata) -> int:
@@ -1097,17 +1140,15 @@ def _extend_row_heads(config: ExtendConfig, group: int) -> int:
     return group
 
 
-def _extend_tail(config: ExtendConfig, max_query_len: int, group: int
-                 ) -> tuple[int, int] | None:
-    """With ``tail_tiles``: (the first row past the longest chunk's whole tiles, the tile
-    size for the rows after it), where those rows fill at most half a tile; None otherwise
-    (one launch). Unpacked tiles only (a packed tile's rows are tokens x GQA group)."""
+def _extend_tail(config: ExtendConfig, max_query_len: int, group: int) -> int | None:
+    """With ``tail_tiles``: the first row past the longest chunk's whole tiles, where the rows
+    after it fill at most half a tile and can be packed by GQA group (``group`` > 1 dividing
+    ``block_m``, tiles not packed already); None otherwise (one launch)."""
     rows = max_query_len % config.block_m
-    if not config.tail_tiles or _extend_row_heads(config, group) != 1 or rows == 0 \
-            or 2 * rows > config.block_m:
+    if not config.tail_tiles or config.pack_gqa or group == 1 or config.block_m % group \
+            or rows == 0 or 2 * rows > config.block_m:
         return None
-    tail_m = max(_MIN_TAIL_ROWS, 1 << (rows - 1).bit_length())
-    return max_query_len - rows, tail_m
+    return max_query_len - rows
 
 
 def extend_kv_splits(requested: int, programs: int, max_prefix_len: int,

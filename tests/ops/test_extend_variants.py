@@ -97,36 +97,57 @@ def test_split_prefix_matches_reference(decode_lens, extend, q_heads, kv_heads, 
 
 @interpreted
 @pytest.mark.parametrize(
-    "decode_lens, extend, block_m, kv_splits, tail",
+    "decode_lens, extend, block_m, kv_splits, row_start",
     [
-        # the longest chunk 6 rows past one 64-row tile: a 16-row tail launch; shorter
-        # chunks end inside the whole tile or have no new token past it
-        ([], [(30, 70), (10, 40), (0, 66)], 64, 1, (64, 16)),
-        # decodes first, two prefix splits merged over both launches' rows; 32-row tail
-        ([4, 9], [(100, 150), (7, 129)], 64, 2, (128, 32)),
+        # the longest chunk 6 rows past one 64-row tile: a packed tail launch (32 tokens a
+        # tile at group 2); shorter chunks end inside the whole tile or have none past it
+        ([], [(30, 70), (10, 40), (0, 66)], 64, 1, 64),
+        # decodes first, two prefix splits merged in each launch; 22 rows in the tail
+        ([4, 9], [(100, 150), (7, 129)], 64, 2, 128),
         # a chunk shorter than half a tile: the tail launch alone
-        ([], [(40, 5)], 64, 1, (0, 16)),
+        ([], [(40, 5)], 64, 1, 0),
     ],
 )
-def test_rows_past_the_last_whole_tile_run_in_a_tail_launch(decode_lens, extend, block_m,
-                                                             kv_splits, tail):
+def test_rows_past_the_last_whole_tile_run_in_a_packed_tail_launch(decode_lens, extend,
+                                                                   block_m, kv_splits,
+                                                                   row_start):
     from pdserve.ops.triton_attention import _extend_tail
 
     batch = _batch(decode_lens, extend, 4, 2, 16, seed=block_m + kv_splits)
     config = dataclasses.replace(_config(False, kv_splits, block_m=block_m), tail_tiles=True)
-    assert _extend_tail(config, batch.meta.max_query_len, 2) == tail
+    assert _extend_tail(config, batch.meta.max_query_len, 2) == row_start
     out, ref = _extend_vs_reference(batch, config)
     torch.testing.assert_close(out, ref, **INTERP_TOL)
 
 
-def test_a_tail_launch_only_where_the_rows_fill_half_a_tile_or_less():
+@interpreted
+def test_the_tail_launch_splits_the_prefix_by_its_own_grid():
+    """Auto splits on 8 SMs over a 2,048-token prefix, two chunks: the whole tiles' 8
+    programs fill the SMs unsplit, the packed tail's 4 split in two and merge their own
+    partials."""
+    from pdserve.ops.triton_attention import extend_launches
+
+    batch = _batch([3], [(2048, 70), (500, 30)], 4, 2, 16, seed=7)
+    meta = dataclasses.replace(batch.meta, launch_sms=8)
+    batch = dataclasses.replace(batch, meta=meta)
+    config = dataclasses.replace(_config(False, 0, block_m=64), tail_tiles=True)
+    launches = extend_launches(config, meta, 4, 2, 1, torch.device("cpu"))
+    assert [(x.splits, x.row_heads, x.row_start) for x in launches] == [(1, 1, 0), (2, 2, 64)]
+    assert [x.grid for x in launches] == [(1, 4, 2), (2, 2, 2)]
+    out, ref = _extend_vs_reference(batch, config)
+    torch.testing.assert_close(out, ref, **INTERP_TOL)
+
+
+def test_a_tail_launch_only_where_the_rows_fill_half_a_tile_or_less_and_pack():
     from pdserve.ops.triton_attention import ExtendConfig, _extend_tail
 
     config = ExtendConfig(128, 128, 8, 3, tail_tiles=True)
-    assert _extend_tail(config, 257, 8) == (256, 16)
-    assert _extend_tail(config, 320, 8) == (256, 64)
+    assert _extend_tail(config, 257, 8) == 256
+    assert _extend_tail(config, 320, 8) == 256
     assert _extend_tail(config, 321, 8) is None  # 65 rows: more than half a tile
     assert _extend_tail(config, 384, 8) is None  # whole tiles
+    assert _extend_tail(config, 257, 1) is None  # no GQA group to pack
+    assert _extend_tail(config, 257, 6) is None  # a group that does not divide the tile
     assert _extend_tail(dataclasses.replace(config, tail_tiles=False), 257, 8) is None
     assert _extend_tail(dataclasses.replace(config, pack_gqa=True), 257, 8) is None
 
@@ -292,8 +313,8 @@ def test_short_chunk_over_long_prefix_gpu(kv_splits):
 @pytest.mark.parametrize("kv_splits", [1, 2, 0])
 @pytest.mark.parametrize("longest", [264, 320, 40])
 def test_codellama_shape_tail_launch_gpu(kv_splits, longest):
-    """The rows past the longest chunk's whole tiles in a tail launch (8, 64 rows; a chunk
-    under half a tile in the tail launch alone), beside shorter chunks and decodes."""
+    """The rows past the longest chunk's whole tiles in a packed tail launch (8, 64 rows; a
+    chunk under half a tile in the tail launch alone), beside shorter chunks and decodes."""
     from pdserve.ops.triton_attention import _extend_tail, default_extend_config
 
     tiles = default_extend_config(128, torch.device("cuda"))
