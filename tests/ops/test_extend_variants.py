@@ -174,7 +174,7 @@ def test_auto_split_count_follows_the_grid_and_the_context():
     assert extend_kv_splits(0, 64, 16448, cpu) == 2  # 64 new over 16K: half a wave, x 2
     assert extend_kv_splits(0, 1024, 18432, cpu) == 1  # 2K new over 16K fills the GPU
     assert extend_kv_splits(0, 8, 1100, cpu) == 2  # capped by the context: 2 x 512 tokens
-    assert extend_kv_splits(0, 1, 100_000, cpu) == 16  # capped at 16
+    assert extend_kv_splits(0, 1, 100_000, cpu) == 8  # capped at 8
     assert extend_kv_splits(4, 10_000, 10, cpu) == 4  # an explicit count is kept
     with pytest.raises(ValueError, match="power of two"):
         extend_kv_splits(3, 8, 1000, cpu)
