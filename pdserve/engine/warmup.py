@@ -23,9 +23,10 @@ behind 6.6-7.7K-token prefixes (the Mooncake trace) have no cause pinned down, s
 behind 512-8,192-token prefixes are run too, and the next runs' stall census tells.
 
 The extend kernel compiles per prefix split count as well (``extend_kv_splits``: short
-chunks over long prefixes, and grids that fill their last wave badly, split): one chunk
-per count the rule can launch for this model, behind a prefix that gives it, on the whole
-GPU or alone on the SM partition whose prefill launches it (the rule counts a launch's SMs).
+chunks over long prefixes, and grids that fill their last wave badly, split), and with
+the tail launch per split count of its packed tiles: one chunk per variant the rule can
+launch for this model, behind a prefix that gives it, on the whole GPU or alone on the SM
+partition whose prefill launches it (the rule counts a launch's SMs).
 
 The steps use the engine's own pages through fixture requests (the profiler's), which give
 them back afterwards and never enter the prefix cache; the scheduler, its calibration and
@@ -108,32 +109,52 @@ def _prefill_partitions(engine) -> dict[int, object]:
 
 def extend_split_chunks(arch, device, longest: int, most_tokens: int, config=None,
                         partition_sms=()) -> list[tuple[int, int, int | None]]:
-    """(chunk tokens, prefix, SMs) of the first chunk meeting each prefix split count past
-    1 that the extend kernel's auto rule launches for ``arch`` (none where the splits are
-    fixed), chunks of whole query tiles under ``most_tokens``, prefixes powers of two times
-    the split's least share and the longest, within ``longest``; on the whole device (SMs
-    None) where it launches that count, else on the first of ``partition_sms`` (the rule
-    counts a launch's own SMs, so a partition's prefill meets counts the whole GPU does
-    not). ``config``: the kernel's (``ExtendConfig``; default: the device's)."""
+    """(chunk tokens, prefix, SMs) of the first chunk meeting each extend kernel variant
+    (q heads per tile row block, prefix split count) that one unsplit launch of unpacked
+    tiles is not, for ``arch`` under ``config`` (``ExtendConfig``; default: the device's):
+    the auto rule's split counts past 1 (none where the splits are fixed) and, with the
+    tail launch, its packed tiles at each count. Chunks of whole query tiles under
+    ``most_tokens``, and with the tail launch those tiles plus each count of packed tail
+    tiles; prefixes powers of two times the split's least share and the longest, within
+    ``longest``; on the whole device (SMs None) where it launches that variant, else on the
+    first of ``partition_sms`` (the rule counts a launch's own SMs, so a partition's prefill
+    meets counts the whole GPU does not)."""
     if device.type != "cuda" and config is None:
         return []  # the interpreter's tiles keep one split; and no Triton import on a CPU
     from pdserve.ops.triton_attention import (
         MIN_EXTEND_SPLIT_TOKENS,
+        LaunchShape,
         default_extend_config,
-        extend_kv_splits,
+        plan_extend_launches,
     )
 
     config = config or default_extend_config(arch.head_dim, device)
-    if config.kv_splits != 0:
+    if config.kv_splits != 0 and not config.tail_tiles:
         return []
-    first: dict[int, tuple[int, int, int | None]] = {}
+    group = arch.num_heads // arch.num_kv_heads
+    seen, found = {(1, 1)}, []  # SHAPES' chunks launch one unsplit launch of unpacked tiles
     for sms in (None, *partition_sms):
-        for chunk in range(config.block_m, most_tokens, config.block_m):  # a decode beside
-            programs = chunk // config.block_m * arch.num_heads
+        for chunk in _warm_chunks(config, group, most_tokens):  # a decode beside
             for prefix in _warm_prefixes(MIN_EXTEND_SPLIT_TOKENS, longest - chunk):
-                splits = extend_kv_splits(0, programs, prefix, device, sms)
-                first.setdefault(splits, (chunk, prefix, sms))
-    return [first[splits] for splits in sorted(first) if splits > 1]
+                shape = LaunchShape(arch.num_heads, 1, prefix, device, sms)
+                met = {(launch.row_heads, launch.splits)
+                       for launch in plan_extend_launches(config, chunk, group, shape)}
+                if not met <= seen:
+                    found.append((chunk, prefix, sms))
+                    seen |= met
+    return found
+
+
+def _warm_chunks(config, group: int, most_tokens: int) -> list[int]:
+    """Chunks of whole query tiles under ``most_tokens``; with the tail launch, also each of
+    them plus each count of packed tail tiles it may launch (up to half a tile of rows)."""
+    whole = range(config.block_m, most_tokens, config.block_m)
+    if not config.tail_tiles or group == 1 or config.block_m % group:
+        return list(whole)
+    tokens = config.block_m // group  # a packed tile's tokens
+    tails = range(tokens, config.block_m // 2 + 1, tokens)
+    return [chunk for base in (0, *whole) for chunk in (base, *(base + t for t in tails))
+            if 0 < chunk < most_tokens]
 
 
 def _warm_prefixes(least: int, longest: int) -> list[int]:

@@ -1088,39 +1088,62 @@ def extend_grid(config: ExtendConfig, meta: AttentionMetadata, num_q_heads: int,
     split count (``kv_splits`` 0 resolved), as one launch over every tile would run."""
     row_heads = _extend_row_heads(config, group)
     tiles = triton.cdiv(max(meta.max_query_len, 0), config.block_m // row_heads)
-    launch = _extend_launch(config, meta, num_q_heads, first_seq, device, tiles, row_heads, 0)
+    launch = _extend_launch(config, _launch_shape(meta, num_q_heads, first_seq, device),
+                            tiles, row_heads, 0)  # fmt: skip
     return launch.grid, launch.splits
 
 
 def extend_launches(config: ExtendConfig, meta: AttentionMetadata, num_q_heads: int,
                     group: int, first_seq: int, device: torch.device) -> list[ExtendLaunch]:
-    """What ``extend_attention`` launches: one launch over every tile, or with a tail
-    (``_extend_tail``) the whole tiles, then the rows past them packed by GQA group."""
-    row_start = _extend_tail(config, meta.max_query_len, group)
+    """What ``extend_attention`` launches for sequences ``first_seq..`` of a batch."""
+    return plan_extend_launches(config, meta.max_query_len, group,
+                                _launch_shape(meta, num_q_heads, first_seq, device))
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """What an extend launch's split count depends on besides its tiles: q heads, sequences,
+    the longest cached prefix, and the SMs it runs on (None: the whole device)."""
+
+    num_q_heads: int
+    num_seqs: int
+    prefix: int
+    device: torch.device
+    sms: int | None = None
+
+
+def _launch_shape(meta: AttentionMetadata, num_q_heads: int, first_seq: int,
+                  device: torch.device) -> LaunchShape:
+    return LaunchShape(num_q_heads, meta.num_seqs - first_seq, extend_prefix_bound(meta),
+                       device, meta.launch_sms)  # fmt: skip
+
+
+def plan_extend_launches(config: ExtendConfig, max_query_len: int, group: int,
+                         shape: LaunchShape) -> list[ExtendLaunch]:
+    """One launch over every tile, or with a tail (``_extend_tail``) the whole tiles, then
+    the rows past them packed by GQA group."""
+    row_start = _extend_tail(config, max_query_len, group)
     if row_start is None:
-        grid, splits = extend_grid(config, meta, num_q_heads, group, first_seq, device)
-        return [ExtendLaunch(grid, splits, _extend_row_heads(config, group), 0)]
-    tail_tiles = triton.cdiv(meta.max_query_len - row_start, config.block_m // group)
-    tail = _extend_launch(config, meta, num_q_heads, first_seq, device, tail_tiles, group,
-                          row_start)  # fmt: skip
+        row_heads = _extend_row_heads(config, group)
+        tiles = triton.cdiv(max(max_query_len, 0), config.block_m // row_heads)
+        return [_extend_launch(config, shape, tiles, row_heads, 0)]
+    tail_tiles = triton.cdiv(max_query_len - row_start, config.block_m // group)
+    tail = _extend_launch(config, shape, tail_tiles, group, row_start)
     if row_start == 0:
         return [tail]
-    whole_tiles = row_start // config.block_m
-    return [_extend_launch(config, meta, num_q_heads, first_seq, device, whole_tiles, 1, 0),
-            tail]
+    return [_extend_launch(config, shape, row_start // config.block_m, 1, 0), tail]
 
 
-def _extend_launch(config: ExtendConfig, meta: AttentionMetadata, num_q_heads: int,
-                   first_seq: int, device: torch.device, tiles: int, row_heads: int,
+def _extend_launch(config: ExtendConfig, shape: LaunchShape, tiles: int, row_heads: int,
                    row_start: int) -> ExtendLaunch:
     """A launch of ``tiles`` query tiles per head slot and sequence, with the split count
-    the grid and the batch's longest prefix call for."""
-    num_seqs = meta.num_seqs - first_seq
-    head_slots = num_q_heads // row_heads
-    programs = max(tiles * head_slots * num_seqs, 1)
-    splits = extend_kv_splits(config.kv_splits, programs, extend_prefix_bound(meta), device,
-                              meta.launch_sms)
-    return ExtendLaunch((tiles * splits, head_slots, num_seqs), splits, row_heads, row_start)
+    its grid and prefix call for."""
+    head_slots = shape.num_q_heads // row_heads
+    programs = max(tiles * head_slots * shape.num_seqs, 1)
+    splits = extend_kv_splits(config.kv_splits, programs, shape.prefix, shape.device,
+                              shape.sms)  # fmt: skip
+    return ExtendLaunch((tiles * splits, head_slots, shape.num_seqs), splits, row_heads,
+                        row_start)  # fmt: skip
 
 
 def extend_prefix_bound(meta: AttentionMetadata) -> int:

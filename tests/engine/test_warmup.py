@@ -147,7 +147,7 @@ def test_every_extend_split_count_gets_a_warm_up_chunk(heads, head_dim):
     fixed = dataclasses.replace(gpu, kv_splits=1)  # whatever PDSERVE_EXTEND_KV_SPLITS says
     tiles = dataclasses.replace(gpu, kv_splits=0)
     cpu, longest, most = torch.device("cpu"), 24576, 8192  # the CPU counts 132 SMs
-    arch = SimpleNamespace(num_heads=heads, head_dim=head_dim)
+    arch = SimpleNamespace(num_heads=heads, num_kv_heads=8, head_dim=head_dim)
     assert fixed.kv_splits == 1 and extend_split_chunks(arch, cpu, longest, most, fixed) == []
     assert extend_split_chunks(arch, cpu, longest, most) == []  # the interpreter's tiles
     programs = lambda chunk: -(-chunk // tiles.block_m) * heads
@@ -165,3 +165,39 @@ def test_every_extend_split_count_gets_a_warm_up_chunk(heads, head_dim):
                if splits in whole)
     met = whole.union(*(met_on(sms) for sms in partitions))
     assert met - {1} == set(warmed) and warmed  # codellama-34b: 2 only; 8 heads: 2-8
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(64, 8), (32, 8)])
+def test_with_the_tail_launch_every_variant_gets_a_warm_up_chunk(heads, kv_heads):
+    """With the tail launch (codellama-34b's and llama3-8b's heads, the GPU's tiles, auto
+    splits), each (q heads per tile row block, split count) pair that chunks of any size
+    behind any prefix launch, on the whole GPU or a partition's prefill SMs, is met by a
+    warm-up chunk, and each warm-up chunk meets one pair no earlier chunk met."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from pdserve.ops.triton_attention import (
+        LaunchShape,
+        default_extend_config,
+        plan_extend_launches,
+    )
+
+    gpu = default_extend_config(128, torch.device("cuda"), hopper=True)
+    tiles = dataclasses.replace(gpu, kv_splits=0, tail_tiles=True)
+    cpu, longest, most, partitions = torch.device("cpu"), 24576, 2048, [84, 108]
+    arch = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=128)
+    group = heads // kv_heads
+
+    def variants(chunk, prefix, sms):
+        shape = LaunchShape(heads, 1, prefix, cpu, sms)
+        return {(x.row_heads, x.splits) for x in plan_extend_launches(tiles, chunk, group, shape)}
+
+    chunks = extend_split_chunks(arch, cpu, longest, most, tiles, partition_sms=partitions)
+    seen = {(1, 1)}
+    for chunk, prefix, sms in chunks:
+        met = variants(chunk, prefix, sms)
+        assert not met <= seen and chunk < most and chunk + prefix <= longest
+        seen |= met
+    every = {pair for sms in (None, *partitions) for chunk in range(1, most, 3)
+             for prefix in range(0, longest - chunk, 512) for pair in variants(chunk, prefix, sms)}
+    assert every == seen and (group, 8) in seen
