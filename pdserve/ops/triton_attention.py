@@ -43,7 +43,11 @@ BALANCE_SPLITS_ENV = "PDSERVE_DECODE_BALANCE_SPLITS"
 # H200) whole mixed steps that it splits ran 0.81-0.95x of one split's time, the rest 1.00x
 # (benchmarks/results/mixed_step_splits_h100_*.json).
 EXTEND_SPLITS_ENV = "PDSERVE_EXTEND_KV_SPLITS"
-EXTEND_TAIL_ENV = "PDSERVE_EXTEND_TAIL_TILES"  # 1: ExtendConfig.tail_tiles on the GPU
+# The tail launch (``ExtendConfig.tail_tiles``) on the GPU: 1 (the default) or 0. On the
+# H100 (codellama-34b, one decode beside a chunk over a 2-16K prefix) steps where it
+# launches ran 0.88-0.98x of one launch's time, the others 1.00x
+# (benchmarks/results/mixed_step_packed_tail_h100_b4cb564.json).
+EXTEND_TAIL_ENV = "PDSERVE_EXTEND_TAIL_TILES"
 # Balancing keeps partial results for at most this many programs per SM (8 splits up to 64
 # decodes of 8 KV heads, 4 at 128, 2 at 256): the partials buffer and the reduce kernel grow
 # with batch x splits. The split kernel's grid does not: past each context's first
@@ -1232,7 +1236,7 @@ def default_extend_config(head_dim: int, device: torch.device,
     """``hopper``: whether the tiles may use Hopper's shared memory (None: ask the device).
     On a GPU the prefix splits follow ``PDSERVE_EXTEND_KV_SPLITS`` (default 0: the rule of
     ``extend_kv_splits``; a power of two fixes them) and the tail launch
-    ``PDSERVE_EXTEND_TAIL_TILES`` (default 0: off until measured on the GPU; 1: on)."""
+    ``PDSERVE_EXTEND_TAIL_TILES`` (default 1: on; 0: off)."""
     if device.type != "cuda":  # interpreter: small tiles, several of them per sequence
         return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
     splits, tail = _extend_splits_from_env(), _extend_tail_from_env()
@@ -1258,7 +1262,7 @@ def default_extend_config(head_dim: int, device: torch.device,
 
 @functools.cache
 def _extend_tail_from_env() -> bool:
-    raw = os.environ.get(EXTEND_TAIL_ENV, "0")
+    raw = os.environ.get(EXTEND_TAIL_ENV, "1")
     if raw not in ("0", "1"):
         raise ValueError(f"{EXTEND_TAIL_ENV}={raw!r}: must be 0 or 1")
     return raw == "1"

@@ -137,15 +137,17 @@ def test_every_extend_split_count_gets_a_warm_up_chunk(heads, head_dim):
     """With the auto rule, each prefix split count it launches (codellama-34b's, llama3-8b's
     and a small model's q heads on 132 SMs, the GPU's tiles, and on the prefill SMs of
     multiplexing's partitions) gets one chunk that launches it, on the whole GPU where it
-    can; chunks of any size behind any prefix meet no other count. Fixed splits: none."""
+    can; chunks of any size behind any prefix meet no other count. Fixed splits: none.
+    One launch a chunk (no tail launch)."""
     pytest.importorskip("triton")
     from types import SimpleNamespace
 
     from pdserve.ops.triton_attention import default_extend_config, extend_kv_splits
 
     gpu = default_extend_config(head_dim, torch.device("cuda"), hopper=True)
-    fixed = dataclasses.replace(gpu, kv_splits=1)  # whatever PDSERVE_EXTEND_KV_SPLITS says
-    tiles = dataclasses.replace(gpu, kv_splits=0)
+    # whatever PDSERVE_EXTEND_KV_SPLITS says; the tail launch's variants: the next test
+    fixed = dataclasses.replace(gpu, kv_splits=1, tail_tiles=False)
+    tiles = dataclasses.replace(gpu, kv_splits=0, tail_tiles=False)
     cpu, longest, most = torch.device("cpu"), 24576, 8192  # the CPU counts 132 SMs
     arch = SimpleNamespace(num_heads=heads, num_kv_heads=8, head_dim=head_dim)
     assert fixed.kv_splits == 1 and extend_split_chunks(arch, cpu, longest, most, fixed) == []

@@ -228,7 +228,7 @@ def test_the_prefix_bound_comes_from_the_extend_sequences():
 ENV_SETTINGS = {
     "splits": ("EXTEND_SPLITS_ENV", "_extend_splits_from_env", "kv_splits", 0, 1,
                (("0", 0), ("1", 1), ("4", 4)), "3"),
-    "tail": ("EXTEND_TAIL_ENV", "_extend_tail_from_env", "tail_tiles", False, False,
+    "tail": ("EXTEND_TAIL_ENV", "_extend_tail_from_env", "tail_tiles", True, False,
              (("0", False), ("1", True)), "yes"),
 }
 
@@ -236,7 +236,7 @@ ENV_SETTINGS = {
 @pytest.mark.parametrize("setting", sorted(ENV_SETTINGS))
 def test_gpu_extend_config_follows_the_environment(monkeypatch, setting):
     """On a GPU the prefix splits (default 0: the auto rule; a power of two fixes them, 1: no
-    splits) and the tail launch (default off, 1: on) follow their variables, anything else
+    splits) and the tail launch (default on, 0: off) follow their variables, anything else
     refused; the interpreter's tiles keep one split and no tail launch whatever they say."""
     pytest.importorskip("triton")
     from pdserve.ops import triton_attention as ta
