@@ -77,7 +77,7 @@ class ExtendConfig:
     """Programs per query tile, each over a share of the cached prefix, merged by a second
     kernel: a power of two, or 0 to choose from the shape (``extend_kv_splits``). Pays off
     for short chunks over a long prefix, where one program per tile leaves SMs idle."""
-    tail_tiles: bool = False
+    tail_tiles: bool = False  # on by default on a GPU (``default_extend_config``)
     """Rows past the longest chunk's last whole tile, where they fill at most half a tile, in a
     second launch of tiles packed by GQA group, with a split count of its own
     (``_extend_tail``). One launch gives those few rows a tile per q head, each reading the
@@ -1045,7 +1045,7 @@ def _launch_extend(q, k, v, out, k_cache, v_cache, meta: AttentionMetadata, scal
                    first_seq: int, config: ExtendConfig, group: int,
                    launch: ExtendLaunch) -> None:
     """``launch``'s kernel, then with splits its merge, over partials of its own."""
-    mid_o, mid_lse, mid_strides = _extend_partials(q, out, launch.splits)
+    mid_o, mid_lse, mid_strides = _extend_partials(q, out, launch)
     _extend_kernel[launch.grid](
         q, k, v, out, k_cache, v_cache, meta.block_tables, meta.seq_lens,
         meta.query_start_loc, mid_o, mid_lse,
@@ -1219,15 +1219,18 @@ def _split_cost(splits: int, programs: int, prefix: int, sms: int) -> float:
     return triton.cdiv(programs * splits, sms) * (_SPLIT_OVERHEAD_TOKENS + prefix / splits)
 
 
-def _extend_partials(q: torch.Tensor, out: torch.Tensor, splits: int):
-    """Per-call scratch for the split partials (output rows, their log-sum-exp) and its
-    strides. One split stores straight into ``out`` and never touches them: ``out`` stands
-    in, so the common path allocates nothing."""
-    if splits == 1:
+def _extend_partials(q: torch.Tensor, out: torch.Tensor, launch: ExtendLaunch):
+    """Per-launch scratch for the split partials (output rows, their log-sum-exp) and its
+    strides: a row per token from ``row_start`` on (a sequence's partials start at its
+    first row, so the last one's end ``row_start`` rows before the batch's). One split
+    stores straight into ``out`` and never touches them: ``out`` stands in, so the common
+    path allocates nothing."""
+    if launch.splits == 1:
         return out, out, (0, 0, 0, 0, 0)
     tokens, heads, head_dim = q.shape
-    mid_o = torch.empty(tokens, heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=q.device)
+    rows, splits = tokens - launch.row_start, launch.splits
+    mid_o = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
     return mid_o, mid_lse, (*mid_o.stride()[:3], *mid_lse.stride()[:2])
 
 
