@@ -499,7 +499,9 @@ def extend_waves(log: Callable[[dict], dict], sms: int | None = None) -> dict:
     the auto rule picks, and per point the auto pick's time over one split's. ``sms``: run
     every launch on the prefill side of a green-context partition of that many SMs (and
     8 splits too), the rule counting them as the engine's launches on it do."""
-    tiles = default_extend_config(128, torch.device("cuda"))
+    # one launch a chunk: what the split rule's cost model is fitted to
+    tiles = dataclasses.replace(default_extend_config(128, torch.device("cuda")),
+                                tail_tiles=False)
     split_counts = EXTEND_WAVE_SPLITS if sms is None else EXTEND_WAVE_PARTITION_SPLITS
     rows, picks = [], []
     for prefix in EXTEND_WAVE_PREFIXES:
@@ -556,7 +558,8 @@ def _pick_ratio(timed: dict[int, float | None], auto: dict) -> dict:
 
 def extend_variants() -> list[ExtendConfig]:
     tiles = default_extend_config(128, torch.device("cuda"), hopper=True)
-    return [dataclasses.replace(tiles, pack_gqa=pack, kv_splits=splits)
+    # layouts of one launch a chunk (the tail launch is timed by bench_mixed_step.py)
+    return [dataclasses.replace(tiles, pack_gqa=pack, kv_splits=splits, tail_tiles=False)
             for pack, splits in EXTEND_VARIANTS]  # fmt: skip
 
 

@@ -141,16 +141,27 @@ def use_extend_splits(value: str) -> None:
     _extend_splits_from_env.cache_clear()
 
 
-def rule_splits(engine: EngineCore, case) -> int | None:
-    """The split count the wave rule launches for ``case``'s chunk (one sequence); None
-    off a GPU, where the torch reference attends without splits."""
+def rule_launches(engine: EngineCore, case) -> list[dict] | None:
+    """The extend launches the auto rule makes for ``case``'s chunk (one sequence): each
+    one's prefix splits, q heads per tile row block and first row (a second one is the
+    tail launch); None off a GPU, where the torch reference attends without splits."""
     arch, device = engine.arch, engine.runner.device
     if device.type != "cuda":
         return None
-    from pdserve.ops.triton_attention import default_extend_config, extend_kv_splits
+    import dataclasses
 
-    tiles = -(-case[0] // default_extend_config(arch.head_dim, device).block_m)
-    return extend_kv_splits(0, tiles * arch.num_heads, case[1], device)
+    from pdserve.ops.triton_attention import (
+        LaunchShape,
+        default_extend_config,
+        plan_extend_launches,
+    )
+
+    config = dataclasses.replace(default_extend_config(arch.head_dim, device), kv_splits=0)
+    shape = LaunchShape(arch.num_heads, 1, case[1], device)
+    launches = plan_extend_launches(config, case[0], arch.num_heads // arch.num_kv_heads,
+                                    shape)  # fmt: skip
+    return [{"splits": x.splits, "row_heads": x.row_heads, "row_start": x.row_start}
+            for x in launches]
 
 
 def measure(engine: EngineCore, case, repeats: int, kernels: int = 0) -> dict:
@@ -225,7 +236,7 @@ def main() -> None:
             row = measure(engine, case, args.repeats, args.kernels)
             if splits is not None:
                 row["extend_kv_splits_env"] = splits
-                row["rule_splits"] = rule_splits(engine, case)
+                row["rule_launches"] = rule_launches(engine, case)
             print(json.dumps(row), flush=True)
             report["cases"].append(row)
             with open(args.out, "w") as f:
