@@ -125,11 +125,32 @@ def test_with_graphs_off_serving_compiles_no_decode_attention_on_gpu():
     assert _decode_compiles(llm) == before, llm.engine.describe()["kernels_compiled_while_serving"]
 
 
-def _decode_compiles(llm: LLM) -> dict[str, int]:
+@pytest.mark.gpu
+def test_serving_compiles_no_extend_kernel_after_the_warm_up_on_gpu():
+    """With the tail launch (the GPU default), prompts of 5-300 tokens, a long one split in
+    chunks behind its own prefix, compile no extend attention kernel while serving: the
+    warm-up met every variant they launch (the tiny model packs 2 q heads a kv head)."""
+    llm = LLM("tiny", device="cuda", attention_backend="triton", chunk_size=192,
+              max_num_batched_tokens=192)
+    rng = random.Random(5)
+    lengths = [5, 17, 63, 64, 65, 129, 191, 193, 300, 1500]
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(n)]} for n in lengths]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    before = _kernel_compiles(llm, "_extend")
+    llm.generate(prompts, params)
+    assert _kernel_compiles(llm, "_extend") == before, \
+        llm.engine.describe()["kernels_compiled_while_serving"]
+
+
+def _kernel_compiles(llm: LLM, prefix: str) -> dict[str, int]:
     compiled = llm.engine.describe()["kernels_compiled_while_serving"]
     assert compiled["watched"], compiled
     return {name: count for name, count in compiled["by_kernel"].items()
-            if name.startswith("_decode")}
+            if name.startswith(prefix)}
+
+
+def _decode_compiles(llm: LLM) -> dict[str, int]:
+    return _kernel_compiles(llm, "_decode")
 
 
 @pytest.mark.parametrize("heads, head_dim", [(64, 128), (32, 128), (8, 64)])
