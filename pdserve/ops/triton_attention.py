@@ -79,10 +79,11 @@ class ExtendConfig:
     for short chunks over a long prefix, where one program per tile leaves SMs idle."""
     tail_tiles: bool = False  # on by default on a GPU (``default_extend_config``)
     """Rows past the longest chunk's last whole tile, where they fill at most half a tile, in a
-    second launch of tiles packed by GQA group, with a split count of its own
-    (``_extend_tail``). One launch gives those few rows a tile per q head, each reading the
-    whole prefix: on the H100 (codellama-34b, 10K prefix), 263 prompt tokens took the extend
-    kernel 20.1 ms against 13.7 ms for 255; a tail of unpacked 16-row tiles took as long."""
+    second launch of tiles packed by GQA group, with a split count of its own, where the
+    split cost model gives that the gain (``plan_extend_launches``). One launch gives those
+    few rows a tile per q head, each reading the whole prefix: on the H100 (codellama-34b,
+    10K prefix), 263 prompt tokens took the extend kernel 20.1 ms against 13.7 ms for 255;
+    a tail of unpacked 16-row tiles took as long."""
 
 
 @dataclass(frozen=True)
@@ -1125,17 +1126,28 @@ def _launch_shape(meta: AttentionMetadata, num_q_heads: int, first_seq: int,
 def plan_extend_launches(config: ExtendConfig, max_query_len: int, group: int,
                          shape: LaunchShape) -> list[ExtendLaunch]:
     """One launch over every tile, or with a tail (``_extend_tail``) the whole tiles, then
-    the rows past them packed by GQA group."""
+    the rows past them packed by GQA group, where the split rule's cost model
+    (``_split_cost``) gives the two ``_SPLIT_GAIN`` of the one or less: a tail pays where
+    the one launch's last tile takes a wave over a long prefix, not over a short one."""
+    row_heads = _extend_row_heads(config, group)
+    tiles = triton.cdiv(max(max_query_len, 0), config.block_m // row_heads)
+    one = [_extend_launch(config, shape, tiles, row_heads, 0)]
     row_start = _extend_tail(config, max_query_len, group)
     if row_start is None:
-        row_heads = _extend_row_heads(config, group)
-        tiles = triton.cdiv(max(max_query_len, 0), config.block_m // row_heads)
-        return [_extend_launch(config, shape, tiles, row_heads, 0)]
+        return one
     tail_tiles = triton.cdiv(max_query_len - row_start, config.block_m // group)
-    tail = _extend_launch(config, shape, tail_tiles, group, row_start)
-    if row_start == 0:
-        return [tail]
-    return [_extend_launch(config, shape, row_start // config.block_m, 1, 0), tail]
+    two = [_extend_launch(config, shape, tail_tiles, group, row_start)]
+    if row_start > 0:
+        two.insert(0, _extend_launch(config, shape, row_start // config.block_m, 1, 0))
+    return two if _launches_cost(two, shape) <= _SPLIT_GAIN * _launches_cost(one, shape) \
+        else one
+
+
+def _launches_cost(launches: list[ExtendLaunch], shape: LaunchShape) -> float:
+    """Launches one after another, in prefix tokens (``_split_cost``)."""
+    sms = shape.sms or _sm_count(shape.device)
+    return sum(_split_cost(x.splits, x.grid[0] // x.splits * x.grid[1] * x.grid[2],
+                           shape.prefix, sms) for x in launches)
 
 
 def _extend_launch(config: ExtendConfig, shape: LaunchShape, tiles: int, row_heads: int,

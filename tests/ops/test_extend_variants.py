@@ -111,11 +111,15 @@ def test_split_prefix_matches_reference(decode_lens, extend, q_heads, kv_heads, 
 def test_rows_past_the_last_whole_tile_run_in_a_packed_tail_launch(decode_lens, extend,
                                                                    block_m, kv_splits,
                                                                    row_start):
-    from pdserve.ops.triton_attention import _extend_tail
+    from pdserve.ops.triton_attention import extend_launches
 
     batch = _batch(decode_lens, extend, 4, 2, 16, seed=block_m + kv_splits)
+    # On one SM every program is a wave of its own: where the packed tail pays
+    batch = dataclasses.replace(batch, meta=dataclasses.replace(batch.meta, launch_sms=1))
     config = dataclasses.replace(_config(False, kv_splits, block_m=block_m), tail_tiles=True)
-    assert _extend_tail(config, batch.meta.max_query_len, 2) == row_start
+    launches = extend_launches(config, batch.meta, 4, 2, len(decode_lens), torch.device("cpu"))
+    assert [(x.row_heads, x.row_start) for x in launches][-1] == (2, row_start)
+    assert len(launches) == (1 if row_start == 0 else 2)
     out, ref = _extend_vs_reference(batch, config)
     torch.testing.assert_close(out, ref, **INTERP_TOL)
 
@@ -136,6 +140,28 @@ def test_the_tail_launch_splits_the_prefix_by_its_own_grid():
     assert [x.grid for x in launches] == [(1, 4, 2), (2, 2, 2)]
     out, ref = _extend_vs_reference(batch, config)
     torch.testing.assert_close(out, ref, **INTERP_TOL)
+
+
+@pytest.mark.parametrize("chunk, prefix, launched", [
+    (263, 10240, [(1, 1, 0), (8, 8, 256)]),  # measured 0.93x of one launch on the H100
+    (135, 10240, [(1, 2, 0), (8, 8, 128)]),  # 0.94x
+    (7, 10240, [(8, 8, 0)]),  # 0.88x
+    (263, 2048, [(1, 1, 0), (8, 4, 256)]),  # 0.98x (beside 8 decodes)
+    (263, 1024, [(1, 1, 0), (8, 2, 256)]),
+    (263, 512, [(1, 1, 0)]),  # a short prefix: the last tile's wave is short, no tail
+    (263, 0, [(1, 1, 0)]),
+    (383, 10240, [(1, 2, 0)]),  # 127 rows: more than half a tile
+])
+def test_a_tail_launch_where_the_cost_model_gains(chunk, prefix, launched):
+    """codellama-34b's heads on 132 SMs, auto splits: (q heads per tile row block, splits,
+    first row) of each launch."""
+    pytest.importorskip("triton")
+    from pdserve.ops.triton_attention import ExtendConfig, LaunchShape, plan_extend_launches
+
+    config = ExtendConfig(128, 128, 8, 3, kv_splits=0, tail_tiles=True)
+    shape = LaunchShape(64, 1, prefix, torch.device("cpu"))
+    launches = plan_extend_launches(config, chunk, 8, shape)
+    assert [(x.row_heads, x.splits, x.row_start) for x in launches] == launched
 
 
 def test_a_tail_launch_only_where_the_rows_fill_half_a_tile_or_less_and_pack():
@@ -315,7 +341,7 @@ def test_short_chunk_over_long_prefix_gpu(kv_splits):
 def test_codellama_shape_tail_launch_gpu(kv_splits, longest):
     """The rows past the longest chunk's whole tiles in a packed tail launch (8, 64 rows; a
     chunk under half a tile in the tail launch alone), beside shorter chunks and decodes."""
-    from pdserve.ops.triton_attention import _extend_tail, default_extend_config
+    from pdserve.ops.triton_attention import default_extend_config, extend_launches
 
     tiles = default_extend_config(128, torch.device("cuda"))
     config = dataclasses.replace(
@@ -324,7 +350,8 @@ def test_codellama_shape_tail_launch_gpu(kv_splits, longest):
     extend = [(10240, longest), (2048, min(longest, 100)), (0, 17)]
     batch = _batch([3, 500], extend, 64, 8, 128, seed=longest, dtype=torch.bfloat16,
                    device="cuda")
-    assert _extend_tail(config, batch.meta.max_query_len, 8) is not None
+    launches = extend_launches(config, batch.meta, 64, 8, 2, torch.device("cuda"))
+    assert launches[-1].row_heads == 8  # the packed tail launch runs
     out, ref = _extend_vs_reference(batch, config)
     torch.testing.assert_close(out, ref, **GPU_TOL)
     assert (out - ref).abs().mean().item() < GPU_MEAN_TOL
