@@ -1099,7 +1099,8 @@ def extend_grid(config: ExtendConfig, meta: AttentionMetadata, num_q_heads: int,
 
 
 def extend_launches(config: ExtendConfig, meta: AttentionMetadata, num_q_heads: int,
-                    group: int, first_seq: int, device: torch.device) -> list[ExtendLaunch]:
+                    group: int, first_seq: int, device: torch.device
+                    ) -> tuple[ExtendLaunch, ...]:
     """What ``extend_attention`` launches for sequences ``first_seq..`` of a batch."""
     return plan_extend_launches(config, meta.max_query_len, group,
                                 _launch_shape(meta, num_q_heads, first_seq, device))
@@ -1123,27 +1124,28 @@ def _launch_shape(meta: AttentionMetadata, num_q_heads: int, first_seq: int,
                        device, meta.launch_sms)  # fmt: skip
 
 
+@functools.lru_cache(maxsize=1024)  # every layer of a step asks again for the same launches
 def plan_extend_launches(config: ExtendConfig, max_query_len: int, group: int,
-                         shape: LaunchShape) -> list[ExtendLaunch]:
+                         shape: LaunchShape) -> tuple[ExtendLaunch, ...]:
     """One launch over every tile, or with a tail (``_extend_tail``) the whole tiles, then
     the rows past them packed by GQA group, where the split rule's cost model
     (``_split_cost``) gives the two ``_SPLIT_GAIN`` of the one or less: a tail pays where
     the one launch's last tile takes a wave over a long prefix, not over a short one."""
     row_heads = _extend_row_heads(config, group)
     tiles = triton.cdiv(max(max_query_len, 0), config.block_m // row_heads)
-    one = [_extend_launch(config, shape, tiles, row_heads, 0)]
+    one = (_extend_launch(config, shape, tiles, row_heads, 0),)
     row_start = _extend_tail(config, max_query_len, group)
     if row_start is None:
         return one
     tail_tiles = triton.cdiv(max_query_len - row_start, config.block_m // group)
-    two = [_extend_launch(config, shape, tail_tiles, group, row_start)]
+    two = (_extend_launch(config, shape, tail_tiles, group, row_start),)
     if row_start > 0:
-        two.insert(0, _extend_launch(config, shape, row_start // config.block_m, 1, 0))
+        two = (_extend_launch(config, shape, row_start // config.block_m, 1, 0), *two)
     return two if _launches_cost(two, shape) <= _SPLIT_GAIN * _launches_cost(one, shape) \
         else one
 
 
-def _launches_cost(launches: list[ExtendLaunch], shape: LaunchShape) -> float:
+def _launches_cost(launches: tuple[ExtendLaunch, ...], shape: LaunchShape) -> float:
     """Launches one after another, in prefix tokens (``_split_cost``)."""
     sms = shape.sms or _sm_count(shape.device)
     return sum(_split_cost(x.splits, x.grid[0] // x.splits * x.grid[1] * x.grid[2],
