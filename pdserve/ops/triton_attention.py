@@ -1091,10 +1091,8 @@ def extend_grid(config: ExtendConfig, meta: AttentionMetadata, num_q_heads: int,
                 first_seq: int, device: torch.device) -> tuple[tuple[int, int, int], int]:
     """The extend kernel's grid for sequences ``first_seq..`` of a batch, and its prefix
     split count (``kv_splits`` 0 resolved), as one launch over every tile would run."""
-    row_heads = _extend_row_heads(config, group)
-    tiles = triton.cdiv(max(meta.max_query_len, 0), config.block_m // row_heads)
-    launch = _extend_launch(config, _launch_shape(meta, num_q_heads, first_seq, device),
-                            tiles, row_heads, 0)  # fmt: skip
+    launch = _one_launch(config, meta.max_query_len, group,
+                         _launch_shape(meta, num_q_heads, first_seq, device))
     return launch.grid, launch.splits
 
 
@@ -1131,9 +1129,7 @@ def plan_extend_launches(config: ExtendConfig, max_query_len: int, group: int,
     the rows past them packed by GQA group, where the split rule's cost model
     (``_split_cost``) gives the two ``_SPLIT_GAIN`` of the one or less: a tail pays where
     the one launch's last tile takes a wave over a long prefix, not over a short one."""
-    row_heads = _extend_row_heads(config, group)
-    tiles = triton.cdiv(max(max_query_len, 0), config.block_m // row_heads)
-    one = (_extend_launch(config, shape, tiles, row_heads, 0),)
+    one = (_one_launch(config, max_query_len, group, shape),)
     row_start = _extend_tail(config, max_query_len, group)
     if row_start is None:
         return one
@@ -1143,6 +1139,14 @@ def plan_extend_launches(config: ExtendConfig, max_query_len: int, group: int,
         two = (_extend_launch(config, shape, row_start // config.block_m, 1, 0), *two)
     return two if _launches_cost(two, shape) <= _SPLIT_GAIN * _launches_cost(one, shape) \
         else one
+
+
+def _one_launch(config: ExtendConfig, max_query_len: int, group: int,
+                shape: LaunchShape) -> ExtendLaunch:
+    """One launch over every query tile of the longest chunk."""
+    row_heads = _extend_row_heads(config, group)
+    tiles = triton.cdiv(max(max_query_len, 0), config.block_m // row_heads)
+    return _extend_launch(config, shape, tiles, row_heads, 0)
 
 
 def _launches_cost(launches: tuple[ExtendLaunch, ...], shape: LaunchShape) -> float:
