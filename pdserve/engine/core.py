@@ -507,6 +507,7 @@ class EngineCore:
         """What actually runs, for results to record: never a silent fallback."""
         return {"schedule": self.config.scheduler.schedule, "device": str(self.runner.device),
                 "attention_backend": type(self.runner.attn_backend).__name__,
+                "extend_kernel": self._describe_extend_kernel(),
                 "cuda_graphs": any(pool.graphs for pool in self.runner.pools.values()),
                 "tensor_parallel_size": self.runner.comm.size,
                 "overlap_schedule": self._describe_overlap(), "eager_warmup": self.warmup,
@@ -514,6 +515,16 @@ class EngineCore:
                 "allocator_while_serving": self.allocations.describe(),
                 **self.scheduler.prefill_order.describe(), **self.scheduler.describe(),
                 **self.kv.describe()}
+
+    def _describe_extend_kernel(self) -> dict | None:
+        """The prompt-attention kernel's tiles, layouts and launch options (splits, the tail
+        launch) where the Triton backend runs it; None for the torch reference."""
+        if self.runner.attn_backend.name != "triton":
+            return None
+        from pdserve.ops.triton_attention import default_extend_config
+
+        config = default_extend_config(self.arch.head_dim, self.runner.device)
+        return dataclasses.asdict(config)
 
     def _describe_overlap(self) -> dict:
         overlap = self.scheduler.overlap.describe()

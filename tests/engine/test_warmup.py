@@ -224,3 +224,23 @@ def test_with_the_tail_launch_every_variant_gets_a_warm_up_chunk(heads, kv_heads
     every = {pair for sms in (None, *partitions) for chunk in range(1, most, 3)
              for prefix in range(0, longest - chunk, 512) for pair in variants(chunk, prefix, sms)}
     assert every == seen and (group, 8) in seen
+
+
+def test_the_engine_records_its_extend_kernel_config():
+    """``describe()`` names the prompt-attention kernel's config where Triton runs it (the
+    tail launch among its options), and None for the torch reference."""
+    from types import SimpleNamespace
+
+    from pdserve.engine.core import EngineCore
+
+    assert LLM("tiny", device="cpu").engine.describe()["extend_kernel"] is None
+    pytest.importorskip("triton")
+    from pdserve.ops.triton_attention import default_extend_config
+
+    cpu = torch.device("cpu")
+    engine = SimpleNamespace(runner=SimpleNamespace(attn_backend=SimpleNamespace(name="triton"),
+                                                    device=cpu),
+                             arch=SimpleNamespace(head_dim=64))
+    described = EngineCore._describe_extend_kernel(engine)
+    assert described == dataclasses.asdict(default_extend_config(64, cpu))
+    assert described["tail_tiles"] is False and described["kv_splits"] == 1  # interpreter
