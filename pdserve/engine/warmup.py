@@ -147,9 +147,10 @@ def extend_split_chunks(arch, device, longest: int, most_tokens: int, config=Non
 
 def _warm_chunks(config, group: int, most_tokens: int) -> list[int]:
     """Chunks of whole query tiles under ``most_tokens``; with the tail launch, also each of
-    them plus each count of packed tail tiles it may launch (up to half a tile of rows)."""
+    them plus each count of packed tail tiles it may launch (up to half a tile of rows).
+    Where the tail cannot pack, the extra chunks launch nothing new and add no step."""
     whole = range(config.block_m, most_tokens, config.block_m)
-    if not config.tail_tiles or group == 1 or config.block_m % group:
+    if not config.tail_tiles:
         return list(whole)
     tokens = config.block_m // group  # a packed tile's tokens
     tails = range(tokens, config.block_m // 2 + 1, tokens)
