@@ -829,6 +829,7 @@ async def run(args) -> dict:
                        direct_prompt_slowdown(calibrated["shared_cores_probe"]))
     prefill_busy = sum(model.prefill_s(r.input_len) for r in requests) / requests[-1].arrival
     host_speed = replay_host_speed(host_meter)
+    engine_speed = replay_decode_engine_speed(steps, model)
     return {**calibrated, "service_spread": {k: spread(v) for k, v in ratios.items()},
             "prefill_steps": dataclasses.asdict(prefill_steps),  # how it steps
             "service_ratios": ratios,  # what the simulations drew from: re-simulable
@@ -856,9 +857,10 @@ async def run(args) -> dict:
             "host_meter": host_meter,
             "replay_steps_check": steps_check(steps, measured, model),
             "replay_host_speed": host_speed,
+            "replay_decode_engine_speed": engine_speed,
             "compare": compare(measured, simulations(
                 model, parts, ratios, requests, args, recalibration=recalibration,
-                host_speed=host_speed))}
+                host_speed=host_speed, decode_engine_speed=engine_speed))}
 
 
 STEP_FIELDS = ("t", "mode", "decode_batch", "decode_context_tokens", "prefill_tokens",
@@ -948,10 +950,14 @@ class GroupParts(NamedTuple):  # not a dataclass: the tests load this script unr
 
 def simulations(model: LatencyModel, parts: GroupParts, ratios: dict[str, list[float]],
                 requests: list[SimRequest], args, recalibration: dict | None = None,
-                host_speed: dict[str, float] | None = None) -> dict[str, list[dict]]:
+                host_speed: dict[str, float] | None = None,
+                decode_engine_speed: float | None = None) -> dict[str, list[dict]]:
     """The fitted group with the measured spread, and each without one of its parts (and,
     with ``recalibration``, the model fitted to both sides of the replay; with
-    ``host_speed``, the model at the host's speed in the replay). With the spread,
+    ``host_speed``, the model at the host's speed in the replay; with
+    ``decode_engine_speed``, its decode steps at the speed the decode engine's own steps
+    ran in the replay: in-sample, a check of the group's composition, not a prediction).
+    With the spread,
     the requests' results of ``--draws`` draws, each row marked with its draw: one draw's
     P99 of 100 requests moved by up to 20% from seed to seed, so ``percentiles`` takes the
     median over the draws."""
@@ -976,6 +982,9 @@ def simulations(model: LatencyModel, parts: GroupParts, ratios: dict[str, list[f
     if host_speed is not None:
         result["simulated_at_replay_host_speed"] = drawn(
             model.at_speed(host_speed["prefill"], host_speed["decode"]))
+    if decode_engine_speed is not None:
+        result["simulated_at_replay_decode_engine_speed"] = drawn(
+            model.at_speed(1.0, decode_engine_speed))
     if recalibration is not None:
         result["simulated_calibrated_both_sides"] = drawn(
             LatencyModel(**recalibration["latency_model_both_sides"]))
@@ -1026,12 +1035,15 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
     if args.refit:
         model, recalibration = refitted(run, args)
     host_speed = replay_host_speed(run.get("host_meter"))
+    engine_speed = replay_decode_engine_speed(run.get("replay_steps"), model)
     simulated = simulations(model, parts, run["service_ratios"], requests, args,
-                            recalibration=recalibration, host_speed=host_speed)
+                            recalibration=recalibration, host_speed=host_speed,
+                            decode_engine_speed=engine_speed)
     measured = {key: run["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
     result = {"resimulated": path, "recorded_revision": run.get("git_revision"),
               "prefill_steps": dataclasses.asdict(steps), "refit": args.refit,
               "replay_host_speed": host_speed,
+              "replay_decode_engine_speed": engine_speed,
               "latency_model": dataclasses.asdict(model),
               "compare": compare_percentiles(measured, simulated)}
     if args.refit:
@@ -1297,6 +1309,20 @@ def replay_host_speed(host_meter: dict | None) -> dict[str, float] | None:
     if not all("replay" in phases.get(role, {}) for role in ("prefill", "decode")):
         return None
     return {role: phases[role]["replay"]["p50"] for role in ("prefill", "decode")}
+
+
+def replay_decode_engine_speed(steps: dict | None, model: LatencyModel) -> float | None:
+    """The decode engine's own decode-only steps through the replay over the model's step
+    for their batch and context, median (None where the run recorded no steps): how much
+    slower or faster the decode instance ran than its calibration said. The host meter
+    missed such shifts (a decode instance at 1.61x its model while the meter on its core
+    read 1.02x), so this reading comes from the instance itself, and what it gives is
+    in-sample: with it the simulation checks the group's composition (queueing, batching,
+    hand-offs), not the calibration's prediction."""
+    if not steps or "decode" not in steps:
+        return None
+    over = decode_steps_over_model(steps, model)
+    return over.get("p50")
 
 
 def held_stretches(probe: dict) -> float:

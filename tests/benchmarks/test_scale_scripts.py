@@ -142,6 +142,7 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
                      "simulated_without_held_stretches", "simulated_without_prefill_steps",
                      "simulated_without_idle_wake", "simulated_with_direct_prompt_factor",
                      "simulated_calibrated_both_sides", "simulated_at_replay_host_speed",
+                     "simulated_at_replay_decode_engine_speed",
                      "simulated_with_prefill_host_spread"):
             assert 0 < row[side]["p50"] <= row[side]["p99"]
         assert row["simulated_error"]["p50"] == pytest.approx(
@@ -769,6 +770,11 @@ def test_resimulation_refits_the_model_from_the_recorded_points(tmp_path):
         "1": {"steps": 1, "p50": pytest.approx(1.0)}, "2": {"steps": 1, "p50": pytest.approx(0.6)}}
     assert over["refitted"]["p50_by_batch"]["1"]["p50"] == pytest.approx(10.0 / 5.0)
     assert over["refitted"]["p50_by_batch"]["2"]["p50"] == pytest.approx(6.0 / 6.0)
+    # The decode steps simulated at the speed the decode engine ran them in the replay:
+    # the median of its decode-only steps over the (refitted) model's, 2.0 and 1.0.
+    assert result["replay_decode_engine_speed"] == pytest.approx(1.5)
+    slowed = result["compare"]["tpot_s"]["simulated_at_replay_decode_engine_speed"]
+    assert slowed["p50"] > result["compare"]["tpot_s"]["simulated"]["p50"]
     del points["handoff"]
     path.write_text(json.dumps(_recorded_run(
         prefill_steps={"chunk_tokens": 100, "tokens_one_step_late": False},
