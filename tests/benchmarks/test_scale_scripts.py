@@ -166,6 +166,11 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     assert result["replay_host_speed"] == {
         role: meter["over_calibration"][role]["replay"]["p50"] for role in ("prefill", "decode")}
     assert _script("validate_sim").replay_host_speed({"over_calibration": {}}) is None
+    # and at the decode engine's own speed in the replay: its decode-only steps over the model
+    over = _script("validate_sim").decode_steps_over_model(
+        result["replay_steps"], _script("validate_sim").LatencyModel(**result["latency_model"]))
+    assert result["replay_decode_engine_speed"] == pytest.approx(over["p50"])
+    assert _script("validate_sim").replay_decode_engine_speed(None, None) is None
     # and, apart, a read of a buffer the size of the model's working set, sample by sample
     for role, cache in meter["cache_samples"].items():
         assert [t for t, _ in cache] == [t for t, _ in meter["samples"][role]], role
