@@ -78,6 +78,14 @@ from pdserve.testing import ServeProcess, free_port, start_serve  # noqa: E402
 
 VOCAB = 250  # token ids below the tiny model's special tokens
 STEP_WINDOW = 8
+# glibc hands a freed block above its mmap threshold (128 KiB to start with) back to the
+# OS and trims the heap's top, so a CPU instance's per-step temporaries (a 1K-token
+# context's gathered K/V among them) can be mapped and faulted in afresh every step. Five
+# runs at 02a2a27-f8b41cb timed their calibration's ~1.1K-context decode points at 2-2.7x
+# the same points after the replay, the instances fresh; with the heap kept (these two
+# settings, ``--keep-heap``) the first such run timed them at 0.8-1.1x.
+KEEP_HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20),  # glibc's largest
+                 "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
 def start_instance(args, cores: set[int] | None) -> ServeProcess:
@@ -1439,6 +1447,9 @@ def main() -> int:
     parser.add_argument("--link-gb-per-s", type=float, default=1.5,
                         help="KV link speed (1.5: kv_transfer_cpu.json's loopback result).")
     parser.add_argument("--decode-kv-tokens", type=int, default=100_000)
+    parser.add_argument("--keep-heap", action=argparse.BooleanOptionalAction, default=True,
+                        help="Run the instances with glibc's heap kept (KEEP_HEAP_ENV: freed "
+                        "blocks stay in the process instead of going back to the OS).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
     parser.add_argument("--summarize", nargs="+", metavar="RESULT",
@@ -1465,9 +1476,16 @@ def main() -> int:
                     **summarize_runs(args.summarize)}, args.out)
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # instances: one core each, not all
+    if args.keep_heap:
+        for name, value in KEEP_HEAP_ENV.items():
+            os.environ.setdefault(name, value)
+    # what the instances inherit, as they ran (a setting made outside this script included)
+    instance_environment = {name: os.environ.get(name)
+                            for name in ("OMP_NUM_THREADS", *KEEP_HEAP_ENV)}
     result = asyncio.run(run(args))
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    report = {**result_header(config), "kind": "validation", **result}
+    report = {**result_header(config), "kind": "validation",
+              "instance_environment": instance_environment, **result}
     for key, sides in report["compare"].items():
         print(key, sides)
     if args.out:

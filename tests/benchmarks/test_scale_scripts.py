@@ -94,6 +94,10 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
                   "--sharing-cycles", "1", "--decode-steps", "64",
                   "--idle-pauses-s", "0.1,0.3", out=tmp_path / "validation.json")
     assert result["kind"] == "validation"
+    # The instances ran with glibc's heap kept (the default), and the run says so.
+    kept = _script("validate_sim").KEEP_HEAP_ENV
+    assert {k: result["instance_environment"][k] for k in kept} == kept
+    assert result["config"]["keep_heap"] is True
     # The shared-cores factors are the probe's medians, as the simulations used them.
     probe = result["shared_cores_probe"]
     assert probe["decode_step_ms_alone"]["samples"] > 0
