@@ -252,6 +252,8 @@ class MuxStepSim:
         kind = self._kind(plan)
         step_s = self._step_s(plan, kind)
         self.log.add(kind, step_s)
+        if plan.mode == MuxMode.PREFILL_ONLY:
+            self._show()  # planned once the lanes drained: the last step's tokens are out
         self.now += step_s
         self.busy_s += step_s
         self._show()
@@ -383,9 +385,9 @@ class MuxStepSim:
         """Prefill alone (no decode) runs the batch in flight through its layers left."""
         step_s = plan.prefill.predicted_ms / 1e3
         self.log.add(str(plan.mode), step_s)
+        self._show()  # no decode beside it: the last step's tokens are out before it runs
         self.now += step_s
         self.busy_s += step_s
-        self._show()
         self._batch_done()
 
     def _batch_done(self) -> list[StepRequest]:

@@ -503,3 +503,19 @@ def test_a_batch_after_one_on_a_split_starts_there_as_the_engine_starts_it(
     idle = _decoding_beside(16000, True, replay_tool, predictor)
     idle.running = []  # nothing decoding: the lanes drain, the whole planner plans
     assert idle._pinned_plan() is None
+
+
+def test_a_prefill_alone_after_the_last_decode_does_not_hold_its_token_back(replay_tool,
+                                                                            predictor):
+    # The engine plans prefill alone only once both lanes drained, so the last decode
+    # step's tokens reach the client before it runs (served records: no TPOT past the
+    # steps'), not a whole long prefill later.
+    short = StepRequest(0.0, 512, 3)
+    long = StepRequest(0.001, 16000, 2)
+    planner = MuxPlanner(OnlineCalibration(predictor), [],
+                         replay_tool.planner_config(SERVER_ARGS))
+    sim = MuxStepSim(planner, [short, long], first_token_lag=True)
+    sim.run()
+    assert sim.log.steps.get("prefill_only", 0) >= 1  # the long prompt's rest ran alone
+    assert long.first_token - short.finished > 1.0  # ...after the short one had finished
+    assert short.finished - short.first_token < 0.5  # its two tokens came a step apart
