@@ -393,8 +393,8 @@ CONFIGS[_B2.replace("-itl60", "-aligned128-itl60")] = (
 # The same planned to 0.95 of the target, not 0.9: served at 0.5 req/s (6a43faf) the
 # 128-aligned steps sat at 0.89 of the target at the median where the defaults' sat at
 # 0.95 (a step rounded down to a whole tile leaves the rest of the budget); replayed on
-# the 0.65 req/s probe's requests it attained 77-87% against 73-77% at 0.9
-# (benchmarks/results/mux_step_replay/loogle_b2_aligned128_margin95_e05fad9.json).
+# the 0.65 req/s probe's requests it attained 80-87% against 77-83% at 0.9
+# (benchmarks/results/mux_step_replay/loogle_b2_aligned128_margin95_cad3faa.json).
 CONFIGS[_B2.replace("-itl60", "-aligned128-margin95-itl60")] = (
     CONFIGS[_B2] + " --mux-align-step-tokens --mux-token-align 128 --mux-itl-margin 0.95")
 # Every multiplex configuration keeps the meaning its records ran with when the defaults
