@@ -791,6 +791,8 @@ async def run(args) -> dict:
     cpu_marks = [cpu_times()]
     prefill, decode = start_instances(args)
     meters, phase_marks = HostMeters(args), {}
+    if args.pin_cores and args.client_core == "prefill":
+        os.sched_setaffinity(0, instance_cores(args)[0])  # the gateway runs in this thread
     pinned = {"prefill": affinity(prefill), "decode": affinity(decode),
               "gateway_and_client": sorted(os.sched_getaffinity(0))}
     rng = np.random.default_rng(args.seed)
@@ -1435,6 +1437,10 @@ def main() -> int:
                         help="The prefill instance on the first core, the decode instance "
                         "on the second (the gateway and the client on any): the two never "
                         "take each other's core.")
+    parser.add_argument("--client-core", choices=("any", "prefill"), default="any",
+                        help="With --pin-cores: where the gateway and the client (this "
+                        "process) run: any core, or the prefill instance's only, which "
+                        "leaves the decode instance's core to it alone.")
     parser.add_argument("--draws", type=int, default=10,
                         help="Draws of the measured spread per simulation: each draw's "
                         "percentiles, their median (the pooled rows' beside).")
