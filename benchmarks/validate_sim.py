@@ -103,7 +103,8 @@ def start_instance(args, cores: set[int] | None) -> ServeProcess:
 
 def instance_cores(args) -> list[set[int] | None]:
     """The prefill's and the decode instance's cores: one each, the host's first two
-    (``--pin-cores``; the gateway and the client keep every core), or none pinned."""
+    (``--pin-cores``; the gateway and the client where ``--client-core`` says), or none
+    pinned."""
     if not args.pin_cores:
         return [None, None]
     cores = sorted(os.sched_getaffinity(0))
@@ -1435,7 +1436,7 @@ def main() -> int:
                         "instances (0: off)")
     parser.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=True,
                         help="The prefill instance on the first core, the decode instance "
-                        "on the second (the gateway and the client on any): the two never "
+                        "on the second (the gateway and the client: --client-core): the two never "
                         "take each other's core.")
     parser.add_argument("--client-core", choices=("any", "prefill"), default="any",
                         help="With --pin-cores: where the gateway and the client (this "
