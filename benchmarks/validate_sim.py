@@ -81,7 +81,7 @@ STEP_WINDOW = 8
 # glibc hands a freed block above its mmap threshold (128 KiB to start with) back to the
 # OS and trims the heap's top, so a CPU instance's per-step temporaries (a 1K-token
 # context's gathered K/V among them) can be mapped and faulted in afresh every step. Five
-# runs at 02a2a27-f8b41cb timed their calibration's ~1.1K-context decode points at 2-2.7x
+# runs at 02a2a27-f8b41cb timed their calibration's ~1.1K-context decode points at 1.5-2.7x
 # the same points after the replay, the instances fresh; with the heap kept (these two
 # settings, ``--keep-heap``) three runs timed them at 0.8-1.3x.
 KEEP_HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20),  # glibc's largest
