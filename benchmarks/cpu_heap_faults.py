@@ -43,15 +43,9 @@ def minor_faults(pid: int) -> int:
 def started(setting: str):
     """A server whose processes inherit ``setting``'s malloc variables (and nothing of the
     other's)."""
-    saved = {name: os.environ.pop(name, None) for name in KEEP_HEAP_ENV}
-    os.environ.update(SETTINGS[setting])
-    try:
-        return start_serve("tiny", "--dtype", "float32", "--device", "cpu")
-    finally:
-        for name, value in saved.items():
-            os.environ.pop(name, None)
-            if value is not None:
-                os.environ[name] = value
+    env = {name: value for name, value in os.environ.items() if name not in KEEP_HEAP_ENV}
+    return start_serve("tiny", "--dtype", "float32", "--device", "cpu",
+                       env={**env, **SETTINGS[setting]})
 
 
 async def measure(server, args, rng) -> dict:

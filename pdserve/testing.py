@@ -62,14 +62,16 @@ class ServeProcess:
 
 
 def start_serve(model: str, *flags: str, timeout_s: float = START_TIMEOUT_S,
-                log_path: Path | None = None) -> ServeProcess:
+                log_path: Path | None = None, env: dict[str, str] | None = None
+                ) -> ServeProcess:
     """``pdserve serve MODEL FLAGS`` on 127.0.0.1, returned once ``/health`` answers 200;
-    its output goes to ``log_path`` (kept) or a temporary file."""
+    its output goes to ``log_path`` (kept) or a temporary file; ``env``: its whole
+    environment (default: this process's)."""
     port = free_port()
     command = [sys.executable, "-m", "pdserve", "serve", model, "--host", "127.0.0.1",
                "--port", str(port), *flags]
     log = open(log_path, "w+b") if log_path is not None else tempfile.TemporaryFile()
-    server = ServeProcess(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT),
+    server = ServeProcess(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env),
                           port, log)
     try:
         _wait_healthy(server, timeout_s)
