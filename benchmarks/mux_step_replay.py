@@ -72,6 +72,7 @@ from pdserve.bench.timeline import load_engine_timeline as load_timeline  # noqa
 from pdserve.bench.timeline import timeline_beside  # noqa: E402
 from pdserve.sched.mux_planner import MuxMode, MuxPlanner, OnlineCalibration  # noqa: E402
 from pdserve.sched.predictor import LatencyPredictor, served_predictor  # noqa: E402
+from pdserve.sched.prefill_order import PrefillOrder  # noqa: E402
 from pdserve.sim.mux_steps import (  # noqa: E402
     MODELLED_MODES,
     StepSpread,
@@ -129,9 +130,11 @@ def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
     # came 22 ms (a decode step, median) under their measured TTFT.
     # SM splits replayed: a batch starts on the split the last one ended on as the engine
     # starts it, unless the flags reweigh it (--mux-reweigh-spatial-batches).
-    pinned = config.spatial and not scheduler_config(
-        server_args, variant).mux_reweigh_spatial_batches
-    run = StepReplay(planner, requests, timing, first_token_lag=True, pinned_batches=pinned)
+    sched = scheduler_config(server_args, variant)
+    pinned = config.spatial and not sched.mux_reweigh_spatial_batches
+    order = PrefillOrder(sched.prefill_order, sched.ttft_slo_ms)  # FCFS unless slo
+    run = StepReplay(planner, requests, timing, first_token_lag=True, pinned_batches=pinned,
+                     order=order)
     run.run()
     rows = latency_rows(requests)
     slo = record["summary"]["slo"]
@@ -139,7 +142,7 @@ def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
                  if scale == 1.0 else {})
     return {"rate": rate or probed, "variant": variant, "steps": run.modes,
             **by_window,
-            "pinned_batch_starts": pinned,
+            "pinned_batch_starts": pinned, "prefill_order": sched.prefill_order,
             "mixed_step_ms": step_percentiles(run.log.durations.get("graph", [])
                                               + run.log.durations.get("eager", [])),
             **({"seed": seed} if twin else {}),

@@ -1,11 +1,12 @@
 """One multiplexing instance as whole-GPU steps of the real planner, the queue kept.
 
-Every step is what ``MuxPlanner`` plans for the waiting prompts (first come first served)
-and the decode batch: a mixed step (TEMPORAL), decode alone, prefill alone, or (with
-``time_slice`` / ``spatial`` in the planner's config) a time-slice cycle or a decode step
-on an SM split beside the batch's pieces on the rest (``MuxStepSim._spatial``: a piece
-launched when the one before it ended, decode kept on its split while one is in flight,
-switching splits free of the engine's drain). With ``pinned_batches`` a batch that starts
+Every step is what ``MuxPlanner`` plans for the waiting prompts (first come first served, or
+with ``order`` in the engine's SLO-aware order: ``_arrange``) and the decode batch: a mixed
+step (TEMPORAL), decode alone, prefill alone, or (with ``time_slice`` / ``spatial`` in the
+planner's config) a time-slice cycle or a decode step on an SM split beside the batch's
+pieces on the rest (``MuxStepSim._spatial``: a piece launched when the one before it
+ended, decode kept on its split while one is in flight, switching splits free of the
+engine's drain). With ``pinned_batches`` a batch that starts
 as the one before it on a split ended is planned among that split's option alone, as the
 engine plans it beside the decode step in flight there (without
 ``--mux-reweigh-spatial-batches``).
@@ -81,6 +82,7 @@ from pdserve.sched.mux_planner import (
     PrefillRequest,
     piece_predicted_ms,
 )
+from pdserve.sched.prefill_order import PrefillOrder, moore_hodgson
 
 WHOLE_GPU_MODES = (MuxMode.TEMPORAL, MuxMode.DECODE_ONLY, MuxMode.PREFILL_ONLY)
 DECODE_NEIGHBOURS = 32  # the fewest measured steps a batch's draw comes from (whole batches)
@@ -190,8 +192,11 @@ class MuxStepSim:
 
     def __init__(self, planner: MuxPlanner, requests: Sequence[StepRequest],
                  timing: StepTiming | None = None, first_token_lag: bool = False,
-                 pinned_batches: bool = False) -> None:
+                 pinned_batches: bool = False, order: PrefillOrder | None = None) -> None:
         self.planner, self.timing, self.lag = planner, timing, first_token_lag
+        # --prefill-order slo: the waiting prompts kept in Moore-Hodgson order over the
+        # prefill rate the steps delivered, as the engine's scheduler keeps its queue.
+        self.order = order if order is not None and order.enabled else None
         # The engine without --mux-reweigh-spatial-batches: a batch that starts as the one
         # before it on a split ended (a decode step of that split always in flight) is
         # weighed among that split's spatial option alone (``_pinned_plan``).
@@ -218,6 +223,7 @@ class MuxStepSim:
     def run(self) -> None:
         while self.pending or self.waiting or self.running or self.batch:
             self._admit()
+            self._arrange()
             if not (self.waiting or self.running or self.batch):
                 self._show()  # no step follows: the last one's output shows at its end
                 self.now = self.pending[0].arrival
@@ -228,6 +234,29 @@ class MuxStepSim:
     def _admit(self) -> None:
         while self.pending and self.pending[0].arrival <= self.now:
             self.waiting.append(self.pending.popleft())
+
+    def _arrange(self) -> None:
+        """SLO order (``PrefillOrder``'s rule): prompts part-way through their prefill stay
+        first, as the engine serves its running prefills first, and count, with the batch in
+        flight, as backlog ahead of the rest, which are taken in Moore-Hodgson order."""
+        order = self.order
+        if order is None or len(self.waiting) < 2 or order.rate.tokens_per_s is None:
+            return
+        started = [r for r in self.waiting if r.prefilled]
+        fresh = [r for r in self.waiting if not r.prefilled]
+        backlog = sum(r.prompt_len - r.prefilled for r in started)
+        if self.batch is not None:
+            backlog += sum(tokens for _, tokens in self.batch.chunks)
+        items = [(r.arrival + order.ttft_slo_s, order.rate.seconds(r.prompt_len))
+                 for r in fresh]
+        on_time, late = moore_hodgson(items, self.now + order.rate.seconds(backlog))
+        self.waiting[:] = started + [fresh[i] for i in on_time + late]
+
+    def _observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A launch's (or a piecewise batch's) prompt tokens over its time: the sample the
+        engine's ``PrefillRate`` takes."""
+        if self.order is not None:
+            self.order.rate.observe(tokens, 1e3 * seconds)
 
     def _step(self) -> None:
         pinned = self._pinned_plan()
@@ -259,6 +288,7 @@ class MuxStepSim:
         self._show()
         self._decode(list(self.running) if plan.mode != MuxMode.PREFILL_ONLY else [])
         if plan.prefill is not None:
+            self._observe_prefill(sum(t for _, t in plan.prefill.chunks), step_s)
             self._prefill(plan.prefill.chunks)
 
     def _slice(self, plan: MuxPlan) -> None:
@@ -394,6 +424,7 @@ class MuxStepSim:
         """The batch's last piece ended: prompts it completed have their first token (seen
         at once: no piece is overlapped); a prompt cut by it waits again, first."""
         completed, cut = [], []
+        self._observe_prefill(sum(t for _, t in self.batch.chunks), self.now - self.batch.started)
         for request, tokens in self.batch.chunks:
             request.prefilled += tokens
             (completed if request.prefilled >= request.prompt_len else cut).append(request)

@@ -14,6 +14,7 @@ import pytest
 
 from pdserve.sched.mux_planner import MuxPlanner, OnlineCalibration
 from pdserve.sched.predictor import LatencyPredictor
+from pdserve.sched.prefill_order import PrefillOrder
 from pdserve.sim.mux_steps import (
     MuxStepSim,
     StepRequest,
@@ -519,3 +520,26 @@ def test_a_prefill_alone_after_the_last_decode_does_not_hold_its_token_back(repl
     assert sim.log.steps.get("prefill_only", 0) >= 1  # the long prompt's rest ran alone
     assert long.first_token - short.finished > 1.0  # ...after the short one had finished
     assert short.finished - short.first_token < 0.5  # its two tokens came a step apart
+
+
+def test_the_slo_order_serves_the_prompts_that_can_make_their_deadline_first(replay_tool,
+                                                                               predictor):
+    # A 16K prompt arrives just ahead of three 2K ones, all with 2.5 s to their first
+    # token: in arrival order the 2K prompts wait behind it and miss; in SLO order (the rate
+    # learned from the first prompt's launch) they go first and the 16K prompt alone misses.
+    def served(order: str) -> list[float]:
+        requests = [StepRequest(0.0, 4096, 2), StepRequest(0.01, 16000, 2),
+                    *(StepRequest(0.02 + 0.001 * i, 2048, 2) for i in range(3))]
+        planner = MuxPlanner(OnlineCalibration(predictor), [],
+                             replay_tool.planner_config(SERVER_ARGS))
+        sim = MuxStepSim(planner, requests, first_token_lag=True,
+                         order=PrefillOrder(order, 2500.0))
+        sim.run()
+        assert all(r.finished is not None for r in requests)
+        return [r.first_token - r.arrival for r in requests]
+
+    fcfs, slo = served("fcfs"), served("slo")
+    assert sum(t <= 2.5 for t in fcfs) == 1
+    assert sum(t <= 2.5 for t in slo) == 4
+    assert max(slo[2:]) < slo[1]  # the 2K prompts before the 16K one
+    assert max(fcfs[2:]) > fcfs[1]
