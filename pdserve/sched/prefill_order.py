@@ -25,12 +25,14 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from pdserve.config import check_prefill_order
 
 if TYPE_CHECKING:
     from pdserve.request import Request
+
+T = TypeVar("T")
 
 
 class PrefillRate:
@@ -144,11 +146,19 @@ class PrefillOrder:
 
     def _ordered(self, queue: list[Request], start: float) -> tuple[list[Request], int]:
         resumed = [r for r in queue if r.num_output_tokens > 0]
-        fresh = [r for r in queue if r.num_output_tokens == 0]
-        items = [(r.arrival_time + self.ttft_slo_s, self.rate.seconds(r.num_uncomputed))
-                 for r in fresh]
+        fresh = [(r, r.arrival_time, r.num_uncomputed) for r in queue
+                 if r.num_output_tokens == 0]
+        ranked, late = self.rank(fresh, start)
+        return resumed + ranked, late
+
+    def rank(self, prompts: list[tuple[T, float, int]], start: float) -> tuple[list[T], int]:
+        """``prompts`` ((prompt, arrival time, tokens to prefill)) in Moore-Hodgson order when
+        served from ``start`` at the learned rate, and how many of them come late. Needs a
+        rate (``rate.tokens_per_s``)."""
+        items = [(arrival + self.ttft_slo_s, self.rate.seconds(tokens))
+                 for _, arrival, tokens in prompts]
         on_time, late = moore_hodgson(items, start)
-        return resumed + [fresh[i] for i in on_time + late], len(late)
+        return [prompts[i][0] for i in on_time + late], len(late)
 
     def describe(self) -> dict:
         rate = self.rate.tokens_per_s

@@ -6,10 +6,9 @@ step (TEMPORAL), decode alone, prefill alone, or (with ``time_slice`` / ``spatia
 planner's config) a time-slice cycle or a decode step on an SM split beside the batch's
 pieces on the rest (``MuxStepSim._spatial``: a piece launched when the one before it
 ended, decode kept on its split while one is in flight, switching splits free of the
-engine's drain). With ``pinned_batches`` a batch that starts
-as the one before it on a split ended is planned among that split's option alone, as the
-engine plans it beside the decode step in flight there (without
-``--mux-reweigh-spatial-batches``).
+engine's drain). With ``pinned_batches`` a batch that starts as the one before it on a
+split ended is planned among that split's option alone, as the engine plans it beside the
+decode step in flight there (without ``--mux-reweigh-spatial-batches``).
 
 A time-slice cycle runs as ``pdserve/sched/multiplex.py`` runs it: on the whole GPU's one
 stream, the decode step of the batch, then a piece (a layer range) of the prefill batch in
@@ -82,7 +81,7 @@ from pdserve.sched.mux_planner import (
     PrefillRequest,
     piece_predicted_ms,
 )
-from pdserve.sched.prefill_order import PrefillOrder, moore_hodgson
+from pdserve.sched.prefill_order import PrefillOrder
 
 WHOLE_GPU_MODES = (MuxMode.TEMPORAL, MuxMode.DECODE_ONLY, MuxMode.PREFILL_ONLY)
 DECODE_NEIGHBOURS = 32  # the fewest measured steps a batch's draw comes from (whole batches)
@@ -247,10 +246,9 @@ class MuxStepSim:
         backlog = sum(r.prompt_len - r.prefilled for r in started)
         if self.batch is not None:
             backlog += sum(tokens for _, tokens in self.batch.chunks)
-        items = [(r.arrival + order.ttft_slo_s, order.rate.seconds(r.prompt_len))
-                 for r in fresh]
-        on_time, late = moore_hodgson(items, self.now + order.rate.seconds(backlog))
-        self.waiting[:] = started + [fresh[i] for i in on_time + late]
+        ranked, _ = order.rank([(r, r.arrival, r.prompt_len) for r in fresh],
+                               self.now + order.rate.seconds(backlog))
+        self.waiting[:] = started + ranked
 
     def _observe_prefill(self, tokens: int, seconds: float) -> None:
         """A launch's (or a piecewise batch's) prompt tokens over its time: the sample the
