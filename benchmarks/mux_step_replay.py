@@ -154,6 +154,44 @@ def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
             "ttft_s": percentiles(rows, "ttft_s"), "tpot_s": percentiles(rows, "tpot_s")}
 
 
+LOOGLE_SLO = {"ttft_ms": 15000.0, "itl_ms": 60.0}  # loogle_h200.py's attainment
+
+
+def load_probe(path: Path) -> dict:
+    """A goodput probe as ``goodput_h200.py`` writes it, or a ``loogle_h200.py`` row (its
+    client's records beside it) in that form."""
+    record = json.loads(path.read_text())
+    if "samples" in record or "server_command" not in record:
+        return record
+    records = json.loads(path.with_name(f"{path.stem}_records.json").read_text())
+    return probe_of_loogle_row(record, records["requests"])
+
+
+def probe_of_loogle_row(row: dict, requests: list[dict]) -> dict:
+    """A ``loogle_h200.py`` row as the probe the replay reads: its server's flags (after
+    ``serve <model>``), the engine it reported, its requests (TPOT over the tokens after
+    the first, as that script's attainment takes it) and its SLOs."""
+    command = shlex.split(row["server_command"])
+    server_args = shlex.join(command[command.index("serve") + 2:])
+    engine = row.get("engine_info") or {}
+    samples = [{"send_s": r["sent_at"], "prompt_len": r["input_len"],
+                "output_tokens": r["output_len"], "ttft_ms": r["ttft"] * 1e3,
+                "tpot_ms": (r["e2e"] - r["ttft"]) / max(1, r["output_len"] - 1) * 1e3}
+               for r in requests if r.get("ok")]
+    if len(samples) != len(requests):
+        raise SystemExit(f"{row['config']} at {row['rate']} req/s: "
+                         f"{len(requests) - len(samples)} requests failed; nothing to replay")
+    predictor = (engine.get("predictor") or {}).get("path")
+    return {"git_revision": row["git_revision"],
+            "config": {"name": row["config"], "server_args": server_args, "engine": engine},
+            "probe": {"workload": "loogle", "config": row["config"], "rate": row["rate"],
+                      "requests": len(samples)},
+            **({"predictor": {"path": predictor}} if predictor else {}),
+            "partitions": engine.get("partitions") or {},
+            "samples": samples,
+            "summary": {"slo": LOOGLE_SLO, "slo_attainment": row["attainment"]}}
+
+
 @dataclasses.dataclass(frozen=True)
 class Twin:
     """Engine timing taken from another run of a probe (its record and timeline): mixed
@@ -170,7 +208,7 @@ class Twin:
     def load(cls, record_path: Path, predictor: LatencyPredictor | None = None) -> Twin:
         """With ``predictor`` (the one the twin's engine planned with), its mixed steps
         on the prefill-step graphs timed by their decode batch (``graph_mixed_by_batch``)."""
-        record = json.loads(record_path.read_text())
+        record = load_probe(record_path)
         timeline = load_timeline(timeline_beside(record_path))
         graph, eager = path_factors(record.get("calibration_after"))
         # a twin without its server flags has no graph size to tell its graph steps by
@@ -428,7 +466,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--record", type=Path,
-                        help="A goodput probe of multiplexing (goodput_h200.py's JSON).")
+                        help="A probe of multiplexing: goodput_h200.py's JSON, or a "
+                             "loogle_h200.py row with its _records.json beside it.")
     source.add_argument("--validation", type=Path,
                         help="A simulator validation (sim_validate_instance.py's JSON) "
                              "whose multiplex replay to replay.")
@@ -480,7 +519,7 @@ def main(argv: list[str] | None = None) -> None:
                      "planned with")
     if args.validation:
         return validate(args)
-    record = json.loads(args.record.read_text())
+    record = load_probe(args.record)
     predictor_path = args.predictor or ROOT / record["predictor"]["path"]
     # The probe as served: its server planned with the fit saved in the file, and a spread
     # drawn from another run is measured over the fit that run saved. ``today``: as a

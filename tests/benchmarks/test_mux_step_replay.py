@@ -304,3 +304,35 @@ def test_a_validation_draws_graph_steps_by_batch_only_when_asked(tool, tmp_path)
     assert figures["--graph-steps-by-batch"][0] is True
     assert figures["--no-graph-steps-by-batch"][0] is False
     assert figures["--graph-steps-by-batch"][1] != figures["--no-graph-steps-by-batch"][1]
+
+
+def test_a_loogle_h200_row_replays_as_a_probe(tool, tmp_path):
+    """loogle_h200.py's rows keep their requests in a records file beside them; the replay
+    reads the server's flags after ``serve <model>``, TPOT over the tokens after the first."""
+    requests = [{"i": i, "input_len": 330, "sent_at": 0.5 * i, "ok": True, "ttft": 0.1,
+                 "e2e": 0.1 + 39 * 0.03, "output_len": 40} for i in range(20)]
+    row = {"config": "multiplex", "rate": 2.0, "git_revision": "0" * 7, "attainment": 1.0,
+           "server_command": f"python -m pdserve serve codellama-34b {SERVER_ARGS} "
+                             "--load-format dummy",
+           "engine_info": {"predictor": {"path": str(PREDICTOR)}}}
+    path = tmp_path / "multiplex_rate2.0.json"
+    path.write_text(json.dumps(row))
+    (tmp_path / "multiplex_rate2.0_records.json").write_text(json.dumps(
+        {"summary": {}, "requests": requests}))
+    probe = tool.load_probe(path)
+    assert probe["config"]["server_args"] == f"{SERVER_ARGS} --load-format dummy"
+    assert probe["samples"][3]["send_s"] == 1.5
+    assert probe["samples"][0]["tpot_ms"] == pytest.approx(30.0)
+    out = tmp_path / "replay.json"
+    tool.main(["--record", str(path), "--out", str(out)])  # its predictor from the row
+    replayed = json.loads(out.read_text())["replayed"][0]
+    assert replayed["attainment"] == 1.0 and replayed["rate"] == 2.0
+
+
+def test_a_loogle_h200_row_with_a_failed_request_is_not_replayed(tool):
+    requests = [{"input_len": 330, "sent_at": 0.0, "ok": False, "ttft": 0.0, "e2e": 0.0,
+                 "output_len": 40}]
+    row = {"config": "multiplex", "rate": 2.0, "git_revision": "0", "attainment": 0.0,
+           "server_command": f"python -m pdserve serve tiny {SERVER_ARGS}"}
+    with pytest.raises(SystemExit, match="1 requests failed"):
+        tool.probe_of_loogle_row(row, requests)
