@@ -88,6 +88,14 @@ CONFIGS["multiplex-aligned128"] = CONFIGS["multiplex-aligned"] + " --mux-token-a
 # tile left 11% of the target unused at the median (6a43faf).
 CONFIGS["multiplex-aligned128-margin95"] = (CONFIGS["multiplex-aligned128"]
                                           + " --mux-itl-margin 0.95")
+# SLO-aware admission (--prefill-order slo: Moore-Hodgson on the 15 s TTFT SLO) against the
+# same configuration in arrival order; chunked prefill takes the same order, so the pair
+# compares the schedules and not the orders.
+for _name in ("multiplex", "multiplex-aligned128", "multiplex-aligned128-margin95",
+              "chunk256", "chunk512", "chunk1024"):
+    CONFIGS[f"{_name}-slo"] = (CONFIGS[_name] + " --prefill-order slo"
+                               + ("" if "--ttft-slo-ms" in CONFIGS[_name]
+                                  else " --ttft-slo-ms 15000"))
 TTFT_SLO_S, TPOT_SLO_S = 15.0, 0.060
 
 
