@@ -132,7 +132,8 @@ def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
     # starts it, unless the flags reweigh it (--mux-reweigh-spatial-batches).
     sched = scheduler_config(server_args, variant)
     pinned = config.spatial and not sched.mux_reweigh_spatial_batches
-    order = PrefillOrder(sched.prefill_order, sched.ttft_slo_ms)  # FCFS unless slo
+    order = PrefillOrder(sched.prefill_order, sched.ttft_slo_ms,  # FCFS unless slo
+                         sched.prefill_order_max_wait_ms)
     run = StepReplay(planner, requests, timing, first_token_lag=True, pinned_batches=pinned,
                      order=order)
     run.run()

@@ -95,6 +95,10 @@ class SchedulerConfig:
                              "within their TTFT deadline first (Moore-Hodgson over a prefill "
                              "rate learned from the engine's launches), the ones that cannot "
                              "make it after them, never dropped.", choices=PREFILL_ORDERS)
+    prefill_order_max_wait_ms: float | None = doc(
+        None, "--prefill-order slo: a prompt that has waited this long goes ahead of every "
+        "prompt that has not, in arrival order (default: no bound; under sustained overload "
+        "a prompt the order puts last can wait until the queue drains).")
     mux_decode_sms: str = doc("16,24,32,48,64", "multiplex: decode SM counts to build "
                               "partitions and capture decode graphs for (comma-separated; "
                               "the whole GPU is always offered).")
@@ -229,7 +233,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         mux_sharing_options(self.mux_sharing)  # a typo stops here, before anything loads
-        check_prefill_order(self.prefill_order, self.ttft_slo_ms)
+        check_prefill_order(self.prefill_order, self.ttft_slo_ms,
+                            self.prefill_order_max_wait_ms)
         if not 0.0 < self.mux_itl_margin <= 1.0:
             raise ValueError(f"--mux-itl-margin {self.mux_itl_margin}: must be in (0, 1]")
         if self.mux_switch_margin < 0.0:
@@ -304,13 +309,21 @@ class SchedulerConfig:
                              "--ttft-slo-ms to a positive target")
 
 
-def check_prefill_order(order: str, ttft_slo_ms: float | None) -> None:
-    """A ValueError naming what is wrong with ``--prefill-order``."""
+def check_prefill_order(order: str, ttft_slo_ms: float | None,
+                        max_wait_ms: float | None = None) -> None:
+    """A ValueError naming what is wrong with ``--prefill-order`` and its wait bound."""
     if order not in PREFILL_ORDERS:
         raise ValueError(f"--prefill-order {order!r}: expected one of {', '.join(PREFILL_ORDERS)}")
     if order == "slo" and (ttft_slo_ms is None or ttft_slo_ms <= 0):
         raise ValueError("--prefill-order slo orders prompts by their TTFT deadline: set "
                          "--ttft-slo-ms to a positive target")
+    if max_wait_ms is None:
+        return
+    if order != "slo":
+        raise ValueError("--prefill-order-max-wait-ms bounds the wait of the slo order: set "
+                         "--prefill-order slo (first come, first served needs no bound)")
+    if not max_wait_ms > 0:
+        raise ValueError(f"--prefill-order-max-wait-ms {max_wait_ms:g}: must be positive")
 
 
 MUX_SHARING = ("temporal", "time_slice", "spatial")

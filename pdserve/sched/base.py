@@ -189,7 +189,8 @@ class Scheduler:
         # their pages until those tokens arrive but are never planned again.
         self.retiring: list[Request] = []
         self.overlap = OverlapCounters(config.overlap_schedule)
-        self.prefill_order = PrefillOrder(config.prefill_order, config.ttft_slo_ms)
+        self.prefill_order = PrefillOrder(config.prefill_order, config.ttft_slo_ms,
+                                          config.prefill_order_max_wait_ms)
         self.steps = StepTimeline()
 
     # ---- the policy interface ----

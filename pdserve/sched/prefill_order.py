@@ -13,6 +13,11 @@ launches delivered (``PrefillRate``), so the order needs no fitted predictor and
 every policy. Until a first launch with prompt tokens completed there is no rate: the order
 stays first come, first served.
 
+With ``--prefill-order-max-wait-ms`` a prompt that has waited that long goes ahead of every
+prompt that has not (the overdue in arrival order, the rest ranked after them): the order
+then bounds the wait of the prompts it puts last, at the cost of meetable prompts behind
+them.
+
 What the reorder never touches: requests already running (their partial prefill is served
 first, by every policy, and counts as backlog ahead of the queue), and preempted requests
 that had already produced a token (their TTFT is past; they keep the front of the queue, as
@@ -110,10 +115,12 @@ def moore_hodgson(items: Iterable[tuple[float, float]], start: float
 class PrefillOrder:
     """Keeps a scheduler's ``waiting`` deque in the configured order."""
 
-    def __init__(self, order: str, ttft_slo_ms: float | None) -> None:
-        check_prefill_order(order, ttft_slo_ms)
+    def __init__(self, order: str, ttft_slo_ms: float | None,
+                 max_wait_ms: float | None = None) -> None:
+        check_prefill_order(order, ttft_slo_ms, max_wait_ms)
         self.order = order
         self.ttft_slo_s = None if ttft_slo_ms is None else ttft_slo_ms / 1e3
+        self.max_wait_s = None if max_wait_ms is None else max_wait_ms / 1e3
         self.rate = PrefillRate()
         self.dirty = False  # the queue gained requests since it was last ordered
         self._ordered_at = -1  # ``rate.samples`` then: a launch since moves every estimate
@@ -139,29 +146,45 @@ class PrefillOrder:
         self.dirty, self._ordered_at = False, self.rate.samples
         now = time.monotonic() if now is None else now
         backlog = sum(r.num_uncomputed for r in running if r.num_uncomputed > 1)
-        ordered, self.late_last = self._ordered(list(waiting), now + self.rate.seconds(backlog))
+        ordered, self.late_last = self._ordered(list(waiting), now + self.rate.seconds(backlog),
+                                                now)
         waiting.clear()
         waiting.extend(ordered)
         self.reorders += 1
 
-    def _ordered(self, queue: list[Request], start: float) -> tuple[list[Request], int]:
+    def _ordered(self, queue: list[Request], start: float, now: float
+                 ) -> tuple[list[Request], int]:
         resumed = [r for r in queue if r.num_output_tokens > 0]
         fresh = [(r, r.arrival_time, r.num_uncomputed) for r in queue
                  if r.num_output_tokens == 0]
-        ranked, late = self.rank(fresh, start)
+        ranked, late = self.rank(fresh, start, now)
         return resumed + ranked, late
 
-    def rank(self, prompts: list[tuple[T, float, int]], start: float) -> tuple[list[T], int]:
+    def rank(self, prompts: list[tuple[T, float, int]], start: float,
+             now: float | None = None) -> tuple[list[T], int]:
         """``prompts`` ((prompt, arrival time, tokens to prefill)) in Moore-Hodgson order when
-        served from ``start`` at the learned rate, and how many of them come late. Needs a
+        served from ``start`` at the learned rate, and how many of them come late; with a
+        wait bound, those waiting since ``now - max_wait_s`` or longer first, in arrival
+        order (each counted late: the bound only binds a prompt the order put last). Needs a
         rate (``rate.tokens_per_s``)."""
-        items = [(arrival + self.ttft_slo_s, self.rate.seconds(tokens))
-                 for _, arrival, tokens in prompts]
+        overdue: list[int] = []
+        if self.max_wait_s is not None and now is not None:
+            overdue = sorted((i for i, (_, arrival, _) in enumerate(prompts)
+                              if now - arrival >= self.max_wait_s),
+                             key=lambda i: prompts[i][1])
+        start += sum(self.rate.seconds(prompts[i][2]) for i in overdue)
+        first = set(overdue)
+        rest = [i for i in range(len(prompts)) if i not in first]
+        items = [(prompts[i][1] + self.ttft_slo_s, self.rate.seconds(prompts[i][2]))
+                 for i in rest]
         on_time, late = moore_hodgson(items, start)
-        return [prompts[i][0] for i in on_time + late], len(late)
+        return ([prompts[i][0] for i in overdue]
+                + [prompts[rest[j]][0] for j in on_time + late]), len(overdue) + len(late)
 
     def describe(self) -> dict:
         rate = self.rate.tokens_per_s
         return {"prefill_order": self.order,
                 **({"prefill_order_rate_tokens_per_s": None if rate is None else round(rate),
-                    "prefill_order_reorders": self.reorders} if self.enabled else {})}
+                    "prefill_order_reorders": self.reorders,
+                    "prefill_order_max_wait_ms": None if self.max_wait_s is None
+                    else round(self.max_wait_s * 1e3)} if self.enabled else {})}

@@ -247,7 +247,7 @@ class MuxStepSim:
         if self.batch is not None:
             backlog += sum(tokens for _, tokens in self.batch.chunks)
         ranked, _ = order.rank([(r, r.arrival, r.prompt_len) for r in fresh],
-                               self.now + order.rate.seconds(backlog))
+                               self.now + order.rate.seconds(backlog), self.now)
         self.waiting[:] = started + ranked
 
     def _observe_prefill(self, tokens: int, seconds: float) -> None:

@@ -78,6 +78,29 @@ def test_a_prompt_past_its_deadline_goes_last_and_is_still_served():
     assert doomed.is_finished and doomed.finish_reason == "length"
 
 
+def test_a_prompt_past_the_wait_bound_goes_ahead_of_prompts_that_can_still_make_it():
+    """Unbounded, the doomed prompt waits behind every meetable one; past the bound it goes
+    first, and the two it goes ahead of come late: what the bound costs."""
+    doomed, first, second = queue = _queue([(2000, 0.0), (500, 9.0), (500, 9.5)])
+    unbounded = _taught(PrefillOrder("slo", 2000.0))
+    waiting = deque(queue)
+    unbounded.arrange(waiting, running=[], now=10.0)
+    assert list(waiting) == [first, second, doomed] and unbounded.late_last == 1
+    bounded = _taught(PrefillOrder("slo", 2000.0, max_wait_ms=8000.0))
+    waiting = deque(queue)
+    bounded.arrange(waiting, running=[], now=10.0)  # doomed has waited 10 s > 8 s
+    assert list(waiting) == [doomed, first, second] and bounded.late_last == 3
+    assert bounded.describe()["prefill_order_max_wait_ms"] == 8000
+
+
+def test_a_prompt_under_the_wait_bound_keeps_its_place():
+    long, short_a, short_b = queue = _queue([(4000, 0.0), (1000, 0.1), (1000, 0.2)])
+    order = _taught(PrefillOrder("slo", 4500.0, max_wait_ms=1000.0))
+    waiting = deque(queue)
+    order.arrange(waiting, running=[], now=0.2)
+    assert list(waiting) == [short_a, short_b, long]
+
+
 def test_fcfs_leaves_the_queue_as_it_came():
     now = time.monotonic()
     doomed, fresh = _queue([(40, now - 10.0), (40, now)])
@@ -152,6 +175,9 @@ def test_a_launch_with_prompt_tokens_teaches_the_scheduler():
     ({"prefill_order": "slo"}, "set --ttft-slo-ms"),
     ({"prefill_order": "slo", "ttft_slo_ms": 0.0}, "set --ttft-slo-ms"),
     ({"prefill_order": "edf", "ttft_slo_ms": 100.0}, "expected one of fcfs, slo"),
+    ({"prefill_order_max_wait_ms": 1000.0}, "set --prefill-order slo"),
+    ({"prefill_order": "slo", "ttft_slo_ms": 100.0, "prefill_order_max_wait_ms": 0.0},
+     "must be positive"),
 ])
 def test_the_flag_is_refused_without_a_deadline_or_with_an_unknown_order(options, message):
     with pytest.raises(ValueError, match=message):
