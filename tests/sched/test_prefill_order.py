@@ -207,3 +207,14 @@ def test_every_policy_serves_every_request_in_slo_order(fcfs_tokens, schedule):
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     assert info["prefill_order"] == "slo" and info["prefill_order_rate_tokens_per_s"] > 0
     assert info["prefill_order_reorders"] > 0, "the queue was never ordered"
+
+
+def test_a_wait_bound_serves_every_request_and_is_reported(fcfs_tokens):
+    """A bound every prompt passes at once (1 ms): the overdue go first in arrival order,
+    and nothing is lost."""
+    with LLM("tiny", schedule="chunked", prefill_order="slo", ttft_slo_ms=50.0,
+             prefill_order_max_wait_ms=1.0, **OPTIONS) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+        info = llm.engine.describe()
+    assert [o.outputs[0].token_ids for o in outputs] == fcfs_tokens
+    assert info["prefill_order_max_wait_ms"] == 1
