@@ -64,7 +64,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.sim_goodput_probes import attainment, measured_rows  # noqa: E402
+from benchmarks.sim_goodput_probes import (  # noqa: E402
+    attainment,
+    load_probe,
+    measured_rows,
+    probe_of_loogle_row,  # noqa: F401  (the tests reach it here)
+)
 from benchmarks.sim_validate_instance import latency_rows  # noqa: E402
 from benchmarks.validate_sim import percentiles  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
@@ -153,44 +158,6 @@ def replay(record: dict, predictor: LatencyPredictor, variant: str = "",
             "busy_s": run.busy_s,
             "attainment": attainment(rows, slo["ttft_ms"] / 1e3, slo["itl_ms"] / 1e3),
             "ttft_s": percentiles(rows, "ttft_s"), "tpot_s": percentiles(rows, "tpot_s")}
-
-
-LOOGLE_SLO = {"ttft_ms": 15000.0, "itl_ms": 60.0}  # loogle_h200.py's attainment
-
-
-def load_probe(path: Path) -> dict:
-    """A goodput probe as ``goodput_h200.py`` writes it, or a ``loogle_h200.py`` row (its
-    client's records beside it) in that form."""
-    record = json.loads(path.read_text())
-    if "samples" in record or "server_command" not in record:
-        return record
-    records = json.loads(path.with_name(f"{path.stem}_records.json").read_text())
-    return probe_of_loogle_row(record, records["requests"])
-
-
-def probe_of_loogle_row(row: dict, requests: list[dict]) -> dict:
-    """A ``loogle_h200.py`` row as the probe the replay reads: its server's flags (after
-    ``serve <model>``), the engine it reported, its requests (TPOT over the tokens after
-    the first, as that script's attainment takes it) and its SLOs."""
-    command = shlex.split(row["server_command"])
-    server_args = shlex.join(command[command.index("serve") + 2:])
-    engine = row.get("engine_info") or {}
-    samples = [{"send_s": r["sent_at"], "prompt_len": r["input_len"],
-                "output_tokens": r["output_len"], "ttft_ms": r["ttft"] * 1e3,
-                "tpot_ms": (r["e2e"] - r["ttft"]) / max(1, r["output_len"] - 1) * 1e3}
-               for r in requests if r.get("ok")]
-    if len(samples) != len(requests):
-        raise SystemExit(f"{row['config']} at {row['rate']} req/s: "
-                         f"{len(requests) - len(samples)} requests failed; nothing to replay")
-    predictor = (engine.get("predictor") or {}).get("path")
-    return {"git_revision": row["git_revision"],
-            "config": {"name": row["config"], "server_args": server_args, "engine": engine},
-            "probe": {"workload": "loogle", "config": row["config"], "rate": row["rate"],
-                      "requests": len(samples)},
-            **({"predictor": {"path": predictor}} if predictor else {}),
-            "partitions": engine.get("partitions") or {},
-            "samples": samples,
-            "summary": {"slo": LOOGLE_SLO, "slo_attainment": row["attainment"]}}
 
 
 @dataclasses.dataclass(frozen=True)

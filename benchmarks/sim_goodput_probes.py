@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import re
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,6 +63,44 @@ GOODPUT = ROOT / "benchmarks" / "results" / "goodput_h200"
 VALIDATION = ROOT / "benchmarks" / "results" / "sim_validate_instance_h200_8ccd9ac.json"
 
 
+LOOGLE_SLO = {"ttft_ms": 15000.0, "itl_ms": 60.0}  # loogle_h200.py's attainment
+
+
+def load_probe(path: Path) -> dict:
+    """A goodput probe as ``goodput_h200.py`` writes it, or a ``loogle_h200.py`` row (its
+    client's records beside it) in that form."""
+    record = json.loads(path.read_text())
+    if "samples" in record or "server_command" not in record:
+        return record
+    records = json.loads(path.with_name(f"{path.stem}_records.json").read_text())
+    return probe_of_loogle_row(record, records["requests"])
+
+
+def probe_of_loogle_row(row: dict, requests: list[dict]) -> dict:
+    """A ``loogle_h200.py`` row as the probe the replay reads: its server's flags (after
+    ``serve <model>``), the engine it reported, its requests (TPOT over the tokens after
+    the first, as that script's attainment takes it) and its SLOs."""
+    command = shlex.split(row["server_command"])
+    server_args = shlex.join(command[command.index("serve") + 2:])
+    engine = row.get("engine_info") or {}
+    samples = [{"send_s": r["sent_at"], "prompt_len": r["input_len"],
+                "output_tokens": r["output_len"], "ttft_ms": r["ttft"] * 1e3,
+                "tpot_ms": (r["e2e"] - r["ttft"]) / max(1, r["output_len"] - 1) * 1e3}
+               for r in requests if r.get("ok")]
+    if len(samples) != len(requests):
+        raise SystemExit(f"{row['config']} at {row['rate']} req/s: "
+                         f"{len(requests) - len(samples)} requests failed; nothing to replay")
+    predictor = (engine.get("predictor") or {}).get("path")
+    return {"git_revision": row["git_revision"],
+            "config": {"name": row["config"], "server_args": server_args, "engine": engine},
+            "probe": {"workload": "loogle", "config": row["config"], "rate": row["rate"],
+                      "requests": len(samples)},
+            **({"predictor": {"path": predictor}} if predictor else {}),
+            "partitions": engine.get("partitions") or {},
+            "samples": samples,
+            "summary": {"slo": LOOGLE_SLO, "slo_attainment": row["attainment"]}}
+
+
 def chunk_size_of(record: dict) -> int | None:
     """The chunk size of a chunked probe's server (None: another schedule)."""
     match = re.search(r"--schedule chunked --chunk-size (\d+)", record["config"]["server_args"])
@@ -79,10 +118,15 @@ def measured_rows(record: dict) -> list[dict]:
 
 
 def simulated_rows(model: LatencyModel, chunk: int, requests: list[SimRequest],
-                   extra_s: float, noise: ServiceNoise | None) -> list[dict]:
+                   extra_s: float, noise: ServiceNoise | None,
+                   slo_order_ttft_s: float | None = None) -> list[dict]:
+    """With ``slo_order_ttft_s``, the queue in SLO order (``--prefill-order slo``) at that
+    TTFT SLO; else first come, first served."""
     fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
+    order = {} if slo_order_ttft_s is None else {"prefill_order": "slo",
+                                                 "ttft_slo_s": slo_order_ttft_s}
     ChunkedInstanceSim(model, chunk_size=chunk, noise=noise, mixed_step_extra_s=extra_s,
-                       overlap=True).run(fresh)
+                       overlap=True, **order).run(fresh)
     return latency_rows(fresh)
 
 
@@ -92,14 +136,19 @@ def attainment(rows: list[dict], ttft_slo_s: float, tpot_slo_s: float) -> float:
 
 
 def compare_probe(record: dict, model: LatencyModel, extra_s: float,
-                  noise: ServiceNoise) -> dict:
+                  noise: ServiceNoise, slo_order: bool = False) -> dict:
+    """With ``slo_order``, also the probe's requests in SLO order (``simulated_slo_order``,
+    a prediction: the probe ran in the order its flags name)."""
     chunk, requests = chunk_size_of(record), requests_of(record)
     measured = measured_rows(record)
+    slo = record["summary"]["slo"]
+    ttft_slo, tpot_slo = slo["ttft_ms"] / 1e3, slo["itl_ms"] / 1e3
     simulated = {"simulated_medians_only": simulated_rows(model, chunk, requests, extra_s,
                                                           None),
                  "simulated": simulated_rows(model, chunk, requests, extra_s, noise)}
-    slo = record["summary"]["slo"]
-    ttft_slo, tpot_slo = slo["ttft_ms"] / 1e3, slo["itl_ms"] / 1e3
+    if slo_order:
+        simulated["simulated_slo_order"] = simulated_rows(model, chunk, requests, extra_s,
+                                                          noise, ttft_slo)
     figures = {key: percentiles(measured, key) for key in ("ttft_s", "tpot_s")}
     return {"chunk_size": chunk, "rate": record["probe"]["rate"],
             "requests": len(requests), "git_revision": record["git_revision"],
@@ -126,12 +175,12 @@ def steps_of(record_path: Path, model: LatencyModel, extra_s: float) -> dict | N
 
 def run(validation_path: Path, probe_paths: list[Path],
         grid_paths: Sequence[Path] = (),
-        steps: bool = False, engine_path: Path | None = None) -> dict:
+        steps: bool = False, engine_path: Path | None = None, slo_order: bool = False) -> dict:
     model, extra_s, noise, facts = chunked_model(validation_path, grid_paths, engine_path)
     revision = facts["model_revision"]
     probes, skipped, steps_skipped = {}, {}, {}
     for path in probe_paths:
-        record = json.loads(path.read_text())
+        record = load_probe(path)
         if chunk_size_of(record) is None:
             if not (steps and is_multiplex(record)):
                 raise SystemExit(f"{path}: not a chunked probe (the chunked model only; a "
@@ -145,7 +194,7 @@ def run(validation_path: Path, probe_paths: list[Path],
         if "summary" not in record:  # imported from a run before goodput_h200.py
             skipped[path.stem] = "no SLO summary: imported from an earlier runner"
             continue
-        probes[path.stem] = {**compare_probe(record, model, extra_s, noise),
+        probes[path.stem] = {**compare_probe(record, model, extra_s, noise, slo_order),
                              "same_revision": record["git_revision"] == revision}
         found = steps_of(path, model, extra_s) if steps else None
         if found is not None:
@@ -290,6 +339,9 @@ def main() -> int:
                         help="refit the decode step on the validation's decode points and "
                         "this engine benchmark's decode rows (bench_engine.py or "
                         "ab_engine.py JSON)")
+    parser.add_argument("--slo-order", action="store_true",
+                        help="also simulate each probe's requests in SLO order "
+                        "(--prefill-order slo at the probe's TTFT SLO): a prediction")
     parser.add_argument("--out", type=Path, help="write the result here (JSON)")
     args = parser.parse_args()
     validation = args.validation.resolve()
@@ -302,8 +354,9 @@ def main() -> int:
                                "probes": [str(p.relative_to(ROOT)) for p in probes],
                                "mixed_step_grid": ", ".join(str(p.relative_to(ROOT))
                                                             for p in grid) or None,
-                               "decode_points_from": engine and str(engine.relative_to(ROOT))}),
-              **run(validation, probes, grid, args.steps, engine)}
+                               "decode_points_from": engine and str(engine.relative_to(ROOT)),
+                               "slo_order": args.slo_order}),
+              **run(validation, probes, grid, args.steps, engine, args.slo_order)}
     for name, probe in result["probes"].items():
         if "compare" in probe:
             errors = {key: {q: round(100 * e, 1) for q, e in

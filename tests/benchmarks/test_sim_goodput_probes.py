@@ -189,3 +189,20 @@ def test_several_grids_are_fitted_as_one():
     assert merged["git_revision"] == f"{grid['git_revision']}, {'b' * 40}"
     with pytest.raises(SystemExit, match="different prefill-step graphs"):
         module.merged_grid([grid, {**grid, "piecewise_buckets": [1, 2]}])
+
+
+def test_a_loogle_row_is_simulated_in_both_orders():
+    """A ``loogle_h200.py`` row (its client records beside it) at 0.5 req/s, where the queue
+    grows: in SLO order the model meets more 15 s TTFTs than in arrival order and its
+    median falls, the prompts put last waiting longer."""
+    module = _script()
+    validation = RESULTS / "sim_validate_instance_h200_8ccd9ac.json"
+    row = RESULTS / "loogle_h200" / "6a43faf_chunk256_rate0.5.json"
+    probe = module.run(validation, [row], slo_order=True)["probes"][row.stem]
+    assert probe["requests"] == 40 and probe["chunk_size"] == 256
+    assert probe["attainment"]["measured"] == pytest.approx(0.3)
+    ttft = probe["compare"]["ttft_s"]
+    assert ttft["simulated_slo_order"]["p50"] < ttft["simulated"]["p50"]
+    assert ttft["simulated_slo_order"]["p99"] > ttft["simulated"]["p99"]
+    attained = probe["attainment"]
+    assert attained["simulated_slo_order"] > attained["simulated"]
