@@ -27,6 +27,7 @@ under FCFS, where preemption puts them).
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -124,6 +125,7 @@ class PrefillOrder:
         self.rate = PrefillRate()
         self.dirty = False  # the queue gained requests since it was last ordered
         self._ordered_at = -1  # ``rate.samples`` then: a launch since moves every estimate
+        self._next_overdue_at = math.inf  # a prompt passing the wait bound then moves ahead
         self.reorders = 0
         self.late_last = 0  # prompts put behind the meetable ones by the last reorder
 
@@ -138,19 +140,30 @@ class PrefillOrder:
 
     def arrange(self, waiting: deque[Request], running: Iterable[Request],
                 now: float | None = None) -> None:
-        """Reorders ``waiting`` in place when it changed or a launch completed since."""
+        """Reorders ``waiting`` in place when it changed, a launch completed or a prompt
+        passed the wait bound since."""
         if not self.enabled or len(waiting) < 2 or self.rate.tokens_per_s is None:
             return
-        if not self.dirty and self._ordered_at == self.rate.samples:
+        now = time.monotonic() if now is None else now
+        if (not self.dirty and self._ordered_at == self.rate.samples
+                and not now >= self._next_overdue_at):
             return
         self.dirty, self._ordered_at = False, self.rate.samples
-        now = time.monotonic() if now is None else now
         backlog = sum(r.num_uncomputed for r in running if r.num_uncomputed > 1)
         ordered, self.late_last = self._ordered(list(waiting), now + self.rate.seconds(backlog),
                                                 now)
         waiting.clear()
         waiting.extend(ordered)
         self.reorders += 1
+        self._next_overdue_at = self._first_overdue(waiting, now)
+
+    def _first_overdue(self, waiting: Iterable[Request], now: float) -> float:
+        """When the next prompt waiting passes the bound (no bound, none: never): while only
+        decodes run no launch teaches the rate, and the queue must still be reordered then."""
+        if self.max_wait_s is None:
+            return math.inf
+        return min((r.arrival_time + self.max_wait_s for r in waiting
+                    if now - r.arrival_time < self.max_wait_s), default=math.inf)
 
     def _ordered(self, queue: list[Request], start: float, now: float
                  ) -> tuple[list[Request], int]:

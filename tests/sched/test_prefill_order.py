@@ -93,6 +93,19 @@ def test_a_prompt_past_the_wait_bound_goes_ahead_of_prompts_that_can_still_make_
     assert bounded.describe()["prefill_order_max_wait_ms"] == 8000
 
 
+def test_the_queue_is_reordered_when_a_prompt_passes_the_bound_without_a_launch():
+    """Decode-only launches teach no rate: passing the bound alone must trigger the reorder."""
+    doomed, first, second = queue = _queue([(2000, 0.0), (500, 9.0), (500, 9.5)])
+    order = _taught(PrefillOrder("slo", 2000.0, max_wait_ms=11000.0))
+    waiting = deque(queue)
+    order.arrange(waiting, running=[], now=10.0)
+    assert list(waiting) == [first, second, doomed]
+    order.arrange(waiting, running=[], now=10.5)  # nothing changed, no launch, none due
+    assert order.reorders == 1
+    order.arrange(waiting, running=[], now=11.0)  # doomed has now waited 11 s
+    assert list(waiting)[0] is doomed and order.reorders == 2
+
+
 def test_a_prompt_under_the_wait_bound_keeps_its_place():
     long, short_a, short_b = queue = _queue([(4000, 0.0), (1000, 0.1), (1000, 0.2)])
     order = _taught(PrefillOrder("slo", 4500.0, max_wait_ms=1000.0))
