@@ -78,27 +78,34 @@ def test_a_prompt_past_its_deadline_goes_last_and_is_still_served():
     assert doomed.is_finished and doomed.finish_reason == "length"
 
 
+def _doomed_and_two_meetable():
+    """At 10 s with a 2 s SLO: a prompt past its deadline, and two that make theirs if
+    served before it."""
+    return _queue([(2000, 0.0), (500, 9.0), (500, 9.5)])
+
+
+def _arranged(queue: list, max_wait_ms: float | None, now: float):
+    order = _taught(PrefillOrder("slo", 2000.0, max_wait_ms=max_wait_ms))
+    waiting = deque(queue)
+    order.arrange(waiting, running=[], now=now)
+    return order, waiting
+
+
 def test_a_prompt_past_the_wait_bound_goes_ahead_of_prompts_that_can_still_make_it():
     """Unbounded, the doomed prompt waits behind every meetable one; past the bound it goes
     first, and the two it goes ahead of come late: what the bound costs."""
-    doomed, first, second = queue = _queue([(2000, 0.0), (500, 9.0), (500, 9.5)])
-    unbounded = _taught(PrefillOrder("slo", 2000.0))
-    waiting = deque(queue)
-    unbounded.arrange(waiting, running=[], now=10.0)
+    doomed, first, second = queue = _doomed_and_two_meetable()
+    unbounded, waiting = _arranged(queue, None, now=10.0)
     assert list(waiting) == [first, second, doomed] and unbounded.late_last == 1
-    bounded = _taught(PrefillOrder("slo", 2000.0, max_wait_ms=8000.0))
-    waiting = deque(queue)
-    bounded.arrange(waiting, running=[], now=10.0)  # doomed has waited 10 s > 8 s
+    bounded, waiting = _arranged(queue, 8000.0, now=10.0)  # doomed has waited 10 s > 8 s
     assert list(waiting) == [doomed, first, second] and bounded.late_last == 3
     assert bounded.describe()["prefill_order_max_wait_ms"] == 8000
 
 
 def test_the_queue_is_reordered_when_a_prompt_passes_the_bound_without_a_launch():
     """Decode-only launches teach no rate: passing the bound alone must trigger the reorder."""
-    doomed, first, second = queue = _queue([(2000, 0.0), (500, 9.0), (500, 9.5)])
-    order = _taught(PrefillOrder("slo", 2000.0, max_wait_ms=11000.0))
-    waiting = deque(queue)
-    order.arrange(waiting, running=[], now=10.0)
+    doomed, first, second = queue = _doomed_and_two_meetable()
+    order, waiting = _arranged(queue, 11000.0, now=10.0)
     assert list(waiting) == [first, second, doomed]
     order.arrange(waiting, running=[], now=10.5)  # nothing changed, no launch, none due
     assert order.reorders == 1
