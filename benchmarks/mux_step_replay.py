@@ -64,12 +64,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.sim_goodput_probes import (  # noqa: E402
-    attainment,
-    load_probe,
-    measured_rows,
-    probe_of_loogle_row,  # noqa: F401  (the tests reach it here)
-)
+from benchmarks.sim_goodput_probes import attainment, load_probe, measured_rows  # noqa: E402
 from benchmarks.sim_validate_instance import latency_rows  # noqa: E402
 from benchmarks.validate_sim import percentiles  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402

@@ -46,6 +46,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.loogle_h200 import TPOT_SLO_S, TTFT_SLO_S  # noqa: E402  (its attainment)
 from benchmarks.sim_validate_instance import fit_mixed_step_extra, latency_rows  # noqa: E402
 from benchmarks.validate_sim import compare_percentiles, percentiles  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
@@ -61,9 +62,6 @@ from pdserve.sim.step_check import step_check  # noqa: E402
 
 GOODPUT = ROOT / "benchmarks" / "results" / "goodput_h200"
 VALIDATION = ROOT / "benchmarks" / "results" / "sim_validate_instance_h200_8ccd9ac.json"
-
-
-LOOGLE_SLO = {"ttft_ms": 15000.0, "itl_ms": 60.0}  # loogle_h200.py's attainment
 
 
 def load_probe(path: Path) -> dict:
@@ -98,7 +96,8 @@ def probe_of_loogle_row(row: dict, requests: list[dict]) -> dict:
             **({"predictor": {"path": predictor}} if predictor else {}),
             "partitions": engine.get("partitions") or {},
             "samples": samples,
-            "summary": {"slo": LOOGLE_SLO, "slo_attainment": row["attainment"]}}
+            "summary": {"slo": {"ttft_ms": TTFT_SLO_S * 1e3, "itl_ms": TPOT_SLO_S * 1e3},
+                        "slo_attainment": row["attainment"]}}
 
 
 def chunk_size_of(record: dict) -> int | None:

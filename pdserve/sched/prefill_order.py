@@ -144,9 +144,11 @@ class PrefillOrder:
         passed the wait bound since."""
         if not self.enabled or len(waiting) < 2 or self.rate.tokens_per_s is None:
             return
+        unchanged = not self.dirty and self._ordered_at == self.rate.samples
+        if unchanged and self._next_overdue_at == math.inf:
+            return  # the engine's loop calls this every step: no clock read when idle
         now = time.monotonic() if now is None else now
-        if (not self.dirty and self._ordered_at == self.rate.samples
-                and not now >= self._next_overdue_at):
+        if unchanged and now < self._next_overdue_at:
             return
         self.dirty, self._ordered_at = False, self.rate.samples
         backlog = sum(r.num_uncomputed for r in running if r.num_uncomputed > 1)
@@ -163,7 +165,8 @@ class PrefillOrder:
         if self.max_wait_s is None:
             return math.inf
         return min((r.arrival_time + self.max_wait_s for r in waiting
-                    if now - r.arrival_time < self.max_wait_s), default=math.inf)
+                    if r.num_output_tokens == 0 and now - r.arrival_time < self.max_wait_s),
+                   default=math.inf)  # resumed requests keep the front: no bound to pass
 
     def _ordered(self, queue: list[Request], start: float, now: float
                  ) -> tuple[list[Request], int]:

@@ -328,11 +328,3 @@ def test_a_loogle_h200_row_replays_as_a_probe(tool, tmp_path):
     replayed = json.loads(out.read_text())["replayed"][0]
     assert replayed["attainment"] == 1.0 and replayed["rate"] == 2.0
 
-
-def test_a_loogle_h200_row_with_a_failed_request_is_not_replayed(tool):
-    requests = [{"input_len": 330, "sent_at": 0.0, "ok": False, "ttft": 0.0, "e2e": 0.0,
-                 "output_len": 40}]
-    row = {"config": "multiplex", "rate": 2.0, "git_revision": "0", "attainment": 0.0,
-           "server_command": f"python -m pdserve serve tiny {SERVER_ARGS}"}
-    with pytest.raises(SystemExit, match="1 requests failed"):
-        tool.probe_of_loogle_row(row, requests)

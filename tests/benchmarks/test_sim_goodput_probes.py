@@ -206,3 +206,13 @@ def test_a_loogle_row_is_simulated_in_both_orders():
     assert ttft["simulated_slo_order"]["p99"] > ttft["simulated"]["p99"]
     attained = probe["attainment"]
     assert attained["simulated_slo_order"] > attained["simulated"]
+
+
+def test_a_loogle_h200_row_with_a_failed_request_is_not_replayed():
+    module = _script()
+    requests = [{"input_len": 330, "sent_at": 0.0, "ok": False, "ttft": 0.0, "e2e": 0.0,
+                 "output_len": 40}]
+    row = {"config": "multiplex", "rate": 2.0, "git_revision": "0", "attainment": 0.0,
+           "server_command": "python -m pdserve serve tiny --schedule chunked --chunk-size 256"}
+    with pytest.raises(SystemExit, match="1 requests failed"):
+        module.probe_of_loogle_row(row, requests)
