@@ -118,12 +118,14 @@ def measured_rows(record: dict) -> list[dict]:
 
 def simulated_rows(model: LatencyModel, chunk: int, requests: list[SimRequest],
                    extra_s: float, noise: ServiceNoise | None,
-                   slo_order_ttft_s: float | None = None) -> list[dict]:
+                   slo_order_ttft_s: float | None = None,
+                   max_wait_s: float | None = None) -> list[dict]:
     """With ``slo_order_ttft_s``, the queue in SLO order (``--prefill-order slo``) at that
-    TTFT SLO; else first come, first served."""
+    TTFT SLO, prompts waiting ``max_wait_s`` first; else first come, first served."""
     fresh = [SimRequest(r.arrival, r.input_len, r.output_len) for r in requests]
     order = {} if slo_order_ttft_s is None else {"prefill_order": "slo",
-                                                 "ttft_slo_s": slo_order_ttft_s}
+                                                 "ttft_slo_s": slo_order_ttft_s,
+                                                 "max_wait_s": max_wait_s}
     ChunkedInstanceSim(model, chunk_size=chunk, noise=noise, mixed_step_extra_s=extra_s,
                        overlap=True, **order).run(fresh)
     return latency_rows(fresh)
@@ -135,9 +137,11 @@ def attainment(rows: list[dict], ttft_slo_s: float, tpot_slo_s: float) -> float:
 
 
 def compare_probe(record: dict, model: LatencyModel, extra_s: float,
-                  noise: ServiceNoise, slo_order: bool = False) -> dict:
+                  noise: ServiceNoise, slo_order: bool = False,
+                  max_wait_s: float | None = None) -> dict:
     """With ``slo_order``, also the probe's requests in SLO order (``simulated_slo_order``,
-    a prediction: the probe ran in the order its flags name)."""
+    a prediction: the probe ran in the order its flags name), with ``max_wait_s`` as the
+    wait bound."""
     chunk, requests = chunk_size_of(record), requests_of(record)
     measured = measured_rows(record)
     slo = record["summary"]["slo"]
@@ -147,7 +151,7 @@ def compare_probe(record: dict, model: LatencyModel, extra_s: float,
                  "simulated": simulated_rows(model, chunk, requests, extra_s, noise)}
     if slo_order:
         simulated["simulated_slo_order"] = simulated_rows(model, chunk, requests, extra_s,
-                                                          noise, ttft_slo)
+                                                          noise, ttft_slo, max_wait_s)
     figures = {key: percentiles(measured, key) for key in ("ttft_s", "tpot_s")}
     return {"chunk_size": chunk, "rate": record["probe"]["rate"],
             "requests": len(requests), "git_revision": record["git_revision"],
@@ -174,7 +178,8 @@ def steps_of(record_path: Path, model: LatencyModel, extra_s: float) -> dict | N
 
 def run(validation_path: Path, probe_paths: list[Path],
         grid_paths: Sequence[Path] = (),
-        steps: bool = False, engine_path: Path | None = None, slo_order: bool = False) -> dict:
+        steps: bool = False, engine_path: Path | None = None, slo_order: bool = False,
+        max_wait_s: float | None = None) -> dict:
     model, extra_s, noise, facts = chunked_model(validation_path, grid_paths, engine_path)
     revision = facts["model_revision"]
     probes, skipped, steps_skipped = {}, {}, {}
@@ -193,7 +198,8 @@ def run(validation_path: Path, probe_paths: list[Path],
         if "summary" not in record:  # imported from a run before goodput_h200.py
             skipped[path.stem] = "no SLO summary: imported from an earlier runner"
             continue
-        probes[path.stem] = {**compare_probe(record, model, extra_s, noise, slo_order),
+        probes[path.stem] = {**compare_probe(record, model, extra_s, noise, slo_order,
+                                             max_wait_s),
                              "same_revision": record["git_revision"] == revision}
         found = steps_of(path, model, extra_s) if steps else None
         if found is not None:
@@ -341,8 +347,15 @@ def main() -> int:
     parser.add_argument("--slo-order", action="store_true",
                         help="also simulate each probe's requests in SLO order "
                         "(--prefill-order slo at the probe's TTFT SLO): a prediction")
+    parser.add_argument("--prefill-order-max-wait-ms", type=float,
+                        help="with --slo-order: the engine's wait bound of that name "
+                        "(prompts waiting that long are served first)")
     parser.add_argument("--out", type=Path, help="write the result here (JSON)")
     args = parser.parse_args()
+    if args.prefill_order_max_wait_ms is not None and not args.slo_order:
+        parser.error("--prefill-order-max-wait-ms bounds the SLO order: add --slo-order")
+    max_wait_s = (None if args.prefill_order_max_wait_ms is None
+                  else args.prefill_order_max_wait_ms / 1e3)
     validation = args.validation.resolve()
     probes = [p.resolve() for p in args.probes] if args.probes else default_probes(validation)
     if not probes:
@@ -354,8 +367,9 @@ def main() -> int:
                                "mixed_step_grid": ", ".join(str(p.relative_to(ROOT))
                                                             for p in grid) or None,
                                "decode_points_from": engine and str(engine.relative_to(ROOT)),
-                               "slo_order": args.slo_order}),
-              **run(validation, probes, grid, args.steps, engine, args.slo_order)}
+                               "slo_order": args.slo_order,
+                               "prefill_order_max_wait_ms": args.prefill_order_max_wait_ms}),
+              **run(validation, probes, grid, args.steps, engine, args.slo_order, max_wait_s)}
     for name, probe in result["probes"].items():
         if "compare" in probe:
             errors = {key: {q: round(100 * e, 1) for q, e in

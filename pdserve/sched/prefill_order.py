@@ -113,6 +113,26 @@ def moore_hodgson(items: Iterable[tuple[float, float]], start: float
     return on_time, [i for i in order if i in doomed]
 
 
+def slo_rank(prompts: list[tuple[float, float]], start: float, ttft_slo_s: float,
+             now: float | None = None, max_wait_s: float | None = None
+             ) -> tuple[list[int], int]:
+    """Indices of ``prompts`` ((arrival time, service time)) in Moore-Hodgson order on
+    the deadline arrival + ``ttft_slo_s`` when served one after the other from ``start``,
+    and how many come late. With ``max_wait_s`` (and ``now``), those waiting that long or
+    longer come first, in arrival order, each counted late: the bound only binds a prompt
+    the order put last."""
+    overdue: list[int] = []
+    if max_wait_s is not None and now is not None:
+        overdue = sorted((i for i, (arrival, _) in enumerate(prompts)
+                          if now - arrival >= max_wait_s), key=lambda i: prompts[i][0])
+    start += sum(prompts[i][1] for i in overdue)
+    first = set(overdue)
+    rest = [i for i in range(len(prompts)) if i not in first]
+    on_time, late = moore_hodgson([(prompts[i][0] + ttft_slo_s, prompts[i][1]) for i in rest],
+                                  start)
+    return overdue + [rest[j] for j in on_time + late], len(overdue) + len(late)
+
+
 class PrefillOrder:
     """Keeps a scheduler's ``waiting`` deque in the configured order."""
 
@@ -178,24 +198,13 @@ class PrefillOrder:
 
     def rank(self, prompts: list[tuple[T, float, int]], start: float,
              now: float | None = None) -> tuple[list[T], int]:
-        """``prompts`` ((prompt, arrival time, tokens to prefill)) in Moore-Hodgson order when
-        served from ``start`` at the learned rate, and how many of them come late; with a
-        wait bound, those waiting since ``now - max_wait_s`` or longer first, in arrival
-        order (each counted late: the bound only binds a prompt the order put last). Needs a
-        rate (``rate.tokens_per_s``)."""
-        overdue: list[int] = []
-        if self.max_wait_s is not None and now is not None:
-            overdue = sorted((i for i, (_, arrival, _) in enumerate(prompts)
-                              if now - arrival >= self.max_wait_s),
-                             key=lambda i: prompts[i][1])
-        start += sum(self.rate.seconds(prompts[i][2]) for i in overdue)
-        first = set(overdue)
-        rest = [i for i in range(len(prompts)) if i not in first]
-        items = [(prompts[i][1] + self.ttft_slo_s, self.rate.seconds(prompts[i][2]))
-                 for i in rest]
-        on_time, late = moore_hodgson(items, start)
-        return ([prompts[i][0] for i in overdue]
-                + [prompts[rest[j]][0] for j in on_time + late]), len(overdue) + len(late)
+        """``prompts`` ((prompt, arrival time, tokens to prefill)) in ``slo_rank`` order at
+        the learned rate, and how many of them come late. Needs a rate
+        (``rate.tokens_per_s``)."""
+        indices, late = slo_rank([(arrival, self.rate.seconds(tokens))
+                                  for _, arrival, tokens in prompts],
+                                 start, self.ttft_slo_s, now, self.max_wait_s)
+        return [prompts[i][0] for i in indices], late
 
     def describe(self) -> dict:
         rate = self.rate.tokens_per_s

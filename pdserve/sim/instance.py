@@ -40,9 +40,10 @@ sized to its ITL target, by a fitted predictor). A step with nothing decoding ta
 ``chunk_size``.
 
 ``prefill_order="slo"`` (with ``ttft_slo_s``) keeps the prompts not yet started in the
-engine's ``--prefill-order slo`` order (``moore_hodgson``), behind the ones already part
+engine's ``--prefill-order slo`` order (``slo_rank``), behind the ones already part
 prefilled; the service time of a prompt is its prefill alone in this model (the engine
-learns a rate instead).
+learns a rate instead). ``max_wait_s`` is the engine's ``--prefill-order-max-wait-ms``:
+prompts waiting that long go first.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from dataclasses import replace
 import numpy as np
 
 from pdserve.config import check_prefill_order
-from pdserve.sched.prefill_order import moore_hodgson
+from pdserve.sched.prefill_order import slo_rank
 from pdserve.sim.cluster import EventLoop, LatencyModel, ServiceNoise, SimRequest
 
 MIXED_STEP_MODELS = ("roofline", "sum")
@@ -218,14 +219,17 @@ class ChunkedInstanceSim:
                  noise: ServiceNoise | None = None, max_batch: int = 256,
                  mixed_step: str = "roofline", mixed_step_extra_s: float = 0.0,
                  overlap: bool = False, prefill_order: str = "fcfs",
-                 ttft_slo_s: float | None = None, step_budget_s: float | None = None) -> None:
+                 ttft_slo_s: float | None = None, step_budget_s: float | None = None,
+                 max_wait_s: float | None = None) -> None:
         if mixed_step not in MIXED_STEP_MODELS:
             raise ValueError(f"mixed_step must be one of {', '.join(MIXED_STEP_MODELS)}")
         if step_budget_s is not None and step_budget_s <= 0:
             raise ValueError(f"step_budget_s must be positive, got {step_budget_s}")
         self.step_budget_s = step_budget_s
-        check_prefill_order(prefill_order, None if ttft_slo_s is None else ttft_slo_s * 1e3)
+        check_prefill_order(prefill_order, None if ttft_slo_s is None else ttft_slo_s * 1e3,
+                            None if max_wait_s is None else max_wait_s * 1e3)
         self.prefill_order, self.ttft_slo_s = prefill_order, ttft_slo_s
+        self.max_wait_s = max_wait_s
         self.model, self.chunk_size, self.max_batch = model, chunk_size, max_batch
         self.noise, self.mixed_step = noise, mixed_step
         self.mixed_step_extra_s, self.overlap = mixed_step_extra_s, overlap
@@ -293,16 +297,15 @@ class ChunkedInstanceSim:
         return pieces
 
     def _order_waiting(self) -> None:
-        """Part-prefilled prompts first, in their order; the rest as Moore-Hodgson puts them,
+        """Part-prefilled prompts first, in their order; the rest as ``slo_rank`` puts them,
         from when the started ones will be done."""
         assert self.ttft_slo_s is not None
         started = [e for e in self.waiting if e[1] > 0]
         fresh = [e for e in self.waiting if e[1] == 0]
         start = self.loop.now + sum(self._piece_s(e[1], e[0].input_len - e[1]) for e in started)
-        items = [(e[0].arrival + self.ttft_slo_s, self._piece_s(0, e[0].input_len))
-                 for e in fresh]
-        on_time, late = moore_hodgson(items, start)
-        self.waiting = deque(started + [fresh[i] for i in on_time + late])
+        ranked, _ = slo_rank([(e[0].arrival, self._piece_s(0, e[0].input_len)) for e in fresh],
+                             start, self.ttft_slo_s, self.loop.now, self.max_wait_s)
+        self.waiting = deque(started + [fresh[i] for i in ranked])
 
     def _step_s(self, pieces: list[tuple[list, int, int]]) -> float:
         if self.mixed_step == "sum":

@@ -208,16 +208,34 @@ def test_a_run_without_the_lone_probe_gets_no_extra_cost_and_says_so():
     assert module.solve_increasing(lambda x: x * x, 4.0) == pytest.approx(2.0, abs=1e-5)
 
 
-def test_the_slo_order_puts_a_long_prompt_behind_two_it_would_make_late():
-    # A 1 s prompt runs; a 4 s one and two 1 s ones queue behind it; the TTFT SLO is 5.5 s.
-    def arrivals():
-        return [SimRequest(0.0, 1000, 1), SimRequest(0.05, 4000, 1), SimRequest(0.1, 1000, 1),
-                SimRequest(0.2, 1000, 1)]
+def _long_prompt_behind_one_and_before_two() -> list[SimRequest]:
+    """A 1 s prompt runs; a 4 s one and two 1 s ones queue behind it (1 ms a token)."""
+    return [SimRequest(0.0, 1000, 1), SimRequest(0.05, 4000, 1), SimRequest(0.1, 1000, 1),
+            SimRequest(0.2, 1000, 1)]
 
+
+def test_the_slo_order_puts_a_long_prompt_behind_two_it_would_make_late():
     def met(order: str) -> int:
         sim = ChunkedInstanceSim(MODEL, chunk_size=1000, prefill_order=order, ttft_slo_s=5.5)
-        return sum(r.first_token - r.arrival <= 5.5 for r in sim.run(arrivals()))
+        return sum(r.first_token - r.arrival <= 5.5
+                   for r in sim.run(_long_prompt_behind_one_and_before_two()))
 
     assert (met("fcfs"), met("slo")) == (2, 3)
     with pytest.raises(ValueError, match="--ttft-slo-ms"):
         ChunkedInstanceSim(MODEL, prefill_order="slo")
+
+
+def test_the_wait_bound_puts_a_prompt_that_waited_that_long_first():
+    # When the first prompt's prefill ends (1 s) the long one has waited 0.95 s, the two
+    # short ones 0.9 and 0.8 s: a 0.92 s bound binds only the long one, a 2 s bound none.
+    def first_tokens(max_wait_s: float) -> list[float]:
+        sim = ChunkedInstanceSim(MODEL, chunk_size=1000, prefill_order="slo", ttft_slo_s=5.5,
+                                 max_wait_s=max_wait_s)
+        return [r.first_token for r in sim.run(_long_prompt_behind_one_and_before_two())]
+
+    _, long_bound, *short_bound = first_tokens(0.92)
+    assert long_bound == pytest.approx(5.0 + 0.02) and min(short_bound) > long_bound
+    _, long_free, *short_free = first_tokens(2.0)
+    assert long_free == pytest.approx(7.0 + 0.02) and max(short_free) < long_free
+    with pytest.raises(ValueError, match="--prefill-order slo"):
+        ChunkedInstanceSim(MODEL, ttft_slo_s=5.5, max_wait_s=1.0)
