@@ -52,6 +52,7 @@ from benchmarks.sim_validate_instance import latency_rows  # noqa: E402
 from benchmarks.validate_sim import percentiles  # noqa: E402
 from pdserve.bench.arrivals import gamma_arrivals  # noqa: E402
 from pdserve.bench.report import result_header, write_json  # noqa: E402
+from pdserve.config import PREFILL_ORDERS, check_prefill_order  # noqa: E402
 from pdserve.sim.cluster import LatencyModel, ServiceNoise, SimRequest  # noqa: E402
 from pdserve.sim.instance import ChunkedInstanceSim  # noqa: E402
 
@@ -95,11 +96,14 @@ def figures(samples: list[dict], ttft_slo_s: float, tpot_slo_s: float) -> dict:
 
 
 def simulated_samples(model: LatencyModel, samples: list[dict], chunk: int, extra_s: float,
-                      noise: ServiceNoise | None, budget_s: float | None = None) -> list[dict]:
-    """The requests of ``samples`` through ``ChunkedInstanceSim``, back as samples."""
+                      noise: ServiceNoise | None, budget_s: float | None = None,
+                      order: dict | None = None) -> list[dict]:
+    """The requests of ``samples`` through ``ChunkedInstanceSim`` (``order``: its
+    ``prefill_order``, ``ttft_slo_s`` and ``max_wait_s``; none: first come, first served),
+    back as samples."""
     requests = [SimRequest(s["send_s"], s["prompt_len"], s["output_tokens"]) for s in samples]
     ChunkedInstanceSim(model, chunk_size=chunk, noise=noise, mixed_step_extra_s=extra_s,
-                       overlap=True, step_budget_s=budget_s).run(requests)
+                       overlap=True, step_budget_s=budget_s, **(order or {})).run(requests)
     return [{"send_s": r.arrival, "prompt_len": r.input_len, "output_tokens": r.output_len,
              "ttft_ms": row["ttft_s"] * 1e3, "tpot_ms": row["tpot_s"] * 1e3,
              "e2e_ms": (r.finished - r.arrival) * 1e3}
@@ -121,12 +125,13 @@ def run(args: argparse.Namespace) -> dict:
     if args.rates:
         check_rescalable(record, samples)
     slo = (args.ttft_slo_s, args.tpot_slo_ms / 1e3)
+    order = prefill_order_of(args)
 
     def simulate(sim_model, requests, chunk, budget_s=None):
         both = {"medians_only": simulated_samples(sim_model, requests, chunk, extra_s, None,
-                                                  budget_s),
+                                                  budget_s, order),
                 "with_spread": simulated_samples(sim_model, requests, chunk, extra_s,
-                                                 noise, budget_s)}
+                                                 noise, budget_s, order)}
         return {name: figures(rows, *slo) for name, rows in both.items()}
 
     configurations = []
@@ -150,6 +155,17 @@ def run(args: argparse.Namespace) -> dict:
             "prompt_tokens": sum(s["prompt_len"] for s in samples),
             "slo": {"ttft_s": args.ttft_slo_s, "tpot_ms": args.tpot_slo_ms},
             "configurations": configurations, "measured": measured}
+
+
+def prefill_order_of(args: argparse.Namespace) -> dict:
+    """``ChunkedInstanceSim``'s order arguments for ``--prefill-order`` (the TTFT SLO is
+    ``--ttft-slo-s``); a ValueError naming the problem as the engine's flags do."""
+    max_wait_s = (None if args.prefill_order_max_wait_ms is None
+                  else args.prefill_order_max_wait_ms / 1e3)
+    check_prefill_order(args.prefill_order, args.ttft_slo_s * 1e3,
+                        args.prefill_order_max_wait_ms)
+    return {"prefill_order": args.prefill_order, "ttft_slo_s": args.ttft_slo_s,
+            "max_wait_s": max_wait_s}
 
 
 def check_rescalable(record: dict, samples: list[dict]) -> None:
@@ -221,8 +237,18 @@ def main(argv: list[str] | None = None) -> int:
                         "at each rate)")
     parser.add_argument("--ttft-slo-s", type=float, default=15.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=60.0)
+    parser.add_argument("--prefill-order", choices=PREFILL_ORDERS, default="fcfs",
+                        help="the engine's flag of that name: slo serves the prompts that "
+                        "can make --ttft-slo-s first (every configuration, measured rows "
+                        "simulated alike)")
+    parser.add_argument("--prefill-order-max-wait-ms", type=float,
+                        help="with --prefill-order slo: the engine's wait bound")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    try:
+        prefill_order_of(args)
+    except ValueError as error:
+        parser.error(str(error))
     config = json.loads(json.dumps(vars(args), default=str))  # the paths as given
     write_json({**result_header(config), **run(args)}, args.out)
     return 0

@@ -33,7 +33,8 @@ def _script():
 def _args(**overrides) -> argparse.Namespace:
     args = dict(validation=VALIDATION, mixed_step_grid=[GRID], record=REQUESTS, measured=[],
                 chunks=[], budgets_ms=[], budget_chunk=2048, attention_scales=[1.0],
-                rates=None, ttft_slo_s=15.0, tpot_slo_ms=60.0)
+                rates=None, ttft_slo_s=15.0, tpot_slo_ms=60.0, prefill_order="fcfs",
+                prefill_order_max_wait_ms=None)
     return argparse.Namespace(**{**args, **overrides})
 
 
@@ -96,3 +97,18 @@ def test_rates_are_refused_for_a_trace_whose_requests_change_with_the_rate():
         module.run(_args(record=trace, rates=[0.35], chunks=[512]))
     with pytest.raises(SystemExit, match="needs a goodput probe's record"):
         module.run(_args(record=CHUNK512, rates=[0.6], chunks=[512]))
+
+
+def test_the_slo_order_meets_more_ttfts_past_the_knee_and_a_bound_needs_it():
+    """Chunk 256 on the 0.65 req/s probe's prompts sent at 0.7: served in SLO order, more
+    first tokens come within 15 s than in arrival order, at the same prefill rate."""
+    module = _script()
+    record = RESULTS / "goodput_h200" / "loogle__chunk256__r0.65.json"
+    fcfs, slo = (module.run(_args(record=record, rates=[0.7], chunks=[256],
+                                  prefill_order=order))["configurations"][0]["medians_only"]
+                 for order in ("fcfs", "slo"))
+    assert slo["attainment"] > fcfs["attainment"]
+    assert slo["input_throughput"] == pytest.approx(fcfs["input_throughput"], rel=0.01)
+    with pytest.raises(SystemExit):  # argparse's error: the bound binds only the SLO order
+        module.main(["--validation", str(VALIDATION), "--record", str(record),
+                     "--prefill-order-max-wait-ms", "30000", "--out", "unused.json"])
