@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
 
-from pdserve.sched.prefill_order import moore_hodgson  # noqa: E402
+from pdserve.sched.prefill_order import slo_rank  # noqa: E402
 
 
 def replay(arrivals: list[float], services: list[float], slo_s: float, order: str) -> int:
@@ -55,8 +55,8 @@ def replay(arrivals: list[float], services: list[float], slo_s: float, order: st
 
 def _slo_first(waiting: list[int], arrivals: list[float], services: list[float],
                slo_s: float, now: float) -> int:
-    on_time, late = moore_hodgson([(arrivals[i] + slo_s, services[i]) for i in waiting], now)
-    return waiting[(on_time + late)[0]]
+    ranked, _ = slo_rank([(arrivals[i], services[i]) for i in waiting], now, slo_s)
+    return waiting[ranked[0]]
 
 
 def estimate(record: dict, quantile: float, prefill_rate: float | None = None,
