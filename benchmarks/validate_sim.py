@@ -114,6 +114,21 @@ def instance_cores(args) -> list[set[int] | None]:
     return [{cores[0]}, {cores[1]}]
 
 
+def client_cores(args) -> set[int] | None:
+    """The gateway's and the client's cores (``--client-core``): the prefill instance's,
+    every core but the two instances' (``rest``; a host of three or more cores, where
+    nothing else shares an instance's core), or none pinned (``any``)."""
+    if not args.pin_cores or args.client_core == "any":
+        return None
+    if args.client_core == "prefill":
+        return instance_cores(args)[0]
+    rest = set(sorted(os.sched_getaffinity(0))[2:])
+    if not rest:
+        raise SystemExit("--client-core rest needs three cores, this process may use "
+                         f"{sorted(os.sched_getaffinity(0))}")
+    return rest
+
+
 class HostMeters:
     """``host_meter.py`` beside each instance, on its core (``--host-meter-period-s``): how
     fast the host ran through calibration, replay and recalibration, apart from the
@@ -792,8 +807,8 @@ async def run(args) -> dict:
     cpu_marks = [cpu_times()]
     prefill, decode = start_instances(args)
     meters, phase_marks = HostMeters(args), {}
-    if args.pin_cores and args.client_core == "prefill":
-        os.sched_setaffinity(0, instance_cores(args)[0])  # the gateway runs in this thread
+    if (gateway_cores := client_cores(args)) is not None:
+        os.sched_setaffinity(0, gateway_cores)  # the gateway runs in this thread
     pinned = {"prefill": affinity(prefill), "decode": affinity(decode),
               "gateway_and_client": sorted(os.sched_getaffinity(0))}
     rng = np.random.default_rng(args.seed)
@@ -1438,10 +1453,12 @@ def main() -> int:
                         help="The prefill instance on the first core, the decode instance "
                         "on the second (the gateway and the client: --client-core): the two never "
                         "take each other's core.")
-    parser.add_argument("--client-core", choices=("any", "prefill"), default="any",
+    parser.add_argument("--client-core", choices=("any", "prefill", "rest"), default="any",
                         help="With --pin-cores: where the gateway and the client (this "
-                        "process) run: any core, or the prefill instance's only, which "
-                        "leaves the decode instance's core to it alone.")
+                        "process) run: any core; the prefill instance's only, which "
+                        "leaves the decode instance's core to it alone; or every core "
+                        "but the instances' (three or more cores), where no instance "
+                        "shares its core with anything but its host meter.")
     parser.add_argument("--draws", type=int, default=10,
                         help="Draws of the measured spread per simulation: each draw's "
                         "percentiles, their median (the pooled rows' beside).")

@@ -790,3 +790,17 @@ def test_resimulation_refits_the_model_from_the_recorded_points(tmp_path):
         service_points=points)))
     with pytest.raises(SystemExit, match="no handoff points"):
         module.resimulate(str(path), args, None)
+
+
+def test_the_gateway_and_client_cores_keep_off_the_instances_cores(monkeypatch):
+    module = _script("validate_sim")
+    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: {3, 0, 1, 2})
+    args = SimpleNamespace(pin_cores=True, client_core="rest")
+    assert module.instance_cores(args) == [{0}, {1}]
+    assert module.client_cores(args) == {2, 3}
+    assert module.client_cores(SimpleNamespace(pin_cores=True, client_core="prefill")) == {0}
+    assert module.client_cores(SimpleNamespace(pin_cores=True, client_core="any")) is None
+    assert module.client_cores(SimpleNamespace(pin_cores=False, client_core="rest")) is None
+    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: {0, 1})
+    with pytest.raises(SystemExit, match="needs three cores"):
+        module.client_cores(args)
