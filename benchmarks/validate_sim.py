@@ -101,31 +101,48 @@ def start_instance(args, cores: set[int] | None) -> ServeProcess:
         os.sched_setaffinity(0, previous)
 
 
+def physical_core(cpu: int) -> str:
+    """The hardware threads of ``cpu``'s core (itself and its SMT siblings), as the kernel
+    lists them; ``cpu`` alone where the kernel does not say."""
+    siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+    try:
+        return siblings.read_text().strip()
+    except OSError:
+        return str(cpu)
+
+
 def instance_cores(args) -> list[set[int] | None]:
-    """The prefill's and the decode instance's cores: one each, the host's first two
-    (``--pin-cores``; the gateway and the client where ``--client-core`` says), or none
-    pinned."""
+    """The prefill's and the decode instance's cores: one each, the first two of this
+    process's cores on different physical cores where there are two (SMT siblings share a
+    core's units; ``--pin-cores``; the gateway and the client where ``--client-core``
+    says), or none pinned."""
     if not args.pin_cores:
         return [None, None]
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit(f"--pin-cores needs two cores, this process may use {cores}; "
                          "run with --no-pin-cores")
-    return [{cores[0]}, {cores[1]}]
+    first_of_each = {}
+    for cpu in cores:
+        first_of_each.setdefault(physical_core(cpu), cpu)
+    chosen = sorted(first_of_each.values()) if len(first_of_each) > 1 else cores
+    return [{chosen[0]}, {chosen[1]}]
 
 
 def client_cores(args) -> set[int] | None:
     """The gateway's and the client's cores (``--client-core``): the prefill instance's,
-    every core but the two instances' (``rest``; a host of three or more cores, where
-    nothing else shares an instance's core), or none pinned (``any``)."""
+    every core but the two instances' and their SMT siblings (``rest``; a host of three or
+    more cores, where nothing else shares an instance's core), or none pinned (``any``)."""
     if not args.pin_cores or args.client_core == "any":
         return None
+    instances = instance_cores(args)
     if args.client_core == "prefill":
-        return instance_cores(args)[0]
-    rest = set(sorted(os.sched_getaffinity(0))[2:])
+        return instances[0]
+    taken = {physical_core(min(cpu)) for cpu in instances}
+    rest = {cpu for cpu in os.sched_getaffinity(0) if physical_core(cpu) not in taken}
     if not rest:
-        raise SystemExit("--client-core rest needs three cores, this process may use "
-                         f"{sorted(os.sched_getaffinity(0))}")
+        raise SystemExit("--client-core rest needs a core beside the instances' two, this "
+                         f"process may use {sorted(os.sched_getaffinity(0))}")
     return rest
 
 

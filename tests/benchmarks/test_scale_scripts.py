@@ -795,12 +795,23 @@ def test_resimulation_refits_the_model_from_the_recorded_points(tmp_path):
 def test_the_gateway_and_client_cores_keep_off_the_instances_cores(monkeypatch):
     module = _script("validate_sim")
     monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: {3, 0, 1, 2})
+    monkeypatch.setattr(module, "physical_core", str)  # no SMT
     args = SimpleNamespace(pin_cores=True, client_core="rest")
     assert module.instance_cores(args) == [{0}, {1}]
     assert module.client_cores(args) == {2, 3}
     assert module.client_cores(SimpleNamespace(pin_cores=True, client_core="prefill")) == {0}
     assert module.client_cores(SimpleNamespace(pin_cores=True, client_core="any")) is None
     assert module.client_cores(SimpleNamespace(pin_cores=False, client_core="rest")) is None
-    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: {0, 1})
-    with pytest.raises(SystemExit, match="needs three cores"):
+    # Hardware threads 0 and 2 share a core, as 1 and 3 do: the instances take 0 and 1,
+    # and nothing is left for the gateway that shares neither.
+    monkeypatch.setattr(module, "physical_core", lambda cpu: "0,2" if cpu % 2 == 0 else "1,3")
+    assert module.instance_cores(args) == [{0}, {1}]
+    with pytest.raises(SystemExit, match="needs a core beside"):
         module.client_cores(args)
+    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(module, "physical_core", lambda cpu: f"{cpu % 4},{cpu % 4 + 4}")
+    assert module.instance_cores(args) == [{0}, {1}]
+    assert module.client_cores(args) == {2, 3, 6, 7}
+    monkeypatch.setattr(module, "physical_core", lambda cpu: f"{cpu // 2 * 2}-{cpu // 2 * 2 + 1}")
+    assert module.instance_cores(args) == [{0}, {2}]
+    assert module.client_cores(args) == {4, 5, 6, 7}
