@@ -1433,6 +1433,14 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
+def write_or_print(report: dict, out: str | None) -> None:
+    """To ``--out`` where given, else to stdout (a summary read on the spot)."""
+    if out:
+        write_json(report, out)
+    else:
+        print(json.dumps(report, indent=1))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1509,12 +1517,13 @@ def main() -> int:
                         "back one step late (overlap scheduling on a CPU).")
     args = parser.parse_args()
     if args.resimulate:
-        write_json({**result_header({"resimulate": args.resimulate}),
-                    **resimulate(args.resimulate, args, args.assume_prefill_steps)}, args.out)
+        write_or_print({**result_header({"resimulate": args.resimulate}),
+                        **resimulate(args.resimulate, args, args.assume_prefill_steps)},
+                       args.out)
         return 0
     if args.summarize:
-        write_json({**result_header({"summarize": args.summarize}),
-                    **summarize_runs(args.summarize)}, args.out)
+        write_or_print({**result_header({"summarize": args.summarize}),
+                        **summarize_runs(args.summarize)}, args.out)
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # instances: one core each, not all
     if args.keep_heap:

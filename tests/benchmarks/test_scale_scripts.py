@@ -541,6 +541,11 @@ def test_validation_runs_summarized_with_the_spread_of_each_error(tmp_path):
                                                                "p99": [0.0, 0.0]}
     assert summary["error_spread"]["tpot_s"]["simulated_calibrated_both_sides"] == {
         "p50": [0.2, 0.2], "p99": [0.0, 0.0]}
+    # Without --out the summary goes to stdout, to read on the spot.
+    printed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "validate_sim.py"),
+                              "--summarize", *paths], check=True, cwd=ROOT, timeout=120,
+                             capture_output=True, text=True).stdout
+    assert json.loads(printed)["error_spread"] == summary["error_spread"]
 
 
 def test_percentiles_of_several_draws_are_each_draw_s_then_their_median():
