@@ -91,6 +91,8 @@ class SamplingParams:
     """Drop tokens whose probability is below min_p times the most likely one's ([0, 1])."""
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Token id -> added to its logit before sampling (clamped to [-100, 100])."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids are sampled (greedy included); None: any."""
     min_tokens: int = 0
     """EOS and stop tokens are ignored until this many tokens are generated."""
     include_stop_str_in_output: bool = False
@@ -131,6 +133,13 @@ class SamplingParams:
                                                 and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
                f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         self._validate_penalties()
+        _check(self.allowed_token_ids is None
+               or (isinstance(self.allowed_token_ids, (list, tuple)) and self.allowed_token_ids
+                   and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+               "allowed_token_ids must be a non-empty list of token ids >= 0")
+        # A grammar's tokens and the list could leave a step no token to sample.
+        _check(self.allowed_token_ids is None or self.grammar is None,
+               "allowed_token_ids cannot be combined with structured output")
         _check(self.grammar is None or (isinstance(self.grammar, GrammarSpec)
                                         and self.grammar.kind in GRAMMAR_KINDS
                                         and isinstance(self.grammar.source, str)),
@@ -151,6 +160,8 @@ class SamplingParams:
         """Refuses token ids the model does not have (they would index past its logits)."""
         _check(all(t < vocab_size for t in self.logit_bias),
                f"logit_bias token ids must be below the vocabulary size {vocab_size}")
+        _check(all(t < vocab_size for t in self.allowed_token_ids or ()),
+               f"allowed_token_ids must be below the vocabulary size {vocab_size}")
 
     @property
     def penalized(self) -> bool:

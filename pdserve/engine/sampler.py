@@ -11,6 +11,9 @@ token counts: the host lists the (row, token) pairs as flat indices and copies t
 transfer; the counts are then built on the device with one ``index_add_``. Nothing here
 waits for the device.
 
+Rows with ``allowed_token_ids`` send their (row, token) pairs as flat indices; the device
+builds their mask and sets -inf on every other token, as for grammar rows.
+
 Grammar rows: the host fills their bitmask (``GrammarRows.fill``) after the step's forward
 is issued, so it runs while the device computes; one copy sends it, and only those rows are
 masked (-inf on every token the grammar does not allow). Rows without a grammar pay nothing.
@@ -51,6 +54,15 @@ class LogitBias:
 
 
 @dataclass
+class AllowedTokens:
+    """Rows restricted to a list of tokens (``allowed_token_ids``): the (row, token) pairs
+    they allow, as flat indices into the step's rows' logits."""
+
+    rows: torch.Tensor  # [R] int64: the restricted rows
+    flat_allowed: torch.Tensor  # [N] int64: k * vocab + token, k indexing ``rows``
+
+
+@dataclass
 class GrammarRows:
     """The rows sampled under a grammar: their matchers (host), row ids and, once filled,
     their bitmask of allowed tokens (device)."""
@@ -85,6 +97,7 @@ class SamplingBatch:
     top_k_width: int | None = None  # k of the top-k-first path; None: sort the vocabulary
     penalties: Penalties | None = None
     logit_bias: LogitBias | None = None
+    allowed: AllowedTokens | None = None
     grammar: GrammarRows | None = None
     any_greedy: bool = True  # False skips the greedy argmax of a batch that samples every row
 
@@ -110,6 +123,7 @@ class SamplingBatch:
             top_k_width=_top_k_width(top_k, top_p, vocab_size),
             penalties=_penalties(requests, vocab_size, device),
             logit_bias=_logit_bias(params, vocab_size, device),
+            allowed=_allowed_tokens(params, vocab_size, device),
             grammar=_grammar_rows(requests, vocab_size, device),
             any_greedy=any(p.greedy for p in params),
         )
@@ -209,6 +223,16 @@ def _logit_bias(params, vocab_size: int, device) -> LogitBias | None:
                      _to_device(np.asarray(values, dtype=np.float32), device))
 
 
+def _allowed_tokens(params, vocab_size: int, device) -> AllowedTokens | None:
+    rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return None
+    flat = [k * vocab_size + t for k, row in enumerate(rows)
+            for t in params[row].allowed_token_ids]
+    return AllowedTokens(_to_device(np.asarray(rows, dtype=np.int64), device),
+                         _to_device(np.asarray(flat, dtype=np.int64), device))
+
+
 def worst_case_sampling(rows: int, vocab_size: int, device) -> SamplingBatch:
     """Every row penalized, filtered by min-p and top-p over the sorted vocabulary, with 20
     alternatives: the sampler's largest footprint."""
@@ -243,7 +267,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch
     """Returns (token ids [B], their logprobs and the top alternatives when asked for)."""
     raw = logits.float()
     logits = _penalized(_biased(raw, batch.logit_bias), batch.penalties)
-    logits = _constrained(logits, batch.grammar)
+    logits = _constrained(_restricted(logits, batch.allowed), batch.grammar)
     if batch.all_greedy:
         tokens = ops.row_argmax(logits)
     else:
@@ -271,6 +295,15 @@ def _biased(logits: torch.Tensor, bias: LogitBias | None) -> torch.Tensor:
     return logits.flatten().index_add(0, bias.flat_index, bias.values).view_as(logits)
 
 
+def _restricted(logits: torch.Tensor, allowed: AllowedTokens | None) -> torch.Tensor:
+    if allowed is None:
+        return logits
+    refused = torch.ones(allowed.rows.shape[0] * logits.shape[-1], dtype=torch.bool,
+                         device=logits.device)
+    refused[allowed.flat_allowed] = False
+    return _refuse(logits, allowed.rows, refused.view(-1, logits.shape[-1]))
+
+
 def _constrained(logits: torch.Tensor, grammar: GrammarRows | None) -> torch.Tensor:
     if grammar is None:
         return logits
@@ -281,10 +314,15 @@ def _constrained(logits: torch.Tensor, grammar: GrammarRows | None) -> torch.Ten
     byte_bits = torch.tensor(_BYTE_BITS, dtype=torch.uint8, device=logits.device)
     packed = grammar.allowed.view(torch.uint8)
     refused = (packed[:, :, None] & byte_bits).eq(0).flatten(1)[:, :logits.shape[-1]]
-    if grammar.rows.shape[0] == logits.shape[0]:  # every row under a grammar
+    return _refuse(logits, grammar.rows, refused)
+
+
+def _refuse(logits: torch.Tensor, rows: torch.Tensor, refused: torch.Tensor) -> torch.Tensor:
+    """-inf on the ``refused`` tokens of ``rows``; out of place: the raw logits stay intact."""
+    if rows.shape[0] == logits.shape[0]:  # every row (rows are ascending, one per row)
         return logits.masked_fill(refused, float("-inf"))
-    rows = logits.index_select(0, grammar.rows).masked_fill(refused, float("-inf"))
-    return logits.index_copy(0, grammar.rows, rows)  # out of place: raw logits stay intact
+    restricted = logits.index_select(0, rows).masked_fill(refused, float("-inf"))
+    return logits.index_copy(0, rows, restricted)
 
 
 _BYTE_BITS = [1 << i for i in range(8)]

@@ -158,8 +158,7 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
                      "presence_penalty", "frequency_penalty", "repetition_penalty",
                      "logit_bias", "min_p", "response_format", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar", "structured_outputs",
-                     "prompt_logprobs"), HONOURED),
-    "allowed_token_ids": Refused(_SAMPLER),
+                     "prompt_logprobs", "allowed_token_ids"), HONOURED),
     "bad_words": Refused(_SAMPLER, ([],)),
     "logits_processors": Refused(_SAMPLER, ([],)),
     "use_beam_search": Refused(_BEAM, (False,)),
@@ -254,6 +253,8 @@ class SamplingRequest:
     penalties: dict[str, float]
     """presence_penalty, frequency_penalty, repetition_penalty, min_p as sent."""
     logit_bias: dict[int, float]
+    allowed_token_ids: list[int] | None
+    """vLLM extension: only these tokens are sampled; None: any."""
     n: int
     """Choices returned."""
     top_logprobs: int = 0
@@ -290,6 +291,7 @@ class SamplingRequest:
             return_engine_timing=get_bool(body, "return_engine_timing"),
             penalties={name: get_number(body, name, off) for name, off in _PENALTIES.items()},
             logit_bias=_logit_bias(body),
+            allowed_token_ids=_allowed_token_ids(body),
             n=_choices(body, "n"),
             prompt_logprobs=_prompt_logprobs(body),
         )
@@ -323,7 +325,8 @@ class SamplingRequest:
                 logprobs=self.logprobs, min_tokens=self.min_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, top_logprobs=self.top_logprobs,
-                logit_bias=self.logit_bias, grammar=self.grammar,
+                logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+                grammar=self.grammar,
                 prompt_logprobs=self.scored_prompt_width, **self.penalties)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), param=_field_named(str(exc))) from None
@@ -336,7 +339,8 @@ class SamplingRequest:
 _PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
               "min_p": 0.0}
 _PARAM_NAMES = {*_PENALTIES, "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                "stop_token_ids", "min_tokens", "top_logprobs", "logit_bias"}
+                "stop_token_ids", "min_tokens", "top_logprobs", "logit_bias",
+                "allowed_token_ids"}
 
 
 def _field_named(message: str) -> str | None:
@@ -352,6 +356,16 @@ def _logit_bias(body: dict) -> dict[int, float]:
     except ValueError:
         raise bad_request("'logit_bias' keys must be token ids (integers as strings)",
                           param="logit_bias") from None
+
+
+def _allowed_token_ids(body: dict) -> list[int] | None:
+    if body.get("allowed_token_ids") is None:
+        return None
+    allowed = get_int_list(body, "allowed_token_ids")
+    if not allowed:
+        raise bad_request("'allowed_token_ids' must not be empty (null allows every token)",
+                          param="allowed_token_ids")
+    return allowed
 
 
 def _choices(body: dict, name: str, least: int = 1) -> int:
@@ -523,6 +537,12 @@ def _message_text(content: Any, param: str) -> str:
             parts.append(part["text"])
         return "".join(parts)
     raise bad_request(f"{param}.content must be a string or a list of text parts", param=param)
+
+
+def check_sampling_token_ids(sampling: SamplingRequest, vocab_size: int | None) -> None:
+    """The token ids a request's sampling names exist in the model's vocabulary."""
+    check_token_ids(list(sampling.logit_bias), vocab_size, "logit_bias")
+    check_token_ids(sampling.allowed_token_ids or [], vocab_size, "allowed_token_ids")
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int | None, param: str = "prompt"

@@ -261,7 +261,7 @@ class OpenAIServing:
         else:
             prompt_ids = request.prompt
             P.check_token_ids(prompt_ids, self.client.vocab_size)
-        P.check_token_ids(list(request.sampling.logit_bias), self.client.vocab_size, "logit_bias")
+        P.check_sampling_token_ids(request.sampling, self.client.vocab_size)
         fmt = Format(False, P.new_id("cmpl"), self.model_name, P.now_s(), request.sampling,
                      prompt_ids=prompt_ids)
         skip = request.sampling.skip_special_tokens
@@ -287,7 +287,7 @@ class OpenAIServing:
                                 request.continue_final_message, request.chat_template,
                                 template_kwargs)
         prompt_ids = await self.encode_chat(text, request.sampling.add_special_tokens)
-        P.check_token_ids(list(request.sampling.logit_bias), self.client.vocab_size, "logit_bias")
+        P.check_sampling_token_ids(request.sampling, self.client.vocab_size)
         fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling,
                      tools=tools, prompt_ids=prompt_ids)
         return fmt, prompt_ids, self.default_max_tokens

@@ -169,6 +169,38 @@ def test_logit_bias_moves_the_greedy_choice_and_is_clamped():
     assert sample(logits, _batch(params, 10))[0].tolist() == [7, 7]
 
 
+def test_allowed_token_ids_restrict_only_their_rows_and_keep_raw_logprobs():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    logits[:, 9] = 30.0  # every row's greedy choice unrestricted
+    params = [SamplingParams(temperature=0, allowed_token_ids=[4, 17], logprobs=True),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[2, 3, 5])]
+    batch = _batch(params, 50)
+    best_allowed = 4 if logits[0, 4] > logits[0, 17] else 17
+    tokens, logprobs = sample(logits, batch)
+    assert tokens[:2].tolist() == [best_allowed, 9]
+    # the logprob is the model's, not renormalised over the allowed tokens
+    torch.testing.assert_close(logprobs.sampled[0], logits.log_softmax(-1)[0, best_allowed])
+    drawn = {sample(logits, batch)[0][2].item() for _ in range(200)}
+    assert drawn <= {2, 3, 5} and len(drawn) > 1
+    every_row = _batch([SamplingParams(temperature=0, allowed_token_ids=[t]) for t in (1, 2, 3)],
+                       50)
+    assert sample(logits, every_row)[0].tolist() == [1, 2, 3]
+
+
+def test_allowed_token_ids_are_checked():
+    from pdserve.sampling_params import GrammarSpec, InvalidRequestError
+
+    for bad in ([], [-1], [1.5], "12", 3):
+        with pytest.raises(InvalidRequestError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        SamplingParams(allowed_token_ids=[3, 100]).check_vocab(100)
+    with pytest.raises(InvalidRequestError, match="structured output"):
+        SamplingParams(allowed_token_ids=[3], grammar=GrammarSpec("regex", "a+"))
+
+
 def test_min_p_never_draws_below_its_floor():
     logits = torch.tensor([[4.0, 3.5, 1.0, 0.0, -1.0]])
     batch = _batch([SamplingParams(temperature=1.0, min_p=0.5)], 5)

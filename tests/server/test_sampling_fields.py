@@ -34,6 +34,16 @@ def test_logit_bias_and_frequency_penalty_steer_greedy_decoding(server):
     assert "A" not in banned.choices[0].text
 
 
+def test_allowed_token_ids_leave_only_their_tokens_on_both_endpoints(server):
+    sampled = _complete(server, max_tokens=24, temperature=1.0, seed=3,
+                        extra_body={"allowed_token_ids": [65, 66]})
+    assert set(sampled.choices[0].text) <= {"A", "B"} and len(sampled.choices[0].text) == 24
+    chat = server.openai().chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=6, temperature=0,
+        extra_body={"allowed_token_ids": [67], "ignore_eos": True})
+    assert chat.choices[0].message.content == "C" * 6
+
+
 def test_min_p_one_keeps_only_the_greedy_token(server):
     greedy = _complete(server, max_tokens=8, temperature=0)
     sampled = _complete(server, max_tokens=8, temperature=1.5, seed=3,
@@ -139,6 +149,11 @@ def test_choices_after_the_first_take_the_prompt_from_the_prefix_cache(server):
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [100000]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": ["a"]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [65], "guided_regex": "a+"},
+     "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
