@@ -158,7 +158,8 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
                      "presence_penalty", "frequency_penalty", "repetition_penalty",
                      "logit_bias", "min_p", "response_format", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar", "structured_outputs",
-                     "prompt_logprobs", "allowed_token_ids"), HONOURED),
+                     "prompt_logprobs", "allowed_token_ids", "truncate_prompt_tokens"),
+                    HONOURED),
     "bad_words": Refused(_SAMPLER, ([],)),
     "logits_processors": Refused(_SAMPLER, ([],)),
     "use_beam_search": Refused(_BEAM, (False,)),
@@ -167,7 +168,6 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
                                        ("llguidance", "guidance", "auto")),
     "guided_whitespace_pattern": Refused("JSON output is compact; a schema may allow free "
                                          "whitespace with \"x-guidance\""),
-    "truncate_prompt_tokens": Refused("prompts are never truncated; send a shorter one"),
     "spaces_between_special_tokens": Refused("special tokens are always decoded as the "
                                              "tokenizer joins them", (True,)),
     "priority": Refused("requests are served first come, first served", (0,)),
@@ -267,6 +267,8 @@ class SamplingRequest:
     """vLLM extension: the prompt tokens' logprobs with this many alternatives each."""
     echo_logprobs: bool = False
     """Completions with ``echo`` and ``logprobs``: the prompt's tokens lead the logprobs."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM extension: keep only the prompt's last k tokens (-1: the model's context)."""
 
     @classmethod
     def read(cls, body: dict, max_tokens: int | None) -> SamplingRequest:
@@ -294,6 +296,7 @@ class SamplingRequest:
             allowed_token_ids=_allowed_token_ids(body),
             n=_choices(body, "n"),
             prompt_logprobs=_prompt_logprobs(body),
+            truncate_prompt_tokens=_truncate_prompt_tokens(body),
         )
 
     @property
@@ -356,6 +359,14 @@ def _logit_bias(body: dict) -> dict[int, float]:
     except ValueError:
         raise bad_request("'logit_bias' keys must be token ids (integers as strings)",
                           param="logit_bias") from None
+
+
+def _truncate_prompt_tokens(body: dict) -> int | None:
+    keep = get_int(body, "truncate_prompt_tokens")
+    if keep is not None and keep < 1 and keep != -1:
+        raise bad_request("'truncate_prompt_tokens' must be -1 (the model's context) or >= 1",
+                          param="truncate_prompt_tokens")
+    return keep
 
 
 def _allowed_token_ids(body: dict) -> list[int] | None:

@@ -262,14 +262,28 @@ class OpenAIServing:
             prompt_ids = request.prompt
             P.check_token_ids(prompt_ids, self.client.vocab_size)
         P.check_sampling_token_ids(request.sampling, self.client.vocab_size)
+        prompt_ids, cut = self._truncated(prompt_ids, request.sampling)
         fmt = Format(False, P.new_id("cmpl"), self.model_name, P.now_s(), request.sampling,
                      prompt_ids=prompt_ids)
         skip = request.sampling.skip_special_tokens
-        if request.echo:
-            fmt.echo = self._prompt_text(request.prompt, skip)
+        if request.echo:  # the prompt as the model saw it
+            fmt.echo = self._prompt_text(prompt_ids if cut else request.prompt, skip)
         if request.sampling.echo_logprobs:
             fmt.prompt_texts = [self.tokenizer.decode([t], skip) for t in prompt_ids]
         return fmt, prompt_ids, self.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+
+    def _truncated(self, prompt_ids: list[int], sampling: P.SamplingRequest
+                   ) -> tuple[list[int], bool]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (as vLLM, from the left), and
+        whether any were cut."""
+        keep, context = sampling.truncate_prompt_tokens, self.client.max_model_len
+        if keep is None:
+            return prompt_ids, False
+        keep = context if keep == -1 else keep
+        if keep > context:
+            raise P.bad_request(f"'truncate_prompt_tokens' ({keep}) exceeds this model's "
+                                f"context of {context} tokens", param="truncate_prompt_tokens")
+        return prompt_ids[-keep:], len(prompt_ids) > keep
 
     def _prompt_text(self, prompt: str | list[int], skip_special_tokens: bool) -> str:
         if isinstance(prompt, str):
@@ -288,6 +302,7 @@ class OpenAIServing:
                                 template_kwargs)
         prompt_ids = await self.encode_chat(text, request.sampling.add_special_tokens)
         P.check_sampling_token_ids(request.sampling, self.client.vocab_size)
+        prompt_ids, _ = self._truncated(prompt_ids, request.sampling)
         fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling,
                      tools=tools, prompt_ids=prompt_ids)
         return fmt, prompt_ids, self.default_max_tokens

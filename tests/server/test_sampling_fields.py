@@ -44,6 +44,21 @@ def test_allowed_token_ids_leave_only_their_tokens_on_both_endpoints(server):
     assert chat.choices[0].message.content == "C" * 6
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server):
+    kept = _complete(server, prompt="Hello world", max_tokens=6, temperature=0, echo=True,
+                     extra_body={"truncate_prompt_tokens": 3})
+    assert kept.usage.prompt_tokens == 3 and kept.choices[0].text.startswith("rld")
+    # the same answer as the last three tokens sent alone (no BOS: it was cut with the rest)
+    alone = _complete(server, prompt="rld", max_tokens=6, temperature=0,
+                      extra_body={"add_special_tokens": False})
+    assert kept.choices[0].text == "rld" + alone.choices[0].text
+    chat = server.openai().chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=2, extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    whole = _complete(server, prompt="Hi", max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == 3  # BOS + "Hi": shorter than the context, kept whole
+
+
 def test_min_p_one_keeps_only_the_greedy_token(server):
     greedy = _complete(server, max_tokens=8, temperature=0)
     sampled = _complete(server, max_tokens=8, temperature=1.5, seed=3,
@@ -150,6 +165,9 @@ def test_choices_after_the_first_take_the_prompt_from_the_prefix_cache(server):
     ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 10**6},
+     "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [100000]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": ["a"]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [65], "guided_regex": "a+"},
