@@ -62,6 +62,7 @@ class Request:
     num_placeholders: int = 0
     placeholder_row: int = 0
     grammar: Matcher | None = None  # structured output: where the output is in its grammar
+    bad_words: tuple[tuple[int, ...], ...] = ()  # ``params.bad_words`` as token ids
     # Prompt logprobs asked for and not yet sent: one entry per prompt position, filled as
     # the prefill steps score them (None: the first token, or not scored yet).
     prompt_logprobs: list[PromptLogprob | None] | None = None
@@ -103,6 +104,19 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def bad_words_follow_output(self) -> bool:
+        """A bad word of several tokens: which token it refuses depends on the last ones."""
+        return any(len(word) > 1 for word in self.bad_words)
+
+    def refused_by_bad_words(self) -> set[int]:
+        """The tokens a bad word refuses next: the last of each word whose other tokens end
+        the output (a one-token word: always)."""
+        output = self.token_ids[self.num_prompt_tokens:]
+        return {word[-1] for word in self.bad_words
+                if len(word) - 1 <= len(output)
+                and tuple(output[len(output) - len(word) + 1:]) == word[:-1]}
 
     @property
     def is_finished(self) -> bool:

@@ -9,6 +9,8 @@ MAX_TOP_LOGPROBS = 20
 """Most alternatives per token (OpenAI's limit)."""
 LOGIT_BIAS_LIMIT = 100.0
 """Biases are clamped to [-100, 100], as OpenAI documents and vLLM does."""
+MAX_BAD_WORDS = 64
+"""Two variants a word, one refused token each per step: a small vocabulary keeps most."""
 
 
 class TokenLogprob(float):
@@ -93,6 +95,10 @@ class SamplingParams:
     """Token id -> added to its logit before sampling (clamped to [-100, 100])."""
     allowed_token_ids: list[int] | None = None
     """Only these token ids are sampled (greedy included); None: any."""
+    bad_words: list[str] = field(default_factory=list)
+    """Words never generated (as vLLM's): a word's last token is refused wherever the output
+    ends with the rest of its tokens; each word also with a leading space, as it appears
+    inside a text."""
     min_tokens: int = 0
     """EOS and stop tokens are ignored until this many tokens are generated."""
     include_stop_str_in_output: bool = False
@@ -107,6 +113,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
         self.logit_bias = dict(self.logit_bias or {})
         self.validate()
         self.logit_bias = {t: min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(b)))
@@ -124,6 +133,9 @@ class SamplingParams:
         _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
                "seed must be an integer in [-2**63, 2**64)")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        _check(len(self.bad_words) <= MAX_BAD_WORDS
+               and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+               f"bad_words must be at most {MAX_BAD_WORDS} strings with a non-space character")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be integers >= 0")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be >= 0")

@@ -38,6 +38,7 @@ from pdserve.engine.compile_watch import WATCH
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.launch import HostBuffers, Launch
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampler import bad_word_token_ids
 from pdserve.engine.setup import EngineSetup, policy_args
 from pdserve.engine.streams import Event
 from pdserve.engine.warmup import warm_up_eager_steps
@@ -162,6 +163,7 @@ class EngineCore:
         request.handoff = handoff
         if params.grammar is not None:  # structured output: the request's own matcher
             request.grammar = self.grammars.matcher(params.grammar)
+        request.bad_words = bad_word_token_ids(params.bad_words, self.tokenizer.encode)
         self.requests[request_id] = request
         if handoff is not None and handoff.is_decode:
             self._add_prefilled(request, handoff)

@@ -11,6 +11,9 @@ token counts: the host lists the (row, token) pairs as flat indices and copies t
 transfer; the counts are then built on the device with one ``index_add_``. Nothing here
 waits for the device.
 
+Bad words: the host lists each row's refused tokens (what its output ends with decides
+them) as flat indices, set to -inf.
+
 Rows with ``allowed_token_ids`` send their (row, token) pairs as flat indices; the device
 builds their mask and sets -inf on every other token, as for grammar rows.
 
@@ -98,6 +101,7 @@ class SamplingBatch:
     penalties: Penalties | None = None
     logit_bias: LogitBias | None = None
     allowed: AllowedTokens | None = None
+    refused_by_bad_words: torch.Tensor | None = None  # [N] int64: row * vocab + token
     grammar: GrammarRows | None = None
     any_greedy: bool = True  # False skips the greedy argmax of a batch that samples every row
 
@@ -124,6 +128,7 @@ class SamplingBatch:
             penalties=_penalties(requests, vocab_size, device),
             logit_bias=_logit_bias(params, vocab_size, device),
             allowed=_allowed_tokens(params, vocab_size, device),
+            refused_by_bad_words=_refused_by_bad_words(requests, vocab_size, device),
             grammar=_grammar_rows(requests, vocab_size, device),
             any_greedy=any(p.greedy for p in params),
         )
@@ -233,6 +238,27 @@ def _allowed_tokens(params, vocab_size: int, device) -> AllowedTokens | None:
                          _to_device(np.asarray(flat, dtype=np.int64), device))
 
 
+def _refused_by_bad_words(requests: list[Request], vocab_size: int, device
+                          ) -> torch.Tensor | None:
+    flat = [row * vocab_size + token for row, r in enumerate(requests) if r.bad_words
+            for token in sorted(r.refused_by_bad_words()) if token < vocab_size]
+    return _to_device(np.asarray(flat, dtype=np.int64), device) if flat else None
+
+
+def bad_word_token_ids(words: list[str], encode) -> tuple[tuple[int, ...], ...]:
+    """``bad_words`` as token ids, as vLLM reads them: each word as it starts a text, and
+    after a space where the space joins the word's first token (same length, another first
+    token) as it does inside a text in most vocabularies."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(alone)
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            sequences.append(spaced)
+    return tuple(dict.fromkeys(s for s in sequences if s))
+
+
 def worst_case_sampling(rows: int, vocab_size: int, device) -> SamplingBatch:
     """Every row penalized, filtered by min-p and top-p over the sorted vocabulary, with 20
     alternatives: the sampler's largest footprint."""
@@ -267,6 +293,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch
     """Returns (token ids [B], their logprobs and the top alternatives when asked for)."""
     raw = logits.float()
     logits = _penalized(_biased(raw, batch.logit_bias), batch.penalties)
+    if batch.refused_by_bad_words is not None:  # out of place: the raw logits stay intact
+        logits = logits.flatten().index_fill(0, batch.refused_by_bad_words,
+                                             float("-inf")).view_as(logits)
     logits = _constrained(_restricted(logits, batch.allowed), batch.grammar)
     if batch.all_greedy:
         tokens = ops.row_argmax(logits)

@@ -155,8 +155,9 @@ class MirrorRequest:
                  "prompt_token_ids")
     PARAMS = SamplingParams(temperature=0)
     # What the step's batch building and sampling read of a real request, at the values a
-    # worker needs: no grammar, no placeholder ids (overlap is off under TP).
+    # worker needs: no grammar nor bad words, no placeholder ids (overlap is off under TP).
     grammar = None
+    bad_words = ()
     num_placeholders = placeholder_row = 0
 
     def __init__(self, request_id: str) -> None:

@@ -450,7 +450,7 @@ class OverlapCounters:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.overlapped_steps = 0
-        self.synchronous_steps = {"penalties": 0, "grammar": 0}
+        self.synchronous_steps = {"penalties": 0, "grammar": 0, "bad_words": 0}
         self.dropped_tokens = 0  # computed one step past a stop or an abort, never emitted
         # Multiplex's whole-GPU mixed steps: issued behind one still running on the same
         # stream ("chained"), or only once the decode lane had drained ("after_drain": the
@@ -478,6 +478,10 @@ class OverlapCounters:
         # have taken it on the host before the next step of that request is planned.
         if any(s.request.grammar is not None for s in plan.sampling):
             self.synchronous_steps["grammar"] += 1
+            return False
+        # A bad word of several tokens is refused by what the output ends with.
+        if any(s.request.bad_words_follow_output for s in plan.sampling):
+            self.synchronous_steps["bad_words"] += 1
             return False
         self.overlapped_steps += 1
         return True

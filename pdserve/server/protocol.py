@@ -158,9 +158,9 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
                      "presence_penalty", "frequency_penalty", "repetition_penalty",
                      "logit_bias", "min_p", "response_format", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar", "structured_outputs",
-                     "prompt_logprobs", "allowed_token_ids", "truncate_prompt_tokens"),
+                     "prompt_logprobs", "allowed_token_ids", "truncate_prompt_tokens",
+                     "bad_words"),
                     HONOURED),
-    "bad_words": Refused(_SAMPLER, ([],)),
     "logits_processors": Refused(_SAMPLER, ([],)),
     "use_beam_search": Refused(_BEAM, (False,)),
     "length_penalty": Refused(_BEAM, (1, 1.0)),
@@ -269,6 +269,8 @@ class SamplingRequest:
     """Completions with ``echo`` and ``logprobs``: the prompt's tokens lead the logprobs."""
     truncate_prompt_tokens: int | None = None
     """vLLM extension: keep only the prompt's last k tokens (-1: the model's context)."""
+    bad_words: list[str] = field(default_factory=list)
+    """vLLM extension: words never generated."""
 
     @classmethod
     def read(cls, body: dict, max_tokens: int | None) -> SamplingRequest:
@@ -297,6 +299,7 @@ class SamplingRequest:
             n=_choices(body, "n"),
             prompt_logprobs=_prompt_logprobs(body),
             truncate_prompt_tokens=_truncate_prompt_tokens(body),
+            bad_words=_get(body, "bad_words", lambda v: isinstance(v, list), "a list", []),
         )
 
     @property
@@ -329,7 +332,7 @@ class SamplingRequest:
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, top_logprobs=self.top_logprobs,
                 logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
-                grammar=self.grammar,
+                bad_words=self.bad_words, grammar=self.grammar,
                 prompt_logprobs=self.scored_prompt_width, **self.penalties)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), param=_field_named(str(exc))) from None
@@ -343,7 +346,7 @@ _PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_pen
               "min_p": 0.0}
 _PARAM_NAMES = {*_PENALTIES, "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                 "stop_token_ids", "min_tokens", "top_logprobs", "logit_bias",
-                "allowed_token_ids"}
+                "allowed_token_ids", "bad_words"}
 
 
 def _field_named(message: str) -> str | None:

@@ -189,12 +189,40 @@ def test_allowed_token_ids_restrict_only_their_rows_and_keep_raw_logprobs():
     assert sample(logits, every_row)[0].tolist() == [1, 2, 3]
 
 
-def test_allowed_token_ids_are_checked():
-    from pdserve.sampling_params import GrammarSpec, InvalidRequestError
+def test_bad_words_refuse_a_words_last_token_after_the_rest_of_it():
+    from pdserve.engine.sampler import bad_word_token_ids
 
+    joined = {" x": [1120]}  # a vocabulary where the space joins "x" into one token
+
+    def encode(text, add_special_tokens):
+        return joined.get(text) or [ord(c) for c in text]
+
+    words = bad_word_token_ids(["ab", " c", "c", "x"], encode)
+    # "ab" as it is; " c" stripped, so "c" repeats it; "x" also as " x" (one token)
+    assert words == ((97, 98), (99,), (120,), (1120,))
+    greedy = SamplingParams(temperature=0)
+    request, other = make_request(2), make_request(2)
+    request.params = other.params = greedy
+    request.bad_words = words
+    assert request.refused_by_bad_words() == {99, 120, 1120} and request.bad_words_follow_output
+    request.append_token(97, None)
+    assert request.refused_by_bad_words() == {98, 99, 120, 1120}
+    logits = torch.zeros(2, 2000)
+    logits[:, 98] = 5.0
+    batch = SamplingBatch.from_requests([request, other], 2000, "cpu")
+    assert batch.refused_by_bad_words.tolist() == [98, 99, 120, 1120]
+    tokens, _ = sample(logits, batch)
+    assert tokens[1] == 98 and tokens[0] != 98
+
+
+def test_allowed_token_ids_are_checked():
     for bad in ([], [-1], [1.5], "12", 3):
         with pytest.raises(InvalidRequestError, match="allowed_token_ids"):
             SamplingParams(allowed_token_ids=bad)
+    for bad in ([" "], [3], ["w"] * 65):
+        with pytest.raises(InvalidRequestError, match="bad_words"):
+            SamplingParams(bad_words=bad)
+    assert SamplingParams(bad_words="no").bad_words == ["no"]
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         SamplingParams(allowed_token_ids=[3, 100]).check_vocab(100)
     with pytest.raises(InvalidRequestError, match="structured output"):

@@ -44,6 +44,17 @@ def test_allowed_token_ids_leave_only_their_tokens_on_both_endpoints(server):
     assert chat.choices[0].message.content == "C" * 6
 
 
+def test_bad_words_are_never_generated(server):
+    free = _complete(server, max_tokens=12, temperature=0, logit_bias={A: 10})
+    assert "AA" in free.choices[0].text
+    held = _complete(server, max_tokens=12, temperature=0, logit_bias={A: 10},
+                     extra_body={"bad_words": ["AA", "B"]})
+    text = held.choices[0].text
+    assert "AA" not in text and "B" not in text and text.count("A") >= 5, text
+    info = json.loads(server.request("GET", "/v1/engine/info")[2])
+    assert info["overlap_schedule"]["synchronous_steps"]["bad_words"] >= 11, info
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(server):
     kept = _complete(server, prompt="Hello world", max_tokens=6, temperature=0, echo=True,
                      extra_body={"truncate_prompt_tokens": 3})
@@ -166,6 +177,8 @@ def test_choices_after_the_first_take_the_prompt_from_the_prefix_cache(server):
     ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "x", "bad_words": "x"}, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "bad_words": [""]}, "bad_words"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 10**6},
      "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [100000]}, "allowed_token_ids"),
