@@ -17,7 +17,7 @@ from typing import Any
 PIECE_RULES = ("compounding", "converging")  # the prefill correction rules learning from pieces
 PREFILL_RULES = (*PIECE_RULES, "delivery")
 # The order waiting prompts are admitted in (pdserve/sched/prefill_order.py).
-PREFILL_ORDERS = ("fcfs", "slo")
+PREFILL_ORDERS = ("fcfs", "slo", "priority")
 # The TTFT pressure may plan steps past the ITL target, by at most this share: a TPOT SLO is
 # a request's mean, and on the H200 chunked 512's ShareGPT-like steps ran ~1.05x it while
 # requests' TPOT P99 stayed near it (decode-only steps between bursts run at ~20 ms).
@@ -94,7 +94,9 @@ class SchedulerConfig:
                              "fcfs (arrival), or slo (needs --ttft-slo-ms): most prompts "
                              "within their TTFT deadline first (Moore-Hodgson over a prefill "
                              "rate learned from the engine's launches), the ones that cannot "
-                             "make it after them, never dropped.", choices=PREFILL_ORDERS)
+                             "make it after them, never dropped; or priority: by each "
+                             "request's priority (lower first, as vLLM's --scheduling-policy "
+                             "priority), then arrival.", choices=PREFILL_ORDERS)
     prefill_order_max_wait_ms: float | None = doc(
         None, "--prefill-order slo: a prompt that has waited this long goes ahead of every "
         "prompt that has not, in arrival order (default: no bound; under sustained overload "

@@ -105,6 +105,10 @@ class SamplingParams:
     """Keep the stop string that ended generation at the end of the text."""
     skip_special_tokens: bool = True
     """Leave special tokens (BOS, EOS, ...) out of the text."""
+    priority: int = 0
+    """Its place in the queue of waiting prompts under ``--prefill-order priority``: lower
+    first, arrival order among equals (as vLLM's priority scheduling); any other order takes
+    only 0."""
     grammar: GrammarSpec | None = None
     """Only tokens that keep the output inside this grammar are sampled (structured output)."""
 
@@ -139,6 +143,7 @@ class SamplingParams:
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be integers >= 0")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be >= 0")
+        _check(_is_int(self.priority), "priority must be an integer")
         _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)

@@ -215,6 +215,9 @@ class EngineCore:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         params.validate()
         params.check_vocab(vocab)
+        if params.priority != 0 and self.scheduler.prefill_order.order != "priority":
+            raise InvalidRequestError("priority other than 0 needs an engine started with "
+                                      "--prefill-order priority")
         limit = self.max_model_len
         if len(prompt) >= limit:
             raise InvalidRequestError(f"the prompt has {len(prompt)} tokens; this model's context "

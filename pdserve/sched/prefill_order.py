@@ -1,4 +1,5 @@
-"""The order waiting prompts are admitted in: first come, first served, or SLO-aware.
+"""The order waiting prompts are admitted in: first come, first served, SLO-aware, or by
+each request's priority.
 
 ``slo`` (``--prefill-order slo``) maximises the number of prompts whose first token comes
 within the TTFT SLO on this one server: Moore-Hodgson's rule. Prompts are taken in deadline
@@ -17,6 +18,10 @@ With ``--prefill-order-max-wait-ms`` a prompt that has waited that long goes ahe
 prompt that has not (the overdue in arrival order, the rest ranked after them): the order
 then bounds the wait of the prompts it puts last, at the cost of meetable prompts behind
 them.
+
+``priority`` (``--prefill-order priority``, vLLM's priority scheduling) admits the waiting
+prompt of lowest ``SamplingParams.priority`` first, arrival order among equals. It orders
+admission only: a running request is never preempted for one of higher priority.
 
 What the reorder never touches: requests already running (their partial prefill is served
 first, by every policy, and counts as backlog ahead of the queue), and preempted requests
@@ -162,6 +167,9 @@ class PrefillOrder:
                 now: float | None = None) -> None:
         """Reorders ``waiting`` in place when it changed, a launch completed or a prompt
         passed the wait bound since."""
+        if self.order == "priority":
+            self._by_priority(waiting)
+            return
         if not self.enabled or len(waiting) < 2 or self.rate.tokens_per_s is None:
             return
         unchanged = not self.dirty and self._ordered_at == self.rate.samples
@@ -178,6 +186,18 @@ class PrefillOrder:
         waiting.extend(ordered)
         self.reorders += 1
         self._next_overdue_at = self._first_overdue(waiting, now)
+
+    def _by_priority(self, waiting: deque[Request]) -> None:
+        if not self.dirty:
+            return
+        self.dirty = False
+        resumed = [r for r in waiting if r.num_output_tokens > 0]
+        fresh = sorted((r for r in waiting if r.num_output_tokens == 0),
+                       key=lambda r: (r.params.priority, r.arrival_time))
+        if len(fresh) > 1:
+            waiting.clear()
+            waiting.extend(resumed + fresh)
+            self.reorders += 1
 
     def _first_overdue(self, waiting: Iterable[Request], now: float) -> float:
         """When the next prompt waiting passes the bound (no bound, none: never): while only
@@ -212,4 +232,6 @@ class PrefillOrder:
                 **({"prefill_order_rate_tokens_per_s": None if rate is None else round(rate),
                     "prefill_order_reorders": self.reorders,
                     "prefill_order_max_wait_ms": None if self.max_wait_s is None
-                    else round(self.max_wait_s * 1e3)} if self.enabled else {})}
+                    else round(self.max_wait_s * 1e3)} if self.enabled else {}),
+                **({"prefill_order_reorders": self.reorders}
+                   if self.order == "priority" else {})}

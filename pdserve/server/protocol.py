@@ -159,7 +159,7 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
                      "logit_bias", "min_p", "response_format", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar", "structured_outputs",
                      "prompt_logprobs", "allowed_token_ids", "truncate_prompt_tokens",
-                     "bad_words"),
+                     "bad_words", "priority"),
                     HONOURED),
     "logits_processors": Refused(_SAMPLER, ([],)),
     "use_beam_search": Refused(_BEAM, (False,)),
@@ -170,7 +170,6 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
                                          "whitespace with \"x-guidance\""),
     "spaces_between_special_tokens": Refused("special tokens are always decoded as the "
                                              "tokenizer joins them", (True,)),
-    "priority": Refused("requests are served first come, first served", (0,)),
 }
 
 COMPLETION_FIELDS: dict[str, FieldRule] = {
@@ -271,6 +270,8 @@ class SamplingRequest:
     """vLLM extension: keep only the prompt's last k tokens (-1: the model's context)."""
     bad_words: list[str] = field(default_factory=list)
     """vLLM extension: words never generated."""
+    priority: int = 0
+    """vLLM extension: lower first among waiting prompts (``--prefill-order priority``)."""
 
     @classmethod
     def read(cls, body: dict, max_tokens: int | None) -> SamplingRequest:
@@ -300,6 +301,7 @@ class SamplingRequest:
             prompt_logprobs=_prompt_logprobs(body),
             truncate_prompt_tokens=_truncate_prompt_tokens(body),
             bad_words=_get(body, "bad_words", lambda v: isinstance(v, list), "a list", []),
+            priority=get_int(body, "priority", 0),
         )
 
     @property
@@ -332,7 +334,7 @@ class SamplingRequest:
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, top_logprobs=self.top_logprobs,
                 logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
-                bad_words=self.bad_words, grammar=self.grammar,
+                bad_words=self.bad_words, priority=self.priority, grammar=self.grammar,
                 prompt_logprobs=self.scored_prompt_width, **self.penalties)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), param=_field_named(str(exc))) from None
@@ -346,7 +348,7 @@ _PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_pen
               "min_p": 0.0}
 _PARAM_NAMES = {*_PENALTIES, "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                 "stop_token_ids", "min_tokens", "top_logprobs", "logit_bias",
-                "allowed_token_ids", "bad_words"}
+                "allowed_token_ids", "bad_words", "priority"}
 
 
 def _field_named(message: str) -> str | None:
@@ -551,6 +553,14 @@ def _message_text(content: Any, param: str) -> str:
             parts.append(part["text"])
         return "".join(parts)
     raise bad_request(f"{param}.content must be a string or a list of text parts", param=param)
+
+
+def check_priority(sampling: SamplingRequest, prefill_order: str | None) -> None:
+    """A priority other than 0 only where the engine orders its queue by it (as vLLM
+    refuses one without priority scheduling)."""
+    if sampling.priority != 0 and prefill_order != "priority":
+        raise bad_request("'priority' other than 0 needs a server started with "
+                          "--prefill-order priority", param="priority")
 
 
 def check_sampling_token_ids(sampling: SamplingRequest, vocab_size: int | None) -> None:

@@ -262,6 +262,7 @@ class OpenAIServing:
             prompt_ids = request.prompt
             P.check_token_ids(prompt_ids, self.client.vocab_size)
         P.check_sampling_token_ids(request.sampling, self.client.vocab_size)
+        P.check_priority(request.sampling, self.client.setup.get("prefill_order"))
         prompt_ids, cut = self._truncated(prompt_ids, request.sampling)
         fmt = Format(False, P.new_id("cmpl"), self.model_name, P.now_s(), request.sampling,
                      prompt_ids=prompt_ids)
@@ -302,6 +303,7 @@ class OpenAIServing:
                                 template_kwargs)
         prompt_ids = await self.encode_chat(text, request.sampling.add_special_tokens)
         P.check_sampling_token_ids(request.sampling, self.client.vocab_size)
+        P.check_priority(request.sampling, self.client.setup.get("prefill_order"))
         prompt_ids, _ = self._truncated(prompt_ids, request.sampling)
         fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling,
                      tools=tools, prompt_ids=prompt_ids)

@@ -238,3 +238,39 @@ def test_a_wait_bound_serves_every_request_and_is_reported(fcfs_tokens):
         info = llm.engine.describe()
     assert [o.outputs[0].token_ids for o in outputs] == fcfs_tokens
     assert info["prefill_order_max_wait_ms"] == 1
+
+
+def test_the_priority_order_admits_lower_priority_first_and_keeps_resumed_ahead():
+    queue = _queue([(100, 0.0), (100, 1.0), (100, 2.0), (100, 3.0)])
+    for request, priority in zip(queue, (5, -1, 5, 0), strict=True):
+        request.params = SamplingParams(priority=priority)
+    resumed = queue[2]
+    resumed.append_token(7, None)  # preempted after its first token: keeps the front
+    order = PrefillOrder("priority", None)
+    waiting = deque(queue)
+    order.dirty = True
+    order.arrange(waiting, running=[])
+    assert list(waiting) == [resumed, queue[1], queue[3], queue[0]]
+    assert order.describe() == {"prefill_order": "priority", "prefill_order_reorders": 1}
+
+
+def test_every_policy_serves_every_request_in_priority_order(fcfs_tokens):
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, priority=-i)
+              for i in range(len(PROMPTS))]
+    for schedule in ("prefill-first", "chunked", "multiplex", "disagg"):
+        with LLM("tiny", schedule=schedule, prefill_order="priority", **OPTIONS) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+            assert llm.engine.describe()["prefill_order_reorders"] > 0
+        assert [o.outputs[0].token_ids for o in outputs] == fcfs_tokens, schedule
+    with LLM("tiny", **OPTIONS) as llm, pytest.raises(Exception, match="--prefill-order priority"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], params[1])
+
+
+def test_the_chunked_scheduler_plans_prompts_in_priority_order():
+    queue = _queue([(40, 0.0), (40, 0.1), (40, 0.2)])
+    for request, priority in zip(queue, (2, 1, 0), strict=True):
+        request.params = SamplingParams(max_tokens=2, ignore_eos=True, priority=priority)
+    scheduler = make_scheduler_for("chunked", chunk_size=40, prefill_order="priority")
+    for request in queue:
+        scheduler.add(request)
+    assert _run(scheduler) == [r.request_id for r in reversed(queue)]

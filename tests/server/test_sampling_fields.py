@@ -178,6 +178,8 @@ def test_choices_after_the_first_take_the_prompt_from_the_prefix_cache(server):
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "x", "bad_words": "x"}, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "priority": 1}, "priority"),  # FCFS server
+    ("/v1/chat/completions", {"messages": USER, "priority": "high"}, "priority"),
     ("/v1/completions", {"prompt": "x", "bad_words": [""]}, "bad_words"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 10**6},
      "truncate_prompt_tokens"),
