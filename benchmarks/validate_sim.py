@@ -33,7 +33,8 @@ its pace after another).
 
 On CPU (the default: the tiny model) the instances, the gateway and the client share the
 host's cores; keep ``--rate`` low enough that requests rarely overlap (the report records
-how busy the prefill side was). On GPUs, e.g.::
+how busy the prefill side was). On a host of three or more cores ``--client-core rest``
+keeps the gateway and the client off both instances' cores. On GPUs, e.g.::
 
     python benchmarks/validate_sim.py --model codellama-34b \\
         --serve-args "--device cuda --dtype bfloat16" --prompt-lens 1024,4096,8192,16384 \\
