@@ -83,3 +83,15 @@ def test_a_request_split_across_instances_refuses_choices_and_alternatives(kind,
     assert err.value.status == 400 and err.value.param == param
     refuse_split_features(Format(False, "id", "tiny", 0,
                                  P.CompletionRequest.parse({"prompt": "x"}).sampling))
+
+
+def test_a_priority_other_than_zero_needs_the_priority_order():
+    sampling = P.CompletionRequest.parse({"prompt": "x", "priority": -3}).sampling
+    P.check_priority(sampling, "priority")  # the engine orders its queue by it
+    for order in ("fcfs", "slo", None):
+        with pytest.raises(P.APIError) as refused:
+            P.check_priority(sampling, order)
+        assert refused.value.status == 400 and refused.value.param == "priority"
+    P.check_priority(P.CompletionRequest.parse({"prompt": "x", "priority": 0}).sampling, "fcfs")
+    assert P.CompletionRequest.parse({"prompt": "x", "priority": -3}).sampling.sampling_params(
+        1, 16, None).priority == -3
