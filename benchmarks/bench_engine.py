@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.bench.report import git_revision, pdserve_environment
+from pdserve.bench.report import pdserve_environment, revision_fields
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.request import Request, RequestStatus
@@ -395,7 +395,7 @@ def main() -> None:
     from bisect_prefill import open_sampler  # beside this script, which Python puts on the path
 
     sampler, gpu = open_sampler(torch, "cuda")
-    report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
+    report = {"command": " ".join(["python"] + sys.argv), **revision_fields(),
               "environment_variables": pdserve_environment(),
               "device": torch.cuda.get_device_name(), "gpu": gpu, "torch": torch.__version__,
               "python": platform.python_version(), "ceilings": ceilings, "models": []}

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from bench_kernels import measure_ceilings
 from triton.testing import do_bench_cudagraph
 
-from pdserve.bench.report import git_revision
+from pdserve.bench.report import revision_fields
 from pdserve.model.arch import PRESETS, ModelArch
 from pdserve.ops import reference, triton_gemv
 from pdserve.ops.triton_gemv import GemvConfig, default_config, row_bucket
@@ -148,7 +148,7 @@ def main() -> None:
                         help="comma-separated row counts, each at most 8")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
-    report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
+    report = {"command": " ".join(["python"] + sys.argv), **revision_fields(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "model": args.model,
               "ceilings": measure_ceilings(), "rows": []}

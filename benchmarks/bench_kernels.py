@@ -48,7 +48,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
-from pdserve.bench.report import git_revision
+from pdserve.bench.report import revision_fields
 from pdserve.ops import reference, triton_fused
 from pdserve.ops.metadata import AttentionMetadata
 from pdserve.ops.triton_attention import (
@@ -613,7 +613,7 @@ def environment() -> dict:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "git_revision": git_revision(),
+        **revision_fields(),
         "git_dirty": bool(_git("status", "--porcelain", "--", "pdserve/ops")),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "decode_config_d128": default_decode_config(128, torch.device("cuda")).__dict__,

@@ -33,7 +33,7 @@ import time
 import torch
 from bench_engine import place_decoding_requests
 
-from pdserve.bench.report import git_revision, pdserve_environment
+from pdserve.bench.report import pdserve_environment, revision_fields
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.request import Request, RequestStatus
@@ -224,7 +224,7 @@ def main() -> None:
                                     gpu_memory_utilization=args.gpu_memory_utilization)
     engine = EngineCore(config)
     segments = engine.runner.pools[MAIN_POOL].piecewise
-    report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
+    report = {"command": " ".join(["python"] + sys.argv), **revision_fields(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "model": args.model,
               "piecewise_buckets": segments.buckets if segments else None,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.report import git_revision
+from pdserve.bench.report import revision_fields
 from pdserve.engine.core import EngineCore
 from pdserve.engine.profiler import QUICK_GRID, ProfileGrid, engine_for_profile, profile_engine
 from pdserve.engine.setup import gpu_name
@@ -150,7 +150,7 @@ def main() -> int:
     print(json.dumps(asdict(profile), indent=1), flush=True)
     predictor = LatencyPredictor.load(profile.path)
     result = {
-        "command": " ".join(sys.argv), "git_revision": git_revision(),
+        "command": " ".join(sys.argv), **revision_fields(),
         "device": gpu_name(engine.runner.device), "torch": torch.__version__,
         "python": platform.python_version(), "model": args.model,
         "startup_s": startup_s, "partitions": repr(engine.scheduler.partitions),

@@ -45,7 +45,7 @@ import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from pdserve.bench.report import git_revision
+from pdserve.bench.report import revision_fields
 
 
 @dataclass
@@ -357,7 +357,7 @@ def write_record(args: argparse.Namespace, argv: list[str] | None, wall: float,
                  http_cpu: dict[str, float], host_load: dict[str, tuple[float, ...]]) -> None:
     command = ["python", "benchmarks/bench_server_overhead.py",
                *(sys.argv[1:] if argv is None else argv)]
-    record = {"command": shlex.join(command), "git_revision": git_revision(),
+    record = {"command": shlex.join(command), **revision_fields(),
               "label": args.label, "python": platform.python_version(), "wall_s": wall,
               "args": vars(args), "summary": summary, "http_process": http_cpu,
               "api_server_count": args.api_server_count if args.url is None else None,

@@ -8,7 +8,7 @@ records, SLO attainment (TTFT <= 15 s and TPOT <= 60 ms), what the engine says i
 the multiplexing timeline summarised (time per mode, decode cycle over the ITL target,
 measured over predicted cycle).
 
-    export PDSERVE_GIT_REVISION=$(git rev-parse HEAD)
+    export PDSERVE_GIT_REVISION=<commit>   # where the tree was copied: the commit it came from
     python benchmarks/loogle_h200.py --configs multiplex,chunk1024 --rates 0.5 \
         --profile --out results/loogle
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from pdserve.bench.report import (  # noqa: E402
     expected_gpu,
     pdserve_environment,
     portable_command,
+    revision_fields,
 )
 from pdserve.bench.timeline import piece_times, prefill_delivery  # noqa: E402
 from pdserve.config import ran_explicitly  # noqa: E402
@@ -139,8 +139,7 @@ def run_rate(args, name: str, rate: float, url: str, command: list[str], out: Pa
     result = json.loads(records.read_text())
     info = get_json(url + "/v1/engine/info")
     row = {"command": _portable(["python", str(HERE / "loogle_h200.py"), *sys.argv[1:]]),
-           "config": name, "rate": rate, "git_revision": os.environ.get(
-               "PDSERVE_GIT_REVISION", "unknown"), "device": info.get("device"),
+           "config": name, "rate": rate, **revision_fields(), "device": info.get("device"),
            "server_command": _portable(command), "client_command": _portable(client),
            "environment_variables": pdserve_environment(), "engine_info": info,
            "summary": result["summary"],

@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import (  # noqa: E402, I001
-    StartupLog, git_revision, kv_bytes_per_token, pdserve_environment, place_decoding_requests,
+    StartupLog, kv_bytes_per_token, pdserve_environment, place_decoding_requests,
+    revision_fields,
     weight_bytes)
 
 from pdserve.config import EngineConfig  # noqa: E402
@@ -126,7 +127,7 @@ def main() -> None:
     with StartupLog() as collect:
         engine = EngineCore(config)
     free, total = torch.cuda.mem_get_info()
-    report = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
+    report = {"command": " ".join(["python"] + sys.argv), **revision_fields(),
               "environment_variables": pdserve_environment(),
               "device": torch.cuda.get_device_name(), "model": args.model,
               "decode_layers": engine.runner.decode_layers,

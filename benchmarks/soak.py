@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from bench_server_overhead import start_server, stop_server
 
-from pdserve.bench.report import git_revision
+from pdserve.bench.report import revision_fields
 
 # CPU thread pools of the server's engine (inherited when this script starts it): on a
 # small shared host they decide whether the engine keeps pace (docs/reliability.md).
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=2))
     if args.out:
         command = ["python", "benchmarks/soak.py", *(sys.argv[1:] if argv is None else argv)]
-        record = {"command": shlex.join(command), "git_revision": git_revision(),
+        record = {"command": shlex.join(command), **revision_fields(),
                   "label": args.label, "python": platform.python_version(),
                   "cpu_count": os.cpu_count(), "args": vars(args),
                   "env": {name: os.environ.get(name) for name in THREAD_ENV}, **result}

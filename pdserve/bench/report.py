@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -36,6 +37,36 @@ def git_revision() -> str:
         return "unknown"
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], root)
     return rev + ("+dirty" if dirty else "")
+
+
+SOURCE_FOLDERS = ("pdserve", "benchmarks")
+"""The code a result depends on; its digest names that code apart from any git metadata."""
+
+
+def source_digest(root: Path | None = None) -> str:
+    """SHA-256 over the Python sources under ``SOURCE_FOLDERS`` of the checkout this package
+    runs from: each file's path and git blob id, sorted by path. It names the code that ran
+    where the git metadata cannot (a tree copied beside a ``.git`` of another commit, or
+    none); ``benchmarks/source_revision.py`` finds the commits whose tree has it."""
+    root = Path(__file__).resolve().parents[2] if root is None else root
+    blobs = {}
+    for folder in SOURCE_FOLDERS:
+        for path in (root / folder).rglob("*.py"):
+            data = path.read_bytes()
+            blobs[path.relative_to(root).as_posix()] = hashlib.sha1(
+                b"blob %d\0" % len(data) + data).hexdigest()
+    return digest_of_blobs(blobs)
+
+
+def digest_of_blobs(blobs: dict[str, str]) -> str:
+    """``source_digest`` of a tree given as {path: git blob id} (a commit's ``git ls-tree``)."""
+    listing = "".join(f"{path}\0{blob}\n" for path, blob in sorted(blobs.items()))
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def revision_fields() -> dict[str, str]:
+    """What names the code of a result: the git revision, and the sources' digest."""
+    return {"git_revision": git_revision(), "source_digest": source_digest()}
 
 
 # CUDA's own switches that change what a serving step costs (lazy kernel loading).
@@ -94,7 +125,7 @@ def result_header(config: dict) -> dict:
         "version": RESULT_VERSION,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": sys.argv,
-        "git_revision": git_revision(),
+        **revision_fields(),
         "device": device_info(),
         "environment_variables": pdserve_environment(),
         "config": config,
