@@ -63,6 +63,7 @@ class Request:
     placeholder_row: int = 0
     grammar: Matcher | None = None  # structured output: where the output is in its grammar
     bad_words: tuple[tuple[int, ...], ...] = ()  # ``params.bad_words`` as token ids
+    _allowed: tuple[list[int], np.ndarray] | None = None  # ``allowed_ids``, made once
     # Prompt logprobs asked for and not yet sent: one entry per prompt position, filled as
     # the prefill steps score them (None: the first token, or not scored yet).
     prompt_logprobs: list[PromptLogprob | None] | None = None
@@ -104,6 +105,17 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def allowed_ids(self) -> np.ndarray | None:
+        """``params.allowed_token_ids`` as an array, converted once: a list of most of a
+        large vocabulary costs milliseconds to convert, every step otherwise."""
+        allowed = self.params.allowed_token_ids
+        if allowed is None:
+            return None
+        if self._allowed is None or self._allowed[0] is not allowed:
+            self._allowed = (allowed, np.asarray(allowed, dtype=np.int64))
+        return self._allowed[1]
 
     @property
     def bad_words_follow_output(self) -> bool:

@@ -127,7 +127,7 @@ class SamplingBatch:
             top_k_width=_top_k_width(top_k, top_p, vocab_size),
             penalties=_penalties(requests, vocab_size, device),
             logit_bias=_logit_bias(params, vocab_size, device),
-            allowed=_allowed_tokens(params, vocab_size, device),
+            allowed=_allowed_tokens(requests, vocab_size, device),
             refused_by_bad_words=_refused_by_bad_words(requests, vocab_size, device),
             grammar=_grammar_rows(requests, vocab_size, device),
             any_greedy=any(p.greedy for p in params),
@@ -228,14 +228,15 @@ def _logit_bias(params, vocab_size: int, device) -> LogitBias | None:
                      _to_device(np.asarray(values, dtype=np.float32), device))
 
 
-def _allowed_tokens(params, vocab_size: int, device) -> AllowedTokens | None:
-    rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+def _allowed_tokens(requests: list[Request], vocab_size: int, device
+                    ) -> AllowedTokens | None:
+    rows = [row for row, r in enumerate(requests) if r.allowed_ids is not None]
     if not rows:
         return None
-    flat = [k * vocab_size + t for k, row in enumerate(rows)
-            for t in params[row].allowed_token_ids]
+    flat = np.concatenate([k * vocab_size + requests[row].allowed_ids
+                           for k, row in enumerate(rows)])
     return AllowedTokens(_to_device(np.asarray(rows, dtype=np.int64), device),
-                         _to_device(np.asarray(flat, dtype=np.int64), device))
+                         _to_device(flat, device))
 
 
 def _refused_by_bad_words(requests: list[Request], vocab_size: int, device

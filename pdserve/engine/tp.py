@@ -156,7 +156,7 @@ class MirrorRequest:
     PARAMS = SamplingParams(temperature=0)
     # What the step's batch building and sampling read of a real request, at the values a
     # worker needs: no grammar nor bad words, no placeholder ids (overlap is off under TP).
-    grammar = None
+    grammar = allowed_ids = None
     bad_words = ()
     num_placeholders = placeholder_row = 0
 
