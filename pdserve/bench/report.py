@@ -26,17 +26,21 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
-def git_revision() -> str:
+def git_revision(root: Path | None = None) -> str:
     """HEAD of the checkout this package runs from, ``+dirty`` when it has local changes;
-    ``PDSERVE_GIT_REVISION`` names it where the tree was copied without its ``.git``."""
-    if os.environ.get("PDSERVE_GIT_REVISION"):
-        return os.environ["PDSERVE_GIT_REVISION"]
-    root = Path(__file__).resolve().parents[2]
+    ``PDSERVE_GIT_REVISION`` names it where the tree was copied without its ``.git`` or
+    beside another commit's. A name that is this ``.git``'s HEAD while the tree differs
+    from it gets ``+dirty`` too: it was read from the wrong ``.git``, not where the tree
+    came from."""
+    root = Path(__file__).resolve().parents[2] if root is None else root
+    named = os.environ.get("PDSERVE_GIT_REVISION")
     rev = _run(["git", "rev-parse", "HEAD"], root)
+    if named and not (rev and rev.startswith(named)):
+        return named
     if not rev:
         return "unknown"
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], root)
-    return rev + ("+dirty" if dirty else "")
+    return (named or rev) + ("+dirty" if dirty else "")
 
 
 SOURCE_FOLDERS = ("pdserve", "benchmarks")

@@ -65,3 +65,24 @@ def test_the_source_digest_names_the_commit_whose_tree_ran(tmp_path):
     assert finder.commits_with(first, 10, tmp_path) == [
         subprocess.run(["git", "rev-parse", "HEAD~1"], cwd=tmp_path, capture_output=True,
                        text=True, check=True).stdout.strip()]
+
+
+def test_a_named_revision_read_from_a_stale_git_is_marked_dirty(tmp_path, monkeypatch):
+    """``PDSERVE_GIT_REVISION=$(git rev-parse HEAD)`` run beside a ``.git`` of another
+    commit than the tree's names that commit: the tree's changes say so."""
+    from pdserve.bench.report import git_revision
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-qm", "one")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path,
+                          capture_output=True, text=True, check=True).stdout.strip()
+    monkeypatch.setenv("PDSERVE_GIT_REVISION", head)
+    assert git_revision(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")  # the tree of a later commit, say
+    assert git_revision(tmp_path) == head + "+dirty"
+    monkeypatch.setenv("PDSERVE_GIT_REVISION", "abc1234")  # written out: taken as given
+    assert git_revision(tmp_path) == "abc1234"
+    monkeypatch.delenv("PDSERVE_GIT_REVISION")
+    assert git_revision(tmp_path).endswith("+dirty")
