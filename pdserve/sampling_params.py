@@ -157,6 +157,9 @@ class SamplingParams:
         # A grammar's tokens and the list could leave a step no token to sample.
         _check(self.allowed_token_ids is None or self.grammar is None,
                "allowed_token_ids cannot be combined with structured output")
+        _check(not self.bad_words or (self.allowed_token_ids is None and self.grammar is None),
+               "bad_words cannot be combined with allowed_token_ids or structured output "
+               "(they could refuse every token a step may take)")
         _check(self.grammar is None or (isinstance(self.grammar, GrammarSpec)
                                         and self.grammar.kind in GRAMMAR_KINDS
                                         and isinstance(self.grammar.source, str)),

@@ -223,6 +223,9 @@ def test_allowed_token_ids_are_checked():
         with pytest.raises(InvalidRequestError, match="bad_words"):
             SamplingParams(bad_words=bad)
     assert SamplingParams(bad_words="no").bad_words == ["no"]
+    for other in ({"allowed_token_ids": [1]}, {"grammar": GrammarSpec("regex", "a+")}):
+        with pytest.raises(InvalidRequestError, match="bad_words cannot be combined"):
+            SamplingParams(bad_words=["a"], **other)
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         SamplingParams(allowed_token_ids=[3, 100]).check_vocab(100)
     with pytest.raises(InvalidRequestError, match="structured output"):

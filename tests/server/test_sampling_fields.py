@@ -181,6 +181,8 @@ def test_choices_after_the_first_take_the_prompt_from_the_prefix_cache(server):
     ("/v1/completions", {"prompt": "x", "priority": 1}, "priority"),  # FCFS server
     ("/v1/chat/completions", {"messages": USER, "priority": "high"}, "priority"),
     ("/v1/completions", {"prompt": "x", "bad_words": [""]}, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["a"], "allowed_token_ids": [97]},
+     "bad_words"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 10**6},
      "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [100000]}, "allowed_token_ids"),
