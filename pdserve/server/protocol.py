@@ -231,6 +231,8 @@ class SamplingRequest:
     model: str | None
     stream: bool
     include_usage: bool
+    continuous_usage: bool
+    """Every chunk carries the usage so far (``stream_options.continuous_usage_stats``)."""
     max_tokens: int | None
     temperature: float
     top_p: float
@@ -279,6 +281,7 @@ class SamplingRequest:
             model=get_str(body, "model"),
             stream=get_bool(body, "stream"),
             include_usage=_include_usage(body),
+            continuous_usage=_continuous_usage(body),
             max_tokens=max_tokens,
             temperature=get_number(body, "temperature", 1.0),
             top_p=get_number(body, "top_p", 1.0),
@@ -420,7 +423,24 @@ def _include_usage(body: dict) -> bool:
         return False
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", param="stream_options")
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise bad_request(f"'stream_options' has no field {unknown[0]!r} here (it takes "
+                          "'include_usage' and 'continuous_usage_stats')",
+                          param="stream_options")
     return get_bool(options, "include_usage")
+
+
+def _continuous_usage(body: dict) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so
+    far; as in vLLM, only beside ``include_usage`` (alone it is refused, not ignored)."""
+    options = body.get("stream_options") or {}
+    if not get_bool(options, "continuous_usage_stats"):
+        return False
+    if not get_bool(options, "include_usage"):
+        raise bad_request("'stream_options.continuous_usage_stats' needs 'include_usage': true",
+                          param="stream_options")
+    return True
 
 
 @dataclass

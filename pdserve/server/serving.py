@@ -490,7 +490,7 @@ class _SSEWriter:
         # Read for every piece: what makes a piece without text worth a chunk, and what
         # keeps a chunk off the pre-encoded text template.
         self._token_chunks = bool(fmt.sampling.logprobs or self.timed or fmt.with_token_ids)
-        self._templated = not fmt.sampling.logprobs
+        self._templated = not (fmt.sampling.logprobs or fmt.sampling.continuous_usage)
         self._extras = bool(self.timed or fmt.with_token_ids)  # fields after the choices
         self._backlog: list[bytes] = []  # formatted, for the handler to write
         self._transport: asyncio.Transport | None = None  # set once the headers are out
@@ -517,6 +517,8 @@ class _SSEWriter:
                                            else b"")
         self.offset += len(text)
         chunk = self.fmt.chunk(piece, self.offset - len(piece.text), first=not self.sent_first)
+        if self.fmt.sampling.continuous_usage:
+            chunk["usage"] = self.gen.usage()
         if self.timed:
             self._add_timing(chunk, piece)
         if self.fmt.with_token_ids:
@@ -543,8 +545,9 @@ class _SSEWriter:
         chunks = [{"index": piece.index, "delta": delta, "logprobs": logprobs if i == 0 else None,
                    "finish_reason": finish if i == len(deltas) - 1 else None}
                   for i, delta in enumerate(deltas)]
+        usage = self.gen.usage() if self.fmt.sampling.continuous_usage else None
         return b"".join(P.sse(P.envelope(self.fmt.request_id, self.fmt.chunk_kind,
-                                         self.fmt.model, self.fmt.created, [chunk],
+                                         self.fmt.model, self.fmt.created, [chunk], usage,
                                          with_usage_key=self.fmt.sampling.include_usage))
                         for chunk in chunks)
 

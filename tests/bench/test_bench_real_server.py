@@ -47,7 +47,7 @@ def test_compare_through_real_server_on_tiny(tmp_path):
     for run in runs:
         assert "error" not in run, run.get("error")
         assert run["completed"] == 6 and run["failed"] == 0
-        assert run["token_counts"] == {"exact": True, "sources": {"num_tokens": 6}}
+        assert run["token_counts"] == {"exact": True, "sources": {"usage": 6}}
         for s in run["samples"]:
             # return_engine_timing: every token is counted even when its text is held back,
             # and one chunk may carry several (the first one too, when the stream's
@@ -113,7 +113,7 @@ def test_counts_every_token_of_a_pdserve_stream(tiny_server, tmp_path):
                   "--random-output-len", "24", "--request-rate", "inf") == 0
     result = json.loads(out.read_text())
     assert result["config"]["extra_body"] == {"return_engine_timing": True}
-    assert result["token_counts"] == {"exact": True, "sources": {"num_tokens": 6}}
+    assert result["token_counts"] == {"exact": True, "sources": {"usage": 6}}
     for s in result["samples"]:
         assert sum(chunk_tokens_of(s)) == s["output_tokens"] == 24
         assert len(s["itl_ms"]) == 24 - chunk_tokens_of(s)[0]
@@ -124,7 +124,8 @@ def test_counts_every_token_of_a_pdserve_stream(tiny_server, tmp_path):
 def test_counts_without_stated_tokens_are_flagged(tiny_server, tmp_path, capsys):
     out = tmp_path / "r.json"
     assert _serve(tiny_server, out, "--num-prompts", "2", "--random-input-len", "8",
-                  "--random-output-len", "8", "--extra-body", "{}") == 0
+                  "--random-output-len", "8",  # no running usage, no num_tokens:
+                  "--extra-body", '{"stream_options": {"include_usage": true}}') == 0
     result = json.loads(out.read_text())
     assert result["token_counts"]["exact"] is False
     assert "approximate" in capsys.readouterr().err

@@ -55,6 +55,21 @@ def test_bad_words_are_never_generated(server):
     assert info["overlap_schedule"]["synchronous_steps"]["bad_words"] >= 11, info
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
+    for path, body in (("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": USER})):
+        status, _, raw = server.request("POST", path, {
+            "model": MODEL, "max_tokens": 12, "ignore_eos": True, "stream": True, **body,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        events = [json.loads(line[len("data: "):]) for line in raw.decode().splitlines()
+                  if line.startswith("data: {")]
+        assert status == 200 and all(e["usage"] is not None for e in events), raw
+        counts = [e["usage"]["completion_tokens"] for e in events]
+        assert counts == sorted(counts) and counts[-1] == 12 and len(set(counts)) > 2, counts
+        prompt = {e["usage"]["prompt_tokens"] for e in events}
+        assert len(prompt) == 1 and events[-1]["choices"] == []  # the last: usage alone
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(server):
     kept = _complete(server, prompt="Hello world", max_tokens=6, temperature=0, echo=True,
                      extra_body={"truncate_prompt_tokens": 3})
@@ -179,6 +194,10 @@ def test_choices_after_the_first_take_the_prompt_from_the_prefix_cache(server):
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "x", "bad_words": "x"}, "bad_words"),
     ("/v1/completions", {"prompt": "x", "priority": 1}, "priority"),  # FCFS server
+    ("/v1/completions", {"prompt": "x", "stream": True,  # without include_usage
+                         "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": USER, "stream": True,
+                              "stream_options": {"include_usge": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": USER, "priority": "high"}, "priority"),
     ("/v1/completions", {"prompt": "x", "bad_words": [""]}, "bad_words"),
     ("/v1/completions", {"prompt": "x", "bad_words": ["a"], "allowed_token_ids": [97]},
