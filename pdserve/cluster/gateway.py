@@ -375,7 +375,7 @@ class Gateway:
             job.sent_chars += len(_choice_text(choice))
             job.finished = job.finished or bool(choice.get("finish_reason"))
         chunk = _continuing(job, chunk)
-        if chunk.get("usage"):
+        if chunk.get("usage") and not chunk.get("choices"):  # the usage chunk: nothing owed
             job.usage_owed = b""
         elif owed is not None:
             job.usage_owed = P.sse({**chunk, "choices": [], "usage": owed})
