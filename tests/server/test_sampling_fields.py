@@ -70,6 +70,23 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
         assert len(prompt) == 1 and events[-1]["choices"] == []  # the last: usage alone
 
 
+def test_continuous_usage_counts_each_choice_and_the_last_chunk_sums_them(server):
+    status, _, raw = server.request("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "Hi", "max_tokens": 6, "ignore_eos": True, "n": 2,
+        "seed": 1, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events = [json.loads(line[len("data: "):]) for line in raw.decode().splitlines()
+              if line.startswith("data: {")]
+    per_choice: dict[int, list[int]] = {}
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        per_choice.setdefault(choice["index"], []).append(event["usage"]["completion_tokens"])
+    assert status == 200 and sorted(per_choice) == [0, 1], raw
+    for counts in per_choice.values():
+        assert counts == sorted(counts) and counts[-1] == 6
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(server):
     kept = _complete(server, prompt="Hello world", max_tokens=6, temperature=0, echo=True,
                      extra_body={"truncate_prompt_tokens": 3})
