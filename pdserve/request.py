@@ -125,7 +125,9 @@ class Request:
     def refused_by_bad_words(self) -> set[int]:
         """The tokens a bad word refuses next: the last of each word whose other tokens end
         the output (a one-token word: always)."""
-        output = self.token_ids[self.num_prompt_tokens:]
+        longest = max(map(len, self.bad_words), default=1)
+        # only the output's last tokens can start a word: no copy of the whole output a step
+        output = self.token_ids[max(self.num_prompt_tokens, len(self.token_ids) - longest + 1):]
         return {word[-1] for word in self.bad_words
                 if len(word) - 1 <= len(output)
                 and tuple(output[len(output) - len(word) + 1:]) == word[:-1]}

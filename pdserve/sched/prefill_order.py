@@ -227,11 +227,13 @@ class PrefillOrder:
         return [prompts[i][0] for i in indices], late
 
     def describe(self) -> dict:
-        rate = self.rate.tokens_per_s
-        return {"prefill_order": self.order,
-                **({"prefill_order_rate_tokens_per_s": None if rate is None else round(rate),
-                    "prefill_order_reorders": self.reorders,
-                    "prefill_order_max_wait_ms": None if self.max_wait_s is None
-                    else round(self.max_wait_s * 1e3)} if self.enabled else {}),
-                **({"prefill_order_reorders": self.reorders}
-                   if self.order == "priority" else {})}
+        if self.order == "fcfs":
+            return {"prefill_order": self.order}
+        described = {"prefill_order": self.order, "prefill_order_reorders": self.reorders}
+        if self.enabled:
+            rate = self.rate.tokens_per_s
+            described.update(
+                prefill_order_rate_tokens_per_s=None if rate is None else round(rate),
+                prefill_order_max_wait_ms=None if self.max_wait_s is None
+                else round(self.max_wait_s * 1e3))
+        return described

@@ -261,9 +261,7 @@ class OpenAIServing:
         else:
             prompt_ids = request.prompt
             P.check_token_ids(prompt_ids, self.client.vocab_size)
-        P.check_sampling_token_ids(request.sampling, self.client.vocab_size)
-        P.check_priority(request.sampling, self.client.setup.get("prefill_order"))
-        prompt_ids, cut = self._truncated(prompt_ids, request.sampling)
+        prompt_ids, cut = self._checked(prompt_ids, request.sampling)
         fmt = Format(False, P.new_id("cmpl"), self.model_name, P.now_s(), request.sampling,
                      prompt_ids=prompt_ids)
         skip = request.sampling.skip_special_tokens
@@ -273,10 +271,13 @@ class OpenAIServing:
             fmt.prompt_texts = [self.tokenizer.decode([t], skip) for t in prompt_ids]
         return fmt, prompt_ids, self.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
 
-    def _truncated(self, prompt_ids: list[int], sampling: P.SamplingRequest
-                   ) -> tuple[list[int], bool]:
-        """The prompt's last ``truncate_prompt_tokens`` tokens (as vLLM, from the left), and
-        whether any were cut."""
+    def _checked(self, prompt_ids: list[int], sampling: P.SamplingRequest
+                 ) -> tuple[list[int], bool]:
+        """Both endpoints, once the prompt is tokenized: the sampling's token ids and
+        priority checked, and the prompt's last ``truncate_prompt_tokens`` tokens (as vLLM,
+        from the left) with whether any were cut."""
+        P.check_sampling_token_ids(sampling, self.client.vocab_size)
+        P.check_priority(sampling, self.client.setup.get("prefill_order"))
         keep, context = sampling.truncate_prompt_tokens, self.client.max_model_len
         if keep is None:
             return prompt_ids, False
@@ -302,9 +303,7 @@ class OpenAIServing:
                                 request.continue_final_message, request.chat_template,
                                 template_kwargs)
         prompt_ids = await self.encode_chat(text, request.sampling.add_special_tokens)
-        P.check_sampling_token_ids(request.sampling, self.client.vocab_size)
-        P.check_priority(request.sampling, self.client.setup.get("prefill_order"))
-        prompt_ids, _ = self._truncated(prompt_ids, request.sampling)
+        prompt_ids, _ = self._checked(prompt_ids, request.sampling)
         fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling,
                      tools=tools, prompt_ids=prompt_ids)
         return fmt, prompt_ids, self.default_max_tokens
