@@ -530,8 +530,15 @@ def _relay_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
 
 
 def _relayed_error(status: int, data: bytes) -> P.APIError:
+    """The instance's error as it named it: message, param and code."""
     try:
-        message = P.parse_json_body(data)["error"]["message"]
+        error = P.parse_json_body(data)["error"]
+        message = error["message"]
     except (P.APIError, KeyError, TypeError):
-        message = data.decode(errors="replace")[:500]
-    return P.APIError(status, message)
+        return P.APIError(status, data.decode(errors="replace")[:500])
+    return P.APIError(status, message, _str_or_none(error.get("param")),
+                      _str_or_none(error.get("code")))
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) else None

@@ -26,6 +26,9 @@ if TYPE_CHECKING:  # the gateway imports this module without the tokenizer's dep
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 64
 """Most choices (``n``, ``best_of``) per request: each is an engine request of its own."""
+MAX_BATCH_REQUESTS = 1024
+"""Most engine requests one ``/v1/completions`` request may start: its prompts times the
+choices each generates."""
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -446,7 +449,8 @@ def _continuous_usage(body: dict) -> bool:
 @dataclass
 class CompletionRequest:
     sampling: SamplingRequest
-    prompt: str | list[int]
+    prompts: list[str | list[int]]
+    """One prompt, or a batch: each answered with its own ``n`` choices, in order."""
     echo: bool = False
 
     @classmethod
@@ -463,7 +467,12 @@ class CompletionRequest:
                               "known only at the end", param="best_of")
         echo = get_bool(body, "echo")
         sampling.echo_logprobs = echo and sampling.logprobs
-        return cls(sampling, _read_prompt(body.get("prompt")), echo)
+        prompts = read_prompts(body.get("prompt"))
+        if len(prompts) * sampling.num_generated_choices > MAX_BATCH_REQUESTS:
+            raise bad_request(f"{len(prompts)} prompts of {sampling.num_generated_choices} "
+                              f"choices each are more than the {MAX_BATCH_REQUESTS} "
+                              "generations one request may ask for", param="prompt")
+        return cls(sampling, prompts, echo)
 
 
 def _positive(body: dict, name: str) -> int | None:
@@ -473,21 +482,23 @@ def _positive(body: dict, name: str) -> int | None:
     return value
 
 
+def read_prompts(prompt: Any) -> list[str | list[int]]:
+    """``prompt`` as the prompts it holds: a string or a list of token ids is one; a list of
+    either is a batch (OpenAI's and vLLM's forms)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [_read_prompt(p) for p in prompt]
+    return [_read_prompt(prompt)]
+
+
 def _read_prompt(prompt: Any) -> str | list[int]:
-    # A batch of one is accepted in both the text and the token-id form.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' is empty", param="prompt")
         return prompt
     if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
         return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
-        raise bad_request("batched prompts are not supported: send one request per prompt",
-                          param="prompt")
-    raise bad_request("'prompt' must be a non-empty string or a list of token ids",
-                      param="prompt")
+    raise bad_request("'prompt' must be a non-empty string, a list of token ids, or a list "
+                      "of either", param="prompt")
 
 
 @dataclass

@@ -225,7 +225,10 @@ class OpenAIServing:
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
         body = P.parse_json_body(await http.read())
-        return await self.run(http, *await self.prepare("completions", body))
+        prepared, default_max_tokens = await self._prepare_completions(self._with_defaults(body))
+        if len(prepared) == 1:
+            return await self.run(http, *prepared[0], default_max_tokens)
+        return await self._run_batch(http, prepared, default_max_tokens)
 
     async def chat(self, http: web.Request) -> web.StreamResponse:
         body = P.parse_json_body(await http.read())
@@ -236,7 +239,11 @@ class OpenAIServing:
         format, prompt token ids and default max_tokens. Raises ``APIError`` (400)."""
         body = self._with_defaults(body)
         if kind == "completions":
-            return await self._prepare_completion(body)
+            prepared, default_max_tokens = await self._prepare_completions(body)
+            if len(prepared) > 1:
+                raise P.bad_request("a batch of prompts is answered only by /v1/completions; "
+                                    "send one request per prompt", param="prompt")
+            return *prepared[0], default_max_tokens
         if kind == "chat":
             return await self._prepare_chat(body)
         raise P.bad_request(f"unknown request kind {kind!r}; use 'completions' or 'chat'",
@@ -251,25 +258,35 @@ class OpenAIServing:
     def default_max_tokens(self) -> int | None:
         return self.sampling_defaults.get("max_tokens")
 
-    async def _prepare_completion(self, body: dict) -> tuple[Format, list[int], int | None]:
+    async def _prepare_completions(self, body: dict
+                                   ) -> tuple[list[tuple[Format, list[int]]], int]:
+        """Each prompt's answer format and token ids (one id and time for all of them), and
+        the default max_tokens."""
         request = P.CompletionRequest.parse(body)
         self.check_model(request.sampling.model)
         request.sampling.grammar = read_grammar(body)
-        if isinstance(request.prompt, str):
+        request_id, created = P.new_id("cmpl"), P.now_s()
+        prepared = [await self._prepare_prompt(request, prompt, request_id, created)
+                    for prompt in request.prompts]
+        return prepared, self.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+
+    async def _prepare_prompt(self, request: P.CompletionRequest, prompt: str | list[int],
+                              request_id: str, created: int) -> tuple[Format, list[int]]:
+        if isinstance(prompt, str):
             add_special = request.sampling.add_special_tokens is not False
-            prompt_ids = await self.encode(request.prompt, add_special_tokens=add_special)
+            prompt_ids = await self.encode(prompt, add_special_tokens=add_special)
         else:
-            prompt_ids = request.prompt
+            prompt_ids = prompt
             P.check_token_ids(prompt_ids, self.client.vocab_size)
         prompt_ids, cut = self._checked(prompt_ids, request.sampling)
-        fmt = Format(False, P.new_id("cmpl"), self.model_name, P.now_s(), request.sampling,
+        fmt = Format(False, request_id, self.model_name, created, request.sampling,
                      prompt_ids=prompt_ids)
         skip = request.sampling.skip_special_tokens
         if request.echo:  # the prompt as the model saw it
-            fmt.echo = self._prompt_text(prompt_ids if cut else request.prompt, skip)
+            fmt.echo = self._prompt_text(prompt_ids if cut else prompt, skip)
         if request.sampling.echo_logprobs:
             fmt.prompt_texts = [self.tokenizer.decode([t], skip) for t in prompt_ids]
-        return fmt, prompt_ids, self.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        return fmt, prompt_ids
 
     def _checked(self, prompt_ids: list[int], sampling: P.SamplingRequest
                  ) -> tuple[list[int], bool]:
@@ -392,44 +409,81 @@ class OpenAIServing:
     async def _run_choices(self, http: web.Request, fmt: Format, prompt_ids: list[int],
                            params: SamplingParams, arrival: float) -> web.StreamResponse:
         """``n`` / ``best_of`` > 1: one engine request per choice, sharing the prompt."""
-        gens = [self._start_choice(fmt, 0, prompt_ids, params, arrival)]
-        try:
-            first = gens[0].fold(await gens[0].stream.get())
-            # Choice 0's first token means its prompt's full pages are in the prefix cache:
-            # started now, the other choices reuse them instead of computing the prompt again.
-            gens += [self._start_choice(fmt, i, prompt_ids, params, arrival)
-                     for i in range(1, fmt.sampling.num_generated_choices)]
-            if fmt.sampling.stream:
-                return await self._stream_choices(http, fmt, gens, first)
-            wholes = await asyncio.gather(_whole(fmt, gens[0], first),
-                                          *(_whole(fmt, g) for g in gens[1:]))
-            return _json_response(fmt.full(_best(wholes, fmt.sampling.n), _usage(gens)))
-        finally:
-            for gen in gens:
-                gen.close()
-                self._record(fmt, gen)
+        return await self._answer(http, [(fmt, prompt_ids, params)], arrival)
 
-    def _start_choice(self, fmt: Format, index: int, prompt_ids: list[int],
+    async def _run_batch(self, http: web.Request, prepared: list[tuple[Format, list[int]]],
+                         default_max_tokens: int) -> web.StreamResponse:
+        """A batch of prompts: each prompt's choices, one answer. Every prompt's parameters
+        are checked before any starts, so a refused one starts nothing."""
+        arrival = time.monotonic()
+        jobs = [(fmt, ids, self.params(fmt, ids, default_max_tokens)) for fmt, ids in prepared]
+        return await self._answer(http, jobs, arrival)
+
+    async def _answer(self, http: web.Request,
+                      jobs: list[tuple[Format, list[int], SamplingParams]],
+                      arrival: float) -> web.StreamResponse:
+        """Every prompt's choices as one answer, prompt i's numbered after those of the
+        prompts before it (as vLLM numbers a batch)."""
+        started: list[Generation] = []
+        fmts = [fmt for fmt, _, _ in jobs]
+        stride = fmts[0].sampling.num_generated_choices
+        try:
+            opened = await _all(self._open_choices(fmt, ids, params, arrival, i * stride,
+                                                   started)
+                                for i, (fmt, ids, params) in enumerate(jobs))
+            if fmts[0].sampling.stream:
+                return await self._stream_choices(http, fmts, opened)
+            answers = zip(fmts, opened, strict=True)
+            bodies = await _all(_full_answer(fmt, first, gens, i * fmt.sampling.n)
+                                for i, (fmt, (first, gens)) in enumerate(answers))
+            return _json_response(_merged(bodies))
+        finally:
+            for gen in started:
+                gen.close()
+                self._record(fmts[0], gen)
+
+    async def _open_choices(self, fmt: Format, prompt_ids: list[int], params: SamplingParams,
+                            arrival: float, first_index: int, started: list[Generation]
+                            ) -> tuple[P.Piece, list[Generation]]:
+        """Starts a prompt's choices, numbered from ``first_index`` (each also put in
+        ``started``): the first, then the others once its first piece came. Returns that
+        piece and the choices."""
+        head = self._start_choice(fmt, first_index, 0, prompt_ids, params, arrival)
+        started.append(head)
+        first = head.fold(await head.stream.get())
+        # Choice 0's first token means its prompt's full pages are in the prefix cache:
+        # started now, the other choices reuse them instead of computing the prompt again.
+        rest = [self._start_choice(fmt, first_index + j, j, prompt_ids, params, arrival)
+                for j in range(1, fmt.sampling.num_generated_choices)]
+        started += rest
+        return first, [head, *rest]
+
+    def _start_choice(self, fmt: Format, index: int, choice: int, prompt_ids: list[int],
                       params: SamplingParams, arrival: float) -> Generation:
-        # Choice i draws with seed + i, as vLLM does; best_of ranks choices by their logprobs.
-        seed = None if params.seed is None else params.seed + index
+        # A prompt's choice j draws with seed + j, as vLLM does (a batch's prompts alike);
+        # best_of ranks choices by their logprobs.
+        seed = None if params.seed is None else params.seed + choice
         ranked = fmt.sampling.best_of > fmt.sampling.n
         params = replace(params, seed=seed, logprobs=params.logprobs or ranked)
         stream = self.client.add(f"{fmt.request_id}-{index}", prompt_ids, params, arrival)
         return Generation(self.client, stream, self.tokenizer, prompt_ids, params, index=index)
 
-    async def _stream_choices(self, http: web.Request, fmt: Format, gens: list[Generation],
-                              first: P.Piece) -> web.StreamResponse:
+    async def _stream_choices(self, http: web.Request, fmts: list[Format],
+                              opened: list[tuple[P.Piece, list[Generation]]]
+                              ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(http)
         chunks: asyncio.Queue = asyncio.Queue()
-        writers = [_SSEWriter(http, response, fmt, gen) for gen in gens]
-        tasks = [asyncio.create_task(_pump(w, chunks, first if w.gen.index == 0 else None))
-                 for w in writers]
+        writers, tasks = [], []
+        for fmt, (first, gens) in zip(fmts, opened, strict=True):
+            for gen in gens:
+                writers.append(_SSEWriter(http, response, fmt, gen))
+                tasks.append(asyncio.create_task(
+                    _pump(writers[-1], chunks, first if gen is gens[0] else None)))
         try:
             await _write_chunks(response, chunks, len(tasks))
-            await writers[0].finish(_usage(gens))
+            await writers[0].finish(_summed_usage([_usage(gens) for _, gens in opened]))
         except P.APIError as exc:
             await response.write(P.sse(exc.body()) + P.SSE_DONE)
         finally:
@@ -650,16 +704,51 @@ async def _whole(fmt: Format, gen: Generation, first: P.Piece | None = None) -> 
                    index=gen.index, prompt_logprobs=pieces[0].prompt_logprobs)
 
 
-def _best(wholes: list[P.Piece], n: int) -> list[P.Piece]:
+def _best(wholes: list[P.Piece], n: int, first_index: int = 0) -> list[P.Piece]:
     """The ``n`` choices with the highest sum of token logprobs (all of them when there are
-    ``n``), numbered from 0 in that order."""
+    ``n``), numbered from ``first_index`` in that order."""
     if len(wholes) == n:
         return wholes
     # Echoed prompt tokens lead with None (the first has no logprob): the prompt is the same
     # in every choice, so only the generated tokens rank them.
     best = sorted(wholes, key=lambda p: sum(lp for lp in p.logprobs or [] if lp is not None),
                   reverse=True)[:n]
-    return [replace(piece, index=i) for i, piece in enumerate(best)]
+    return [replace(piece, index=first_index + i) for i, piece in enumerate(best)]
+
+
+async def _full_answer(fmt: Format, first: P.Piece, gens: list[Generation],
+                       first_index: int) -> dict[str, Any]:
+    """One prompt's whole answer: its best ``n`` choices numbered from ``first_index``."""
+    wholes = await asyncio.gather(_whole(fmt, gens[0], first),
+                                  *(_whole(fmt, g) for g in gens[1:]))
+    return fmt.full(_best(list(wholes), fmt.sampling.n, first_index), _usage(gens))
+
+
+async def _all(coroutines) -> list:
+    """The coroutines' results, run at once; if one fails the others are cancelled (none
+    left running against a request that is answered already)."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _merged(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """A batch's answers as one: every prompt's choices in order, their usage summed."""
+    body = bodies[0]
+    body["choices"] = [choice for b in bodies for choice in b["choices"]]
+    body["usage"] = _summed_usage([b["usage"] for b in bodies])
+    return body
+
+
+def _summed_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    return P.usage(sum(u["prompt_tokens"] for u in usages),
+                   sum(u["completion_tokens"] for u in usages),
+                   sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages))
 
 
 def _usage(gens: list[Generation]) -> dict[str, Any]:

@@ -134,9 +134,16 @@ def test_bad_request_is_answered_by_the_instance_and_relayed(gateway):
     status, _, raw = gateway.http.request("POST", "/v1/completions",
                                           {"prompt": "x", "temperature": -1})
     assert status == 400
-    assert "temperature" in json.loads(raw)["error"]["message"]
+    error = json.loads(raw)["error"]
+    assert "temperature" in error["message"] and error["param"] == "temperature"
     status, _, raw = gateway.http.request("POST", "/v1/completions", b"{not json")
     assert status == 400
+    # A batch would need a hand-off per prompt: the instance names what to send instead.
+    status, _, raw = gateway.http.request("POST", "/v1/completions",
+                                          {**BODY, "prompt": ["a", "b"]})
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == "prompt" and "one request per prompt" \
+        in error["message"], raw
 
 
 def test_unknown_or_bad_scenario(gateway):

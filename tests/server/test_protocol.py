@@ -20,7 +20,11 @@ def test_completion_defaults_and_budget():
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "max_tokens": True}, "max_tokens"),
     ({"prompt": "x", "temperature": "1"}, "temperature"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"prompt": ["a", 1]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a"] * 17, "n": 64}, "prompt"),  # 1,088 generations, past 1,024
     ({"prompt": "x", "stream_options": {"include_usage": 1}}, "include_usage"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
     ({"prompt": "x", "n": 0}, "n"),
@@ -32,6 +36,18 @@ def test_bad_fields_name_the_param(body, param):
     with pytest.raises(P.APIError) as err:
         P.CompletionRequest.parse(body)
     assert err.value.status == 400 and err.value.param == param
+
+
+@pytest.mark.parametrize("prompt, prompts", [
+    ("hi", ["hi"]),
+    ([1, 2], [[1, 2]]),
+    (["hi"], ["hi"]),
+    ([[1, 2]], [[1, 2]]),
+    (["a", "b"], ["a", "b"]),
+    ([[1], [2, 3], "c"], [[1], [2, 3], "c"]),
+])
+def test_a_prompt_or_a_batch_of_either_form(prompt, prompts):
+    assert P.CompletionRequest.parse({"prompt": prompt}).prompts == prompts
 
 
 def test_context_overflow_is_400():
