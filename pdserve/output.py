@@ -72,12 +72,17 @@ class OutputDelta:
     """In the delta of the request's first token, when prompt logprobs were asked for."""
 
 
+def token_id_name(token: int) -> str:
+    return f"token_id:{token}"
+
+
 class OutputProcessor:
     """Folds one request's ``RequestUpdate``s into an ``OutputDelta`` per call."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, tokens_as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:N" (vLLM's)
         self.want_logprobs = params.logprobs
         self.want_top_logprobs = params.logprobs and params.top_logprobs > 0
         self.include_stop = params.include_stop_str_in_output
@@ -176,10 +181,15 @@ class OutputProcessor:
     def _alternatives(self, logprobs: list[float]) -> list[list[tuple[str, float]]] | None:
         if not self.want_top_logprobs:
             return None
-        decode, skip = self.tokenizer.decode, self.detok.skip_special_tokens
-        return [[(decode([token], skip), value) for token, value in getattr(lp, "top", ())]
+        return [[(self._token_name(token), value) for token, value in getattr(lp, "top", ())]
                 for lp in logprobs]
 
     def _token_texts(self, ids: list[int]) -> list[str]:
-        skip = self.detok.skip_special_tokens
-        return [self.tokenizer.decode([i], skip) for i in ids]
+        return [self._token_name(i) for i in ids]
+
+    def _token_name(self, token: int) -> str:
+        """How logprobs name a token: its text, or ``token_id:N`` (the id itself, for
+        clients that need it exactly: texts of byte pieces can collide or not decode)."""
+        if self.tokens_as_ids:
+            return token_id_name(token)
+        return self.tokenizer.decode([token], self.detok.skip_special_tokens)

@@ -162,7 +162,7 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
                      "logit_bias", "min_p", "response_format", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar", "structured_outputs",
                      "prompt_logprobs", "allowed_token_ids", "truncate_prompt_tokens",
-                     "bad_words", "priority"),
+                     "bad_words", "priority", "return_tokens_as_token_ids"),
                     HONOURED),
     "logits_processors": Refused(_SAMPLER, ([],)),
     "use_beam_search": Refused(_BEAM, (False,)),
@@ -277,6 +277,8 @@ class SamplingRequest:
     """vLLM extension: words never generated."""
     priority: int = 0
     """vLLM extension: lower first among waiting prompts (``--prefill-order priority``)."""
+    tokens_as_ids: bool = False
+    """vLLM's ``return_tokens_as_token_ids``: logprobs name each token ``token_id:N``."""
 
     @classmethod
     def read(cls, body: dict, max_tokens: int | None) -> SamplingRequest:
@@ -308,6 +310,7 @@ class SamplingRequest:
             truncate_prompt_tokens=_truncate_prompt_tokens(body),
             bad_words=_get(body, "bad_words", lambda v: isinstance(v, list), "a list", []),
             priority=get_int(body, "priority", 0),
+            tokens_as_ids=get_bool(body, "return_tokens_as_token_ids"),
         )
 
     @property
@@ -689,24 +692,28 @@ def prompt_logprobs_json(scored: PromptLogprobs, prompt_ids: list[int], width: i
             for token, position in zip(prompt_ids, scored, strict=True)]
 
 
-def echo_logprobs(piece: Piece, prompt_ids: list[int], prompt_texts: list[str], width: int
-                  ) -> Piece:
+def echo_logprobs(piece: Piece, prompt_ids: list[int], prompt_texts: list[str], width: int,
+                  tokens_as_ids: bool = False) -> Piece:
     """``piece`` with the prompt's tokens before its own, as completions ``echo`` with
-    ``logprobs`` answers: the first has no logprob (nothing predicts it)."""
+    ``logprobs`` answers: the first has no logprob (nothing predicts it). The alternatives
+    are named by their text, or ``token_id:N`` with ``tokens_as_ids``."""
+    from pdserve.output import token_id_name  # the gateway imports this module without it
+
     scored = piece.prompt_logprobs or [None] * len(prompt_ids)
     logprobs = [None if p is None else p[t].logprob
                 for t, p in zip(prompt_ids, scored, strict=True)]
     tops = [None if p is None else
-            [(lp.decoded_token, lp.logprob) for lp in sorted(p.values(), key=_rank)
-             if lp.rank <= width] for p in scored]
+            [(token_id_name(t) if tokens_as_ids else lp.decoded_token, lp.logprob)
+             for t, lp in sorted(p.items(), key=_by_rank) if lp.rank <= width]
+            for p in scored]
     return replace(piece, token_texts=prompt_texts + piece.token_texts,
                    logprobs=logprobs + (piece.logprobs or []),
                    top_logprobs=tops + piece.top_logprobs
                    if piece.top_logprobs is not None else None)
 
 
-def _rank(logprob: Logprob) -> int:
-    return logprob.rank
+def _by_rank(entry: tuple[int, Logprob]) -> int:
+    return entry[1].rank
 
 
 def chat_choice(piece: Piece, with_logprobs: bool, delta: bool) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from jinja2 import TemplateSyntaxError
 from pdserve.handoff import KVHandoff
 from pdserve.messages import RequestUpdate
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.output import OutputProcessor
+from pdserve.output import OutputProcessor, token_id_name
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import protocol as P
 from pdserve.server.client import EngineClient, Items, RequestStream
@@ -54,11 +54,12 @@ class Generation:
 
     def __init__(self, client: EngineClient, stream: RequestStream, tokenizer: Tokenizer,
                  prompt_ids: list[int], params: SamplingParams,
-                 resumed: Resumed | None = None, index: int = 0) -> None:
+                 resumed: Resumed | None = None, index: int = 0,
+                 tokens_as_ids: bool = False) -> None:
         self.client = client
         self.index = index  # which choice of the answer
         self.stream = stream
-        self.output = OutputProcessor(tokenizer, prompt_ids, params)
+        self.output = OutputProcessor(tokenizer, prompt_ids, params, tokens_as_ids)
         self.num_prompt_tokens = len(prompt_ids)
         if resumed is not None:
             self.output.resume(resumed.token_ids, resumed.text_chars)
@@ -158,7 +159,7 @@ class Format:
         if not self.sampling.echo_logprobs:
             return piece
         return P.echo_logprobs(piece, self.prompt_ids, self.prompt_texts,
-                               self.sampling.top_logprobs)
+                               self.sampling.top_logprobs, self.sampling.tokens_as_ids)
 
     def _prompt_logprobs(self, piece: P.Piece) -> list | None:
         if self.sampling.prompt_logprobs is None or piece.prompt_logprobs is None:
@@ -284,7 +285,9 @@ class OpenAIServing:
         skip = request.sampling.skip_special_tokens
         if request.echo:  # the prompt as the model saw it
             fmt.echo = self._prompt_text(prompt_ids if cut else prompt, skip)
-        if request.sampling.echo_logprobs:
+        if request.sampling.echo_logprobs and request.sampling.tokens_as_ids:
+            fmt.prompt_texts = [token_id_name(t) for t in prompt_ids]
+        elif request.sampling.echo_logprobs:
             fmt.prompt_texts = [self.tokenizer.decode([t], skip) for t in prompt_ids]
         return fmt, prompt_ids
 
@@ -388,7 +391,8 @@ class OpenAIServing:
         if fmt.sampling.num_generated_choices > 1:
             return await self._run_choices(http, fmt, prompt_ids, params, arrival)
         stream = self.client.add(fmt.request_id, prompt_ids + done, params, arrival, handoff)
-        gen = Generation(self.client, stream, self.tokenizer, prompt_ids, params, resumed)
+        gen = Generation(self.client, stream, self.tokenizer, prompt_ids, params, resumed,
+                         tokens_as_ids=fmt.sampling.tokens_as_ids)
         try:
             if fmt.sampling.stream:
                 return await self._stream(http, fmt, gen)
@@ -466,7 +470,8 @@ class OpenAIServing:
         ranked = fmt.sampling.best_of > fmt.sampling.n
         params = replace(params, seed=seed, logprobs=params.logprobs or ranked)
         stream = self.client.add(f"{fmt.request_id}-{index}", prompt_ids, params, arrival)
-        return Generation(self.client, stream, self.tokenizer, prompt_ids, params, index=index)
+        return Generation(self.client, stream, self.tokenizer, prompt_ids, params, index=index,
+                          tokens_as_ids=fmt.sampling.tokens_as_ids)
 
     async def _stream_choices(self, http: web.Request, fmts: list[Format],
                               opened: list[tuple[P.Piece, list[Generation]]]

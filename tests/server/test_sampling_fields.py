@@ -237,3 +237,27 @@ def test_out_of_range_values_are_400_naming_the_field(server, path, body, param)
     status, _, raw = server.request("POST", path, {"model": MODEL, "max_tokens": 1, **body})
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == param, raw
+
+
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(server):
+    fields = {"max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True,
+              "prompt": "Hi"}
+    by_text = _complete(server, **fields).choices[0]
+    by_id = _complete(server, extra_body={"return_tokens_as_token_ids": True},
+                      **fields).choices[0]
+    assert by_id.text == by_text.text
+    lp, texts = by_id.logprobs, by_text.logprobs
+    assert lp.tokens[1:3] == ["token_id:72", "token_id:105"]  # the prompt's "H", "i"
+    # The byte tokenizer's ids are bytes: the ids give back the text exactly, where the
+    # pieces of a multi-byte character each read "\ufffd" as texts.
+    ids = bytes(int(t.split(":")[1]) for t in lp.tokens[1:])
+    assert ids.decode(errors="replace") == by_id.text
+    assert lp.token_logprobs == texts.token_logprobs
+    for top in lp.top_logprobs[1:]:
+        assert all(key.startswith("token_id:") for key in top) and len(top) >= 2
+    chat = server.openai().chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=3, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    for entry in chat.choices[0].logprobs.content:
+        assert entry.token.startswith("token_id:")
+        assert all(t.token.startswith("token_id:") for t in entry.top_logprobs)
