@@ -69,3 +69,16 @@ def test_a_batch_with_one_prompt_too_long_is_refused_before_any_starts(server):
     after = wait_engine_idle(server)  # "Hi" never reached the engine's prefix cache
     assert after["pdserve_prefix_cache_queries_total"] \
         == before["pdserve_prefix_cache_queries_total"]
+
+
+def test_an_evaluation_harness_loglikelihood_batch_scores_each_prompt(server):
+    # What lm-evaluation-harness's local-completions sends to score continuations: token
+    # ids, echo, one logprob, one new token, greedy.
+    prompts = [[1, 72, 105, 32, 116, 104, 101, 114, 101], [1, 65, 66, 67]]
+    fields = {"max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True, "seed": 1234}
+    batch = _complete(server, prompt=prompts, **fields)
+    alone = [_complete(server, prompt=p, **fields).choices[0] for p in prompts]
+    for got, want, prompt in zip(batch.choices, alone, prompts, strict=True):
+        assert got.logprobs.token_logprobs == pytest.approx(want.logprobs.token_logprobs)
+        assert len(got.logprobs.tokens) == len(prompt) + 1 and got.text == want.text
+        assert got.logprobs.token_logprobs[0] is None  # nothing predicts the first token
