@@ -40,6 +40,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdserve.aio import gather_or_cancel
 from pdserve.cluster.config import GatewayConfig
 from pdserve.cluster.dispatch import DISPATCH, order_prefill
 from pdserve.cluster.metrics import GatewayMetrics
@@ -143,7 +144,31 @@ class Gateway:
 
     async def forward(self, http: web.Request, kind: str) -> web.StreamResponse:
         body = P.parse_json_body(await http.read())
-        job = Job(http, kind, body, self._scenario(http), time.monotonic())
+        if kind == "completions" and _is_batch(body.get("prompt")):
+            return await self._forward_batch(http, body)
+        return await self._run(Job(http, kind, body, self._scenario(http), time.monotonic()))
+
+    async def _forward_batch(self, http: web.Request, body: dict[str, Any]) -> web.Response:
+        """A batch of prompts: each prompt its own P/D request (a hand-off each), the
+        answers merged as one instance answers a batch - choices in prompt order, usage
+        summed. Streamed batches are refused: their chunks would interleave across
+        attempts that resume independently."""
+        prompts = body["prompt"]
+        if body.get("stream") is True:
+            raise P.bad_request("a streamed batch of prompts is not served through the "
+                                "gateway; send 'stream': false or one request per prompt",
+                                param="prompt")
+        if len(prompts) > P.MAX_BATCH_REQUESTS:
+            raise P.bad_request(f"{len(prompts)} prompts are more than the "
+                                f"{P.MAX_BATCH_REQUESTS} one request may carry", param="prompt")
+        scenario, start = self._scenario(http), time.monotonic()
+        answers = await gather_or_cancel(
+            self._run(Job(http, "completions", {**body, "prompt": prompt}, scenario, start))
+            for prompt in prompts)
+        merged = _merged_batch([json.loads(answer.body) for answer in answers])
+        return web.Response(body=P.dumps(merged), content_type="application/json")
+
+    async def _run(self, job: Job) -> web.StreamResponse:
         # The ratio controller's window follows each request through prefill and decode.
         self.metrics.arrived(job.scenario)
         try:
@@ -522,6 +547,21 @@ def _continuing(job: Job, chunk: dict[str, Any]) -> dict[str, Any]:
         if key in chunk:
             chunk[key] = value
     return chunk
+
+
+def _is_batch(prompt: Any) -> bool:
+    """Several prompts in one ``prompt`` (a list of strings or of token-id lists)."""
+    return isinstance(prompt, list) and len(prompt) > 1 \
+        and all(isinstance(p, (str, list)) for p in prompt)
+
+
+def _merged_batch(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """One answer per prompt (a choice each: P/D requests take no ``n``) as one."""
+    merged = answers[0]
+    merged["choices"] = [{**answer["choices"][0], "index": i}
+                         for i, answer in enumerate(answers)]
+    merged["usage"] = P.summed_usage([answer["usage"] for answer in answers])
+    return merged
 
 
 def _relay_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:

@@ -627,6 +627,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def summed_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The usage of several answers (a batch's prompts) as one."""
+    return usage(sum(u["prompt_tokens"] for u in usages),
+                 sum(u["completion_tokens"] for u in usages),
+                 sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages))
+
+
 @dataclass(slots=True)
 class Piece:
     """New output of one request since the last piece: text plus what clients may ask for."""

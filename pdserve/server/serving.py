@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 from jinja2 import TemplateSyntaxError
 
+from pdserve.aio import gather_or_cancel
 from pdserve.handoff import KVHandoff
 from pdserve.messages import RequestUpdate
 from pdserve.model.tokenizer import Tokenizer
@@ -432,14 +433,15 @@ class OpenAIServing:
         fmts = [fmt for fmt, _, _ in jobs]
         stride = fmts[0].sampling.num_generated_choices
         try:
-            opened = await _all(self._open_choices(fmt, ids, params, arrival, i * stride,
-                                                   started)
-                                for i, (fmt, ids, params) in enumerate(jobs))
+            opened = await gather_or_cancel(
+                self._open_choices(fmt, ids, params, arrival, i * stride, started)
+                for i, (fmt, ids, params) in enumerate(jobs))
             if fmts[0].sampling.stream:
                 return await self._stream_choices(http, fmts, opened)
             answers = zip(fmts, opened, strict=True)
-            bodies = await _all(_full_answer(fmt, first, gens, i * fmt.sampling.n)
-                                for i, (fmt, (first, gens)) in enumerate(answers))
+            bodies = await gather_or_cancel(
+                _full_answer(fmt, first, gens, i * fmt.sampling.n)
+                for i, (fmt, (first, gens)) in enumerate(answers))
             return _json_response(_merged(bodies))
         finally:
             for gen in started:
@@ -488,7 +490,7 @@ class OpenAIServing:
                     _pump(writers[-1], chunks, first if gen is gens[0] else None)))
         try:
             await _write_chunks(response, chunks, len(tasks))
-            await writers[0].finish(_summed_usage([_usage(gens) for _, gens in opened]))
+            await writers[0].finish(P.summed_usage([_usage(gens) for _, gens in opened]))
         except P.APIError as exc:
             await response.write(P.sse(exc.body()) + P.SSE_DONE)
         finally:
@@ -729,31 +731,12 @@ async def _full_answer(fmt: Format, first: P.Piece, gens: list[Generation],
     return fmt.full(_best(list(wholes), fmt.sampling.n, first_index), _usage(gens))
 
 
-async def _all(coroutines) -> list:
-    """The coroutines' results, run at once; if one fails the others are cancelled (none
-    left running against a request that is answered already)."""
-    tasks = [asyncio.ensure_future(c) for c in coroutines]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
 def _merged(bodies: list[dict[str, Any]]) -> dict[str, Any]:
     """A batch's answers as one: every prompt's choices in order, their usage summed."""
     body = bodies[0]
     body["choices"] = [choice for b in bodies for choice in b["choices"]]
-    body["usage"] = _summed_usage([b["usage"] for b in bodies])
+    body["usage"] = P.summed_usage([b["usage"] for b in bodies])
     return body
-
-
-def _summed_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
-    return P.usage(sum(u["prompt_tokens"] for u in usages),
-                   sum(u["completion_tokens"] for u in usages),
-                   sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages))
 
 
 def _usage(gens: list[Generation]) -> dict[str, Any]:

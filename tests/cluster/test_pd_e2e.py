@@ -138,12 +138,28 @@ def test_bad_request_is_answered_by_the_instance_and_relayed(gateway):
     assert "temperature" in error["message"] and error["param"] == "temperature"
     status, _, raw = gateway.http.request("POST", "/v1/completions", b"{not json")
     assert status == 400
-    # A batch would need a hand-off per prompt: the instance names what to send instead.
+    # A streamed batch would interleave prompts resumed apart: refused, naming what to send.
     status, _, raw = gateway.http.request("POST", "/v1/completions",
-                                          {**BODY, "prompt": ["a", "b"]})
+                                          {**BODY, "prompt": ["a", "b"], "stream": True})
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == "prompt" and "one request per prompt" \
         in error["message"], raw
+
+
+def test_a_batch_of_prompts_through_the_gateway_equals_one_instance_s_answer(instances,
+                                                                           gateway):
+    batch = {**BODY, "prompt": ["The quick brown fox", [1, 72, 105], "Tell me"],
+             "max_tokens": 8}
+    alone = _complete(instances[0], batch)
+    split = _complete(gateway.http, batch)
+    assert [c["index"] for c in split["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in split["choices"]] == [c["text"] for c in alone["choices"]]
+    assert split["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
+    assert split["usage"]["completion_tokens"] == 3 * 8
+    # a refused prompt refuses the batch, as one instance does
+    status, _, raw = gateway.http.request("POST", "/v1/completions",
+                                          {**batch, "prompt": ["a", [1, 10**9]]})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "prompt", raw
 
 
 def test_unknown_or_bad_scenario(gateway):
