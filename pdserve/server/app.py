@@ -82,7 +82,8 @@ def build_app(client: EngineClient, config: ServerConfig,
         client.tokenizer.chat_template = load_chat_template(config.chat_template)
     serving = OpenAIServing(client, client.tokenizer, names[0], metrics, config.log_requests,
                             tuple(names[1:]), sampling_defaults,
-                            ToolSettings(config.enable_auto_tool_choice, config.tool_call_parser))
+                            ToolSettings(config.enable_auto_tool_choice, config.tool_call_parser),
+                            config.reasoning_parser)
     limits = HTTPLimits.of(config)
     app = web.Application(client_max_size=limits.max_body_bytes,
                           middlewares=[_errors, _api_key, _admission, limits.middleware()])

@@ -10,6 +10,7 @@ import socket
 from dataclasses import dataclass, field
 
 from pdserve.config import doc
+from pdserve.server.reasoning import REASONING_PARSERS
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,11 @@ class ServerConfig:
                                        "(tool_choice 'auto'): llama3_json (Llama 3.x) or "
                                        "hermes (<tool_call>, Qwen2.5).",
                                        choices=("llama3_json", "hermes"))
+    reasoning_parser: str | None = doc(None, "How a reasoning model's thinking is told from "
+                                       "its answer on /v1/chat/completions: deepseek_r1 (text "
+                                       "before </think>: DeepSeek-R1 and its distills, QwQ) "
+                                       "puts it in the message's 'reasoning' and "
+                                       "'reasoning_content'.", choices=REASONING_PARSERS)
     shutdown_timeout: float = doc(30.0, "On SIGTERM, seconds in-flight requests may run "
                                   "before they are aborted.")
     retry_after: int = doc(1, "Seconds sent in Retry-After when the waiting queue is full.")

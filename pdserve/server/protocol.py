@@ -187,7 +187,8 @@ COMPLETION_FIELDS: dict[str, FieldRule] = {
 CHAT_FIELDS: dict[str, FieldRule] = {
     **_SHARED_FIELDS,
     **dict.fromkeys(("messages", "max_completion_tokens", "add_generation_prompt",
-                     "continue_final_message", "chat_template", "chat_template_kwargs"),
+                     "continue_final_message", "chat_template", "chat_template_kwargs",
+                     "include_reasoning"),
                     HONOURED),
     "top_logprobs": HONOURED,
     **dict.fromkeys(("tools", "tool_choice", "parallel_tool_calls"), HONOURED),
@@ -514,6 +515,8 @@ class ChatRequest:
     """A Jinja template for this request instead of the model's."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra variables the template sees."""
+    include_reasoning: bool = True
+    """vLLM's: with ``--reasoning-parser``, false leaves the reasoning out of the answer."""
 
     @classmethod
     def parse(cls, body: dict) -> ChatRequest:
@@ -524,7 +527,8 @@ class ChatRequest:
         sampling.top_logprobs = _top_logprobs(get_int(body, "top_logprobs"), "top_logprobs")
         if sampling.top_logprobs and not sampling.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        return cls(sampling, read_messages(body.get("messages")), **read_template_options(body))
+        return cls(sampling, read_messages(body.get("messages")), **read_template_options(body),
+                   include_reasoning=get_bool(body, "include_reasoning", True))
 
 
 _TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token", "eos_token"}

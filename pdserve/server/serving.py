@@ -26,6 +26,7 @@ from pdserve.server import protocol as P
 from pdserve.server.client import EngineClient, Items, RequestStream
 from pdserve.server.guided import check, read_grammar
 from pdserve.server.metrics import RequestTiming, ServerMetrics
+from pdserve.server.reasoning import ThinkSplitter, split_reasoning
 from pdserve.server.tool_calls import ToolRequest, ToolSettings, ToolStream
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,10 @@ class Format:
     with_token_ids: bool = False
     """Internal P/D route: chunks also carry ``pdserve_token_ids`` (the gateway strips them)."""
 
+    reasoning: bool = False
+    """Chat under ``--reasoning-parser``: the thinking goes apart from the content."""
+    include_reasoning: bool = True
+
     _text_prefix: bytes = b""
     """``data: `` and the chunk's JSON up to its text."""
     _text_suffix: bytes = b""
@@ -191,6 +196,8 @@ class Format:
     def full(self, pieces: list[P.Piece], usage: dict[str, Any]) -> dict[str, Any]:
         if self.chat:
             choices = [P.chat_choice(p, self.sampling.logprobs, delta=False) for p in pieces]
+            for choice in choices if self.reasoning else ():
+                _put_reasoning_apart(choice["message"], self.include_reasoning)
             for choice in choices if self.tools is not None else ():
                 self.tools.finish_choice(choice)
             kind = "chat.completion"
@@ -211,9 +218,11 @@ class OpenAIServing:
                  metrics: ServerMetrics, log_requests: bool = False,
                  model_aliases: tuple[str, ...] = (),
                  sampling_defaults: dict[str, Any] | None = None,
-                 tool_settings: ToolSettings | None = None) -> None:
+                 tool_settings: ToolSettings | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.client = client
         self.tool_settings = tool_settings or ToolSettings()
+        self.reasoning_parser = reasoning_parser
         self.tokenizer = tokenizer
         if tokenizer is not None:  # the stream's look-up table: built now, not in a request
             tokenizer.piece_table  # noqa: B018
@@ -326,7 +335,10 @@ class OpenAIServing:
         prompt_ids = await self.encode_chat(text, request.sampling.add_special_tokens)
         prompt_ids, _ = self._checked(prompt_ids, request.sampling)
         fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling,
-                     tools=tools, prompt_ids=prompt_ids)
+                     tools=tools, prompt_ids=prompt_ids,
+                     include_reasoning=request.include_reasoning)
+        # Under a grammar the output is the grammar's from its first token: no thinking.
+        fmt.reasoning = self.reasoning_parser is not None and request.sampling.grammar is None
         return fmt, prompt_ids, self.default_max_tokens
 
     def _read_tools(self, body: dict, sampling: P.SamplingRequest) -> ToolRequest | None:
@@ -550,13 +562,15 @@ class _SSEWriter:
         # Read for every piece: what makes a piece without text worth a chunk, and what
         # keeps a chunk off the pre-encoded text template.
         self._token_chunks = bool(fmt.sampling.logprobs or self.timed or fmt.with_token_ids)
-        self._templated = not (fmt.sampling.logprobs or fmt.sampling.continuous_usage)
+        self._templated = not (fmt.sampling.logprobs or fmt.sampling.continuous_usage
+                               or fmt.reasoning)
         self._extras = bool(self.timed or fmt.with_token_ids)  # fields after the choices
         self._backlog: list[bytes] = []  # formatted, for the handler to write
         self._transport: asyncio.Transport | None = None  # set once the headers are out
         self._chunked = False
         self._error: BaseException | None = None  # raised in the handler
         self.tool_stream = ToolStream(fmt.tools) if fmt.tools is not None else None
+        self.thinking = ThinkSplitter() if fmt.reasoning else None
 
     async def write(self, piece: P.Piece) -> None:
         data = self.encode(piece)
@@ -577,6 +591,9 @@ class _SSEWriter:
                                            else b"")
         self.offset += len(text)
         chunk = self.fmt.chunk(piece, self.offset - len(piece.text), first=not self.sent_first)
+        if self.thinking is not None and not self._split_delta(chunk["choices"][0]["delta"],
+                                                               piece) and self.sent_first:
+            return b""  # text held back: it may start the end of the thought
         if self.fmt.sampling.continuous_usage:
             chunk["usage"] = self.gen.usage()
         if self.timed:
@@ -591,9 +608,27 @@ class _SSEWriter:
         self.sent_first = True
         return P.sse(chunk)
 
+    def _split_delta(self, delta: dict[str, Any], piece: P.Piece) -> bool:
+        """Puts a chat delta's reasoning apart from its content; whether it still says
+        anything."""
+        reasoning, content = self.thinking.push(piece.text, final=bool(piece.finish_reason))
+        delta.pop("content", None)
+        if content:
+            delta["content"] = content
+        if reasoning and self.fmt.include_reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
+        return bool(content or "reasoning" in delta or piece.finish_reason
+                    or (piece.token_ids and self._token_chunks))
+
     def _encode_tools(self, piece: P.Piece) -> bytes:
-        """A piece of a chat with tools: content and tool-call deltas, a chunk each."""
-        deltas, finish = self.tool_stream.push(piece.text, piece.finish_reason)
+        """A piece of a chat with tools: content and tool-call deltas, a chunk each (the
+        reasoning first, under ``--reasoning-parser``: the calls are read in the content)."""
+        text, reasoning = piece.text, ""
+        if self.thinking is not None:
+            reasoning, text = self.thinking.push(text, final=bool(piece.finish_reason))
+        deltas, finish = self.tool_stream.push(text, piece.finish_reason)
+        if reasoning and self.fmt.include_reasoning:
+            deltas = [{"reasoning": reasoning, "reasoning_content": reasoning}, *deltas]
         wants_chunk = finish or (self.fmt.sampling.logprobs and piece.token_ids)
         if not deltas and (self.sent_first and not wants_chunk):
             return b""
@@ -815,6 +850,14 @@ def _cut_after_final_message(text: str, content: str) -> str:
         raise P.bad_request("'continue_final_message': the rendered template does not contain "
                             "the last message's content", param="continue_final_message")
     return text[:end + len(content)]
+
+
+def _put_reasoning_apart(message: dict[str, Any], include: bool) -> None:
+    """A whole chat message's reasoning out of its content (``--reasoning-parser``)."""
+    reasoning, content = split_reasoning(message.get("content") or "")
+    message["content"] = content or None
+    if include:
+        message["reasoning"] = message["reasoning_content"] = reasoning or None
 
 
 def _json_response(body: dict[str, Any]) -> web.Response:

@@ -1,0 +1,61 @@
+"""Reasoning outputs (``--reasoning-parser``, as vLLM's): a reasoning model's thinking goes
+in the chat answer's ``reasoning`` (and ``reasoning_content``, the name vLLM used first and
+SGLang and DeepSeek's API use), the rest in ``content``.
+
+``deepseek_r1`` (DeepSeek-R1 and its Qwen2 and Llama distills, QwQ): the thinking ends with
+``</think>``. Their chat templates open it in the prompt, so the output starts inside it; a
+``<think>`` the model writes first is dropped. Everything before ``</think>`` is reasoning,
+everything after it content; an output that never closes it is all reasoning (a thought
+that ran out of ``max_tokens``).
+
+The split works on text, so a tag cut between two pieces of a stream is found all the
+same: the end of a piece that could start a tag is held back until the next piece says.
+"""
+
+from __future__ import annotations
+
+REASONING_PARSERS = ("deepseek_r1",)
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+class ThinkSplitter:
+    """One output's text, piece by piece, as (reasoning, content) pieces."""
+
+    def __init__(self) -> None:
+        self._held = ""  # text that may be the start of a tag
+        self._started = False  # past a leading <think> (or sure there is none)
+        self._thinking = True
+
+    def push(self, text: str, final: bool = False) -> tuple[str, str]:
+        """The reasoning and content this piece adds; ``final``: the output ends here, so
+        nothing is held back."""
+        text, self._held = self._held + text, ""
+        if not self._started:
+            if not final and THINK_START.startswith(text) and len(text) < len(THINK_START):
+                self._held = text
+                return "", ""
+            self._started = True
+            text = text.removeprefix(THINK_START)
+        if not self._thinking:
+            return "", text
+        end = text.find(THINK_END)
+        if end >= 0:
+            self._thinking = False
+            return text[:end], text[end + len(THINK_END):]
+        keep = 0 if final else _tag_prefix_at_end(text, THINK_END)
+        self._held = text[len(text) - keep:]
+        return text[:len(text) - keep], ""
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """A whole output as (reasoning, content)."""
+    return ThinkSplitter().push(text, final=True)
+
+
+def _tag_prefix_at_end(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` are the start of ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0

@@ -1,0 +1,120 @@
+"""The reasoning split (``--reasoning-parser deepseek_r1``): whole outputs, and streams cut
+anywhere."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdserve.server.reasoning import ThinkSplitter, split_reasoning
+
+
+@pytest.mark.parametrize("text, reasoning, content", [
+    ("I think so.</think>The answer is 4.", "I think so.", "The answer is 4."),
+    ("<think>Hmm.</think>4", "Hmm.", "4"),  # a <think> the model writes first is dropped
+    ("Still thinking when max_tokens hit", "Still thinking when max_tokens hit", ""),
+    ("</think>4", "", "4"),
+    ("a</think>b</think>c", "a", "b</think>c"),  # only the first closes the thought
+    ("x <think> y</think>z", "x <think> y", "z"),  # not leading: kept as text
+    ("<thi", "<thi", ""),  # a tag never finished is text
+    ("ends with </thi", "ends with </thi", ""),
+])
+def test_a_whole_output_splits_at_the_first_end_of_thought(text, reasoning, content):
+    assert split_reasoning(text) == (reasoning, content)
+
+
+_ALPHABET = "ab <>/thinkT\n"
+
+
+@given(st.text(alphabet=_ALPHABET, max_size=40), st.lists(st.integers(0, 40), max_size=8))
+def test_a_stream_cut_anywhere_adds_up_to_the_whole_split(text, cuts):
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)] or [""]
+    splitter = ThinkSplitter()
+    got = [splitter.push(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == split_reasoning(text)
+
+
+def test_a_tag_split_between_pieces_is_held_back_not_sent_as_reasoning():
+    splitter = ThinkSplitter()
+    assert splitter.push("<th") == ("", "")
+    assert splitter.push("ink>Let me see</") == ("Let me see", "")
+    assert splitter.push("think>Yes") == ("", "Yes")
+    assert splitter.push(" indeed", final=True) == ("", " indeed")
+
+
+def _chat_format(**fields):
+    from pdserve.server import protocol as P
+    from pdserve.server.serving import Format
+
+    body = {"messages": [{"role": "user", "content": "x"}], **fields}
+    request = P.ChatRequest.parse(body)
+    return Format(True, "chatcmpl-1", "tiny", 0, request.sampling, reasoning=True,
+                  include_reasoning=request.include_reasoning)
+
+
+def _piece(text, finish=None):
+    from pdserve.server.protocol import Piece
+
+    return Piece(text, [1] * len(text), [], None, finish)
+
+
+def test_a_whole_chat_answer_puts_the_thought_apart():
+    fmt = _chat_format()
+    body = fmt.full([_piece("Let me see.</think>It is 4.", "stop")], {})
+    message = body["choices"][0]["message"]
+    assert message["content"] == "It is 4."
+    assert message["reasoning"] == message["reasoning_content"] == "Let me see."
+    unfinished = fmt.full([_piece("Still thinking", "length")], {})["choices"][0]["message"]
+    assert unfinished["content"] is None and unfinished["reasoning"] == "Still thinking"
+    hidden = _chat_format(include_reasoning=False).full([_piece("a</think>b", "stop")], {})
+    assert hidden["choices"][0]["message"] == {"content": "b", "role": "assistant"}
+
+
+def test_a_streamed_chat_answer_sends_the_thought_and_the_answer_as_their_own_deltas():
+    import json
+
+    from pdserve.server.serving import _SSEWriter
+
+    writer = _SSEWriter(None, None, _chat_format(), None)
+    events = [writer.encode(_piece(text, finish)) for text, finish in
+              [("Let", None), (" me see</th", None), ("ink>It", None), (" is 4", "stop")]]
+    deltas = [json.loads(e[len(b"data: "):])["choices"][0]["delta"] for e in events if e]
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("reasoning", "") for d in deltas) == "Let me see"
+    assert "".join(d.get("content", "") for d in deltas) == "It is 4"
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+
+
+def test_a_server_with_the_parser_answers_chats_thought_and_answer_apart(launch):
+    """The tiny model never writes </think>, so its whole chat output is reasoning: the
+    same text /v1/completions gives for the same prompt ids and seed (completions are not
+    parsed)."""
+    import json
+
+    server = launch("--reasoning-parser", "deepseek_r1")
+    messages = [{"role": "user", "content": "Think first"}]
+    fields = {"model": "tiny", "max_tokens": 12, "temperature": 1.0, "seed": 3,
+              "ignore_eos": True}
+    ids = json.loads(server.request("POST", "/tokenize", {"model": "tiny",
+                                                          "messages": messages})[2])["tokens"]
+    raw = json.loads(server.request("POST", "/v1/completions",
+                                    {**fields, "prompt": ids})[2])["choices"][0]["text"]
+    reasoning, content = split_reasoning(raw)
+    assert "</think>" not in raw and reasoning == raw and content == ""
+    status, _, answer = server.request("POST", "/v1/chat/completions",
+                                       {**fields, "messages": messages})
+    message = json.loads(answer)["choices"][0]["message"]
+    assert status == 200 and message["reasoning"] == raw and message["content"] is None
+    stream = server.openai().chat.completions.create(
+        messages=messages, stream=True, extra_body={"ignore_eos": True},
+        **{k: v for k, v in fields.items() if k != "ignore_eos"})
+    deltas = [c.choices[0].delta for c in stream]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == raw
+    assert not any(d.content for d in deltas)
+    # Under a grammar the output is the answer from its first token: nothing is split.
+    status, _, answer = server.request("POST", "/v1/chat/completions", {
+        **fields, "messages": messages, "guided_choice": ["yes", "no"]})
+    message = json.loads(answer)["choices"][0]["message"]
+    assert message["content"] in ("yes", "no") and "reasoning" not in message
