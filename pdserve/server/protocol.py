@@ -188,13 +188,12 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     **_SHARED_FIELDS,
     **dict.fromkeys(("messages", "max_completion_tokens", "add_generation_prompt",
                      "continue_final_message", "chat_template", "chat_template_kwargs",
-                     "include_reasoning"),
+                     "include_reasoning", "echo"),
                     HONOURED),
     "top_logprobs": HONOURED,
     **dict.fromkeys(("tools", "tool_choice", "parallel_tool_calls"), HONOURED),
     "functions": Refused(_TOOLS, ([],)),
     "function_call": Refused(_TOOLS, ("none",)),
-    "echo": Refused("chat echo is not implemented (/v1/completions has echo)", (False,)),
     "documents": Refused("documents for retrieval templates are not supported"),
     "audio": Refused("only text output"),
     "modalities": Refused("only text output", (["text"],)),
@@ -517,6 +516,9 @@ class ChatRequest:
     """Extra variables the template sees."""
     include_reasoning: bool = True
     """vLLM's: with ``--reasoning-parser``, false leaves the reasoning out of the answer."""
+    echo: bool = False
+    """vLLM's: the answer starts with the last message's content when it is the
+    assistant's (the message the answer goes on)."""
 
     @classmethod
     def parse(cls, body: dict) -> ChatRequest:
@@ -528,7 +530,8 @@ class ChatRequest:
         if sampling.top_logprobs and not sampling.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         return cls(sampling, read_messages(body.get("messages")), **read_template_options(body),
-                   include_reasoning=get_bool(body, "include_reasoning", True))
+                   include_reasoning=get_bool(body, "include_reasoning", True),
+                   echo=get_bool(body, "echo"))
 
 
 _TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "bos_token", "eos_token"}

@@ -339,6 +339,9 @@ class OpenAIServing:
                      include_reasoning=request.include_reasoning)
         # Under a grammar the output is the grammar's from its first token: no thinking.
         fmt.reasoning = self.reasoning_parser is not None and request.sampling.grammar is None
+        last = request.messages[-1]
+        if request.echo and last["role"] == "assistant":  # vLLM's rule: same role, echoed
+            fmt.echo = last["content"]
         return fmt, prompt_ids, self.default_max_tokens
 
     def _read_tools(self, body: dict, sampling: P.SamplingRequest) -> ToolRequest | None:
@@ -399,6 +402,11 @@ class OpenAIServing:
         arrival = time.monotonic()
         if handoff is not None or resumed is not None:
             refuse_split_features(fmt)
+        if resumed is not None and resumed.token_ids and fmt.echo:
+            # The echo went out with the first token, and the characters the client holds
+            # count it: a resumed answer sends the rest of the output, and no second echo.
+            resumed = Resumed(resumed.token_ids, max(0, resumed.text_chars - len(fmt.echo)))
+            fmt.echo = ""
         done = resumed.token_ids if resumed else []
         params = resumed_params(self.params(fmt, prompt_ids, default_max_tokens), len(done))
         if fmt.sampling.num_generated_choices > 1:

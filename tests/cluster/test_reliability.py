@@ -264,12 +264,12 @@ def test_internal_routes_need_the_cluster_secret_not_an_api_key(group):
         assert SECRET not in member.log_text()
 
 
-async def _internal_answer(group: Group, resume_ids: list[int], resume_chars: int
-                           ) -> tuple[str, list[int]]:
+async def _internal_answer(group: Group, resume_ids: list[int], resume_chars: int,
+                           chat: dict | None = None) -> tuple[str, list[int]]:
     """A chat stream straight from p1 and d1's internal routes: its text and token ids."""
     p1, d1 = group.members["p1"], group.members["d1"]
     headers = {"X-PDServe-Cluster-Secret": SECRET}
-    request = {**LONG_CHAT, "stream": True}
+    request = {**(chat or LONG_CHAT), "stream": True}
     offer = {"kind": "chat", "request": request, "transfer_id": f"t{len(resume_ids)}",
              "kv_target": pd_info(d1)["kv_address"], "resume_token_ids": resume_ids}
     async with aiohttp.ClientSession(headers=headers) as session:
@@ -300,4 +300,19 @@ def test_a_resumed_answer_sends_exactly_the_text_the_client_lacks(group, referen
     # coming text is cut by the difference): either way exactly the rest of the answer.
     for chars in (0, 3, len(want) // 3, len(want) // 2):
         text, rest = asyncio.run(_internal_answer(group, ids[:10], chars))
+        assert text == want[chars:] and rest == ids[10:]
+
+
+def test_a_resumed_echoed_answer_sends_the_echo_once(group):
+    """Chat ``echo`` (the last message is the assistant's, continued): the first attempt
+    sends it with the first token, and the characters the client holds count it; the
+    resumed attempt sends only the output's rest."""
+    echoed = {**LONG_CHAT, "echo": True, "add_generation_prompt": False,
+              "continue_final_message": True,
+              "messages": [*LONG_CHAT["messages"],
+                           {"role": "assistant", "content": "Once upon"}]}
+    want, ids = asyncio.run(_internal_answer(group, [], 0, echoed))
+    assert want.startswith("Once upon") and len(ids) == LONG_CHAT["max_tokens"]
+    for chars in (len("Once upon") + 2, len(want) // 2):
+        text, rest = asyncio.run(_internal_answer(group, ids[:10], chars, echoed))
         assert text == want[chars:] and rest == ids[10:]

@@ -116,3 +116,24 @@ def test_include_stop_str_in_output(server):
                                                  "include_stop_str_in_output": True}}).choices[0]
     assert cut.finish_reason == kept.finish_reason == "stop"
     assert kept.text == cut.text + stop
+
+
+def test_chat_echo_starts_the_answer_with_the_assistant_message_it_continues(server):
+    client = server.openai()
+    go_on = [*USER, {"role": "assistant", "content": "Well,"}]
+    fields = {"model": MODEL, "max_tokens": 5, "temperature": 0,
+              "extra_body": {"ignore_eos": True, "add_generation_prompt": False,
+                             "continue_final_message": True}}
+    plain = client.chat.completions.create(messages=go_on, **fields).choices[0].message.content
+    echo_fields = {**fields, "extra_body": {**fields["extra_body"], "echo": True}}
+    echoed = client.chat.completions.create(messages=go_on, **echo_fields)
+    assert echoed.choices[0].message.content == "Well," + plain
+    chunks = client.chat.completions.create(messages=go_on, stream=True, **echo_fields)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Well," + plain
+    # The last message is the user's, not the answer's role: nothing to echo (vLLM's rule).
+    asked = client.chat.completions.create(messages=USER, max_tokens=5, temperature=0,
+                                           model=MODEL, extra_body={"echo": True,
+                                                                    "ignore_eos": True})
+    alone = client.chat.completions.create(messages=USER, max_tokens=5, temperature=0,
+                                           model=MODEL, extra_body={"ignore_eos": True})
+    assert asked.choices[0].message.content == alone.choices[0].message.content
