@@ -1,4 +1,5 @@
-"""The offline API, shaped like vLLM's: ``LLM(model, ...).generate(prompts, params)``."""
+"""The offline API, shaped like vLLM's: ``LLM(model, ...).generate(prompts, params)`` and
+``.chat(conversations, params)``."""
 
 from __future__ import annotations
 
@@ -78,6 +79,37 @@ class LLM:
         progress.close()
         return [out for out, _ in pending]
 
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None,
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """``generate`` on conversations rendered by the chat template, as vLLM's
+        ``LLM.chat``: one conversation (a list of messages) or a list of them; each
+        ``RequestOutput.prompt`` is the rendered text."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) \
+            else list(messages)
+        prompts = [self._chat_prompt(c, chat_template, add_generation_prompt,
+                                     chat_template_kwargs or {}) for c in conversations]
+        outputs = self.generate([{"prompt_token_ids": ids} for _, ids in prompts],
+                                sampling_params, use_tqdm)
+        for out, (text, _) in zip(outputs, prompts, strict=True):
+            out.prompt = text
+        return outputs
+
+    def _chat_prompt(self, messages: list[dict[str, Any]], chat_template: str | None,
+                     add_generation_prompt: bool, template_kwargs: dict[str, Any]
+                     ) -> tuple[str, list[int]]:
+        """A conversation as the server renders it: text content (a string, or text parts
+        joined), and BOS only where the template did not write it."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise InvalidRequestError("a conversation is a list of {'role', 'content'} dicts")
+        messages = [{**m, "content": _message_text(m.get("content"))} for m in messages]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt,
+                                                  chat_template, **template_kwargs)
+        bos = not self.tokenizer.starts_with_bos(text)
+        return text, self.tokenizer.encode(text, add_special_tokens=bos)
+
     def _submit(self, prompt: Prompt, params: SamplingParams):
         text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids))
@@ -115,6 +147,15 @@ class LLM:
         completion.finish_reason = delta.finish_reason
         out.finished = processor.finished
         return out.finished
+
+
+def _message_text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         for p in content):
+        return "".join(p.get("text", "") for p in content)
+    raise InvalidRequestError("a message's content is a string or a list of text parts")
 
 
 def _broadcast(params, count: int) -> list[SamplingParams]:
