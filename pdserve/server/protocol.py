@@ -188,13 +188,12 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     **_SHARED_FIELDS,
     **dict.fromkeys(("messages", "max_completion_tokens", "add_generation_prompt",
                      "continue_final_message", "chat_template", "chat_template_kwargs",
-                     "include_reasoning", "echo"),
+                     "include_reasoning", "echo", "documents"),
                     HONOURED),
     "top_logprobs": HONOURED,
     **dict.fromkeys(("tools", "tool_choice", "parallel_tool_calls"), HONOURED),
     "functions": Refused(_TOOLS, ([],)),
     "function_call": Refused(_TOOLS, ("none",)),
-    "documents": Refused("documents for retrieval templates are not supported"),
     "audio": Refused("only text output"),
     "modalities": Refused("only text output", (["text"],)),
     "mm_processor_kwargs": Refused("only text input"),
@@ -548,10 +547,25 @@ def read_template_options(body: dict) -> dict[str, Any]:
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: "
                           "the server sets them", param="chat_template_kwargs")
+    documents = _get(body, "documents", _is_documents, "a list of objects of strings", None)
+    if documents is not None:
+        if "documents" in options["chat_template_kwargs"]:
+            raise bad_request("'documents' is given twice: as a field and in "
+                              "chat_template_kwargs", param="documents")
+        options["chat_template_kwargs"] = {**options["chat_template_kwargs"],
+                                           "documents": documents}
     if options["add_generation_prompt"] and options["continue_final_message"]:
         raise bad_request("'continue_final_message' continues the last message, so it needs "
                           "'add_generation_prompt': false", param="continue_final_message")
     return options
+
+
+def _is_documents(value: Any) -> bool:
+    """vLLM's ``documents``: what a retrieval-augmented chat template reads, e.g.
+    ``[{"title": ..., "text": ...}]``."""
+    return isinstance(value, list) and all(
+        isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                    for k, v in d.items()) for d in value)
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")

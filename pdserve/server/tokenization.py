@@ -19,14 +19,15 @@ from aiohttp import web
 import pdserve
 from pdserve.server import protocol as P
 from pdserve.server.serving import OpenAIServing
+from pdserve.server.tool_calls import template_tools
 
 _COMMON = {"model": P.HONOURED, "add_special_tokens": P.HONOURED,
            "return_token_strs": P.HONOURED}
 TOKENIZE_PROMPT_FIELDS: dict[str, P.FieldRule] = {**_COMMON, "prompt": P.HONOURED}
 TOKENIZE_CHAT_FIELDS: dict[str, P.FieldRule] = {
     **_COMMON, **dict.fromkeys(("messages", "add_generation_prompt", "continue_final_message",
-                                "chat_template", "chat_template_kwargs"), P.HONOURED),
-    "tools": P.Refused("tool calling is not implemented", ([],)),
+                                "chat_template", "chat_template_kwargs", "documents", "tools",
+                                "tool_choice"), P.HONOURED),
 }
 DETOKENIZE_FIELDS: dict[str, P.FieldRule] = {"model": P.HONOURED, "tokens": P.HONOURED}
 
@@ -66,11 +67,14 @@ class TokenizationRoutes:
         P.check_fields(body, TOKENIZE_CHAT_FIELDS, "/tokenize")
         self.serving.check_model(P.get_str(body, "model"))
         options = P.read_template_options(body)
+        variables = options["chat_template_kwargs"]
+        tools = template_tools(body)  # as the chat would show them to the template
+        if tools is not None:
+            variables = {**variables, "tools": tools}
         text = self.serving.render_chat(P.read_messages(body.get("messages")),
                                         options["add_generation_prompt"],
                                         options["continue_final_message"],
-                                        options["chat_template"],
-                                        options["chat_template_kwargs"])
+                                        options["chat_template"], variables)
         add_special = body.get("add_special_tokens")
         return await self.serving.encode_chat(
             text, None if add_special is None else P.get_bool(body, "add_special_tokens"))

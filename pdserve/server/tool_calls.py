@@ -160,6 +160,14 @@ def _read_tool(tool: Any, index: int) -> dict[str, Any]:
     return tool
 
 
+def template_tools(body: dict) -> list[dict[str, Any]] | None:
+    """The tools a chat template sees for this request (what ``/tokenize`` shows of a
+    chat's prompt): its tools, unless its ``tool_choice`` is ``none``."""
+    tools = _read_tools(body.get("tools"))
+    choice, _ = _read_choice(body.get("tool_choice"), tools)
+    return tools if tools and choice != "none" else None
+
+
 def _read_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
     if value is None:
         return ("auto" if tools else "none"), None  # OpenAI's default

@@ -137,3 +137,27 @@ def test_chat_echo_starts_the_answer_with_the_assistant_message_it_continues(ser
     alone = client.chat.completions.create(messages=USER, max_tokens=5, temperature=0,
                                            model=MODEL, extra_body={"ignore_eos": True})
     assert asked.choices[0].message.content == alone.choices[0].message.content
+
+
+def test_documents_reach_the_chat_template_and_tokenize_shows_the_chats_prompt(server):
+    template = ("{% for d in documents %}[{{ d['title'] }}: {{ d['text'] }}]{% endfor %}"
+                "{{ messages[-1]['content'] }}{% if tools %}<{{ tools|length }} tools>"
+                "{% endif %}")
+    docs = [{"title": "A", "text": "alpha"}, {"title": "B", "text": "beta"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    body = {"messages": USER, "chat_template": template, "documents": docs,
+            "add_special_tokens": False}
+    assert bytes(_tokens(server, body)).decode() == "[A: alpha][B: beta]Hi there"
+    shown = _tokens(server, {**body, "tools": tools, "tool_choice": "required"})
+    assert bytes(shown).decode() == "[A: alpha][B: beta]Hi there<1 tools>"
+    hidden = _tokens(server, {**body, "tools": tools, "tool_choice": "none"})
+    assert bytes(hidden).decode() == "[A: alpha][B: beta]Hi there"  # as the chat: not shown
+    chat = server.openai().chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=1,
+        extra_body={"chat_template": template, "documents": docs})
+    assert chat.usage.prompt_tokens == len(_tokens(server, {**body,
+                                                            "add_special_tokens": True}))
+    for bad in ([{"title": 1}], {"title": "A"}):
+        status, answer = _post(server, "/v1/chat/completions",
+                               {"model": MODEL, "messages": USER, "documents": bad})
+        assert status == 400 and answer["error"]["param"] == "documents", answer
