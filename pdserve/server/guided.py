@@ -9,6 +9,7 @@ the request.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from pdserve.sampling_params import GrammarSpec, InvalidRequestError
@@ -30,9 +31,29 @@ def read_grammar(body: dict) -> GrammarSpec | None:
     if len(specs) > 1:
         raise bad_request(f"'{specs[1].field}' and '{specs[0].field}' both constrain the "
                           "output; send one of them", param=specs[1].field)
-    if specs:
-        check(specs[0])
-    return specs[0] if specs else None
+    spec = _with_whitespace(specs[0] if specs else None, body.get("guided_whitespace_pattern"))
+    if spec is not None:
+        check(spec)
+    return spec
+
+
+def _with_whitespace(spec: GrammarSpec | None, pattern: Any) -> GrammarSpec | None:
+    """vLLM's ``guided_whitespace_pattern``: the whitespace a JSON output may have between
+    its tokens, a regular expression (llguidance's ``whitespace_pattern``), in place of
+    the compact JSON sampled otherwise."""
+    field = "guided_whitespace_pattern"
+    if pattern is None:
+        return spec
+    if not isinstance(pattern, str):
+        raise bad_request(f"'{field}' must be a string (a regular expression)", param=field)
+    if spec is None or spec.kind != "json":
+        raise bad_request(f"'{field}' shapes JSON output: it needs a JSON schema "
+                          "(guided_json, response_format or structured_outputs.json)",
+                          param=field)
+    schema = json.loads(spec.source)
+    options = {**schema.get("x-guidance", {}), "whitespace_flexible": True,
+               "whitespace_pattern": pattern}
+    return replace(spec, source=json.dumps({**schema, "x-guidance": options}))
 
 
 def check(spec: GrammarSpec) -> None:

@@ -162,6 +162,7 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
                      "logit_bias", "min_p", "response_format", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar", "structured_outputs",
                      "prompt_logprobs", "allowed_token_ids", "truncate_prompt_tokens",
+                     "guided_whitespace_pattern",
                      "bad_words", "priority", "return_tokens_as_token_ids"),
                     HONOURED),
     "logits_processors": Refused(_SAMPLER, ([],)),
@@ -169,8 +170,6 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
     "length_penalty": Refused(_BEAM, (1, 1.0)),
     "guided_decoding_backend": Refused("structured output always runs on llguidance",
                                        ("llguidance", "guidance", "auto")),
-    "guided_whitespace_pattern": Refused("JSON output is compact; a schema may allow free "
-                                         "whitespace with \"x-guidance\""),
     "spaces_between_special_tokens": Refused("special tokens are always decoded as the "
                                              "tokenizer joins them", (True,)),
 }

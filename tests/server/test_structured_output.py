@@ -65,6 +65,20 @@ def test_json_schema_samples_parse_and_match(hermes):
         jsonschema.validate(json.loads(text), PERSON)
 
 
+def test_a_whitespace_pattern_shapes_the_json_between_its_tokens(hermes):
+    compact = _texts(_chat(hermes, n=SAMPLES, max_tokens=80, extra_body={"guided_json": PERSON}))
+    spaced = _texts(_chat(hermes, n=SAMPLES, max_tokens=120, extra_body={
+        "guided_json": PERSON, "guided_whitespace_pattern": "[ ]"}))
+    for text in compact + spaced:
+        jsonschema.validate(json.loads(text), PERSON)
+    # Between the JSON's tokens (strings taken out): none by default; under the pattern,
+    # gaps of exactly one space (llguidance lets a gap also be empty).
+    gaps = [re.findall(r"\s+", re.sub(r'"(?:[^"\\]|\\.)*"', '""', t)) for t in compact + spaced]
+    assert not any(gaps[:SAMPLES])
+    assert all(g == " " for found in gaps[SAMPLES:] for g in found)
+    assert sum(len(found) for found in gaps[SAMPLES:]) > SAMPLES, spaced[:3]
+
+
 def test_json_object_samples_are_json_objects(hermes):
     # Any object at all: the random tiny model would write keys of hundreds of characters,
     # so a bias towards '"', ']' and '}' keeps its strings, lists and objects short (the
@@ -264,6 +278,8 @@ def test_auto_llama3_json_through_its_server(launch):
     ({"guided_choice": []}, "guided_choice"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"guided_regex": "a+", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "nope"}}}}}], "tool_choice": "required"},
      "tools"),
