@@ -144,28 +144,36 @@ class Gateway:
 
     async def forward(self, http: web.Request, kind: str) -> web.StreamResponse:
         body = P.parse_json_body(await http.read())
-        if kind == "completions" and _is_batch(body.get("prompt")):
-            return await self._forward_batch(http, body)
+        prompts = body.get("prompt") if kind == "completions" else None
+        choices = body.get("n") if P.is_int(body.get("n")) else 1
+        if _is_batch(prompts) or choices > 1:
+            return await self._fan_out(http, kind, body, prompts if _is_batch(prompts)
+                                       else [None], choices)
         return await self._run(Job(http, kind, body, self._scenario(http), time.monotonic()))
 
-    async def _forward_batch(self, http: web.Request, body: dict[str, Any]) -> web.Response:
-        """A batch of prompts: each prompt its own P/D request (a hand-off each), the
-        answers merged as one instance answers a batch - choices in prompt order, usage
-        summed. Streamed batches are refused: their chunks would interleave across
-        attempts that resume independently."""
-        prompts = body["prompt"]
+    async def _fan_out(self, http: web.Request, kind: str, body: dict[str, Any],
+                       prompts: list[Any], choices: int) -> web.Response:
+        """A batch of prompts, ``n`` choices each: every (prompt, choice) its own P/D
+        request (a hand-off each; choice j samples with ``seed + j``, as an instance does),
+        the answers merged as one instance answers - choices numbered prompt by prompt, each
+        prompt counted once in the usage. Streamed, refused: the parts resume apart, and
+        their chunks would interleave across attempts."""
+        param = "prompt" if prompts != [None] else "n"
         if body.get("stream") is True:
-            raise P.bad_request("a streamed batch of prompts is not served through the "
-                                "gateway; send 'stream': false or one request per prompt",
-                                param="prompt")
-        if len(prompts) > P.MAX_BATCH_REQUESTS:
-            raise P.bad_request(f"{len(prompts)} prompts are more than the "
-                                f"{P.MAX_BATCH_REQUESTS} one request may carry", param="prompt")
+            raise P.bad_request(f"a streamed {'batch of prompts' if param == 'prompt' else 'n > 1'}"
+                                " is not served through the gateway; send 'stream': false or "
+                                "one request per prompt and choice", param=param)
+        if choices > P.MAX_CHOICES:
+            raise P.bad_request(f"'n' must be at most {P.MAX_CHOICES}", param="n")
+        if len(prompts) * choices > P.MAX_BATCH_REQUESTS:
+            raise P.bad_request(f"{len(prompts)} prompts of {choices} choices each are more "
+                                f"than the {P.MAX_BATCH_REQUESTS} generations one request may "
+                                "ask for", param="prompt")
         scenario, start = self._scenario(http), time.monotonic()
+        parts = [_part(body, prompt, j) for prompt in prompts for j in range(choices)]
         answers = await gather_or_cancel(
-            self._run(Job(http, "completions", {**body, "prompt": prompt}, scenario, start))
-            for prompt in prompts)
-        merged = _merged_batch([json.loads(answer.body) for answer in answers])
+            self._run(Job(http, kind, part, scenario, start)) for part in parts)
+        merged = _merged([json.loads(answer.body) for answer in answers], choices)
         return web.Response(body=P.dumps(merged), content_type="application/json")
 
     async def _run(self, job: Job) -> web.StreamResponse:
@@ -555,12 +563,26 @@ def _is_batch(prompt: Any) -> bool:
         and all(isinstance(p, (str, list)) for p in prompt)
 
 
-def _merged_batch(answers: list[dict[str, Any]]) -> dict[str, Any]:
-    """One answer per prompt (a choice each: P/D requests take no ``n``) as one."""
+def _part(body: dict[str, Any], prompt: Any, choice: int) -> dict[str, Any]:
+    """One (prompt, choice) of a fanned-out request, as its own request."""
+    part = {**body, "n": 1}
+    if prompt is not None:
+        part["prompt"] = prompt
+    if P.is_int(body.get("seed")):
+        part["seed"] = body["seed"] + choice
+    return part
+
+
+def _merged(answers: list[dict[str, Any]], choices: int) -> dict[str, Any]:
+    """Answers of one choice each (``_part`` order) as one: choices renumbered in order,
+    each prompt's tokens counted once (its first choice's), every output token counted."""
     merged = answers[0]
     merged["choices"] = [{**answer["choices"][0], "index": i}
                          for i, answer in enumerate(answers)]
-    merged["usage"] = P.summed_usage([answer["usage"] for answer in answers])
+    firsts = [answer["usage"] for answer in answers[::choices]]
+    merged["usage"] = P.usage(sum(u["prompt_tokens"] for u in firsts),
+                              sum(a["usage"]["completion_tokens"] for a in answers),
+                              sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts))
     return merged
 
 

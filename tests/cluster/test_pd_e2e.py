@@ -146,8 +146,7 @@ def test_bad_request_is_answered_by_the_instance_and_relayed(gateway):
         in error["message"], raw
 
 
-def test_a_batch_of_prompts_through_the_gateway_equals_one_instance_s_answer(instances,
-                                                                           gateway):
+def test_a_batch_of_prompts_and_n_choices_through_the_gateway(instances, gateway):
     batch = {**BODY, "prompt": ["The quick brown fox", [1, 72, 105], "Tell me"],
              "max_tokens": 8}
     alone = _complete(instances[0], batch)
@@ -156,6 +155,20 @@ def test_a_batch_of_prompts_through_the_gateway_equals_one_instance_s_answer(ins
     assert [c["text"] for c in split["choices"]] == [c["text"] for c in alone["choices"]]
     assert split["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
     assert split["usage"]["completion_tokens"] == 3 * 8
+    # n choices of each prompt: choice j as the request with seed + j, prompts counted once
+    sampled = {**batch, "temperature": 1.0, "seed": 5, "n": 2, "max_tokens": 6}
+    both = _complete(gateway.http, sampled)
+    assert [c["index"] for c in both["choices"]] == list(range(6))
+    one = _complete(gateway.http, {**sampled, "prompt": batch["prompt"][1], "n": 1, "seed": 6})
+    assert both["choices"][3]["text"] == one["choices"][0]["text"]
+    assert both["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
+    assert both["usage"]["completion_tokens"] == 6 * 6
+    status, _, raw = gateway.http.request("POST", "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "n": 3,
+        "max_tokens": 4, "ignore_eos": True})
+    chat = json.loads(raw)
+    assert status == 200 and [c["index"] for c in chat["choices"]] == [0, 1, 2], raw
+    assert chat["usage"]["completion_tokens"] == 12
     # a refused prompt refuses the batch, as one instance does
     status, _, raw = gateway.http.request("POST", "/v1/completions",
                                           {**batch, "prompt": ["a", [1, 10**9]]})
