@@ -102,6 +102,7 @@ class Job:
     # instance's own went out: what the gateway sends itself if the instance fails between.
     usage_owed: bytes = b""
     prefilled: bool = False  # counted once in the ratio window, however many attempts
+    part: PartStream | None = None  # one part of a streamed fan-out: where its events go
 
     @property
     def stream(self) -> bool:
@@ -158,11 +159,6 @@ class Gateway:
         the answers merged as one instance answers - choices numbered prompt by prompt, each
         prompt counted once in the usage. Streamed, refused: the parts resume apart, and
         their chunks would interleave across attempts."""
-        param = "prompt" if prompts != [None] else "n"
-        if body.get("stream") is True:
-            raise P.bad_request(f"a streamed {'batch of prompts' if param == 'prompt' else 'n > 1'}"
-                                " is not served through the gateway; send 'stream': false or "
-                                "one request per prompt and choice", param=param)
         if choices > P.MAX_CHOICES:
             raise P.bad_request(f"'n' must be at most {P.MAX_CHOICES}", param="n")
         if len(prompts) * choices > P.MAX_BATCH_REQUESTS:
@@ -170,11 +166,31 @@ class Gateway:
                                 f"than the {P.MAX_BATCH_REQUESTS} generations one request may "
                                 "ask for", param="prompt")
         scenario, start = self._scenario(http), time.monotonic()
-        parts = [_part(body, prompt, j) for prompt in prompts for j in range(choices)]
-        answers = await gather_or_cancel(
-            self._run(Job(http, kind, part, scenario, start)) for part in parts)
+        jobs = [Job(http, kind, _part(body, prompt, j), scenario, start)
+                for prompt in prompts for j in range(choices)]
+        if body.get("stream") is True:
+            return await self._fan_out_stream(http, jobs, choices)
+        answers = await gather_or_cancel(self._run(job) for job in jobs)
         merged = _merged([json.loads(answer.body) for answer in answers], choices)
         return web.Response(body=P.dumps(merged), content_type="application/json")
+
+    async def _fan_out_stream(self, http: web.Request, jobs: list[Job], choices: int
+                              ) -> web.StreamResponse:
+        """The parts streamed into one answer: each part's events, renumbered, as they come
+        (each part resumes on its own, as any stream); then the usage of all, and [DONE].
+        A part that fails before anything went out fails the request with its status."""
+        merged = MergedStream(http, len(jobs))
+        for i, job in enumerate(jobs):
+            job.part = PartStream(merged, i)
+        try:
+            await gather_or_cancel(self._run(job) for job in jobs)
+        except P.APIError as exc:
+            if merged.out is None:
+                raise
+            await merged.end(P.sse(exc.body()))
+            return merged.out
+        await merged.end(merged.usage_event(jobs, choices))
+        return merged.out
 
     async def _run(self, job: Job) -> web.StreamResponse:
         # The ratio controller's window follows each request through prefill and decode.
@@ -417,7 +433,7 @@ class Gateway:
     async def _send(self, job: Job, resp: aiohttp.ClientResponse, event: bytes) -> None:
         if job.out is None:
             job.first_at = time.monotonic()
-            job.out = web.StreamResponse(status=200, headers=_relay_headers(resp))
+            job.out = job.part or web.StreamResponse(status=200, headers=_relay_headers(resp))
             await job.out.prepare(job.http)
         try:
             await job.out.write(event)
@@ -561,6 +577,95 @@ def _is_batch(prompt: Any) -> bool:
     """Several prompts in one ``prompt`` (a list of strings or of token-id lists)."""
     return isinstance(prompt, list) and len(prompt) > 1 \
         and all(isinstance(p, (str, list)) for p in prompt)
+
+
+class MergedStream:
+    """The client's one stream of a fanned-out request, every event under the id and time
+    of the first. It opens once every part has sent its first event (as an instance
+    answers a batch once every prompt has its first token), so a part refused at the start
+    fails the request with its own status; then events go out in the order they come."""
+
+    def __init__(self, http: web.Request, parts: int) -> None:
+        self.http = http
+        self.out: web.StreamResponse | None = None
+        self.identity: dict[str, Any] = {}
+        self.usages: dict[int, dict[str, Any]] = {}  # by part
+        self._started: set[int] = set()
+        self._parts = parts
+        self._held: list[dict[str, Any]] = []  # until every part has started
+
+    async def write(self, events: list[dict[str, Any]], part: int | None = None) -> None:
+        if part is not None:
+            self._started.add(part)
+        if self.out is None and len(self._started) < self._parts:
+            self._held += events
+            return
+        if self.out is None:
+            self.out = web.StreamResponse(status=200, headers={
+                "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await self.out.prepare(self.http)
+            events, self._held = self._held + events, []
+        data = b"".join(P.sse({**event, **self.identity}) for event in events)
+        if data:
+            try:
+                await self.out.write(data)
+            except OSError as exc:
+                raise ClientGone(str(exc)) from None
+
+    def usage_event(self, jobs: list[Job], choices: int) -> bytes:
+        """The usage of all parts, each prompt counted once (its first choice's), when the
+        parts' answers carried one (``stream_options.include_usage``)."""
+        if len(self.usages) != len(jobs):
+            return b""
+        usages = [self.usages[i] for i in range(len(jobs))]
+        firsts = usages[::choices]
+        total = P.usage(sum(u["prompt_tokens"] for u in firsts),
+                        sum(u["completion_tokens"] for u in usages),
+                        sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                            for u in firsts))
+        return P.sse({**self.identity, "choices": [], "usage": total})
+
+    async def end(self, tail: bytes) -> None:
+        self._parts = 0  # whatever is held goes out now
+        await self.write([])
+        await self.out.write(tail + P.SSE_DONE)
+        await self.out.write_eof()
+
+
+class PartStream:
+    """Where one part's events go: renumbered to the part's place and handed to the merged
+    stream; its own [DONE] and usage chunk are kept back for the merged end."""
+
+    def __init__(self, merged: MergedStream, index: int) -> None:
+        self.merged, self.index = merged, index
+
+    async def prepare(self, http: web.Request) -> None:
+        return None
+
+    async def write(self, data: bytes) -> None:
+        events = []
+        for line in data.split(b"\n\n"):
+            payload = line.removeprefix(b"data: ").strip()
+            if not payload or payload == b"[DONE]":
+                continue
+            event = json.loads(payload)
+            if "error" in event:  # the part failed for good: so does the whole answer
+                error = event["error"]
+                raise P.APIError(503, error.get("message", "a part failed"),
+                                 code=_str_or_none(error.get("code")))
+            if not self.merged.identity:
+                self.merged.identity = {k: event[k] for k in ("id", "object", "created",
+                                                               "model") if k in event}
+            if event.get("usage") and not event.get("choices"):
+                self.merged.usages[self.index] = event["usage"]
+                continue
+            for choice in event.get("choices", ()):
+                choice["index"] = self.index
+            events.append(event)
+        await self.merged.write(events, self.index)
+
+    async def write_eof(self) -> None:
+        return None
 
 
 def _part(body: dict[str, Any], prompt: Any, choice: int) -> dict[str, Any]:

@@ -138,12 +138,6 @@ def test_bad_request_is_answered_by_the_instance_and_relayed(gateway):
     assert "temperature" in error["message"] and error["param"] == "temperature"
     status, _, raw = gateway.http.request("POST", "/v1/completions", b"{not json")
     assert status == 400
-    # A streamed batch would interleave prompts resumed apart: refused, naming what to send.
-    status, _, raw = gateway.http.request("POST", "/v1/completions",
-                                          {**BODY, "prompt": ["a", "b"], "stream": True})
-    error = json.loads(raw)["error"]
-    assert status == 400 and error["param"] == "prompt" and "one request per prompt" \
-        in error["message"], raw
 
 
 def test_a_batch_of_prompts_and_n_choices_through_the_gateway(instances, gateway):
@@ -169,10 +163,31 @@ def test_a_batch_of_prompts_and_n_choices_through_the_gateway(instances, gateway
     chat = json.loads(raw)
     assert status == 200 and [c["index"] for c in chat["choices"]] == [0, 1, 2], raw
     assert chat["usage"]["completion_tokens"] == 12
+    # streamed: each part's chunks under its index, one id, the usage of all at the end
+    for body, path, count in ((sampled, "/v1/completions", 6),
+                              ({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+                                "n": 3, "max_tokens": 4, "ignore_eos": True, "seed": 2,
+                                "temperature": 1.0}, "/v1/chat/completions", 3)):
+        whole = json.loads(gateway.http.request("POST", path, body)[2])
+        status, _, raw = gateway.http.request("POST", path, {
+            **body, "stream": True, "stream_options": {"include_usage": True}})
+        events = [json.loads(line[6:]) for line in raw.decode().splitlines()
+                  if line.startswith("data: {")]
+        texts: dict[int, str] = {}
+        for event in events[:-1]:
+            (choice,) = event["choices"]
+            texts[choice["index"]] = texts.get(choice["index"], "") + (
+                choice.get("text") or choice.get("delta", {}).get("content") or "")
+        assert status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
+        assert len({e["id"] for e in events}) == 1 and events[-1]["choices"] == []
+        assert events[-1]["usage"] == whole["usage"]
+        assert texts == {c["index"]: c.get("text") or c["message"]["content"]
+                         for c in whole["choices"]} and len(texts) == count
     # a refused prompt refuses the batch, as one instance does
-    status, _, raw = gateway.http.request("POST", "/v1/completions",
-                                          {**batch, "prompt": ["a", [1, 10**9]]})
-    assert status == 400 and json.loads(raw)["error"]["param"] == "prompt", raw
+    for stream in (False, True):  # streamed too: the answer opens once every part started
+        status, _, raw = gateway.http.request("POST", "/v1/completions", {
+            **batch, "prompt": ["a", [1, 10**9]], "stream": stream})
+        assert status == 400 and json.loads(raw)["error"]["param"] == "prompt", raw
 
 
 def test_unknown_or_bad_scenario(gateway):
