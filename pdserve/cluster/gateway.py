@@ -19,6 +19,10 @@ here), and the next attempt prefills prompt + the tokens sent and goes on in the
 stream (``docs/reliability.md``); one that broke after its last token ends here, with the
 usage its finish chunk named (``pdserve_usage``).
 
+A batch of prompts, or ``n`` choices, fans out: a P/D request per prompt and choice (each
+with its own attempts), merged into one answer as an instance would give it
+(``_fan_out``; streamed, ``MergedStream``).
+
 ``--dispatch least-connections`` and ``round-robin`` are the blind baselines P/D-Serve
 compares against: the gateway places each prefill by its own count of prefills in flight,
 or in turn, and the instance queues whatever it gets.
