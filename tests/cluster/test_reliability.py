@@ -158,6 +158,48 @@ def test_decode_instance_killed_mid_stream_resumes_on_another(group, reference):
     assert group.retries("resume") == before + 1
 
 
+def test_a_fanned_out_streams_part_resumes_alone_when_its_decode_instance_dies(group,
+                                                                              reference):
+    """n = 2 through the gateway: a P/D request per choice, one on each decode instance;
+    killing one mid-answer resumes its part on the other, and the client's one stream
+    still carries both choices whole (greedy: each the reference text), under one id."""
+    group.add("d2", "decode")
+    wait_until(lambda: "d2" in group.roles)
+    before = group.retries("resume")
+    body = {**LONG_CHAT, "n": 2, "stream": True}
+
+    async def run() -> tuple[int, dict[int, str], set[str], dict | None, bool]:
+        texts: dict[int, str] = {0: "", 1: ""}
+        ids, usage, done, chunks = set(), None, False, 0
+        async with aiohttp.ClientSession() as session:
+            async with session.post(group.gateway.http.url + "/v1/chat/completions",
+                                    json=body) as resp:
+                async for line in resp.content:
+                    payload = line.removeprefix(b"data: ").strip()
+                    if payload == b"[DONE]":
+                        done = True
+                    elif payload.startswith(b"{"):
+                        chunk = json.loads(payload)
+                        assert "error" not in chunk, chunk
+                        ids.add(chunk["id"])
+                        usage = chunk.get("usage") or usage
+                        for choice in chunk["choices"]:
+                            texts[choice["index"]] += choice["delta"].get("content") or ""
+                        chunks += 1
+                        if chunks == 12:
+                            await asyncio.get_running_loop().run_in_executor(
+                                None, kill, group.members["d2"])
+                return resp.status, texts, ids, usage, done
+
+    status, texts, ids, usage, done = asyncio.run(run())
+    group.remove("d2")
+    want = _text(reference["chat"])
+    assert status == 200 and done and texts == {0: want, 1: want} and len(ids) == 1
+    assert usage["prompt_tokens"] == reference["chat"]["usage"]["prompt_tokens"]
+    assert usage["completion_tokens"] == 2 * LONG_CHAT["max_tokens"]
+    assert group.retries("resume") == before + 1
+
+
 class CorruptingProxy:
     """Forwards KV connections to a receiver, flipping one bit in the first buffer's
     payload: what a faulty link would do."""
