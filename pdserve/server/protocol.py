@@ -149,7 +149,6 @@ HONOURED = "honoured"
 FieldRule = str | Refused
 
 _SAMPLER = "the engine's sampler does not implement it"
-_BEAM = "beam search is not implemented"
 _TOOLS = "the legacy function calling fields are not implemented; use 'tools'"
 _STORE = "completions are not stored"
 
@@ -162,12 +161,10 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
                      "logit_bias", "min_p", "response_format", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar", "structured_outputs",
                      "prompt_logprobs", "allowed_token_ids", "truncate_prompt_tokens",
-                     "guided_whitespace_pattern",
+                     "guided_whitespace_pattern", "use_beam_search", "length_penalty",
                      "bad_words", "priority", "return_tokens_as_token_ids"),
                     HONOURED),
     "logits_processors": Refused(_SAMPLER, ([],)),
-    "use_beam_search": Refused(_BEAM, (False,)),
-    "length_penalty": Refused(_BEAM, (1, 1.0)),
     "guided_decoding_backend": Refused("structured output always runs on llguidance",
                                        ("llguidance", "guidance", "auto")),
     "spaces_between_special_tokens": Refused("special tokens are always decoded as the "
@@ -277,6 +274,10 @@ class SamplingRequest:
     """vLLM extension: lower first among waiting prompts (``--prefill-order priority``)."""
     tokens_as_ids: bool = False
     """vLLM's ``return_tokens_as_token_ids``: logprobs name each token ``token_id:N``."""
+    beam_search: bool = False
+    """vLLM's ``use_beam_search``: ``max(n, best_of)`` beams, the best ``n`` returned
+    (``pdserve/server/beam_search.py``)."""
+    length_penalty: float = 1.0
 
     @classmethod
     def read(cls, body: dict, max_tokens: int | None) -> SamplingRequest:
@@ -309,6 +310,8 @@ class SamplingRequest:
             bad_words=_get(body, "bad_words", lambda v: isinstance(v, list), "a list", []),
             priority=get_int(body, "priority", 0),
             tokens_as_ids=get_bool(body, "return_tokens_as_token_ids"),
+            beam_search=get_bool(body, "use_beam_search"),
+            length_penalty=get_number(body, "length_penalty", 1.0),
         )
 
     @property
@@ -468,12 +471,33 @@ class CompletionRequest:
                               "known only at the end", param="best_of")
         echo = get_bool(body, "echo")
         sampling.echo_logprobs = echo and sampling.logprobs
+        check_beam_search(body, sampling)
         prompts = read_prompts(body.get("prompt"))
         if len(prompts) * sampling.num_generated_choices > MAX_BATCH_REQUESTS:
             raise bad_request(f"{len(prompts)} prompts of {sampling.num_generated_choices} "
                               f"choices each are more than the {MAX_BATCH_REQUESTS} "
                               "generations one request may ask for", param="prompt")
         return cls(sampling, prompts, echo)
+
+
+def check_beam_search(body: dict, sampling: SamplingRequest) -> None:
+    """``use_beam_search`` with only what a beam search honours; ``length_penalty`` only
+    with it."""
+    from pdserve.server.beam_search import MAX_WIDTH, conflicting_field
+
+    if not sampling.beam_search:
+        if sampling.length_penalty != 1.0:
+            raise bad_request("'length_penalty' ranks beams: it needs 'use_beam_search': "
+                              "true", param="length_penalty")
+        return
+    conflict = conflicting_field(body)
+    if conflict is not None:
+        raise bad_request(f"'{conflict}' cannot be used with 'use_beam_search': a beam "
+                          "search samples nothing, stops only at the end of sequence or "
+                          "max_tokens, and returns no logprobs", param=conflict)
+    if sampling.num_generated_choices > MAX_WIDTH:
+        raise bad_request(f"a beam search keeps at most {MAX_WIDTH} beams ('n', 'best_of')",
+                          param="n")
 
 
 def _positive(body: dict, name: str) -> int | None:
@@ -527,6 +551,7 @@ class ChatRequest:
         sampling.top_logprobs = _top_logprobs(get_int(body, "top_logprobs"), "top_logprobs")
         if sampling.top_logprobs and not sampling.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        check_beam_search(body, sampling)
         return cls(sampling, read_messages(body.get("messages")), **read_template_options(body),
                    include_reasoning=get_bool(body, "include_reasoning", True),
                    echo=get_bool(body, "echo"))

@@ -6,6 +6,7 @@ answer as one JSON body or as server-sent events.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from pdserve.model.tokenizer import Tokenizer
 from pdserve.output import OutputProcessor, token_id_name
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import protocol as P
+from pdserve.server.beam_search import Beam, beam_search
 from pdserve.server.client import EngineClient, Items, RequestStream
 from pdserve.server.guided import check, read_grammar
 from pdserve.server.metrics import RequestTiming, ServerMetrics
@@ -409,6 +411,8 @@ class OpenAIServing:
             fmt.echo = ""
         done = resumed.token_ids if resumed else []
         params = resumed_params(self.params(fmt, prompt_ids, default_max_tokens), len(done))
+        if fmt.sampling.beam_search:
+            return await self._beam_search(fmt, prompt_ids, params, arrival)
         if fmt.sampling.num_generated_choices > 1:
             return await self._run_choices(http, fmt, prompt_ids, params, arrival)
         stream = self.client.add(fmt.request_id, prompt_ids + done, params, arrival, handoff)
@@ -436,10 +440,51 @@ class OpenAIServing:
         """``n`` / ``best_of`` > 1: one engine request per choice, sharing the prompt."""
         return await self._answer(http, [(fmt, prompt_ids, params)], arrival)
 
+    async def _beam_search(self, fmt: Format, prompt_ids: list[int], params: SamplingParams,
+                           arrival: float) -> web.Response:
+        """``use_beam_search``: the best ``n`` of ``max(n, best_of)`` beams, as whole
+        choices (``pdserve/server/beam_search.py``)."""
+        if fmt.sampling.grammar is not None:
+            raise P.bad_request("'use_beam_search' cannot follow a grammar (this tool_choice "
+                                "sets one)", param="tool_choice")
+        width = fmt.sampling.num_generated_choices
+        step = replace(params, max_tokens=1, temperature=0.0, logprobs=True,
+                       top_logprobs=2 * width, ignore_eos=True, stop=[], stop_token_ids=[])
+        numbers = itertools.count()
+
+        async def next_tokens(tokens: list[int]) -> list[tuple[int, float]]:
+            request_id = f"{fmt.request_id}-beam{next(numbers)}"
+            stream = self.client.add(request_id, prompt_ids + tokens, step, arrival)
+            try:
+                update = (await stream.get())[0][0]
+            finally:
+                if not stream.finished:  # the client left, or another beam's step failed
+                    self.client.abort(request_id)
+            if update.finish_reason == "error" or not update.new_logprobs:
+                raise P.APIError(500, "the engine failed while running this request")
+            return list(update.new_logprobs[0].top)
+
+        beams = await beam_search(next_tokens, width, params.max_tokens,
+                                  set(self.tokenizer.eos_token_ids), params.ignore_eos,
+                                  fmt.sampling.length_penalty, len(prompt_ids))
+        pieces = [fmt.with_echo(self._beam_piece(beam, i, params))
+                  for i, beam in enumerate(beams[:fmt.sampling.n])]
+        usage = P.usage(len(prompt_ids), sum(len(b.tokens) for b in beams[:fmt.sampling.n]), 0)
+        return _json_response(fmt.full(pieces, usage))
+
+    def _beam_piece(self, beam: Beam, index: int, params: SamplingParams) -> P.Piece:
+        tokens = beam.tokens[:-1] if beam.finished else beam.tokens  # its EOS is no text
+        text = self.tokenizer.decode(tokens, params.skip_special_tokens)
+        return P.Piece(text, beam.tokens, [], None, "stop" if beam.finished else "length",
+                       index=index)
+
     async def _run_batch(self, http: web.Request, prepared: list[tuple[Format, list[int]]],
                          default_max_tokens: int) -> web.StreamResponse:
         """A batch of prompts: each prompt's choices, one answer. Every prompt's parameters
         are checked before any starts, so a refused one starts nothing."""
+        if prepared[0][0].sampling.beam_search:
+            raise P.bad_request("'use_beam_search' takes one prompt per request",
+                                param="prompt")
         arrival = time.monotonic()
         jobs = [(fmt, ids, self.params(fmt, ids, default_max_tokens)) for fmt, ids in prepared]
         return await self._answer(http, jobs, arrival)
@@ -821,6 +866,9 @@ def refuse_split_features(fmt: Format) -> None:
     choices (one hand-off each), and the first token's alternatives (only its logprob
     crosses)."""
     sampling = fmt.sampling
+    if sampling.beam_search:
+        raise P.bad_request("'use_beam_search' is not supported when prefill and decode run "
+                            "on different instances", param="use_beam_search")
     if sampling.num_generated_choices > 1:
         name = "n" if sampling.n > 1 else "best_of"
         raise P.bad_request(f"'{name}' > 1 is not supported when prefill and decode run on "
