@@ -82,8 +82,13 @@ def _logprob_tokens(logprobs) -> list | None:
 
 
 def _choice_text(choice: dict) -> str:
+    """A chunk's text, a reasoning model's thought included (``reasoning`` /
+    ``reasoning_content`` deltas come before any content: their tokens are output too)."""
     delta = choice.get("delta")
-    return (delta.get("content") or "") if isinstance(delta, dict) else choice.get("text") or ""
+    if not isinstance(delta, dict):
+        return choice.get("text") or ""
+    return "".join(delta.get(key) or "" for key in ("reasoning_content", "reasoning", "content")
+                   if isinstance(delta.get(key), str))
 
 
 class HttpBackend:

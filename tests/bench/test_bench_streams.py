@@ -139,3 +139,12 @@ def test_sharegpt_file_with_a_given_tokenizer(tmp_path, capsys):
     # A peer serving a model whose tokenizer is not known here: asked for, not guessed.
     assert unknown == 2 and "pass --tokenizer" in capsys.readouterr().err
     assert len(standin.requests) == 1
+
+
+def test_a_reasoning_delta_counts_as_output_when_nothing_states_counts():
+    from pdserve.bench.client import ChunkCounter
+
+    counter = ChunkCounter()
+    assert counter.count({}, {"delta": {"reasoning": "Let me"}}) == (1, "text")
+    assert counter.count({}, {"delta": {"reasoning_content": "see"}}) == (1, "text")
+    assert counter.count({}, {"delta": {"role": "assistant"}}) == (0, "text")
