@@ -30,6 +30,8 @@ def build_gateway_app(gateway: Gateway) -> web.Application:
     app.router.add_post("/v1/completions", _forward("completions"))
     app.router.add_post("/v1/chat/completions", _forward("chat"))
     app.router.add_get("/v1/models", _models)
+    for path in ("/tokenize", "/detokenize"):
+        app.router.add_post(path, _relayed(path))
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/cluster/groups", _groups)
@@ -39,6 +41,13 @@ def build_gateway_app(gateway: Gateway) -> web.Application:
 def _forward(kind: str):
     async def handler(http: web.Request) -> web.StreamResponse:
         return await http.app[GATEWAY_KEY].forward(http, kind)
+
+    return handler
+
+
+def _relayed(path: str):
+    async def handler(http: web.Request) -> web.Response:
+        return await http.app[GATEWAY_KEY].relay(http, path)
 
     return handler
 
@@ -58,7 +67,7 @@ async def _errors(http: web.Request, handler) -> web.StreamResponse:
 @web.middleware
 async def _api_key(http: web.Request, handler) -> web.StreamResponse:
     key = http.app[GATEWAY_KEY].config.api_key
-    if key and http.path.startswith("/v1"):
+    if key and (http.path.startswith("/v1") or http.path in ("/tokenize", "/detokenize")):
         given = http.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise P.APIError(401, "invalid or missing API key", code="invalid_api_key")

@@ -465,6 +465,27 @@ class Gateway:
 
     # ---- what the group looks like ------------------------------------------------------
 
+    async def relay(self, http: web.Request, path: str) -> web.Response:
+        """``/tokenize`` and ``/detokenize``: answered by an instance of the request's
+        scenario (any one: they share the model and its tokenizer), the next one if it
+        cannot be reached; the client's API key goes with it, for an instance that asks."""
+        body, scenario = await http.read(), self._scenario(http)
+        headers = {**self._headers(), "Content-Type": "application/json"}
+        if "Authorization" in http.headers:
+            headers["Authorization"] = http.headers["Authorization"]
+        instances = self._live(scenario, "decode") + self._live(scenario, "prefill")
+        for instance in instances:
+            try:
+                async with self._session.post(f"http://{instance.http}{path}", data=body,
+                                              headers=headers) as resp:
+                    return web.Response(status=resp.status, body=await resp.read(),
+                                        content_type="application/json")
+            except (aiohttp.ClientError, OSError) as exc:
+                self._failed_at[instance.instance_id] = time.monotonic()
+                log.warning("%s on %s failed: %s", path, instance.instance_id, exc)
+        raise P.APIError(503, f"no instance of scenario '{scenario}' answered {path}"
+                         f" ({len(instances)} tried)", code="no_instance")
+
     def models(self) -> list[str]:
         names = {i.model for s in self.registry.scenarios() for role in ("prefill", "decode")
                  for i in self.registry.instances(s, role) if i.model}

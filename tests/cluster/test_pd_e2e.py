@@ -190,6 +190,33 @@ def test_a_batch_of_prompts_and_n_choices_through_the_gateway(instances, gateway
         assert status == 400 and json.loads(raw)["error"]["param"] == "prompt", raw
 
 
+def test_tokenize_and_detokenize_through_the_gateway_are_an_instance_s(instances, gateway):
+    for path, body in (("/tokenize", {"prompt": "Hello"}),
+                       ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}],
+                                      "return_token_strs": True}),
+                       ("/detokenize", {"tokens": [256, 72, 105]})):
+        want = instances[0].request("POST", path, body)
+        got = gateway.http.request("POST", path, body)
+        assert got[0] == want[0] == 200 and json.loads(got[2]) == json.loads(want[2]), path
+    status, _, raw = gateway.http.request("POST", "/tokenize", {"prompt": 5})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "prompt"
+
+
+def test_the_gateways_api_key_guards_the_openai_routes_and_tokenization(registry):
+    gateway = GatewayThread(registry, api_key="sesame")
+    try:
+        for method, path, body in (("GET", "/v1/models", None),
+                                   ("POST", "/tokenize", {"prompt": "Hi"}),
+                                   ("POST", "/v1/completions", {**BODY, "max_tokens": 2})):
+            assert gateway.http.request(method, path, body)[0] == 401, path
+            status, _, raw = gateway.http.request(
+                method, path, body, headers={"Authorization": "Bearer sesame"})
+            assert status == 200, (path, raw)
+        assert gateway.http.request("GET", "/health")[0] == 200  # open, for probes
+    finally:
+        gateway.stop()
+
+
 def test_unknown_or_bad_scenario(gateway):
     status, _, raw = gateway.http.request("POST", "/v1/completions", BODY,
                                           headers={"X-PD-Scenario": "other"})
