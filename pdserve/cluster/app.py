@@ -30,6 +30,7 @@ def build_gateway_app(gateway: Gateway) -> web.Application:
     app.router.add_post("/v1/completions", _forward("completions"))
     app.router.add_post("/v1/chat/completions", _forward("chat"))
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model:.+}", _model)
     for path in ("/tokenize", "/detokenize"):
         app.router.add_post(path, _relayed(path))
     app.router.add_get("/health", _health)
@@ -78,6 +79,12 @@ async def _models(http: web.Request) -> web.Response:
     data = await http.app[GATEWAY_KEY].model_cards()
     return web.Response(body=P.dumps({"object": "list", "data": data}),
                         content_type="application/json")
+
+
+async def _model(http: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``: one model's card, as an instance gives it."""
+    card = P.model_card(await http.app[GATEWAY_KEY].model_cards(), http.match_info["model"])
+    return web.Response(body=P.dumps(card), content_type="application/json")
 
 
 async def _health(http: web.Request) -> web.Response:

@@ -93,6 +93,7 @@ def build_app(client: EngineClient, config: ServerConfig,
     app.router.add_post("/v1/completions", serving.completions)
     app.router.add_post("/v1/chat/completions", serving.chat)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/v1/engine/timeline", _timeline)
     app.router.add_get("/v1/engine/info", _engine_info)
     app.router.add_get("/health", _health)
@@ -181,6 +182,15 @@ async def _models(request: web.Request) -> web.Response:
     body = P.models_list(state.model_names or (state.model_name,), state.client.max_model_len,
                          state.created)
     return web.Response(body=P.dumps(body), content_type="application/json")
+
+
+async def _model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}`` (OpenAI's retrieve): one served name's card, else 404."""
+    state = _state(request)
+    cards = P.models_list(state.model_names or (state.model_name,),
+                          state.client.max_model_len, state.created)["data"]
+    card = P.model_card(cards, request.match_info["model"])
+    return web.Response(body=P.dumps(card), content_type="application/json")
 
 
 async def _timeline(request: web.Request) -> web.Response:

@@ -808,6 +808,15 @@ def sse(body: dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def model_card(cards: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """``GET /v1/models/{model}``: the card of ``name``; a 404 when it is not served."""
+    for card in cards:
+        if card["id"] == name:
+            return card
+    raise APIError(404, f"model '{name}' is not served here", param="model",
+                   code="model_not_found")
+
+
 def models_list(names: tuple[str, ...], max_model_len: int, created: int) -> dict[str, Any]:
     """One card per served name; ``root`` is the first (the name responses carry)."""
     cards = [{"id": name, "object": "model", "created": created, "owned_by": "pdserve",

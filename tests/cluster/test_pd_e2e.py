@@ -231,6 +231,9 @@ def test_gateway_lists_models_groups_and_health(instances, gateway):
     assert status == 200 and [m["id"] for m in json.loads(raw)["data"]] == ["tiny"]
     one = json.loads(instances[1].request("GET", "/v1/models")[2])["data"][0]
     assert json.loads(raw)["data"][0]["max_model_len"] == one["max_model_len"] > 0
+    status, _, raw = gateway.http.request("GET", "/v1/models/tiny")
+    assert status == 200 and json.loads(raw)["max_model_len"] == one["max_model_len"]
+    assert gateway.http.request("GET", "/v1/models/other")[0] == 404
     _, _, raw = gateway.http.request("GET", "/cluster/groups")
     groups = json.loads(raw)["groups"][SCENARIO]
     assert len(groups["prefill"]) == 1 and len(groups["decode"]) == 1

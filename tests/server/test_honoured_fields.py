@@ -161,3 +161,11 @@ def test_documents_reach_the_chat_template_and_tokenize_shows_the_chats_prompt(s
         status, answer = _post(server, "/v1/chat/completions",
                                {"model": MODEL, "messages": USER, "documents": bad})
         assert status == 400 and answer["error"]["param"] == "documents", answer
+
+
+def test_a_model_is_retrieved_by_name_and_an_unknown_one_is_a_404(server):
+    card = server.openai().models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_extra["max_model_len"] > 0
+    status, _, raw = server.request("GET", "/v1/models/gpt-4")
+    error = json.loads(raw)["error"]
+    assert status == 404 and error["code"] == "model_not_found" and "gpt-4" in error["message"]
