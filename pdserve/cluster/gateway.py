@@ -161,8 +161,7 @@ class Gateway:
         """A batch of prompts, ``n`` choices each: every (prompt, choice) its own P/D
         request (a hand-off each; choice j samples with ``seed + j``, as an instance does),
         the answers merged as one instance answers - choices numbered prompt by prompt, each
-        prompt counted once in the usage. Streamed, refused: the parts resume apart, and
-        their chunks would interleave across attempts."""
+        prompt counted once in the usage; streamed, ``_fan_out_stream``."""
         if choices > P.MAX_CHOICES:
             raise P.bad_request(f"'n' must be at most {P.MAX_CHOICES}", param="n")
         if len(prompts) * choices > P.MAX_BATCH_REQUESTS:
@@ -642,12 +641,7 @@ class MergedStream:
         parts' answers carried one (``stream_options.include_usage``)."""
         if len(self.usages) != len(jobs):
             return b""
-        usages = [self.usages[i] for i in range(len(jobs))]
-        firsts = usages[::choices]
-        total = P.usage(sum(u["prompt_tokens"] for u in firsts),
-                        sum(u["completion_tokens"] for u in usages),
-                        sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-                            for u in firsts))
+        total = _parts_usage([self.usages[i] for i in range(len(jobs))], choices)
         return P.sse({**self.identity, "choices": [], "usage": total})
 
     async def end(self, tail: bytes) -> None:
@@ -709,11 +703,19 @@ def _merged(answers: list[dict[str, Any]], choices: int) -> dict[str, Any]:
     merged = answers[0]
     merged["choices"] = [{**answer["choices"][0], "index": i}
                          for i, answer in enumerate(answers)]
-    firsts = [answer["usage"] for answer in answers[::choices]]
-    merged["usage"] = P.usage(sum(u["prompt_tokens"] for u in firsts),
-                              sum(a["usage"]["completion_tokens"] for a in answers),
-                              sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts))
+    merged["usage"] = _parts_usage([answer["usage"] for answer in answers], choices)
     return merged
+
+
+def _parts_usage(usages: list[dict[str, Any]], choices: int) -> dict[str, Any]:
+    """The usage of a fanned-out request from its parts' (``_part`` order): each prompt
+    counted once (its first choice's, with the cached tokens it found), every output
+    token counted."""
+    firsts = usages[::choices]
+    return P.usage(sum(u["prompt_tokens"] for u in firsts),
+                   sum(u["completion_tokens"] for u in usages),
+                   sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                       for u in firsts))
 
 
 def _relay_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
