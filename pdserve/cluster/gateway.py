@@ -150,7 +150,7 @@ class Gateway:
     async def forward(self, http: web.Request, kind: str) -> web.StreamResponse:
         body = P.parse_json_body(await http.read())
         prompts = body.get("prompt") if kind == "completions" else None
-        choices = body.get("n") if P.is_int(body.get("n")) else 1
+        choices = max(_count(body, "n"), _count(body, "best_of"))
         if _is_batch(prompts) or choices > 1:
             return await self._fan_out(http, kind, body, prompts if _is_batch(prompts)
                                        else [None], choices)
@@ -168,14 +168,22 @@ class Gateway:
             raise P.bad_request(f"{len(prompts)} prompts of {choices} choices each are more "
                                 f"than the {P.MAX_BATCH_REQUESTS} generations one request may "
                                 "ask for", param="prompt")
+        ranked = _count(body, "best_of") > _count(body, "n")  # the best n by logprobs
+        if ranked and body.get("stream") is True:
+            raise P.bad_request("'best_of' larger than 'n' cannot stream: the best choices "
+                                "are known only at the end", param="best_of")
         scenario, start = self._scenario(http), time.monotonic()
-        jobs = [Job(http, kind, _part(body, prompt, j), scenario, start)
+        jobs = [Job(http, kind, _part(body, prompt, j, ranked), scenario, start)
                 for prompt in prompts for j in range(choices)]
         if body.get("stream") is True:
             return await self._fan_out_stream(http, jobs, choices)
         answers = await gather_or_cancel(self._run(job) for job in jobs)
-        merged = _merged([json.loads(answer.body) for answer in answers], choices)
-        return web.Response(body=P.dumps(merged), content_type="application/json")
+        parts = [json.loads(answer.body) for answer in answers]
+        usage = _parts_usage([part["usage"] for part in parts], choices)
+        if ranked:
+            parts = _best_of(parts, choices, _count(body, "n"), body.get("logprobs") is None)
+        return web.Response(body=P.dumps(_merged(parts, usage)),
+                            content_type="application/json")
 
     async def _fan_out_stream(self, http: web.Request, jobs: list[Job], choices: int
                               ) -> web.StreamResponse:
@@ -687,23 +695,53 @@ class PartStream:
         return None
 
 
-def _part(body: dict[str, Any], prompt: Any, choice: int) -> dict[str, Any]:
-    """One (prompt, choice) of a fanned-out request, as its own request."""
+def _count(body: dict[str, Any], name: str) -> int:
+    """``n`` or ``best_of`` as a count of choices (1 unless a larger integer; the instance
+    refuses what is not one)."""
+    value = body.get(name)
+    return value if P.is_int(value) and value > 1 else 1
+
+
+def _part(body: dict[str, Any], prompt: Any, choice: int, ranked: bool = False
+          ) -> dict[str, Any]:
+    """One (prompt, choice) of a fanned-out request, as its own request; ``ranked``: one
+    of ``best_of``, so it returns its tokens' logprobs."""
     part = {**body, "n": 1}
     if prompt is not None:
         part["prompt"] = prompt
     if P.is_int(body.get("seed")):
         part["seed"] = body["seed"] + choice
+    if ranked:
+        part.update(best_of=1, logprobs=body.get("logprobs") or 0)
     return part
 
 
-def _merged(answers: list[dict[str, Any]], choices: int) -> dict[str, Any]:
-    """Answers of one choice each (``_part`` order) as one: choices renumbered in order,
-    each prompt's tokens counted once (its first choice's), every output token counted."""
+def _best_of(parts: list[dict[str, Any]], group: int, n: int, drop_logprobs: bool
+             ) -> list[dict[str, Any]]:
+    """Of each prompt's ``group`` answers, the ``n`` with the highest sum of token logprobs,
+    best first (as an instance ranks ``best_of``); the logprobs dropped where the client
+    did not ask for them."""
+    kept = []
+    for first in range(0, len(parts), group):
+        ranked = sorted(parts[first:first + group], key=_logprob_sum, reverse=True)[:n]
+        for part in ranked:
+            if drop_logprobs:
+                part["choices"][0]["logprobs"] = None
+        kept += ranked
+    return kept
+
+
+def _logprob_sum(answer: dict[str, Any]) -> float:
+    logprobs = answer["choices"][0].get("logprobs") or {}
+    return sum(v for v in logprobs.get("token_logprobs") or [] if v is not None)
+
+
+def _merged(answers: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+    """Answers of one choice each as one: their choices renumbered in order."""
     merged = answers[0]
     merged["choices"] = [{**answer["choices"][0], "index": i}
                          for i, answer in enumerate(answers)]
-    merged["usage"] = _parts_usage([answer["usage"] for answer in answers], choices)
+    merged["usage"] = usage
     return merged
 
 

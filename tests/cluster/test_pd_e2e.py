@@ -163,6 +163,16 @@ def test_a_batch_of_prompts_and_n_choices_through_the_gateway(instances, gateway
     chat = json.loads(raw)
     assert status == 200 and [c["index"] for c in chat["choices"]] == [0, 1, 2], raw
     assert chat["usage"]["completion_tokens"] == 12
+    # best_of: the best n of best_of by summed logprobs, every generated token billed
+    best = _complete(gateway.http, {**BODY, "prompt": "Hi", "temperature": 1.0, "seed": 7,
+                                    "best_of": 3, "max_tokens": 5})
+    singles = [_complete(gateway.http, {**BODY, "prompt": "Hi", "temperature": 1.0,
+                                        "seed": seed, "max_tokens": 5, "logprobs": 0})
+               for seed in (7, 8, 9)]
+    top = max(singles, key=lambda a: sum(a["choices"][0]["logprobs"]["token_logprobs"]))
+    assert best["choices"][0]["text"] == top["choices"][0]["text"]
+    assert best["choices"][0]["logprobs"] is None and len(best["choices"]) == 1
+    assert best["usage"]["completion_tokens"] == 15
     # streamed: each part's chunks under its index, one id, the usage of all at the end
     for body, path, count in ((sampled, "/v1/completions", 6),
                               ({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
