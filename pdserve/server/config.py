@@ -40,7 +40,7 @@ class ServerConfig:
                                        choices=("llama3_json", "hermes"))
     reasoning_parser: str | None = doc(None, "How a reasoning model's thinking is told from "
                                        "its answer on /v1/chat/completions: deepseek_r1 (text "
-                                       "before </think>: DeepSeek-R1 and its distills, QwQ) "
+                                       "before </think>: DeepSeek-R1's distills, QwQ) "
                                        "puts it in the message's 'reasoning' and "
                                        "'reasoning_content'.", choices=REASONING_PARSERS)
     shutdown_timeout: float = doc(30.0, "On SIGTERM, seconds in-flight requests may run "

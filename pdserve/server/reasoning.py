@@ -2,7 +2,7 @@
 in the chat answer's ``reasoning`` (and ``reasoning_content``, the name vLLM used first and
 SGLang and DeepSeek's API use), the rest in ``content``.
 
-``deepseek_r1`` (DeepSeek-R1 and its Qwen2 and Llama distills, QwQ): the thinking ends with
+``deepseek_r1`` (DeepSeek-R1's Qwen2 and Llama distills, QwQ): the thinking ends with
 ``</think>``. Their chat templates open it in the prompt, so the output starts inside it; a
 ``<think>`` the model writes first is dropped. Everything before ``</think>`` is reasoning,
 everything after it content; an output that never closes it is all reasoning (a thought
