@@ -1,12 +1,14 @@
-"""The offline API, shaped like vLLM's: ``LLM(model, ...).generate(prompts, params)`` and
-``.chat(conversations, params)``."""
+"""The offline API, shaped like vLLM's: ``LLM(model, ...).generate(prompts, params)``,
+``.chat(conversations, params)`` and ``.beam_search(prompts, BeamSearchParams(...))``."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pdserve.beam_search import Beam, BeamSearchParams, beam_search
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.setup import EngineSetup
@@ -25,6 +27,22 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str | None
+
+
+@dataclass
+class BeamSearchSequence:
+    token_ids: list[int]
+    """The generated tokens (an end-of-sequence token included where it ended so)."""
+    text: str
+    cum_logprob: float
+    finish_reason: str
+
+
+@dataclass
+class BeamSearchOutput:
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence]
+    """Best first."""
 
 
 @dataclass
@@ -96,6 +114,32 @@ class LLM:
         for out, (text, _) in zip(outputs, prompts, strict=True):
             out.prompt = text
         return outputs
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams
+                    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: per prompt, the ``beam_width`` best sequences
+        (``pdserve/beam_search.py``), each step of every beam one ``generate`` batch."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        return [asyncio.run(self._beams(self._tokenize(p)[1], params)) for p in prompts]
+
+    async def _beams(self, prompt_ids: list[int], params: BeamSearchParams
+                     ) -> BeamSearchOutput:
+        step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True,
+                              top_logprobs=2 * params.beam_width, ignore_eos=True)
+
+        async def next_tokens(beams: list[list[int]]) -> list[list[tuple[int, float]]]:
+            outputs = self.generate([{"prompt_token_ids": prompt_ids + b} for b in beams], step)
+            return [list(out.outputs[0].logprobs[0].top) for out in outputs]
+
+        beams = await beam_search(next_tokens, params.beam_width, params.max_tokens,
+                                  set(self.engine.eos_token_ids), params.ignore_eos,
+                                  params.length_penalty, len(prompt_ids))
+        return BeamSearchOutput(prompt_ids, [self._sequence(b) for b in beams])
+
+    def _sequence(self, beam: Beam) -> BeamSearchSequence:
+        text = self.tokenizer.decode(beam.tokens[:-1] if beam.finished else beam.tokens)
+        return BeamSearchSequence(beam.tokens, text, beam.logprob,
+                                  "stop" if beam.finished else "length")
 
     def _chat_prompt(self, messages: list[dict[str, Any]], chat_template: str | None,
                      add_generation_prompt: bool, template_kwargs: dict[str, Any]

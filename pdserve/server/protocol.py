@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from pdserve.beam_search import MAX_WIDTH as MAX_BEAM_WIDTH
 from pdserve.sampling_params import (
     MAX_TOP_LOGPROBS,
     GrammarSpec,
@@ -480,23 +481,52 @@ class CompletionRequest:
         return cls(sampling, prompts, echo)
 
 
+# The fields a beam search cannot honour, with the values that leave them off: it samples
+# nothing (no temperature, seed or filters), stops only at end of sequence or max_tokens,
+# and returns no logprobs.
+_BEAM_CONFLICTS: dict[str, tuple[Any, ...]] = {
+    "stream": (False,), "temperature": (0,), "top_p": (1,), "top_k": (-1, 0), "min_p": (0,),
+    "seed": (), "stop": ([], ""), "stop_token_ids": ([],), "min_tokens": (0,),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],), "logprobs": (False,),
+    "top_logprobs": (0,), "prompt_logprobs": (), "response_format": ({"type": "text"},),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (),
+}
+
+
+def _beam_search_conflict(body: dict[str, Any]) -> str | None:
+    """The first field of ``body`` a beam search cannot honour, at a value that asks for
+    it; None when there is none."""
+    for name, off in _BEAM_CONFLICTS.items():
+        value = body.get(name)
+        if value is not None and not any(_same(value, v) for v in off):
+            return name
+    return None
+
+
+def _same(value: Any, off: Any) -> bool:
+    if isinstance(value, bool) or isinstance(off, bool):  # completions' logprobs: 0 is on
+        return value is off
+    return value == off
+
+
+
 def check_beam_search(body: dict, sampling: SamplingRequest) -> None:
     """``use_beam_search`` with only what a beam search honours; ``length_penalty`` only
     with it."""
-    from pdserve.server.beam_search import MAX_WIDTH, conflicting_field
-
     if not sampling.beam_search:
         if sampling.length_penalty != 1.0:
             raise bad_request("'length_penalty' ranks beams: it needs 'use_beam_search': "
                               "true", param="length_penalty")
         return
-    conflict = conflicting_field(body)
+    conflict = _beam_search_conflict(body)
     if conflict is not None:
         raise bad_request(f"'{conflict}' cannot be used with 'use_beam_search': a beam "
                           "search samples nothing, stops only at the end of sequence or "
                           "max_tokens, and returns no logprobs", param=conflict)
-    if sampling.num_generated_choices > MAX_WIDTH:
-        raise bad_request(f"a beam search keeps at most {MAX_WIDTH} beams ('n', 'best_of')",
+    if sampling.num_generated_choices > MAX_BEAM_WIDTH:
+        raise bad_request(f"a beam search keeps at most {MAX_BEAM_WIDTH} beams ('n', 'best_of')",
                           param="n")
 
 

@@ -18,13 +18,13 @@ from aiohttp import web
 from jinja2 import TemplateSyntaxError
 
 from pdserve.aio import gather_or_cancel
+from pdserve.beam_search import Beam, beam_search
 from pdserve.handoff import KVHandoff
 from pdserve.messages import RequestUpdate
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.output import OutputProcessor, token_id_name
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import protocol as P
-from pdserve.server.beam_search import Beam, beam_search
 from pdserve.server.client import EngineClient, Items, RequestStream
 from pdserve.server.guided import check, read_grammar
 from pdserve.server.metrics import RequestTiming, ServerMetrics
@@ -452,7 +452,10 @@ class OpenAIServing:
                        top_logprobs=2 * width, ignore_eos=True, stop=[], stop_token_ids=[])
         numbers = itertools.count()
 
-        async def next_tokens(tokens: list[int]) -> list[tuple[int, float]]:
+        async def next_tokens(beams: list[list[int]]) -> list[list[tuple[int, float]]]:
+            return await asyncio.gather(*(next_token(tokens) for tokens in beams))
+
+        async def next_token(tokens: list[int]) -> list[tuple[int, float]]:
             request_id = f"{fmt.request_id}-beam{next(numbers)}"
             stream = self.client.add(request_id, prompt_ids + tokens, step, arrival)
             try:

@@ -10,16 +10,16 @@ import math
 
 import pytest
 
-from pdserve.server.beam_search import Beam, beam_search
+from pdserve.beam_search import Beam, beam_search
 
 # A toy model over tokens 0, 1 and EOS (2): the next token's logprobs given the last one.
 TABLE = {None: [0.5, 0.3, 0.2], 0: [0.1, 0.6, 0.3], 1: [0.7, 0.1, 0.2]}
 EOS = 2
 
 
-async def _toy_next(tokens: list[int]) -> list[tuple[int, float]]:
-    probs = TABLE[tokens[-1] if tokens else None]
-    return sorted(((t, math.log(p)) for t, p in enumerate(probs)), key=lambda x: -x[1])
+async def _toy_next(beams: list[list[int]]) -> list[list[tuple[int, float]]]:
+    return [sorted(((t, math.log(p)) for t, p in enumerate(TABLE[b[-1] if b else None])),
+                   key=lambda x: -x[1]) for b in beams]
 
 
 def _every_sequence(max_tokens: int) -> list[Beam]:

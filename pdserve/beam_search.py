@@ -1,4 +1,5 @@
-"""Beam search (``use_beam_search``), as vLLM serves it: in the server, over the engine.
+"""Beam search, as vLLM runs it: over the engine, a step per token (the server's
+``use_beam_search`` and the offline ``LLM.beam_search``).
 
 Each step asks the engine for one more token of every live beam (a request of the prompt
 plus the beam's tokens, ``max_tokens`` 1, the ``2 x width`` most likely tokens under the
@@ -15,42 +16,27 @@ A beam search costs one engine round trip per token: it is for offline-style req
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 MAX_WIDTH = 10
 """Widest beam: each step asks for ``2 x width`` alternatives, and logprobs go to 20."""
 
-# The fields a beam search cannot honour, with the values that leave them off: it samples
-# nothing (no temperature, seed or filters), stops only at end of sequence or max_tokens,
-# and returns no logprobs.
-CONFLICTS: dict[str, tuple[Any, ...]] = {
-    "stream": (False,), "temperature": (0,), "top_p": (1,), "top_k": (-1, 0), "min_p": (0,),
-    "seed": (), "stop": ([], ""), "stop_token_ids": ([],), "min_tokens": (0,),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],), "logprobs": (False,),
-    "top_logprobs": (0,), "prompt_logprobs": (), "response_format": ({"type": "text"},),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "structured_outputs": (),
-}
 
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """The offline ``LLM.beam_search``'s settings, as vLLM's."""
 
-def conflicting_field(body: dict[str, Any]) -> str | None:
-    """The first field of ``body`` a beam search cannot honour, at a value that asks for
-    it; None when there is none."""
-    for name, off in CONFLICTS.items():
-        value = body.get(name)
-        if value is not None and not any(_same(value, v) for v in off):
-            return name
-    return None
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
 
-
-def _same(value: Any, off: Any) -> bool:
-    if isinstance(value, bool) or isinstance(off, bool):  # completions' logprobs: 0 is on
-        return value is off
-    return value == off
+    def __post_init__(self) -> None:
+        if not 1 <= self.beam_width <= MAX_WIDTH:
+            raise ValueError(f"beam_width must be 1..{MAX_WIDTH}, not {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, not {self.max_tokens}")
 
 
 @dataclass
@@ -62,8 +48,9 @@ class Beam:
     """It ended with an end-of-sequence token."""
 
 
-NextTokens = Callable[[list[int]], Awaitable[list[tuple[int, float]]]]
-"""A beam's tokens -> the most likely next tokens and their logprobs, best first."""
+NextTokens = Callable[[list[list[int]]], Awaitable[list[list[tuple[int, float]]]]]
+"""Each live beam's tokens -> its most likely next tokens and their logprobs, best first
+(one step of every beam: the server runs them at once, the offline ``LLM`` as one batch)."""
 
 
 async def beam_search(next_tokens: NextTokens, width: int, max_tokens: int,
@@ -72,7 +59,7 @@ async def beam_search(next_tokens: NextTokens, width: int, max_tokens: int,
     """The ``width`` best beams, best first (see the module doc)."""
     live, finished = [Beam()], []
     for _ in range(max_tokens):
-        tops = await asyncio.gather(*(next_tokens(beam.tokens) for beam in live))
+        tops = await next_tokens([beam.tokens for beam in live])
         candidates = [Beam(beam.tokens + [token], beam.logprob + logprob)
                       for beam, top in zip(live, tops, strict=True) for token, logprob in top]
         ended = [c for c in candidates if not ignore_eos and c.tokens[-1] in eos_token_ids]
