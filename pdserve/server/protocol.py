@@ -277,7 +277,7 @@ class SamplingRequest:
     """vLLM's ``return_tokens_as_token_ids``: logprobs name each token ``token_id:N``."""
     beam_search: bool = False
     """vLLM's ``use_beam_search``: ``max(n, best_of)`` beams, the best ``n`` returned
-    (``pdserve/server/beam_search.py``)."""
+    (``pdserve/beam_search.py``)."""
     length_penalty: float = 1.0
 
     @classmethod

@@ -443,7 +443,7 @@ class OpenAIServing:
     async def _beam_search(self, fmt: Format, prompt_ids: list[int], params: SamplingParams,
                            arrival: float) -> web.Response:
         """``use_beam_search``: the best ``n`` of ``max(n, best_of)`` beams, as whole
-        choices (``pdserve/server/beam_search.py``)."""
+        choices (``pdserve/beam_search.py``)."""
         if fmt.sampling.grammar is not None:
             raise P.bad_request("'use_beam_search' cannot follow a grammar (this tool_choice "
                                 "sets one)", param="tool_choice")
