@@ -172,6 +172,11 @@ class Gateway:
         if ranked and body.get("stream") is True:
             raise P.bad_request("'best_of' larger than 'n' cannot stream: the best choices "
                                 "are known only at the end", param="best_of")
+        if ranked and body.get("echo") is True:  # ranking asks the parts for logprobs
+            raise P.bad_request("'best_of' larger than 'n' with 'echo' is not served through "
+                                "the gateway (echo with logprobs needs the prompt's scores, "
+                                "which stay on the prefill instance); send 'echo': false",
+                                param="echo")
         scenario, start = self._scenario(http), time.monotonic()
         jobs = [Job(http, kind, _part(body, prompt, j, ranked), scenario, start)
                 for prompt in prompts for j in range(choices)]

@@ -173,6 +173,9 @@ def test_a_batch_of_prompts_and_n_choices_through_the_gateway(instances, gateway
     assert best["choices"][0]["text"] == top["choices"][0]["text"]
     assert best["choices"][0]["logprobs"] is None and len(best["choices"]) == 1
     assert best["usage"]["completion_tokens"] == 15
+    status, _, raw = gateway.http.request("POST", "/v1/completions", {
+        **BODY, "prompt": "Hi", "best_of": 2, "echo": True})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "echo", raw
     # streamed: each part's chunks under its index, one id, the usage of all at the end
     for body, path, count in ((sampled, "/v1/completions", 6),
                               ({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
