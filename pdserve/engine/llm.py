@@ -13,6 +13,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.setup import EngineSetup
 from pdserve.messages import RequestUpdate
+from pdserve.model.chat import message_text
 from pdserve.model.hub import resolve_model_config
 from pdserve.output import OutputProcessor, PromptLogprobs
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
@@ -148,7 +149,10 @@ class LLM:
         joined), and BOS only where the template did not write it."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InvalidRequestError("a conversation is a list of {'role', 'content'} dicts")
-        messages = [{**m, "content": _message_text(m.get("content"))} for m in messages]
+        try:
+            messages = [{**m, "content": message_text(m.get("content"))} for m in messages]
+        except ValueError as exc:
+            raise InvalidRequestError(f"a message's content: {exc}") from None
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt,
                                                   chat_template, **template_kwargs)
         bos = not self.tokenizer.starts_with_bos(text)
@@ -191,15 +195,6 @@ class LLM:
         completion.finish_reason = delta.finish_reason
         out.finished = processor.finished
         return out.finished
-
-
-def _message_text(content: Any) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         for p in content):
-        return "".join(p.get("text", "") for p in content)
-    raise InvalidRequestError("a message's content is a string or a list of text parts")
 
 
 def _broadcast(params, count: int) -> list[SamplingParams]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pdserve.beam_search import MAX_WIDTH as MAX_BEAM_WIDTH
+from pdserve.model.chat import message_text
 from pdserve.sampling_params import (
     MAX_TOP_LOGPROBS,
     GrammarSpec,
@@ -649,19 +650,10 @@ _TOOL_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
 def _message_text(content: Any, param: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
-                raise bad_request(f"{param}.content: only text parts are supported", param=param)
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad_request(f"{param}.content must be a string or a list of text parts", param=param)
+    try:
+        return message_text(content)
+    except ValueError as exc:
+        raise bad_request(f"{param}.content: {exc}", param=param) from None
 
 
 def check_priority(sampling: SamplingRequest, prefill_order: str | None) -> None:
