@@ -62,8 +62,9 @@ def main() -> int:
     parser.add_argument("--max-count", type=int, default=300,
                         help="commits searched, newest first")
     args = parser.parse_args()
-    found = commits_with(digest_of(args.digest), args.max_count)
-    print(json.dumps({"digest": digest_of(args.digest), "commits": found}))
+    digest = digest_of(args.digest)
+    found = commits_with(digest, args.max_count)
+    print(json.dumps({"digest": digest, "commits": found}))
     return 0 if found else 1
 
 

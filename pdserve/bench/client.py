@@ -82,13 +82,14 @@ def _logprob_tokens(logprobs) -> list | None:
 
 
 def _choice_text(choice: dict) -> str:
-    """A chunk's text, a reasoning model's thought included (``reasoning`` /
-    ``reasoning_content`` deltas come before any content: their tokens are output too)."""
+    """A chunk's text, a reasoning model's thought included (its deltas come before any
+    content, and their tokens are output too; servers send it as ``reasoning``,
+    ``reasoning_content`` or both)."""
     delta = choice.get("delta")
     if not isinstance(delta, dict):
         return choice.get("text") or ""
-    return "".join(delta.get(key) or "" for key in ("reasoning_content", "reasoning", "content")
-                   if isinstance(delta.get(key), str))
+    return (delta.get("content") or "") + (delta.get("reasoning")
+                                           or delta.get("reasoning_content") or "")
 
 
 class HttpBackend:

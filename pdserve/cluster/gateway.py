@@ -149,10 +149,11 @@ class Gateway:
 
     async def forward(self, http: web.Request, kind: str) -> web.StreamResponse:
         body = P.parse_json_body(await http.read())
-        prompts = body.get("prompt") if kind == "completions" else None
+        # The prompts as an instance reads them (one unless a batch; a bad one, its 400).
+        prompts = P.read_prompts(body.get("prompt")) if kind == "completions" else []
         choices = max(_count(body, "n"), _count(body, "best_of"))
-        if _is_batch(prompts) or choices > 1:
-            return await self._fan_out(http, kind, body, prompts if _is_batch(prompts)
+        if len(prompts) > 1 or choices > 1:
+            return await self._fan_out(http, kind, body, prompts if len(prompts) > 1
                                        else [None], choices)
         return await self._run(Job(http, kind, body, self._scenario(http), time.monotonic()))
 
@@ -184,7 +185,7 @@ class Gateway:
             return await self._fan_out_stream(http, jobs, choices)
         answers = await gather_or_cancel(self._run(job) for job in jobs)
         parts = [json.loads(answer.body) for answer in answers]
-        usage = _parts_usage([part["usage"] for part in parts], choices)
+        usage = P.summed_usage([part["usage"] for part in parts], choices)
         if ranked:
             parts = _best_of(parts, choices, _count(body, "n"), body.get("logprobs") is None)
         return web.Response(body=P.dumps(_merged(parts, usage)),
@@ -610,12 +611,6 @@ def _continuing(job: Job, chunk: dict[str, Any]) -> dict[str, Any]:
     return chunk
 
 
-def _is_batch(prompt: Any) -> bool:
-    """Several prompts in one ``prompt`` (a list of strings or of token-id lists)."""
-    return isinstance(prompt, list) and len(prompt) > 1 \
-        and all(isinstance(p, (str, list)) for p in prompt)
-
-
 class MergedStream:
     """The client's one stream of a fanned-out request, every event under the id and time
     of the first. It opens once every part has sent its first event (as an instance
@@ -654,7 +649,7 @@ class MergedStream:
         parts' answers carried one (``stream_options.include_usage``)."""
         if len(self.usages) != len(jobs):
             return b""
-        total = _parts_usage([self.usages[i] for i in range(len(jobs))], choices)
+        total = P.summed_usage([self.usages[i] for i in range(len(jobs))], choices)
         return P.sse({**self.identity, "choices": [], "usage": total})
 
     async def end(self, tail: bytes) -> None:
@@ -748,17 +743,6 @@ def _merged(answers: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, A
                          for i, answer in enumerate(answers)]
     merged["usage"] = usage
     return merged
-
-
-def _parts_usage(usages: list[dict[str, Any]], choices: int) -> dict[str, Any]:
-    """The usage of a fanned-out request from its parts' (``_part`` order): each prompt
-    counted once (its first choice's, with the cached tokens it found), every output
-    token counted."""
-    firsts = usages[::choices]
-    return P.usage(sum(u["prompt_tokens"] for u in firsts),
-                   sum(u["completion_tokens"] for u in usages),
-                   sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-                       for u in firsts))
 
 
 def _relay_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:

@@ -475,6 +475,8 @@ class CompletionRequest:
         sampling.echo_logprobs = echo and sampling.logprobs
         check_beam_search(body, sampling)
         prompts = read_prompts(body.get("prompt"))
+        if sampling.beam_search and len(prompts) > 1:
+            raise bad_request("'use_beam_search' takes one prompt per request", param="prompt")
         if len(prompts) * sampling.num_generated_choices > MAX_BATCH_REQUESTS:
             raise bad_request(f"{len(prompts)} prompts of {sampling.num_generated_choices} "
                               f"choices each are more than the {MAX_BATCH_REQUESTS} "
@@ -510,7 +512,6 @@ def _same(value: Any, off: Any) -> bool:
     if isinstance(value, bool) or isinstance(off, bool):  # completions' logprobs: 0 is on
         return value is off
     return value == off
-
 
 
 def check_beam_search(body: dict, sampling: SamplingRequest) -> None:
@@ -694,11 +695,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def summed_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The usage of several answers (a batch's prompts) as one."""
-    return usage(sum(u["prompt_tokens"] for u in usages),
+def summed_usage(usages: list[dict[str, Any]], per_prompt: int = 1) -> dict[str, Any]:
+    """The usage of several answers as one: a batch's prompts, or (a gateway's parts)
+    ``per_prompt`` answers of each prompt in a row, whose prompt - and the cached tokens
+    it found - counts once (its first answer's); every output token counts."""
+    firsts = usages[::per_prompt]
+    return usage(sum(u["prompt_tokens"] for u in firsts),
                  sum(u["completion_tokens"] for u in usages),
-                 sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages))
+                 sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                     for u in firsts))
 
 
 @dataclass(slots=True)

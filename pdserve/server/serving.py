@@ -336,11 +336,11 @@ class OpenAIServing:
                                 template_kwargs)
         prompt_ids = await self.encode_chat(text, request.sampling.add_special_tokens)
         prompt_ids, _ = self._checked(prompt_ids, request.sampling)
-        fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling,
-                     tools=tools, prompt_ids=prompt_ids,
-                     include_reasoning=request.include_reasoning)
         # Under a grammar the output is the grammar's from its first token: no thinking.
-        fmt.reasoning = self.reasoning_parser is not None and request.sampling.grammar is None
+        reasoning = self.reasoning_parser is not None and request.sampling.grammar is None
+        fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling,
+                     tools=tools, prompt_ids=prompt_ids, reasoning=reasoning,
+                     include_reasoning=request.include_reasoning)
         last = request.messages[-1]
         if request.echo and last["role"] == "assistant":  # vLLM's rule: same role, echoed
             fmt.echo = last["content"]
@@ -485,9 +485,6 @@ class OpenAIServing:
                          default_max_tokens: int) -> web.StreamResponse:
         """A batch of prompts: each prompt's choices, one answer. Every prompt's parameters
         are checked before any starts, so a refused one starts nothing."""
-        if prepared[0][0].sampling.beam_search:
-            raise P.bad_request("'use_beam_search' takes one prompt per request",
-                                param="prompt")
         arrival = time.monotonic()
         jobs = [(fmt, ids, self.params(fmt, ids, default_max_tokens)) for fmt, ids in prepared]
         return await self._answer(http, jobs, arrival)
