@@ -25,6 +25,7 @@ from pdserve.server.engine_process import DEFAULT_CORE
 from pdserve.server.limits import HTTPLimits
 from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from pdserve.server.pd import PDRoutes
+from pdserve.server.responses_routes import ResponsesRoutes
 from pdserve.server.serving import OpenAIServing
 from pdserve.server.tokenization import TokenizationRoutes
 from pdserve.server.tool_calls import ToolSettings
@@ -100,6 +101,9 @@ def build_app(client: EngineClient, config: ServerConfig,
     app.router.add_get("/metrics", _metrics)
     PDRoutes(serving, config.cluster_secret).add_to(app)
     TokenizationRoutes(serving).add_to(app)
+    # Each HTTP process would keep its own responses: a continuation could miss its own.
+    stored = config.max_stored_responses if config.api_server_count == 1 else 0
+    ResponsesRoutes(serving, stored).add_to(app)
     return app
 
 

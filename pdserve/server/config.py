@@ -43,6 +43,10 @@ class ServerConfig:
                                        "before </think>: DeepSeek-R1's distills, QwQ) "
                                        "puts it in the message's 'reasoning' and "
                                        "'reasoning_content'.", choices=REASONING_PARSERS)
+    max_stored_responses: int = doc(1000, "Responses /v1/responses keeps in memory for "
+                                    "previous_response_id and GET /v1/responses/{id} (the "
+                                    "oldest forgotten first); 0 keeps none. With "
+                                    "--api-server-count above 1 none are kept.")
     shutdown_timeout: float = doc(30.0, "On SIGTERM, seconds in-flight requests may run "
                                   "before they are aborted.")
     retry_after: int = doc(1, "Seconds sent in Retry-After when the waiting queue is full.")
@@ -70,6 +74,9 @@ class ServerConfig:
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
                              "(llama3_json or hermes)")
+        if self.max_stored_responses < 0:
+            raise ValueError(f"--max-stored-responses must be >= 0, not "
+                             f"{self.max_stored_responses}")
         if self.engine_restarts < 0:
             raise ValueError(f"--engine-restarts must be >= 0, not {self.engine_restarts}")
         self._check_api_server_count()

@@ -27,6 +27,11 @@ class ThinkSplitter:
         self._started = False  # past a leading <think> (or sure there is none)
         self._thinking = True
 
+    @property
+    def in_thought(self) -> bool:
+        """Whether the output is still inside its thought (no ``</think>`` read yet)."""
+        return self._thinking
+
     def push(self, text: str, final: bool = False) -> tuple[str, str]:
         """The reasoning and content this piece adds; ``final``: the output ends here, so
         nothing is held back."""

@@ -424,7 +424,7 @@ class OpenAIServing:
             return await self._collect(fmt, gen)
         finally:
             gen.close()
-            self._record(fmt, gen)
+            self.record(fmt, gen)
 
     def params(self, fmt: Format, prompt_ids: list[int], default_max_tokens: int | None
                ) -> SamplingParams:
@@ -511,7 +511,7 @@ class OpenAIServing:
         finally:
             for gen in started:
                 gen.close()
-                self._record(fmts[0], gen)
+                self.record(fmts[0], gen)
 
     async def _open_choices(self, fmt: Format, prompt_ids: list[int], params: SamplingParams,
                             arrival: float, first_index: int, started: list[Generation]
@@ -580,7 +580,7 @@ class OpenAIServing:
             await response.write(P.sse(exc.body()) + P.SSE_DONE)
         return response
 
-    def _record(self, fmt: Format, gen: Generation) -> None:
+    def record(self, fmt: Format, gen: Generation) -> None:
         self.metrics.observe(gen.timing)
         if self.log_requests:
             t = gen.timing

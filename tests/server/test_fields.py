@@ -42,6 +42,7 @@ def doc_table() -> dict[str, dict[str, str]]:
     """field -> {"completions": cell, "chat": cell} from the docs' request field table."""
     text = DOC.read_text()
     section = text[text.index("### Request fields"):]
+    section = section[:section.index("\n### ")]  # the table of these two endpoints only
     rows = re.findall(r"^\| `(\w+)` \| ([^|]+?) \| ([^|]+?) \|", section, re.MULTILINE)
     return {name: {"completions": done.strip(), "chat": chat.strip()}
             for name, done, chat in rows}
