@@ -14,6 +14,7 @@ from pdserve.cluster.config import GatewayConfig
 from pdserve.cluster.gateway import Gateway
 from pdserve.cluster.ratio import RatioController
 from pdserve.cluster.registry import Registry, make_registry
+from pdserve.cluster.responses import GatewayResponses
 from pdserve.server import protocol as P
 from pdserve.server.limits import HTTPLimits
 from pdserve.server.metrics import CONTENT_TYPE
@@ -29,6 +30,7 @@ def build_gateway_app(gateway: Gateway) -> web.Application:
     app[GATEWAY_KEY] = gateway
     app.router.add_post("/v1/completions", _forward("completions"))
     app.router.add_post("/v1/chat/completions", _forward("chat"))
+    GatewayResponses(gateway, gateway.config.max_stored_responses).add_to(app)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
     for path in ("/tokenize", "/detokenize"):

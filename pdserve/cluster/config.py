@@ -46,6 +46,10 @@ class GatewayConfig:
                                 "or stalled client gets 408).")
     max_concurrent_requests: int = doc(4096, "Requests answered at once, streams included; "
                                        "more get 429 with Retry-After.")
+    max_stored_responses: int = doc(1000, "Responses /v1/responses keeps in this gateway's "
+                                    "memory for previous_response_id and GET "
+                                    "/v1/responses/{id} (the oldest forgotten first); 0 keeps "
+                                    "none. Each gateway keeps its own.")
     ratio_interval_s: float = doc(0.0, "Dynamic P/D ratio: seconds between the controller's "
                                   "looks at each scenario's latencies; 0 disables it.")
 

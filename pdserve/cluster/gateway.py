@@ -39,7 +39,7 @@ import uuid
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -106,7 +106,9 @@ class Job:
     # instance's own went out: what the gateway sends itself if the instance fails between.
     usage_owed: bytes = b""
     prefilled: bool = False  # counted once in the ratio window, however many attempts
-    part: PartStream | None = None  # one part of a streamed fan-out: where its events go
+    # Where a streamed answer's events go instead of a stream of its own: a part of a
+    # fan-out (``PartStream``), or a chat turned into Responses events.
+    part: EventSink | None = None
 
     @property
     def stream(self) -> bool:
@@ -156,6 +158,13 @@ class Gateway:
             return await self._fan_out(http, kind, body, prompts if len(prompts) > 1
                                        else [None], choices)
         return await self._run(Job(http, kind, body, self._scenario(http), time.monotonic()))
+
+    async def run(self, http: web.Request, kind: str, body: dict[str, Any],
+                  sink: EventSink | None = None) -> web.StreamResponse:
+        """One P/D request of ``kind`` (one prompt, one choice) from a route of its own;
+        ``sink``: where its streamed events go."""
+        job = Job(http, kind, body, self._scenario(http), time.monotonic(), part=sink)
+        return await self._run(job)
 
     async def _fan_out(self, http: web.Request, kind: str, body: dict[str, Any],
                        prompts: list[Any], choices: int) -> web.Response:
@@ -609,6 +618,16 @@ def _continuing(job: Job, chunk: dict[str, Any]) -> dict[str, Any]:
         if key in chunk:
             chunk[key] = value
     return chunk
+
+
+class EventSink(Protocol):
+    """Takes a streamed answer's SSE bytes in place of the client's stream."""
+
+    async def prepare(self, http: web.Request) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def write_eof(self) -> None: ...
 
 
 class MergedStream:

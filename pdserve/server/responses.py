@@ -19,6 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
+
 from pdserve.server import protocol as P
 from pdserve.server.reasoning import ThinkSplitter
 from pdserve.server.tool_calls import ToolStream
@@ -96,6 +98,58 @@ def not_found(response_id: str) -> P.APIError:
     return P.APIError(404, f"no stored response '{response_id}' (never stored, deleted, or "
                       "forgotten: this server keeps the last --max-stored-responses)",
                       param="response_id", code="not_found")
+
+
+class ResponsesEndpoint:
+    """``/v1/responses`` over one store of responses (an instance's or a gateway's):
+    ``GET`` and ``DELETE`` here, ``POST`` (``create``) in the subclass that runs them."""
+
+    def __init__(self, max_stored: int) -> None:
+        self.store = ResponseStore(max_stored)
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/responses", self.create)
+        app.router.add_get("/v1/responses/{response_id}", self.retrieve)
+        app.router.add_delete("/v1/responses/{response_id}", self.delete)
+
+    async def create(self, http: web.Request) -> web.StreamResponse:
+        raise NotImplementedError
+
+    def keep(self, request: ResponsesRequest, response: dict[str, Any]) -> None:
+        if request.store:
+            conversation = request.conversation + output_messages(response)
+            self.store.put(Stored(response, conversation))
+
+    async def retrieve(self, http: web.Request) -> web.Response:
+        response_id = http.match_info["response_id"]
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise not_found(response_id)
+        return json_response(stored.response)
+
+    async def delete(self, http: web.Request) -> web.Response:
+        response_id = http.match_info["response_id"]
+        if not self.store.delete(response_id):
+            raise not_found(response_id)
+        return json_response({"id": response_id, "object": "response.deleted",
+                              "deleted": True})
+
+
+def json_response(body: dict[str, Any]) -> web.Response:
+    return web.Response(body=P.dumps(body), content_type="application/json")
+
+
+async def event_stream(http: web.Request) -> web.StreamResponse:
+    """The client's stream of events, its headers sent."""
+    response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+    await response.prepare(http)
+    return response
+
+
+def sse_events(events: list[dict[str, Any]]) -> bytes:
+    """Server-sent events, each named by its type (as OpenAI's Responses stream names them)."""
+    return b"".join(b"event: %s\n%s" % (e["type"].encode(), P.sse(e)) for e in events)
 
 
 # ---- the request ----------------------------------------------------------------------------
@@ -413,29 +467,42 @@ class ResponseBuilder:
                 self._event("response.in_progress", response=self._snapshot())]
 
     def push(self, piece: P.Piece) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
+        """The events of an engine piece: its text split into thought, text and tool calls
+        as the chat would split it."""
         final = piece.finish_reason is not None
-        text = piece.text
+        text, reasoning = piece.text, ""
         if self.thinking is not None:
             thinking = self.thinking.in_thought
             reasoning, text = self.thinking.push(text, final)
-            if reasoning:
-                events += self._reasoning(reasoning)
             if thinking and not text:  # the thought's tokens, its closing tag included
                 self.reasoning_tokens += len(piece.token_ids)
-        logprobs = self._logprobs(piece)
-        for delta in self._deltas(text, piece.finish_reason):
+        deltas = self._deltas(text, piece.finish_reason)
+        if reasoning:
+            deltas.insert(0, {"reasoning": reasoning})
+        logprobs = P.chat_logprobs(piece)["content"] if self.logprobs else []
+        return self.push_deltas(deltas, logprobs)
+
+    def push_deltas(self, deltas: list[dict[str, Any]], logprobs: list[dict[str, Any]]
+                    ) -> list[dict[str, Any]]:
+        """The events of chat deltas (``reasoning``, ``content``, ``tool_calls``) and the
+        logprobs of their tokens (the chat's ``logprobs.content``), which go with the text."""
+        events: list[dict[str, Any]] = []
+        for delta in deltas:
+            if delta.get("reasoning"):
+                events += self._reasoning(delta["reasoning"])
             if delta.get("content"):
                 events += self._text(delta["content"], logprobs)
                 logprobs = []
-            for call in delta.get("tool_calls", []):
+            for call in delta.get("tool_calls") or []:
                 events += self._call(call)
-        if logprobs and self._open is not None and self._open["type"] == "message":
+        if logprobs and self._kind() == "message":
             events += self._text("", logprobs)  # tokens whose text is held back
         return events
 
-    def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[dict[str, Any]]:
-        """The last events; ``self.response`` is then the whole response."""
+    def finish(self, finish_reason: str | None, usage: dict[str, Any] | None
+               ) -> list[dict[str, Any]]:
+        """The last events; ``self.response`` is then the whole response (its usage null
+        where the answer came without one)."""
         complete = finish_reason != "length"
         events = self._close("completed" if complete else "incomplete")
         if not self.response["output"]:
@@ -443,7 +510,7 @@ class ResponseBuilder:
         self.response["status"] = "completed" if complete else "incomplete"
         if not complete:
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
-        self.response["usage"] = self._usage(usage)
+        self.response["usage"] = self._usage(usage) if usage is not None else None
         kind = "response.completed" if complete else "response.incomplete"
         return events + [self._event(kind, response=self._snapshot())]
 
@@ -455,12 +522,6 @@ class ResponseBuilder:
         if self.tools is not None:
             return self.tools.push(text, finish_reason)[0]
         return [{"content": text}] if text else []
-
-    def _logprobs(self, piece: P.Piece) -> list[dict[str, Any]]:
-        if not self.logprobs or not piece.token_texts:
-            return []
-        return [{"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"],
-                 "top_logprobs": t["top_logprobs"]} for t in P.chat_logprobs(piece)["content"]]
 
     def _reasoning(self, text: str) -> list[dict[str, Any]]:
         events = self._begin("reasoning") if self._kind() != "reasoning" else []

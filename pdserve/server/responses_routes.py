@@ -22,30 +22,23 @@ from pdserve.server import protocol as P
 from pdserve.server.reasoning import ThinkSplitter
 from pdserve.server.responses import (
     ResponseBuilder,
+    ResponsesEndpoint,
     ResponsesRequest,
-    ResponseStore,
-    Stored,
+    event_stream,
+    json_response,
     new_id,
-    not_found,
-    output_messages,
     responses_error,
     skeleton,
+    sse_events,
 )
 from pdserve.server.serving import Format, Generation, OpenAIServing
 from pdserve.server.tool_calls import ToolStream
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
-
-class ResponsesRoutes:
+class ResponsesRoutes(ResponsesEndpoint):
     def __init__(self, serving: OpenAIServing, max_stored: int) -> None:
+        super().__init__(max_stored)
         self.serving = serving
-        self.store = ResponseStore(max_stored)
-
-    def add_to(self, app: web.Application) -> None:
-        app.router.add_post("/v1/responses", self.create)
-        app.router.add_get("/v1/responses/{response_id}", self.retrieve)
-        app.router.add_delete("/v1/responses/{response_id}", self.delete)
 
     async def create(self, http: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
@@ -68,8 +61,8 @@ class ResponsesRoutes:
         finally:
             gen.close()
             self.serving.record(fmt, gen)
-        self._keep(request, builder.response)
-        return _json(builder.response)
+        self.keep(request, builder.response)
+        return json_response(builder.response)
 
     async def _prepare(self, request: ResponsesRequest):
         """The chat format, prompt and sampling this response runs with; the chat's
@@ -94,8 +87,7 @@ class ResponsesRoutes:
         pieces = gen.pieces()
         # Awaited before the response starts: a refused request still gets a plain status.
         first = await anext(pieces)
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(http)
+        response = await event_stream(http)
         try:
             await _write(response, builder.start() + builder.push(first))
             finish = first.finish_reason
@@ -103,36 +95,13 @@ class ResponsesRoutes:
                 await _write(response, builder.push(piece))
                 finish = piece.finish_reason
             await _write(response, builder.finish(finish, gen.usage()))
-            self._keep(request, builder.response)
+            self.keep(request, builder.response)
         except P.APIError as exc:
             await _write(response, builder.fail(exc.message))
         await response.write_eof()
         return response
 
-    def _keep(self, request: ResponsesRequest, response: dict[str, Any]) -> None:
-        if request.store:
-            conversation = request.conversation + output_messages(response)
-            self.store.put(Stored(response, conversation))
-
-    async def retrieve(self, http: web.Request) -> web.Response:
-        response_id = http.match_info["response_id"]
-        stored = self.store.get(response_id)
-        if stored is None:
-            raise not_found(response_id)
-        return _json(stored.response)
-
-    async def delete(self, http: web.Request) -> web.Response:
-        response_id = http.match_info["response_id"]
-        if not self.store.delete(response_id):
-            raise not_found(response_id)
-        return _json({"id": response_id, "object": "response.deleted", "deleted": True})
-
 
 async def _write(response: web.StreamResponse, events: list[dict[str, Any]]) -> None:
     if events:
-        await response.write(b"".join(b"event: %s\n%s" % (e["type"].encode(), P.sse(e))
-                                      for e in events))
-
-
-def _json(body: dict[str, Any]) -> web.Response:
-    return web.Response(body=P.dumps(body), content_type="application/json")
+        await response.write(sse_events(events))

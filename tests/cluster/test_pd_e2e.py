@@ -516,6 +516,48 @@ def test_logprobs_stop_strings_and_cached_tokens_cross_the_split(instances, gate
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # prefill side's cache
 
 
+def test_the_responses_api_through_the_gateway_is_an_instances(instances, gateway):
+    """/v1/responses through the gateway runs as a P/D chat: whole, streamed (every event as
+    the openai package reads it) and continued, the same answers one instance gives."""
+    from tests.server.test_responses import EVENTS, WEATHER, _validate
+
+    fields = {"model": "tiny", "input": "Say something", "temperature": 0.0,
+              "max_output_tokens": 10, "instructions": "Be terse",
+              "extra_body": {"ignore_eos": True}}
+    alone = instances[0].openai().responses.create(**fields, store=False)
+    split = gateway.http.openai().responses.create(**fields, metadata={"via": "gateway"})
+    assert split.output_text == alone.output_text and split.status == "incomplete"
+    assert split.usage.input_tokens == alone.usage.input_tokens
+    assert split.usage.output_tokens == 10
+    events = list(gateway.http.openai().responses.create(**fields, store=False, stream=True))
+    for event in events:
+        _validate(EVENTS[event.type], event.model_dump(exclude_unset=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        alone.output_text
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.usage.output_tokens == 10
+    continued = gateway.http.openai().responses.create(
+        **{**fields, "input": "More"}, previous_response_id=split.id)
+    chat = instances[0].openai().chat.completions.create(
+        model="tiny", temperature=0.0, max_tokens=10, extra_body={"ignore_eos": True},
+        messages=[{"role": "system", "content": "Be terse"},
+                  {"role": "user", "content": "Say something"},
+                  {"role": "assistant", "content": split.output_text},
+                  {"role": "user", "content": "More"}])
+    assert continued.output_text == chat.choices[0].message.content
+    assert gateway.http.openai().responses.retrieve(split.id).metadata == {"via": "gateway"}
+    called = gateway.http.openai().responses.create(
+        model="tiny", input="Weather?", max_output_tokens=80, tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        extra_body={"seed": 1, "logit_bias": {str(ord('"')): 5}})
+    assert called.output[0].type == "function_call"
+    assert json.loads(called.output[0].arguments).keys() == {"city"}
+    status, _, raw = gateway.http.request("POST", "/v1/responses", {
+        "model": "tiny", "input": "x", "max_output_tokens": 10 ** 7})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "max_output_tokens"
+
+
 STREAMED_WITH_USAGE = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
 
 

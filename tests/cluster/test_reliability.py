@@ -358,3 +358,44 @@ def test_a_resumed_echoed_answer_sends_the_echo_once(group):
     for chars in (len("Once upon") + 2, len(want) // 2):
         text, rest = asyncio.run(_internal_answer(group, ids[:10], chars, echoed))
         assert text == want[chars:] and rest == ids[10:]
+
+
+def test_a_responses_stream_resumes_when_its_decode_instance_dies(group, reference):
+    """/v1/responses streamed through the gateway runs as a chat stream: killed mid-answer,
+    it resumes on another decode instance inside the one Responses stream - the same text
+    (greedy), events numbered without a gap, one response id, one resume."""
+    group.add("d3", "decode")
+    wait_until(lambda: "d3" in group.roles)
+    before = group.retries("resume")
+    body = {"model": "tiny", "input": LONG_CHAT["messages"][0]["content"], "temperature": 0,
+            "max_output_tokens": LONG_CHAT["max_tokens"], "ignore_eos": True, "stream": True,
+            "store": False}
+
+    def kill_the_serving_decode_instance() -> None:
+        load = group.gateway.gateway.decode_load
+        name = next(name for name, role in group.roles.items() if role == "decode"
+                    and load[name] > 0)
+        kill(group.members[name])
+        group.remove(name)
+
+    async def run() -> tuple[int, list[dict]]:
+        events = []
+        async with aiohttp.ClientSession() as session:
+            async with session.post(group.gateway.http.url + "/v1/responses",
+                                    json=body) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: "):
+                        events.append(json.loads(line.removeprefix(b"data: ")))
+                        if len(events) == 12:
+                            await asyncio.get_running_loop().run_in_executor(
+                                None, kill_the_serving_decode_instance)
+                return resp.status, events
+
+    status, events = asyncio.run(run())
+    assert status == 200 and events[-1]["type"] == "response.incomplete"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert len({e["response"]["id"] for e in events if "response" in e}) == 1
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == _text(reference["chat"])
+    assert events[-1]["response"]["usage"]["output_tokens"] == LONG_CHAT["max_tokens"]
+    assert group.retries("resume") == before + 1
