@@ -18,9 +18,10 @@ from aiohttp import web
 from pdserve.cluster.gateway import ClientGone, Gateway
 from pdserve.server import protocol as P
 from pdserve.server import responses as R
+from pdserve.server import responses_store as S
 
 
-class GatewayResponses(R.ResponsesEndpoint):
+class GatewayResponses(S.ResponsesEndpoint):
     def __init__(self, gateway: Gateway, max_stored: int) -> None:
         super().__init__(max_stored)
         self.gateway = gateway
@@ -46,7 +47,7 @@ class GatewayResponses(R.ResponsesEndpoint):
         builder.push_deltas(_message_deltas(choice["message"]), _logprobs(choice))
         builder.finish(choice["finish_reason"], completion["usage"])
         self.keep(request, builder.response)
-        return R.json_response(builder.response)
+        return S.json_response(builder.response)
 
     async def _stream(self, http: web.Request, request: R.ResponsesRequest,
                       builder: R.ResponseBuilder, chat: dict[str, Any]) -> web.StreamResponse:
@@ -71,7 +72,7 @@ class ResponsesSink:
         self.completed = False
 
     async def prepare(self, http: web.Request) -> None:
-        self.out = await R.event_stream(http)
+        self.out = await S.event_stream(http)
         await self._send(self.builder.start())
 
     async def write(self, data: bytes) -> None:
@@ -105,7 +106,7 @@ class ResponsesSink:
         if not events:
             return
         try:
-            await self.out.write(R.sse_events(events))
+            await self.out.write(S.sse_events(events))
         except OSError as exc:
             raise ClientGone(str(exc)) from None
 

@@ -15,14 +15,12 @@ from __future__ import annotations
 import copy
 import itertools
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
-
 from pdserve.server import protocol as P
 from pdserve.server.reasoning import ThinkSplitter
+from pdserve.server.responses_store import ResponseStore, not_found
 from pdserve.server.tool_calls import ToolStream
 
 ENDPOINT = "/v1/responses"
@@ -66,92 +64,6 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-@dataclass
-class Stored:
-    """A stored response and the conversation it ends (chat messages: its input, the
-    conversation it continued and its output; no instructions)."""
-
-    response: dict[str, Any]
-    conversation: list[dict[str, Any]]
-
-
-class ResponseStore:
-    """The last ``capacity`` stored responses, in memory (the oldest forgotten first)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._responses: OrderedDict[str, Stored] = OrderedDict()
-
-    def put(self, stored: Stored) -> None:
-        self._responses[stored.response["id"]] = stored
-        while len(self._responses) > self.capacity:
-            self._responses.popitem(last=False)
-
-    def get(self, response_id: str) -> Stored | None:
-        return self._responses.get(response_id)
-
-    def delete(self, response_id: str) -> bool:
-        return self._responses.pop(response_id, None) is not None
-
-
-def not_found(response_id: str) -> P.APIError:
-    return P.APIError(404, f"no stored response '{response_id}' (never stored, deleted, or "
-                      "forgotten: this server keeps the last --max-stored-responses)",
-                      param="response_id", code="not_found")
-
-
-class ResponsesEndpoint:
-    """``/v1/responses`` over one store of responses (an instance's or a gateway's):
-    ``GET`` and ``DELETE`` here, ``POST`` (``create``) in the subclass that runs them."""
-
-    def __init__(self, max_stored: int) -> None:
-        self.store = ResponseStore(max_stored)
-
-    def add_to(self, app: web.Application) -> None:
-        app.router.add_post("/v1/responses", self.create)
-        app.router.add_get("/v1/responses/{response_id}", self.retrieve)
-        app.router.add_delete("/v1/responses/{response_id}", self.delete)
-
-    async def create(self, http: web.Request) -> web.StreamResponse:
-        raise NotImplementedError
-
-    def keep(self, request: ResponsesRequest, response: dict[str, Any]) -> None:
-        if request.store:
-            conversation = request.conversation + output_messages(response)
-            self.store.put(Stored(response, conversation))
-
-    async def retrieve(self, http: web.Request) -> web.Response:
-        response_id = http.match_info["response_id"]
-        stored = self.store.get(response_id)
-        if stored is None:
-            raise not_found(response_id)
-        return json_response(stored.response)
-
-    async def delete(self, http: web.Request) -> web.Response:
-        response_id = http.match_info["response_id"]
-        if not self.store.delete(response_id):
-            raise not_found(response_id)
-        return json_response({"id": response_id, "object": "response.deleted",
-                              "deleted": True})
-
-
-def json_response(body: dict[str, Any]) -> web.Response:
-    return web.Response(body=P.dumps(body), content_type="application/json")
-
-
-async def event_stream(http: web.Request) -> web.StreamResponse:
-    """The client's stream of events, its headers sent."""
-    response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache"})
-    await response.prepare(http)
-    return response
-
-
-def sse_events(events: list[dict[str, Any]]) -> bytes:
-    """Server-sent events, each named by its type (as OpenAI's Responses stream names them)."""
-    return b"".join(b"event: %s\n%s" % (e["type"].encode(), P.sse(e)) for e in events)
-
-
 # ---- the request ----------------------------------------------------------------------------
 
 
@@ -184,6 +96,10 @@ class ResponsesRequest:
         _read_reasoning(body)
         return cls(body, chat, conversation, stored, P.get_bool(body, "stream"),
                    _read_metadata(body), logprobs)
+
+    def conversation_after(self, response: dict[str, Any]) -> list[dict[str, Any]]:
+        """The conversation a continuation of ``response`` starts from."""
+        return self.conversation + output_messages(response)
 
 
 def _wants_store(body: dict, store: ResponseStore) -> bool:

@@ -1,12 +1,12 @@
 """OpenAI's Responses API on one instance, as vLLM serves it: ``POST /v1/responses`` (whole,
 or streamed as the Responses events ``response.created`` ... ``response.completed``),
-``GET`` and ``DELETE /v1/responses/{id}``.
+``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
 
 Stored responses (``store``: true unless the request says false) are kept in memory, the
-last ``--max-stored-responses`` of them: ``previous_response_id`` continues one (the
-conversation it ended precedes the new input; its instructions do not carry over, as
-OpenAI's do not), ``GET`` returns one, ``DELETE`` forgets it. A server of several HTTP
-processes keeps none: each process would hold its own.
+last ``--max-stored-responses`` of them (``responses_store.py``): ``previous_response_id``
+continues one (the conversation it ended precedes the new input; its instructions do not
+carry over, as OpenAI's do not). A server of several HTTP processes keeps none: each
+process would hold its own.
 
 How a request and its answer map to a chat completion: ``responses.py``.
 """
@@ -22,13 +22,15 @@ from pdserve.server import protocol as P
 from pdserve.server.reasoning import ThinkSplitter
 from pdserve.server.responses import (
     ResponseBuilder,
-    ResponsesEndpoint,
     ResponsesRequest,
-    event_stream,
-    json_response,
     new_id,
     responses_error,
     skeleton,
+)
+from pdserve.server.responses_store import (
+    ResponsesEndpoint,
+    event_stream,
+    json_response,
     sse_events,
 )
 from pdserve.server.serving import Format, Generation, OpenAIServing

@@ -18,12 +18,11 @@ from pdserve.server.responses import (
     RESPONSES_FIELDS,
     ResponseBuilder,
     ResponsesRequest,
-    ResponseStore,
-    Stored,
     input_messages,
     responses_error,
     skeleton,
 )
+from pdserve.server.responses_store import ResponseStore, Stored
 from pdserve.server.tool_calls import ToolRequest, ToolSettings, ToolStream
 
 openai_types = pytest.importorskip("openai.types.responses")
@@ -142,7 +141,7 @@ def test_storing_refused_only_when_asked_of_a_server_that_keeps_none():
 def test_a_continuation_starts_from_the_stored_conversation_not_its_instructions():
     store = ResponseStore(2)
     earlier = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    store.put(Stored({"id": "resp_1"}, earlier))
+    store.put(Stored({"id": "resp_1"}, earlier, []))
     request = _read({"input": "And?", "previous_response_id": "resp_1",
                      "instructions": "New"}, store)
     assert request.chat["messages"] == [{"role": "system", "content": "New"}, *earlier,
@@ -151,7 +150,7 @@ def test_a_continuation_starts_from_the_stored_conversation_not_its_instructions
     missing = _refused({"input": "x", "previous_response_id": "resp_9"}, store)
     assert (missing.status, missing.param, missing.code) == (404, "response_id", "not_found")
     for i in (2, 3):  # the oldest is forgotten first
-        store.put(Stored({"id": f"resp_{i}"}, []))
+        store.put(Stored({"id": f"resp_{i}"}, [], []))
     assert store.get("resp_1") is None and store.get("resp_3") is not None
 
 
@@ -320,6 +319,9 @@ def test_a_stored_response_is_continued_fetched_and_deleted(server):
     assert second.previous_response_id == first.id
     fetched = client.responses.retrieve(first.id)
     assert fetched.output_text == first.output_text and fetched.metadata == {"who": "test"}
+    listed = client.responses.input_items.list(second.id)
+    assert [(i.type, i.role, i.content[0].text) for i in listed.data] == [
+        ("message", "user", "And then?")]  # its own input; the conversation is first's
     client.responses.delete(first.id)
     status, _, body = server.request("GET", f"/v1/responses/{first.id}")
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
@@ -329,6 +331,32 @@ def test_a_stored_response_is_continued_fetched_and_deleted(server):
     unstored = client.responses.create(model="tiny", input="x", max_output_tokens=2,
                                        store=False)
     assert server.request("GET", f"/v1/responses/{unstored.id}")[0] == 404
+
+
+def test_input_items_are_listed_a_page_at_a_time(server):
+    client = server.openai()
+    items = [{"role": "system", "content": "Be brief"},
+             {"type": "message", "role": "assistant", "content": [
+                 {"type": "output_text", "text": "Earlier", "annotations": []}]},
+             {"role": "user", "content": "Now"}]
+    response = client.responses.create(model="tiny", input=items, max_output_tokens=2)
+    first = client.responses.input_items.list(response.id, order="asc", limit=2)
+    assert [i.role for i in first.data] == ["system", "assistant"] and first.has_more
+    assert first.data[1].content[0].text == "Earlier"
+    rest = client.responses.input_items.list(response.id, order="asc", after=first.last_id)
+    assert [i.role for i in rest.data] == ["user"] and not rest.has_more
+    newest = client.responses.input_items.list(response.id)  # newest first, as OpenAI
+    assert [i.role for i in newest.data] == ["user", "assistant", "system"]
+    _, _, raw = server.request("GET", f"/v1/responses/{response.id}/input_items")
+    for item in json.loads(raw)["data"]:
+        kind = openai_types.ResponseOutputMessage if item["role"] == "assistant" \
+            else openai_types.ResponseInputMessageItem
+        _validate(kind, item)
+    for query, param in (("limit=0", "limit"), ("order=up", "order"), ("after=x", "after"),
+                         ("before=x", "before")):
+        status, _, raw = server.request("GET",
+                                        f"/v1/responses/{response.id}/input_items?{query}")
+        assert status == 400 and json.loads(raw)["error"]["param"] == param
 
 
 def test_a_json_schema_format_and_a_named_tool_are_followed(server):
