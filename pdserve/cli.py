@@ -313,10 +313,6 @@ def _check_serve(args: argparse.Namespace) -> None:
     if args.instance.role is not None and server.api_server_count > 1:
         raise UsageError("--role takes --api-server-count 1: each HTTP process would keep "
                          "its own /pd/prefill admission, and the gateway sees one instance")
-    if args.engine_config.transfer.kv_transfer_port is not None and server.reasoning_parser:
-        raise UsageError("--reasoning-parser is not served by a P/D instance (--kv-transfer-"
-                         "port): a gateway resumes its streams by the characters of the "
-                         "model's own text; run the parser on a standalone server")
     if args.engine_config.transfer.kv_transfer_port is not None:
         from pdserve.sched.policies import role_refusal
 

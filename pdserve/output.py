@@ -95,6 +95,9 @@ class OutputProcessor:
         self.num_cached_tokens = 0
         self._unsent = ""  # resumed text the client has not got yet
         self._skip = 0  # characters of coming text the client already got
+        self.resumed_text = ""
+        """P/D resume: the text the client already got (what a reader of the whole text,
+        a reasoning split, must have seen before this instance's text)."""
 
     def process(self, updates: Iterable[RequestUpdate]) -> OutputDelta:
         """The output these updates add; nothing once the request has finished."""
@@ -133,9 +136,11 @@ class OutputProcessor:
         self.num_generated += len(token_ids)
         self._unsent = text[text_chars:]
         self._skip = max(0, text_chars - len(text))
+        self.resumed_text = text[:text_chars]
 
     def _after_resume(self, text: str) -> str:
         skipped = min(self._skip, len(text))
+        self.resumed_text += text[:skipped]
         text, self._unsent = self._unsent + text[skipped:], ""
         self._skip -= skipped
         return text

@@ -334,8 +334,3 @@ def test_weight_loading_bar_only_for_a_person(tmp_path):
     assert "loading weights" in shown
     assert "loading weights" not in quiet
     assert piped.returncode == 0 and "loading weights" not in piped.stderr
-
-
-def test_a_reasoning_parser_on_a_p_d_instance():
-    assert_one_line_error(pdserve("serve", "tiny", "--reasoning-parser", "deepseek_r1",
-                                  "--kv-transfer-port", "0"), "--reasoning-parser")

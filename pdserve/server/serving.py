@@ -624,6 +624,7 @@ class _SSEWriter:
         self._error: BaseException | None = None  # raised in the handler
         self.tool_stream = ToolStream(fmt.tools) if fmt.tools is not None else None
         self.thinking = ThinkSplitter() if fmt.reasoning else None
+        self._primed = 0  # characters of a resumed P/D answer's text the split has read
 
     async def write(self, piece: P.Piece) -> None:
         data = self.encode(piece)
@@ -632,6 +633,8 @@ class _SSEWriter:
 
     def encode(self, piece: P.Piece) -> bytes:
         """The SSE bytes of a piece; b"" for one not worth a chunk."""
+        if self.thinking is not None and self.gen is not None:
+            self._read_resumed_text()
         if self.tool_stream is not None:
             return self._encode_tools(piece)
         text = piece.text
@@ -653,6 +656,10 @@ class _SSEWriter:
             self._add_timing(chunk, piece)
         if self.fmt.with_token_ids:
             chunk["pdserve_token_ids"] = piece.token_ids
+            if self.thinking is not None:
+                # The gateway's count of text the client got: with the thought apart, the
+                # characters of the model's own text read so far, not the content's.
+                chunk["pdserve_text_chars"] = self.thinking.released_chars
             if piece.finish_reason and self.fmt.sampling.include_usage \
                     and self.fmt.sampling.num_generated_choices == 1:
                 # The usage this answer ends with: the gateway sends it if this instance
@@ -660,6 +667,15 @@ class _SSEWriter:
                 chunk["pdserve_usage"] = self.gen.usage()
         self.sent_first = True
         return P.sse(chunk)
+
+    def _read_resumed_text(self) -> None:
+        """A resumed P/D answer: the split goes on from where the failed instance's stopped,
+        so it first reads the text the client holds (which may grow as the coming text's
+        first characters turn out to be held already)."""
+        held = self.gen.output.resumed_text
+        if len(held) > self._primed:
+            self.thinking.push(held[self._primed:])
+            self._primed = len(held)
 
     def _split_delta(self, delta: dict[str, Any], piece: P.Piece) -> bool:
         """Puts a chat delta's reasoning apart from its content; whether it still says

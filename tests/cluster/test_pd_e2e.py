@@ -558,6 +558,68 @@ def test_the_responses_api_through_the_gateway_is_an_instances(instances, gatewa
     assert status == 400 and json.loads(raw)["error"]["param"] == "max_output_tokens"
 
 
+def test_a_reasoning_models_thought_crosses_the_split_and_resumes_where_it_broke():
+    """P/D instances with --reasoning-parser: the chat through the gateway splits the
+    thought as one instance does (the tiny model never closes it: all reasoning), and a
+    decode instance resuming after some tokens sends exactly the thought's rest, its chunks
+    counting the model's own characters (what the gateway resumes after)."""
+    flags = ("--kv-transfer-port", "0", "--reasoning-parser", "deepseek_r1")
+    prefill, decode = start_servers(flags, flags)
+    registry = MemoryRegistry()
+    gateway = None
+    try:
+        registry.register(_instance(prefill, "prefill"))
+        registry.register(_instance(decode, "decode"))
+        gateway = GatewayThread(registry)
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Think"}],
+                "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        status, _, raw = prefill.request("POST", "/v1/chat/completions", chat)
+        want = json.loads(raw)["choices"][0]["message"]["reasoning"]
+        stream = gateway.http.openai().chat.completions.create(
+            stream=True, **{k: v for k, v in chat.items() if k != "ignore_eos"},
+            extra_body={"ignore_eos": True})
+        deltas = [c.choices[0].delta for c in stream if c.choices]
+        assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == want
+        assert not any(d.content for d in deltas)
+        ids, _ = asyncio.run(_pd_chat(prefill, decode, chat, [], 0))
+        for chars in (0, 5, len(want) // 2):
+            rest, counts = asyncio.run(_pd_chat(prefill, decode, chat, ids[:8], chars))
+            assert rest == want[chars:] and counts[-1] == len(want)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        registry.close()
+        stop_servers((prefill, decode))
+
+
+async def _pd_chat(prefill: Server, decode: Server, chat: dict, resume_ids: list[int],
+                   resume_chars: int):
+    """A chat stream from the internal routes: its token ids and no resume; with a resume,
+    its reasoning text and each chunk's count of the model's characters."""
+    import aiohttp
+
+    request = {**chat, "stream": True}
+    kv_target = json.loads(decode.request("GET", "/pd/info")[2])["kv_address"]
+    offer = {"kind": "chat", "request": request, "kv_target": kv_target,
+             "transfer_id": f"r{len(resume_ids)}-{resume_chars}", "resume_token_ids": resume_ids}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(prefill.url + "/pd/prefill", json=offer) as resp:
+            first = await resp.json()
+        ask = {"kind": "chat", "request": request, "transfer_id": offer["transfer_id"],
+               "first_token": first["first_token"], "resume_token_ids": resume_ids,
+               "resume_text_chars": resume_chars}
+        ids, text, counts = [], "", []
+        async with session.post(decode.url + "/pd/decode", json=ask) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    chunk = json.loads(line[6:])
+                    ids += chunk.get("pdserve_token_ids", [])
+                    counts.append(chunk.get("pdserve_text_chars"))
+                    for choice in chunk["choices"]:
+                        text += choice["delta"].get("reasoning") or ""
+    return (ids, counts) if not resume_ids else (text, counts)
+
+
 STREAMED_WITH_USAGE = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
 
 

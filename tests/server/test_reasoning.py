@@ -118,3 +118,39 @@ def test_a_server_with_the_parser_answers_chats_thought_and_answer_apart(launch)
         **fields, "messages": messages, "guided_choice": ["yes", "no"]})
     message = json.loads(answer)["choices"][0]["message"]
     assert message["content"] in ("yes", "no") and "reasoning" not in message
+
+
+def test_released_characters_leave_out_only_what_is_held_back():
+    splitter = ThinkSplitter()
+    splitter.push("<thi")
+    assert splitter.released_chars == 0  # maybe the opening tag
+    splitter.push("nk>Hmm</th")
+    assert splitter.released_chars == len("<think>Hmm")
+    splitter.push("ink>4", final=True)
+    assert splitter.released_chars == len("<think>Hmm</think>4")
+
+
+@pytest.mark.parametrize("client_has, rest, reasoning, content", [
+    ("Let me see</think>It", " is 4", "", " is 4"),  # resumed past the thought
+    ("Let me", " see</think>4", " see", "4"),  # resumed inside it
+])
+def test_a_resumed_p_d_stream_splits_on_from_where_the_client_is(client_has, rest, reasoning,
+                                                                  content):
+    """A P/D decode instance resuming another's answer: its split starts in the state the
+    text the client holds leaves it in, and each chunk counts the model's own characters
+    read so far (the gateway's resume point), the held-back ones left out."""
+    import json
+    from types import SimpleNamespace
+
+    from pdserve.server.serving import _SSEWriter
+
+    fmt = _chat_format()
+    fmt.with_token_ids = True
+    resumed = SimpleNamespace(output=SimpleNamespace(resumed_text=client_has))
+    writer = _SSEWriter(None, None, fmt, resumed)
+    chunks = [json.loads(writer.encode(_piece(text, finish))[len(b"data: "):])
+              for text, finish in [(rest[:2], None), (rest[2:], "stop")]]
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    assert "".join(d.get("reasoning", "") for d in deltas) == reasoning
+    assert "".join(d.get("content", "") for d in deltas) == content
+    assert chunks[-1]["pdserve_text_chars"] == len(client_has + rest)
