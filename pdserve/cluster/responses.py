@@ -35,19 +35,26 @@ class GatewayResponses(S.ResponsesEndpoint):
                             body.get("temperature"), body.get("top_p"))
         builder = R.ResponseBuilder(answer, logprobs=request.logprobs)
         chat = {**request.chat, "stream": request.stream}
+        if request.background:
+            return self.in_background(request, builder,
+                                      lambda: self._whole(http, builder, chat))
         try:
             if request.stream:
                 chat["stream_options"] = {"include_usage": True}
                 return await self._stream(http, request, builder, chat)
-            answer = await self.gateway.run(http, "chat", chat)
+            await self._whole(http, builder, chat)
         except P.APIError as exc:
             raise R.responses_error(exc) from None
+        self.keep(request, builder.response)
+        return S.json_response(builder.response)
+
+    async def _whole(self, http: web.Request, builder: R.ResponseBuilder,
+                     chat: dict[str, Any]) -> None:
+        answer = await self.gateway.run(http, "chat", chat)
         completion = json.loads(answer.body)
         choice = completion["choices"][0]
         builder.push_deltas(_message_deltas(choice["message"]), _logprobs(choice))
         builder.finish(choice["finish_reason"], completion["usage"])
-        self.keep(request, builder.response)
-        return S.json_response(builder.response)
 
     async def _stream(self, http: web.Request, request: R.ResponsesRequest,
                       builder: R.ResponseBuilder, chat: dict[str, Any]) -> web.StreamResponse:

@@ -39,9 +39,9 @@ RESPONSES_FIELDS: dict[str, P.FieldRule] = {
     **dict.fromkeys(("model", "input", "instructions", "max_output_tokens", "temperature",
                      "top_p", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                      "text", "stream", "store", "previous_response_id", "metadata", "user",
-                     "safety_identifier", "include", "reasoning", *CHAT_SAMPLING_FIELDS),
+                     "safety_identifier", "include", "reasoning", "background",
+                     *CHAT_SAMPLING_FIELDS),
                     P.HONOURED),
-    "background": P.Refused("a response runs while its request waits", (False,)),
     "truncation": P.Refused("an input longer than the context is refused, never cut",
                             ("disabled",)),
     "service_tier": P.Refused("there is one service tier", ("auto", "default")),
@@ -79,6 +79,8 @@ class ResponsesRequest:
     stream: bool
     metadata: dict[str, str] | None = None
     logprobs: bool = False
+    background: bool = False
+    """Answered at once (``queued``), run apart from the request, fetched with ``GET``."""
 
     @classmethod
     def read(cls, body: dict, store: ResponseStore) -> ResponsesRequest:
@@ -95,7 +97,7 @@ class ResponsesRequest:
                 **_sampling(body, logprobs), **_tools(body), **_text_format(body)}
         _read_reasoning(body)
         return cls(body, chat, conversation, stored, P.get_bool(body, "stream"),
-                   _read_metadata(body), logprobs)
+                   _read_metadata(body), logprobs, _read_background(body, stored))
 
     def conversation_after(self, response: dict[str, Any]) -> list[dict[str, Any]]:
         """The conversation a continuation of ``response`` starts from."""
@@ -111,6 +113,18 @@ def _wants_store(body: dict, store: ResponseStore) -> bool:
                             "(--max-stored-responses 0, or several HTTP processes)",
                             param="store")
     return wanted and store.capacity > 0
+
+
+def _read_background(body: dict, stored: bool) -> bool:
+    background = P.get_bool(body, "background")
+    if background and not stored:
+        raise P.bad_request("'background' needs a stored response (it is fetched with GET): "
+                            "send 'store': true to a server that keeps responses",
+                            param="background")
+    if background and P.get_bool(body, "stream"):
+        raise P.bad_request("a background response is fetched with GET, not streamed: send "
+                            "'stream': false", param="background")
+    return background
 
 
 def _previous(body: dict, store: ResponseStore) -> list[dict[str, Any]]:
@@ -350,7 +364,7 @@ def skeleton(request: ResponsesRequest, response_id: str, created: int, model: s
     body = request.body
     return {
         "id": response_id, "object": "response", "created_at": created, "status": "in_progress",
-        "background": False, "error": None, "incomplete_details": None,
+        "background": request.background, "error": None, "incomplete_details": None,
         "instructions": body.get("instructions"), "max_output_tokens":
         body.get("max_output_tokens"), "metadata": request.metadata or {}, "model": model,
         "output": [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
@@ -429,6 +443,11 @@ class ResponseBuilder:
         self.response["usage"] = self._usage(usage) if usage is not None else None
         kind = "response.completed" if complete else "response.incomplete"
         return events + [self._event(kind, response=self._snapshot())]
+
+    def cancel(self) -> None:
+        """A background response stopped by its client: what it wrote so far stays."""
+        self._close("incomplete")
+        self.response["status"] = "cancelled"
 
     def fail(self, message: str) -> list[dict[str, Any]]:
         self.response.update(status="failed", error={"code": "server_error", "message": message})

@@ -56,13 +56,15 @@ class ResponsesRoutes(ResponsesEndpoint):
         stream = self.serving.client.add(response_id, prompt_ids, params, arrival)
         gen = Generation(self.serving.client, stream, self.serving.tokenizer, prompt_ids,
                          params)
-        try:
-            if request.stream:
+        if request.background:
+            return self.in_background(request, builder,
+                                      lambda: self._collect(builder, gen, fmt))
+        if request.stream:
+            try:
                 return await self._stream(http, request, builder, gen)
-            await self._collect(builder, gen)
-        finally:
-            gen.close()
-            self.serving.record(fmt, gen)
+            finally:
+                self._done(fmt, gen)
+        await self._collect(builder, gen, fmt)
         self.keep(request, builder.response)
         return json_response(builder.response)
 
@@ -77,12 +79,19 @@ class ResponsesRoutes(ResponsesEndpoint):
         except P.APIError as exc:
             raise responses_error(exc) from None
 
-    async def _collect(self, builder: ResponseBuilder, gen: Generation) -> None:
-        finish = None
-        async for piece in gen.pieces():
-            builder.push(piece)
-            finish = piece.finish_reason
-        builder.finish(finish, gen.usage())
+    async def _collect(self, builder: ResponseBuilder, gen: Generation, fmt: Format) -> None:
+        try:
+            finish = None
+            async for piece in gen.pieces():
+                builder.push(piece)
+                finish = piece.finish_reason
+            builder.finish(finish, gen.usage())
+        finally:
+            self._done(fmt, gen)
+
+    def _done(self, fmt: Format, gen: Generation) -> None:
+        gen.close()  # the engine's copy freed if the client left (or cancelled) early
+        self.serving.record(fmt, gen)
 
     async def _stream(self, http: web.Request, request: ResponsesRequest,
                       builder: ResponseBuilder, gen: Generation) -> web.StreamResponse:

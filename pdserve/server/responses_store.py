@@ -4,8 +4,10 @@ over them."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +16,7 @@ from aiohttp import web
 from pdserve.server import protocol as P
 
 if TYPE_CHECKING:
-    from pdserve.server.responses import ResponsesRequest
+    from pdserve.server.responses import ResponseBuilder, ResponsesRequest
 
 MAX_LISTED_ITEMS = 100  # OpenAI's largest input_items page
 
@@ -60,12 +62,14 @@ class ResponsesEndpoint:
 
     def __init__(self, max_stored: int) -> None:
         self.store = ResponseStore(max_stored)
+        self._background: dict[str, asyncio.Task] = {}  # running, by response id
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/responses", self.create)
         app.router.add_get("/v1/responses/{response_id}", self.retrieve)
         app.router.add_delete("/v1/responses/{response_id}", self.delete)
         app.router.add_get("/v1/responses/{response_id}/input_items", self.input_items)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.cancel)
 
     async def create(self, http: web.Request) -> web.StreamResponse:
         raise NotImplementedError
@@ -74,6 +78,48 @@ class ResponsesEndpoint:
         if request.store:
             self.store.put(Stored(response, request.conversation_after(response),
                                   input_items(request.body["input"])))
+
+    def in_background(self, request: ResponsesRequest, builder: ResponseBuilder,
+                      answer: Callable[[], Awaitable[None]]) -> web.Response:
+        """Answers ``queued`` at once and runs ``answer`` (which fills ``builder``) apart
+        from the request; the response is stored from the start, so ``GET`` follows it."""
+        response = builder.response
+        response["status"] = "queued"
+        self.store.put(Stored(response, [], input_items(request.body["input"])))
+        task = asyncio.ensure_future(self._run_in_background(request, builder, answer))
+        self._background[response["id"]] = task
+        return json_response(response)
+
+    async def _run_in_background(self, request: ResponsesRequest, builder: ResponseBuilder,
+                                 answer: Callable[[], Awaitable[None]]) -> None:
+        response_id = builder.response["id"]
+        builder.response["status"] = "in_progress"
+        try:
+            await answer()
+        except asyncio.CancelledError:
+            builder.cancel()
+        except P.APIError as exc:
+            builder.fail(exc.message)
+        finally:
+            self._background.pop(response_id, None)
+        if self.store.get(response_id) is not None:  # not deleted meanwhile
+            self.keep(request, builder.response)  # with what it wrote, to continue from
+
+    async def cancel(self, http: web.Request) -> web.Response:
+        """``POST /v1/responses/{id}/cancel``: a background response stops where it is (one
+        that already ended is answered as it is)."""
+        stored = self._stored(http)
+        if not stored.response.get("background"):
+            raise P.bad_request("only a background response can be cancelled",
+                                param="response_id")
+        await self._stop(stored.response["id"])
+        return json_response(stored.response)
+
+    async def _stop(self, response_id: str) -> None:
+        task = self._background.get(response_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
 
     def _stored(self, http: web.Request) -> Stored:
         response_id = http.match_info["response_id"]
@@ -113,6 +159,7 @@ class ResponsesEndpoint:
 
     async def delete(self, http: web.Request) -> web.Response:
         response_id = http.match_info["response_id"]
+        await self._stop(response_id)  # a background response still running
         if not self.store.delete(response_id):
             raise not_found(response_id)
         return json_response({"id": response_id, "object": "response.deleted",

@@ -519,7 +519,7 @@ def test_logprobs_stop_strings_and_cached_tokens_cross_the_split(instances, gate
 def test_the_responses_api_through_the_gateway_is_an_instances(instances, gateway):
     """/v1/responses through the gateway runs as a P/D chat: whole, streamed (every event as
     the openai package reads it) and continued, the same answers one instance gives."""
-    from tests.server.test_responses import EVENTS, WEATHER, _validate
+    from tests.server.test_responses import EVENTS, WEATHER, _validate, wait_for
 
     fields = {"model": "tiny", "input": "Say something", "temperature": 0.0,
               "max_output_tokens": 10, "instructions": "Be terse",
@@ -547,6 +547,9 @@ def test_the_responses_api_through_the_gateway_is_an_instances(instances, gatewa
                   {"role": "user", "content": "More"}])
     assert continued.output_text == chat.choices[0].message.content
     assert gateway.http.openai().responses.retrieve(split.id).metadata == {"via": "gateway"}
+    queued = gateway.http.openai().responses.create(**fields, background=True)
+    assert queued.status == "queued"
+    assert wait_for(gateway.http.openai(), queued.id).output_text == alone.output_text
     called = gateway.http.openai().responses.create(
         model="tiny", input="Weather?", max_output_tokens=80, tools=[WEATHER],
         tool_choice={"type": "function", "name": "get_weather"},

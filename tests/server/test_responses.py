@@ -110,7 +110,8 @@ def test_tools_and_text_format_take_the_chats_form():
 
 @pytest.mark.parametrize("body, param", [
     ({"input": "x", "messages": []}, "messages"),  # a chat field is no Responses field
-    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "background": True, "store": False}, "background"),
+    ({"input": "x", "background": True, "stream": True}, "background"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "prompt_cache_key": "k"}, "prompt_cache_key"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
@@ -331,6 +332,47 @@ def test_a_stored_response_is_continued_fetched_and_deleted(server):
     unstored = client.responses.create(model="tiny", input="x", max_output_tokens=2,
                                        store=False)
     assert server.request("GET", f"/v1/responses/{unstored.id}")[0] == 404
+
+
+def wait_for(client, response_id: str, timeout_s: float = 60.0):
+    """A background response once it has ended."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = client.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress"):
+            return response
+        assert time.monotonic() < deadline, response.status
+        time.sleep(0.05)
+
+
+def test_a_background_response_is_followed_by_get_and_cancelled(server):
+    from tests.server.conftest import wait_engine_idle
+
+    client = server.openai()
+    fields = {"model": "tiny", "input": "Later", "temperature": 0.0, "max_output_tokens": 12}
+    queued = client.responses.create(**fields, background=True)
+    assert queued.status == "queued" and queued.background
+    done = wait_for(client, queued.id)
+    assert done.output_text == client.responses.create(**fields, store=False).output_text
+    assert done.usage.output_tokens == client.responses.retrieve(queued.id).usage.output_tokens
+    aborted = 'pdserve_requests_finished_total{finish_reason="abort"}'
+    before = server.metrics().get(aborted, 0)
+    long = client.responses.create(model="tiny", input="Go on", max_output_tokens=4000,
+                                   background=True, extra_body={"ignore_eos": True})
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == \
+        "cancelled"
+    assert server.metrics()[aborted] == before + 1  # stopped in the engine, not run out
+    wait_engine_idle(server)
+    assert client.responses.cancel(queued.id).status == done.status  # ended: as it is
+    status, _, raw = server.request("POST", "/v1/responses", {**fields, "store": False})
+    unstored = json.loads(raw)["id"]
+    assert server.request("POST", f"/v1/responses/{unstored}/cancel")[0] == 404
+    plain = client.responses.create(**fields)
+    status, _, raw = server.request("POST", f"/v1/responses/{plain.id}/cancel")
+    assert status == 400 and json.loads(raw)["error"]["param"] == "response_id"
 
 
 def test_input_items_are_listed_a_page_at_a_time(server):
