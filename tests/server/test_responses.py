@@ -295,6 +295,13 @@ def test_a_stream_adds_up_to_the_whole_response(server):
     assert text == final.output_text == whole.output_text
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert events[-1].type in ("response.completed", "response.incomplete")
+    # The SDK's accumulator, which wants a completed response: one a grammar ends.
+    boolean = {"format": {"type": "json_schema", "name": "b", "schema": {"type": "boolean"}}}
+    with client.responses.stream(**fields, store=False, text=boolean) as managed:
+        for _ in managed:
+            pass
+        final = managed.get_final_response()
+    assert final.status == "completed" and final.output_text in ("true", "false")
     status, headers, raw = server.request("POST", "/v1/responses", {**fields, "stream": True,
                                                                     "store": False})
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
