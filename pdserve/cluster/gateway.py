@@ -446,13 +446,13 @@ class Gateway:
             raise InstanceFailed(decode, f"failed mid-answer: {chunk['error'].get('message')}")
         job.sent_ids += chunk.pop("pdserve_token_ids", [])
         owed = chunk.pop("pdserve_usage", None)
-        # A reasoning split counts the model's text itself (thought, tags and content).
-        text_chars = chunk.pop("pdserve_text_chars", None)
+        # Where the deltas' text is not the model's (a thought apart, tool calls), the
+        # instance counts the model's characters itself.
+        counted = chunk.pop("pdserve_text_chars", None)
         for choice in chunk.get("choices", ()):
-            job.sent_chars += len(_choice_text(choice))
+            job.sent_chars += len(_choice_text(choice)) if counted is None else 0
             job.finished = job.finished or bool(choice.get("finish_reason"))
-        if text_chars is not None:
-            job.sent_chars = text_chars
+        job.sent_chars += counted or 0
         chunk = _continuing(job, chunk)
         if chunk.get("usage") and not chunk.get("choices"):  # the usage chunk: nothing owed
             job.usage_owed = b""

@@ -26,13 +26,6 @@ class ThinkSplitter:
         self._held = ""  # text that may be the start of a tag
         self._started = False  # past a leading <think> (or sure there is none)
         self._thinking = True
-        self._pushed = 0  # characters of the output pushed so far
-
-    @property
-    def released_chars(self) -> int:
-        """Characters of the output read to the end: their reasoning and content went out
-        (or, a tag, was dropped); the rest is held back. A P/D stream resumes after them."""
-        return self._pushed - len(self._held)
 
     @property
     def in_thought(self) -> bool:
@@ -42,7 +35,6 @@ class ThinkSplitter:
     def push(self, text: str, final: bool = False) -> tuple[str, str]:
         """The reasoning and content this piece adds; ``final``: the output ends here, so
         nothing is held back."""
-        self._pushed += len(text)
         text, self._held = self._held + text, ""
         if not self._started:
             if not final and THINK_START.startswith(text) and len(text) < len(THINK_START):

@@ -624,7 +624,12 @@ class _SSEWriter:
         self._error: BaseException | None = None  # raised in the handler
         self.tool_stream = ToolStream(fmt.tools) if fmt.tools is not None else None
         self.thinking = ThinkSplitter() if fmt.reasoning else None
-        self._primed = 0  # characters of a resumed P/D answer's text the split has read
+        # Text read whole rather than passed on as it comes (a thought split, tool calls):
+        # on the P/D route each chunk says how many characters of the model's text it
+        # accounts for, and a resumed answer's readers first read what the client holds.
+        self._reads_text = self.thinking is not None or self.tool_stream is not None
+        self._uncounted = 0  # characters read since the last chunk went out
+        self._primed = 0  # characters of a resumed answer's text the readers have read
 
     async def write(self, piece: P.Piece) -> None:
         data = self.encode(piece)
@@ -633,8 +638,9 @@ class _SSEWriter:
 
     def encode(self, piece: P.Piece) -> bytes:
         """The SSE bytes of a piece; b"" for one not worth a chunk."""
-        if self.thinking is not None and self.gen is not None:
+        if self._reads_text:
             self._read_resumed_text()
+            self._uncounted += len(piece.text)
         if self.tool_stream is not None:
             return self._encode_tools(piece)
         text = piece.text
@@ -655,27 +661,36 @@ class _SSEWriter:
         if self.timed:
             self._add_timing(chunk, piece)
         if self.fmt.with_token_ids:
-            chunk["pdserve_token_ids"] = piece.token_ids
-            if self.thinking is not None:
-                # The gateway's count of text the client got: with the thought apart, the
-                # characters of the model's own text read so far, not the content's.
-                chunk["pdserve_text_chars"] = self.thinking.released_chars
-            if piece.finish_reason and self.fmt.sampling.include_usage \
-                    and self.fmt.sampling.num_generated_choices == 1:
-                # The usage this answer ends with: the gateway sends it if this instance
-                # fails between its last token and its usage chunk.
-                chunk["pdserve_usage"] = self.gen.usage()
+            self._add_resume_fields(chunk, piece)
         self.sent_first = True
         return P.sse(chunk)
 
+    def _add_resume_fields(self, chunk: dict[str, Any], piece: P.Piece) -> None:
+        """What the P/D route's gateway needs to resume this answer elsewhere (and strips)."""
+        chunk["pdserve_token_ids"] = piece.token_ids
+        if self._reads_text:
+            # The gateway counts the characters the client got; here the deltas' text is
+            # not the model's (a thought apart, tool calls): the count is the model's own.
+            chunk["pdserve_text_chars"], self._uncounted = self._uncounted, 0
+        if piece.finish_reason and self.fmt.sampling.include_usage \
+                and self.fmt.sampling.num_generated_choices == 1:
+            # The usage this answer ends with: the gateway sends it if this instance fails
+            # between its last token and its usage chunk.
+            chunk["pdserve_usage"] = self.gen.usage()
+
     def _read_resumed_text(self) -> None:
-        """A resumed P/D answer: the split goes on from where the failed instance's stopped,
-        so it first reads the text the client holds (which may grow as the coming text's
-        first characters turn out to be held already)."""
-        held = self.gen.output.resumed_text
-        if len(held) > self._primed:
-            self.thinking.push(held[self._primed:])
-            self._primed = len(held)
+        """A resumed P/D answer: its readers go on from where the failed instance's
+        stopped, so they first read the text the client holds (which may grow as the
+        coming text's first characters turn out to be held already); what they would send
+        for it went out before."""
+        held = self.gen.output.resumed_text if self.gen is not None else ""
+        if len(held) <= self._primed:
+            return
+        text, self._primed = held[self._primed:], len(held)
+        if self.thinking is not None:
+            _, text = self.thinking.push(text)
+        if self.tool_stream is not None:
+            self.tool_stream.push(text, None)
 
     def _split_delta(self, delta: dict[str, Any], piece: P.Piece) -> bool:
         """Puts a chat delta's reasoning apart from its content; whether it still says
@@ -698,7 +713,7 @@ class _SSEWriter:
         deltas, finish = self.tool_stream.push(text, piece.finish_reason)
         if reasoning and self.fmt.include_reasoning:
             deltas = [{"reasoning": reasoning, "reasoning_content": reasoning}, *deltas]
-        wants_chunk = finish or (self.fmt.sampling.logprobs and piece.token_ids)
+        wants_chunk = finish or (piece.token_ids and self._token_chunks)
         if not deltas and (self.sent_first and not wants_chunk):
             return b""
         deltas = deltas or [{}]
@@ -706,14 +721,20 @@ class _SSEWriter:
             deltas[0] = {"role": "assistant", **deltas[0]}
         self.sent_first = True
         logprobs = P.chat_logprobs(piece) if self.fmt.sampling.logprobs else None
-        chunks = [{"index": piece.index, "delta": delta, "logprobs": logprobs if i == 0 else None,
-                   "finish_reason": finish if i == len(deltas) - 1 else None}
-                  for i, delta in enumerate(deltas)]
+        choices = [{"index": piece.index, "delta": delta,
+                    "logprobs": logprobs if i == 0 else None,
+                    "finish_reason": finish if i == len(deltas) - 1 else None}
+                   for i, delta in enumerate(deltas)]
         usage = self.gen.usage() if self.fmt.sampling.continuous_usage else None
-        return b"".join(P.sse(P.envelope(self.fmt.request_id, self.fmt.chunk_kind,
-                                         self.fmt.model, self.fmt.created, [chunk], usage,
-                                         with_usage_key=self.fmt.sampling.include_usage))
-                        for chunk in chunks)
+        chunks = [P.envelope(self.fmt.request_id, self.fmt.chunk_kind, self.fmt.model,
+                             self.fmt.created, [choice], usage,
+                             with_usage_key=self.fmt.sampling.include_usage)
+                  for choice in choices]
+        if self.fmt.with_token_ids:
+            for chunk in chunks[:-1]:
+                chunk["pdserve_text_chars"] = 0  # the piece's count goes with its last
+            self._add_resume_fields(chunks[-1], piece)
+        return b"".join(P.sse(chunk) for chunk in chunks)
 
     async def follow(self) -> None:
         """Until the generation is done, with the dispatcher writing the pieces. Called

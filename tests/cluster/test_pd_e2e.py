@@ -565,7 +565,7 @@ def test_a_reasoning_models_thought_crosses_the_split_and_resumes_where_it_broke
     """P/D instances with --reasoning-parser: the chat through the gateway splits the
     thought as one instance does (the tiny model never closes it: all reasoning), and a
     decode instance resuming after some tokens sends exactly the thought's rest, its chunks
-    counting the model's own characters (what the gateway resumes after)."""
+    counting the model's own characters (what the gateway adds up to resume after)."""
     flags = ("--kv-transfer-port", "0", "--reasoning-parser", "deepseek_r1")
     prefill, decode = start_servers(flags, flags)
     registry = MemoryRegistry()
@@ -587,7 +587,7 @@ def test_a_reasoning_models_thought_crosses_the_split_and_resumes_where_it_broke
         ids, _ = asyncio.run(_pd_chat(prefill, decode, chat, [], 0))
         for chars in (0, 5, len(want) // 2):
             rest, counts = asyncio.run(_pd_chat(prefill, decode, chat, ids[:8], chars))
-            assert rest == want[chars:] and counts[-1] == len(want)
+            assert rest == want[chars:] and sum(counts) == len(want) - chars
     finally:
         if gateway is not None:
             gateway.stop()
@@ -617,7 +617,7 @@ async def _pd_chat(prefill: Server, decode: Server, chat: dict, resume_ids: list
                 if line.startswith(b"data: {"):
                     chunk = json.loads(line[6:])
                     ids += chunk.get("pdserve_token_ids", [])
-                    counts.append(chunk.get("pdserve_text_chars"))
+                    counts.append(chunk.get("pdserve_text_chars", 0))
                     for choice in chunk["choices"]:
                         text += choice["delta"].get("reasoning") or ""
     return (ids, counts) if not resume_ids else (text, counts)

@@ -120,25 +120,16 @@ def test_a_server_with_the_parser_answers_chats_thought_and_answer_apart(launch)
     assert message["content"] in ("yes", "no") and "reasoning" not in message
 
 
-def test_released_characters_leave_out_only_what_is_held_back():
-    splitter = ThinkSplitter()
-    splitter.push("<thi")
-    assert splitter.released_chars == 0  # maybe the opening tag
-    splitter.push("nk>Hmm</th")
-    assert splitter.released_chars == len("<think>Hmm")
-    splitter.push("ink>4", final=True)
-    assert splitter.released_chars == len("<think>Hmm</think>4")
-
-
 @pytest.mark.parametrize("client_has, rest, reasoning, content", [
     ("Let me see</think>It", " is 4", "", " is 4"),  # resumed past the thought
     ("Let me", " see</think>4", " see", "4"),  # resumed inside it
+    ("Let me see</th", "ink>4", "", "4"),  # inside its closing tag, held back there too
 ])
 def test_a_resumed_p_d_stream_splits_on_from_where_the_client_is(client_has, rest, reasoning,
                                                                   content):
     """A P/D decode instance resuming another's answer: its split starts in the state the
-    text the client holds leaves it in, and each chunk counts the model's own characters
-    read so far (the gateway's resume point), the held-back ones left out."""
+    text the client holds leaves it in, and its chunks count the model's own characters
+    they account for (what the gateway adds up to resume after)."""
     import json
     from types import SimpleNamespace
 
@@ -153,4 +144,51 @@ def test_a_resumed_p_d_stream_splits_on_from_where_the_client_is(client_has, res
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
     assert "".join(d.get("reasoning", "") for d in deltas) == reasoning
     assert "".join(d.get("content", "") for d in deltas) == content
-    assert chunks[-1]["pdserve_text_chars"] == len(client_has + rest)
+    assert sum(chunk["pdserve_text_chars"] for chunk in chunks) == len(rest)
+
+
+@pytest.mark.parametrize("cut", [3, 12, 30, 44])
+def test_a_resumed_p_d_stream_of_tool_calls_goes_on_where_the_client_is(cut):
+    """Tool calls read from the text (``auto``, hermes): an answer resumed after ``cut``
+    characters sends what one unbroken stream would have sent after them - the calls'
+    argument pieces add up - and counts the characters it read."""
+    import json
+    from types import SimpleNamespace
+
+    from pdserve.server import protocol as P
+    from pdserve.server.serving import Format, _SSEWriter
+    from pdserve.server.tool_calls import ToolRequest, ToolSettings
+
+    text = ('Sure. <tool_call>{"name": "f", "arguments": {"city": "Oslo"}}</tool_call>')
+    body = {"messages": [{"role": "user", "content": "x"}], "stream": True,
+            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}
+    tools = ToolRequest.read(body, ToolSettings(True, "hermes"))
+
+    def deltas(client_has: str, rest: str, ends: bool = True) -> tuple[list[dict], int]:
+        fmt = Format(True, "chatcmpl-1", "tiny", 0, P.ChatRequest.parse(body).sampling,
+                     tools=tools, with_token_ids=True)
+        gen = SimpleNamespace(output=SimpleNamespace(resumed_text=client_has))
+        writer = _SSEWriter(None, None, fmt, gen)
+        pieces = [(rest[i:i + 5], None) for i in range(0, len(rest), 5)]
+        if ends:
+            pieces[-1] = (pieces[-1][0], "stop")
+        chunks = [json.loads(event[len(b"data: "):]) for text, finish in pieces
+                  for event in writer.encode(_piece(text, finish)).split(b"\n\n") if event]
+        counted = sum(chunk["pdserve_text_chars"] for chunk in chunks)
+        return [chunk["choices"][0]["delta"] for chunk in chunks], counted
+
+    def arguments(found: list[dict]) -> str:
+        return "".join(call["function"].get("arguments", "") for d in found
+                       for call in d.get("tool_calls") or [])
+
+    def content(found: list[dict]) -> str:
+        return "".join(d.get("content") or "" for d in found)
+
+    whole, _ = deltas("", text)
+    before, _ = deltas("", text[:cut], ends=False)  # what the client got before the break
+    resumed, counted = deltas(text[:cut], text[cut:])
+    assert counted == len(text) - cut
+    assert arguments(before) + arguments(resumed) == arguments(whole)
+    assert content(before) + content(resumed) == content(whole)
+    assert sum(bool(d.get("tool_calls") and "id" in d["tool_calls"][0])
+               for d in before + resumed) == 1  # the call's header once
