@@ -96,6 +96,7 @@ class OutputProcessor:
         self._unsent = ""  # resumed text the client has not got yet
         self._skip = 0  # characters of coming text the client already got
         self.resumed_text = ""
+        self.resumed_tokens = 0
         """P/D resume: the text the client already got (what a reader of the whole text,
         a reasoning split, must have seen before this instance's text)."""
 
@@ -137,6 +138,7 @@ class OutputProcessor:
         self._unsent = text[text_chars:]
         self._skip = max(0, text_chars - len(text))
         self.resumed_text = text[:text_chars]
+        self.resumed_tokens = len(token_ids)
 
     def _after_resume(self, text: str) -> str:
         skipped = min(self._skip, len(text))

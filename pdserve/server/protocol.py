@@ -689,10 +689,20 @@ def now_s() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; ``reasoning_tokens`` (those of a reasoning model's thought, where
+    counted) in ``completion_tokens_details``."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
+
+
+def reasoning_tokens(usage: dict[str, Any]) -> int | None:
+    return (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
 
 
 def summed_usage(usages: list[dict[str, Any]], per_prompt: int = 1) -> dict[str, Any]:
@@ -700,10 +710,12 @@ def summed_usage(usages: list[dict[str, Any]], per_prompt: int = 1) -> dict[str,
     ``per_prompt`` answers of each prompt in a row, whose prompt - and the cached tokens
     it found - counts once (its first answer's); every output token counts."""
     firsts = usages[::per_prompt]
+    thoughts = [reasoning_tokens(u) for u in usages]
     return usage(sum(u["prompt_tokens"] for u in firsts),
                  sum(u["completion_tokens"] for u in usages),
                  sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-                     for u in firsts))
+                     for u in firsts),
+                 None if None in thoughts else sum(thoughts))
 
 
 @dataclass(slots=True)

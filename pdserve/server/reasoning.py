@@ -26,15 +26,24 @@ class ThinkSplitter:
         self._held = ""  # text that may be the start of a tag
         self._started = False  # past a leading <think> (or sure there is none)
         self._thinking = True
+        self.thought_tokens = 0
+        """Tokens of the pieces whose text was all thought (the closing tag's included)."""
 
     @property
     def in_thought(self) -> bool:
         """Whether the output is still inside its thought (no ``</think>`` read yet)."""
         return self._thinking
 
-    def push(self, text: str, final: bool = False) -> tuple[str, str]:
-        """The reasoning and content this piece adds; ``final``: the output ends here, so
-        nothing is held back."""
+    def push(self, text: str, final: bool = False, tokens: int = 0) -> tuple[str, str]:
+        """The reasoning and content this piece (of ``tokens`` tokens) adds; ``final``: the
+        output ends here, so nothing is held back."""
+        thinking = self._thinking
+        reasoning, content = self._split(text, final)
+        if thinking and not content:
+            self.thought_tokens += tokens
+        return reasoning, content
+
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
         text, self._held = self._held + text, ""
         if not self._started:
             if not final and THINK_START.startswith(text) and len(text) < len(THINK_START):

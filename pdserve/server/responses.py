@@ -387,7 +387,6 @@ class ResponseBuilder:
     thinking: ThinkSplitter | None = None
     tools: ToolStream | None = None
     logprobs: bool = False
-    reasoning_tokens: int = 0
     _open: dict[str, Any] | None = None  # the item being written
     _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # by the call's index
     _sequence: itertools.count = field(default_factory=itertools.count)
@@ -402,10 +401,7 @@ class ResponseBuilder:
         final = piece.finish_reason is not None
         text, reasoning = piece.text, ""
         if self.thinking is not None:
-            thinking = self.thinking.in_thought
-            reasoning, text = self.thinking.push(text, final)
-            if thinking and not text:  # the thought's tokens, its closing tag included
-                self.reasoning_tokens += len(piece.token_ids)
+            reasoning, text = self.thinking.push(text, final, len(piece.token_ids))
         deltas = self._deltas(text, piece.finish_reason)
         if reasoning:
             deltas.insert(0, {"reasoning": reasoning})
@@ -536,8 +532,16 @@ class ResponseBuilder:
                 "input_tokens_details": {
                     "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
                 "output_tokens": usage["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(usage)},
                 "total_tokens": usage["total_tokens"]}
+
+    def _reasoning_tokens(self, usage: dict[str, Any]) -> int:
+        """The thought's tokens: as the chat counted them (through a gateway), else as
+        this answer's own reader did."""
+        counted = P.reasoning_tokens(usage)
+        if counted is not None:
+            return counted
+        return self.thinking.thought_tokens if self.thinking is not None else 0
 
     def _snapshot(self) -> dict[str, Any]:
         return copy.deepcopy(self.response)

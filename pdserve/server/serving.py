@@ -71,6 +71,8 @@ class Generation:
         self.first_token_received: float | None = None  # when the server read it
         self.timing = RequestTiming(arrival=stream.arrival_time)
         self.done = False
+        self.reasoning_tokens: int | None = None
+        """Under ``--reasoning-parser``: the thought's tokens, as its reader counts them."""
 
     async def pieces(self) -> AsyncIterator[P.Piece]:
         """Yields until a piece carries the finish reason; raises ``APIError`` on failure."""
@@ -114,7 +116,7 @@ class Generation:
 
     def usage(self) -> dict[str, Any]:
         return P.usage(self.num_prompt_tokens, self.num_generated,
-                       self.output.num_cached_tokens)
+                       self.output.num_cached_tokens, self.reasoning_tokens)
 
 
 @dataclass
@@ -630,6 +632,9 @@ class _SSEWriter:
         self._reads_text = self.thinking is not None or self.tool_stream is not None
         self._uncounted = 0  # characters read since the last chunk went out
         self._primed = 0  # characters of a resumed answer's text the readers have read
+        # The thought's tokens the failed instance sent: all it sent while the thought
+        # still runs; 0 where it ended before the break (that count is lost with it).
+        self._resumed_thought = 0
 
     async def write(self, piece: P.Piece) -> None:
         data = self.encode(piece)
@@ -646,6 +651,8 @@ class _SSEWriter:
         text = piece.text
         if self.sent_first:
             if not (text or piece.finish_reason or (piece.token_ids and self._token_chunks)):
+                if self.thinking is not None:  # tokens whose text is held back still count
+                    self._think(text, piece)
                 return b""
             if self._templated and not (piece.finish_reason or piece.index):
                 self.offset += len(text)
@@ -689,13 +696,23 @@ class _SSEWriter:
         text, self._primed = held[self._primed:], len(held)
         if self.thinking is not None:
             _, text = self.thinking.push(text)
+            in_thought = self.thinking.in_thought
+            self._resumed_thought = self.gen.output.resumed_tokens if in_thought else 0
         if self.tool_stream is not None:
             self.tool_stream.push(text, None)
+
+    def _think(self, text: str, piece: P.Piece) -> tuple[str, str]:
+        """A piece's text as (reasoning, content), its tokens counted with the thought's
+        while it is all thought."""
+        split = self.thinking.push(text, bool(piece.finish_reason), len(piece.token_ids))
+        if self.gen is not None:
+            self.gen.reasoning_tokens = self._resumed_thought + self.thinking.thought_tokens
+        return split
 
     def _split_delta(self, delta: dict[str, Any], piece: P.Piece) -> bool:
         """Puts a chat delta's reasoning apart from its content; whether it still says
         anything."""
-        reasoning, content = self.thinking.push(piece.text, final=bool(piece.finish_reason))
+        reasoning, content = self._think(piece.text, piece)
         delta.pop("content", None)
         if content:
             delta["content"] = content
@@ -709,7 +726,7 @@ class _SSEWriter:
         reasoning first, under ``--reasoning-parser``: the calls are read in the content)."""
         text, reasoning = piece.text, ""
         if self.thinking is not None:
-            reasoning, text = self.thinking.push(text, final=bool(piece.finish_reason))
+            reasoning, text = self._think(text, piece)
         deltas, finish = self.tool_stream.push(text, piece.finish_reason)
         if reasoning and self.fmt.include_reasoning:
             deltas = [{"reasoning": reasoning, "reasoning_content": reasoning}, *deltas]
@@ -827,6 +844,8 @@ async def _whole(fmt: Format, gen: Generation, first: P.Piece | None = None) -> 
     """A generation's whole output as one piece (the echo first)."""
     pieces = [first] if first is not None else []
     pieces += [piece async for piece in gen.pieces()]
+    if fmt.reasoning:
+        gen.reasoning_tokens = _thought_tokens(pieces)
     pieces[0] = fmt.with_echo(pieces[0])
     tops = [p.top_logprobs for p in pieces if p.top_logprobs is not None]
     return P.Piece("".join(p.text for p in pieces), [],
@@ -834,6 +853,14 @@ async def _whole(fmt: Format, gen: Generation, first: P.Piece | None = None) -> 
                    [lp for p in pieces for lp in p.logprobs or []], pieces[-1].finish_reason,
                    top_logprobs=[t for top in tops for t in top] if tops else None,
                    index=gen.index, prompt_logprobs=pieces[0].prompt_logprobs)
+
+
+def _thought_tokens(pieces: list[P.Piece]) -> int:
+    """The tokens of a whole answer's thought, counted as its stream would count them."""
+    thinking = ThinkSplitter()
+    for piece in pieces:
+        thinking.push(piece.text, piece is pieces[-1], len(piece.token_ids))
+    return thinking.thought_tokens
 
 
 def _best(wholes: list[P.Piece], n: int, first_index: int = 0) -> list[P.Piece]:
@@ -867,8 +894,10 @@ def _merged(bodies: list[dict[str, Any]]) -> dict[str, Any]:
 def _usage(gens: list[Generation]) -> dict[str, Any]:
     # The prompt counts once (the choices share it); every generated token counts, those of
     # best_of choices not returned included: they were computed.
+    thoughts = [g.reasoning_tokens for g in gens]
     return P.usage(gens[0].num_prompt_tokens, sum(g.num_generated for g in gens),
-                   gens[0].output.num_cached_tokens)
+                   gens[0].output.num_cached_tokens,
+                   None if None in thoughts else sum(thoughts))
 
 
 async def _pump(writer: _SSEWriter, chunks: asyncio.Queue, first: P.Piece | None) -> None:

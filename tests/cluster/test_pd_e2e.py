@@ -580,10 +580,16 @@ def test_a_reasoning_models_thought_crosses_the_split_and_resumes_where_it_broke
         want = json.loads(raw)["choices"][0]["message"]["reasoning"]
         stream = gateway.http.openai().chat.completions.create(
             stream=True, **{k: v for k, v in chat.items() if k != "ignore_eos"},
-            extra_body={"ignore_eos": True})
-        deltas = [c.choices[0].delta for c in stream if c.choices]
+            extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+        chunks = list(stream)
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == want
         assert not any(d.content for d in deltas)
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 24
+        thought = gateway.http.openai().responses.create(  # counted by the instance
+            model="tiny", input="Think", temperature=0.0, max_output_tokens=24,
+            extra_body={"ignore_eos": True})
+        assert thought.usage.output_tokens_details.reasoning_tokens == 24
         ids, _ = asyncio.run(_pd_chat(prefill, decode, chat, [], 0))
         for chars in (0, 5, len(want) // 2):
             rest, counts = asyncio.run(_pd_chat(prefill, decode, chat, ids[:8], chars))

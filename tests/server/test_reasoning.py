@@ -107,12 +107,17 @@ def test_a_server_with_the_parser_answers_chats_thought_and_answer_apart(launch)
                                        {**fields, "messages": messages})
     message = json.loads(answer)["choices"][0]["message"]
     assert status == 200 and message["reasoning"] == raw and message["content"] is None
+    usage = json.loads(answer)["usage"]  # every token was thought
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == 12
     stream = server.openai().chat.completions.create(
         messages=messages, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True},
         **{k: v for k, v in fields.items() if k != "ignore_eos"})
-    deltas = [c.choices[0].delta for c in stream]
+    chunks = list(stream)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == raw
     assert not any(d.content for d in deltas)
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 12
     # Under a grammar the output is the answer from its first token: nothing is split.
     status, _, answer = server.request("POST", "/v1/chat/completions", {
         **fields, "messages": messages, "guided_choice": ["yes", "no"]})
@@ -137,7 +142,7 @@ def test_a_resumed_p_d_stream_splits_on_from_where_the_client_is(client_has, res
 
     fmt = _chat_format()
     fmt.with_token_ids = True
-    resumed = SimpleNamespace(output=SimpleNamespace(resumed_text=client_has))
+    resumed = SimpleNamespace(output=SimpleNamespace(resumed_text=client_has, resumed_tokens=0))
     writer = _SSEWriter(None, None, fmt, resumed)
     chunks = [json.loads(writer.encode(_piece(text, finish))[len(b"data: "):])
               for text, finish in [(rest[:2], None), (rest[2:], "stop")]]
@@ -167,7 +172,7 @@ def test_a_resumed_p_d_stream_of_tool_calls_goes_on_where_the_client_is(cut):
     def deltas(client_has: str, rest: str, ends: bool = True) -> tuple[list[dict], int]:
         fmt = Format(True, "chatcmpl-1", "tiny", 0, P.ChatRequest.parse(body).sampling,
                      tools=tools, with_token_ids=True)
-        gen = SimpleNamespace(output=SimpleNamespace(resumed_text=client_has))
+        gen = SimpleNamespace(output=SimpleNamespace(resumed_text=client_has, resumed_tokens=0))
         writer = _SSEWriter(None, None, fmt, gen)
         pieces = [(rest[i:i + 5], None) for i in range(0, len(rest), 5)]
         if ends:
@@ -192,3 +197,22 @@ def test_a_resumed_p_d_stream_of_tool_calls_goes_on_where_the_client_is(cut):
     assert content(before) + content(resumed) == content(whole)
     assert sum(bool(d.get("tool_calls") and "id" in d["tool_calls"][0])
                for d in before + resumed) == 1  # the call's header once
+
+
+def test_a_whole_answers_thought_tokens_are_counted_as_its_stream_counts_them():
+    from pdserve.server.serving import _thought_tokens
+
+    pieces = [_piece("Let"), _piece(" me</th"), _piece("ink>It"), _piece(" is", "stop")]
+    assert _thought_tokens(pieces) == len("Let") + len(" me</th")  # _piece: a token a char
+    splitter = ThinkSplitter()
+    for piece in pieces:
+        splitter.push(piece.text, piece.finish_reason is not None, len(piece.token_ids))
+    assert splitter.thought_tokens == _thought_tokens(pieces)
+
+
+def test_summed_usage_sums_the_thoughts_where_every_part_counted_them():
+    from pdserve.server import protocol as P
+
+    parts = [P.usage(5, 4, 0, 3), P.usage(5, 6, 0, 6)]
+    assert P.summed_usage(parts)["completion_tokens_details"] == {"reasoning_tokens": 9}
+    assert "completion_tokens_details" not in P.summed_usage([*parts, P.usage(5, 1, 0)])
