@@ -13,7 +13,7 @@ from typing import Any
 
 from pdserve.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -37,6 +37,8 @@ class ModelArch:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False  # Llama's attention_bias=True puts a bias on o_proj too; Qwen2 does not
+    qk_norm: bool = False
+    """Qwen3: each head's query and key RMS-normalised (weights of ``head_dim``) before RoPE."""
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     model_type: str = "llama"
@@ -69,7 +71,7 @@ class ModelArch:
         qkv += (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
         attn = qkv + self.q_size * self.hidden_size + (self.hidden_size if self.o_bias else 0)
         mlp = 3 * self.hidden_size * self.intermediate_size
-        layer = attn + mlp + 2 * self.hidden_size
+        layer = attn + mlp + 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * layer + embed + head + self.hidden_size
@@ -102,6 +104,7 @@ class ModelArch:
             # Qwen2 always has q/k/v biases and no o_proj bias; its config says nothing of it.
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
+            qk_norm=model_type == "qwen3",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
             model_type=model_type,
@@ -145,6 +148,12 @@ PRESETS: dict[str, ModelArch] = {
         num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
         max_position_embeddings=4096, tie_word_embeddings=True, qkv_bias=True,
         bos_token_id=256, eos_token_ids=(257,), model_type="qwen2",
+    ),
+    "tiny-qwen3": ModelArch(
+        vocab_size=320, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
+        max_position_embeddings=4096, tie_word_embeddings=True, qk_norm=True,
+        bos_token_id=256, eos_token_ids=(257,), model_type="qwen3",
     ),
     "llama3-8b": ModelArch(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,

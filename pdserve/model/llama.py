@@ -120,6 +120,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.qk_norm = arch.qk_norm
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -138,10 +142,20 @@ class LlamaAttention(nn.Module):
                          slot_mapping: torch.Tensor, kv_cache: KVCache,
                          cos_sin_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self.split_qkv(qkv)
+        self.normalize_qk(q, k)
         # One launch rotates q and k in place and stores k and v; the backend only attends.
         dispatch.rope_store_kv(q, k, v, positions, cos_sin_cache, kv_cache[0], kv_cache[1],
                                slot_mapping)
         return qkv
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Qwen3's per-head RMSNorm of the queries and keys, in place (they are views into
+        the projection, rows apart: normalised as one copy each, written back)."""
+        if not self.qk_norm:
+            return
+        for heads, norm in ((q, self.q_norm), (k, self.k_norm)):
+            rows = heads.reshape(-1, self.head_dim)
+            heads.copy_(dispatch.rms_norm(rows, norm.weight, norm.eps).view_as(heads))
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -160,6 +174,7 @@ class LlamaAttention(nn.Module):
         """Rotary, K/V store and attention of an unrotated projection in the backend's
         decode kernel (a batch the backend ``fuses_rope``)."""
         q, k, v = self.split_qkv(qkv)
+        self.normalize_qk(q, k)
         return self.backend.rope_store_attend(q, k, v, positions, cos_sin_cache, kv_cache[0],
                                               kv_cache[1], meta, self.scale)
 

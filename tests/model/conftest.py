@@ -51,6 +51,22 @@ def qwen2_ckpt(tmp_path_factory):
     return folder, hf
 
 
+@pytest.fixture(scope="session")
+def qwen3_ckpt(tmp_path_factory):
+    """Per-head query and key norms (random weights, so they count), an explicit head_dim
+    other than hidden / heads, tied embeddings, like the small Qwen3 checkpoints."""
+    config = transformers.Qwen3Config(**{**_COMMON, "head_dim": 24}, tie_word_embeddings=True,
+                                      rope_theta=1e6)
+    folder = tmp_path_factory.mktemp("qwen3")
+    hf = _save(config, transformers.Qwen3ForCausalLM, folder, seed=2)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    hf.save_pretrained(folder)
+    return folder, hf
+
+
 def _load_pdserve(folder, **kwargs):
     model_config = ModelConfig(model=str(folder), dtype="float32", **kwargs)
     arch = get_arch(model_config)

@@ -57,7 +57,7 @@ def test_on_is_refused_without_triton():
         check_decode_gemv(_config(decode_gemv="on"), torch.device("cuda"))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3"])
 def test_fused_layer_form_matches_the_usual_one(preset, monkeypatch):
     """``forward_gemv`` on the torch references (the Triton kernels are checked against
     those in tests/ops): decode logits as the usual layer's, prefill (10 rows) unchanged.

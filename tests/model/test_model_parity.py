@@ -1,4 +1,4 @@
-"""pdserve's Llama/Qwen2 against Hugging Face transformers on the same random weights.
+"""pdserve's Llama/Qwen2/Qwen3 against Hugging Face transformers on the same random weights.
 
 Tolerance (float32, CPU): logits within atol 1e-4 + rtol 1e-4 of HF's (observed ~1e-6);
 greedy tokens identical.
@@ -32,7 +32,7 @@ def _hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(params=["llama", "qwen2"])
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
 def pair(request, load_pdserve):
     folder, hf = request.getfixturevalue(f"{request.param}_ckpt")
     return load_pdserve(folder), hf
