@@ -39,10 +39,13 @@ class ServerConfig:
                                        "hermes (<tool_call>, Qwen2.5).",
                                        choices=("llama3_json", "hermes"))
     reasoning_parser: str | None = doc(None, "How a reasoning model's thinking is told from "
-                                       "its answer on /v1/chat/completions: deepseek_r1 (text "
-                                       "before </think>: DeepSeek-R1's distills, QwQ) "
-                                       "puts it in the message's 'reasoning' and "
-                                       "'reasoning_content'.", choices=REASONING_PARSERS)
+                                       "its answer on /v1/chat/completions, put in the "
+                                       "message's 'reasoning' and 'reasoning_content': "
+                                       "deepseek_r1 (text before </think>: DeepSeek-R1's "
+                                       "distills, QwQ, Qwen3 thinking-only models) or qwen3 "
+                                       "(a thought only where the output opens with <think>: "
+                                       "Qwen3's models that think or not).",
+                                       choices=REASONING_PARSERS)
     max_stored_responses: int = doc(1000, "Responses /v1/responses keeps in memory for "
                                     "previous_response_id and GET /v1/responses/{id} (the "
                                     "oldest forgotten first); 0 keeps none. With "

@@ -14,15 +14,20 @@ same: the end of a piece that could start a tag is held back until the next piec
 
 from __future__ import annotations
 
-REASONING_PARSERS = ("deepseek_r1",)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 THINK_START, THINK_END = "<think>", "</think>"
 
 
 class ThinkSplitter:
-    """One output's text, piece by piece, as (reasoning, content) pieces."""
+    """One output's text, piece by piece, as (reasoning, content) pieces, as ``parser``
+    reads it."""
 
-    def __init__(self) -> None:
+    def __init__(self, parser: str = "deepseek_r1") -> None:
+        if parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {parser!r}")
+        # deepseek_r1: the prompt opened the thought; qwen3: only a leading <think> does.
+        self._opens_in_thought = parser == "deepseek_r1"
         self._held = ""  # text that may be the start of a tag
         self._started = False  # past a leading <think> (or sure there is none)
         self._thinking = True
@@ -50,6 +55,7 @@ class ThinkSplitter:
                 self._held = text
                 return "", ""
             self._started = True
+            self._thinking = self._opens_in_thought or text.startswith(THINK_START)
             text = text.removeprefix(THINK_START)
         if not self._thinking:
             return "", text
@@ -62,9 +68,9 @@ class ThinkSplitter:
         return text[:len(text) - keep], ""
 
 
-def split_reasoning(text: str) -> tuple[str, str]:
+def split_reasoning(text: str, parser: str = "deepseek_r1") -> tuple[str, str]:
     """A whole output as (reasoning, content)."""
-    return ThinkSplitter().push(text, final=True)
+    return ThinkSplitter(parser).push(text, final=True)
 
 
 def _tag_prefix_at_end(text: str, tag: str) -> int:

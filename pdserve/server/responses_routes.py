@@ -51,7 +51,7 @@ class ResponsesRoutes(ResponsesEndpoint):
         builder = ResponseBuilder(
             skeleton(request, response_id, P.now_s(), self.serving.model_name,
                      params.temperature, params.top_p),
-            ThinkSplitter() if fmt.reasoning else None,
+            ThinkSplitter(fmt.reasoning) if fmt.reasoning else None,
             ToolStream(fmt.tools) if fmt.tools is not None else None, request.logprobs)
         stream = self.serving.client.add(response_id, prompt_ids, params, arrival)
         gen = Generation(self.serving.client, stream, self.serving.tokenizer, prompt_ids,

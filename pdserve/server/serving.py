@@ -140,7 +140,7 @@ class Format:
     with_token_ids: bool = False
     """Internal P/D route: chunks also carry ``pdserve_token_ids`` (the gateway strips them)."""
 
-    reasoning: bool = False
+    reasoning: str | None = None
     """Chat under ``--reasoning-parser``: the thinking goes apart from the content."""
     include_reasoning: bool = True
 
@@ -201,7 +201,7 @@ class Format:
         if self.chat:
             choices = [P.chat_choice(p, self.sampling.logprobs, delta=False) for p in pieces]
             for choice in choices if self.reasoning else ():
-                _put_reasoning_apart(choice["message"], self.include_reasoning)
+                _put_reasoning_apart(choice["message"], self.include_reasoning, self.reasoning)
             for choice in choices if self.tools is not None else ():
                 self.tools.finish_choice(choice)
             kind = "chat.completion"
@@ -339,7 +339,7 @@ class OpenAIServing:
         prompt_ids = await self.encode_chat(text, request.sampling.add_special_tokens)
         prompt_ids, _ = self._checked(prompt_ids, request.sampling)
         # Under a grammar the output is the grammar's from its first token: no thinking.
-        reasoning = self.reasoning_parser is not None and request.sampling.grammar is None
+        reasoning = self.reasoning_parser if request.sampling.grammar is None else None
         fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling,
                      tools=tools, prompt_ids=prompt_ids, reasoning=reasoning,
                      include_reasoning=request.include_reasoning)
@@ -625,7 +625,7 @@ class _SSEWriter:
         self._chunked = False
         self._error: BaseException | None = None  # raised in the handler
         self.tool_stream = ToolStream(fmt.tools) if fmt.tools is not None else None
-        self.thinking = ThinkSplitter() if fmt.reasoning else None
+        self.thinking = ThinkSplitter(fmt.reasoning) if fmt.reasoning else None
         # Text read whole rather than passed on as it comes (a thought split, tool calls):
         # on the P/D route each chunk says how many characters of the model's text it
         # accounts for, and a resumed answer's readers first read what the client holds.
@@ -845,7 +845,7 @@ async def _whole(fmt: Format, gen: Generation, first: P.Piece | None = None) -> 
     pieces = [first] if first is not None else []
     pieces += [piece async for piece in gen.pieces()]
     if fmt.reasoning:
-        gen.reasoning_tokens = _thought_tokens(pieces)
+        gen.reasoning_tokens = _thought_tokens(pieces, fmt.reasoning)
     pieces[0] = fmt.with_echo(pieces[0])
     tops = [p.top_logprobs for p in pieces if p.top_logprobs is not None]
     return P.Piece("".join(p.text for p in pieces), [],
@@ -855,9 +855,9 @@ async def _whole(fmt: Format, gen: Generation, first: P.Piece | None = None) -> 
                    index=gen.index, prompt_logprobs=pieces[0].prompt_logprobs)
 
 
-def _thought_tokens(pieces: list[P.Piece]) -> int:
+def _thought_tokens(pieces: list[P.Piece], parser: str) -> int:
     """The tokens of a whole answer's thought, counted as its stream would count them."""
-    thinking = ThinkSplitter()
+    thinking = ThinkSplitter(parser)
     for piece in pieces:
         thinking.push(piece.text, piece is pieces[-1], len(piece.token_ids))
     return thinking.thought_tokens
@@ -974,9 +974,9 @@ def _cut_after_final_message(text: str, content: str) -> str:
     return text[:end + len(content)]
 
 
-def _put_reasoning_apart(message: dict[str, Any], include: bool) -> None:
+def _put_reasoning_apart(message: dict[str, Any], include: bool, parser: str) -> None:
     """A whole chat message's reasoning out of its content (``--reasoning-parser``)."""
-    reasoning, content = split_reasoning(message.get("content") or "")
+    reasoning, content = split_reasoning(message.get("content") or "", parser)
     message["content"] = content or None
     if include:
         message["reasoning"] = message["reasoning_content"] = reasoning or None

@@ -24,6 +24,20 @@ def test_a_whole_output_splits_at_the_first_end_of_thought(text, reasoning, cont
     assert split_reasoning(text) == (reasoning, content)
 
 
+@pytest.mark.parametrize("text, reasoning, content", [
+    ("<think>Hmm.</think>4", "Hmm.", "4"),  # thinking mode: the model opens the thought
+    ("4, without thinking", "", "4, without thinking"),  # no leading <think>: all answer
+    ("<thi", "", "<thi"),  # a tag never finished is text
+    ("<think>Still thinking", "Still thinking", ""),
+    ("The </think> tag later", "", "The </think> tag later"),
+])
+def test_qwen3_thinks_only_in_an_output_that_opens_with_think(text, reasoning, content):
+    assert split_reasoning(text, "qwen3") == (reasoning, content)
+    splitter = ThinkSplitter("qwen3")  # a stream cut after every character says the same
+    got = [splitter.push(c, final=i == len(text) - 1) for i, c in enumerate(text)]
+    assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == (reasoning, content)
+
+
 _ALPHABET = "ab <>/thinkT\n"
 
 
@@ -50,7 +64,7 @@ def _chat_format(**fields):
 
     body = {"messages": [{"role": "user", "content": "x"}], **fields}
     request = P.ChatRequest.parse(body)
-    return Format(True, "chatcmpl-1", "tiny", 0, request.sampling, reasoning=True,
+    return Format(True, "chatcmpl-1", "tiny", 0, request.sampling, reasoning="deepseek_r1",
                   include_reasoning=request.include_reasoning)
 
 
@@ -203,11 +217,11 @@ def test_a_whole_answers_thought_tokens_are_counted_as_its_stream_counts_them():
     from pdserve.server.serving import _thought_tokens
 
     pieces = [_piece("Let"), _piece(" me</th"), _piece("ink>It"), _piece(" is", "stop")]
-    assert _thought_tokens(pieces) == len("Let") + len(" me</th")  # _piece: a token a char
+    assert _thought_tokens(pieces, "deepseek_r1") == len("Let me</th")  # a token a char
     splitter = ThinkSplitter()
     for piece in pieces:
         splitter.push(piece.text, piece.finish_reason is not None, len(piece.token_ids))
-    assert splitter.thought_tokens == _thought_tokens(pieces)
+    assert splitter.thought_tokens == _thought_tokens(pieces, "deepseek_r1")
 
 
 def test_summed_usage_sums_the_thoughts_where_every_part_counted_them():

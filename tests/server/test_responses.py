@@ -174,7 +174,7 @@ def _piece(text, finish=None, tokens=1, logprob=None):
 def _builder(body=None, thinking=False, tools=None, logprobs=False):
     request = _read(body or {"input": "x"})
     return ResponseBuilder(skeleton(request, "resp_1", 0, "tiny", 1.0, 1.0),
-                           ThinkSplitter() if thinking else None,
+                           ThinkSplitter("deepseek_r1") if thinking else None,
                            ToolStream(tools) if tools else None, logprobs)
 
 
