@@ -96,9 +96,9 @@ class OutputProcessor:
         self._unsent = ""  # resumed text the client has not got yet
         self._skip = 0  # characters of coming text the client already got
         self.resumed_text = ""
-        self.resumed_tokens = 0
         """P/D resume: the text the client already got (what a reader of the whole text,
         a reasoning split, must have seen before this instance's text)."""
+        self.resumed_tokens = 0  # and the tokens it got
 
     def process(self, updates: Iterable[RequestUpdate]) -> OutputDelta:
         """The output these updates add; nothing once the request has finished."""
