@@ -119,9 +119,11 @@ class ResponsesSink:
 
 
 def _message_deltas(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A whole chat message as the deltas a stream of it would carry."""
+    """A whole chat message as the deltas a stream of it would carry (its thought first,
+    from an instance under ``--reasoning-parser``)."""
     calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls") or [])]
-    return [{"content": message.get("content") or "", "tool_calls": calls}]
+    return [{"reasoning": message.get("reasoning") or "",
+             "content": message.get("content") or "", "tool_calls": calls}]
 
 
 def _logprobs(choice: dict[str, Any]) -> list[dict[str, Any]]:

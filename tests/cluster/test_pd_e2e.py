@@ -590,6 +590,8 @@ def test_a_reasoning_models_thought_crosses_the_split_and_resumes_where_it_broke
             model="tiny", input="Think", temperature=0.0, max_output_tokens=24,
             extra_body={"ignore_eos": True})
         assert thought.usage.output_tokens_details.reasoning_tokens == 24
+        assert [item.type for item in thought.output] == ["reasoning"]  # the whole answer's
+        assert thought.output[0].content[0].text == want
         ids, _ = asyncio.run(_pd_chat(prefill, decode, chat, [], 0))
         for chars in (0, 5, len(want) // 2):
             rest, counts = asyncio.run(_pd_chat(prefill, decode, chat, ids[:8], chars))
