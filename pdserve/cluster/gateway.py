@@ -624,6 +624,13 @@ def _continuing(job: Job, chunk: dict[str, Any]) -> dict[str, Any]:
     return chunk
 
 
+def sse_chunks(data: bytes) -> list[dict[str, Any]]:
+    """The chunks of an answer's server-sent events as the gateway relays them (whole
+    events, ``data: `` lines), ``[DONE]`` left out."""
+    payloads = (line.removeprefix(b"data: ").strip() for line in data.split(b"\n\n"))
+    return [json.loads(p) for p in payloads if p and p != b"[DONE]"]
+
+
 class EventSink(Protocol):
     """Takes a streamed answer's SSE bytes in place of the client's stream."""
 
@@ -694,11 +701,7 @@ class PartStream:
 
     async def write(self, data: bytes) -> None:
         events = []
-        for line in data.split(b"\n\n"):
-            payload = line.removeprefix(b"data: ").strip()
-            if not payload or payload == b"[DONE]":
-                continue
-            event = json.loads(payload)
+        for event in sse_chunks(data):
             if "error" in event:  # the part failed for good: so does the whole answer
                 error = event["error"]
                 raise P.APIError(503, error.get("message", "a part failed"),

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.cluster.gateway import ClientGone, Gateway
+from pdserve.cluster.gateway import ClientGone, Gateway, sse_chunks
 from pdserve.server import protocol as P
 from pdserve.server import responses as R
 from pdserve.server import responses_store as S
@@ -83,12 +83,7 @@ class ResponsesSink:
         await self._send(self.builder.start())
 
     async def write(self, data: bytes) -> None:
-        events: list[dict[str, Any]] = []
-        for line in data.split(b"\n\n"):
-            payload = line.removeprefix(b"data: ").strip()
-            if payload and payload != b"[DONE]":
-                events += self._events(json.loads(payload))
-        await self._send(events)
+        await self._send([event for chunk in sse_chunks(data) for event in self._events(chunk)])
 
     def _events(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         if "error" in chunk:  # the gateway gave up on the request mid-answer
