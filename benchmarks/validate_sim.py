@@ -418,36 +418,47 @@ async def measure_handoff(session, url: str, args, rng) -> dict:
     request's later gaps) - and its TTFT (the replay's path: the gateway's hop, the
     prefill, the first token relayed). Median per prompt length, every handoff sample
     (seconds: a median near zero leaves no ratio to speak of) and every TTFT over its
-    length's median."""
-    handoff: dict[str, list] = {"points": [], "samples": [], "ttft_points": [], "ttft_ratios": []}
+    length's median.
+
+    Timed in ``--prompt-rounds`` rounds, each one prompt of every length: the host runs
+    slow in stretches of 1-3 s (the host meter on 16 dedicated cores: a third of its
+    samples 1.5x slow), so five prompts of a length back to back (under a second) sat in
+    one stretch, and their ratios to their own median left out the spread between
+    stretches - the replay's prompts, minutes apart, spread twice as wide (an SD of
+    0.13-0.20 against 0.07-0.10 over 84bc590 and the three runs before it on that host),
+    and the simulated TTFT P99 came short in three of four such runs."""
+    lengths = list(args.prompt_lens)
+    seconds: dict[int, list[float]] = {n: [] for n in lengths}
+    ttfts: dict[int, list[float]] = {n: [] for n in lengths}
     body = {"model": args.model, "ignore_eos": True, "max_tokens": 2 + 2 * STEP_WINDOW}
-    for tokens in args.prompt_lens:
-        seconds, ttfts = await handoffs_of_length(session, url, body, tokens, args, rng)
-        handoff["points"].append({"tokens": tokens, "seconds": float(np.median(seconds))})
-        handoff["samples"] += seconds
-        median = float(np.median(ttfts))
-        handoff["ttft_points"].append({"tokens": tokens, "seconds": median, "samples_s": ttfts})
-        handoff["ttft_ratios"] += [x / median for x in ttfts]
+    for _ in range(args.prompt_rounds):
+        for tokens in lengths:
+            handoff_s, ttft_s = await first_alone_answer(session, url, body, tokens, rng)
+            seconds[tokens].append(handoff_s)
+            ttfts[tokens].append(ttft_s)
+    handoff: dict[str, list] = {"points": [], "samples": [], "ttft_points": [], "ttft_ratios": []}
+    for tokens in lengths:
+        handoff["points"].append({"tokens": tokens, "seconds": float(np.median(seconds[tokens]))})
+        handoff["samples"] += seconds[tokens]
+        median = float(np.median(ttfts[tokens]))
+        handoff["ttft_points"].append({"tokens": tokens, "seconds": median,
+                                       "samples_s": ttfts[tokens]})
+        handoff["ttft_ratios"] += [x / median for x in ttfts[tokens]]
     return handoff
 
 
-async def handoffs_of_length(session, url: str, body: dict, tokens: int, args,
-                             rng) -> tuple[list[float], list[float]]:
-    """``--repeats`` answers whose first token came alone in its chunk (the others leave
-    no time of their own): their handoffs and TTFTs."""
-    seconds: list[float] = []
-    ttfts: list[float] = []
-    for _ in range(4 * args.repeats):
+async def first_alone_answer(session, url: str, body: dict, tokens: int, rng,
+                             tries: int = 8) -> tuple[float, float]:
+    """An answer whose first token came alone in its chunk (the others leave no time of
+    their own), within ``tries``: its handoff and TTFT."""
+    for _ in range(tries):
         sent = time.monotonic()
         times = await token_clock(session, url, {**body, "prompt": prompt(rng, tokens)})
         sample = handoff_sample(times)
         if sample is not None:
-            seconds.append(sample)
-            ttfts.append(times[0] - sent)
-        if len(seconds) == args.repeats:
-            return seconds, ttfts
-    raise RuntimeError(f"{tokens}-token prompts: the first token came alone in "
-                       f"{len(seconds)} of {4 * args.repeats} answers")
+            return sample, times[0] - sent
+    raise RuntimeError(f"{tokens}-token prompts: no first token came alone in its chunk "
+                       f"in {tries} answers")
 
 
 async def measure_sharing(session, prefill_url: str, url: str, args, rng) -> dict:
@@ -1453,6 +1464,9 @@ def main() -> int:
                         "overstated the small ones.")
     parser.add_argument("--decode-contexts", type=ints, default=[64, 1024])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prompt-rounds", type=int, default=15,
+                        help="Rounds of one prompt per length through the gateway: the "
+                        "prompts' fitted times and spread (measure_handoff).")
     parser.add_argument("--decode-rounds", type=int, default=3,
                         help="Times each decode point is timed, in rounds over all points "
                         "(its step: the median of its rounds').")

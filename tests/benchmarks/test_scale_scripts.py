@@ -89,6 +89,7 @@ def test_registry_scale_on_a_real_zookeeper(tmp_path):
 
 def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     result = _run("validate_sim.py", "--requests", "6", "--repeats", "1", "--rate", "2",
+                  "--prompt-rounds", "2",
                   "--prompt-lens", "32,64", "--decode-batches", "1,2",
                   "--decode-contexts", "32", "--min-output", "12", "--max-output", "20",
                   "--sharing-cycles", "1", "--decode-steps", "64",
@@ -134,6 +135,9 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     # step's tokens come back after the next step ran.
     assert result["prefill_steps"] == {"chunk_tokens": 512, "tokens_one_step_late": True}
     assert len(result["service_points"]["prefill"]) == 2
+    # the prompts through the gateway timed in rounds: one of each length per round
+    assert [len(p["samples_s"]) for p in result["service_points"]["prefill"]] == [2, 2]
+    assert len(result["service_ratios"]["prefill"]) == 4
     assert result["service_spread"]["decode_step"]["samples"] >= 4
     assert [p["tokens"] for p in result["service_points"]["handoff"]] == [32, 64]
     # Only requests whose first token came alone in its chunk give a first gap; which do
