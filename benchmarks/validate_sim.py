@@ -885,7 +885,12 @@ async def run(args) -> dict:
     prefill_busy = sum(model.prefill_s(r.input_len) for r in requests) / requests[-1].arrival
     host_speed = replay_host_speed(host_meter)
     engine_speed = replay_decode_engine_speed(steps, model)
-    return {**calibrated, "service_spread": {k: spread(v) for k, v in ratios.items()},
+    replayed = [[r.arrival, r.input_len, r.output_len] for r in requests]
+    token_times = [r["times"] for r in measured]
+    simulated = simulations(model, parts, ratios, requests, args, recalibration=recalibration,
+                            host_speed=host_speed, decode_engine_speed=engine_speed,
+                            replay_prompt_ratios=replay_prompt_ratios(replayed, token_times))
+    result = {**calibrated, "service_spread": {k: spread(v) for k, v in ratios.items()},
             "prefill_steps": dataclasses.asdict(prefill_steps),  # how it steps
             "service_ratios": ratios,  # what the simulations drew from: re-simulable
             "latency_model": dataclasses.asdict(model),
@@ -901,7 +906,7 @@ async def run(args) -> dict:
             # every request's token arrivals (s from the replay's start): re-analysable
             "measured_token_times_s": [[round(t, 5) for t in r["times"]] for r in measured],
             # the request list (arrival s, prompt and answer tokens): re-simulable
-            "requests": [[r.arrival, r.input_len, r.output_len] for r in requests],
+            "requests": replayed,
             # each instance's engine steps during the replay (s from its start) and, per
             # request, its TPOT against the decode steps that ran while it decoded
             "replay_steps": steps,
@@ -913,9 +918,9 @@ async def run(args) -> dict:
             "replay_steps_check": steps_check(steps, measured, model),
             "replay_host_speed": host_speed,
             "replay_decode_engine_speed": engine_speed,
-            "compare": compare(measured, simulations(
-                model, parts, ratios, requests, args, recalibration=recalibration,
-                host_speed=host_speed, decode_engine_speed=engine_speed))}
+            "compare": compare(measured, simulated)}
+    result["prompt_spread"] = prompt_spread(result, simulated["simulated_medians_only"])
+    return result
 
 
 STEP_FIELDS = ("t", "mode", "decode_batch", "decode_context_tokens", "prefill_tokens",
@@ -1006,13 +1011,15 @@ class GroupParts(NamedTuple):  # not a dataclass: the tests load this script unr
 def simulations(model: LatencyModel, parts: GroupParts, ratios: dict[str, list[float]],
                 requests: list[SimRequest], args, recalibration: dict | None = None,
                 host_speed: dict[str, float] | None = None,
-                decode_engine_speed: float | None = None) -> dict[str, list[dict]]:
+                decode_engine_speed: float | None = None,
+                replay_prompt_ratios: list[float] | None = None) -> dict[str, list[dict]]:
     """The fitted group with the measured spread, and each without one of its parts (and,
     with ``recalibration``, the model fitted to both sides of the replay; with
     ``host_speed``, the model at the host's speed in the replay; with
     ``decode_engine_speed``, its decode steps at the speed the decode engine's own steps
-    ran in the replay: in-sample, a check of the group's composition, not a prediction).
-    With the spread,
+    ran in the replay: in-sample, a check of the group's composition, not a prediction;
+    with ``replay_prompt_ratios``, the prompts drawn from the replay's own spread:
+    in-sample too, whether the spread is what the TTFT tail misses). With the spread,
     the requests' results of ``--draws`` draws, each row marked with its draw: one draw's
     P99 of 100 requests moved by up to 20% from seed to seed, so ``percentiles`` takes the
     median over the draws."""
@@ -1051,6 +1058,49 @@ def simulations(model: LatencyModel, parts: GroupParts, ratios: dict[str, list[f
         direct = dataclasses.replace(parts.cores,
                                      prefill_slowdown=parts.direct_prompt_slowdown)
         result["simulated_with_direct_prompt_factor"] = drawn(cores=direct)
+    if replay_prompt_ratios:
+        result["simulated_with_replay_prompt_spread"] = drawn(
+            spread={**ratios, "prefill": replay_prompt_ratios})
+    return result
+
+
+def replay_prompt_ratios(requests: list[list], token_times: list[list[float]]) -> list[float]:
+    """Each replayed request's TTFT over the median of its prompt length's: the spread of
+    the prompts through the replay, as the calibration's ratios are taken."""
+    ttfts: dict[int, list[float]] = {}
+    for (arrival, tokens, _), times in zip(requests, token_times, strict=True):
+        ttfts.setdefault(int(tokens), []).append(times[0] - arrival)
+    return [t / float(np.median(by_length)) for by_length in ttfts.values() for t in by_length]
+
+
+def prompt_spread(run: dict, rows: list[dict]) -> dict:
+    """The prompts' spread as the simulations drew it (the calibration's TTFT ratios) and
+    as the replay's prompts spread (``replay_prompt_ratios``): standard deviations; and how
+    far each replayed first token over its simulated one (``rows``: medians only) follows
+    the host meter on the prefill instance's core - its reading over the calibration's
+    median, averaged over the samples from 0.5 s before the request to 0.5 s after its
+    first token: their correlation (None without a meter)."""
+    replayed = replay_prompt_ratios(run["requests"], run["measured_token_times_s"])
+    result = {"calibration_sd": float(np.std(run["service_ratios"]["prefill"])),
+              "calibration_samples": len(run["service_ratios"]["prefill"]),
+              "replay_sd": float(np.std(replayed)), "replay_samples": len(replayed),
+              "first_token_over_simulated_vs_meter_correlation": None}
+    samples = ((run.get("host_meter") or {}).get("samples") or {}).get("prefill")
+    if not samples:
+        return result
+    meter = np.array(samples)
+    before = meter[meter[:, 0] < 0, 1]  # the calibration ran before the replay's start
+    base = float(np.median(before if before.size else meter[:, 1]))
+    over, reading = [], []
+    for (arrival, _, _), times, row in zip(run["requests"], run["measured_token_times_s"],
+                                           rows, strict=True):
+        near = meter[(meter[:, 0] >= arrival - 0.5) & (meter[:, 0] <= times[0] + 0.5), 1]
+        if near.size:
+            over.append((times[0] - arrival) / row["ttft_s"])
+            reading.append(float(near.mean()) / base)
+    if len(over) > 2:
+        result["first_token_over_simulated_vs_meter_correlation"] = float(
+            np.corrcoef(over, reading)[0, 1])
     return result
 
 
@@ -1091,9 +1141,12 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
         model, recalibration = refitted(run, args)
     host_speed = replay_host_speed(run.get("host_meter"))
     engine_speed = replay_decode_engine_speed(run.get("replay_steps"), model)
+    replayed = (replay_prompt_ratios(run["requests"], run["measured_token_times_s"])
+                if "measured_token_times_s" in run else None)
     simulated = simulations(model, parts, run["service_ratios"], requests, args,
                             recalibration=recalibration, host_speed=host_speed,
-                            decode_engine_speed=engine_speed)
+                            decode_engine_speed=engine_speed,
+                            replay_prompt_ratios=replayed)
     measured = {key: run["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
     result = {"resimulated": path, "recorded_revision": run.get("git_revision"),
               "prefill_steps": dataclasses.asdict(steps), "refit": args.refit,
@@ -1114,6 +1167,7 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
             run, simulated["simulated_medians_only"])
         result["first_token_over_simulated_without_idle_wake"] = first_token_ratios(
             run, unwoken)
+        result["prompt_spread"] = prompt_spread(run, simulated["simulated_medians_only"])
     return result
 
 

@@ -138,6 +138,10 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     # the prompts through the gateway timed in rounds: one of each length per round
     assert [len(p["samples_s"]) for p in result["service_points"]["prefill"]] == [2, 2]
     assert len(result["service_ratios"]["prefill"]) == 4
+    spread = result["prompt_spread"]
+    assert spread["calibration_samples"] == 4 and spread["replay_samples"] == 6
+    assert spread["replay_sd"] == pytest.approx(np.std(_script("validate_sim").replay_prompt_ratios(
+        result["requests"], result["measured_token_times_s"])))
     assert result["service_spread"]["decode_step"]["samples"] >= 4
     assert [p["tokens"] for p in result["service_points"]["handoff"]] == [32, 64]
     # Only requests whose first token came alone in its chunk give a first gap; which do
@@ -151,7 +155,8 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
                      "simulated_without_idle_wake", "simulated_with_direct_prompt_factor",
                      "simulated_calibrated_both_sides", "simulated_at_replay_host_speed",
                      "simulated_at_replay_decode_engine_speed",
-                     "simulated_with_prefill_host_spread"):
+                     "simulated_with_prefill_host_spread",
+                     "simulated_with_replay_prompt_spread"):
             assert 0 < row[side]["p50"] <= row[side]["p99"]
         assert row["simulated_error"]["p50"] == pytest.approx(
             row["simulated"]["p50"] / row["measured"]["p50"] - 1)
@@ -223,6 +228,30 @@ def test_the_host_meter_is_split_by_phase_over_its_calibration_median():
     assert phases["calibration"]["p50"] == 1.0 and phases["replay"]["p50"] == 1.5
     assert phases["recalibration"]["p99"] == pytest.approx(1.1)
     assert module.meter_phases({"decode": rows}, 100.0, {"replay": 100.0}) == {}
+
+
+def test_prompt_spread_takes_each_ttft_over_its_lengths_median_and_follows_the_meter():
+    """Two 64-token prompts (TTFT 0.1 and 0.3 s) and two of 128 (0.2 and 0.4 s); the
+    prefill core's meter reads 1x through calibration and 2x around the slow ones."""
+    module = _script("validate_sim")
+    requests = [[0.0, 64, 2], [10.0, 64, 2], [20.0, 128, 2], [30.0, 128, 2]]
+    times = [[0.1, 0.2], [10.3, 10.4], [20.2, 20.3], [30.4, 30.5]]
+    assert module.replay_prompt_ratios(requests, times) == pytest.approx(
+        [0.5, 1.5, 2 / 3, 4 / 3])
+    meter = [[-2.0, 1.0], [-1.0, 1.0], [0.0, 1.0], [10.0, 2.0], [20.0, 1.0], [30.0, 2.0]]
+    run = {"requests": requests, "measured_token_times_s": times,
+           "service_ratios": {"prefill": [0.9, 1.0, 1.1]},
+           "host_meter": {"samples": {"prefill": meter}}}
+    simulated = [{"ttft_s": 0.1}, {"ttft_s": 0.1}, {"ttft_s": 0.2}, {"ttft_s": 0.2}]
+    spread = module.prompt_spread(run, simulated)
+    assert spread["calibration_sd"] == pytest.approx(np.std([0.9, 1.0, 1.1]))
+    assert spread["replay_sd"] == pytest.approx(np.std([0.5, 1.5, 2 / 3, 4 / 3]))
+    # measured over simulated 1, 3, 1, 2 against meter readings 1, 2, 1, 2
+    assert spread["first_token_over_simulated_vs_meter_correlation"] == pytest.approx(
+        np.corrcoef([1, 3, 1, 2], [1, 2, 1, 2])[0, 1])
+    del run["host_meter"]
+    assert module.prompt_spread(run, simulated)[
+        "first_token_over_simulated_vs_meter_correlation"] is None
 
 
 def test_instance_validation_smoke_runs_both_schedules_end_to_end(tmp_path):
