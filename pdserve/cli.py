@@ -34,6 +34,8 @@ _DESCRIPTION = """LLM serving that holds latency SLOs.
   pdserve cluster MODEL --prefill N --decode M
                                   a P/D group and its gateway on this machine
   pdserve generate MODEL --prompt TEXT
+  pdserve run-batch MODEL -i IN.jsonl -o OUT.jsonl
+                                  OpenAI batch requests answered offline
   pdserve bench ...               load generator and SLO report
   pdserve profile MODEL           fit the multiplex latency predictor on this GPU"""
 
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gateway(sub)
     _add_cluster(sub)
     _add_generate(sub)
+    _add_run_batch(sub)
     _add_bench(sub)
     _add_profile(sub)
     for command in sub.choices.values():
@@ -137,6 +140,40 @@ def _add_generate(sub) -> None:
     sampling.add_argument("--ignore-eos", action="store_true", help="Keep going past EOS.")
     _add_engine_args(parser)
     parser.set_defaults(func=_run_generate, check=_check_engine_args)
+
+
+# Server flags that mean nothing to a batch: its server listens on a loopback port of its
+# own, open to the batch alone, and keeps no responses (lines run at once, in no order).
+_BATCH_SKIPPED_SERVER_FLAGS = ("host", "port", "api_key", "api_key_file", "cluster_secret",
+                               "max_stored_responses", "shutdown_timeout", "retry_after",
+                               "body_timeout_s", "api_server_count")
+
+
+def _add_run_batch(sub) -> None:
+    from pdserve.server.config import ServerConfig
+
+    parser = sub.add_parser(
+        "run-batch", help="Answer a file of OpenAI batch requests offline.",
+        description="Read OpenAI batch requests (JSONL: custom_id, method, url, body; url "
+        "/v1/chat/completions, /v1/completions or /v1/responses), answer each as "
+        "`pdserve serve` would, and write one output line per input line in the same "
+        "order (OpenAI's batch output format).")
+    parser.add_argument("-i", "--input-file", required=True,
+                        help="The requests: a local file, - for stdin, or an http(s) URL "
+                        "(read with GET).")
+    parser.add_argument("-o", "--output-file", required=True,
+                        help="The answers: a local file (written whole at the end), - for "
+                        "stdout, or an http(s) URL (sent with PUT at the end).")
+    _add_engine_args(parser)
+    add_cli_args(parser.add_argument_group("server"), ServerConfig,
+                 skip=_BATCH_SKIPPED_SERVER_FLAGS)
+    parser.set_defaults(func=_run_batch, check=_check_run_batch)
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from pdserve.server.run_batch import main
+
+    return main(args.engine_config, args.server_config, args.input_file, args.output_file)
 
 
 def _add_bench(sub) -> None:
@@ -325,6 +362,30 @@ def _check_serve(args: argparse.Namespace) -> None:
             raise UsageError("--role needs --kv-transfer-port (0 picks a free port)")
         _check_registry(args.instance.registry)
     _check_port_free(server.host, server.port, "--port")
+    args.server_config = server
+
+
+def _check_run_batch(args: argparse.Namespace) -> None:
+    from pdserve.model.tokenizer import load_chat_template
+    from pdserve.server.config import ServerConfig
+
+    for name, path in (("--input-file", args.input_file), ("--output-file", args.output_file)):
+        if path == "-" or path.startswith(("http://", "https://")):
+            continue
+        if name == "--input-file" and not os.path.isfile(path):
+            raise UsageError(f"--input-file {path}: no such file")
+        folder = os.path.dirname(os.path.abspath(path))
+        if name == "--output-file" and not os.access(folder, os.W_OK):
+            raise UsageError(f"--output-file {path}: cannot write in {folder}")
+    _check_engine_args(args)
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)
+             if f.name not in _BATCH_SKIPPED_SERVER_FLAGS}
+    server = ServerConfig(**{k: tuple(v) if isinstance(v, list) else v
+                             for k, v in given.items()}, max_stored_responses=0)
+    if not server.served_model_name:
+        server = dataclasses.replace(server, served_model_name=(args.model,))
+    if server.chat_template is not None:
+        load_chat_template(server.chat_template)
     args.server_config = server
 
 
