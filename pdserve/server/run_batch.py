@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -218,10 +219,10 @@ async def serve_on_loopback(app: web.Application) -> tuple[web.AppRunner, str]:
     """The app listening on a free port of 127.0.0.1 only: the batch's own server."""
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - aiohttp keeps it there
-    return runner, f"http://127.0.0.1:{port}"
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound here: its port is known, and no other can take it
+    await web.SockSite(runner, sock).start()
+    return runner, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 class OutputFile:
