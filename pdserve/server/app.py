@@ -27,6 +27,7 @@ from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from pdserve.server.pd import PDRoutes
 from pdserve.server.responses_routes import ResponsesRoutes
 from pdserve.server.serving import OpenAIServing
+from pdserve.server.stats_log import log_stats
 from pdserve.server.tokenization import TokenizationRoutes
 from pdserve.server.tool_calls import ToolSettings
 
@@ -304,6 +305,7 @@ async def _serve(engine_config: Any, config: ServerConfig, api_keys: tuple[bytes
     if api_keys:
         logger.info("API key required on /v1 routes (%d key(s) accepted)", len(api_keys))
     stop, force = install_signals(workers.forward_signal if workers else None)
+    stats_lines = start_stats_log(client, config)
     if lifecycle is not None:
         lifecycle.started(client)
     ends = [asyncio.ensure_future(stop.wait()), client.gave_up]
@@ -314,12 +316,22 @@ async def _serve(engine_config: Any, config: ServerConfig, api_keys: tuple[bytes
     if workers:
         workers.stop()
     await drain(state, config.shutdown_timeout, force)
+    if stats_lines is not None:
+        stats_lines.cancel()
     await runner.cleanup()
     if workers:
         await workers.join(config.shutdown_timeout)
     await client.shutdown()
     _exit_with_reason(client, workers)
     logger.info("stopped")
+
+
+def start_stats_log(client: EngineClient, config: ServerConfig) -> asyncio.Future | None:
+    """The periodic line of the engine's stats (``stats_log.py``), unless turned off."""
+    if config.disable_log_stats:
+        return None
+    return asyncio.ensure_future(log_stats(lambda: client.stats, config.log_stats_interval_s,
+                                           time.monotonic))
 
 
 def _restart_policy(config: ServerConfig) -> RestartPolicy:

@@ -59,6 +59,10 @@ class ServerConfig:
     max_concurrent_requests: int = doc(4096, "Requests answered at once, streams included; "
                                        "more get 429 with Retry-After.")
     log_requests: bool = doc(False, "Log one line per finished request.")
+    disable_log_stats: bool = doc(False, "No periodic line of the engine's throughput, "
+                                  "queues and KV cache use.")
+    log_stats_interval_s: float = doc(10.0, "Seconds between the engine's stats lines "
+                                      "(none while the engine stays idle).")
     engine_start_timeout: float = doc(600.0, "Seconds the engine process may take to load "
                                       "the model before the server gives up.")
     engine_restarts: int = doc(3, "When the engine process dies, its requests fail with 503 "
@@ -80,6 +84,9 @@ class ServerConfig:
         if self.max_stored_responses < 0:
             raise ValueError(f"--max-stored-responses must be >= 0, not "
                              f"{self.max_stored_responses}")
+        if not self.log_stats_interval_s > 0:  # NaN included
+            raise ValueError(f"--log-stats-interval-s must be > 0, not "
+                             f"{self.log_stats_interval_s}")
         if self.engine_restarts < 0:
             raise ValueError(f"--engine-restarts must be >= 0, not {self.engine_restarts}")
         self._check_api_server_count()

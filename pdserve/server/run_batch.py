@@ -263,7 +263,7 @@ class OutputFile:
 async def run_batch(engine_config: Any, config: ServerConfig, source: str, target: str,
                     core_factory: str = DEFAULT_CORE) -> BatchSummary:
     """Loads the model, answers every line of ``source`` and writes ``target``."""
-    from pdserve.server.app import build_app
+    from pdserve.server.app import build_app, start_stats_log
 
     output = OutputFile(target)
     client = await EngineClient.start(engine_config, core_factory, config.engine_start_timeout,
@@ -275,10 +275,13 @@ async def run_batch(engine_config: Any, config: ServerConfig, source: str, targe
                         sampling_defaults=sampling_defaults(model.generation_config,
                                                             model.model))
         runner, base_url = await serve_on_loopback(app)
+        stats_lines = start_stats_log(client, config)
         try:
             summary = await run_lines(source, output.stream, base_url,
                                       config.max_concurrent_requests)
         finally:
+            if stats_lines is not None:
+                stats_lines.cancel()
             await runner.cleanup()
     except BaseException:
         output.discard()
