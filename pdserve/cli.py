@@ -144,7 +144,8 @@ def _add_generate(sub) -> None:
 
 # Server flags that mean nothing to a batch: its server listens on a loopback port of its
 # own, open to the batch alone, and keeps no responses (lines run at once, in no order).
-_BATCH_SKIPPED_SERVER_FLAGS = ("host", "port", "api_key", "api_key_file", "cluster_secret",
+_BATCH_SKIPPED_SERVER_FLAGS = ("host", "port", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs",
+                               "ssl_cert_reqs", "api_key", "api_key_file", "cluster_secret",
                                "max_stored_responses", "shutdown_timeout", "retry_after",
                                "body_timeout_s", "api_server_count")
 
@@ -346,7 +347,11 @@ def _check_serve(args: argparse.Namespace) -> None:
         server = dataclasses.replace(server, served_model_name=(args.model,))
     if server.chat_template is not None:
         load_chat_template(server.chat_template)
+    _check_tls(server)
     args.instance = _config_from_args(InstanceConfig, args)
+    if args.instance.role is not None and server.ssl_certfile is not None:
+        raise UsageError("--role with --ssl-certfile: the gateway and the other members reach "
+                         "an instance over plain HTTP (put TLS in front of the gateway)")
     if args.instance.role is not None and server.api_server_count > 1:
         raise UsageError("--role takes --api-server-count 1: each HTTP process would keep "
                          "its own /pd/prefill admission, and the gateway sees one instance")
@@ -363,6 +368,20 @@ def _check_serve(args: argparse.Namespace) -> None:
         _check_registry(args.instance.registry)
     _check_port_free(server.host, server.port, "--port")
     args.server_config = server
+
+
+def _check_tls(server) -> None:
+    """The TLS files read before the model loads: a missing or bad one is one line."""
+    import ssl
+
+    try:
+        server.ssl_context()
+    except (OSError, ssl.SSLError) as exc:
+        files = [f"--ssl-certfile {server.ssl_certfile}", f"--ssl-keyfile {server.ssl_keyfile}"]
+        if server.ssl_ca_certs:
+            files.append(f"--ssl-ca-certs {server.ssl_ca_certs}")
+        raise UsageError(f"{' / '.join(files)}: cannot be loaded "
+                         f"({getattr(exc, 'strerror', None) or exc})") from None
 
 
 def _check_run_batch(args: argparse.Namespace) -> None:

@@ -299,8 +299,9 @@ async def _serve(engine_config: Any, config: ServerConfig, api_keys: tuple[bytes
     app = build_app(client, config, api_keys, defaults, created=created)
     state = app[STATE_KEY]
     runner = await listen(app, config)
-    logger.info("serving '%s' on http://%s:%d (max_model_len %d%s)", state.model_name,
-                config.host, config.port, client.max_model_len,
+    logger.info("serving '%s' on %s://%s:%d (max_model_len %d%s)", state.model_name,
+                "https" if config.ssl_certfile else "http", config.host, config.port,
+                client.max_model_len,
                 f", {config.api_server_count} HTTP processes" if workers else "")
     if api_keys:
         logger.info("API key required on /v1 routes (%d key(s) accepted)", len(api_keys))
@@ -378,7 +379,8 @@ async def listen(app: web.Application, config: ServerConfig) -> web.AppRunner:
                            **HTTPLimits.of(config).runner_options())
     await runner.setup()
     shared = {"reuse_port": True} if config.api_server_count > 1 else {}
-    await web.TCPSite(runner, config.host, config.port, **shared).start()
+    await web.TCPSite(runner, config.host, config.port, ssl_context=config.ssl_context(),
+                      **shared).start()
     return runner
 
 

@@ -31,6 +31,8 @@ class Server:
     port: int
     api_key: str | None = None
     log: Any = None
+    client_tls: Any = None
+    """An ``ssl.SSLContext`` trusting the server's certificate: it serves HTTPS."""
 
     def log_text(self) -> str:
         self.log.seek(0)
@@ -38,11 +40,13 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.client_tls else 'http'}://127.0.0.1:{self.port}"
 
     def openai(self, **kwargs):
         import openai
 
+        if self.client_tls is not None:
+            kwargs.setdefault("http_client", openai.DefaultHttpxClient(verify=self.client_tls))
         return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none",
                              max_retries=0, **kwargs)
 
@@ -62,7 +66,7 @@ class Server:
         req = urllib.request.Request(self.url + path, data=data, method=method,
                                      headers=all_headers)
         try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
+            with urllib.request.urlopen(req, timeout=60, context=self.client_tls) as resp:
                 return resp.status, dict(resp.headers), resp.read()
         except urllib.error.HTTPError as exc:
             return exc.code, dict(exc.headers), exc.read()
@@ -116,25 +120,28 @@ def engine_pid(server: Server, missing_ok: bool = False) -> int | None:
 
 
 def start_server(*flags: str, api_key: str | None = None, env: dict[str, str] | None = None,
-                 client_key: str | None = None, port: int | None = None) -> Server:
+                 client_key: str | None = None, port: int | None = None,
+                 client_tls: Any = None) -> Server:
     """``api_key`` goes on the command line; ``env`` adds environment variables;
     ``client_key`` is the key the test clients send (``api_key`` by default). A port drawn
     here can be taken by another process before the server binds it (an outgoing
     connection's ephemeral port, another server's ``--kv-transfer-port 0``): the server
-    then exits naming the port, and is started again on a fresh one."""
+    then exits naming the port, and is started again on a fresh one. ``client_tls``: the
+    test clients' TLS context, for a server started with ``--ssl-*`` flags."""
     if port is not None:
-        return _start_server_on(port, flags, api_key, env, client_key)
+        return _start_server_on(port, flags, api_key, env, client_key, client_tls)
     for _ in range(BIND_ATTEMPTS - 1):
         try:
-            return _start_server_on(free_port(), flags, api_key, env, client_key)
+            return _start_server_on(free_port(), flags, api_key, env, client_key, client_tls)
         except RuntimeError as exc:
             if "Address already in use" not in str(exc):
                 raise
-    return _start_server_on(free_port(), flags, api_key, env, client_key)
+    return _start_server_on(free_port(), flags, api_key, env, client_key, client_tls)
 
 
 def _start_server_on(port: int, flags: tuple[str, ...], api_key: str | None,
-                     env: dict[str, str] | None, client_key: str | None) -> Server:
+                     env: dict[str, str] | None, client_key: str | None,
+                     client_tls: Any = None) -> Server:
     cmd = [sys.executable, "-m", "pdserve", "serve", "tiny", "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--device", "cpu", *flags]
     if api_key:
@@ -143,7 +150,7 @@ def _start_server_on(port: int, flags: tuple[str, ...], api_key: str | None,
     log = tempfile.TemporaryFile()
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, **(env or {})})
-    server = Server(process, port, client_key or api_key, log)
+    server = Server(process, port, client_key or api_key, log, client_tls)
     wait_healthy(server)
     return server
 
