@@ -34,6 +34,14 @@ class ServerConfig:
     ssl_cert_reqs: int = doc(0, "Client certificates: 0 not asked for, 1 checked when sent, "
                              "2 required (as Python's ssl.CERT_NONE, CERT_OPTIONAL, "
                              "CERT_REQUIRED).", choices=(0, 1, 2))
+    allowed_origins: tuple[str, ...] = doc(("*",), "Origins whose browser pages may call "
+                                          "the API (CORS); * allows any, as vLLM.")
+    allow_credentials: bool = doc(False, "Cross-origin requests may carry credentials "
+                                  "(cookies, HTTP authentication).")
+    allowed_methods: tuple[str, ...] = doc(("*",), "HTTP methods cross-origin requests may "
+                                           "use; * allows any.")
+    allowed_headers: tuple[str, ...] = doc(("*",), "Request headers cross-origin requests "
+                                           "may send; * allows any.")
     cluster_secret: str | None = doc(None, "If set, the internal /pd/ routes (P/D groups) need "
                                      "it in the X-PDServe-Cluster-Secret header; default: "
                                      "$PDSERVE_CLUSTER_SECRET. API keys never open them.")
