@@ -147,7 +147,8 @@ def _add_generate(sub) -> None:
 _BATCH_SKIPPED_SERVER_FLAGS = ("host", "port", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs",
                                "ssl_cert_reqs", "api_key", "api_key_file", "cluster_secret",
                                "max_stored_responses", "shutdown_timeout", "retry_after",
-                               "body_timeout_s", "api_server_count")
+                               "body_timeout_s", "api_server_count", "allowed_origins",
+                               "allow_credentials", "allowed_methods", "allowed_headers")
 
 
 def _add_run_batch(sub) -> None:

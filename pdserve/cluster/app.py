@@ -16,6 +16,7 @@ from pdserve.cluster.ratio import RatioController
 from pdserve.cluster.registry import Registry, make_registry
 from pdserve.cluster.responses import GatewayResponses
 from pdserve.server import protocol as P
+from pdserve.server.cors import is_preflight
 from pdserve.server.limits import HTTPLimits
 from pdserve.server.metrics import CONTENT_TYPE
 
@@ -38,6 +39,7 @@ def build_gateway_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/cluster/groups", _groups)
+    gateway.config.allow_cross_origin(app)
     return app
 
 
@@ -70,7 +72,8 @@ async def _errors(http: web.Request, handler) -> web.StreamResponse:
 @web.middleware
 async def _api_key(http: web.Request, handler) -> web.StreamResponse:
     key = http.app[GATEWAY_KEY].config.api_key
-    if key and (http.path.startswith("/v1") or http.path in ("/tokenize", "/detokenize")):
+    guarded = http.path.startswith("/v1") or http.path in ("/tokenize", "/detokenize")
+    if key and guarded and not is_preflight(http):
         given = http.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise P.APIError(401, "invalid or missing API key", code="invalid_api_key")

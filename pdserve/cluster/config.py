@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config import doc
+from pdserve.server.cors import CrossOriginConfig
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(CrossOriginConfig):
     host: str = doc("0.0.0.0", "Address the gateway binds.")
     port: int = doc(8000, "TCP port of the gateway.")
     registry: str = doc("memory://", "Where P/D groups are listed: zk://HOST:PORT[,...][/ROOT] "

@@ -21,7 +21,7 @@ from pdserve.server import protocol as P
 from pdserve.server.auth import APIKeyFileError, is_authorized, load_api_keys
 from pdserve.server.client import EngineClient, RestartPolicy
 from pdserve.server.config import ServerConfig
-from pdserve.server.cors import allow_cross_origin
+from pdserve.server.cors import is_preflight
 from pdserve.server.engine_process import DEFAULT_CORE
 from pdserve.server.limits import HTTPLimits
 from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -106,8 +106,7 @@ def build_app(client: EngineClient, config: ServerConfig,
     # Each HTTP process would keep its own responses: a continuation could miss its own.
     stored = config.max_stored_responses if config.api_server_count == 1 else 0
     ResponsesRoutes(serving, stored).add_to(app)
-    allow_cross_origin(app, config.allowed_origins, config.allow_credentials,
-                       config.allowed_methods, config.allowed_headers)
+    config.allow_cross_origin(app)
     return app
 
 
@@ -156,9 +155,7 @@ def _error_response(request: web.Request, exc: P.APIError) -> web.Response:
 @web.middleware
 async def _api_key(request: web.Request, handler) -> web.StreamResponse:
     keys = _state(request).api_keys
-    # A browser's CORS preflight carries no credentials: it asks what the call may send.
-    preflight = request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers
-    if keys and request.path.startswith(API_KEY_PATHS) and not preflight:
+    if keys and request.path.startswith(API_KEY_PATHS) and not is_preflight(request):
         if not is_authorized(request.headers.get("Authorization", ""), keys):
             raise P.APIError(401, "invalid or missing API key", code="invalid_api_key")
     return await handler(request)

@@ -11,11 +11,12 @@ import ssl
 from dataclasses import dataclass, field
 
 from pdserve.config import doc
+from pdserve.server.cors import CrossOriginConfig
 from pdserve.server.reasoning import REASONING_PARSERS
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(CrossOriginConfig):
     host: str = doc("0.0.0.0", "Address the HTTP server binds.")
     port: int = doc(8000, "TCP port of the HTTP server.")
     api_key: str | None = field(default=None, repr=False, metadata={"help": (
@@ -34,14 +35,6 @@ class ServerConfig:
     ssl_cert_reqs: int = doc(0, "Client certificates: 0 not asked for, 1 checked when sent, "
                              "2 required (as Python's ssl.CERT_NONE, CERT_OPTIONAL, "
                              "CERT_REQUIRED).", choices=(0, 1, 2))
-    allowed_origins: tuple[str, ...] = doc(("*",), "Origins whose browser pages may call "
-                                          "the API (CORS); * allows any, as vLLM.")
-    allow_credentials: bool = doc(False, "Cross-origin requests may carry credentials "
-                                  "(cookies, HTTP authentication).")
-    allowed_methods: tuple[str, ...] = doc(("*",), "HTTP methods cross-origin requests may "
-                                           "use; * allows any.")
-    allowed_headers: tuple[str, ...] = doc(("*",), "Request headers cross-origin requests "
-                                           "may send; * allows any.")
     cluster_secret: str | None = doc(None, "If set, the internal /pd/ routes (P/D groups) need "
                                      "it in the X-PDServe-Cluster-Secret header; default: "
                                      "$PDSERVE_CLUSTER_SECRET. API keys never open them.")

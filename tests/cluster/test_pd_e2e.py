@@ -230,6 +230,28 @@ def test_the_gateways_api_key_guards_the_openai_routes_and_tokenization(registry
         gateway.stop()
 
 
+def test_the_gateway_answers_cross_origin_calls_for_the_listed_origins(registry):
+    """As the server's: a preflight without the key, the P/D answer with the header; an
+    origin not listed gets none."""
+    gateway = GatewayThread(registry, api_key="sesame",
+                            allowed_origins=("http://good.example",))
+    preflight = {"Origin": "http://good.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    try:
+        status, headers, _ = gateway.http.request("OPTIONS", "/v1/completions",
+                                                  headers=preflight)
+        assert status == 200
+        assert headers["Access-Control-Allow-Origin"] == "http://good.example"
+        status, headers, _ = gateway.http.request("POST", "/v1/completions", BODY, headers={
+            "Origin": "http://good.example", "Authorization": "Bearer sesame"})
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://good.example"
+        status, headers, _ = gateway.http.request("POST", "/v1/completions", BODY, headers={
+            "Origin": "http://other.example", "Authorization": "Bearer sesame"})
+        assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    finally:
+        gateway.stop()
+
+
 def test_unknown_or_bad_scenario(gateway):
     status, _, raw = gateway.http.request("POST", "/v1/completions", BODY,
                                           headers={"X-PD-Scenario": "other"})
