@@ -371,16 +371,16 @@ def _check_serve(args: argparse.Namespace) -> None:
     args.server_config = server
 
 
-def _check_tls(server) -> None:
-    """The TLS files read before the model loads: a missing or bad one is one line."""
+def _check_tls(config) -> None:
+    """The TLS files read before anything starts: a missing or bad one is one line."""
     import ssl
 
     try:
-        server.ssl_context()
+        config.ssl_context()
     except (OSError, ssl.SSLError) as exc:
-        files = [f"--ssl-certfile {server.ssl_certfile}", f"--ssl-keyfile {server.ssl_keyfile}"]
-        if server.ssl_ca_certs:
-            files.append(f"--ssl-ca-certs {server.ssl_ca_certs}")
+        files = [f"--ssl-certfile {config.ssl_certfile}", f"--ssl-keyfile {config.ssl_keyfile}"]
+        if config.ssl_ca_certs:
+            files.append(f"--ssl-ca-certs {config.ssl_ca_certs}")
         raise UsageError(f"{' / '.join(files)}: cannot be loaded "
                          f"({getattr(exc, 'strerror', None) or exc})") from None
 
@@ -424,6 +424,7 @@ def _check_gateway(args: argparse.Namespace) -> None:
     from pdserve.cluster.config import GatewayConfig
 
     args.gateway_config = _config_from_args(GatewayConfig, args)
+    _check_tls(args.gateway_config)
     _check_registry(args.gateway_config.registry)
     _check_port_free(args.gateway_config.host, args.gateway_config.port, "--port")
 

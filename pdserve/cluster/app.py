@@ -134,13 +134,15 @@ async def start_gateway(config: GatewayConfig, registry: Registry | None = None
                            access_log=None, shutdown_timeout=config.shutdown_timeout,
                            **HTTPLimits.of(config).runner_options())
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
+    await web.TCPSite(runner, config.host, config.port,
+                      ssl_context=config.ssl_context()).start()
     ratio = None
     if config.ratio_interval_s > 0:
         load = {"prefill": gateway.prefill_load, "decode": gateway.decode_load}
         controller = RatioController(gateway.registry, gateway.metrics, load)
         ratio = asyncio.ensure_future(controller.run(config.ratio_interval_s))
-    log.info("gateway on http://%s:%d, registry %s", config.host, config.port, config.registry)
+    log.info("gateway on %s://%s:%d, registry %s", "https" if config.ssl_certfile else "http",
+             config.host, config.port, config.registry)
     return runner, gateway, ratio
 
 

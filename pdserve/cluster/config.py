@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 from pdserve.config import doc
 from pdserve.server.cors import CrossOriginConfig
+from pdserve.server.tls import TLSConfig
 
 
 @dataclass(frozen=True)
-class GatewayConfig(CrossOriginConfig):
+class GatewayConfig(CrossOriginConfig, TLSConfig):
     host: str = doc("0.0.0.0", "Address the gateway binds.")
     port: int = doc(8000, "TCP port of the gateway.")
     registry: str = doc("memory://", "Where P/D groups are listed: zk://HOST:PORT[,...][/ROOT] "
@@ -53,6 +54,9 @@ class GatewayConfig(CrossOriginConfig):
                                     "none. Each gateway keeps its own.")
     ratio_interval_s: float = doc(0.0, "Dynamic P/D ratio: seconds between the controller's "
                                   "looks at each scenario's latencies; 0 disables it.")
+
+    def __post_init__(self) -> None:
+        self.check_tls()
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,16 @@ also ``pdserve serve --help``.
 from __future__ import annotations
 
 import socket
-import ssl
 from dataclasses import dataclass, field
 
 from pdserve.config import doc
 from pdserve.server.cors import CrossOriginConfig
 from pdserve.server.reasoning import REASONING_PARSERS
+from pdserve.server.tls import TLSConfig
 
 
 @dataclass(frozen=True)
-class ServerConfig(CrossOriginConfig):
+class ServerConfig(CrossOriginConfig, TLSConfig):
     host: str = doc("0.0.0.0", "Address the HTTP server binds.")
     port: int = doc(8000, "TCP port of the HTTP server.")
     api_key: str | None = field(default=None, repr=False, metadata={"help": (
@@ -26,15 +26,6 @@ class ServerConfig(CrossOriginConfig):
     api_key_file: str | None = doc(None, "A file of API keys, one per line (blank lines and "
                                    "lines starting with # are skipped); any of them is "
                                    "accepted, as are --api-key and PDSERVE_API_KEY.")
-    ssl_keyfile: str | None = doc(None, "The TLS private key (PEM): with --ssl-certfile, "
-                                  "the server answers HTTPS only.")
-    ssl_certfile: str | None = doc(None, "The TLS certificate chain (PEM), with "
-                                   "--ssl-keyfile.")
-    ssl_ca_certs: str | None = doc(None, "CA certificates (PEM) that client certificates are "
-                                   "checked against (--ssl-cert-reqs 1 or 2).")
-    ssl_cert_reqs: int = doc(0, "Client certificates: 0 not asked for, 1 checked when sent, "
-                             "2 required (as Python's ssl.CERT_NONE, CERT_OPTIONAL, "
-                             "CERT_REQUIRED).", choices=(0, 1, 2))
     cluster_secret: str | None = doc(None, "If set, the internal /pd/ routes (P/D groups) need "
                                      "it in the X-PDServe-Cluster-Secret header; default: "
                                      "$PDSERVE_CLUSTER_SECRET. API keys never open them.")
@@ -101,33 +92,10 @@ class ServerConfig(CrossOriginConfig):
         if self.engine_restarts < 0:
             raise ValueError(f"--engine-restarts must be >= 0, not {self.engine_restarts}")
         self._check_api_server_count()
-        self._check_tls()
+        self.check_tls()
         if not self.engine_restart_backoff_s >= 0:  # NaN included
             raise ValueError(f"--engine-restart-backoff-s must be >= 0, not "
                              f"{self.engine_restart_backoff_s}")
-
-    def _check_tls(self) -> None:
-        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
-            raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or "
-                             "neither")
-        if self.ssl_certfile is None and (self.ssl_ca_certs or self.ssl_cert_reqs):
-            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and "
-                             "--ssl-certfile")
-        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
-            raise ValueError(f"--ssl-cert-reqs {self.ssl_cert_reqs} needs --ssl-ca-certs: "
-                             "the CAs client certificates are checked against")
-
-    def ssl_context(self) -> ssl.SSLContext | None:
-        """The server's TLS context (None: plain HTTP); reading a file that is missing or
-        not PEM fails here, before the model loads."""
-        if self.ssl_certfile is None:
-            return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
-        if self.ssl_ca_certs is not None:
-            context.load_verify_locations(cafile=self.ssl_ca_certs)
-        context.verify_mode = ssl.VerifyMode(self.ssl_cert_reqs)
-        return context
 
     def _check_api_server_count(self) -> None:
         count = self.api_server_count

@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 import time
+import urllib.request
 
 import pytest
 from aiohttp import web
@@ -21,7 +22,9 @@ from tests.server.conftest import (
     start_server,
     start_servers,
     stop_servers,
+    trusting,
     wait_engine_idle,
+    write_tls_files,
 )
 
 pytestmark = pytest.mark.slow
@@ -31,13 +34,14 @@ SCENARIO = "default"
 class GatewayThread:
     """The gateway on its own event loop in a thread of the test process."""
 
-    def __init__(self, registry, **options) -> None:
+    def __init__(self, registry, client_tls=None, **options) -> None:
         self.port = free_port()
         config = GatewayConfig(host="127.0.0.1", port=self.port, **options)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.runner, self.gateway, self.ratio = self._call(start_gateway(config, registry))
-        self.http = Server(None, self.port)  # the raw-HTTP and openai helpers
+        # the raw-HTTP and openai helpers (over TLS with a test CA's context)
+        self.http = Server(None, self.port, client_tls=client_tls)
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
@@ -248,6 +252,22 @@ def test_the_gateway_answers_cross_origin_calls_for_the_listed_origins(registry)
         status, headers, _ = gateway.http.request("POST", "/v1/completions", BODY, headers={
             "Origin": "http://other.example", "Authorization": "Bearer sesame"})
         assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    finally:
+        gateway.stop()
+
+
+def test_the_gateway_serves_https_in_front_of_plain_http_instances(registry, tmp_path):
+    pytest.importorskip("trustme")
+    ca = write_tls_files(tmp_path)
+    gateway = GatewayThread(registry, client_tls=trusting(ca),
+                            ssl_keyfile=str(tmp_path / "key.pem"),
+                            ssl_certfile=str(tmp_path / "cert.pem"))
+    try:
+        assert gateway.http.url.startswith("https://")
+        out = gateway.http.openai().completions.create(model="tiny", prompt="Hi", max_tokens=3)
+        assert out.usage.completion_tokens == 3
+        with pytest.raises(OSError):  # plain HTTP gets no answer
+            urllib.request.urlopen(f"http://127.0.0.1:{gateway.port}/health", timeout=10)
     finally:
         gateway.stop()
 

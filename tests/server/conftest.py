@@ -237,3 +237,31 @@ def launch():
 
     yield start
     stop_servers(started)
+
+
+def write_tls_files(folder) -> Any:
+    """A test CA's server certificate for 127.0.0.1 (``key.pem``, ``cert.pem``), the CA
+    (``ca.pem``) and a client certificate with its key (``client.pem``) in ``folder``;
+    returns the CA (``trustme``, a test dependency)."""
+    import trustme
+
+    ca = trustme.CA()
+    server_cert = ca.issue_cert("127.0.0.1", "localhost")
+    server_cert.private_key_pem.write_to_path(str(folder / "key.pem"))
+    server_cert.cert_chain_pems[0].write_to_path(str(folder / "cert.pem"))
+    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
+    client_cert = ca.issue_cert("client@example.com")
+    client_cert.private_key_and_cert_chain_pem.write_to_path(str(folder / "client.pem"))
+    return ca
+
+
+def trusting(ca, client_pem=None) -> Any:
+    """A client TLS context trusting ``ca`` (and sending ``client_pem``'s certificate)."""
+    import ssl
+
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    if client_pem is not None:
+        context.load_cert_chain(str(client_pem))
+    return context
+

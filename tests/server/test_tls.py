@@ -10,31 +10,16 @@ import urllib.request
 
 import pytest
 
-from tests.server.conftest import start_server
+from tests.server.conftest import start_server, trusting, write_tls_files
 from tests.test_cli import assert_one_line_error, pdserve
 
-trustme = pytest.importorskip("trustme")
+pytest.importorskip("trustme")
 
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tls")
-    ca = trustme.CA()
-    server_cert = ca.issue_cert("127.0.0.1", "localhost")
-    server_cert.private_key_pem.write_to_path(str(folder / "key.pem"))
-    server_cert.cert_chain_pems[0].write_to_path(str(folder / "cert.pem"))
-    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
-    client_cert = ca.issue_cert("client@example.com")
-    client_cert.private_key_and_cert_chain_pem.write_to_path(str(folder / "client.pem"))
-    return folder, ca
-
-
-def trusting(ca, client_pem=None) -> ssl.SSLContext:
-    context = ssl.create_default_context()
-    ca.configure_trust(context)
-    if client_pem is not None:
-        context.load_cert_chain(str(client_pem))
-    return context
+    return folder, write_tls_files(folder)
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +71,11 @@ def test_tls_flags_that_do_not_fit_together(flags, why):
     assert_one_line_error(pdserve("serve", "tiny", *flags), why)
 
 
-def test_a_key_file_that_is_missing_stops_before_the_model_loads(tls_files, tmp_path):
+@pytest.mark.parametrize("command", [("serve", "tiny"), ("gateway",)])
+def test_a_key_file_that_is_missing_stops_before_anything_starts(command, tls_files,
+                                                                  tmp_path):
     folder, _ = tls_files
-    result = pdserve("serve", "tiny", "--ssl-keyfile", str(tmp_path / "absent.pem"),
+    result = pdserve(*command, "--ssl-keyfile", str(tmp_path / "absent.pem"),
                      "--ssl-certfile", str(folder / "cert.pem"))
     assert_one_line_error(result, "cannot be loaded")
     assert "model loaded" not in result.stderr
