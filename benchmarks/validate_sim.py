@@ -412,39 +412,64 @@ async def replay(session, url: str, requests: list[SimRequest], args, rng) -> li
 
 
 async def measure_handoff(session, url: str, args, rng) -> dict:
+    """``PromptRounds``: all ``--prompt-rounds`` rounds at once."""
+    rounds = PromptRounds(session, url, args, rng)
+    await rounds.take(args.prompt_rounds)
+    return rounds.result()
+
+
+class PromptRounds:
     """Through the gateway, one request at a time: how long after its first token (the
     prefill's, relayed at once) a request joins the decode batch - the gap to its second
     token's chunk less the decode steps that chunk carries (each the median of the
     request's later gaps) - and its TTFT (the replay's path: the gateway's hop, the
-    prefill, the first token relayed). Median per prompt length, every handoff sample
-    (seconds: a median near zero leaves no ratio to speak of) and every TTFT over its
-    length's median.
+    prefill, the first token relayed). ``result``: the median per prompt length, every
+    handoff sample (seconds: a median near zero leaves no ratio to speak of) and every
+    TTFT over its length's median.
 
-    Timed in ``--prompt-rounds`` rounds, each one prompt of every length: the host runs
-    slow in stretches of 1-3 s (the host meter on 16 dedicated cores: a third of its
-    samples 1.5x slow), so five prompts of a length back to back (under a second) sat in
-    one stretch, and their ratios to their own median left out the spread between
-    stretches - the replay's prompts, minutes apart, spread twice as wide (an SD of
-    0.13-0.20 against 0.07-0.10 over 84bc590 and the three runs before it on that host),
-    and the simulated TTFT P99 came short in three of four such runs."""
-    lengths = list(args.prompt_lens)
-    seconds: dict[int, list[float]] = {n: [] for n in lengths}
-    ttfts: dict[int, list[float]] = {n: [] for n in lengths}
-    body = {"model": args.model, "ignore_eos": True, "max_tokens": 2 + 2 * STEP_WINDOW}
-    for _ in range(args.prompt_rounds):
-        for tokens in lengths:
-            handoff_s, ttft_s = await first_alone_answer(session, url, body, tokens, rng)
-            seconds[tokens].append(handoff_s)
-            ttfts[tokens].append(ttft_s)
-    handoff: dict[str, list] = {"points": [], "samples": [], "ttft_points": [], "ttft_ratios": []}
-    for tokens in lengths:
-        handoff["points"].append({"tokens": tokens, "seconds": float(np.median(seconds[tokens]))})
-        handoff["samples"] += seconds[tokens]
-        median = float(np.median(ttfts[tokens]))
-        handoff["ttft_points"].append({"tokens": tokens, "seconds": median,
-                                       "samples_s": ttfts[tokens]})
-        handoff["ttft_ratios"] += [x / median for x in ttfts[tokens]]
-    return handoff
+    Timed in rounds, each one prompt of every length, a few rounds at a time (``take``)
+    between the calibration's other probes: the host runs slow in stretches of 1-3 s (the
+    host meter on 16 dedicated cores: a third of its samples 1.5x slow), so five prompts of
+    a length back to back (under a second) sat in one stretch, and their ratios to their
+    own median left out the spread between stretches - the replay's prompts, minutes apart,
+    spread twice as wide (an SD of 0.13-0.20 against 0.07-0.10 over 84bc590 and the three
+    runs before it on that host), and the simulated TTFT P99 came short in three of four
+    such runs. 15 rounds back to back (~10 s, c4c67d8) still spread half as wide as the
+    replay (0.088 against 0.184), so since then ``calibrate`` spreads the rounds over the
+    whole calibration, in ``CALIBRATION_PHASES`` groups (~2 minutes)."""
+
+    def __init__(self, session, url: str, args, rng) -> None:
+        self.session, self.url, self.rng = session, url, rng
+        self.lengths = list(args.prompt_lens)
+        self.body = {"model": args.model, "ignore_eos": True, "max_tokens": 2 + 2 * STEP_WINDOW}
+        self.seconds: dict[int, list[float]] = {n: [] for n in self.lengths}
+        self.ttfts: dict[int, list[float]] = {n: [] for n in self.lengths}
+
+    async def take(self, rounds: int) -> None:
+        for _ in range(rounds):
+            for tokens in self.lengths:
+                handoff_s, ttft_s = await first_alone_answer(self.session, self.url, self.body,
+                                                             tokens, self.rng)
+                self.seconds[tokens].append(handoff_s)
+                self.ttfts[tokens].append(ttft_s)
+
+    def result(self) -> dict:
+        handoff: dict[str, list] = {"points": [], "samples": [], "ttft_points": [],
+                                    "ttft_ratios": []}
+        for tokens in self.lengths:
+            seconds, ttfts = self.seconds[tokens], self.ttfts[tokens]
+            handoff["points"].append({"tokens": tokens, "seconds": float(np.median(seconds))})
+            handoff["samples"] += seconds
+            median = float(np.median(ttfts))
+            handoff["ttft_points"].append({"tokens": tokens, "seconds": median,
+                                           "samples_s": ttfts})
+            handoff["ttft_ratios"] += [x / median for x in ttfts]
+        return handoff
+
+
+def round_groups(rounds: int, groups: int) -> list[int]:
+    """``rounds`` split into ``groups`` as even as can be (the first ones the larger)."""
+    return [rounds // groups + (i < rounds % groups) for i in range(groups)]
 
 
 async def first_alone_answer(session, url: str, body: dict, tokens: int, rng,
@@ -1305,20 +1330,27 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
     requests): prefill to the TTFTs of the handoff's answers, decode to steps of answers
     streamed through the gateway (a gateway relaying the tokens on the same cores slows
     them); prompts timed straight at the prefill instance are kept beside."""
+    # Prompts of their own: the replay's request list stays the one earlier runs drew.
+    prompts = PromptRounds(session, url, args, np.random.default_rng(args.seed + 1))
+    groups = iter(round_groups(args.prompt_rounds, CALIBRATION_PHASES))
+    await prompts.take(next(groups))
     direct_points, _ = await measure_prefill(session, prefill.url + "/v1/completions", args,
                                              rng)
     decode_points, decode_ratios = await measure_decode_rounds(
         session, url, args, rng, interpolated_seconds(direct_points), args.decode_rounds)
-    # Prompts of its own: the replay's request list stays the one earlier runs drew.
-    handoff = await measure_handoff(session, url, args, np.random.default_rng(args.seed + 1))
+    await prompts.take(next(groups))
+    sharing = await measure_sharing(session, prefill.url + "/v1/completions", url, args,
+                                    np.random.default_rng(args.seed + 2))
+    await prompts.take(next(groups))
+    sharing.update(await measure_prefill_on_path(session, url, args,
+                                                 np.random.default_rng(args.seed + 3)))
+    await prompts.take(next(groups))
+    wake = await measure_idle_wake(session, url, args, np.random.default_rng(args.seed + 4))
+    await prompts.take(next(groups))
+    handoff = prompts.result()
     points = {"prefill": handoff["ttft_points"], "decode": decode_points,
               "handoff": handoff["points"], "prefill_direct": direct_points}
     model = fitted_model(points, args)
-    sharing = await measure_sharing(session, prefill.url + "/v1/completions", url, args,
-                                    np.random.default_rng(args.seed + 2))
-    sharing.update(await measure_prefill_on_path(session, url, args,
-                                                 np.random.default_rng(args.seed + 3)))
-    wake = await measure_idle_wake(session, url, args, np.random.default_rng(args.seed + 4))
     # The fitted step at the probe's context, against the probe's alone steps.
     sharing["fitted_step_ms"] = model.decode_step_s(1, sharing["context"]) * 1e3
     return {"service_points": points,
@@ -1335,6 +1367,11 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
             "decode_hold_probability": held_stretches(sharing),
             "ratios": {"prefill": handoff["ttft_ratios"],
                        "decode_step": np.concatenate(decode_ratios).tolist()}}
+
+
+CALIBRATION_PHASES = 5
+"""Where ``calibrate`` times a group of prompt rounds: first, after the decode rounds,
+after the shared-cores probe, after the prompts on the path, after the idle probe."""
 
 
 def interpolated_seconds(points: list[dict]) -> Callable[[int], float]:
@@ -1520,7 +1557,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt-rounds", type=int, default=15,
                         help="Rounds of one prompt per length through the gateway: the "
-                        "prompts' fitted times and spread (measure_handoff).")
+                        "prompts' fitted times and spread, in 5 groups spread over the "
+                        "calibration (PromptRounds; after the replay, back to back).")
     parser.add_argument("--decode-rounds", type=int, default=3,
                         help="Times each decode point is timed, in rounds over all points "
                         "(its step: the median of its rounds').")

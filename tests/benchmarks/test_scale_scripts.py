@@ -230,6 +230,12 @@ def test_the_host_meter_is_split_by_phase_over_its_calibration_median():
     assert module.meter_phases({"decode": rows}, 100.0, {"replay": 100.0}) == {}
 
 
+def test_prompt_rounds_split_into_the_calibrations_groups():
+    groups = _script("validate_sim").round_groups
+    assert groups(15, 5) == [3, 3, 3, 3, 3]
+    assert groups(7, 5) == [2, 2, 1, 1, 1] and groups(2, 5) == [1, 1, 0, 0, 0]
+
+
 def test_prompt_spread_takes_each_ttft_over_its_lengths_median_and_follows_the_meter():
     """Two 64-token prompts (TTFT 0.1 and 0.3 s) and two of 128 (0.2 and 0.4 s); the
     prefill core's meter reads 1x through calibration and 2x around the slow ones."""
