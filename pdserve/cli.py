@@ -166,6 +166,10 @@ def _add_run_batch(sub) -> None:
     parser.add_argument("-o", "--output-file", required=True,
                         help="The answers: a local file (written whole at the end), - for "
                         "stdout, or an http(s) URL (sent with PUT at the end).")
+    parser.add_argument("--server-url", default=None, metavar="URL",
+                        help="Send the lines to this running server or P/D gateway (e.g. "
+                        "http://gateway:8000) instead of loading MODEL here; its API key "
+                        "from $PDSERVE_API_KEY. Engine and server flags are then refused.")
     _add_engine_args(parser)
     add_cli_args(parser.add_argument_group("server"), ServerConfig,
                  skip=_BATCH_SKIPPED_SERVER_FLAGS)
@@ -173,9 +177,13 @@ def _add_run_batch(sub) -> None:
 
 
 def _run_batch(args: argparse.Namespace) -> int:
-    from pdserve.server.run_batch import main
+    from pdserve.server import run_batch
 
-    return main(args.engine_config, args.server_config, args.input_file, args.output_file)
+    if args.server_url is not None:
+        return run_batch.main_remote(args.server_url, os.environ.get("PDSERVE_API_KEY"),
+                                     args.input_file, args.output_file)
+    return run_batch.main(args.engine_config, args.server_config, args.input_file,
+                          args.output_file)
 
 
 def _add_bench(sub) -> None:
@@ -397,6 +405,9 @@ def _check_run_batch(args: argparse.Namespace) -> None:
         folder = os.path.dirname(os.path.abspath(path))
         if name == "--output-file" and not os.access(folder, os.W_OK):
             raise UsageError(f"--output-file {path}: cannot write in {folder}")
+    if args.server_url is not None:
+        _check_remote_batch(args)
+        return
     _check_engine_args(args)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)
              if f.name not in _BATCH_SKIPPED_SERVER_FLAGS}
@@ -407,6 +418,23 @@ def _check_run_batch(args: argparse.Namespace) -> None:
     if server.chat_template is not None:
         load_chat_template(server.chat_template)
     args.server_config = server
+
+
+def _check_remote_batch(args: argparse.Namespace) -> None:
+    """A batch sent to a running server takes no model and no engine or server flag: the
+    server it names answers as it was started."""
+    if not args.server_url.startswith(("http://", "https://")):
+        raise UsageError(f"--server-url {args.server_url}: give an http:// or https:// URL")
+    defaults = args.parser.parse_args(["-i", "-", "-o", "-"])
+    changed = sorted(name for name, value in vars(args).items()
+                     if name not in ("input_file", "output_file", "server_url", "quiet",
+                                     "debug", "func", "check", "parser")
+                     and getattr(defaults, name, value) != value)
+    if changed:
+        flag = "MODEL" if changed[0] in ("model", "model_flag") else "--" + changed[0].replace(
+            "_", "-")
+        raise UsageError(f"{flag} with --server-url: the server at {args.server_url} "
+                         "answers as it was started; leave it out")
 
 
 def _check_kv_transport(config) -> None:

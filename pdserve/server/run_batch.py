@@ -6,7 +6,8 @@ Each line is ``{"custom_id", "method": "POST", "url", "body"}`` with ``url`` one
 ``BATCH_URLS``. The lines run through the same HTTP server ``pdserve serve`` runs, listening
 on a loopback port of its own, so a body is read, checked and answered exactly as the
 server would answer it; the engine batches the lines in flight like any concurrent
-requests (up to ``--max-concurrent-requests`` at once).
+requests (up to ``--max-concurrent-requests`` at once). With ``--server-url`` the lines go
+to a running server or P/D gateway instead, nothing loaded here.
 
 Every input line gets one output line: ``{"id", "custom_id", "response": {"status_code",
 "request_id", "body"}, "error": null}`` for an answer of the server (a 400's error body
@@ -41,6 +42,10 @@ from pdserve.server.engine_process import DEFAULT_CORE
 logger = logging.getLogger("pdserve.run_batch")
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+BUSY_TRIES = 5
+REMOTE_CONCURRENCY = 256
+"""Lines in flight at once to a running server (its own limit answers the rest with 429,
+which would be written as their answers)."""
 LINE_ERROR = "invalid_batch_line"
 
 
@@ -156,21 +161,31 @@ async def input_lines(source: str, session: aiohttp.ClientSession) -> AsyncItera
             stream.close()
 
 
-async def send(session: aiohttp.ClientSession, base_url: str, line: BatchLine) -> dict:
-    """The server's answer to one line (an error status included: its body says why)."""
-    async with session.post(base_url + line.url, json=line.body) as resp:
-        text = await resp.text()
-        try:
-            body = json.loads(text)
-        except json.JSONDecodeError:
-            body = text
-        request_id = body.get("id") if isinstance(body, dict) and resp.status == 200 else None
-        return answered(line, resp.status, body, request_id or f"req_{uuid.uuid4().hex}")
+async def send(session: aiohttp.ClientSession, base_url: str, line: BatchLine,
+               tries: int = BUSY_TRIES) -> dict:
+    """The server's answer to one line (an error status included: its body says why). A
+    busy server's 429 or 503 is tried again after its Retry-After, ``tries`` times in all:
+    a batch is in no hurry, and the answer written is the last one."""
+    for attempt in range(tries):
+        async with session.post(base_url + line.url, json=line.body) as resp:
+            status, text = resp.status, await resp.text()
+            retry_after = resp.headers.get("Retry-After", "1")
+        if status not in (429, 503) or attempt == tries - 1:
+            break
+        await asyncio.sleep(float(retry_after) if retry_after.isdigit() else 1.0)
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        body = text
+    request_id = body.get("id") if isinstance(body, dict) and status == 200 else None
+    return answered(line, status, body, request_id or f"req_{uuid.uuid4().hex}")
 
 
-async def run_lines(source: str, out, base_url: str, concurrency: int) -> BatchSummary:
+async def run_lines(source: str, out, base_url: str, concurrency: int,
+                    api_key: str | None = None) -> BatchSummary:
     """Sends every line of ``source`` to the server at ``base_url`` (at most
-    ``concurrency`` at once) and writes the output lines to ``out``."""
+    ``concurrency`` at once, with ``api_key`` as its bearer token) and writes the output
+    lines to ``out``."""
     summary, writer = BatchSummary(), OrderedWriter(out)
     gate, tasks, seen = asyncio.Semaphore(concurrency), set(), set()
     started = time.monotonic()
@@ -191,7 +206,8 @@ async def run_lines(source: str, out, base_url: str, concurrency: int) -> BatchS
         finish(line.index, output)
 
     timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         index = 0
         async for text in input_lines(source, session):
             try:
@@ -292,8 +308,31 @@ async def run_batch(engine_config: Any, config: ServerConfig, source: str, targe
     return summary
 
 
+async def run_remote_batch(base_url: str, api_key: str | None, source: str, target: str,
+                           concurrency: int = REMOTE_CONCURRENCY) -> BatchSummary:
+    """Every line of ``source`` sent to a running server or P/D gateway at ``base_url``."""
+    output = OutputFile(target)
+    try:
+        summary = await run_lines(source, output.stream, base_url.rstrip("/"), concurrency,
+                                  api_key)
+    except BaseException:
+        output.discard()
+        raise
+    await output.finish()
+    return summary
+
+
 def main(engine_config: Any, config: ServerConfig, source: str, target: str) -> int:
     """``pdserve run-batch``: runs the batch and logs what came of it."""
+    return _run_and_log(lambda: run_batch(engine_config, config, source, target), target)
+
+
+def main_remote(base_url: str, api_key: str | None, source: str, target: str) -> int:
+    """``pdserve run-batch --server-url``: the batch through a running server."""
+    return _run_and_log(lambda: run_remote_batch(base_url, api_key, source, target), target)
+
+
+def _run_and_log(batch, target: str) -> int:
     from pdserve.server.app import run_event_loop
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -301,7 +340,7 @@ def main(engine_config: Any, config: ServerConfig, source: str, target: str) -> 
 
     async def go() -> None:
         nonlocal summary
-        summary = await run_batch(engine_config, config, source, target)
+        summary = await batch()
 
     run_event_loop(go())
     failures = ", ".join(f"{n} x {why}" for why, n in sorted(summary.failures.items()))

@@ -4,6 +4,7 @@ output line per input line in the input's order, bad lines answered with the rea
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -167,3 +168,76 @@ def test_a_missing_input_file_stops_before_the_model_loads(tmp_path):
     assert result.returncode == 2
     assert "--input-file" in result.stderr and "no such file" in result.stderr
     assert "model loaded" not in result.stderr
+
+
+def test_a_batch_through_a_running_server_with_its_api_key(launch, tmp_path):
+    """--server-url: the lines go to the server named (nothing loaded here), the key from
+    $PDSERVE_API_KEY; a greedy answer equals the server's own."""
+    server = launch(api_key="sk-batch")
+    body = {**GREEDY, "prompt": "The sky is"}
+    expected = server.openai().completions.create(**body).choices[0].text
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(line("r1", "/v1/completions", body) + "\n")
+    command = [sys.executable, "-m", "pdserve", "run-batch", "-q", "-i", str(source), "-o",
+               str(target), "--server-url", server.url]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PDSERVE_API_KEY": "sk-batch"})
+    assert result.returncode == 0, result.stderr
+    (out,) = read_outputs(target.read_text())
+    assert out["response"]["status_code"] == 200
+    assert out["response"]["body"]["choices"][0]["text"] == expected
+    assert "model loaded" not in result.stderr
+    # without the key: the server's 401, written as that line's answer
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                            env={k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"})
+    assert result.returncode == 0, result.stderr
+    (out,) = read_outputs(target.read_text())
+    assert out["response"]["status_code"] == 401
+
+
+def test_engine_flags_with_a_server_url_are_refused(tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text("")
+    for extra, flag in ((["tiny"], "MODEL"), (["--max-num-seqs", "4"], "--max-num-seqs")):
+        result = subprocess.run([sys.executable, "-m", "pdserve", "run-batch", *extra, "-i",
+                                 str(source), "-o", "-", "--server-url", "http://127.0.0.1:9"],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and f"{flag} with --server-url" in result.stderr
+
+
+
+class _Busy(BaseHTTPRequestHandler):
+    """Answers 503 (Retry-After 0) to the first two POSTs, then 200."""
+
+    posts = 0
+
+    def do_POST(self) -> None:  # noqa: N802 - the http.server's name
+        self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).posts += 1
+        busy = type(self).posts <= 2
+        body = json.dumps({"error": {"message": "busy"}} if busy else {"id": "cmpl-1"}).encode()
+        self.send_response(503 if busy else 200)
+        self.send_header("Retry-After", "0")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_busy_server_is_asked_again():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "pdserve", "run-batch", "-q", "-i", "-", "-o", "-",
+             "--server-url", f"http://127.0.0.1:{server.server_address[1]}"],
+            input=line("b", "/v1/completions", {"prompt": "x"}) + "\n", capture_output=True,
+            text=True, timeout=60)
+    finally:
+        server.shutdown()
+    assert result.returncode == 0, result.stderr
+    (out,) = read_outputs(result.stdout)
+    assert out["response"]["status_code"] == 200 and _Busy.posts == 3
+    assert out["response"]["request_id"] == "cmpl-1"
