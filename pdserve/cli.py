@@ -105,9 +105,22 @@ def _add_serve(sub) -> None:
     from pdserve.cluster.config import InstanceConfig
 
     _add_engine_args(parser)
-    add_cli_args(parser.add_argument_group("server"), ServerConfig)
+    _add_front_args(parser, ServerConfig, "server")
     add_cli_args(parser.add_argument_group("P/D group"), InstanceConfig)
     parser.set_defaults(func=_run_serve, check=_check_serve)
+
+
+def _add_front_args(parser: argparse.ArgumentParser, config_cls: type, title: str) -> None:
+    """The flags of a server or gateway config, its HTTPS and CORS ones in groups of their
+    own (the config inherits them: they would come first)."""
+    from pdserve.server.cors import CrossOriginConfig
+    from pdserve.server.tls import TLSConfig
+
+    shared = tuple(f.name for part in (TLSConfig, CrossOriginConfig)
+                   for f in dataclasses.fields(part))
+    add_cli_args(parser.add_argument_group(title), config_cls, skip=shared)
+    add_cli_args(parser.add_argument_group("HTTPS"), TLSConfig)
+    add_cli_args(parser.add_argument_group("cross-origin requests (CORS)"), CrossOriginConfig)
 
 
 def _add_gateway(sub) -> None:
@@ -117,7 +130,7 @@ def _add_gateway(sub) -> None:
                             description="OpenAI-compatible front for P/D groups: offers each "
                             "prefill to the group's prefill instances (they refuse what they "
                             "cannot start in time), then relays the decode instance's answer.")
-    add_cli_args(parser, GatewayConfig)
+    _add_front_args(parser, GatewayConfig, "gateway")
     parser.set_defaults(func=_run_gateway, check=_check_gateway)
 
 
@@ -231,7 +244,7 @@ def _add_cluster(sub) -> None:
     parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                         help="Same as the positional MODEL.")
     parser.set_defaults(model=None, model_default="tiny")
-    add_cli_args(parser.add_argument_group("gateway"), GatewayConfig)
+    _add_front_args(parser, GatewayConfig, "gateway")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="Names every instance answers to (default: the model argument).")
     parser.set_defaults(func=_run_cluster, check=_check_cluster)
