@@ -151,14 +151,15 @@ async def input_lines(source: str, session: aiohttp.ClientSession) -> AsyncItera
                 if raw.strip():
                     yield raw.decode("utf-8")
         return
-    stream = sys.stdin if source == "-" else open(source, encoding="utf-8")  # noqa: SIM115
-    try:
+    if source == "-":  # a pipe may wait on its writer: read it off the event loop
+        while text := await asyncio.to_thread(sys.stdin.readline):
+            if text.strip():
+                yield text
+        return
+    with open(source, encoding="utf-8") as stream:
         for text in stream:
             if text.strip():
                 yield text
-    finally:
-        if stream is not sys.stdin:
-            stream.close()
 
 
 async def send(session: aiohttp.ClientSession, base_url: str, line: BatchLine,
