@@ -37,8 +37,8 @@ logger = logging.getLogger("pdserve.server")
 STATE_KEY = web.AppKey("state", object)
 # Draining and in-flight counting apply here; user API keys guard all but /pd/, which has
 # its own cluster secret (pdserve/server/pd.py).
-GUARDED_PATHS = ("/v1", "/pd/", "/tokenize", "/detokenize")
-API_KEY_PATHS = ("/v1", "/tokenize", "/detokenize")
+GUARDED_PATHS = ("/v1", "/pd/", "/tokenize", "/detokenize", "/invocations")
+API_KEY_PATHS = ("/v1", "/tokenize", "/detokenize", "/invocations")
 SERVER_HEADER = "X-PDServe-Api-Server"
 """With --api-server-count > 1: which HTTP process (0 .. N-1) answered."""
 
@@ -100,6 +100,10 @@ def build_app(client: EngineClient, config: ServerConfig,
     app.router.add_get("/v1/engine/timeline", _timeline)
     app.router.add_get("/v1/engine/info", _engine_info)
     app.router.add_get("/health", _health)
+    # SageMaker's routes, as vLLM serves them: /ping is /health, /invocations a generation.
+    app.router.add_get("/ping", _health)
+    app.router.add_post("/ping", _health)
+    app.router.add_post("/invocations", serving.invocations)
     app.router.add_get("/metrics", _metrics)
     PDRoutes(serving, config.cluster_secret).add_to(app)
     TokenizationRoutes(serving).add_to(app)

@@ -249,6 +249,18 @@ class OpenAIServing:
         body = P.parse_json_body(await http.read())
         return await self.run(http, *await self.prepare("chat", body))
 
+    async def invocations(self, http: web.Request) -> web.StreamResponse:
+        """SageMaker's ``/invocations``, as vLLM answers it: a body with ``messages`` is a
+        chat completion, one with ``prompt`` a completion."""
+        body = P.parse_json_body(await http.read())
+        if "messages" in body:
+            return await self.chat(http)
+        if "prompt" in body:
+            return await self.completions(http)
+        raise P.bad_request("/invocations takes a chat completion ('messages') or a "
+                            "completion ('prompt') request; this body has neither",
+                            param="messages")
+
     async def prepare(self, kind: str, body: dict) -> tuple[Format, list[int], int | None]:
         """Parses and tokenizes a request of ``kind`` ("completions" or "chat"): its answer
         format, prompt token ids and default max_tokens. Raises ``APIError`` (400)."""
