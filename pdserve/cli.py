@@ -369,7 +369,7 @@ def _check_serve(args: argparse.Namespace) -> None:
         server = dataclasses.replace(server, served_model_name=(args.model,))
     if server.chat_template is not None:
         load_chat_template(server.chat_template)
-    _check_tls(server)
+    _check_front(server)
     args.instance = _config_from_args(InstanceConfig, args)
     if args.instance.role is not None and server.ssl_certfile is not None:
         raise UsageError("--role with --ssl-certfile: the gateway and the other members reach "
@@ -390,6 +390,17 @@ def _check_serve(args: argparse.Namespace) -> None:
         _check_registry(args.instance.registry)
     _check_port_free(server.host, server.port, "--port")
     args.server_config = server
+
+
+def _check_front(config) -> None:
+    """What a server or gateway needs before anything starts: its TLS files and aiohttp-cors."""
+    from pdserve.server.cors import cors_library
+
+    _check_tls(config)
+    try:
+        cors_library()
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _check_tls(config) -> None:
@@ -430,6 +441,7 @@ def _check_run_batch(args: argparse.Namespace) -> None:
         server = dataclasses.replace(server, served_model_name=(args.model,))
     if server.chat_template is not None:
         load_chat_template(server.chat_template)
+    _check_front(server)
     args.server_config = server
 
 
@@ -465,7 +477,7 @@ def _check_gateway(args: argparse.Namespace) -> None:
     from pdserve.cluster.config import GatewayConfig
 
     args.gateway_config = _config_from_args(GatewayConfig, args)
-    _check_tls(args.gateway_config)
+    _check_front(args.gateway_config)
     _check_registry(args.gateway_config.registry)
     _check_port_free(args.gateway_config.host, args.gateway_config.port, "--port")
 

@@ -157,6 +157,17 @@ def test_missing_kazoo_for_zk_registry(tmp_path):
     assert_one_line_error(serve, "kazoo")
 
 
+def test_missing_aiohttp_cors_stops_before_anything_starts(tmp_path):
+    # An aiohttp_cors that fails to import stands in for an install that lacks it.
+    (tmp_path / "aiohttp_cors").mkdir()
+    (tmp_path / "aiohttp_cors" / "__init__.py").write_text("raise ImportError('not here')\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"}
+    for command in (("serve", "tiny"), ("gateway",)):
+        result = pdserve(*command, "--port", str(free_port()), env=env)
+        assert_one_line_error(result, "aiohttp-cors is not installed")
+        assert "model loaded" not in result.stderr
+
+
 @pytest.mark.parametrize("schedule", ["prefill-first", "chunked", "multiplex", "disagg"])
 def test_every_schedule_with_a_role_starts_or_is_refused_in_one_line(schedule):
     """Disaggregation already hands KV between its own pools: a P/D role is refused before

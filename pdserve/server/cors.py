@@ -28,8 +28,7 @@ class CrossOriginConfig:
     def allow_cross_origin(self, app: web.Application) -> None:
         """Answers cross-origin requests from ``allowed_origins`` on every route added so
         far but the internal ones."""
-        import aiohttp_cors
-
+        aiohttp_cors = cors_library()
         options = aiohttp_cors.ResourceOptions(
             allow_credentials=self.allow_credentials, expose_headers="*",
             allow_methods="*" if "*" in self.allowed_methods else list(self.allowed_methods),
@@ -44,3 +43,15 @@ def is_preflight(request: web.Request) -> bool:
     """A browser's CORS preflight: it carries no credentials, it asks what a call may send
     (API keys are checked on the call itself)."""
     return request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers
+
+
+def cors_library():
+    """aiohttp-cors, a dependency of pdserve: one clear line where an install lacks it."""
+    try:
+        import aiohttp_cors
+    except ImportError:
+        raise RuntimeError("aiohttp-cors is not installed (pip install aiohttp-cors, a "
+                           "dependency of pdserve): the server answers cross-origin "
+                           "requests with it") from None
+    return aiohttp_cors
+
