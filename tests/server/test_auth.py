@@ -60,10 +60,15 @@ def test_every_configured_key_works_and_others_get_401(keyed):
     wrong = openai.OpenAI(base_url=keyed.url + "/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model="tiny", prompt="x", max_tokens=1)
-    status, _, _ = keyed.request("POST", "/tokenize", {"prompt": "x"},
-                                 headers={"Authorization": "Bearer sk-wrong"})
-    assert status == 401
-    assert keyed.request("GET", "/health", headers={"Authorization": ""})[0] == 200
+    for path, body in (("/tokenize", {"prompt": "x"}),
+                       ("/invocations", {"model": "tiny", "prompt": "x", "max_tokens": 1})):
+        status, _, _ = keyed.request("POST", path, body,
+                                     headers={"Authorization": "Bearer sk-wrong"})
+        assert status == 401, path
+    assert keyed.request("POST", "/invocations", {"model": "tiny", "prompt": "x",
+                                                  "max_tokens": 1})[0] == 200
+    for path in ("/health", "/ping"):  # open, for probes
+        assert keyed.request("GET", path, headers={"Authorization": ""})[0] == 200
 
 
 def test_keys_are_not_on_the_command_line_or_in_the_log(keyed):
