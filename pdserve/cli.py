@@ -373,7 +373,7 @@ def _check_serve(args: argparse.Namespace) -> None:
     args.instance = _config_from_args(InstanceConfig, args)
     if args.instance.role is not None and server.ssl_certfile is not None:
         raise UsageError("--role with --ssl-certfile: the gateway and the other members reach "
-                         "an instance over plain HTTP (put TLS in front of the gateway)")
+                         "an instance over plain HTTP (give the gateway the TLS flags)")
     if args.instance.role is not None and server.api_server_count > 1:
         raise UsageError("--role takes --api-server-count 1: each HTTP process would keep "
                          "its own /pd/prefill admission, and the gateway sees one instance")
@@ -421,14 +421,14 @@ def _check_run_batch(args: argparse.Namespace) -> None:
     from pdserve.model.tokenizer import load_chat_template
     from pdserve.server.config import ServerConfig
 
-    for name, path in (("--input-file", args.input_file), ("--output-file", args.output_file)):
-        if path == "-" or path.startswith(("http://", "https://")):
-            continue
-        if name == "--input-file" and not os.path.isfile(path):
-            raise UsageError(f"--input-file {path}: no such file")
-        folder = os.path.dirname(os.path.abspath(path))
-        if name == "--output-file" and not os.access(folder, os.W_OK):
-            raise UsageError(f"--output-file {path}: cannot write in {folder}")
+    def local(path: str) -> bool:
+        return path != "-" and not path.startswith(("http://", "https://"))
+
+    if local(args.input_file) and not os.path.isfile(args.input_file):
+        raise UsageError(f"--input-file {args.input_file}: no such file")
+    folder = os.path.dirname(os.path.abspath(args.output_file))
+    if local(args.output_file) and not os.access(folder, os.W_OK):
+        raise UsageError(f"--output-file {args.output_file}: cannot write in {folder}")
     if args.server_url is not None:
         _check_remote_batch(args)
         return

@@ -168,6 +168,9 @@ def test_a_missing_input_file_stops_before_the_model_loads(tmp_path):
     assert result.returncode == 2
     assert "--input-file" in result.stderr and "no such file" in result.stderr
     assert "model loaded" not in result.stderr
+    (tmp_path / "in.jsonl").write_text("")
+    result = run_batch("-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "no" / "o.jsonl"))
+    assert result.returncode == 2 and "cannot write in" in result.stderr
 
 
 def test_a_batch_through_a_running_server_with_its_api_key(launch, tmp_path):
