@@ -50,7 +50,12 @@ LINE_ERROR = "invalid_batch_line"
 
 
 class BatchLineError(ValueError):
-    """An input line that cannot be sent: its output line carries this message."""
+    """An input line that cannot be sent: its output line carries this message (and the
+    line's ``custom_id`` where it has a readable one)."""
+
+    def __init__(self, message: str, custom_id: str | None = None) -> None:
+        super().__init__(message)
+        self.custom_id = custom_id
 
 
 @dataclass(frozen=True)
@@ -69,32 +74,31 @@ def read_line(index: int, text: str) -> BatchLine:
         raise BatchLineError(f"line {index + 1} is not JSON: {exc.msg}") from None
     if not isinstance(line, dict):
         raise BatchLineError(f"line {index + 1} is not a JSON object")
+    custom_id = line.get("custom_id")
+    problem = _line_problem(line)
+    if problem is not None:
+        raise BatchLineError(f"line {index + 1}: {problem}",
+                             custom_id if isinstance(custom_id, str) else None)
+    return BatchLine(index, custom_id, line["url"], line["body"])
+
+
+def _line_problem(line: dict) -> str | None:
+    """Why a line (a JSON object) cannot be sent; None when it can."""
     custom_id, method, url, body = (line.get(k) for k in ("custom_id", "method", "url", "body"))
     unknown = sorted(set(line) - {"custom_id", "method", "url", "body"})
     if unknown:
-        raise BatchLineError(f"line {index + 1}: unknown field '{unknown[0]}'")
+        return f"unknown field '{unknown[0]}'"
     if not isinstance(custom_id, str) or not custom_id:
-        raise BatchLineError(f"line {index + 1}: 'custom_id' must be a non-empty string")
+        return "'custom_id' must be a non-empty string"
     if method != "POST":
-        raise BatchLineError(f"line {index + 1}: 'method' must be \"POST\", not {method!r}")
+        return f"'method' must be \"POST\", not {method!r}"
     if url not in BATCH_URLS:
-        raise BatchLineError(f"line {index + 1}: 'url' {url!r} is not one of "
-                             f"{', '.join(BATCH_URLS)}")
+        return f"'url' {url!r} is not one of {', '.join(BATCH_URLS)}"
     if not isinstance(body, dict):
-        raise BatchLineError(f"line {index + 1}: 'body' must be a JSON object")
+        return "'body' must be a JSON object"
     if body.get("stream"):
-        raise BatchLineError(f"line {index + 1}: 'stream' is not supported in a batch: "
-                             "each answer is written whole")
-    return BatchLine(index, custom_id, url, body)
-
-
-def custom_id_of(text: str) -> str | None:
-    """The line's ``custom_id`` where one can be read, for the error line of a bad line."""
-    try:
-        value = json.loads(text).get("custom_id")
-    except (json.JSONDecodeError, AttributeError):
-        return None
-    return value if isinstance(value, str) else None
+        return "'stream' is not supported in a batch: each answer is written whole"
+    return None
 
 
 def answered(line: BatchLine, status: int, body: Any, request_id: str) -> dict:
@@ -215,9 +219,9 @@ async def run_lines(source: str, out, base_url: str, concurrency: int,
                 line = read_line(index, text)
                 if line.custom_id in seen:
                     raise BatchLineError(f"line {index + 1}: 'custom_id' {line.custom_id!r} "
-                                         "is used by an earlier line")
+                                         "is used by an earlier line", line.custom_id)
             except BatchLineError as exc:
-                finish(index, unsent(custom_id_of(text), str(exc)))
+                finish(index, unsent(exc.custom_id, str(exc)))
             else:
                 seen.add(line.custom_id)
                 await gate.acquire()
