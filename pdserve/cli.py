@@ -450,11 +450,9 @@ def _check_remote_batch(args: argparse.Namespace) -> None:
     server it names answers as it was started."""
     if not args.server_url.startswith(("http://", "https://")):
         raise UsageError(f"--server-url {args.server_url}: give an http:// or https:// URL")
-    defaults = args.parser.parse_args(["-i", "-", "-o", "-"])
+    own = ("command", "input_file", "output_file", "server_url", "quiet", "debug")
     changed = sorted(name for name, value in vars(args).items()
-                     if name not in ("input_file", "output_file", "server_url", "quiet",
-                                     "debug", "func", "check", "parser")
-                     and getattr(defaults, name, value) != value)
+                     if name not in own and value != args.parser.get_default(name))
     if changed:
         flag = "MODEL" if changed[0] in ("model", "model_flag") else "--" + changed[0].replace(
             "_", "-")
