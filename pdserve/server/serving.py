@@ -239,14 +239,18 @@ class OpenAIServing:
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
-        body = P.parse_json_body(await http.read())
+        return await self._completions(http, P.parse_json_body(await http.read()))
+
+    async def chat(self, http: web.Request) -> web.StreamResponse:
+        return await self._chat(http, P.parse_json_body(await http.read()))
+
+    async def _completions(self, http: web.Request, body: dict) -> web.StreamResponse:
         prepared, default_max_tokens = await self._prepare_completions(self._with_defaults(body))
         if len(prepared) == 1:
             return await self.run(http, *prepared[0], default_max_tokens)
         return await self._run_batch(http, prepared, default_max_tokens)
 
-    async def chat(self, http: web.Request) -> web.StreamResponse:
-        body = P.parse_json_body(await http.read())
+    async def _chat(self, http: web.Request, body: dict) -> web.StreamResponse:
         return await self.run(http, *await self.prepare("chat", body))
 
     async def invocations(self, http: web.Request) -> web.StreamResponse:
@@ -254,9 +258,9 @@ class OpenAIServing:
         chat completion, one with ``prompt`` a completion."""
         body = P.parse_json_body(await http.read())
         if "messages" in body:
-            return await self.chat(http)
+            return await self._chat(http, body)
         if "prompt" in body:
-            return await self.completions(http)
+            return await self._completions(http, body)
         raise P.bad_request("/invocations takes a chat completion ('messages') or a "
                             "completion ('prompt') request; this body has neither",
                             param="messages")
