@@ -321,14 +321,17 @@ async def measure_decode_streams(session, url: str, args, rng,
 
 async def measure_decode_rounds(session, url: str, args, rng,
                                 prefill_s: Callable[[int], float], rounds: int,
-                                ) -> tuple[list[dict], list[np.ndarray]]:
-    """``measure_decode_streams`` ``rounds`` times in a row: each
-    point's step the median of its rounds' (its context their mean), each stream's ratios
-    over that median.
+                                warmup: int = 0) -> tuple[list[dict], list[np.ndarray]]:
+    """``measure_decode_streams`` ``rounds`` times in a row, after ``warmup`` rounds
+    kept out of the fit and the spread (their steps recorded as ``warmup_step_ms``):
+    each point's step the median of its rounds' (its context their mean), each stream's
+    ratios over that median.
     One round times each point in one stretch of the host, and the host's slow stretches
     last seconds to a minute: a point met in one moved the fitted step by 10-20% from
     run to run (a batch of 1 at 1,089 tokens stepped in 5.65 ms in one calibration,
     4.0-5.1 in others)."""
+    warm = [(await measure_decode_streams(session, url, args, rng, prefill_s))[0]
+            for _ in range(warmup)]
     rounds = [await measure_decode_streams(session, url, args, rng, prefill_s)
               for _ in range(rounds)]
     points, streams = [], []
@@ -338,6 +341,7 @@ async def measure_decode_rounds(session, url: str, args, rng,
         points.append({**point, "context": round(float(np.mean([r[0][i]["context"]
                                                                  for r in rounds]))),
                        "step_ms": median, "round_step_ms": steps,
+                       "warmup_step_ms": [w[i]["step_ms"] for w in warm],
                        "streams": sum(r[0][i]["streams"] for r in rounds)})
         for (round_points, round_streams), step in zip(rounds, steps, strict=True):
             first = sum(p["streams"] for p in round_points[:i])
@@ -1337,7 +1341,8 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
     direct_points, _ = await measure_prefill(session, prefill.url + "/v1/completions", args,
                                              rng)
     decode_points, decode_ratios = await measure_decode_rounds(
-        session, url, args, rng, interpolated_seconds(direct_points), args.decode_rounds)
+        session, url, args, rng, interpolated_seconds(direct_points), args.decode_rounds,
+        warmup=args.decode_warmup_rounds)
     await prompts.take(next(groups))
     sharing = await measure_sharing(session, prefill.url + "/v1/completions", url, args,
                                     np.random.default_rng(args.seed + 2))
@@ -1562,6 +1567,11 @@ def main() -> int:
     parser.add_argument("--decode-rounds", type=int, default=3,
                         help="Times each decode point is timed, in rounds over all points "
                         "(its step: the median of its rounds').")
+    parser.add_argument("--decode-warmup-rounds", type=int, default=1,
+                        help="Untimed rounds over every decode point before the timed "
+                        "ones: the first streams of a fresh decode instance ran 2-3.5x "
+                        "slower for seconds (four runs of five on a 16-core host), and "
+                        "their ratios read as the host's slow stretches.")
     parser.add_argument("--decode-rounds-after", type=int, default=1,
                         help="Rounds of decode steps timed again after the replay, with "
                         "the prompts both ways: the drift, and a model fitted to both "

@@ -115,9 +115,12 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     assert np.concatenate(result["idle_wake"]["points"]) == pytest.approx(
         np.concatenate(fitted))
     assert len(result["service_points"]["decode"][0]["round_step_ms"]) == 3
+    # one untimed round first, recorded beside and kept out of the fit and the spread
+    assert all(len(p["warmup_step_ms"]) == 1 for p in result["service_points"]["decode"])
     # Timed again after the replay (one decode round); a model fitted to both sides beside.
     again = result["recalibration"]["service_points"]
     assert len(again["decode"][0]["round_step_ms"]) == 1
+    assert again["decode"][0]["warmup_step_ms"] == []  # the instance is warm by then
     assert set(result["recalibration"]["drift"]) == {"prefill", "prefill_direct", "decode"}
     module = _script("validate_sim")
     pooled = module.bracketed(result["service_points"], again)
