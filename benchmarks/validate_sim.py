@@ -1,7 +1,9 @@
 """Validation: a real P/D group (one prefill and one decode instance behind the real gateway)
 against the simulator fitted to those instances.
 
-1. Measure the instances' service times over HTTP, on the replay's path (through the
+1. Warm the group (``--warmup-s`` of untimed prompts through the gateway, and one
+   untimed round of decode streams: a fresh group's first seconds ran 2x slow), then
+   measure the instances' service times over HTTP, on the replay's path (through the
    gateway): prefill as the TTFT of streamed answers of several prompt lengths (one at a
    time; one-token completions straight at the prefill instance kept beside), decode as
    the interval between streamed tokens of ``batch`` requests running together at two
@@ -469,6 +471,21 @@ class PromptRounds:
                                            "samples_s": ttfts})
             handoff["ttft_ratios"] += [x / median for x in ttfts]
         return handoff
+
+
+async def warm_group(session, url: str, args, rng) -> dict:
+    """Untimed rounds of ``PromptRounds`` through the gateway for ``--warmup-s`` seconds
+    (at least one) before anything is timed: a fresh group ran its first prompts 2x slower
+    for seconds (4381749, two runs on a 16-core host: the first three rounds of every
+    length, 12 of the 60 samples the prompts' spread was drawn from, which took the
+    simulated TTFT P99 76-79% over the measured one; the replay, after the calibration,
+    never meets a fresh group). Returns the TTFTs (ms) per length, in order."""
+    rounds, start = PromptRounds(session, url, args, rng), time.monotonic()
+    await rounds.take(1)
+    while time.monotonic() - start < args.warmup_s:
+        await rounds.take(1)
+    return {"seconds": time.monotonic() - start,
+            "ttft_ms": {str(n): [t * 1e3 for t in ttfts] for n, ttfts in rounds.ttfts.items()}}
 
 
 def round_groups(rounds: int, groups: int) -> list[int]:
@@ -1150,6 +1167,8 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
     its recorded model, factors, spread and requests. ``steps``: the prefill instance's
     steps where the run did not record them."""
     run = load_json(path)  # committed runs are gzip-compressed (.json.gz)
+    if args.skip_prompt_rounds:
+        run = without_first_prompt_rounds(run, args.skip_prompt_rounds)
     if "prefill_steps" in run:
         steps = PrefillSteps(**run["prefill_steps"])
     if steps is None:
@@ -1178,6 +1197,7 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
                             replay_prompt_ratios=replayed)
     measured = {key: run["compare"][key]["measured"] for key in ("ttft_s", "tpot_s")}
     result = {"resimulated": path, "recorded_revision": run.get("git_revision"),
+              "skipped_prompt_rounds": args.skip_prompt_rounds,
               "prefill_steps": dataclasses.asdict(steps), "refit": args.refit,
               "replay_host_speed": host_speed,
               "replay_decode_engine_speed": engine_speed,
@@ -1198,6 +1218,24 @@ def resimulate(path: str, args, steps: PrefillSteps | None) -> dict:
             run, unwoken)
         result["prompt_spread"] = prompt_spread(run, simulated["simulated_medians_only"])
     return result
+
+
+def without_first_prompt_rounds(run: dict, rounds: int) -> dict:
+    """The run as if its first ``rounds`` rounds of prompts through the gateway had been
+    untimed: each length's TTFT samples without them, its median and the prompts' ratios
+    taken again (a check of what a warm-up would have changed, in-sample; the handoff
+    points stay as recorded)."""
+    points, ratios = [], []
+    for point in run["service_points"]["prefill"]:
+        samples = point["samples_s"][rounds:]
+        if not samples:
+            raise SystemExit(f"--skip-prompt-rounds {rounds}: {point['tokens']} tokens has "
+                             f"only {len(point['samples_s'])} samples")
+        median = float(np.median(samples))
+        points.append({**point, "seconds": median, "samples_s": samples})
+        ratios += [x / median for x in samples]
+    return {**run, "service_points": {**run["service_points"], "prefill": points},
+            "service_ratios": {**run["service_ratios"], "prefill": ratios}}
 
 
 def refitted(run: dict, args) -> tuple[LatencyModel, dict | None]:
@@ -1335,6 +1373,7 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
     streamed through the gateway (a gateway relaying the tokens on the same cores slows
     them); prompts timed straight at the prefill instance are kept beside."""
     # Prompts of their own: the replay's request list stays the one earlier runs drew.
+    warmup = await warm_group(session, url, args, np.random.default_rng(args.seed + 6))
     prompts = PromptRounds(session, url, args, np.random.default_rng(args.seed + 1))
     groups = iter(round_groups(args.prompt_rounds, CALIBRATION_PHASES))
     await prompts.take(next(groups))
@@ -1358,7 +1397,7 @@ async def calibrate(session, prefill: ServeProcess, decode: ServeProcess, url: s
     model = fitted_model(points, args)
     # The fitted step at the probe's context, against the probe's alone steps.
     sharing["fitted_step_ms"] = model.decode_step_s(1, sharing["context"]) * 1e3
-    return {"service_points": points,
+    return {"warmup": warmup, "service_points": points,
             "handoff_samples_ms": ms_percentiles(handoff["samples"]),
             "shared_cores_probe": sharing,
             "idle_probe": wake,
@@ -1567,6 +1606,9 @@ def main() -> int:
     parser.add_argument("--decode-rounds", type=int, default=3,
                         help="Times each decode point is timed, in rounds over all points "
                         "(its step: the median of its rounds').")
+    parser.add_argument("--warmup-s", type=float, default=10.0,
+                        help="Untimed prompts through the gateway before the calibration "
+                        "(warm_group): a fresh group's first seconds ran 2x slow.")
     parser.add_argument("--decode-warmup-rounds", type=int, default=1,
                         help="Untimed rounds over every decode point before the timed "
                         "ones: the first streams of a fresh decode instance ran 2-3.5x "
@@ -1628,6 +1670,10 @@ def main() -> int:
                         help="With --resimulate, fit the model (and the both-sides one) "
                         "again from the run's recorded service points by today's fit, "
                         "instead of taking the model the run recorded.")
+    parser.add_argument("--skip-prompt-rounds", type=int, default=0, metavar="K",
+                        help="With --resimulate, leave out the run's first K rounds of "
+                        "prompts through the gateway (their medians and spread; with "
+                        "--refit the model too): what a warm-up would have changed.")
     parser.add_argument("--assume-prefill-steps", type=assumed_steps, metavar="CHUNK[,late]",
                         help="With --resimulate, for a run that did not record them: the "
                         "prefill instance's chunk budget, and 'late' where its tokens came "

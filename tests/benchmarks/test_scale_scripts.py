@@ -93,7 +93,8 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
                   "--prompt-lens", "32,64", "--decode-batches", "1,2",
                   "--decode-contexts", "32", "--min-output", "12", "--max-output", "20",
                   "--sharing-cycles", "1", "--decode-steps", "64",
-                  "--idle-pauses-s", "0.1,0.3", out=tmp_path / "validation.json")
+                  "--idle-pauses-s", "0.1,0.3", "--warmup-s", "0.5",
+                  out=tmp_path / "validation.json")
     assert result["kind"] == "validation"
     # The instances ran with glibc's heap kept (the default), and the run says so.
     kept = _script("validate_sim").KEEP_HEAP_ENV
@@ -115,6 +116,11 @@ def test_validation_puts_measured_and_simulated_side_by_side(tmp_path):
     assert np.concatenate(result["idle_wake"]["points"]) == pytest.approx(
         np.concatenate(fitted))
     assert len(result["service_points"]["decode"][0]["round_step_ms"]) == 3
+    # the group warmed first: at least one untimed round of every length, kept apart
+    warm = result["warmup"]
+    assert warm["seconds"] >= 0.5 and set(warm["ttft_ms"]) == {"32", "64"}
+    assert len({len(ttfts) for ttfts in warm["ttft_ms"].values()}) == 1
+    assert len(result["service_ratios"]["prefill"]) == 4
     # one untimed round first, recorded beside and kept out of the fit and the spread
     assert all(len(p["warmup_step_ms"]) == 1 for p in result["service_points"]["decode"])
     # Timed again after the replay (one decode round); a model fitted to both sides beside.
@@ -862,3 +868,22 @@ def test_the_gateway_and_client_cores_keep_off_the_instances_cores(monkeypatch):
     monkeypatch.setattr(module, "physical_core", lambda cpu: f"{cpu // 2 * 2}-{cpu // 2 * 2 + 1}")
     assert module.instance_cores(args) == [{0}, {2}]
     assert module.client_cores(args) == {4, 5, 6, 7}
+
+
+def test_validation_resimulated_without_first_prompt_rounds_drops_them_per_length():
+    module = _script("validate_sim")
+    run = {"service_points": {"prefill": [
+               {"tokens": 64, "seconds": 0.03, "samples_s": [0.09, 0.02, 0.03, 0.04]},
+               {"tokens": 256, "seconds": 0.1, "samples_s": [0.3, 0.1, 0.05, 0.2]}],
+               "decode": [{"batch": 1}]},
+           "service_ratios": {"prefill": [9.0], "decode_step": [1.0, 1.1]}}
+    warm = module.without_first_prompt_rounds(run, 1)
+    assert [p["samples_s"] for p in warm["service_points"]["prefill"]] == [
+        [0.02, 0.03, 0.04], [0.1, 0.05, 0.2]]
+    assert [p["seconds"] for p in warm["service_points"]["prefill"]] == [0.03, 0.1]
+    assert warm["service_ratios"]["prefill"] == pytest.approx(
+        [2 / 3, 1.0, 4 / 3, 1.0, 0.5, 2.0])
+    assert warm["service_ratios"]["decode_step"] == [1.0, 1.1]  # decode untouched
+    assert run["service_points"]["prefill"][0]["samples_s"][0] == 0.09  # a copy
+    with pytest.raises(SystemExit, match="only 4 samples"):
+        module.without_first_prompt_rounds(run, 4)
