@@ -63,6 +63,13 @@ class DescribeQuery:
 
 
 @dataclass(slots=True)
+class ResetPrefixCacheQuery:
+    """Asks for ``EngineCore.reset_prefix_cache()``; answered by a ``ResetPrefixCacheReply``."""
+
+    query_id: int
+
+
+@dataclass(slots=True)
 class RequestMetricsQuery:
     """Asks for the request metrics summed over every HTTP process; answered by a
     ``RequestMetricsReply``."""
@@ -194,6 +201,13 @@ class DescribeReply:
 
 
 @dataclass(slots=True)
+class ResetPrefixCacheReply:
+    query_id: int
+    counts: dict
+    """``EngineCore.reset_prefix_cache()``'s: blocks forgotten, cached blocks kept in use."""
+
+
+@dataclass(slots=True)
 class RequestMetricsReply:
     query_id: int
     metrics: RequestMetrics
@@ -241,6 +255,6 @@ class EngineStats:
 
 
 ToEngine = (AddRequest | AbortRequests | Shutdown | TimelineQuery | DescribeQuery
-            | RequestMetrics | RequestMetricsQuery)
+            | ResetPrefixCacheQuery | RequestMetrics | RequestMetricsQuery)
 FromEngine = (EngineReady | EngineDead | StepOutputs | RequestRejected | EngineStats
-              | TimelineReply | DescribeReply | RequestMetricsReply)
+              | TimelineReply | DescribeReply | ResetPrefixCacheReply | RequestMetricsReply)

@@ -115,6 +115,20 @@ class BlockManager:
         request.block_ids = []
         request.num_committed_blocks = 0
 
+    def reset_prefix_cache(self) -> tuple[int, int]:
+        """Forgets the contents of every cached block no request holds, so no later prompt
+        hits them (benchmark runs that must not share a prefix, vLLM's and SGLang's cache
+        reset). Blocks in use keep theirs: they are live, and what they hold is right.
+        Returns (blocks forgotten, cached blocks kept because in use)."""
+        forgotten = 0
+        for block_id in self.free_blocks:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash, block.token_ids = None, ()
+                forgotten += 1
+        return forgotten, len(self.cached)
+
     def _take(self, block_id: int) -> int:
         """Adds a reference to a block, keeping its contents (a prefix hit)."""
         block = self.blocks[block_id]

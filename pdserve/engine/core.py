@@ -546,6 +546,14 @@ class EngineCore:
         decode batch, prefill tokens); the others: their steps (``pdserve.sched.steps``)."""
         return self.scheduler.timeline(since)
 
+    def reset_prefix_cache(self) -> dict:
+        """``BlockManager.reset_prefix_cache`` on every KV pool: counts summed."""
+        forgotten = kept = 0
+        for pool in self.scheduler.pools().values():
+            dropped, in_use = pool.reset_prefix_cache()
+            forgotten, kept = forgotten + dropped, kept + in_use
+        return {"forgotten_blocks": forgotten, "cached_blocks_in_use": kept}
+
     def check_integrity(self) -> None:
         for name, pool in self.scheduler.pools().items():
             pool.check_integrity(self.scheduler.live_requests(name))

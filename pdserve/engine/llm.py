@@ -77,6 +77,11 @@ class LLM:
         parallelism, the worker processes (otherwise they go when this object does)."""
         self.engine.close()
 
+    def reset_prefix_cache(self) -> dict:
+        """Forgets every cached prompt block no request holds (``EngineCore.reset_prefix_cache``:
+        the counts); runs between ``generate`` calls, where nothing is running."""
+        return self.engine.reset_prefix_cache()
+
     def __enter__(self) -> LLM:
         return self
 

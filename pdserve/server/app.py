@@ -38,7 +38,7 @@ STATE_KEY = web.AppKey("state", object)
 # Draining and in-flight counting apply here; user API keys guard all but /pd/, which has
 # its own cluster secret (pdserve/server/pd.py).
 GUARDED_PATHS = ("/v1", "/pd/", "/tokenize", "/detokenize", "/invocations")
-API_KEY_PATHS = ("/v1", "/tokenize", "/detokenize", "/invocations")
+API_KEY_PATHS = ("/v1", "/tokenize", "/detokenize", "/invocations", "/reset_prefix_cache")
 SERVER_HEADER = "X-PDServe-Api-Server"
 """With --api-server-count > 1: which HTTP process (0 .. N-1) answered."""
 
@@ -105,6 +105,7 @@ def build_app(client: EngineClient, config: ServerConfig,
     app.router.add_post("/ping", _health)
     app.router.add_post("/invocations", serving.invocations)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     PDRoutes(serving, config.cluster_secret).add_to(app)
     TokenizationRoutes(serving).add_to(app)
     # Each HTTP process would keep its own responses: a continuation could miss its own.
@@ -210,6 +211,18 @@ async def _timeline(request: web.Request) -> web.Response:
     since = _float_query(request, "since")
     entries = await _state(request).client.timeline(since)
     body = {"object": "engine.timeline", "now": time.monotonic(), "entries": entries}
+    return web.Response(body=P.dumps(body), content_type="application/json")
+
+
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    """Forgets the prefix cache's free blocks (``EngineCore.reset_prefix_cache``), as
+    vLLM's route of that name and SGLang's ``/flush_cache``: benchmark runs that must not
+    hit each other's prompts. Blocks that running requests hold stay cached (their
+    contents are live and right); the answer counts both."""
+    counts = await _state(request).client.reset_prefix_cache()
+    if counts is None:
+        raise P.APIError(501, "this engine keeps no prefix cache to reset")
+    body = {"object": "prefix_cache.reset", **counts}
     return web.Response(body=P.dumps(body), content_type="application/json")
 
 

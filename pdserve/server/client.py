@@ -32,6 +32,8 @@ from pdserve.messages import (
     RequestMetricsReply,
     RequestRejected,
     RequestUpdate,
+    ResetPrefixCacheQuery,
+    ResetPrefixCacheReply,
     Shutdown,
     StepOutputs,
     TimelineQuery,
@@ -307,6 +309,11 @@ class EngineClient:
         start-up snapshot, ``setup``, would show counters at zero)."""
         return await self._query(DescribeQuery, timeout)
 
+    async def reset_prefix_cache(self, timeout: float = 30.0) -> dict | None:
+        """``EngineCore.reset_prefix_cache()``: the counts, or None where the engine keeps
+        no prefix cache to reset."""
+        return await self._query(ResetPrefixCacheQuery, timeout)
+
     async def _query(self, make: Any, timeout: float) -> Any:
         if self.dead_reason is not None:
             raise APIError(503, "the engine is not running")
@@ -363,7 +370,8 @@ class EngineClient:
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, EngineStats):
             self.stats = message
-        elif isinstance(message, TimelineReply | DescribeReply | RequestMetricsReply):
+        elif isinstance(message, TimelineReply | DescribeReply | ResetPrefixCacheReply
+                        | RequestMetricsReply):
             future = self._queries.get(message.query_id)
             if future is not None and not future.done():
                 future.set_result(_answer(message))
@@ -505,9 +513,12 @@ class EngineClient:
             transfer, kv_transfer_port=port))
 
 
-def _answer(reply: TimelineReply | DescribeReply | RequestMetricsReply) -> Any:
+def _answer(reply: TimelineReply | DescribeReply | ResetPrefixCacheReply
+            | RequestMetricsReply) -> Any:
     if isinstance(reply, TimelineReply):
         return reply.entries
+    if isinstance(reply, ResetPrefixCacheReply):
+        return reply.counts
     return reply.info if isinstance(reply, DescribeReply) else reply
 
 

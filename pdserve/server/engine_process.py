@@ -26,6 +26,8 @@ from pdserve.messages import (
     RequestMetricsQuery,
     RequestMetricsReply,
     RequestRejected,
+    ResetPrefixCacheQuery,
+    ResetPrefixCacheReply,
     Shutdown,
     StepOutputs,
     TimelineQuery,
@@ -155,6 +157,8 @@ class EngineLoop:
             reply = TimelineReply(query.query_id, self._timeline(query.since))
         elif isinstance(query, DescribeQuery):
             reply = DescribeReply(query.query_id, _describe(self.core))
+        elif isinstance(query, ResetPrefixCacheQuery):
+            reply = ResetPrefixCacheReply(query.query_id, self._reset_prefix_cache())
         elif isinstance(query, RequestMetricsQuery):
             others = sum(1 for owner in self._owners.values() if owner != index)
             reply = RequestMetricsReply(query.query_id, self._request_metrics, others)
@@ -177,6 +181,10 @@ class EngineLoop:
             logger.warning("server process %d is gone; aborting its %d request(s)", index,
                            len(orphans))
             self._abort(orphans)
+
+    def _reset_prefix_cache(self) -> dict | None:
+        reset = getattr(self.core, "reset_prefix_cache", None)  # test stand-ins keep none
+        return reset() if reset is not None else None
 
     def _timeline(self, since: float | None) -> list[dict]:
         timeline = getattr(self.core, "timeline", None)  # test stand-ins keep none

@@ -80,3 +80,24 @@ def test_block_table_row_is_rewritten_after_preemption():
     assert tables.row(request)[:3].tolist() == [1, 2, 7]
     request.block_ids = [1, 2, 7, 9]
     assert tables.row(request)[:4].tolist() == [1, 2, 7, 9]
+
+
+def test_reset_prefix_cache_forgets_free_blocks_and_keeps_those_in_use():
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    running, finished = make_request(8), make_request(8, first_token=100)
+    _compute_all(blocks, running)
+    _compute_all(blocks, finished)
+    blocks.free(finished)
+    assert blocks.reset_prefix_cache() == (2, 2)  # finished's two forgotten, running's kept
+    again = make_request(8, first_token=100)
+    blocks.admit(again)
+    assert again.num_computed == 0, "a forgotten prefix is no hit"
+    same = make_request(8)
+    blocks.admit(same)
+    assert same.num_computed == 4, "a running request's blocks are still shared"
+    blocks.check_integrity([running, again, same])
+    for request in (running, again, same):
+        blocks.free(request)
+    assert blocks.reset_prefix_cache() == (2, 0)
+    assert not blocks.cached
+    blocks.check_integrity([])

@@ -61,12 +61,14 @@ def test_every_configured_key_works_and_others_get_401(keyed):
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model="tiny", prompt="x", max_tokens=1)
     for path, body in (("/tokenize", {"prompt": "x"}),
-                       ("/invocations", {"model": "tiny", "prompt": "x", "max_tokens": 1})):
+                       ("/invocations", {"model": "tiny", "prompt": "x", "max_tokens": 1}),
+                       ("/reset_prefix_cache", b"")):
         status, _, _ = keyed.request("POST", path, body,
                                      headers={"Authorization": "Bearer sk-wrong"})
         assert status == 401, path
     assert keyed.request("POST", "/invocations", {"model": "tiny", "prompt": "x",
                                                   "max_tokens": 1})[0] == 200
+    assert keyed.request("POST", "/reset_prefix_cache", b"")[0] == 200
     for path in ("/health", "/ping"):  # open, for probes
         assert keyed.request("GET", path, headers={"Authorization": ""})[0] == 200
 
