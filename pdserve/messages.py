@@ -160,6 +160,8 @@ class RequestUpdate:
     prompt_logprobs: list[PromptLogprob | None] | None = None
     """On the first update of a request that asked for them: one entry per prompt token
     (None for the first, which nothing predicts)."""
+    embedding: list[float] | None = None
+    """On the first update of a request with ``return_embedding``: the prompt's embedding."""
 
     def __reduce__(self) -> tuple:
         # Positional fields pickle in about half the time of the default slots state, on
@@ -167,7 +169,7 @@ class RequestUpdate:
         return (RequestUpdate, (self.request_id, self.new_token_ids, self.new_logprobs,
                              self.finished, self.finish_reason, self.num_prompt_tokens,
                              self.num_cached_tokens, self.time, self.engine_arrival_time,
-                             self.prompt_logprobs))
+                             self.prompt_logprobs, self.embedding))
 
 
 @dataclass(slots=True)

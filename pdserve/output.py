@@ -93,6 +93,7 @@ class OutputProcessor:
         self.finished = False
         self.num_generated = 0
         self.num_cached_tokens = 0
+        self.embedding: list[float] | None = None  # ``return_embedding``: with the first token
         self._unsent = ""  # resumed text the client has not got yet
         self._skip = 0  # characters of coming text the client already got
         self.resumed_text = ""
@@ -158,6 +159,8 @@ class OutputProcessor:
             self.num_cached_tokens = update.num_cached_tokens
             if update.prompt_logprobs is not None:
                 self._prompt_scores = update.prompt_logprobs
+            if update.embedding is not None:
+                self.embedding = update.embedding
             if update.finished:
                 reason = update.finish_reason
                 break

@@ -33,6 +33,8 @@ class Request:
     num_scoring: ClassVar[int] = 0
     """Requests of this process still to score their prompt: while none is, a step spends
     nothing on prompt logprobs, not even a pass over its batch."""
+    num_embedding: ClassVar[int] = 0
+    """Requests of this process whose embedding is still to be taken: as ``num_scoring``."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -67,6 +69,10 @@ class Request:
     # Prompt logprobs asked for and not yet sent: one entry per prompt position, filled as
     # the prefill steps score them (None: the first token, or not scored yet).
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    # ``params.return_embedding``: True until the step of its first token takes its
+    # embedding (``claim_embedding``); the embedding, once stored, until sent.
+    embedding_pending: bool = False
+    embedding: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -75,6 +81,22 @@ class Request:
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
             Request.num_scoring += 1
+        if self.params.return_embedding:
+            self.embedding_pending = True
+            Request.num_embedding += 1
+
+    def claim_embedding(self) -> bool:
+        """True once: for the step that samples its first token (its last prompt token's
+        row is the embedding), and for no later one. The engine also calls it when it
+        forgets a request, so an aborted one stops counting in ``num_embedding``."""
+        pending, self.embedding_pending = self.embedding_pending, False
+        Request.num_embedding -= pending
+        return pending
+
+    def take_embedding(self) -> list[float] | None:
+        """The stored embedding, once: it goes out with the first token."""
+        embedding, self.embedding = self.embedding, None
+        return embedding
 
     @property
     def scores_prompt(self) -> bool:

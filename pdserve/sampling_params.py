@@ -111,6 +111,10 @@ class SamplingParams:
     only 0."""
     grammar: GrammarSpec | None = None
     """Only tokens that keep the output inside this grammar are sampled (structured output)."""
+    return_embedding: bool = False
+    """Also return the prompt's embedding: the model's last hidden state (after the final
+    norm) at the last prompt token, L2-normalized - last-token pooling, as decoder models
+    used as embedders (E5-Mistral, GTE-Qwen) are pooled. The server's /v1/embeddings."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -144,6 +148,7 @@ class SamplingParams:
                "stop_token_ids must be integers >= 0")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be >= 0")
         _check(_is_int(self.priority), "priority must be an integer")
+        _check(isinstance(self.return_embedding, bool), "return_embedding must be a boolean")
         _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)

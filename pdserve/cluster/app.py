@@ -36,6 +36,8 @@ def build_gateway_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/v1/models/{model:.+}", _model)
     for path in ("/tokenize", "/detokenize"):
         app.router.add_post(path, _relayed(path))
+    # Whole prompts and no decode: a prefill instance's work, tried first.
+    app.router.add_post("/v1/embeddings", _relayed("/v1/embeddings", ("prefill", "decode")))
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/cluster/groups", _groups)
@@ -50,9 +52,9 @@ def _forward(kind: str):
     return handler
 
 
-def _relayed(path: str):
+def _relayed(path: str, roles: tuple[str, ...] = ("decode", "prefill")):
     async def handler(http: web.Request) -> web.Response:
-        return await http.app[GATEWAY_KEY].relay(http, path)
+        return await http.app[GATEWAY_KEY].relay(http, path, roles)
 
     return handler
 

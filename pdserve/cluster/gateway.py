@@ -491,15 +491,17 @@ class Gateway:
 
     # ---- what the group looks like ------------------------------------------------------
 
-    async def relay(self, http: web.Request, path: str) -> web.Response:
-        """``/tokenize`` and ``/detokenize``: answered by an instance of the request's
-        scenario (any one: they share the model and its tokenizer), the next one if it
-        cannot be reached; the client's API key goes with it, for an instance that asks."""
+    async def relay(self, http: web.Request, path: str,
+                    roles: tuple[str, ...] = ("decode", "prefill")) -> web.Response:
+        """``/tokenize``, ``/detokenize`` and ``/v1/embeddings``: answered by an instance of
+        the request's scenario (any one: they share the model and its tokenizer; those of
+        ``roles``' first role tried first), the next one if it cannot be reached; the
+        client's API key goes with it, for an instance that asks."""
         body, scenario = await http.read(), self._scenario(http)
         headers = {**self._headers(), "Content-Type": "application/json"}
         if "Authorization" in http.headers:
             headers["Authorization"] = http.headers["Authorization"]
-        instances = self._live(scenario, "decode") + self._live(scenario, "prefill")
+        instances = [i for role in roles for i in self._live(scenario, role)]
         for instance in instances:
             try:
                 async with self._session.post(f"http://{instance.http}{path}", data=body,

@@ -184,6 +184,9 @@ class EngineCore:
         if params.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs is not supported when prefill and "
                                       "decode run on different instances")
+        if params.return_embedding:
+            raise InvalidRequestError("an embedding is not split between instances: send "
+                                      "it as a request of its own")
         if handoff.is_decode and not 0 <= handoff.first_token < self.arch.vocab_size:
             raise InvalidRequestError(f"first token {handoff.first_token} is not in the "
                                       f"vocabulary [0, {self.arch.vocab_size})")
@@ -350,6 +353,8 @@ class EngineCore:
             return self._end(self.scheduler.fail(work), sampled=())
         if launch.prompt is not None:  # before the updates: the first one carries them
             launch.prompt.store()
+        if launch.embed is not None:
+            launch.embed.store()
         exports = self._export_candidates(work)
         # Ended while this launch ran (overlap: a stop seen one step late, an abort): their
         # tokens are dropped by the policy and never emitted.
@@ -470,10 +475,12 @@ class EngineCore:
         return RequestUpdate(request.request_id, tokens, logprobs, request.is_finished,
                              request.finish_reason, request.num_prompt_tokens,
                              request.num_cached_tokens, time.monotonic(),
-                             prompt_logprobs=prompt)
+                             prompt_logprobs=prompt,
+                             embedding=request.take_embedding() if tokens else None)
 
     def _forget(self, request: Request) -> None:
         request.take_prompt_logprobs()  # ended before its first token: no longer scoring
+        request.claim_embedding()
         self.requests.pop(request.request_id, None)
         self.runner.forget(request.request_id)
 

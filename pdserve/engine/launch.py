@@ -50,6 +50,7 @@ class HostBuffers:
     top_logprobs: torch.Tensor
     device_tokens: torch.Tensor | None = None
     prompt: PromptRows | None = None  # the last launch's prompt scores (its own host copy)
+    embed: EmbedRows | None = None  # the last launch's embeddings (their own host copy)
 
     @classmethod
     def make(cls, ops: StreamOps, size: int, device_tokens: torch.Tensor | None = None
@@ -89,10 +90,12 @@ class Launch:
     # on CUDA), with ``event`` its end: the launch's time on the device.
     device_start: Any = None
     prompt: PromptRows | None = field(init=False, default=None)
+    embed: EmbedRows | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         # Taken now: the lane's next launch with these buffers sets its own.
         self.prompt, self.buffers.prompt = self.buffers.prompt, None
+        self.embed, self.buffers.embed = self.buffers.embed, None
 
     @property
     def plan(self) -> Plan:
@@ -218,6 +221,38 @@ class PromptRows:
         return row[0], int(row[1]), list(top)
 
 
+@dataclass
+class EmbedRows:
+    """The rows of a step that sample a ``return_embedding`` request's first token: its last
+    prompt token's hidden state (after the final norm), its embedding. L2-normalized in
+    float32 on the device, copied to ``host`` in one copy, stored into the requests once
+    the launch is done."""
+
+    requests: list[Request]
+    rows: torch.Tensor  # [E] int64: rows of the step's hidden states
+    host: torch.Tensor | None = None  # [E, hidden] float32, once taken
+
+    @classmethod
+    def of(cls, plan: Plan, host: HostBatch, device: torch.device) -> EmbedRows | None:
+        if not Request.num_embedding:  # the common step: nobody asked
+            return None
+        picks = [i for i, item in enumerate(plan.sampling) if item.request.claim_embedding()]
+        if not picks:
+            return None
+        return cls([plan.sampling[i].request for i in picks],
+                   _to_device(np.asarray(host.logits_indices)[picks], device))
+
+    def take(self, hidden: torch.Tensor) -> None:
+        rows = torch.nn.functional.normalize(hidden.index_select(0, self.rows).float(), dim=-1)
+        self.host = torch.empty(rows.shape, dtype=torch.float32,
+                                pin_memory=rows.device.type == "cuda")
+        self.host.copy_(rows, non_blocking=True)
+
+    def store(self) -> None:
+        for request, row in zip(self.requests, self.host.tolist(), strict=True):
+            request.embedding = row
+
+
 def _scored_span(item, first_row: int) -> tuple[Request, int, int, int] | None:
     """(request, first position, positions, first row) of the positions this step computes
     for ``item`` whose next token is in its prompt; None when it scores none."""
@@ -238,6 +273,7 @@ class SamplingInputs:
     rows: torch.Tensor | None
     batch: SamplingBatch | None
     prompt: PromptRows | None = None
+    embed: EmbedRows | None = None
 
     @classmethod
     def of(cls, plan: Plan, host: HostBatch, vocab_size: int, device: torch.device
@@ -247,7 +283,8 @@ class SamplingInputs:
         if not requests:
             return None if prompt is None else cls(None, None, prompt)
         return cls(_to_device(host.logits_indices, device),
-                   SamplingBatch.from_requests(requests, vocab_size, device), prompt)
+                   SamplingBatch.from_requests(requests, vocab_size, device), prompt,
+                   EmbedRows.of(plan, host, device))
 
 
 def sample_into(model, hidden: torch.Tensor, inputs: SamplingInputs | None,
@@ -258,6 +295,9 @@ def sample_into(model, hidden: torch.Tensor, inputs: SamplingInputs | None,
     buffers.prompt = inputs.prompt if inputs is not None else None
     if buffers.prompt is not None:
         buffers.prompt.score(model, hidden)
+    buffers.embed = inputs.embed if inputs is not None else None
+    if buffers.embed is not None:
+        buffers.embed.take(hidden)
     if inputs is None or inputs.batch is None:
         return 0, False
     logits = model.compute_logits(hidden.index_select(0, inputs.rows))

@@ -47,6 +47,20 @@ class BeamSearchOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s answer for one prompt, shaped as vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -57,6 +71,8 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     """With ``SamplingParams.prompt_logprobs``: per prompt token (None for the first), the
     token and the most likely ones at its position, as vLLM gives them."""
+    embedding: list[float] | None = None
+    """With ``SamplingParams.return_embedding``: the prompt's embedding."""
 
 
 class LLM:
@@ -102,6 +118,15 @@ class LLM:
                     progress.update(1)
         progress.close()
         return [out for out, _ in pending]
+
+    def embed(self, prompts: Prompt | list[Prompt], use_tqdm: bool = False
+              ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (``SamplingParams.return_embedding``: its last token's
+        final hidden state, L2-normalized), as ``/v1/embeddings`` gives it."""
+        params = SamplingParams(max_tokens=1, temperature=0, return_embedding=True)
+        outputs = self.generate(prompts, params, use_tqdm)
+        return [EmbeddingRequestOutput(out.request_id, out.prompt_token_ids,
+                                       EmbeddingOutput(out.embedding)) for out in outputs]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -195,6 +220,8 @@ class LLM:
         out.num_cached_tokens = processor.num_cached_tokens
         if delta.prompt_logprobs is not None:
             out.prompt_logprobs = delta.prompt_logprobs
+        if processor.embedding is not None:
+            out.embedding = processor.embedding
         if delta.abort:
             self.engine.abort_request(out.request_id)
         completion.finish_reason = delta.finish_reason

@@ -22,6 +22,7 @@ from pdserve.server.auth import APIKeyFileError, is_authorized, load_api_keys
 from pdserve.server.client import EngineClient, RestartPolicy
 from pdserve.server.config import ServerConfig
 from pdserve.server.cors import is_preflight
+from pdserve.server.embeddings import EmbeddingRoutes
 from pdserve.server.engine_process import DEFAULT_CORE
 from pdserve.server.limits import HTTPLimits
 from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -108,6 +109,7 @@ def build_app(client: EngineClient, config: ServerConfig,
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     PDRoutes(serving, config.cluster_secret).add_to(app)
     TokenizationRoutes(serving).add_to(app)
+    EmbeddingRoutes(serving).add_to(app)
     # Each HTTP process would keep its own responses: a continuation could miss its own.
     stored = config.max_stored_responses if config.api_server_count == 1 else 0
     ResponsesRoutes(serving, stored).add_to(app)

@@ -219,6 +219,20 @@ def test_tokenize_and_detokenize_through_the_gateway_are_an_instance_s(instances
     assert status == 400 and json.loads(raw)["error"]["param"] == "prompt"
 
 
+def test_embeddings_through_the_gateway_are_an_instance_s(instances, gateway):
+    body = {"model": "tiny", "input": ["Hello", [5, 6, 7]]}
+    want = json.loads(instances[0].request("POST", "/v1/embeddings", body)[2])
+    status, _, raw = gateway.http.request("POST", "/v1/embeddings", body)
+    got = json.loads(raw)
+    assert status == 200 and got["usage"] == want["usage"]
+    for a, b in zip(got["data"], want["data"], strict=True):
+        assert a["index"] == b["index"]
+        assert a["embedding"] == pytest.approx(b["embedding"], abs=1e-5)
+    status, _, raw = gateway.http.request("POST", "/v1/embeddings", {"input": "x",
+                                                                     "dimensions": 4})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "dimensions"
+
+
 def test_the_gateways_api_key_guards_the_openai_routes_and_tokenization(registry):
     gateway = GatewayThread(registry, api_key="sesame")
     try:

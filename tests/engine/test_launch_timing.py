@@ -19,8 +19,9 @@ class TimedEvent(DoneEvent):
 
 
 def _launch(start, end, issued: float) -> Launch:
-    return Launch(work=None, event=end, buffers=SimpleNamespace(prompt=None), num_sampled=0,
-                  want_logprobs=False, launch_ms=0.0, issued=issued, device_start=start)
+    return Launch(work=None, event=end, buffers=SimpleNamespace(prompt=None, embed=None),
+                  num_sampled=0, want_logprobs=False, launch_ms=0.0, issued=issued,
+                  device_start=start)
 
 
 def test_device_time_runs_between_the_launchs_own_events():

@@ -1,0 +1,135 @@
+"""``POST /v1/embeddings``, with OpenAI's and vLLM's request and response shapes.
+
+The served model's own embeddings: the last hidden state (after the final norm) at each
+input's last token, L2-normalized - last-token pooling, as decoder models trained as
+embedders (E5-Mistral, GTE-Qwen, Qwen3-Embedding) are pooled. Each input is one engine
+request of one token (``SamplingParams.return_embedding``; the token is thrown away),
+scheduled, batched and prefix-cached as any prompt. A generative checkpoint answers too,
+with embeddings it was never trained for: which checkpoint to serve is the user's choice.
+
+``input``: a string, a list of token ids, or a list of either (one embedding each, in
+order); ``encoding_format`` ``float`` (default) or ``base64`` (little-endian float32, as
+OpenAI's); ``truncate_prompt_tokens`` (vLLM's) keeps each input's last N tokens (-1: as
+many as the model takes); ``add_special_tokens`` (default true) as on completions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from pdserve.sampling_params import SamplingParams
+from pdserve.server import protocol as P
+from pdserve.server.serving import Generation, OpenAIServing
+
+MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
+EMBEDDING_FIELDS: dict[str, P.FieldRule] = {
+    **dict.fromkeys(("model", "input", "encoding_format", "user", "truncate_prompt_tokens",
+                     "add_special_tokens", "priority"), P.HONOURED),
+    "dimensions": P.Refused("the model's embeddings have one size (no Matryoshka "
+                            "representation to cut)"),
+}
+"""``/v1/embeddings``: every field it takes; any other is refused with 400."""
+
+
+class EmbeddingRoutes:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/embeddings", self.embeddings)
+
+    async def embeddings(self, http: web.Request) -> web.Response:
+        body = P.parse_json_body(await http.read())
+        P.check_fields(body, EMBEDDING_FIELDS, "/v1/embeddings")
+        self.serving.check_model(P.get_str(body, "model"))
+        encoding = P.get_str(body, "encoding_format", "float")
+        if encoding not in ("float", "base64"):
+            raise P.bad_request("'encoding_format' must be 'float' or 'base64'",
+                                param="encoding_format")
+        prompts = [await self._prompt_ids(item, body, i)
+                   for i, item in enumerate(read_inputs(body.get("input")))]
+        params = SamplingParams(max_tokens=1, temperature=0, return_embedding=True,
+                                priority=P.get_int(body, "priority", 0))
+        vectors = await self._embed_all(prompts, params)
+        data = [{"object": "embedding", "index": i, "embedding": encoded(v, encoding)}
+                for i, v in enumerate(vectors)]
+        tokens = sum(len(p) for p in prompts)
+        answer = {"id": P.new_id("embd"), "object": "list", "created": P.now_s(),
+                  "model": P.get_str(body, "model") or self.serving.model_name, "data": data,
+                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return web.Response(body=P.dumps(answer), content_type="application/json")
+
+    async def _prompt_ids(self, item: str | list[int], body: dict, index: int) -> list[int]:
+        """One input's token ids, truncated as asked and checked against the model."""
+        ids = item if isinstance(item, list) else await self.serving.encode(
+            item, P.get_bool(body, "add_special_tokens", True))
+        limit = self.serving.client.max_model_len
+        keep = P.get_int(body, "truncate_prompt_tokens")
+        if keep is not None:
+            if keep != -1 and keep < 1:
+                raise P.bad_request("'truncate_prompt_tokens' must be -1 or >= 1",
+                                    param="truncate_prompt_tokens")
+            ids = ids[-(limit if keep == -1 else keep):]
+        if not ids:
+            raise P.bad_request(f"input {index} has no tokens", param="input")
+        vocab = self.serving.client.vocab_size
+        if vocab is not None and max(ids) >= vocab:
+            raise P.bad_request(f"input {index}: token ids must be below the vocabulary "
+                                f"size {vocab}", param="input")
+        if len(ids) > limit:
+            raise P.bad_request(f"input {index} has {len(ids)} tokens; this model's maximum "
+                                f"context length is {limit} (truncate_prompt_tokens cuts it)",
+                                param="input")
+        return ids
+
+    async def _embed_all(self, prompts: list[list[int]], params: SamplingParams
+                         ) -> list[list[float]]:
+        """Every input at once, each its own engine request; any failure ends them all."""
+        arrival = time.monotonic()
+        request_id = P.new_id("embd")
+        gens = [Generation(self.serving.client,
+                           self.serving.client.add(f"{request_id}-{i}", ids, params, arrival),
+                           self.serving.tokenizer, ids, params)
+                for i, ids in enumerate(prompts)]
+        try:
+            return await asyncio.gather(*(_embedding(gen) for gen in gens))
+        finally:
+            for gen in gens:
+                gen.close()
+
+
+async def _embedding(gen: Generation) -> list[float]:
+    async for _ in gen.pieces():
+        pass
+    if gen.output.embedding is None:  # finished without its first token (never expected)
+        raise P.APIError(500, "the engine ended the input without its embedding")
+    return gen.output.embedding
+
+
+def read_inputs(value: Any) -> list[str | list[int]]:
+    """``input`` as its inputs: a string or a list of token ids is one; a list of either
+    is several (OpenAI's forms)."""
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        items = value
+    else:
+        items = [value]
+    if len(items) > MAX_INPUTS:
+        raise P.bad_request(f"at most {MAX_INPUTS} inputs per request", param="input")
+    for item in items:
+        if not (isinstance(item, str) and item) and not (
+                isinstance(item, list) and item and all(P.is_int(t) and t >= 0 for t in item)):
+            raise P.bad_request("'input' must be a non-empty string, a list of token ids, or "
+                                "a list of either", param="input")
+    return items
+
+
+def encoded(vector: list[float], encoding: str) -> list[float] | str:
+    if encoding == "float":
+        return vector
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
