@@ -41,7 +41,7 @@ from pdserve.server.engine_process import DEFAULT_CORE
 
 logger = logging.getLogger("pdserve.run_batch")
 
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 BUSY_TRIES = 5
 REMOTE_CONCURRENCY = 256
 """Lines in flight at once to a running server (its own limit answers the rest with 429,

@@ -90,13 +90,15 @@ def test_every_line_answered_in_order_as_the_server_would(tmp_path):
              line("text", "/v1/completions", {**GREEDY, "prompt": "again"})]
     lines += [line(f"many-{i}", "/v1/completions", {**GREEDY, "prompt": f"n {i}"})
               for i in range(10)]
+    lines.append(line("emb", "/v1/embeddings", {"model": "tiny", "input": "The sky is"}))
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("\n".join(lines) + "\n\n")  # a blank line is skipped, as JSONL allows
     result = run_batch("-i", str(source), "-o", str(target))
     assert result.returncode == 0, result.stderr
     out = read_outputs(target.read_text())
     assert [o["custom_id"] for o in out] == [
-        "chat", "text", None, "bad-max", "resp", "text", *(f"many-{i}" for i in range(10))]
+        "chat", "text", None, "bad-max", "resp", "text", *(f"many-{i}" for i in range(10)),
+        "emb"]
     assert len({o["id"] for o in out}) == len(out)
     chat, text, not_json, bad, resp, twice = out[:6]
     assert chat["response"]["status_code"] == 200 and chat["error"] is None
@@ -112,11 +114,14 @@ def test_every_line_answered_in_order_as_the_server_would(tmp_path):
     # the model really ran: the greedy completion is the offline engine's
     from pdserve import LLM, SamplingParams
 
-    offline = LLM(model="tiny", device="cpu").generate(
-        ["The sky is"], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
+    llm = LLM(model="tiny", device="cpu")
+    offline = llm.generate(["The sky is"],
+                           SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
     assert text["response"]["body"]["choices"][0]["text"] == offline
+    embedding = out[-1]["response"]["body"]["data"][0]["embedding"]
+    assert embedding == pytest.approx(llm.embed(["The sky is"])[0].outputs.embedding, abs=1e-5)
     assert all(o["response"]["status_code"] == 200 for o in out[6:])
-    assert "16 line(s)" in result.stderr and "13 answered with 200, 3 not" in result.stderr
+    assert "17 line(s)" in result.stderr and "14 answered with 200, 3 not" in result.stderr
 
 
 def test_stdin_to_stdout():
