@@ -37,7 +37,8 @@ def build_gateway_app(gateway: Gateway) -> web.Application:
     for path in ("/tokenize", "/detokenize"):
         app.router.add_post(path, _relayed(path))
     # Whole prompts and no decode: a prefill instance's work, tried first.
-    app.router.add_post("/v1/embeddings", _relayed("/v1/embeddings", ("prefill", "decode")))
+    for path in ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"):
+        app.router.add_post(path, _relayed(path, ("prefill", "decode")))
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/cluster/groups", _groups)
@@ -74,7 +75,8 @@ async def _errors(http: web.Request, handler) -> web.StreamResponse:
 @web.middleware
 async def _api_key(http: web.Request, handler) -> web.StreamResponse:
     key = http.app[GATEWAY_KEY].config.api_key
-    guarded = http.path.startswith("/v1") or http.path in ("/tokenize", "/detokenize")
+    guarded = http.path.startswith(("/v1", "/v2")) or http.path in (
+        "/tokenize", "/detokenize", "/score", "/rerank")
     if key and guarded and not is_preflight(http):
         given = http.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):

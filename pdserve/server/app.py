@@ -38,8 +38,10 @@ logger = logging.getLogger("pdserve.server")
 STATE_KEY = web.AppKey("state", object)
 # Draining and in-flight counting apply here; user API keys guard all but /pd/, which has
 # its own cluster secret (pdserve/server/pd.py).
-GUARDED_PATHS = ("/v1", "/pd/", "/tokenize", "/detokenize", "/invocations")
-API_KEY_PATHS = ("/v1", "/tokenize", "/detokenize", "/invocations", "/reset_prefix_cache")
+GUARDED_PATHS = ("/v1", "/v2", "/pd/", "/tokenize", "/detokenize", "/invocations", "/score",
+                 "/rerank")
+API_KEY_PATHS = ("/v1", "/v2", "/tokenize", "/detokenize", "/invocations", "/score",
+                 "/rerank", "/reset_prefix_cache")
 SERVER_HEADER = "X-PDServe-Api-Server"
 """With --api-server-count > 1: which HTTP process (0 .. N-1) answered."""
 

@@ -1,4 +1,6 @@
-"""``POST /v1/embeddings``, with OpenAI's and vLLM's request and response shapes.
+"""``POST /v1/embeddings``, with OpenAI's and vLLM's request and response shapes, and
+vLLM's ``/score`` and ``/rerank`` on top of them (the cosine similarity of two embeddings,
+as vLLM scores with an embedding model).
 
 The served model's own embeddings: the last hidden state (after the final norm) at each
 input's last token, L2-normalized - last-token pooling, as decoder models trained as
@@ -35,6 +37,13 @@ EMBEDDING_FIELDS: dict[str, P.FieldRule] = {
                             "representation to cut)"),
 }
 """``/v1/embeddings``: every field it takes; any other is refused with 400."""
+_PAIR_FIELDS = dict.fromkeys(("model", "user", "truncate_prompt_tokens", "priority"),
+                             P.HONOURED)
+SCORE_FIELDS: dict[str, P.FieldRule] = {**_PAIR_FIELDS, "text_1": P.HONOURED,
+                                        "text_2": P.HONOURED}
+RERANK_FIELDS: dict[str, P.FieldRule] = {
+    **_PAIR_FIELDS, **dict.fromkeys(("query", "documents", "top_n", "return_documents"),
+                                    P.HONOURED)}
 
 
 class EmbeddingRoutes:
@@ -43,29 +52,81 @@ class EmbeddingRoutes:
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/embeddings", self.embeddings)
+        for path in ("/score", "/v1/score"):
+            app.router.add_post(path, self.score)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            app.router.add_post(path, self.rerank)
 
     async def embeddings(self, http: web.Request) -> web.Response:
         body = P.parse_json_body(await http.read())
         P.check_fields(body, EMBEDDING_FIELDS, "/v1/embeddings")
-        self.serving.check_model(P.get_str(body, "model"))
         encoding = P.get_str(body, "encoding_format", "float")
         if encoding not in ("float", "base64"):
             raise P.bad_request("'encoding_format' must be 'float' or 'base64'",
                                 param="encoding_format")
-        prompts = [await self._prompt_ids(item, body, i)
-                   for i, item in enumerate(read_inputs(body.get("input")))]
-        params = SamplingParams(max_tokens=1, temperature=0, return_embedding=True,
-                                priority=P.get_int(body, "priority", 0))
-        vectors = await self._embed_all(prompts, params)
+        vectors, tokens = await self.embed(read_inputs(body.get("input")), body, "input")
         data = [{"object": "embedding", "index": i, "embedding": encoded(v, encoding)}
                 for i, v in enumerate(vectors)]
-        tokens = sum(len(p) for p in prompts)
         answer = {"id": P.new_id("embd"), "object": "list", "created": P.now_s(),
-                  "model": P.get_str(body, "model") or self.serving.model_name, "data": data,
+                  "model": self._model(body), "data": data,
                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-        return web.Response(body=P.dumps(answer), content_type="application/json")
+        return _json(answer)
 
-    async def _prompt_ids(self, item: str | list[int], body: dict, index: int) -> list[int]:
+    async def score(self, http: web.Request) -> web.Response:
+        """vLLM's ``/score``: ``text_1`` against each ``text_2`` (one against many, or
+        pairwise between two lists of one length)."""
+        body = P.parse_json_body(await http.read())
+        P.check_fields(body, SCORE_FIELDS, "/score")
+        first, second = _texts(body, "text_1"), _texts(body, "text_2")
+        if len(first) != 1 and len(first) != len(second):
+            raise P.bad_request(f"'text_1' has {len(first)} texts and 'text_2' {len(second)}: "
+                                "give one text_1, or as many as text_2", param="text_1")
+        vectors, tokens = await self.embed(first + second, body, "text_1")
+        left, right = vectors[:len(first)], vectors[len(first):]
+        scores = [_cosine(left[0 if len(left) == 1 else i], v) for i, v in enumerate(right)]
+        data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+        answer = {"id": P.new_id("score"), "object": "list", "created": P.now_s(),
+                  "model": self._model(body), "data": data,
+                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return _json(answer)
+
+    async def rerank(self, http: web.Request) -> web.Response:
+        """vLLM's ``/rerank`` (Jina's and Cohere's shape): the documents by their score
+        against the query, best first, the ``top_n`` best (default all)."""
+        body = P.parse_json_body(await http.read())
+        P.check_fields(body, RERANK_FIELDS, "/rerank")
+        query = P.get_str(body, "query")
+        if not query:
+            raise P.bad_request("'query' must be a non-empty string", param="query")
+        documents = _texts(body, "documents")
+        top_n = P.get_int(body, "top_n") or len(documents)
+        if top_n < 0:
+            raise P.bad_request("'top_n' must be >= 0", param="top_n")
+        vectors, tokens = await self.embed([query, *documents], body, "documents")
+        ranked = sorted(((_cosine(vectors[0], v), i) for i, v in enumerate(vectors[1:])),
+                        key=lambda pair: (-pair[0], pair[1]))[:top_n]
+        keep = P.get_bool(body, "return_documents", True)
+        results = [{"index": i, "relevance_score": s,
+                    **({"document": {"text": documents[i]}} if keep else {})}
+                   for s, i in ranked]
+        return _json({"id": P.new_id("rerank"), "model": self._model(body),
+                      "usage": {"total_tokens": tokens}, "results": results})
+
+    async def embed(self, items: list[str | list[int]], body: dict, param: str
+                    ) -> tuple[list[list[float]], int]:
+        """The items' embeddings, in order, and their tokens; ``body``'s model, truncation,
+        special tokens and priority; an item that cannot run is a 400 naming ``param``."""
+        self.serving.check_model(P.get_str(body, "model"))
+        prompts = [await self._prompt_ids(item, body, i, param) for i, item in enumerate(items)]
+        params = SamplingParams(max_tokens=1, temperature=0, return_embedding=True,
+                                priority=P.get_int(body, "priority", 0))
+        return await self._embed_all(prompts, params), sum(len(p) for p in prompts)
+
+    def _model(self, body: dict) -> str:
+        return P.get_str(body, "model") or self.serving.model_name
+
+    async def _prompt_ids(self, item: str | list[int], body: dict, index: int, param: str
+                          ) -> list[int]:
         """One input's token ids, truncated as asked and checked against the model."""
         ids = item if isinstance(item, list) else await self.serving.encode(
             item, P.get_bool(body, "add_special_tokens", True))
@@ -77,15 +138,15 @@ class EmbeddingRoutes:
                                     param="truncate_prompt_tokens")
             ids = ids[-(limit if keep == -1 else keep):]
         if not ids:
-            raise P.bad_request(f"input {index} has no tokens", param="input")
+            raise P.bad_request(f"input {index} has no tokens", param=param)
         vocab = self.serving.client.vocab_size
         if vocab is not None and max(ids) >= vocab:
             raise P.bad_request(f"input {index}: token ids must be below the vocabulary "
-                                f"size {vocab}", param="input")
+                                f"size {vocab}", param=param)
         if len(ids) > limit:
             raise P.bad_request(f"input {index} has {len(ids)} tokens; this model's maximum "
                                 f"context length is {limit} (truncate_prompt_tokens cuts it)",
-                                param="input")
+                                param=param)
         return ids
 
     async def _embed_all(self, prompts: list[list[int]], params: SamplingParams
@@ -127,6 +188,28 @@ def read_inputs(value: Any) -> list[str | list[int]]:
             raise P.bad_request("'input' must be a non-empty string, a list of token ids, or "
                                 "a list of either", param="input")
     return items
+
+
+def _texts(body: dict, name: str) -> list[str]:
+    """A field that holds one non-empty string or a non-empty list of them."""
+    value = body.get(name)
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts or not all(
+            isinstance(t, str) and t for t in texts):
+        raise P.bad_request(f"'{name}' must be a non-empty string or a list of them",
+                            param=name)
+    if len(texts) > MAX_INPUTS:
+        raise P.bad_request(f"at most {MAX_INPUTS} texts in '{name}'", param=name)
+    return texts
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    """Of two L2-normalized embeddings: their dot product."""
+    return float(np.dot(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)))
+
+
+def _json(body: dict) -> web.Response:
+    return web.Response(body=P.dumps(body), content_type="application/json")
 
 
 def encoded(vector: list[float], encoding: str) -> list[float] | str:

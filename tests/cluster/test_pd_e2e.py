@@ -231,6 +231,13 @@ def test_embeddings_through_the_gateway_are_an_instance_s(instances, gateway):
     status, _, raw = gateway.http.request("POST", "/v1/embeddings", {"input": "x",
                                                                      "dimensions": 4})
     assert status == 400 and json.loads(raw)["error"]["param"] == "dimensions"
+    for path, body in (("/score", {"text_1": "a", "text_2": ["b", "c"]}),
+                       ("/rerank", {"query": "a", "documents": ["b", "c"]})):
+        want = json.loads(instances[0].request("POST", path, body)[2])
+        got = json.loads(gateway.http.request("POST", path, body)[2])
+        scores = [[r.get("score", r.get("relevance_score")) for r in a.get("data") or
+                   a["results"]] for a in (want, got)]
+        assert scores[1] == pytest.approx(scores[0], abs=1e-5), path
 
 
 def test_the_gateways_api_key_guards_the_openai_routes_and_tokenization(registry):
@@ -238,6 +245,7 @@ def test_the_gateways_api_key_guards_the_openai_routes_and_tokenization(registry
     try:
         for method, path, body in (("GET", "/v1/models", None),
                                    ("POST", "/tokenize", {"prompt": "Hi"}),
+                                   ("POST", "/rerank", {"query": "a", "documents": ["b"]}),
                                    ("POST", "/v1/completions", {**BODY, "max_tokens": 2})):
             assert gateway.http.request(method, path, body)[0] == 401, path
             status, _, raw = gateway.http.request(

@@ -62,7 +62,9 @@ def test_every_configured_key_works_and_others_get_401(keyed):
         wrong.completions.create(model="tiny", prompt="x", max_tokens=1)
     for path, body in (("/tokenize", {"prompt": "x"}),
                        ("/invocations", {"model": "tiny", "prompt": "x", "max_tokens": 1}),
-                       ("/reset_prefix_cache", b"")):
+                       ("/reset_prefix_cache", b""),
+                       ("/rerank", {"query": "q", "documents": ["d"]}),
+                       ("/score", {"text_1": "a", "text_2": "b"})):
         status, _, _ = keyed.request("POST", path, body,
                                      headers={"Authorization": "Bearer sk-wrong"})
         assert status == 401, path

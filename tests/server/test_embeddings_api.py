@@ -72,3 +72,51 @@ def test_bad_input_is_a_400_naming_the_field(server, body, param):
     status, _, raw = server.request("POST", "/v1/embeddings", body)
     assert status == 400
     assert json.loads(raw)["error"]["param"] == param
+
+
+def _embed(server, texts: list[str]) -> np.ndarray:
+    raw = server.request("POST", "/v1/embeddings", {"input": texts})[2]
+    return np.array([d["embedding"] for d in json.loads(raw)["data"]])
+
+
+@pytest.mark.parametrize("path", ["/score", "/v1/score"])
+def test_score_is_the_cosine_of_the_embeddings_one_to_many_and_pairwise(server, path):
+    texts = ["blue sky", "green grass", "a blue sky today"]
+    vectors = _embed(server, texts)
+    status, _, raw = server.request("POST", path, {"text_1": texts[0], "text_2": texts[1:]})
+    assert status == 200
+    answer = json.loads(raw)
+    assert [d["index"] for d in answer["data"]] == [0, 1]
+    assert [d["score"] for d in answer["data"]] == pytest.approx(
+        [vectors[0] @ vectors[1], vectors[0] @ vectors[2]], abs=1e-5)
+    pairwise = json.loads(server.request("POST", path, {"text_1": texts[:2],
+                                                        "text_2": texts[1:]})[2])
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx(
+        [vectors[0] @ vectors[1], vectors[1] @ vectors[2]], abs=1e-5)
+    status, _, raw = server.request("POST", path, {"text_1": texts[:2], "text_2": texts})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "text_1"
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
+def test_rerank_orders_the_documents_by_score_and_keeps_the_top_n(server, path):
+    query, documents = "blue sky", ["green grass", "a blue sky today", "sky", "stones"]
+    vectors = _embed(server, [query, *documents])
+    scores = vectors[1:] @ vectors[0]
+    order = [int(i) for i in np.argsort(-scores, kind="stable")]
+    status, _, raw = server.request("POST", path, {"query": query, "documents": documents,
+                                                   "top_n": 2})
+    assert status == 200
+    results = json.loads(raw)["results"]
+    assert [r["index"] for r in results] == order[:2]
+    assert [r["relevance_score"] for r in results] == pytest.approx(
+        [scores[i] for i in order[:2]], abs=1e-5)
+    assert results[0]["document"] == {"text": documents[order[0]]}
+    bare = json.loads(server.request("POST", path, {"query": query, "documents": documents,
+                                                    "return_documents": False})[2])
+    assert len(bare["results"]) == 4 and "document" not in bare["results"][0]
+    for body, param in (({"query": "", "documents": ["a"]}, "query"),
+                        ({"query": "q", "documents": []}, "documents"),
+                        ({"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+                        ({"query": "q", "documents": ["a"], "rank_fields": []}, "rank_fields")):
+        status, _, raw = server.request("POST", path, body)
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, body
