@@ -144,6 +144,26 @@ def test_prompt_logprobs_under_tp2_equal_transformers(gqa_ckpt):
 
 
 @pytest.mark.slow
+def test_embeddings_under_tp2_equal_tp1(tiny_ckpt):
+    """Rank 0 takes the rows (the hidden states are whole on every rank); the workers'
+    mirrors never ask, and a generation in the same steps is unchanged."""
+    prompts = _prompts(PRESETS["tiny"].vocab_size, count=3)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    with LLM(tiny_ckpt, **OPTIONS) as llm:
+        want = [out.outputs.embedding for out in llm.embed(inputs)]
+    embedding = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True,
+                               return_embedding=True)
+    with LLM(tiny_ckpt, tensor_parallel_size=2, **OPTIONS) as llm:
+        got = llm.generate(inputs * 2, [embedding] * 3 + [GREEDY] * 3)
+        llm.engine.check_integrity()
+    for out, vector in zip(got, want, strict=False):
+        assert out.embedding == pytest.approx(vector, abs=1e-5)
+    assert all(out.embedding is None for out in got[3:])
+    assert [o.outputs[0].token_ids for o in got[:3]] == [o.outputs[0].token_ids
+                                                          for o in got[3:]]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["prefill-first", "chunked", "multiplex", "disagg"])
 def test_every_schedule_under_tp2_equals_tp1(tiny_ckpt, schedule, monkeypatch):
     prompts = _prompts(PRESETS["tiny"].vocab_size, count=6)
