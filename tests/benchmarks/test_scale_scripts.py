@@ -655,7 +655,8 @@ def _recorded_run(**extra) -> dict:
 
 def test_resimulation_of_a_recorded_run_with_its_prefill_steps(tmp_path):
     module = _script("validate_sim")
-    args = SimpleNamespace(draws=2, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False)
+    args = SimpleNamespace(draws=2, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False,
+                           skip_prompt_rounds=0)
     path = tmp_path / "run.json"
     path.write_text(json.dumps(_recorded_run()))
     with pytest.raises(SystemExit, match="--assume-prefill-steps"):
@@ -683,7 +684,8 @@ def test_resimulation_of_a_run_that_recorded_its_both_sides_model_as_the_model(t
     simulated, the one before is the figures' and the both-sides one is simulated beside
     (here 2 ms per prompt token against 1: the 50-token prompt's first token 0.1 s)."""
     module = _script("validate_sim")
-    args = SimpleNamespace(draws=2, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False)
+    args = SimpleNamespace(draws=2, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False,
+                           skip_prompt_rounds=0)
     run = _recorded_run(prefill_steps={"chunk_tokens": 512, "tokens_one_step_late": False},
                         requests=[[0.0, 50, 3]])
     before = {**run["latency_model"], "prefill_per_token_s": 2e-3}
@@ -702,7 +704,8 @@ def test_resimulation_takes_the_recorded_idle_extra(tmp_path):
     (10 ms into the replay, idle since its start) pays 10 ms * 1/2 = 5 ms more; a run
     without it is simulated as before."""
     module = _script("validate_sim")
-    args = SimpleNamespace(draws=1, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False)
+    args = SimpleNamespace(draws=1, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False,
+                           skip_prompt_rounds=0)
     steps = {"chunk_tokens": 512, "tokens_one_step_late": False}
     path = tmp_path / "run.json"
     path.write_text(json.dumps(_recorded_run(prefill_steps=steps, requests=[[0.01, 50, 3]])))
@@ -720,7 +723,8 @@ def test_resimulation_draws_prompts_from_the_decode_steps_spread_beside(tmp_path
     simulation with each prompt drawn from the decode steps' spread (here every block 1.5x
     its median): the 50-token prompt alone takes 50 ms, then 75."""
     module = _script("validate_sim")
-    args = SimpleNamespace(draws=1, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False)
+    args = SimpleNamespace(draws=1, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False,
+                           skip_prompt_rounds=0)
     steps = {"chunk_tokens": 512, "tokens_one_step_late": False}
     run = _recorded_run(prefill_steps=steps, requests=[[0.0, 50, 3]],
                         service_ratios={"prefill": [1.0], "decode_step": [1.5]})
@@ -751,7 +755,8 @@ def test_first_tokens_over_simulated_apart_beside_a_decode(tmp_path):
     first token (125 ms) over the simulated (200 ms: 1 ms a token) counts beside a decode,
     the first's (60 ms over 50) with nothing decoding."""
     module = _script("validate_sim")
-    args = SimpleNamespace(draws=1, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False)
+    args = SimpleNamespace(draws=1, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=False,
+                           skip_prompt_rounds=0)
     path = tmp_path / "run.json"
     path.write_text(json.dumps(_recorded_run(
         prefill_steps={"chunk_tokens": 512, "tokens_one_step_late": False},
@@ -820,7 +825,8 @@ def test_resimulation_refits_the_model_from_the_recorded_points(tmp_path):
         prefill_steps={"chunk_tokens": 100, "tokens_one_step_late": False},
         service_points=points, replay_steps=steps, config={"link_gb_per_s": 3.0})))
     args = SimpleNamespace(draws=2, seed=0, ttft_slo_s=2.0, max_wait_s=30.0, refit=True,
-                           model="tiny", link_gb_per_s=1.5, decode_kv_tokens=100_000)
+                           skip_prompt_rounds=0, model="tiny", link_gb_per_s=1.5,
+                           decode_kv_tokens=100_000)
     result = module.resimulate(str(path), args, None)
     assert result["refit"] is True
     assert result["latency_model"]["link_gb_per_s"] == 3.0  # the run's, not today's flag
