@@ -64,7 +64,7 @@ class EmbeddingRoutes:
         if encoding not in ("float", "base64"):
             raise P.bad_request("'encoding_format' must be 'float' or 'base64'",
                                 param="encoding_format")
-        vectors, tokens = await self.embed(read_inputs(body.get("input")), body, "input")
+        vectors, tokens = await self.embed([("input", read_inputs(body.get("input")))], body)
         data = [{"object": "embedding", "index": i, "embedding": encoded(v, encoding)}
                 for i, v in enumerate(vectors)]
         answer = {"id": P.new_id("embd"), "object": "list", "created": P.now_s(),
@@ -81,7 +81,7 @@ class EmbeddingRoutes:
         if len(first) != 1 and len(first) != len(second):
             raise P.bad_request(f"'text_1' has {len(first)} texts and 'text_2' {len(second)}: "
                                 "give one text_1, or as many as text_2", param="text_1")
-        vectors, tokens = await self.embed(first + second, body, "text_1")
+        vectors, tokens = await self.embed([("text_1", first), ("text_2", second)], body)
         left, right = vectors[:len(first)], vectors[len(first):]
         scores = [_cosine(left[0 if len(left) == 1 else i], v) for i, v in enumerate(right)]
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
@@ -102,7 +102,7 @@ class EmbeddingRoutes:
         top_n = P.get_int(body, "top_n") or len(documents)
         if top_n < 0:
             raise P.bad_request("'top_n' must be >= 0", param="top_n")
-        vectors, tokens = await self.embed([query, *documents], body, "documents")
+        vectors, tokens = await self.embed([("query", [query]), ("documents", documents)], body)
         ranked = sorted(((_cosine(vectors[0], v), i) for i, v in enumerate(vectors[1:])),
                         key=lambda pair: (-pair[0], pair[1]))[:top_n]
         keep = P.get_bool(body, "return_documents", True)
@@ -112,12 +112,14 @@ class EmbeddingRoutes:
         return _json({"id": P.new_id("rerank"), "model": self._model(body),
                       "usage": {"total_tokens": tokens}, "results": results})
 
-    async def embed(self, items: list[str | list[int]], body: dict, param: str
+    async def embed(self, fields: list[tuple[str, list[str | list[int]]]], body: dict
                     ) -> tuple[list[list[float]], int]:
-        """The items' embeddings, in order, and their tokens; ``body``'s model, truncation,
-        special tokens and priority; an item that cannot run is a 400 naming ``param``."""
+        """The embeddings of every field's items, in order, and their tokens; ``body``'s
+        model, truncation, special tokens and priority; an item that cannot run is a 400
+        naming its field and its place in it."""
         self.serving.check_model(P.get_str(body, "model"))
-        prompts = [await self._prompt_ids(item, body, i, param) for i, item in enumerate(items)]
+        prompts = [await self._prompt_ids(item, body, f"{param}[{i}]", param)
+                   for param, items in fields for i, item in enumerate(items)]
         params = SamplingParams(max_tokens=1, temperature=0, return_embedding=True,
                                 priority=P.get_int(body, "priority", 0))
         return await self._embed_all(prompts, params), sum(len(p) for p in prompts)
@@ -125,7 +127,7 @@ class EmbeddingRoutes:
     def _model(self, body: dict) -> str:
         return P.get_str(body, "model") or self.serving.model_name
 
-    async def _prompt_ids(self, item: str | list[int], body: dict, index: int, param: str
+    async def _prompt_ids(self, item: str | list[int], body: dict, name: str, param: str
                           ) -> list[int]:
         """One input's token ids, truncated as asked and checked against the model."""
         ids = item if isinstance(item, list) else await self.serving.encode(
@@ -138,13 +140,13 @@ class EmbeddingRoutes:
                                     param="truncate_prompt_tokens")
             ids = ids[-(limit if keep == -1 else keep):]
         if not ids:
-            raise P.bad_request(f"input {index} has no tokens", param=param)
+            raise P.bad_request(f"{name} has no tokens", param=param)
         vocab = self.serving.client.vocab_size
         if vocab is not None and max(ids) >= vocab:
-            raise P.bad_request(f"input {index}: token ids must be below the vocabulary "
+            raise P.bad_request(f"{name}: token ids must be below the vocabulary "
                                 f"size {vocab}", param=param)
         if len(ids) > limit:
-            raise P.bad_request(f"input {index} has {len(ids)} tokens; this model's maximum "
+            raise P.bad_request(f"{name} has {len(ids)} tokens; this model's maximum "
                                 f"context length is {limit} (truncate_prompt_tokens cuts it)",
                                 param=param)
         return ids

@@ -71,7 +71,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server):
 def test_bad_input_is_a_400_naming_the_field(server, body, param):
     status, _, raw = server.request("POST", "/v1/embeddings", body)
     assert status == 400
-    assert json.loads(raw)["error"]["param"] == param
+    assert json.loads(raw)["error"]["param"] == param, raw
 
 
 def _embed(server, texts: list[str]) -> np.ndarray:
@@ -95,6 +95,10 @@ def test_score_is_the_cosine_of_the_embeddings_one_to_many_and_pairwise(server, 
         [vectors[0] @ vectors[1], vectors[1] @ vectors[2]], abs=1e-5)
     status, _, raw = server.request("POST", path, {"text_1": texts[:2], "text_2": texts})
     assert status == 400 and json.loads(raw)["error"]["param"] == "text_1"
+    # a text that cannot run is named by its field and place
+    status, _, raw = server.request("POST", path, {"text_1": "a", "text_2": ["b", "x " * 5000]})
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == "text_2" and "text_2[1]" in error["message"]
 
 
 @pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
