@@ -37,7 +37,7 @@ def build_gateway_app(gateway: Gateway) -> web.Application:
     for path in ("/tokenize", "/detokenize"):
         app.router.add_post(path, _relayed(path))
     # Whole prompts and no decode: a prefill instance's work, tried first.
-    for path in ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"):
+    for path in ("/v1/embeddings", *P.SCORE_PATHS, *P.RERANK_PATHS):
         app.router.add_post(path, _relayed(path, ("prefill", "decode")))
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)

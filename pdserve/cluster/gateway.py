@@ -493,10 +493,11 @@ class Gateway:
 
     async def relay(self, http: web.Request, path: str,
                     roles: tuple[str, ...] = ("decode", "prefill")) -> web.Response:
-        """``/tokenize``, ``/detokenize`` and ``/v1/embeddings``: answered by an instance of
-        the request's scenario (any one: they share the model and its tokenizer; those of
-        ``roles``' first role tried first), the next one if it cannot be reached; the
-        client's API key goes with it, for an instance that asks."""
+        """``/tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/score`` and ``/rerank``:
+        answered whole by an instance of the request's scenario (any one: they share the
+        model and its tokenizer; those of ``roles``' first role tried first), the next one
+        if it cannot be reached; the client's API key goes with it, for an instance that
+        asks."""
         body, scenario = await http.read(), self._scenario(http)
         headers = {**self._headers(), "Content-Type": "application/json"}
         if "Authorization" in http.headers:

@@ -52,9 +52,9 @@ class EmbeddingRoutes:
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/embeddings", self.embeddings)
-        for path in ("/score", "/v1/score"):
+        for path in P.SCORE_PATHS:
             app.router.add_post(path, self.score)
-        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        for path in P.RERANK_PATHS:
             app.router.add_post(path, self.rerank)
 
     async def embeddings(self, http: web.Request) -> web.Response:
@@ -176,19 +176,11 @@ async def _embedding(gen: Generation) -> list[float]:
 
 
 def read_inputs(value: Any) -> list[str | list[int]]:
-    """``input`` as its inputs: a string or a list of token ids is one; a list of either
-    is several (OpenAI's forms)."""
-    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
-        items = value
-    else:
-        items = [value]
+    """``input`` as its inputs, read as a completion's ``prompt`` (``P.read_prompts``), at
+    most ``MAX_INPUTS`` of them."""
+    items = P.read_prompts(value, "input")
     if len(items) > MAX_INPUTS:
         raise P.bad_request(f"at most {MAX_INPUTS} inputs per request", param="input")
-    for item in items:
-        if not (isinstance(item, str) and item) and not (
-                isinstance(item, list) and item and all(P.is_int(t) and t >= 0 for t in item)):
-            raise P.bad_request("'input' must be a non-empty string, a list of token ids, or "
-                                "a list of either", param="input")
     return items
 
 

@@ -62,6 +62,12 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+SCORE_PATHS = ("/score", "/v1/score")
+RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+"""vLLM's scoring routes (``server/embeddings.py``): served by an instance, relayed whole by
+a gateway."""
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
 
@@ -539,23 +545,24 @@ def _positive(body: dict, name: str) -> int | None:
     return value
 
 
-def read_prompts(prompt: Any) -> list[str | list[int]]:
-    """``prompt`` as the prompts it holds: a string or a list of token ids is one; a list of
-    either is a batch (OpenAI's and vLLM's forms)."""
+def read_prompts(prompt: Any, name: str = "prompt") -> list[str | list[int]]:
+    """``prompt`` (the field ``name``: ``input`` on embeddings) as the prompts it holds: a
+    string or a list of token ids is one; a list of either is a batch (OpenAI's and vLLM's
+    forms)."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return [_read_prompt(p) for p in prompt]
-    return [_read_prompt(prompt)]
+        return [_read_prompt(p, name) for p in prompt]
+    return [_read_prompt(prompt, name)]
 
 
-def _read_prompt(prompt: Any) -> str | list[int]:
+def _read_prompt(prompt: Any, name: str) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise bad_request("'prompt' is empty", param="prompt")
+            raise bad_request(f"'{name}' is empty", param=name)
         return prompt
     if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
         return prompt
-    raise bad_request("'prompt' must be a non-empty string, a list of token ids, or a list "
-                      "of either", param="prompt")
+    raise bad_request(f"'{name}' must be a non-empty string, a list of token ids, or a list "
+                      "of either", param=name)
 
 
 @dataclass
