@@ -165,6 +165,15 @@ class EmbeddingRoutes:
         finally:
             for gen in gens:
                 gen.close()
+                self._record(gen)
+
+    def _record(self, gen: Generation) -> None:
+        """An input in the request histograms as vLLM counts a pooling request: its time to
+        the embedding as its TTFT, finished as ``stop`` (its one sampled token, thrown away,
+        is not a ``length``); one that failed or was cut short keeps its reason."""
+        if gen.output.embedding is not None:
+            gen.timing.finish_reason = "stop"
+        self.serving.metrics.observe(gen.timing)
 
 
 async def _embedding(gen: Generation) -> list[float]:

@@ -124,3 +124,16 @@ def test_rerank_orders_the_documents_by_score_and_keeps_the_top_n(server, path):
                         ({"query": "q", "documents": ["a"], "rank_fields": []}, "rank_fields")):
         status, _, raw = server.request("POST", path, body)
         assert status == 400 and json.loads(raw)["error"]["param"] == param, body
+
+
+def test_each_input_is_counted_in_the_request_histograms_as_finished(server):
+    def counts() -> tuple[float, float, float]:
+        m = server.metrics()
+        return (m.get('pdserve_requests_finished_total{finish_reason="stop"}', 0),
+                m.get("pdserve_e2e_request_latency_seconds_count", 0),
+                m.get("pdserve_time_to_first_token_seconds_count", 0))
+
+    before = counts()
+    _embed(server, ["one input", "and another", "a third"])
+    after = counts()
+    assert [b - a for a, b in zip(before, after, strict=True)] == [3, 3, 3]
