@@ -37,7 +37,8 @@ _DESCRIPTION = """LLM serving that holds latency SLOs.
   pdserve run-batch MODEL -i IN.jsonl -o OUT.jsonl
                                   OpenAI batch requests answered offline
   pdserve bench ...               load generator and SLO report
-  pdserve profile MODEL           fit the multiplex latency predictor on this GPU"""
+  pdserve profile MODEL           fit the multiplex latency predictor on this GPU
+  pdserve chat | complete         talk to a running server from the terminal"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,18 +52,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_batch(sub)
     _add_bench(sub)
     _add_profile(sub)
-    for command in sub.choices.values():
-        _add_common_flags(command)
+    _add_terminal_clients(sub)
+    for name, command in sub.choices.items():
+        _add_common_flags(command, quiet_short=name not in _TERMINAL_CLIENTS)
         command.set_defaults(parser=command)
     return parser
 
 
-def _add_common_flags(parser: argparse.ArgumentParser) -> None:
+def _add_common_flags(parser: argparse.ArgumentParser, quiet_short: bool = True) -> None:
+    """``quiet_short``: ``-q`` for ``--quiet``; the terminal clients keep ``-q`` for
+    ``--quick``, as vLLM's do."""
     group = parser.add_argument_group("output")
     group.add_argument("--debug", action="store_true",
                        help="Show the full traceback of an error instead of one line.")
-    group.add_argument("-q", "--quiet", action="store_true",
+    group.add_argument(*(("-q", "--quiet") if quiet_short else ("--quiet",)),
+                       action="store_true",
                        help="No progress bars (they are also off when stderr is not a terminal).")
+
+
+_TERMINAL_CLIENTS = ("chat", "complete")
+
+
+def _add_terminal_clients(sub) -> None:
+    from pdserve.client_cli import add_parsers
+
+    add_parsers(sub)
 
 
 _GROUP_TITLES = {"ModelConfig": "model", "CacheConfig": "KV cache",
