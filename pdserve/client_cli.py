@@ -13,6 +13,7 @@ commands free of the server's and the benchmark's dependencies.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import sys
@@ -49,14 +50,29 @@ class ServerClient:
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[str]:
         """The answer's text, piece by piece, from a streamed ``POST path``."""
         with self._open("POST", path, {**body, "stream": True}) as resp:
-            for raw in resp:
-                line = raw.decode("utf-8").strip()
+            for line in self._lines(resp):
                 if not line.startswith("data:"):
                     continue
                 data = line[len("data:"):].strip()
                 if data == "[DONE]":
                     return
-                yield _text_of(json.loads(data))
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    raise ServerError(f"{self.url} streamed a line that is not JSON: "
+                                      f"{data[:80]!r}") from None
+                yield _text_of(chunk)
+        raise ServerError(f"the answer from {self.url} broke off before its end")
+
+    def _lines(self, resp) -> Iterator[str]:
+        """The stream's lines; a connection that breaks or stalls mid-answer is a
+        ``ServerError`` (the terminal session goes on), not a crash."""
+        try:
+            for raw in resp:
+                yield raw.decode("utf-8").strip()
+        except (OSError, http.client.HTTPException) as exc:
+            raise ServerError(f"the answer from {self.url} broke off: "
+                              f"{type(exc).__name__} {exc}".rstrip()) from None
 
     def _open(self, method: str, path: str, body: dict[str, Any] | None = None):
         headers = {"Content-Type": "application/json"}

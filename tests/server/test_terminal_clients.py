@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -82,3 +84,30 @@ def test_an_unreachable_server_is_one_line_of_error():
     assert done.returncode == 1
     assert done.stderr.startswith("pdserve: error: cannot reach") and "Traceback" not in \
         done.stderr
+
+
+def test_an_answer_that_breaks_off_is_reported_and_the_session_goes_on():
+    """A server that starts a streamed answer and closes the connection mid-way."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve_broken_answers() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n")
+                chunk = b'data: {"choices": [{"index": 0, "text": "Half"}]}\n\n'
+                conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+
+    thread = threading.Thread(target=serve_broken_answers, daemon=True)
+    thread.start()
+    out = io.StringIO()
+    code = run_complete(_args("complete", "--url", f"http://127.0.0.1:{port}/v1",
+                              "--model-name", "m"), io.StringIO("one\ntwo\n"), out)
+    thread.join(timeout=30)
+    listener.close()
+    lines = out.getvalue().split("\n")
+    assert code == 0 and lines[0] == "> Half" and lines[1].startswith("error: the answer from")
+    assert lines[2] == "> Half" and lines[4] == "> "  # the second line was still sent
