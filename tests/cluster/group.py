@@ -9,14 +9,13 @@ import json
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from pdserve.cluster.registry import Instance, MemoryRegistry
 from tests.cluster.test_pd_e2e import GatewayThread
-from tests.server.conftest import Server, start_server, stop_servers
+from tests.server.conftest import Server, start_server, start_servers, stop_servers
 
 SECRET = "group-test-secret"
 SCENARIO = "default"
@@ -32,9 +31,12 @@ def wait_until(predicate, timeout: float = 60.0, poll_s: float = 0.02) -> None:
         time.sleep(poll_s)
 
 
+MEMBER_FLAGS = ("--kv-transfer-port", "0", "--kv-transfer-timeout", str(KV_TIMEOUT_S),
+                "--cluster-secret", SECRET)
+
+
 def start_member() -> Server:
-    return start_server("--kv-transfer-port", "0", "--kv-transfer-timeout", str(KV_TIMEOUT_S),
-                        "--cluster-secret", SECRET)
+    return start_server(*MEMBER_FLAGS)
 
 
 def pd_info(server: Server) -> dict:
@@ -115,8 +117,9 @@ class Group:
 def start_group(**gateway_options) -> Group:
     """p0 and p1 (prefill), d0 and d1 (decode), started side by side, and a gateway."""
     group = Group()
-    with ThreadPoolExecutor(4) as pool:
-        servers = list(pool.map(lambda _: start_member(), range(4)))
+    # start_servers: ports drawn while all are held (two drawn at once could be one), and
+    # the others stopped if one fails to start (they would outlive the test run)
+    servers = start_servers(*[MEMBER_FLAGS] * 4)
     for name, role, server in zip(("p0", "p1", "d0", "d1"), ("prefill",) * 2 + ("decode",) * 2,
                                   servers, strict=True):
         group.add(name, role, server)

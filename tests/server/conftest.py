@@ -206,7 +206,9 @@ def wait_healthy(server: Server, timeout: float = START_TIMEOUT_S) -> None:
             pass
         time.sleep(HEALTH_POLL_S)
     server.stop()
-    raise RuntimeError("server did not become healthy")
+    # the log's end says where the start stalled (what a flaky start needs to be fixed)
+    raise RuntimeError(f"server on port {server.port} did not become healthy in {timeout:.0f} "
+                       f"s; the end of its log:\n{server.log_text()[-3000:]}")
 
 
 @pytest.fixture(scope="session")
