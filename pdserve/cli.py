@@ -52,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_batch(sub)
     _add_bench(sub)
     _add_profile(sub)
-    _add_terminal_clients(sub)
+    terminal_clients = _add_terminal_clients(sub)
     for name, command in sub.choices.items():
-        _add_common_flags(command, quiet_short=name not in _TERMINAL_CLIENTS)
+        _add_common_flags(command, quiet_short=name not in terminal_clients)
         command.set_defaults(parser=command)
     return parser
 
@@ -70,13 +70,10 @@ def _add_common_flags(parser: argparse.ArgumentParser, quiet_short: bool = True)
                        help="No progress bars (they are also off when stderr is not a terminal).")
 
 
-_TERMINAL_CLIENTS = ("chat", "complete")
-
-
-def _add_terminal_clients(sub) -> None:
+def _add_terminal_clients(sub) -> tuple[str, ...]:
     from pdserve.client_cli import add_parsers
 
-    add_parsers(sub)
+    return add_parsers(sub)
 
 
 _GROUP_TITLES = {"ModelConfig": "model", "CacheConfig": "KV cache",

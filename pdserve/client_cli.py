@@ -94,7 +94,7 @@ def _text_of(chunk: dict[str, Any]) -> str:
     """One streamed chunk's text: a chat delta's content or a completion's text; an error
     sent inside the stream (after the answer began) raises."""
     if "error" in chunk:
-        raise ServerError(_error_message(json.dumps(chunk).encode()))
+        raise ServerError(_message_of(chunk["error"]))
     choices = chunk.get("choices") or []
     if not choices:
         return ""  # the usage chunk
@@ -105,14 +105,20 @@ def _text_of(chunk: dict[str, Any]) -> str:
 
 
 def _error_message(raw: bytes) -> str:
+    """An error answer's message: OpenAI's ``{"error": {"message"}}``, else its text."""
     try:
         error = json.loads(raw)["error"]
     except (ValueError, KeyError, TypeError):
         return raw.decode("utf-8", "replace").strip() or "no message"
+    return _message_of(error)
+
+
+def _message_of(error: Any) -> str:
     return error.get("message", str(error)) if isinstance(error, dict) else str(error)
 
 
-def add_parsers(sub) -> None:
+def add_parsers(sub) -> tuple[str, ...]:
+    """Adds ``chat`` and ``complete``; returns their names (their ``-q`` is ``--quick``)."""
     chat = sub.add_parser(
         "chat", help="Chat with a running server from the terminal.",
         description="Send each line read as a user message to a running server's "
@@ -142,6 +148,7 @@ def add_parsers(sub) -> None:
         parser.add_argument("-q", "--quick", default=None, metavar="TEXT",
                             help="Send TEXT once, print the answer and exit.")
         parser.set_defaults(func=func)
+    return ("chat", "complete")
 
 
 Answer = Callable[[str], bool]
