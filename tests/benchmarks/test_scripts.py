@@ -371,6 +371,21 @@ def test_gemv_sweep_shapes_candidates_and_table(monkeypatch):
                      "num_stages=3, use_dot=False),"]
 
 
+@pytest.mark.skipif(not triton_available(), reason="bench_blas.py imports triton")
+def test_blas_step_sums_weigh_each_projection_by_its_calls(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when run: it imports bench_kernels
+    bench = _load("bench_blas")
+    arch = PRESETS["codellama-34b"]
+    calls = {name: shape[2] for name, shape in bench.projections(arch).items()}
+    assert calls == {"qkv": 48, "o_proj": 48, "gate_up": 48, "down": 48, "lm_head": 1}
+    rows = [{"projection": name, "rows": 1, "cublas": {"us": 10.0},
+             "cublaslt": {"us": 20.0 if name == "qkv" else 5.0}} for name in calls]
+    sums = bench.step_sums(rows, arch)["1"]
+    assert sums["cublas"] == pytest.approx(10.0 * 193 / 1e3)
+    assert sums["cublaslt"] == pytest.approx((20.0 * 48 + 5.0 * 145) / 1e3)
+    assert sums["best_of_both"] == pytest.approx((10.0 * 48 + 5.0 * 145) / 1e3)
+
+
 @pytest.mark.skipif(not triton_available(), reason="bench_kernels.py imports triton")
 def test_extend_sweep_times_every_layout_on_every_chunk_shape():
     """The sweep's points (the GPU timing replaced by a record of what it was asked), and
