@@ -42,6 +42,7 @@ time is not in the roofline, so the gap to it includes communication).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import platform
@@ -52,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.bench.report import pdserve_environment, revision_fields
-from pdserve.config import EngineConfig
+from pdserve.config import BLAS_LIBRARIES, EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
@@ -258,25 +259,36 @@ class Points:
     long_context: int = 0
 
 
-def decode_gemv_speedups(results: list[dict]) -> list[dict]:
-    """Per model and decode point, step time with --decode-gemv off over step time with it
-    on (above 1: the fused path is faster); only points both runs measured."""
+def variant_speedups(results: list[dict], field: str, base: str, other: str) -> list[dict]:
+    """Per model and decode point, step time with the engine's ``field`` at ``base`` over
+    step time at ``other`` (above 1: ``other`` is faster); only points both runs measured."""
     timed = {}
     for result in results:
         for row in result["decode"]:
             if "step_ms" in row:
                 key = (result["model"], row["batch"], row["context"], row["overlap"])
-                timed[key + (row["decode_gemv"],)] = row
+                timed[key + (row[field],)] = row
     speedups = []
-    for (model, batch, context, overlap, mode), off in sorted(timed.items()):
-        on = timed.get((model, batch, context, overlap, "on"))
-        if mode == "off" and on is not None:
-            speedups.append({"decode_gemv_speedup": off["step_ms"] / on["step_ms"],
+    for (model, batch, context, overlap, value), first in sorted(timed.items()):
+        second = timed.get((model, batch, context, overlap, other))
+        if value == base and second is not None:
+            speedups.append({f"{field}_speedup": first["step_ms"] / second["step_ms"],
                              "model": model, "batch": batch, "context": context,
-                             "overlap": overlap, "step_ms_off": off["step_ms"],
-                             "step_ms_on": on["step_ms"],
-                             "fraction_of_roofline_on": on["fraction_of_roofline"]})
+                             "overlap": overlap, f"step_ms_{base}": first["step_ms"],
+                             f"step_ms_{other}": second["step_ms"],
+                             f"fraction_of_roofline_{other}": second["fraction_of_roofline"]})
     return speedups
+
+
+def decode_gemv_speedups(results: list[dict]) -> list[dict]:
+    """--decode-gemv off over on at each decode point (above 1: the fused path is faster)."""
+    return variant_speedups(results, "decode_gemv", "off", "on")
+
+
+def blas_library_speedups(results: list[dict]) -> list[dict]:
+    """--blas-library cublas over cublaslt at each decode point (above 1: cuBLASLt's
+    kernels are faster)."""
+    return variant_speedups(results, "blas_library", "cublas", "cublaslt")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -289,6 +301,13 @@ def _gemv_modes(text: str) -> tuple[str, ...]:
     if not modes or any(mode not in ("off", "on") for mode in modes):
         raise argparse.ArgumentTypeError(f"{text!r}: off, on, or off,on")
     return modes
+
+
+def _blas_libraries(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(","))
+    if not names or any(name not in BLAS_LIBRARIES for name in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: one or more of {', '.join(BLAS_LIBRARIES)}")
+    return names
 
 
 def decode_rows(engine: EngineCore, batch: int, context: int, overlap_modes: tuple,
@@ -319,13 +338,13 @@ def decode_rows(engine: EngineCore, batch: int, context: int, overlap_modes: tup
 def bench_model(model: str, memory_fraction: float, ceilings: dict,
                 overlap_modes: tuple = (False, True), tensor_parallel_size: int = 1,
                 decode_gemv: str = "off", points: Points | None = None,
-                sampler=None) -> dict:
+                sampler=None, blas_library: str = "cublas") -> dict:
     points = points or Points()
     config = EngineConfig.from_flat(model=model, load_format="dummy", schedule="prefill-first",
                                     overlap_schedule=True,
                                     gpu_memory_utilization=memory_fraction,
                                     tensor_parallel_size=tensor_parallel_size,
-                                    decode_gemv=decode_gemv,
+                                    decode_gemv=decode_gemv, blas_library=blas_library,
                                     max_model_len=max(PREFILL_LENGTHS) + 1, max_num_seqs=256)
     started = time.perf_counter()
     with StartupLog() as startup:
@@ -335,6 +354,7 @@ def bench_model(model: str, memory_fraction: float, ceilings: dict,
               "kv_pool_tokens": engine.blocks.num_blocks * engine.blocks.block_size,
               "memory_fraction": memory_fraction, "startup_log": startup.lines,
               "decode_gemv": decode_gemv, "decode_layers": engine.runner.decode_layers,
+              "blas_library": blas_library,
               "decode": [], "prefill": []}
     weights, kv_token = weight_bytes(engine), kv_bytes_per_token(engine)
     bandwidth = ceilings["copy_bandwidth_gbs"] * 1e9
@@ -346,7 +366,7 @@ def bench_model(model: str, memory_fraction: float, ceilings: dict,
             roofline_ms = (weights + tokens * kv_token) / bandwidth * 1e3
             for row in decode_rows(engine, batch, context, overlap_modes, roofline_ms,
                                    points.context_spread, points.long_context):
-                row["decode_gemv"] = decode_gemv
+                row["decode_gemv"], row["blas_library"] = decode_gemv, blas_library
                 result["decode"].append(row)
                 print(json.dumps(row), flush=True)
     for length in points.prefill_lengths:
@@ -377,6 +397,9 @@ def main() -> None:
     parser.add_argument("--decode-gemv", type=_gemv_modes, default=("off",),
                         help="engine --decode-gemv values, one engine each: off, on, or off,on "
                         "(then speedup lines at the end)")
+    parser.add_argument("--blas-library", type=_blas_libraries, default=("cublas",),
+                        help="engine --blas-library values, one engine each: cublas, "
+                        "cublaslt, or cublas,cublaslt (then speedup lines at the end)")
     parser.add_argument("--decode-batches", type=_int_list, default=DECODE_BATCHES)
     parser.add_argument("--decode-contexts", type=_int_list, default=DECODE_CONTEXTS)
     parser.add_argument("--decode-context-spread", type=float, default=0.0,
@@ -388,6 +411,8 @@ def main() -> None:
     parser.add_argument("--prefill-lengths", type=_int_list, default=PREFILL_LENGTHS,
                         help="comma-separated prompt lengths, or none")
     args = parser.parse_args()
+    if len(args.decode_gemv) > 1 and len(args.blas_library) > 1:
+        parser.error("compare --decode-gemv values or --blas-library values, not both at once")
     points = Points(args.decode_batches, args.decode_contexts, args.prefill_lengths,
                     args.decode_context_spread, args.decode_long_context)
     ceilings = measure_ceilings()
@@ -400,15 +425,17 @@ def main() -> None:
               "device": torch.cuda.get_device_name(), "gpu": gpu, "torch": torch.__version__,
               "python": platform.python_version(), "ceilings": ceilings, "models": []}
     for model in args.models:
-        for decode_gemv in args.decode_gemv:
+        for decode_gemv, blas_library in itertools.product(args.decode_gemv,
+                                                           args.blas_library):
             report["models"].append(bench_model(model, args.memory_fraction, ceilings,
                                                 OVERLAP_MODES[args.overlap],
                                                 args.tensor_parallel_size, decode_gemv, points,
-                                                sampler))
+                                                sampler, blas_library))
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
     report["decode_gemv_speedups"] = decode_gemv_speedups(report["models"])
-    for line in report["decode_gemv_speedups"]:
+    report["blas_library_speedups"] = blas_library_speedups(report["models"])
+    for line in report["decode_gemv_speedups"] + report["blas_library_speedups"]:
         print(json.dumps(line), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

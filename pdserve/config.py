@@ -18,6 +18,7 @@ PIECE_RULES = ("compounding", "converging")  # the prefill correction rules lear
 PREFILL_RULES = (*PIECE_RULES, "delivery")
 # The order waiting prompts are admitted in (pdserve/sched/prefill_order.py).
 PREFILL_ORDERS = ("fcfs", "slo", "priority")
+BLAS_LIBRARIES = ("cublas", "cublaslt")  # torch's CUDA BLAS backends
 # The TTFT pressure may plan steps past the ITL target, by at most this share: a TPOT SLO is
 # a request's mean, and on the H200 chunked 512's ShareGPT-like steps ran ~1.05x it while
 # requests' TPOT P99 stayed near it (decode-only steps between bursts run at ~20 ms).
@@ -390,6 +391,10 @@ class DeviceConfig:
                            "keep cuBLAS. Needs a CUDA device with Triton and "
                            "--tensor-parallel-size 1. Experimental: slower than cuBLAS on the "
                            "H200 (docs/architecture.md).", choices=("off", "on"))
+    blas_library: str = doc("cublas", "Which CUDA BLAS torch runs the linear layers with: "
+                            "cublas (torch's default) or cublaslt (cuBLASLt's heuristic picks "
+                            "its own kernels, e.g. another split of K at a few rows). Needs a "
+                            "CUDA device for cublaslt.", choices=BLAS_LIBRARIES)
     allow_emulated_partitions: bool = doc(
         False, "multiplex / disagg on a GPU whose green contexts cannot be made: run with "
         "nominal partitions on ordinary streams (no real SM split; for debugging only) "

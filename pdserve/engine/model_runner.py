@@ -14,7 +14,7 @@ import time
 import torch
 
 from pdserve.cache.kv_pool import allocate_kv_pool, bytes_per_block
-from pdserve.config import EngineConfig
+from pdserve.config import BLAS_LIBRARIES, EngineConfig
 from pdserve.dist.comm import SINGLE, TPComm
 from pdserve.dist.shard import TPShard
 from pdserve.engine.batch import BlockTables, HostBatch, build_host_batch, resolve_placeholders
@@ -65,6 +65,21 @@ def check_decode_gemv(config: EngineConfig, device: torch.device) -> None:
                          f"triton package (device {device.type!r})")
 
 
+def apply_blas_library(config: EngineConfig, device: torch.device) -> None:
+    """Points torch's linear layers at the BLAS ``--blas-library`` names. The choice is
+    process-wide and made before any graph is captured, so every lane's graphs and eager
+    steps run the same kernels; cuBLASLt is refused off a CUDA device rather than ignored."""
+    name = config.device.blas_library
+    if name not in BLAS_LIBRARIES:
+        raise ValueError(f"--blas-library {name!r}: choose one of {', '.join(BLAS_LIBRARIES)}")
+    if device.type != "cuda":
+        if name != "cublas":
+            raise ValueError(f"--blas-library {name} picks a CUDA BLAS: it needs a CUDA device "
+                             f"(device {device.type!r})")
+        return
+    torch.backends.cuda.preferred_blas_library(name)
+
+
 def rank_device(name: str, rank: int) -> torch.device:
     """Tensor-parallel rank ``rank``'s device: the GPU ``rank`` places after rank 0's."""
     device = resolve_device(name)
@@ -84,6 +99,7 @@ class ModelRunner:
         if comm is None:
             check_tp_config(config, arch)  # one line, before any worker or weight
             check_decode_gemv(config, self.device)
+        apply_blas_library(config, self.device)  # each rank's process, before its graphs
         if comm is None and config.device.tensor_parallel_size > 1:
             self.tp = TPLeader(config, arch, max_model_len, self.device)
         self.comm = comm or (self.tp.comm if self.tp else SINGLE)
@@ -106,9 +122,10 @@ class ModelRunner:
     @property
     def decode_layers(self) -> str:
         """Which decode-layer path runs: for the start-up log and for results to record."""
+        blas = "cuBLASLt" if self.config.device.blas_library == "cublaslt" else "cuBLAS"
         if self.model.decode_gemv:
-            return f"fused Triton GEMVs for steps of <= {GEMV_MAX_ROWS} tokens, cuBLAS above"
-        return "cuBLAS GEMMs with separate norm and SiLU kernels (--decode-gemv off)"
+            return f"fused Triton GEMVs for steps of <= {GEMV_MAX_ROWS} tokens, {blas} above"
+        return f"{blas} GEMMs with separate norm and SiLU kernels (--decode-gemv off)"
 
     def _new_tables(self) -> BlockTables:
         return BlockTables(-(-self.max_model_len // self.block_size))

@@ -190,3 +190,21 @@ def test_bench_engine_reads_the_clocks_over_the_timed_prefill_only(monkeypatch):
     assert row["gpu"] == {"sm_clock_mhz_mean": 1755.0} and row["tokens_per_s"] > 0
     assert engine.prompts[1] == [t + 1 for t in engine.prompts[0]]  # no prefix-cache hit
     assert "gpu" not in bench_engine.time_prefill(_OneStepEngine(), 16)
+
+
+def test_bench_engine_pairs_each_decode_point_of_two_blas_libraries():
+    bench_engine = _load("bench_engine")
+
+    def result(library: str, step_ms: float) -> dict:
+        rows = [{"batch": 1, "context": 1024, "overlap": True, "blas_library": library,
+                 "step_ms": step_ms, "fraction_of_roofline": 15.0 / step_ms},
+                {"batch": 256, "context": 1024, "overlap": True, "blas_library": library,
+                 "skipped": "KV pool too small for this batch and context"}]
+        return {"model": "codellama-34b", "decode": rows}
+
+    speedups = bench_engine.blas_library_speedups([result("cublas", 18.0),
+                                                   result("cublaslt", 17.5)])
+    assert speedups == [{"blas_library_speedup": pytest.approx(18.0 / 17.5),
+                         "model": "codellama-34b", "batch": 1, "context": 1024,
+                         "overlap": True, "step_ms_cublas": 18.0, "step_ms_cublaslt": 17.5,
+                         "fraction_of_roofline_cublaslt": pytest.approx(15.0 / 17.5)}]
