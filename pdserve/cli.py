@@ -21,6 +21,7 @@ from pdserve.config import (
     add_cli_args,
     engine_config_from_args,
 )
+from pdserve.config_file import CONFIG_FLAG, expand_config_file
 from pdserve.progress import QUIET_ENV, progress_enabled
 
 # `pdserve generate`'s sampling when neither a flag nor the generation config sets a field.
@@ -55,8 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     terminal_clients = _add_terminal_clients(sub)
     for name, command in sub.choices.items():
         _add_common_flags(command, quiet_short=name not in terminal_clients)
+        if name != "bench":  # bench's subcommands have flags of their own (compare's --config)
+            _add_config_file_flag(command)
         command.set_defaults(parser=command)
+    parser.commands = sub.choices  # for expand_config_file
     return parser
+
+
+def _add_config_file_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(CONFIG_FLAG, dest="config_file", metavar="FILE",
+                        help="Read flags from a YAML file: long flag names (dashes or "
+                        "underscores) to values, e.g. 'max-model-len: 4096', "
+                        "'served-model-name: [a, b]', 'enforce-eager: true'; flags on the "
+                        "command line win over the file.")
 
 
 def _add_common_flags(parser: argparse.ArgumentParser, quiet_short: bool = True) -> None:
@@ -560,7 +572,9 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(expand_config_file(parser.commands, argv))
     if args.quiet:
         os.environ[QUIET_ENV] = "1"  # inherited by the engine process and launched instances
     if not progress_enabled():  # huggingface_hub's download bars follow the same rule

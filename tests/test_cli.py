@@ -345,3 +345,31 @@ def test_weight_loading_bar_only_for_a_person(tmp_path):
     assert "loading weights" in shown
     assert "loading weights" not in quiet
     assert piped.returncode == 0 and "loading weights" not in piped.stderr
+
+
+def test_serve_reads_its_flags_from_a_config_file(tmp_path):
+    """``--config``: the server started from a YAML file, a command-line flag winning."""
+    port, other = free_port(), free_port()
+    flags = tmp_path / "serve.yaml"
+    flags.write_text(f"model: tiny\ndevice: cpu\nhost: 127.0.0.1\nport: {other}\n"
+                     "served-model-name: [from-file, alias]\nmax-model-len: 256\n")
+    log = tempfile.TemporaryFile()
+    cmd = [sys.executable, "-m", "pdserve", "serve", "--config", str(flags), "--port", str(port)]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    server = Server(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
+                    port, log=log)
+    try:
+        wait_healthy(server)
+        status, _, body = server.request("GET", "/v1/models")
+        cards = json.loads(body)["data"]
+        assert status == 200 and [card["id"] for card in cards] == ["from-file", "alias"]
+        assert cards[0]["max_model_len"] == 256
+    finally:
+        server.stop()
+
+
+def test_a_config_file_key_that_is_no_flag(tmp_path):
+    flags = tmp_path / "serve.yaml"
+    flags.write_text("model: tiny\npipeline-parallel-size: 2\n")
+    assert_usage_error(pdserve("serve", "--config", str(flags)), "serve",
+                       "'pipeline-parallel-size' is not a flag of pdserve serve")
