@@ -67,9 +67,11 @@ def config_path(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
 
 
 def without_config_flag(argv: list[str]) -> list[str]:
-    """``argv`` less its ``--config FILE`` (or ``--config=FILE``)."""
+    """``argv`` less its ``--config FILE`` (or ``--config=FILE``); after ``--`` as it is."""
     rest, skip = [], False
-    for token in argv:
+    for i, token in enumerate(argv):
+        if token == "--":
+            return rest + argv[i:]
         if skip:
             skip = False
         elif token == CONFIG_FLAG:

@@ -86,3 +86,12 @@ def test_bench_compare_keeps_its_own_config_flag():
     parser = build_parser()
     argv = ["bench", "compare", "--config", "a=--schedule chunked"]
     assert expand_config_file(parser.commands, argv) == argv
+
+
+def test_tokens_after_a_double_dash_are_left_as_they_are(tmp_path):
+    path = tmp_path / "flags.yaml"
+    path.write_text("port: 8123\n")
+    parser = build_parser()
+    argv = ["serve", "--config", str(path), "--", "--config", "x"]
+    assert expand_config_file(parser.commands, argv) == [
+        "serve", "--port", "8123", "--config", str(path), "--", "--config", "x"]
