@@ -37,6 +37,7 @@ from pdserve.gpu.partitions import Partition
 from pdserve.model.arch import ModelArch
 from pdserve.model.loader import load_model, resolve_dtype
 from pdserve.ops.dispatch import GEMV_MAX_ROWS, triton_available
+from pdserve.ops.pdl import check_pdl
 from pdserve.ops.registry import get_attention_backend
 from pdserve.sched.base import MAIN_POOL, KVMove, Plan, StepOutput, Work
 
@@ -100,6 +101,7 @@ class ModelRunner:
             check_tp_config(config, arch)  # one line, before any worker or weight
             check_decode_gemv(config, self.device)
         apply_blas_library(config, self.device)  # each rank's process, before its graphs
+        check_pdl(self.device)
         if comm is None and config.device.tensor_parallel_size > 1:
             self.tp = TPLeader(config, arch, max_model_len, self.device)
         self.comm = comm or (self.tp.comm if self.tp else SINGLE)

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from pdserve.ops.metadata import AttentionMetadata
+from pdserve.ops.pdl import launch_options, uses_pdl
 from pdserve.ops.triton_fused import store_kv
 
 # Rows of q heads one decode program handles; tl.dot needs at least 16 rows, so smaller GQA
@@ -329,6 +331,7 @@ def _decode_split_kernel(
     MERGE_SPLITS: tl.constexpr,
     FUSE_ROPE: tl.constexpr,
     HALF_ROT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program = (decode seq, kv head x head block, split): all q heads of the group
     share each K/V tile, so K/V are read from memory once per group. The grid is (seq,
@@ -348,6 +351,8 @@ def _decode_split_kernel(
     rows on load, and the split that holds the new token (the last used one) rotates k and
     stores it with v into the token's cache slot before it reads its tiles, which saves
     the step's ``rope_store_kv`` launch."""
+    if PDL:  # launched early: nothing is read before the step before has finished
+        gdc_wait()
     # Balanced, the head block is the grid's first axis, so every context's first splits
     # (all head blocks) launch before the pool's slots and spread over the SMs first.
     head_program = tl.program_id(0) if BALANCE else tl.program_id(1)
@@ -516,10 +521,13 @@ def _decode_reduce_kernel(
     stride_oh,
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merges the used splits of one (seq, q head) by their log-sum-exp (base 2): the
     second launch of the two-launch path. A sequence with one used split was written by
     the split kernel itself."""
+    if PDL:
+        gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -619,6 +627,7 @@ def decode_attention(
     arrivals = _arrival_counters(batch * head_programs, q.device) if one_launch else mid_lse
     rows = triton.next_power_of_2(min(group, _DECODE_BLOCK_H))  # q heads a merge covers
     rope_args, half_rot = _rope_args(rope, q, k_cache, batch, seq_lens)
+    pdl = uses_pdl(q)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, used_splits, arrivals, out,
         *rope_args[:5], q.stride(0), q.stride(1), *rope_args[5:],
@@ -646,8 +655,10 @@ def decode_attention(
         MERGE_SPLITS=_merge_splits(num_splits, rows, head_dim),
         FUSE_ROPE=rope is not None,
         HALF_ROT=half_rot,
+        PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(pdl),
     )  # fmt: skip
     if num_splits == 1:  # the split kernel wrote ``out`` itself, one split a context
         return None
@@ -660,7 +671,9 @@ def decode_attention(
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits,
         HEAD_DIM=head_dim,
+        PDL=pdl,
         num_warps=4 if head_dim >= 128 else 2,
+        **launch_options(pdl),
     )  # fmt: skip
     return used_splits
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from pdserve.ops.pdl import launch_options, uses_pdl
 
 # --------------------------------------------------------------------------- norms
 
@@ -29,7 +32,10 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched early: nothing is read before the step before has finished
+        gdc_wait()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -68,6 +74,7 @@ def _launch_norm(x, residual, weight, out, summed, eps: float) -> None:
         return
     block = triton.next_power_of_2(hidden)
     has_residual = residual is not None
+    pdl = uses_pdl(x)
     _rms_norm_kernel[(rows,)](
         x,
         residual if has_residual else x,
@@ -82,7 +89,9 @@ def _launch_norm(x, residual, weight, out, summed, eps: float) -> None:
         eps,
         HAS_RESIDUAL=has_residual,
         BLOCK=block,
+        PDL=pdl,
         num_warps=_row_warps(block),
+        **launch_options(pdl),
     )
 
 
@@ -90,7 +99,10 @@ def _launch_norm(x, residual, weight, out, summed, eps: float) -> None:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -107,8 +119,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(1024, triton.next_power_of_2(inter))
         grid = (rows, triton.cdiv(inter, block))
+        pdl = uses_pdl(x2d)
         _silu_and_mul_kernel[grid](
-            x2d, out, x2d.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+            x2d, out, x2d.stride(0), out.stride(0), inter, BLOCK=block, PDL=pdl, num_warps=4,
+            **launch_options(pdl),
         )
     return out.view(*gate_up.shape[:-1], inter)
 
@@ -297,9 +311,12 @@ def _rope_store_kv_kernel(
     HALF_ROT: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Axis 1: the first ``q_blocks`` programs rotate q heads; the rest rotate k heads and
     write them, with their v heads, into the token's cache slot (none for slot -1)."""
+    if PDL:
+        gdc_wait()
     token = tl.program_id(0)
     block = tl.program_id(1)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -361,6 +378,7 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     block_hkv = min(triton.next_power_of_2(num_kv_heads), max_heads)
     q_blocks = triton.cdiv(num_q_heads, block_hq)
     grid = (tokens, q_blocks + triton.cdiv(num_kv_heads, block_hkv))
+    pdl = uses_pdl(q)
     _rope_store_kv_kernel[grid](
         q, k, v, k_cache, v_cache, positions.contiguous(), cos_sin_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -370,8 +388,8 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         HALF_ROT=half_rot, HEAD_DIM=head_dim, BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv,
         BLOCK_HALF=triton.next_power_of_2(half_rot),
         BLOCK_PASS=triton.next_power_of_2(pass_dim) if pass_dim > 0 else 0,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl,
+        num_warps=4, **launch_options(pdl),
     )  # fmt: skip
 
 

@@ -27,6 +27,8 @@ PLAIN_INTS = {"first_seq", "num_heads", "num_kv_heads", "hidden", "head_dim", "i
 
 
 def compile_kernel(kernel, dtype: str, constexprs: dict, num_warps: int, num_stages: int):
+    if "PDL" in kernel.arg_names:  # launched without programmatic dependent launch unless named
+        constexprs = {"PDL": False, **constexprs}
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -116,6 +118,32 @@ def gemv_cases(dtype: str):
             ), config.num_warps, config.num_stages  # fmt: skip
 
 
+def pdl_cases(dtype: str):
+    """Each kernel the decode path launches with ``PDSERVE_PDL=1``, compiled with its wait."""
+    for kernel, dt, constexprs, warps, stages in (*attention_cases(dtype), *fused_cases(dtype)):
+        if "PDL" in kernel.arg_names and "PDL" not in constexprs:
+            yield kernel, dt, {**constexprs, "PDL": True}, warps, stages
+
+
+def check_pdl(dtype: str) -> None:
+    """With PDL the kernel waits on the grid before it (``griddepcontrol.wait``) and
+    without it does not: the constexpr reaches the PTX."""
+    names = set()
+    for kernel, dt, constexprs, warps, stages in pdl_cases(dtype):
+        if kernel.__name__ in names:
+            continue  # one variant each is enough to see the wait
+        names.add(kernel.__name__)
+        with_wait = compile_kernel(kernel, dt, constexprs, warps, stages).asm["ptx"]
+        without = compile_kernel(kernel, dt, {**constexprs, "PDL": False}, warps,
+                                 stages).asm["ptx"]
+        assert "griddepcontrol.wait" in with_wait, kernel.__name__
+        assert "griddepcontrol.wait" not in without, kernel.__name__
+        print(f"{kernel.__name__} {dt}: griddepcontrol.wait with PDL only", flush=True)
+    expected = {"_decode_split_kernel", "_decode_reduce_kernel", "_rms_norm_kernel",
+                "_silu_and_mul_kernel", "_rope_store_kv_kernel"}
+    assert names == expected, names
+
+
 def main(dtypes: list[str]) -> None:
     for dtype in dtypes:
         cases = [*attention_cases(dtype), *fused_cases(dtype),
@@ -126,6 +154,7 @@ def main(dtypes: list[str]) -> None:
             print(f"{kernel.__name__} {dt} {constexprs} warps={warps} stages={stages} "
                   f"shared={shared}", flush=True)  # fmt: skip
             assert shared <= MAX_SHARED, f"{kernel.__name__} needs {shared} B of shared memory"
+        check_pdl(dtype)
 
 
 if __name__ == "__main__":
