@@ -150,7 +150,7 @@ class Gateway:
     # ---- one request --------------------------------------------------------------------
 
     async def forward(self, http: web.Request, kind: str) -> web.StreamResponse:
-        body = P.parse_json_body(await http.read())
+        body = P.with_request_id_header(P.parse_json_body(await http.read()), http.headers)
         # The prompts as an instance reads them (one unless a batch; a bad one, its 400).
         prompts = P.read_prompts(body.get("prompt")) if kind == "completions" else []
         choices = max(_count(body, "n"), _count(body, "best_of"))

@@ -9,6 +9,7 @@ import logging
 import math
 import signal
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -96,6 +97,8 @@ def build_app(client: EngineClient, config: ServerConfig,
     app[STATE_KEY] = state
     if config.api_server_count > 1:
         app.on_response_prepare.append(_tag_server(str(server_index)))
+    if config.enable_request_id_headers:
+        app.on_response_prepare.append(_echo_request_id)
     app.router.add_post("/v1/completions", serving.completions)
     app.router.add_post("/v1/chat/completions", serving.chat)
     app.router.add_get("/v1/models", _models)
@@ -128,6 +131,12 @@ def _tag_server(index: str):
         response.headers[SERVER_HEADER] = index
 
     return tag
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``--enable-request-id-headers``: before the headers go out (streams too)."""
+    response.headers[P.REQUEST_ID_HEADER] = (request.headers.get(P.REQUEST_ID_HEADER)
+                                             or uuid.uuid4().hex)
 
 
 # ---- middlewares --------------------------------------------------------------------------

@@ -61,6 +61,10 @@ class ServerConfig(CrossOriginConfig, TLSConfig):
     max_concurrent_requests: int = doc(4096, "Requests answered at once, streams included; "
                                        "more get 429 with Retry-After.")
     log_requests: bool = doc(False, "Log one line per finished request.")
+    enable_request_id_headers: bool = doc(
+        False, "Every answer carries an X-Request-Id header: the request's own X-Request-Id, "
+        "else a new one (as vLLM's flag). A request's X-Request-Id (or its 'request_id' "
+        "field) names its completion id either way.")
     disable_log_stats: bool = doc(False, "No periodic line of the engine's throughput, "
                                   "queues and KV cache use.")
     log_stats_interval_s: float = doc(10.0, "Seconds between the engine's stats lines "

@@ -131,7 +131,7 @@ class PDRoutes:
         self.admission.admit(len(prompt_ids), budget_ms)
         arrival, computed = time.monotonic(), None
         try:
-            first = await self._run_prefill(fmt.request_id, prompt_ids, params,
+            first = await self._run_prefill(fmt.engine_key, prompt_ids, params,
                                             KVHandoff(transfer_id, target=target), arrival)
             computed = len(prompt_ids) - first["num_cached_tokens"]
         finally:

@@ -170,7 +170,7 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
                      "guided_choice", "guided_grammar", "structured_outputs",
                      "prompt_logprobs", "allowed_token_ids", "truncate_prompt_tokens",
                      "guided_whitespace_pattern", "use_beam_search", "length_penalty",
-                     "bad_words", "priority", "return_tokens_as_token_ids"),
+                     "bad_words", "priority", "return_tokens_as_token_ids", "request_id"),
                     HONOURED),
     "logits_processors": Refused(_SAMPLER, ([],)),
     "guided_decoding_backend": Refused("structured output always runs on llguidance",
@@ -690,6 +690,36 @@ def check_token_ids(token_ids: list[int], vocab_size: int | None, param: str = "
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_CHARS = 256
+
+
+def with_request_id_header(body: dict, headers) -> dict:
+    """The body with the client's ``X-Request-Id`` header as its ``request_id``: the header
+    wins over the field, as in vLLM (a P/D gateway passes it on to its instances so)."""
+    header = headers.get(REQUEST_ID_HEADER)
+    if header is None or not isinstance(body, dict):
+        return body
+    return {**body, "request_id": header}
+
+
+def answer_ids(prefix: str, body: dict) -> tuple[str, str]:
+    """The answer's id and the engine's key for it. A client's ``request_id`` (vLLM's field;
+    its ``X-Request-Id`` header stands for it) names the answer ``prefix-<request_id>``, as
+    vLLM does; the engine's key adds a random suffix, so two requests sent with one id
+    never share the engine's key (one's abort cannot end the other)."""
+    value = body.get("request_id")
+    if value is None:
+        answer = new_id(prefix)
+        return answer, answer
+    if not isinstance(value, str) or not value or len(value) > MAX_REQUEST_ID_CHARS \
+            or not value.isprintable():
+        raise bad_request(f"'request_id' (or the {REQUEST_ID_HEADER} header) must be 1 to "
+                          f"{MAX_REQUEST_ID_CHARS} printable characters", param="request_id")
+    answer = f"{prefix}-{value}"
+    return answer, f"{answer}-{uuid.uuid4().hex[:8]}"
 
 
 def now_s() -> int:

@@ -125,6 +125,7 @@ class Format:
 
     chat: bool
     request_id: str
+    """The answer's id (``cmpl-...``, ``chatcmpl-...``)."""
     model: str
     created: int
     sampling: P.SamplingRequest
@@ -143,10 +144,16 @@ class Format:
     reasoning: str | None = None
     """Chat under ``--reasoning-parser``: the thinking goes apart from the content."""
     include_reasoning: bool = True
+    engine_id: str = ""
+    """The engine's key for the request (``P.answer_ids``); empty: the answer's id."""
 
     _text_prefix: bytes = b""
     """``data: `` and the chunk's JSON up to its text."""
     _text_suffix: bytes = b""
+
+    @property
+    def engine_key(self) -> str:
+        return self.engine_id or self.request_id
 
     def __post_init__(self) -> None:
         # Most chunks differ from each other only in their text: pre-encode everything else.
@@ -245,12 +252,14 @@ class OpenAIServing:
         return await self._chat(http, P.parse_json_body(await http.read()))
 
     async def _completions(self, http: web.Request, body: dict) -> web.StreamResponse:
+        body = P.with_request_id_header(body, http.headers)
         prepared, default_max_tokens = await self._prepare_completions(self._with_defaults(body))
         if len(prepared) == 1:
             return await self.run(http, *prepared[0], default_max_tokens)
         return await self._run_batch(http, prepared, default_max_tokens)
 
     async def _chat(self, http: web.Request, body: dict) -> web.StreamResponse:
+        body = P.with_request_id_header(body, http.headers)
         return await self.run(http, *await self.prepare("chat", body))
 
     async def invocations(self, http: web.Request) -> web.StreamResponse:
@@ -296,13 +305,13 @@ class OpenAIServing:
         request = P.CompletionRequest.parse(body)
         self.check_model(request.sampling.model)
         request.sampling.grammar = read_grammar(body)
-        request_id, created = P.new_id("cmpl"), P.now_s()
-        prepared = [await self._prepare_prompt(request, prompt, request_id, created)
+        ids, created = P.answer_ids("cmpl", body), P.now_s()
+        prepared = [await self._prepare_prompt(request, prompt, ids, created)
                     for prompt in request.prompts]
         return prepared, self.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
 
     async def _prepare_prompt(self, request: P.CompletionRequest, prompt: str | list[int],
-                              request_id: str, created: int) -> tuple[Format, list[int]]:
+                              ids: tuple[str, str], created: int) -> tuple[Format, list[int]]:
         if isinstance(prompt, str):
             add_special = request.sampling.add_special_tokens is not False
             prompt_ids = await self.encode(prompt, add_special_tokens=add_special)
@@ -310,8 +319,8 @@ class OpenAIServing:
             prompt_ids = prompt
             P.check_token_ids(prompt_ids, self.client.vocab_size)
         prompt_ids, cut = self._checked(prompt_ids, request.sampling)
-        fmt = Format(False, request_id, self.model_name, created, request.sampling,
-                     prompt_ids=prompt_ids)
+        fmt = Format(False, ids[0], self.model_name, created, request.sampling,
+                     prompt_ids=prompt_ids, engine_id=ids[1])
         skip = request.sampling.skip_special_tokens
         if request.echo:  # the prompt as the model saw it
             fmt.echo = self._prompt_text(prompt_ids if cut else prompt, skip)
@@ -356,7 +365,9 @@ class OpenAIServing:
         prompt_ids, _ = self._checked(prompt_ids, request.sampling)
         # Under a grammar the output is the grammar's from its first token: no thinking.
         reasoning = self.reasoning_parser if request.sampling.grammar is None else None
-        fmt = Format(True, P.new_id("chatcmpl"), self.model_name, P.now_s(), request.sampling,
+        answer_id, engine_id = P.answer_ids("chatcmpl", body)
+        fmt = Format(True, answer_id, self.model_name, P.now_s(), request.sampling,
+                     engine_id=engine_id,
                      tools=tools, prompt_ids=prompt_ids, reasoning=reasoning,
                      include_reasoning=request.include_reasoning)
         last = request.messages[-1]
@@ -433,7 +444,7 @@ class OpenAIServing:
             return await self._beam_search(fmt, prompt_ids, params, arrival)
         if fmt.sampling.num_generated_choices > 1:
             return await self._run_choices(http, fmt, prompt_ids, params, arrival)
-        stream = self.client.add(fmt.request_id, prompt_ids + done, params, arrival, handoff)
+        stream = self.client.add(fmt.engine_key, prompt_ids + done, params, arrival, handoff)
         gen = Generation(self.client, stream, self.tokenizer, prompt_ids, params, resumed,
                          tokens_as_ids=fmt.sampling.tokens_as_ids)
         try:
@@ -474,7 +485,7 @@ class OpenAIServing:
             return await asyncio.gather(*(next_token(tokens) for tokens in beams))
 
         async def next_token(tokens: list[int]) -> list[tuple[int, float]]:
-            request_id = f"{fmt.request_id}-beam{next(numbers)}"
+            request_id = f"{fmt.engine_key}-beam{next(numbers)}"
             stream = self.client.add(request_id, prompt_ids + tokens, step, arrival)
             try:
                 update = (await stream.get())[0][0]
@@ -554,7 +565,7 @@ class OpenAIServing:
         seed = None if params.seed is None else params.seed + choice
         ranked = fmt.sampling.best_of > fmt.sampling.n
         params = replace(params, seed=seed, logprobs=params.logprobs or ranked)
-        stream = self.client.add(f"{fmt.request_id}-{index}", prompt_ids, params, arrival)
+        stream = self.client.add(f"{fmt.engine_key}-{index}", prompt_ids, params, arrival)
         return Generation(self.client, stream, self.tokenizer, prompt_ids, params, index=index,
                           tokens_as_ids=fmt.sampling.tokens_as_ids)
 

@@ -115,6 +115,19 @@ def test_streaming_chat_through_the_gateway_with_the_openai_client(instances, ga
     assert chunks[-1].usage.completion_tokens == 16
 
 
+def test_a_request_id_header_names_the_answer_through_the_gateway(gateway):
+    """The gateway passes ``X-Request-Id`` on as the body's ``request_id``: the prefill and
+    decode instances name the answer by it, streamed or whole."""
+    client = gateway.http.openai()
+    kwargs = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+              "max_tokens": 4, "extra_body": {"ignore_eos": True}}
+    whole = client.chat.completions.create(extra_headers={"X-Request-Id": "pd-1"}, **kwargs)
+    assert whole.id == "chatcmpl-pd-1"
+    stream = client.chat.completions.create(stream=True, extra_headers={"X-Request-Id": "pd-2"},
+                                            **kwargs)
+    assert {chunk.id for chunk in stream} == {"chatcmpl-pd-2"}
+
+
 def test_many_concurrent_requests_each_get_their_own_tokens(instances, gateway):
     prompts = [f"Request number {i} says" for i in range(12)]
     expected = [_complete(instances[0], {**BODY, "prompt": p, "max_tokens": 8})
