@@ -152,6 +152,8 @@ def flag_tokens(action: argparse.Action, flag: str, value, where: str,
         sets = not isinstance(action, argparse._StoreFalseAction)
         return [flag] if value == sets else []
     many = action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 1)
+    if isinstance(value, list) and isinstance(action, argparse._AppendAction) and not many:
+        return [token for item in value for token in (flag, as_text(item, action))]
     if isinstance(value, list):
         if not many:
             parser.error(f"{where} takes one value, not a list")

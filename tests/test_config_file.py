@@ -78,6 +78,8 @@ def test_a_missing_file_and_two_files_are_refused(tmp_path, capsys):
 def test_other_subcommands_read_their_own_flags(tmp_path, capsys):
     args = parsed(tmp_path, "prompt: hello\nmax-tokens: 3\n", "tiny", command="generate")
     assert (args.model, args.prompt, args.max_tokens) == ("tiny", ["hello"], 3)
+    args = parsed(tmp_path, "prompt: [one, two]\n", "tiny", command="generate")
+    assert args.prompt == ["one", "two"]  # a repeatable flag, repeated
     assert "'port' is not a flag of pdserve generate" in refusal(
         tmp_path, capsys, "port: 1\n", command="generate")
 
