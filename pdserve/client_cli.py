@@ -84,7 +84,10 @@ class ServerClient:
         try:
             return urllib.request.urlopen(request, timeout=self.timeout_s)
         except urllib.error.HTTPError as exc:
-            raise ServerError(f"{exc.code}: {_error_message(exc.read())}") from None
+            hint = ""
+            if exc.code == 404 and not self.url.endswith("/v1"):
+                hint = f" (--url is the API's base: did you mean {self.url}/v1?)"
+            raise ServerError(f"{exc.code}: {_error_message(exc.read())}{hint}") from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise ServerError(f"cannot reach {self.url}: {reason}") from None

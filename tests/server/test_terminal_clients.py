@@ -77,6 +77,14 @@ def test_quick_answers_once_through_the_command_line(server):
     assert done.returncode == 0 and done.stdout == want + "\n"
 
 
+def test_a_url_without_the_api_base_gets_the_404_and_a_hint(server):
+    done = subprocess.run([sys.executable, "-m", "pdserve", "chat", "--url", server.url,
+                           "-q", "hi"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.startswith("pdserve: error: 404")
+    assert f"did you mean {server.url}/v1?" in done.stderr
+
+
 def test_an_unreachable_server_is_one_line_of_error():
     url = f"http://127.0.0.1:{free_port()}/v1"
     done = subprocess.run([sys.executable, "-m", "pdserve", "chat", "--url", url, "-q", "hi"],
