@@ -6,9 +6,11 @@ its own launch (about a microsecond a node on the H200; ~0.4 ms of a codellama-3
 step). Launched with PDL, a kernel may be scheduled while its predecessor still runs; it
 waits at its first statement (``gdc_wait``) until the predecessor has finished and its
 writes are visible, so the launch overlaps the predecessor's tail and nothing is read
-early. The kernels that take it call ``gdc_wait`` before any load (``PDL`` constexpr) and
-are launched with ``launch_options``. A request for it that this device cannot honour is
-refused at start-up (``check_pdl``), never dropped.
+early; right after the wait it lets its own dependents launch
+(``gdc_launch_dependents``), so a Triton kernel after it (the split kernel's reduce) starts
+early in turn. The kernels that take it call both under their ``PDL`` constexpr and are
+launched with ``launch_options``. A request for it that this device or this Triton cannot
+honour is refused at start-up (``check_pdl``), never dropped.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ import functools
 import os
 
 import torch
+
+try:  # Triton 3.4 and later; the kernels name them only under the PDL constexpr
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # no Triton, or one without grid dependency control
+    gdc_launch_dependents = gdc_wait = None
 
 PDL_ENV = "PDSERVE_PDL"
 PDL_MIN_CAPABILITY = 9  # griddepcontrol: sm_90 and later
@@ -33,6 +40,9 @@ def check_pdl(device: torch.device) -> None:
     if device.type != "cuda":
         raise ValueError(f"{PDL_ENV}=1 launches Triton kernels with programmatic dependent "
                          f"launch: it needs a CUDA device (device {device.type!r})")
+    if gdc_wait is None:
+        raise ValueError(f"{PDL_ENV}=1 needs Triton's grid dependency control "
+                         "(triton.language.extra.cuda.gdc_wait, Triton 3.4 or later)")
     major, minor = torch.cuda.get_device_capability(device)
     if major < PDL_MIN_CAPABILITY:
         raise ValueError(f"{PDL_ENV}=1 needs compute capability {PDL_MIN_CAPABILITY}.0 or "
@@ -42,7 +52,7 @@ def check_pdl(device: torch.device) -> None:
 @functools.cache
 def pdl_on(device_type: str, index: int | None) -> bool:
     """Whether kernels on this device launch with PDL (the environment read once)."""
-    if device_type != "cuda" or not pdl_requested():
+    if device_type != "cuda" or not pdl_requested() or gdc_wait is None:
         return False
     return torch.cuda.get_device_capability(index)[0] >= PDL_MIN_CAPABILITY
 

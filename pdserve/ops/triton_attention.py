@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from pdserve.ops.metadata import AttentionMetadata
-from pdserve.ops.pdl import launch_options, uses_pdl
+from pdserve.ops.pdl import gdc_launch_dependents, gdc_wait, launch_options, uses_pdl
 from pdserve.ops.triton_fused import store_kv
 
 # Rows of q heads one decode program handles; tl.dot needs at least 16 rows, so smaller GQA
@@ -353,6 +352,7 @@ def _decode_split_kernel(
     the step's ``rope_store_kv`` launch."""
     if PDL:  # launched early: nothing is read before the step before has finished
         gdc_wait()
+        gdc_launch_dependents()
     # Balanced, the head block is the grid's first axis, so every context's first splits
     # (all head blocks) launch before the pool's slots and spread over the SMs first.
     head_program = tl.program_id(0) if BALANCE else tl.program_id(1)
@@ -528,6 +528,7 @@ def _decode_reduce_kernel(
     the split kernel itself."""
     if PDL:
         gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)

@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from pdserve.ops.pdl import launch_options, uses_pdl
+from pdserve.ops.pdl import gdc_launch_dependents, gdc_wait, launch_options, uses_pdl
 
 # --------------------------------------------------------------------------- norms
 
@@ -36,6 +35,7 @@ def _rms_norm_kernel(
 ):
     if PDL:  # launched early: nothing is read before the step before has finished
         gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -103,6 +103,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.co
                          PDL: tl.constexpr):
     if PDL:
         gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -317,6 +318,7 @@ def _rope_store_kv_kernel(
     write them, with their v heads, into the token's cache slot (none for slot -1)."""
     if PDL:
         gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0)
     block = tl.program_id(1)
     pos = tl.load(positions_ptr + token).to(tl.int64)

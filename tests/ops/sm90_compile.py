@@ -136,8 +136,9 @@ def check_pdl(dtype: str) -> None:
         with_wait = compile_kernel(kernel, dt, constexprs, warps, stages).asm["ptx"]
         without = compile_kernel(kernel, dt, {**constexprs, "PDL": False}, warps,
                                  stages).asm["ptx"]
-        assert "griddepcontrol.wait" in with_wait, kernel.__name__
-        assert "griddepcontrol.wait" not in without, kernel.__name__
+        for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+            assert instruction in with_wait, (kernel.__name__, instruction)
+            assert instruction not in without, (kernel.__name__, instruction)
         print(f"{kernel.__name__} {dt}: griddepcontrol.wait with PDL only", flush=True)
     expected = {"_decode_split_kernel", "_decode_reduce_kernel", "_rms_norm_kernel",
                 "_silu_and_mul_kernel", "_rope_store_kv_kernel"}
