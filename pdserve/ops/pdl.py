@@ -20,11 +20,6 @@ import os
 
 import torch
 
-try:  # Triton 3.4 and later; the kernels name them only under the PDL constexpr
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # no Triton, or one without grid dependency control
-    gdc_launch_dependents = gdc_wait = None
-
 PDL_ENV = "PDSERVE_PDL"
 PDL_MIN_CAPABILITY = 9  # griddepcontrol: sm_90 and later
 
@@ -40,7 +35,7 @@ def check_pdl(device: torch.device) -> None:
     if device.type != "cuda":
         raise ValueError(f"{PDL_ENV}=1 launches Triton kernels with programmatic dependent "
                          f"launch: it needs a CUDA device (device {device.type!r})")
-    if gdc_wait is None:
+    if not grid_dependency_control():
         raise ValueError(f"{PDL_ENV}=1 needs Triton's grid dependency control "
                          "(triton.language.extra.cuda.gdc_wait, Triton 3.4 or later)")
     major, minor = torch.cuda.get_device_capability(device)
@@ -49,10 +44,20 @@ def check_pdl(device: torch.device) -> None:
                          f"later (Hopper); this GPU has {major}.{minor}")
 
 
+def grid_dependency_control() -> bool:
+    """Whether the installed Triton has ``gdc_wait`` (3.4 and later). Asked only once PDL
+    is requested: a CPU engine never imports Triton."""
+    try:
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+
+
 @functools.cache
 def pdl_on(device_type: str, index: int | None) -> bool:
     """Whether kernels on this device launch with PDL (the environment read once)."""
-    if device_type != "cuda" or not pdl_requested() or gdc_wait is None:
+    if device_type != "cuda" or not pdl_requested() or not grid_dependency_control():
         return False
     return torch.cuda.get_device_capability(index)[0] >= PDL_MIN_CAPABILITY
 

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from pdserve.ops.metadata import AttentionMetadata
-from pdserve.ops.pdl import gdc_launch_dependents, gdc_wait, launch_options, uses_pdl
-from pdserve.ops.triton_fused import store_kv
+from pdserve.ops.pdl import launch_options, uses_pdl
+from pdserve.ops.triton_fused import gdc_launch_dependents, gdc_wait, store_kv
 
 # Rows of q heads one decode program handles; tl.dot needs at least 16 rows, so smaller GQA
 # groups are padded (decode is bandwidth-bound, the wasted MMA rows cost nothing).

@@ -11,7 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.ops.pdl import gdc_launch_dependents, gdc_wait, launch_options, uses_pdl
+from pdserve.ops.pdl import launch_options, uses_pdl
+
+try:  # Triton 3.4 and later; named only under a kernel's PDL constexpr
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # PDL then stays off (ops/pdl.py: grid_dependency_control)
+    gdc_launch_dependents = gdc_wait = None
 
 # --------------------------------------------------------------------------- norms
 

@@ -61,7 +61,7 @@ def test_the_engine_refuses_it_on_a_cpu_device(monkeypatch):
 
 def test_asked_with_a_triton_without_grid_dependency_control_is_refused(monkeypatch):
     monkeypatch.setenv(pdl.PDL_ENV, "1")
-    monkeypatch.setattr(pdl, "gdc_wait", None)
+    monkeypatch.setattr(pdl, "grid_dependency_control", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     with pytest.raises(ValueError, match="Triton 3.4 or later"):
         pdl.check_pdl(torch.device("cuda"))
