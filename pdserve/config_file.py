@@ -37,48 +37,37 @@ def expand_config_file(commands: dict[str, argparse.ArgumentParser],
     flag = long_options(parser).get(CONFIG_FLAG)
     if flag is None or flag.dest != "config_file":  # a command without the file flag
         return argv
-    path = config_path(parser, given)
+    path, rest = split_config_flag(parser, given)
     if path is None:
         return argv
     entries = read_entries(parser, path)
     # The file's own flag right after its entries: an option there ends a list-valued entry
     # (``served-model-name: [a, b]``), which would otherwise take the command line's
     # positional MODEL as one more value.
-    rest = without_config_flag(given)
     return (argv[:where + 1] + config_tokens(parser, entries, path, rest)
             + [CONFIG_FLAG, path] + rest)
 
 
-def config_path(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
-    """The one ``--config FILE`` (or ``--config=FILE``) of ``argv``; None if there is none."""
-    paths = []
-    for i, token in enumerate(argv):
+def split_config_flag(parser: argparse.ArgumentParser,
+                      argv: list[str]) -> tuple[str | None, list[str]]:
+    """The one ``--config FILE`` (or ``--config=FILE``) of ``argv`` (None if there is none)
+    and ``argv`` without it; tokens after ``--`` are left as they are."""
+    paths, rest, tokens = [], [], iter(enumerate(argv))
+    for i, token in tokens:
         if token == "--":
+            rest += argv[i:]
             break
         if token == CONFIG_FLAG:
             if i + 1 == len(argv):
                 parser.error(f"{CONFIG_FLAG} needs a file")
-            paths.append(argv[i + 1])
+            paths.append(next(tokens)[1])
         elif token.startswith(CONFIG_FLAG + "="):
             paths.append(token.split("=", 1)[1])
+        else:
+            rest.append(token)
     if len(paths) > 1:
         parser.error(f"{CONFIG_FLAG} is given {len(paths)} times: give one file")
-    return paths[0] if paths else None
-
-
-def without_config_flag(argv: list[str]) -> list[str]:
-    """``argv`` less its ``--config FILE`` (or ``--config=FILE``); after ``--`` as it is."""
-    rest, skip = [], False
-    for i, token in enumerate(argv):
-        if token == "--":
-            return rest + argv[i:]
-        if skip:
-            skip = False
-        elif token == CONFIG_FLAG:
-            skip = True
-        elif not token.startswith(CONFIG_FLAG + "="):
-            rest.append(token)
-    return rest
+    return (paths[0] if paths else None), rest
 
 
 def read_entries(parser: argparse.ArgumentParser, path: str) -> dict:

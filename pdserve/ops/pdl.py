@@ -63,7 +63,13 @@ def pdl_on(device_type: str, index: int | None) -> bool:
 
 
 def uses_pdl(x: torch.Tensor) -> bool:
-    return pdl_on(x.device.type, x.device.index)
+    """Per kernel launch (eager steps too): off, it costs one cached look-up."""
+    return pdl_requested_once() and pdl_on(x.device.type, x.device.index)
+
+
+@functools.cache
+def pdl_requested_once() -> bool:
+    return pdl_requested()
 
 
 def launch_options(pdl: bool) -> dict:

@@ -14,8 +14,10 @@ from pdserve.ops import pdl
 @pytest.fixture(autouse=True)
 def fresh_cache():
     pdl.pdl_on.cache_clear()
+    pdl.pdl_requested_once.cache_clear()
     yield
     pdl.pdl_on.cache_clear()
+    pdl.pdl_requested_once.cache_clear()
 
 
 def test_off_unless_asked(monkeypatch):
